@@ -1,0 +1,316 @@
+//! The API client: one connection per request, which keeps it simple and
+//! stateless (a CLI makes a handful of calls).
+
+use crate::http::{self, Conn, ReadError, MAX_BODY};
+use crate::{paths, VmInfo};
+use serde_json::Value;
+use std::io::{self, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Generous: pausing or shutting down a VM may wait for its vCPUs.
+pub const DEFAULT_CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Nothing (or no longer anything) listens on the socket.
+    #[error("no kumo VM is listening on {}: {}", .path.display(), os_message(.source))]
+    Connect { path: PathBuf, source: io::Error },
+    /// The server answered with an error status; `message` is its `error`.
+    #[error("{message} (HTTP {status})")]
+    Http { status: u16, message: String },
+    /// No complete answer within the client's timeout.
+    #[error("kumo VM on {} did not answer within {}s", .path.display(), .timeout.as_secs_f64())]
+    Timeout { path: PathBuf, timeout: Duration },
+    /// Something answered, but not with the HTTP/JSON we expect.
+    #[error("bad response from {}: {reason}", .path.display())]
+    BadResponse { path: PathBuf, reason: String },
+    #[error("talking to {}: {}", .path.display(), os_message(.source))]
+    Io { path: PathBuf, source: io::Error },
+}
+
+impl ClientError {
+    /// The HTTP status, for errors the server answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Http { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// "No such file or directory", without std's " (os error 2)" suffix.
+fn os_message(e: &io::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" (os error ") {
+        Some(i) if s.ends_with(')') => s[..i].to_string(),
+        _ => s,
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ApiClient {
+    path: PathBuf,
+    timeout: Duration,
+}
+
+impl ApiClient {
+    pub fn new(path: impl AsRef<Path>) -> Self {
+        ApiClient {
+            path: path.as_ref().to_path_buf(),
+            timeout: DEFAULT_CLIENT_TIMEOUT,
+        }
+    }
+
+    /// Bounds each request (sending it and reading the whole answer).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        // A zero socket timeout is an error in std.
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `GET /api/v1/vmm.ping`; returns the VM's kumo version.
+    pub fn ping(&self) -> Result<String, ClientError> {
+        let body = self.call("GET", paths::PING, None)?;
+        match body
+            .as_ref()
+            .and_then(|b| b.get("kumo_version"))
+            .and_then(Value::as_str)
+        {
+            Some(v) => Ok(v.to_string()),
+            None => Err(self.bad("vmm.ping answer lacks kumo_version")),
+        }
+    }
+
+    /// `GET /api/v1/vm.info`.
+    pub fn info(&self) -> Result<VmInfo, ClientError> {
+        let body = self
+            .call("GET", paths::INFO, None)?
+            .ok_or_else(|| self.bad("empty vm.info answer"))?;
+        serde_json::from_value(body).map_err(|e| self.bad(format!("invalid vm.info answer: {e}")))
+    }
+
+    /// `PUT /api/v1/vm.pause`.
+    pub fn pause(&self) -> Result<(), ClientError> {
+        self.call("PUT", paths::PAUSE, None).map(drop)
+    }
+
+    /// `PUT /api/v1/vm.resume`.
+    pub fn resume(&self) -> Result<(), ClientError> {
+        self.call("PUT", paths::RESUME, None).map(drop)
+    }
+
+    /// `PUT /api/v1/vm.shutdown`.
+    pub fn shutdown(&self) -> Result<(), ClientError> {
+        self.call("PUT", paths::SHUTDOWN, None).map(drop)
+    }
+
+    /// Like [`request`](Self::request), but a non-2xx status is an error
+    /// ([`ClientError::Http`], carrying the server's message).
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Option<Value>, ClientError> {
+        let (status, body) = self.request(method, path, body)?;
+        if (200..300).contains(&status) {
+            return Ok(body);
+        }
+        let message = match &body {
+            Some(Value::Object(o)) => o.get("error").and_then(Value::as_str).map(str::to_string),
+            Some(Value::String(s)) => Some(s.clone()),
+            _ => None,
+        };
+        let message = message.unwrap_or_else(|| format!("{} {}", status, http::reason(status)));
+        Err(ClientError::Http { status, message })
+    }
+
+    /// Sends one request and returns the status and JSON body (if any),
+    /// whatever the status. `path` is the full path, e.g. `/api/v1/vm.info`.
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(u16, Option<Value>), ClientError> {
+        let stream = UnixStream::connect(&self.path).map_err(|source| ClientError::Connect {
+            path: self.path.clone(),
+            source,
+        })?;
+        let deadline = Instant::now() + self.timeout;
+        stream
+            .set_write_timeout(Some(self.timeout))
+            .map_err(|e| self.io(e))?;
+
+        let body = body.map(Value::to_string).unwrap_or_default();
+        let mut msg = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\nConnection: close\r\n"
+        );
+        if !body.is_empty() {
+            msg += "Content-Type: application/json\r\n";
+        }
+        if !body.is_empty() || !matches!(method, "GET" | "HEAD") {
+            msg += &format!("Content-Length: {}\r\n", body.len());
+        }
+        msg += "\r\n";
+        msg += &body;
+
+        let mut conn = Conn::new(stream);
+        let written = conn.stream.write_all(msg.as_bytes());
+        // A server may answer and close before taking the whole request (413):
+        // its answer says more than our write error.
+        match self.read_response(&mut conn, method, deadline) {
+            Ok(answer) => Ok(answer),
+            Err(e) => Err(written.err().map_or(e, |w| self.io(w))),
+        }
+    }
+
+    fn read_response(
+        &self,
+        conn: &mut Conn,
+        method: &str,
+        deadline: Instant,
+    ) -> Result<(u16, Option<Value>), ClientError> {
+        let (status, headers) = loop {
+            let head = conn.read_head(deadline).map_err(|e| self.read_error(e))?;
+            let (status, headers) = http::parse_response_head(&head).map_err(|r| self.bad(r))?;
+            // Interim answers (100 Continue) precede the real one.
+            if !(100..200).contains(&status) {
+                break (status, headers);
+            }
+        };
+        let body = if matches!(status, 204 | 304) || method == "HEAD" {
+            Vec::new()
+        } else {
+            match headers.content_length().map_err(|r| self.bad(r))? {
+                Some(n) if n > MAX_BODY as u64 => return Err(self.bad("response body too large")),
+                Some(n) => conn.read_body(n as usize, deadline),
+                None => conn.read_to_end(deadline),
+            }
+            .map_err(|e| self.read_error(e))?
+        };
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok((status, None));
+        }
+        match serde_json::from_slice(&body) {
+            Ok(v) => Ok((status, Some(v))),
+            // Keep a non-JSON error text as the message rather than lose it.
+            Err(_) if status >= 400 => Ok((
+                status,
+                Some(Value::String(
+                    String::from_utf8_lossy(&body).trim().to_string(),
+                )),
+            )),
+            Err(e) => Err(self.bad(format!("invalid JSON body: {e}"))),
+        }
+    }
+
+    fn read_error(&self, e: ReadError) -> ClientError {
+        match e {
+            ReadError::TimedOut { .. } => ClientError::Timeout {
+                path: self.path.clone(),
+                timeout: self.timeout,
+            },
+            ReadError::Closed { .. } => self.bad("connection closed before a complete answer"),
+            ReadError::TooLarge => self.bad("answer too large"),
+            ReadError::Io(e) => self.io(e),
+        }
+    }
+
+    fn bad(&self, reason: impl Into<String>) -> ClientError {
+        ClientError::BadResponse {
+            path: self.path.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    fn io(&self, source: io::Error) -> ClientError {
+        ClientError::Io {
+            path: self.path.clone(),
+            source,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+    use std::thread;
+
+    fn temp_sock(tag: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("kumo-api-client-{}-{tag}.sock", std::process::id()))
+    }
+
+    /// Serves one connection with a canned answer, after reading the request head.
+    fn canned(tag: &str, answer: &'static [u8]) -> (PathBuf, thread::JoinHandle<()>) {
+        let path = temp_sock(tag);
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        let t = thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut conn = Conn::new(stream);
+            conn.read_head(Instant::now() + Duration::from_secs(30))
+                .unwrap();
+            conn.stream.write_all(answer).unwrap();
+        });
+        (path, t)
+    }
+
+    #[test]
+    fn missing_socket_names_the_path() {
+        let path = temp_sock("missing");
+        let e = ApiClient::new(&path).info().unwrap_err();
+        assert!(matches!(e, ClientError::Connect { .. }));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "no kumo VM is listening on {}: No such file or directory",
+                path.display()
+            )
+        );
+    }
+
+    #[test]
+    fn non_http_answer_is_bad_response() {
+        let (path, t) = canned("garbage", b"SSH-2.0-OpenSSH_9.6\r\n\r\n");
+        let e = ApiClient::new(&path).ping().unwrap_err();
+        assert!(matches!(e, ClientError::BadResponse { .. }), "{e:?}");
+        t.join().unwrap();
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn plain_text_error_and_body_until_close() {
+        let (path, t) = canned(
+            "text",
+            b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\n\r\nupstream broke\n",
+        );
+        let e = ApiClient::new(&path).call("GET", "/x", None).unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Http { status: 502, message } if message == "upstream broke"),
+            "{e:?}"
+        );
+        t.join().unwrap();
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn silent_server_times_out() {
+        let path = temp_sock("silent");
+        let _ = std::fs::remove_file(&path);
+        let _listener = UnixListener::bind(&path).unwrap(); // never accepts: connect still succeeds
+        let e = ApiClient::new(&path)
+            .with_timeout(Duration::from_millis(50))
+            .ping()
+            .unwrap_err();
+        assert!(matches!(e, ClientError::Timeout { .. }), "{e:?}");
+        std::fs::remove_file(&path).unwrap();
+    }
+}

@@ -1,0 +1,408 @@
+//! Just enough HTTP/1.1 for a local control socket, shared by server and
+//! client: one message head plus a Content-Length body at a time, every read
+//! bounded in size and by a deadline so a silent or slow peer cannot hold a
+//! thread forever.
+
+use crate::ApiError;
+use serde_json::Value;
+use std::io::{self, Read};
+use std::os::unix::net::UnixStream;
+use std::time::Instant;
+
+/// Largest request/response head (request line + headers) accepted.
+pub(crate) const MAX_HEAD: usize = 16 * 1024;
+/// Largest body accepted.
+pub(crate) const MAX_BODY: usize = 1024 * 1024;
+
+#[derive(Debug)]
+pub(crate) enum ReadError {
+    /// The peer closed; `partial` says whether it left half a message behind.
+    Closed {
+        partial: bool,
+    },
+    TimedOut {
+        partial: bool,
+    },
+    TooLarge,
+    Io(io::Error),
+}
+
+/// A stream plus the bytes read from it but not consumed yet (pipelined
+/// requests, or a body that arrived in the same read as its head).
+pub(crate) struct Conn {
+    pub stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    pub fn new(stream: UnixStream) -> Self {
+        Conn {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    fn fill(&mut self, deadline: Instant) -> Result<(), ReadError> {
+        let partial = !self.buf.is_empty();
+        let mut chunk = [0u8; 4096];
+        loop {
+            // Re-arm the socket timeout with what is left, so trickling bytes
+            // cannot stretch a message past its deadline.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ReadError::TimedOut { partial });
+            }
+            self.stream
+                .set_read_timeout(Some(left))
+                .map_err(ReadError::Io)?;
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return Err(ReadError::Closed { partial }),
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    return Ok(());
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(ReadError::TimedOut { partial })
+                }
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+        }
+    }
+
+    /// Reads one message head, up to and including its blank line.
+    pub fn read_head(&mut self, deadline: Instant) -> Result<Vec<u8>, ReadError> {
+        loop {
+            // Stray blank lines between messages are to be ignored (RFC 9112 §2.2).
+            let skip = self
+                .buf
+                .iter()
+                .take_while(|b| matches!(b, b'\r' | b'\n'))
+                .count();
+            self.buf.drain(..skip);
+            if let Some(end) = head_end(&self.buf) {
+                if end > MAX_HEAD {
+                    return Err(ReadError::TooLarge);
+                }
+                return Ok(self.buf.drain(..end).collect());
+            }
+            if self.buf.len() > MAX_HEAD {
+                return Err(ReadError::TooLarge);
+            }
+            self.fill(deadline)?;
+        }
+    }
+
+    /// Reads exactly `len` body bytes (callers cap `len` at MAX_BODY).
+    pub fn read_body(&mut self, len: usize, deadline: Instant) -> Result<Vec<u8>, ReadError> {
+        while self.buf.len() < len {
+            self.fill(deadline)?;
+        }
+        Ok(self.buf.drain(..len).collect())
+    }
+
+    /// Reads until the peer closes, for responses without Content-Length.
+    pub fn read_to_end(&mut self, deadline: Instant) -> Result<Vec<u8>, ReadError> {
+        loop {
+            if self.buf.len() > MAX_BODY {
+                return Err(ReadError::TooLarge);
+            }
+            match self.fill(deadline) {
+                Ok(()) => {}
+                Err(ReadError::Closed { .. }) => return Ok(std::mem::take(&mut self.buf)),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// End of the head: the first empty line, accepting bare LF line endings.
+fn head_end(buf: &[u8]) -> Option<usize> {
+    buf.iter()
+        .enumerate()
+        .filter(|(_, &b)| b == b'\n')
+        .find_map(|(i, _)| match &buf[i + 1..] {
+            [b'\n', ..] => Some(i + 2),
+            [b'\r', b'\n', ..] => Some(i + 3),
+            _ => None,
+        })
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Headers(Vec<(String, String)>);
+
+impl Headers {
+    pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.0
+            .iter()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Whether a comma-separated header (Connection, Expect...) lists `token`.
+    pub fn has_token(&self, name: &str, token: &str) -> bool {
+        self.get_all(name)
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case(token))
+    }
+
+    /// Declared body length; a number too big for u64 saturates (it is
+    /// rejected as too large either way).
+    pub fn content_length(&self) -> Result<Option<u64>, &'static str> {
+        let mut found = None;
+        for v in self.get_all("content-length") {
+            if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+                return Err("invalid Content-Length header");
+            }
+            let n = v.parse::<u64>().unwrap_or(u64::MAX);
+            // Disagreeing lengths are a request-smuggling classic: refuse.
+            if found.is_some_and(|f| f != n) {
+                return Err("conflicting Content-Length headers");
+            }
+            found = Some(n);
+        }
+        Ok(found)
+    }
+}
+
+/// RFC 9110 token characters, for method and header names.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// Splits a head into its start line and headers.
+fn split_head(head: &[u8]) -> Result<(&str, Headers), &'static str> {
+    let text = std::str::from_utf8(head).map_err(|_| "message head is not valid UTF-8")?;
+    let mut lines = text.split('\n').map(|l| l.strip_suffix('\r').unwrap_or(l));
+    let start = lines.next().unwrap_or_default();
+    let mut headers = Vec::new();
+    for line in lines.filter(|l| !l.is_empty()) {
+        let (name, value) = line.split_once(':').ok_or("malformed header line")?;
+        // Also rejects obsolete line folding (a line starting with whitespace).
+        if name.is_empty() || !name.bytes().all(is_tchar) {
+            return Err("malformed header name");
+        }
+        headers.push((
+            name.to_string(),
+            value.trim_matches([' ', '\t']).to_string(),
+        ));
+    }
+    Ok((start, Headers(headers)))
+}
+
+#[derive(Debug)]
+pub(crate) struct RequestHead {
+    pub method: String,
+    /// The request target without its query string.
+    pub path: String,
+    pub keep_alive: bool,
+    pub headers: Headers,
+}
+
+pub(crate) fn parse_request_head(head: &[u8]) -> Result<RequestHead, ApiError> {
+    let (start, headers) = split_head(head).map_err(ApiError::bad_request)?;
+    let mut parts = start.split(' ');
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(ApiError::bad_request("malformed request line"));
+    };
+    if method.is_empty() || !method.bytes().all(is_tchar) {
+        return Err(ApiError::bad_request("malformed request method"));
+    }
+    if !target.starts_with('/') {
+        return Err(ApiError::bad_request(
+            "request target must be an absolute path",
+        ));
+    }
+    let keep_alive = match version {
+        "HTTP/1.1" => !headers.has_token("connection", "close"),
+        "HTTP/1.0" => headers.has_token("connection", "keep-alive"),
+        v if v.starts_with("HTTP/") => {
+            return Err(ApiError::new(505, format!("unsupported HTTP version {v}")))
+        }
+        _ => return Err(ApiError::bad_request("malformed request line")),
+    };
+    let path = target
+        .split(['?', '#'])
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    Ok(RequestHead {
+        method: method.to_string(),
+        path,
+        keep_alive,
+        headers,
+    })
+}
+
+pub(crate) fn parse_response_head(head: &[u8]) -> Result<(u16, Headers), &'static str> {
+    let (start, headers) = split_head(head)?;
+    let mut parts = start.splitn(3, ' ');
+    let version = parts.next().unwrap_or_default();
+    let status = parts.next().unwrap_or_default();
+    if !version.starts_with("HTTP/1.") || status.len() != 3 {
+        return Err("malformed status line");
+    }
+    let status = status.parse::<u16>().map_err(|_| "malformed status code")?;
+    Ok((status, headers))
+}
+
+pub(crate) fn reason(status: u16) -> &'static str {
+    match status {
+        100 => "Continue",
+        200 => "OK",
+        204 => "No Content",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        409 => "Conflict",
+        413 => "Content Too Large",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        501 => "Not Implemented",
+        503 => "Service Unavailable",
+        505 => "HTTP Version Not Supported",
+        _ => "Unknown",
+    }
+}
+
+/// Serializes a complete response.
+pub(crate) fn response_bytes(
+    status: u16,
+    body: Option<&Value>,
+    extra_headers: &[(&str, &str)],
+    close: bool,
+) -> Vec<u8> {
+    let mut out = format!("HTTP/1.1 {status} {}\r\n", reason(status));
+    for (name, value) in extra_headers {
+        out += &format!("{name}: {value}\r\n");
+    }
+    if close {
+        out += "Connection: close\r\n";
+    }
+    let body = body.map(Value::to_string).unwrap_or_default();
+    if !body.is_empty() {
+        out += "Content-Type: application/json\r\n";
+    }
+    // 204 must not carry Content-Length (RFC 9110 §8.6).
+    if status != 204 {
+        out += &format!("Content-Length: {}\r\n", body.len());
+    }
+    out += "\r\n";
+    out += &body;
+    out.into_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_end_handles_crlf_and_lf() {
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nA: b\r\n\r\nrest"), Some(24));
+        assert_eq!(head_end(b"GET / HTTP/1.1\nA: b\n\nrest"), Some(21));
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nA: b\r\n"), None);
+        assert_eq!(head_end(b""), None);
+    }
+
+    #[test]
+    fn parses_request_head() {
+        let h = parse_request_head(
+            b"PUT /api/v1/vm.pause?x=1 HTTP/1.1\r\nHost: x\r\nConnection: Keep-Alive, Close\r\nContent-Length:  12 \r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(h.method, "PUT");
+        assert_eq!(h.path, "/api/v1/vm.pause");
+        assert!(!h.keep_alive);
+        assert_eq!(h.headers.get("HOST"), Some("x"));
+        assert_eq!(h.headers.content_length(), Ok(Some(12)));
+
+        let h = parse_request_head(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        assert!(!h.keep_alive);
+        let h = parse_request_head(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").unwrap();
+        assert!(h.keep_alive);
+    }
+
+    #[test]
+    fn rejects_malformed_heads() {
+        for bad in [
+            &b"garbage\r\n\r\n"[..],
+            b"GET /\r\n\r\n",
+            b"GET  / HTTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1 extra\r\n\r\n",
+            b"GET nopath HTTP/1.1\r\n\r\n",
+            b"G(T / HTTP/1.1\r\n\r\n",
+            b"GET / FTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1\r\nno colon\r\n\r\n",
+            b"GET / HTTP/1.1\r\n folded: x\r\n\r\n",
+            b"GET / HTTP/1.1\r\n: empty\r\n\r\n",
+            b"GET / HTTP/1.1\r\nX: \xff\r\n\r\n",
+        ] {
+            let e = parse_request_head(bad).unwrap_err();
+            assert_eq!(e.status, 400, "{:?}", String::from_utf8_lossy(bad));
+        }
+        assert_eq!(
+            parse_request_head(b"GET / HTTP/2.0\r\n\r\n")
+                .unwrap_err()
+                .status,
+            505
+        );
+    }
+
+    #[test]
+    fn content_length_validation() {
+        let cl = |head: &[u8]| parse_request_head(head).unwrap().headers.content_length();
+        assert_eq!(cl(b"GET / HTTP/1.1\r\n\r\n"), Ok(None));
+        assert_eq!(
+            cl(b"GET / HTTP/1.1\r\nContent-Length: 5\r\ncontent-length: 5\r\n\r\n"),
+            Ok(Some(5))
+        );
+        assert!(cl(b"GET / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n").is_err());
+        assert!(cl(b"GET / HTTP/1.1\r\nContent-Length: -1\r\n\r\n").is_err());
+        assert!(cl(b"GET / HTTP/1.1\r\nContent-Length: +1\r\n\r\n").is_err());
+        assert!(cl(b"GET / HTTP/1.1\r\nContent-Length:\r\n\r\n").is_err());
+        assert_eq!(
+            cl(b"GET / HTTP/1.1\r\nContent-Length: 99999999999999999999999\r\n\r\n"),
+            Ok(Some(u64::MAX))
+        );
+    }
+
+    #[test]
+    fn parses_response_head() {
+        let (status, h) =
+            parse_response_head(b"HTTP/1.1 409 Conflict\r\nContent-Length: 3\r\n\r\n").unwrap();
+        assert_eq!(status, 409);
+        assert_eq!(h.content_length(), Ok(Some(3)));
+        assert_eq!(parse_response_head(b"HTTP/1.1 204\r\n\r\n").unwrap().0, 204);
+        assert!(parse_response_head(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
+        assert!(parse_response_head(b"HTTP/1.1 2000 OK\r\n\r\n").is_err());
+    }
+
+    #[test]
+    fn serializes_responses() {
+        let r = String::from_utf8(response_bytes(204, None, &[], false)).unwrap();
+        assert_eq!(r, "HTTP/1.1 204 No Content\r\n\r\n");
+        let body = serde_json::json!({"error": "nope"});
+        let r =
+            String::from_utf8(response_bytes(405, Some(&body), &[("Allow", "GET")], true)).unwrap();
+        assert_eq!(
+            r,
+            "HTTP/1.1 405 Method Not Allowed\r\nAllow: GET\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: 16\r\n\r\n{\"error\":\"nope\"}"
+        );
+    }
+}

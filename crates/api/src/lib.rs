@@ -1,0 +1,173 @@
+//! kumo's control API: HTTP/1.1 with JSON bodies over a unix domain socket,
+//! in the style of Firecracker and Cloud Hypervisor (`/api/v1/...`).
+//!
+//! The server ([`ApiServer`]) knows nothing about KVM: it parses HTTP, maps
+//! routes to [`ApiRequest`]s and hands them to the VMM's [`ApiHandler`]. The
+//! client ([`ApiClient`]) is what `kumo` subcommands use to talk to a VM.
+//! See docs/api.md for the wire protocol.
+
+mod client;
+mod http;
+mod server;
+
+pub use client::{ApiClient, ClientError, DEFAULT_CLIENT_TIMEOUT};
+pub use server::{ApiHandler, ApiServer, ApiServerHandle, ServerError};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// Version reported by `vmm.ping` and `vm.info`.
+pub const KUMO_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Route paths, shared by the server's route table and the client.
+pub mod paths {
+    pub const PING: &str = "/api/v1/vmm.ping";
+    pub const INFO: &str = "/api/v1/vm.info";
+    pub const PAUSE: &str = "/api/v1/vm.pause";
+    pub const RESUME: &str = "/api/v1/vm.resume";
+    pub const SHUTDOWN: &str = "/api/v1/vm.shutdown";
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    Created,
+    Running,
+    Paused,
+    Shutdown,
+}
+
+/// Body of `GET /api/v1/vm.info`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmInfo {
+    pub state: VmState,
+    pub vcpus: u32,
+    pub memory_bytes: u64,
+    /// What the VM boots, e.g. "guest:hello" or "kernel:/path/to/bzImage".
+    pub guest: String,
+    /// "kernel" (in-kernel irqchip) or "split".
+    pub irqchip: String,
+    pub pid: u32,
+    pub uptime_ms: u64,
+    pub kumo_version: String,
+}
+
+/// What a client asked for, decoded from method + path (+ JSON body).
+/// Routes with a body add a variant carrying its deserialized type, e.g.
+/// `Migrate(MigrateConfig)`, plus one line in the server's route table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApiRequest {
+    Ping,
+    Info,
+    Pause,
+    Resume,
+    Shutdown,
+}
+
+/// What the handler answers on success.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApiResponse {
+    /// 204 No Content.
+    Ok,
+    /// 200 `{"kumo_version": ...}`.
+    Pong { kumo_version: String },
+    /// 200 with the [`VmInfo`] as body.
+    Info(VmInfo),
+}
+
+impl ApiResponse {
+    /// Status and JSON body on the wire.
+    pub fn into_http(self) -> Result<(u16, Option<Value>), ApiError> {
+        Ok(match self {
+            ApiResponse::Ok => (204, None),
+            ApiResponse::Pong { kumo_version } => {
+                (200, Some(json!({ "kumo_version": kumo_version })))
+            }
+            ApiResponse::Info(info) => (200, Some(to_json(&info)?)),
+        })
+    }
+}
+
+fn to_json<T: Serialize>(v: &T) -> Result<Value, ApiError> {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(format!("cannot encode response: {e}")))
+}
+
+/// An error answered to the client as `status` with body `{"error": message}`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: u16, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+    /// 400: the request is malformed or its body invalid.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(400, message)
+    }
+    /// 404: no such route.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(404, message)
+    }
+    /// 405: the route exists but not with this method.
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self::new(405, message)
+    }
+    /// 409: not possible in the VM's current state (e.g. already paused).
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(409, message)
+    }
+    /// 413: body over the size limit.
+    pub fn payload_too_large(message: impl Into<String>) -> Self {
+        Self::new(413, message)
+    }
+    /// 500: the VMM failed.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(500, message)
+    }
+    /// 503: the VMM cannot serve this right now (e.g. still booting).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(503, message)
+    }
+
+    /// The error body, `{"error": message}`.
+    pub fn body(&self) -> Value {
+        json!({ "error": self.message })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_serializes_lowercase() {
+        assert_eq!(
+            serde_json::to_string(&VmState::Paused).unwrap(),
+            "\"paused\""
+        );
+        assert_eq!(
+            serde_json::from_str::<VmState>("\"shutdown\"").unwrap(),
+            VmState::Shutdown
+        );
+    }
+
+    #[test]
+    fn responses_on_the_wire() {
+        assert_eq!(ApiResponse::Ok.into_http(), Ok((204, None)));
+        let pong = ApiResponse::Pong {
+            kumo_version: "1.2.3".into(),
+        }
+        .into_http()
+        .unwrap();
+        assert_eq!(pong, (200, Some(json!({"kumo_version": "1.2.3"}))));
+        assert_eq!(ApiError::conflict("x").body(), json!({"error": "x"}));
+    }
+}

@@ -1,0 +1,955 @@
+//! The API server: an accept thread plus one thread per connection, each
+//! decoding requests through the route table and calling the [`ApiHandler`].
+
+use crate::http::{self, Conn, ReadError, MAX_BODY, MAX_HEAD};
+use crate::{paths, ApiError, ApiRequest, ApiResponse};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::fs::{self, Permissions};
+use std::io::{self, Write};
+use std::net::Shutdown;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::panic::{self, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+use tracing::{debug, info, warn};
+
+/// Time a client gets to send a whole request, and how long an idle
+/// keep-alive connection is kept. Also bounds each response write.
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once; more are answered 503 so a runaway client
+/// cannot exhaust threads.
+const MAX_CONNECTIONS: usize = 32;
+/// How long shutdown waits for the accept thread before leaving it behind.
+const STOP_WAIT: Duration = Duration::from_secs(2);
+
+/// The VMM side of the API. Called from connection threads, possibly
+/// concurrently, hence `Send + Sync`.
+pub trait ApiHandler: Send + Sync {
+    fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError>;
+}
+
+/// One route. The request is built from the body so that routes taking JSON
+/// fit the same table, e.g.
+/// `Route { method: "PUT", path: "/api/v1/vm.migrate", build: |b| Ok(ApiRequest::Migrate(json_body(b)?)) }`.
+pub(crate) struct Route {
+    pub method: &'static str,
+    pub path: &'static str,
+    pub build: fn(&[u8]) -> Result<ApiRequest, ApiError>,
+}
+
+pub(crate) const ROUTES: &[Route] = &[
+    Route {
+        method: "GET",
+        path: paths::PING,
+        build: |_| Ok(ApiRequest::Ping),
+    },
+    Route {
+        method: "GET",
+        path: paths::INFO,
+        build: |_| Ok(ApiRequest::Info),
+    },
+    Route {
+        method: "PUT",
+        path: paths::PAUSE,
+        build: |_| Ok(ApiRequest::Pause),
+    },
+    Route {
+        method: "PUT",
+        path: paths::RESUME,
+        build: |_| Ok(ApiRequest::Resume),
+    },
+    Route {
+        method: "PUT",
+        path: paths::SHUTDOWN,
+        build: |_| Ok(ApiRequest::Shutdown),
+    },
+];
+
+/// Decodes the JSON body of a route that takes one.
+#[cfg_attr(not(test), allow(dead_code))] // for upcoming routes with bodies
+fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.is_empty() {
+        return Err(ApiError::bad_request("missing JSON body"));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+/// Finds the route, or the error with, for 405, the `Allow` header value.
+fn resolve(method: &str, path: &str) -> Result<&'static Route, (ApiError, Option<String>)> {
+    let on_path: Vec<&Route> = ROUTES.iter().filter(|r| r.path == path).collect();
+    if let Some(route) = on_path.iter().find(|r| r.method == method) {
+        return Ok(route);
+    }
+    if on_path.is_empty() {
+        return Err((ApiError::not_found(format!("no such route: {path}")), None));
+    }
+    let allow = on_path
+        .iter()
+        .map(|r| r.method)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let e = ApiError::method_not_allowed(format!("{path} does not support {method} (use {allow})"));
+    Err((e, Some(allow)))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("another kumo VM is already serving its API on {}", .0.display())]
+    InUse(PathBuf),
+    #[error("{} exists and is not a socket; refusing to replace it", .0.display())]
+    NotASocket(PathBuf),
+    #[error("cannot bind API socket {}: {source}", .path.display())]
+    Bind { path: PathBuf, source: io::Error },
+    #[error("cannot start the API server thread: {0}")]
+    Spawn(#[source] io::Error),
+}
+
+pub struct ApiServer;
+
+impl ApiServer {
+    /// Binds `path` and serves the API on it from a background thread until
+    /// the returned handle is shut down or dropped.
+    pub fn start(
+        path: &Path,
+        handler: Arc<dyn ApiHandler>,
+    ) -> Result<ApiServerHandle, ServerError> {
+        let bind_err = |source| ServerError::Bind {
+            path: path.to_path_buf(),
+            source,
+        };
+        let listener = bind(path)?;
+        let socket_id = socket_id(path);
+        let cleanup = |e: ServerError| {
+            let _ = fs::remove_file(path);
+            e
+        };
+        // The socket drives the VM: only its owner may connect.
+        fs::set_permissions(path, Permissions::from_mode(0o600))
+            .map_err(|e| cleanup(bind_err(e)))?;
+
+        let shared = Arc::new(Shared::default());
+        let thread = thread::Builder::new()
+            .name("kumo-api".into())
+            .spawn({
+                let shared = shared.clone();
+                move || accept_loop(listener, &shared, handler)
+            })
+            .map_err(|e| cleanup(ServerError::Spawn(e)))?;
+        info!(path = %path.display(), "API server listening");
+        Ok(ApiServerHandle {
+            path: path.to_path_buf(),
+            socket_id,
+            shared,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// Binds the socket, replacing a stale socket file (left by a VM that died)
+/// but never a live one or a file that is not a socket.
+fn bind(path: &Path) -> Result<UnixListener, ServerError> {
+    let bind_err = |source| ServerError::Bind {
+        path: path.to_path_buf(),
+        source,
+    };
+    match fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            return Err(ServerError::NotASocket(path.into()))
+        }
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => return Err(ServerError::InUse(path.into())),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                debug!(path = %path.display(), "removing stale API socket");
+                match fs::remove_file(path) {
+                    Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(bind_err(e)),
+                    _ => {}
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(bind_err(e)),
+        },
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(bind_err(e)),
+    }
+    UnixListener::bind(path).map_err(|e| match e.kind() {
+        // Lost a race with another server starting on the same path.
+        io::ErrorKind::AddrInUse => ServerError::InUse(path.into()),
+        _ => bind_err(e),
+    })
+}
+
+/// Identity of the file at `path`, so shutdown only removes our own socket.
+fn socket_id(path: &Path) -> Option<(u64, u64)> {
+    fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+#[derive(Default)]
+struct Shared {
+    stop: AtomicBool,
+    /// Clones of the live connections, so shutdown can wake their readers.
+    conns: Mutex<HashMap<u64, UnixStream>>,
+}
+
+impl Shared {
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+    fn conns(&self) -> MutexGuard<'_, HashMap<u64, UnixStream>> {
+        // A poisoned map is still a valid map.
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Stops the server on [`shutdown`](Self::shutdown) or drop.
+pub struct ApiServerHandle {
+    path: PathBuf,
+    socket_id: Option<(u64, u64)>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ApiServerHandle {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stops accepting, closes idle connections (requests in flight still
+    /// get their answer) and removes the socket file. Idempotent.
+    pub fn shutdown(&mut self) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Only touch the path if it is still our socket: it may have been
+        // removed, or replaced by another VM's.
+        let ours = self.socket_id.is_some() && socket_id(&self.path) == self.socket_id;
+        if ours {
+            // accept() has no timeout: wake it with a connection of our own.
+            let _ = UnixStream::connect(&self.path);
+        }
+        let until = Instant::now() + STOP_WAIT;
+        while !thread.is_finished() && Instant::now() < until {
+            thread::sleep(Duration::from_millis(5));
+        }
+        if thread.is_finished() {
+            let _ = thread.join();
+        } else {
+            warn!(path = %self.path.display(), "API accept thread did not stop; leaving it behind");
+        }
+        // Readers see EOF and exit; writers can still send their response.
+        for conn in self.shared.conns().values() {
+            let _ = conn.shutdown(Shutdown::Read);
+        }
+        if ours {
+            let _ = fs::remove_file(&self.path);
+        }
+        info!(path = %self.path.display(), "API server stopped");
+    }
+}
+
+impl Drop for ApiServerHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(listener: UnixListener, shared: &Arc<Shared>, handler: Arc<dyn ApiHandler>) {
+    for (id, stream) in (0u64..).zip(listener.incoming()) {
+        if shared.stopping() {
+            break;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                // E.g. out of file descriptors: back off instead of spinning.
+                warn!("API accept failed: {e}");
+                thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        {
+            let mut conns = shared.conns();
+            if conns.len() >= MAX_CONNECTIONS {
+                drop(conns);
+                reject_busy(stream);
+                continue;
+            }
+            match stream.try_clone() {
+                Ok(clone) => conns.insert(id, clone),
+                Err(e) => {
+                    warn!("API connection dropped: {e}");
+                    continue;
+                }
+            };
+        }
+        let (shared2, handler) = (shared.clone(), handler.clone());
+        let spawned = thread::Builder::new()
+            .name("kumo-api-conn".into())
+            .spawn(move || {
+                // Deregisters even if serving unwinds.
+                struct Deregister(Arc<Shared>, u64);
+                impl Drop for Deregister {
+                    fn drop(&mut self) {
+                        self.0.conns().remove(&self.1);
+                    }
+                }
+                let guard = Deregister(shared2, id);
+                serve_connection(stream, &*handler, &guard.0);
+            });
+        if let Err(e) = spawned {
+            warn!("cannot spawn API connection thread: {e}");
+            shared.conns().remove(&id);
+        }
+    }
+}
+
+fn reject_busy(mut stream: UnixStream) {
+    let e = ApiError::unavailable("too many API connections");
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+    let _ = stream.write_all(&http::response_bytes(e.status, Some(&e.body()), &[], true));
+}
+
+/// What to send back for one request.
+struct Reply {
+    status: u16,
+    body: Option<Value>,
+    allow: Option<String>,
+    close: bool,
+}
+
+impl Reply {
+    fn error(e: ApiError, close: bool) -> Self {
+        // A handler returning a non-error status would make a failure look
+        // like success to the client.
+        let status = if (400..600).contains(&e.status) {
+            e.status
+        } else {
+            500
+        };
+        Reply {
+            status,
+            body: Some(e.body()),
+            allow: None,
+            close,
+        }
+    }
+}
+
+fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Shared) {
+    if stream.set_write_timeout(Some(IO_TIMEOUT)).is_err() {
+        return;
+    }
+    let mut conn = Conn::new(stream);
+    while !shared.stopping() {
+        let Some(reply) = next_reply(&mut conn, handler) else {
+            break;
+        };
+        let close = reply.close || shared.stopping();
+        let allow: Vec<(&str, &str)> = reply.allow.iter().map(|a| ("Allow", a.as_str())).collect();
+        if reply.status >= 400 {
+            debug!(status = reply.status, body = ?reply.body, "API error reply");
+        }
+        let bytes = http::response_bytes(reply.status, reply.body.as_ref(), &allow, close);
+        if conn.stream.write_all(&bytes).is_err() || close {
+            break;
+        }
+    }
+}
+
+/// Reads and answers one request; `None` means close without answering.
+fn next_reply(conn: &mut Conn, handler: &dyn ApiHandler) -> Option<Reply> {
+    let deadline = Instant::now() + IO_TIMEOUT;
+    let head = match conn.read_head(deadline) {
+        Ok(head) => head,
+        Err(e) => return read_failure(e, false),
+    };
+    // From here on, any error that leaves the byte stream out of sync (bad
+    // head, unread body) must close the connection.
+    let req = match http::parse_request_head(&head) {
+        Ok(req) => req,
+        Err(e) => return Some(Reply::error(e, true)),
+    };
+    if req.headers.get("transfer-encoding").is_some() {
+        let e = ApiError::new(
+            501,
+            "Transfer-Encoding is not supported; send Content-Length",
+        );
+        return Some(Reply::error(e, true));
+    }
+    let len = match req.headers.content_length() {
+        Ok(len) => len.unwrap_or(0),
+        Err(msg) => return Some(Reply::error(ApiError::bad_request(msg), true)),
+    };
+    if len > MAX_BODY as u64 {
+        let e = ApiError::payload_too_large(format!("request body is over {MAX_BODY} bytes"));
+        return Some(Reply::error(e, true));
+    }
+    let len = len as usize;
+    let route = match resolve(&req.method, &req.path) {
+        Ok(route) => route,
+        Err((e, allow)) => {
+            return Some(Reply {
+                allow,
+                ..Reply::error(e, !req.keep_alive || len > 0)
+            });
+        }
+    };
+    if len > 0 && req.headers.has_token("expect", "100-continue") {
+        // curl waits for this (up to a second) before sending a body.
+        if conn
+            .stream
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .is_err()
+        {
+            return None;
+        }
+    }
+    let body = match conn.read_body(len, deadline) {
+        Ok(body) => body,
+        Err(e) => return read_failure(e, true),
+    };
+    let result = (route.build)(&body)
+        .and_then(|r| call(handler, r))
+        .and_then(ApiResponse::into_http);
+    Some(match result {
+        Ok((status, body)) => Reply {
+            status,
+            body,
+            allow: None,
+            close: !req.keep_alive,
+        },
+        Err(e) => Reply::error(e, !req.keep_alive),
+    })
+}
+
+fn read_failure(e: ReadError, mid_request: bool) -> Option<Reply> {
+    let e = match e {
+        ReadError::Closed { partial } | ReadError::TimedOut { partial }
+            if !partial && !mid_request =>
+        {
+            return None; // idle connection closed or timed out between requests
+        }
+        ReadError::Io(_) => return None,
+        ReadError::Closed { .. } => ApiError::bad_request("incomplete request"),
+        ReadError::TimedOut { .. } => ApiError::new(408, "request not received in time"),
+        ReadError::TooLarge => ApiError::new(431, format!("request head is over {MAX_HEAD} bytes")),
+    };
+    Some(Reply::error(e, true))
+}
+
+fn call(handler: &dyn ApiHandler, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+    debug!(?req, "API request");
+    // A panicking handler must cost a 500, not a silently dropped connection.
+    panic::catch_unwind(AssertUnwindSafe(|| handler.handle(req))).unwrap_or_else(|_| {
+        Err(ApiError::internal(
+            "internal error while handling the request",
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::{parse_response_head, Headers};
+    use crate::{ApiClient, ClientError, VmInfo, VmState, KUMO_VERSION};
+    use serde_json::json;
+    use std::sync::atomic::AtomicUsize;
+
+    fn temp_sock() -> PathBuf {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::SeqCst);
+        std::env::temp_dir().join(format!("kumo-api-{}-{n}.sock", std::process::id()))
+    }
+
+    /// A VM stand-in: a running/paused/shutdown state machine that records calls.
+    struct FakeVm {
+        state: Mutex<VmState>,
+        calls: Mutex<Vec<ApiRequest>>,
+    }
+
+    impl FakeVm {
+        fn info(state: VmState) -> VmInfo {
+            VmInfo {
+                state,
+                vcpus: 2,
+                memory_bytes: 256 << 20,
+                guest: "guest:hello".into(),
+                irqchip: "split".into(),
+                pid: 4242,
+                uptime_ms: 1234,
+                kumo_version: KUMO_VERSION.into(),
+            }
+        }
+        fn calls(&self) -> Vec<ApiRequest> {
+            self.calls.lock().unwrap().clone()
+        }
+    }
+
+    impl ApiHandler for FakeVm {
+        fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+            self.calls.lock().unwrap().push(req.clone());
+            let mut state = self.state.lock().unwrap();
+            let mut go = |from: VmState, to: VmState, err: &str| {
+                if *state != from {
+                    return Err(ApiError::conflict(err));
+                }
+                *state = to;
+                Ok(ApiResponse::Ok)
+            };
+            match req {
+                ApiRequest::Ping => Ok(ApiResponse::Pong {
+                    kumo_version: KUMO_VERSION.into(),
+                }),
+                ApiRequest::Info => Ok(ApiResponse::Info(Self::info(*state))),
+                ApiRequest::Pause => go(VmState::Running, VmState::Paused, "vm is already paused"),
+                ApiRequest::Resume => go(VmState::Paused, VmState::Running, "vm is not paused"),
+                ApiRequest::Shutdown if *state == VmState::Shutdown => {
+                    Err(ApiError::conflict("vm is already shut down"))
+                }
+                ApiRequest::Shutdown => {
+                    *state = VmState::Shutdown;
+                    Ok(ApiResponse::Ok)
+                }
+            }
+        }
+    }
+
+    struct Fixture {
+        vm: Arc<FakeVm>,
+        server: ApiServerHandle,
+        client: ApiClient,
+    }
+
+    fn start() -> Fixture {
+        let vm = Arc::new(FakeVm {
+            state: Mutex::new(VmState::Running),
+            calls: Mutex::default(),
+        });
+        let path = temp_sock();
+        let server = ApiServer::start(&path, vm.clone()).unwrap();
+        Fixture {
+            vm,
+            server,
+            client: ApiClient::new(&path),
+        }
+    }
+
+    fn connect(path: &Path) -> Conn {
+        Conn::new(UnixStream::connect(path).unwrap())
+    }
+
+    fn deadline() -> Instant {
+        // Only guards against a hung test; nothing is measured.
+        Instant::now() + Duration::from_secs(30)
+    }
+
+    /// Reads one response: status, headers, JSON body.
+    fn read_one(conn: &mut Conn) -> (u16, Headers, Option<Value>) {
+        let head = conn.read_head(deadline()).unwrap();
+        let (status, headers) = parse_response_head(&head).unwrap();
+        let len = headers.content_length().unwrap().unwrap_or(0) as usize;
+        let body = conn.read_body(len, deadline()).unwrap();
+        let body = (!body.is_empty()).then(|| serde_json::from_slice(&body).unwrap());
+        (status, headers, body)
+    }
+
+    /// Sends raw bytes on a new connection and reads one response.
+    fn raw(path: &Path, bytes: &[u8]) -> (u16, Headers, Option<Value>, Conn) {
+        let mut conn = connect(path);
+        conn.stream.write_all(bytes).unwrap();
+        let (status, headers, body) = read_one(&mut conn);
+        (status, headers, body, conn)
+    }
+
+    fn assert_closed(conn: &mut Conn) {
+        assert!(matches!(
+            conn.read_head(deadline()),
+            Err(ReadError::Closed { partial: false })
+        ));
+    }
+
+    fn error_of(body: Option<Value>) -> String {
+        body.unwrap()["error"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn ping_and_info_round_trip() {
+        let f = start();
+        assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
+        assert_eq!(f.client.info().unwrap(), FakeVm::info(VmState::Running));
+        let (status, body) = f.client.request("GET", paths::INFO, None).unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(body.unwrap()["state"], "running");
+        assert_eq!(
+            f.vm.calls(),
+            [ApiRequest::Ping, ApiRequest::Info, ApiRequest::Info]
+        );
+    }
+
+    #[test]
+    fn pause_resume_shutdown_state_machine() {
+        let f = start();
+        f.client.pause().unwrap();
+        assert_eq!(f.client.info().unwrap().state, VmState::Paused);
+
+        let e = f.client.pause().unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Http { status: 409, message } if message == "vm is already paused"),
+            "{e:?}"
+        );
+        assert_eq!(e.status(), Some(409));
+        assert_eq!(
+            f.client.request("PUT", paths::PAUSE, None).unwrap(),
+            (409, Some(json!({"error": "vm is already paused"})))
+        );
+
+        f.client.resume().unwrap();
+        assert_eq!(f.client.info().unwrap().state, VmState::Running);
+        assert_eq!(f.client.resume().unwrap_err().status(), Some(409));
+
+        assert_eq!(
+            f.client.request("PUT", paths::SHUTDOWN, None).unwrap(),
+            (204, None)
+        );
+        assert_eq!(f.client.info().unwrap().state, VmState::Shutdown);
+        assert_eq!(f.client.shutdown().unwrap_err().status(), Some(409));
+
+        use ApiRequest::*;
+        assert_eq!(
+            f.vm.calls(),
+            [Pause, Info, Pause, Pause, Resume, Info, Resume, Shutdown, Info, Shutdown]
+        );
+    }
+
+    #[test]
+    fn unknown_path_is_404() {
+        let f = start();
+        let (status, _, body, _) = raw(
+            f.server.path(),
+            b"GET /api/v1/vm.nope HTTP/1.1\r\nHost: x\r\n\r\n",
+        );
+        assert_eq!(status, 404);
+        assert!(error_of(body).contains("/api/v1/vm.nope"));
+        let e = f.client.call("GET", "/", None).unwrap_err();
+        assert_eq!(e.status(), Some(404));
+        assert!(f.vm.calls().is_empty());
+    }
+
+    #[test]
+    fn wrong_method_is_405_with_allow() {
+        let f = start();
+        let (status, headers, body, _) = raw(
+            f.server.path(),
+            b"GET /api/v1/vm.pause HTTP/1.1\r\nHost: x\r\n\r\n",
+        );
+        assert_eq!(status, 405);
+        assert_eq!(headers.get("allow"), Some("PUT"));
+        assert!(error_of(body).contains("PUT"));
+        let (status, headers, _, _) =
+            raw(f.server.path(), b"DELETE /api/v1/vm.info HTTP/1.1\r\n\r\n");
+        assert_eq!((status, headers.get("Allow")), (405, Some("GET")));
+        assert!(f.vm.calls().is_empty());
+    }
+
+    #[test]
+    fn garbage_is_400_and_closes() {
+        let f = start();
+        for bad in [
+            &b"this is not http\r\n\r\n"[..],
+            b"GET /api/v1/vmm.ping HTTP/1.1\r\nContent-Length: nope\r\n\r\n",
+            b"GET /api/v1/vmm.ping HTTP/1.1\r\nbroken header\r\n\r\n",
+            b"\x00\x01\x02\xff\xfe\n\n",
+        ] {
+            let (status, headers, body, mut conn) = raw(f.server.path(), bad);
+            assert_eq!(status, 400, "{:?}", String::from_utf8_lossy(bad));
+            assert_eq!(headers.get("connection"), Some("close"));
+            assert!(!error_of(body).is_empty());
+            assert_closed(&mut conn);
+        }
+        // Half a request, then the client stops sending.
+        let mut conn = connect(f.server.path());
+        conn.stream.write_all(b"GET /api/v1/vm").unwrap();
+        conn.stream.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(read_one(&mut conn).0, 400);
+        assert!(f.vm.calls().is_empty());
+    }
+
+    #[test]
+    fn oversized_requests_are_rejected() {
+        let f = start();
+        let (status, _, body, mut conn) = raw(
+            f.server.path(),
+            b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n",
+        );
+        assert_eq!(status, 413);
+        assert!(error_of(body).contains("bytes"));
+        assert_closed(&mut conn);
+
+        let big = format!(
+            "GET /api/v1/vmm.ping HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(MAX_HEAD)
+        );
+        let (status, _, _, mut conn) = raw(f.server.path(), big.as_bytes());
+        assert_eq!(status, 431);
+        assert_closed(&mut conn);
+
+        // Through the client, which sends the whole body anyway.
+        let huge = json!("x".repeat(MAX_BODY + 1));
+        assert_eq!(
+            f.client
+                .request("PUT", paths::PAUSE, Some(&huge))
+                .unwrap()
+                .0,
+            413
+        );
+        assert!(f.vm.calls().is_empty());
+    }
+
+    #[test]
+    fn unsupported_framing_is_rejected() {
+        let f = start();
+        let (status, ..) = raw(
+            f.server.path(),
+            b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        );
+        assert_eq!(status, 501);
+        let (status, ..) = raw(f.server.path(), b"GET /api/v1/vmm.ping HTTP/3\r\n\r\n");
+        assert_eq!(status, 505);
+    }
+
+    #[test]
+    fn keep_alive_serves_several_requests() {
+        let f = start();
+        let mut conn = connect(f.server.path());
+        // One after the other, including an error that keeps the connection.
+        for req in [
+            &b"GET /api/v1/vmm.ping HTTP/1.1\r\n\r\n"[..],
+            b"GET /nope HTTP/1.1\r\n\r\n",
+        ] {
+            conn.stream.write_all(req).unwrap();
+            read_one(&mut conn);
+        }
+        // Pipelined, the body of the first in the same write.
+        conn.stream
+            .write_all(
+                b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}\
+                  GET /api/v1/vm.info HTTP/1.1\r\n\r\n",
+            )
+            .unwrap();
+        assert_eq!(read_one(&mut conn).0, 204);
+        let (status, _, body) = read_one(&mut conn);
+        assert_eq!(
+            (status, body.unwrap()["state"].as_str()),
+            (200, Some("paused"))
+        );
+        // Connection: close ends it after the response.
+        conn.stream
+            .write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let (status, headers, _) = read_one(&mut conn);
+        assert_eq!((status, headers.get("connection")), (200, Some("close")));
+        assert_closed(&mut conn);
+        assert_eq!(
+            f.vm.calls(),
+            [
+                ApiRequest::Ping,
+                ApiRequest::Pause,
+                ApiRequest::Info,
+                ApiRequest::Ping
+            ]
+        );
+
+        // HTTP/1.0 closes unless asked otherwise.
+        let (status, _, _, mut conn) =
+            raw(f.server.path(), b"GET /api/v1/vmm.ping HTTP/1.0\r\n\r\n");
+        assert_eq!(status, 200);
+        assert_closed(&mut conn);
+    }
+
+    #[test]
+    fn expect_continue_gets_100_first() {
+        let f = start();
+        let mut conn = connect(f.server.path());
+        conn.stream
+            .write_all(b"PUT /api/v1/vm.pause HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+            .unwrap();
+        assert_eq!(read_one(&mut conn).0, 100);
+        conn.stream.write_all(b"{}").unwrap();
+        assert_eq!(read_one(&mut conn).0, 204);
+    }
+
+    #[test]
+    fn silent_clients_do_not_block_others() {
+        let f = start();
+        let _silent = connect(f.server.path());
+        let mut partial = connect(f.server.path());
+        partial
+            .stream
+            .write_all(b"GET /api/v1/vm.info HTTP/1.1\r\nHost:")
+            .unwrap();
+        assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
+        assert_eq!(f.client.info().unwrap().state, VmState::Running);
+    }
+
+    #[test]
+    fn shutdown_removes_socket_and_closes_idle_connections() {
+        let mut f = start();
+        let path = f.server.path().to_path_buf();
+        let mut idle = connect(&path);
+        idle.stream
+            .write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\n\r\n")
+            .unwrap();
+        read_one(&mut idle);
+        assert!(path.exists());
+
+        f.server.shutdown();
+        assert!(!path.exists());
+        assert_closed(&mut idle);
+        f.server.shutdown(); // idempotent
+        let e = f.client.ping().unwrap_err();
+        assert!(matches!(e, ClientError::Connect { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn drop_stops_the_server() {
+        let f = start();
+        let path = f.server.path().to_path_buf();
+        drop(f.server);
+        assert!(!path.exists());
+        assert!(UnixStream::connect(&path).is_err());
+    }
+
+    #[test]
+    fn second_server_on_live_socket_fails() {
+        let f = start();
+        let e = ApiServer::start(f.server.path(), f.vm.clone())
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&e, ServerError::InUse(p) if p == f.server.path()),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("already serving"), "{e}");
+        // The first one is unharmed.
+        assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
+    }
+
+    #[test]
+    fn stale_socket_is_replaced() {
+        let path = temp_sock();
+        drop(UnixListener::bind(&path).unwrap()); // leaves the file, nobody listening
+        assert!(path.exists());
+        let vm = Arc::new(FakeVm {
+            state: Mutex::new(VmState::Paused),
+            calls: Mutex::default(),
+        });
+        let _server = ApiServer::start(&path, vm).unwrap();
+        assert_eq!(ApiClient::new(&path).info().unwrap().state, VmState::Paused);
+    }
+
+    #[test]
+    fn refuses_to_replace_a_regular_file() {
+        let path = temp_sock();
+        fs::write(&path, "precious").unwrap();
+        let vm = Arc::new(FakeVm {
+            state: Mutex::new(VmState::Running),
+            calls: Mutex::default(),
+        });
+        let e = ApiServer::start(&path, vm).err().unwrap();
+        assert!(matches!(e, ServerError::NotASocket(_)), "{e:?}");
+        assert_eq!(fs::read_to_string(&path).unwrap(), "precious");
+        fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn socket_is_private() {
+        let f = start();
+        let mode = fs::metadata(f.server.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    struct Misbehaving;
+    impl ApiHandler for Misbehaving {
+        fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+            match req {
+                ApiRequest::Pause => panic!("handler bug (expected by the test)"),
+                ApiRequest::Resume => Err(ApiError::new(200, "not really an error status")),
+                _ => Err(ApiError::unavailable("vm is still booting")),
+            }
+        }
+    }
+
+    #[test]
+    fn handler_failures_become_error_statuses() {
+        let path = temp_sock();
+        let _server = ApiServer::start(&path, Arc::new(Misbehaving)).unwrap();
+        let client = ApiClient::new(&path);
+        assert_eq!(client.pause().unwrap_err().status(), Some(500));
+        assert_eq!(client.resume().unwrap_err().status(), Some(500));
+        let e = client.info().unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Http { status: 503, message } if message == "vm is still booting")
+        );
+        // The server survived the panic.
+        assert_eq!(client.shutdown().unwrap_err().status(), Some(503));
+    }
+
+    #[test]
+    fn json_body_decodes_or_400s() {
+        #[derive(serde::Deserialize, Debug, PartialEq)]
+        struct Target {
+            dest: String,
+        }
+        assert_eq!(
+            json_body::<Target>(br#"{"dest":"x"}"#),
+            Ok(Target { dest: "x".into() })
+        );
+        assert_eq!(json_body::<Target>(b"").unwrap_err().status, 400);
+        assert_eq!(json_body::<Target>(b"{").unwrap_err().status, 400);
+        assert_eq!(json_body::<Target>(b"{}").unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn every_route_is_documented() {
+        let md = include_str!("../../../docs/api.md");
+        let yaml = include_str!("../../../docs/openapi.yaml");
+        for r in ROUTES {
+            let short = r.path.trim_start_matches("/api/v1");
+            assert!(
+                md.contains(&format!("{} {}", r.method, r.path)),
+                "api.md lacks {} {}",
+                r.method,
+                r.path
+            );
+            assert!(
+                yaml.contains(&format!("  {short}:")),
+                "openapi.yaml lacks {short}"
+            );
+        }
+    }
+
+    #[test]
+    fn busy_server_answers_503() {
+        let f = start();
+        let conns: Vec<Conn> = (0..MAX_CONNECTIONS)
+            .map(|_| connect(f.server.path()))
+            .collect();
+        // Wait until the server has registered them all (no timing assumption: poll the state).
+        while f.server.shared.conns().len() < MAX_CONNECTIONS {
+            thread::sleep(Duration::from_millis(1));
+        }
+        let e = f.client.ping().unwrap_err();
+        assert_eq!(e.status(), Some(503));
+        drop(conns);
+        while f.server.shared.conns().len() >= MAX_CONNECTIONS {
+            thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
+    }
+}

@@ -1,0 +1,21 @@
+//! kumo-devices: the emulated devices of a kumo VM and the port I/O bus that dispatches to them.
+//!
+//! Devices know nothing of KVM or migration: they see port reads and writes, and report events
+//! (a guest asking to exit, a timing marker) to whoever runs the vCPU.
+
+pub mod bus;
+pub mod debug_port;
+pub mod serial;
+
+pub use bus::{BusError, PioBus, PioDevice};
+pub use debug_port::{DebugPort, EXIT_PORT, MARKER_PORT};
+pub use serial::{SerialConsole, COM1_IRQ, COM1_PORT};
+
+/// Something a device write asks the VMM to act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceEvent {
+    /// The guest finished and asks the VM to stop with this exit code.
+    GuestExit(u32),
+    /// The guest reached a point it wants timed (see `debug_port`).
+    Marker(u8),
+}

@@ -1,0 +1,52 @@
+//! kumo-vm: the KVM edge of kumo. A `Vm` owns guest memory and the KVM VM file descriptor;
+//! each `Vcpu` is moved into its own thread. State can be saved and restored (`state`), which is
+//! what pause/save/restore and, later, migration build on. Almost all of kumo's `unsafe` lives
+//! here, at the KVM and memory boundary.
+
+pub mod boot;
+pub mod cpuid;
+pub mod insn;
+pub mod layout;
+pub mod linux;
+pub mod memory;
+pub mod state;
+pub mod vcpu;
+pub mod vm;
+
+pub use boot::{Entry, KumoBootInfo};
+pub use memory::{parse_size, GuestMemory, Memory};
+pub use state::{VcpuState, VmState};
+pub use vcpu::{Vcpu, VcpuRun};
+pub use vm::{IrqchipMode, Vm};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot open /dev/kvm: {0} (is KVM available and are you allowed to use it?)")]
+    NoKvm(std::io::Error),
+    #[error("KVM lacks a capability kumo needs: {0}")]
+    MissingCap(&'static str),
+    #[error("{0}: {1}")]
+    Kvm(&'static str, vmm_sys_util::errno::Error),
+    #[error("memory size {0} bytes is not supported: give a multiple of 4 KiB, at least 8 MiB")]
+    BadMemorySize(u64),
+    #[error("{0} vCPUs requested; this host supports 1 to {1}")]
+    BadVcpuCount(u32, u32),
+    #[error("guest memory: {0}")]
+    Memory(String),
+    #[error("boot setup: {0}")]
+    Boot(String),
+    #[error("vCPU {cpu}: KVM could not emulate the instruction at RIP {rip:#x} (bytes: {bytes}{what}); this host's nested KVM cannot run it in guest ring 0")]
+    EmulationFailure { cpu: u32, rip: u64, bytes: String, what: String },
+    #[error("vCPU {cpu}: KVM internal error (suberror {suberror}) at RIP {rip:#x}")]
+    InternalError { cpu: u32, suberror: u32, rip: u64 },
+    #[error("vCPU {cpu}: KVM failed to enter the guest (hardware reason {reason:#x})")]
+    FailEntry { cpu: u32, reason: u64 },
+    #[error("vCPU {cpu}: unexpected exit {exit}")]
+    UnexpectedExit { cpu: u32, exit: String },
+    #[error("state restore: {0}")]
+    Restore(String),
+    #[error(transparent)]
+    Linux(#[from] linux::LinuxError),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

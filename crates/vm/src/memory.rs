@@ -1,0 +1,106 @@
+//! Guest RAM: one memfd (so it can later be shared with another process, e.g. for local
+//! migration) mapped once per RAM region.
+
+use std::fs::File;
+use std::os::fd::FromRawFd;
+
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+
+use crate::layout::ram_regions;
+use crate::{Error, Result};
+
+pub type GuestMemory = GuestMemoryMmap<()>;
+
+/// Guest RAM and the memfd behind it.
+pub struct Memory {
+    pub guest: GuestMemory,
+    pub memfd: File,
+    pub size: u64,
+}
+
+/// Smallest VM kumo builds: room for the boot structures below 1 MiB and a small guest above.
+pub const MIN_MEMORY: u64 = 8 << 20;
+
+impl Memory {
+    pub fn new(size: u64) -> Result<Self> {
+        if size < MIN_MEMORY || size % 4096 != 0 {
+            return Err(Error::BadMemorySize(size));
+        }
+        // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"kumo-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::Memory(format!("memfd_create: {}", std::io::Error::last_os_error())));
+        }
+        // SAFETY: fd is a fresh descriptor we own.
+        let memfd = unsafe { File::from_raw_fd(fd) };
+        memfd
+            .set_len(size)
+            .map_err(|e| Error::Memory(format!("cannot size guest RAM to {size} bytes: {e}")))?;
+        let mut regions = Vec::new();
+        let mut offset = 0u64;
+        for (start, len) in ram_regions(size) {
+            let fo = FileOffset::new(memfd.try_clone().map_err(|e| Error::Memory(e.to_string()))?, offset);
+            let len_usize = usize::try_from(len).map_err(|_| Error::BadMemorySize(size))?;
+            let mmap = MmapRegion::from_file(fo, len_usize).map_err(|e| Error::Memory(format!("mmap: {e}")))?;
+            regions.push(GuestRegionMmap::new(mmap, GuestAddress(start)).ok_or_else(|| Error::Memory("region overflow".into()))?);
+            offset += len;
+        }
+        let guest = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
+        Ok(Memory { guest, memfd, size })
+    }
+}
+
+/// Parses sizes like `512M`, `2G`, `1048576`, `64KiB`.
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 512M, 2G)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return Err(format!("`{s}` has an unknown unit (use K, M, G or T)")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("`{s}` is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{Bytes, GuestMemory as _, GuestMemoryBackend as _};
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("2G"), Ok(2 << 30));
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("12X").unwrap_err().contains("unit"));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("99999999999T").unwrap_err().contains("too large"));
+    }
+
+    #[test]
+    fn memory_is_memfd_backed_and_split_around_the_hole() {
+        let m = Memory::new(16 << 20).unwrap();
+        assert_eq!(m.guest.num_regions(), 1);
+        m.guest.write_obj(0xdeadbeefu32, GuestAddress(0x1000)).unwrap();
+        let mut b = [0u8; 4];
+        std::os::unix::fs::FileExt::read_at(&m.memfd, &mut b, 0x1000).unwrap();
+        assert_eq!(u32::from_le_bytes(b), 0xdeadbeef);
+        assert!(matches!(Memory::new(1 << 20), Err(Error::BadMemorySize(_))));
+        assert!(matches!(Memory::new((16 << 20) + 1), Err(Error::BadMemorySize(_))));
+    }
+
+    #[test]
+    fn large_memory_has_two_regions() {
+        // Sparse memfd: nothing is touched, so this costs no RAM.
+        let m = Memory::new(4 << 30).unwrap();
+        assert_eq!(m.guest.num_regions(), 2);
+        assert!(m.guest.address_in_range(GuestAddress(0x1_0000_0000)));
+        assert!(!m.guest.address_in_range(GuestAddress(0xc000_0000)));
+    }
+}

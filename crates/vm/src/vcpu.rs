@@ -1,0 +1,248 @@
+//! One vCPU: configuration for each entry kind, the exit handling of `KVM_RUN`, and state
+//! save/restore. A `Vcpu` is `Send` and lives in its own thread.
+
+use std::sync::Arc;
+
+use kvm_bindings::{kvm_mp_state, kvm_msr_entry, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_RUNNABLE};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
+use kumo_devices::{DeviceEvent, PioBus};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::boot::{regs_for, sregs_for, Entry};
+use crate::state::VcpuState;
+use crate::{cpuid, insn, Error, Result};
+
+const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
+const MISC_ENABLE_FAST_STRING: u64 = 1;
+const APIC_LVT_LINT0: usize = 0x350;
+const APIC_LVT_LINT1: usize = 0x360;
+const APIC_MODE_EXTINT: u32 = 0x7 << 8;
+const APIC_MODE_NMI: u32 = 0x4 << 8;
+
+/// What one `KVM_RUN` produced that the vCPU's thread must act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VcpuRun {
+    /// Handled (I/O, MMIO); run again.
+    Continue,
+    /// A device asked the VMM for something (guest exit, timing marker).
+    Device(DeviceEvent),
+    /// KVM_RUN was interrupted by a signal (a pause or stop request); check the request.
+    Interrupted,
+    /// The guest executed HLT with no in-kernel LAPIC to park it.
+    Halted,
+    /// The guest triple-faulted or asked for a reset.
+    Reset(String),
+    /// The guest asked to power off (ACPI/system event).
+    PowerOff,
+}
+
+pub struct Vcpu {
+    pub id: u32,
+    fd: VcpuFd,
+    mem: crate::GuestMemory,
+    /// MSRs to save, from KVM_GET_MSR_INDEX_LIST.
+    msr_list: Arc<Vec<u32>>,
+    has_lapic: bool,
+}
+
+impl Vcpu {
+    pub(crate) fn new(id: u32, fd: VcpuFd, mem: crate::GuestMemory, msr_list: Arc<Vec<u32>>, has_lapic: bool) -> Self {
+        Vcpu { id, fd, mem, msr_list, has_lapic }
+    }
+
+    /// Sets CPUID, MSRs, LAPIC LINT pins and, if `entry` is given, the boot register state.
+    /// vCPUs without an entry stay in KVM's reset state (an AP waiting for INIT/SIPI).
+    pub fn configure(&self, kvm: &Kvm, ncpus: u32, entry: Option<Entry>) -> Result<()> {
+        let mut c = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(|e| Error::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
+        cpuid::filter(&mut c, self.id, ncpus);
+        self.fd.set_cpuid2(&c).map_err(|e| Error::Kvm("KVM_SET_CPUID2", e))?;
+
+        let msrs = Msrs::from_entries(&[kvm_msr_entry { index: MSR_IA32_MISC_ENABLE, data: MISC_ENABLE_FAST_STRING, ..Default::default() }])
+            .expect("one MSR");
+        self.fd.set_msrs(&msrs).map_err(|e| Error::Kvm("KVM_SET_MSRS", e))?;
+
+        if self.has_lapic {
+            let mut lapic = self.fd.get_lapic().map_err(|e| Error::Kvm("KVM_GET_LAPIC", e))?;
+            set_lapic_reg(&mut lapic.regs, APIC_LVT_LINT0, APIC_MODE_EXTINT);
+            set_lapic_reg(&mut lapic.regs, APIC_LVT_LINT1, APIC_MODE_NMI);
+            self.fd.set_lapic(&lapic).map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?;
+        }
+
+        if let Some(entry) = entry {
+            let sregs = self.fd.get_sregs().map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?;
+            self.fd
+                .set_sregs(&sregs_for(entry, self.id, ncpus, sregs))
+                .map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
+            self.fd.set_regs(&regs_for(entry, self.id)).map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
+            let fpu = kvm_bindings::kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() };
+            self.fd.set_fpu(&fpu).map_err(|e| Error::Kvm("KVM_SET_FPU", e))?;
+            if self.id != 0 {
+                // An AP with an in-kernel LAPIC waits for INIT/SIPI; kumo guests start all vCPUs
+                // at the entry point instead (documented in guests/include/kumo.h).
+                self.fd
+                    .set_mp_state(kvm_mp_state { mp_state: KVM_MP_STATE_RUNNABLE })
+                    .map_err(|e| Error::Kvm("KVM_SET_MP_STATE", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// TSC frequency of this vCPU in kHz, if KVM reports one.
+    pub fn tsc_khz(&self) -> Option<u64> {
+        self.fd.get_tsc_khz().ok().map(|k| k as u64).filter(|k| *k > 0)
+    }
+
+    /// Asks the next `KVM_RUN` to return at once (or clears the request).
+    pub fn set_immediate_exit(&mut self, on: bool) {
+        self.fd.set_kvm_immediate_exit(on as u8);
+    }
+
+    /// Runs the vCPU until its next exit and handles it.
+    pub fn run(&mut self, bus: &PioBus) -> Result<VcpuRun> {
+        let id = self.id;
+        match self.fd.run() {
+            Ok(VcpuExit::IoOut(port, data)) => Ok(bus.write(port, data).map_or(VcpuRun::Continue, VcpuRun::Device)),
+            Ok(VcpuExit::IoIn(port, data)) => {
+                bus.read(port, data);
+                Ok(VcpuRun::Continue)
+            }
+            Ok(VcpuExit::MmioRead(_, data)) => {
+                data.fill(0xff);
+                Ok(VcpuRun::Continue)
+            }
+            Ok(VcpuExit::MmioWrite(..)) => Ok(VcpuRun::Continue),
+            Ok(VcpuExit::Hlt) => Ok(VcpuRun::Halted),
+            Ok(VcpuExit::Shutdown) => Ok(VcpuRun::Reset(format!("vCPU {id} triple-faulted (shutdown exit)"))),
+            Ok(VcpuExit::SystemEvent(t, _)) => match t {
+                kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => Ok(VcpuRun::PowerOff),
+                _ => Ok(VcpuRun::Reset(format!("vCPU {id} requested a system reset (event {t})"))),
+            },
+            Ok(VcpuExit::InternalError) => Err(self.internal_error()),
+            Ok(VcpuExit::FailEntry(reason, _)) => Err(Error::FailEntry { cpu: id, reason }),
+            Ok(VcpuExit::Intr) => Ok(VcpuRun::Interrupted),
+            Ok(VcpuExit::IrqWindowOpen) => Ok(VcpuRun::Continue),
+            Ok(other) => Err(Error::UnexpectedExit { cpu: id, exit: format!("{other:?}") }),
+            Err(e) if e.errno() == libc::EINTR => Ok(VcpuRun::Interrupted),
+            // An AP whose INIT/SIPI has not completed yet (seen on nested KVM): just retry.
+            Err(e) if e.errno() == libc::EAGAIN => Ok(VcpuRun::Continue),
+            Err(e) => Err(Error::Kvm("KVM_RUN", e)),
+        }
+    }
+
+    fn internal_error(&mut self) -> Error {
+        // SAFETY: reading the `internal` member of the kvm_run union is valid right after
+        // KVM_RUN returned KVM_EXIT_INTERNAL_ERROR, which is the only caller.
+        let suberror = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
+        let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+        if suberror != kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
+            return Error::InternalError { cpu: self.id, suberror, rip };
+        }
+        let mut bytes = [0u8; 15];
+        let read = self
+            .fd
+            .translate_gva(rip)
+            .ok()
+            .filter(|t| t.valid != 0)
+            .map(|t| self.mem.read_slice(&mut bytes, GuestAddress(t.physical_address)).is_ok())
+            .unwrap_or(false);
+        let (bytes, what) = if read {
+            (insn::hex(&bytes[..8]), insn::describe(&bytes).map(|n| format!(": {n}")).unwrap_or_default())
+        } else {
+            ("unreadable".to_string(), String::new())
+        };
+        Error::EmulationFailure { cpu: self.id, rip, bytes, what }
+    }
+
+    /// Reads this vCPU's state. The vCPU must not be running.
+    pub fn save_state(&self) -> Result<VcpuState> {
+        let fd = &self.fd;
+        // MP state first: KVM_GET_MP_STATE may flush pending events into the state read next.
+        let mp_state = fd.get_mp_state().map_err(|e| Error::Kvm("KVM_GET_MP_STATE", e))?;
+        Ok(VcpuState {
+            id: self.id,
+            mp_state,
+            regs: fd.get_regs().map_err(|e| Error::Kvm("KVM_GET_REGS", e))?,
+            sregs: fd.get_sregs().map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?,
+            xsave: fd.get_xsave().map_err(|e| Error::Kvm("KVM_GET_XSAVE", e))?,
+            xcrs: fd.get_xcrs().map_err(|e| Error::Kvm("KVM_GET_XCRS", e))?,
+            lapic: if self.has_lapic { Some(fd.get_lapic().map_err(|e| Error::Kvm("KVM_GET_LAPIC", e))?) } else { None },
+            msrs: self.read_msrs()?,
+            events: fd.get_vcpu_events().map_err(|e| Error::Kvm("KVM_GET_VCPU_EVENTS", e))?,
+            debugregs: fd.get_debug_regs().map_err(|e| Error::Kvm("KVM_GET_DEBUGREGS", e))?,
+        })
+    }
+
+    /// Reads every MSR of the index list that KVM lets this vCPU read; KVM stops a batch at the
+    /// first MSR it refuses, so refused ones are skipped and the rest read on.
+    fn read_msrs(&self) -> Result<Vec<kvm_msr_entry>> {
+        let mut out = Vec::with_capacity(self.msr_list.len());
+        let mut rest: &[u32] = &self.msr_list;
+        while !rest.is_empty() {
+            let entries: Vec<_> = rest.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
+            let mut msrs = Msrs::from_entries(&entries).map_err(|e| Error::Restore(format!("MSR list: {e:?}")))?;
+            let n = self.fd.get_msrs(&mut msrs).map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
+            out.extend_from_slice(&msrs.as_slice()[..n]);
+            rest = &rest[(n + 1).min(rest.len())..];
+        }
+        Ok(out)
+    }
+
+    /// Writes back a state from `save_state`. Order follows what KVM needs: special registers
+    /// (APIC base) before the LAPIC, MSRs after, pending events last.
+    pub fn restore_state(&self, s: &VcpuState) -> Result<()> {
+        if s.id != self.id {
+            return Err(Error::Restore(format!("state of vCPU {} given to vCPU {}", s.id, self.id)));
+        }
+        let fd = &self.fd;
+        fd.set_mp_state(s.mp_state).map_err(|e| Error::Kvm("KVM_SET_MP_STATE", e))?;
+        fd.set_sregs(&s.sregs).map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
+        fd.set_regs(&s.regs).map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
+        // SAFETY: `s.xsave` is a whole kvm_xsave read by KVM_GET_XSAVE on a vCPU of the same
+        // kind; KVM validates its contents.
+        unsafe { fd.set_xsave(&s.xsave) }.map_err(|e| Error::Kvm("KVM_SET_XSAVE", e))?;
+        fd.set_xcrs(&s.xcrs).map_err(|e| Error::Kvm("KVM_SET_XCRS", e))?;
+        match (&s.lapic, self.has_lapic) {
+            (Some(l), true) => fd.set_lapic(l).map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?,
+            (None, false) => {}
+            _ => return Err(Error::Restore("LAPIC state does not match the irqchip mode".into())),
+        }
+        let mut rest: &[kvm_msr_entry] = &s.msrs;
+        while !rest.is_empty() {
+            let msrs = Msrs::from_entries(rest).map_err(|e| Error::Restore(format!("MSRs: {e:?}")))?;
+            let n = fd.set_msrs(&msrs).map_err(|e| Error::Kvm("KVM_SET_MSRS", e))?;
+            if n < rest.len() {
+                tracing::debug!(cpu = self.id, msr = format_args!("{:#x}", rest[n].index), "MSR not restorable, skipped");
+            }
+            rest = &rest[(n + 1).min(rest.len())..];
+        }
+        fd.set_debug_regs(&s.debugregs).map_err(|e| Error::Kvm("KVM_SET_DEBUGREGS", e))?;
+        fd.set_vcpu_events(&s.events).map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
+        Ok(())
+    }
+}
+
+fn set_lapic_reg(regs: &mut [std::os::raw::c_char; 1024], offset: usize, mode: u32) {
+    let mut v = [0u8; 4];
+    for (i, b) in v.iter_mut().enumerate() {
+        *b = regs[offset + i] as u8;
+    }
+    let val = (u32::from_le_bytes(v) & !0x700) | mode;
+    for (i, b) in val.to_le_bytes().iter().enumerate() {
+        regs[offset + i] = *b as std::os::raw::c_char;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lapic_lint_mode_bits() {
+        let mut regs = [0 as std::os::raw::c_char; 1024];
+        regs[APIC_LVT_LINT0] = 0x10; // vector bits stay
+        regs[APIC_LVT_LINT0 + 1] = 0x01; // a stale delivery mode is replaced
+        set_lapic_reg(&mut regs, APIC_LVT_LINT0, APIC_MODE_EXTINT);
+        assert_eq!(regs[APIC_LVT_LINT0] as u8, 0x10);
+        assert_eq!(regs[APIC_LVT_LINT0 + 1] as u8, 0x07);
+    }
+}

@@ -1,0 +1,171 @@
+//! A KVM VM: its file descriptor, guest memory, irqchip and VM-wide state.
+
+use std::fs::OpenOptions;
+use std::os::fd::{FromRawFd, IntoRawFd};
+use std::sync::Arc;
+
+use kvm_bindings::{
+    kvm_enable_cap, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region, KVM_CAP_SPLIT_IRQCHIP, KVM_IRQCHIP_IOAPIC,
+    KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
+};
+use kvm_ioctls::{Cap, Kvm, VmFd};
+use serde::{Deserialize, Serialize};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::layout::{KVM_TSS_ADDRESS, MAX_VCPUS};
+use crate::memory::Memory;
+use crate::state::VmState;
+use crate::vcpu::Vcpu;
+use crate::{Error, Result};
+
+/// Where the interrupt controllers live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IrqchipMode {
+    /// PIC, IOAPIC, LAPICs and PIT all in KVM.
+    #[default]
+    Kernel,
+    /// LAPICs in KVM; PIC/IOAPIC/PIT left to userspace (interrupts arrive as MSIs).
+    Split,
+}
+
+impl std::fmt::Display for IrqchipMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IrqchipMode::Kernel => "kernel",
+            IrqchipMode::Split => "split",
+        })
+    }
+}
+
+pub struct Vm {
+    pub kvm: Kvm,
+    pub fd: Arc<VmFd>,
+    pub memory: Memory,
+    pub irqchip: IrqchipMode,
+    pub ncpus: u32,
+    msr_list: Arc<Vec<u32>>,
+}
+
+/// Opens /dev/kvm with a clear error when it is absent or not accessible.
+pub fn open_kvm() -> Result<Kvm> {
+    let f = OpenOptions::new().read(true).write(true).open("/dev/kvm").map_err(Error::NoKvm)?;
+    // SAFETY: the descriptor was just opened on /dev/kvm and ownership moves into Kvm.
+    Ok(unsafe { Kvm::from_raw_fd(f.into_raw_fd()) })
+}
+
+/// True if /dev/kvm can be opened: tests that need KVM skip when it cannot.
+pub fn kvm_available() -> bool {
+    open_kvm().is_ok()
+}
+
+impl Vm {
+    pub fn new(ncpus: u32, mem_bytes: u64, irqchip: IrqchipMode) -> Result<Self> {
+        let kvm = open_kvm()?;
+        for (cap, name) in [
+            (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
+            (Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
+            (Cap::SetTssAddr, "KVM_CAP_SET_TSS_ADDR"),
+            (Cap::Xsave, "KVM_CAP_XSAVE"),
+            (Cap::Xcrs, "KVM_CAP_XCRS"),
+            (Cap::Irqfd, "KVM_CAP_IRQFD"),
+            (Cap::ImmediateExit, "KVM_CAP_IMMEDIATE_EXIT"),
+        ] {
+            if !kvm.check_extension(cap) {
+                return Err(Error::MissingCap(name));
+            }
+        }
+        if irqchip == IrqchipMode::Split && !kvm.check_extension(Cap::SplitIrqchip) {
+            return Err(Error::MissingCap("KVM_CAP_SPLIT_IRQCHIP"));
+        }
+        let max = (kvm.get_max_vcpus() as u32).min(MAX_VCPUS);
+        if ncpus == 0 || ncpus > max {
+            return Err(Error::BadVcpuCount(ncpus, max));
+        }
+        let memory = Memory::new(mem_bytes)?;
+        let fd = kvm.create_vm().map_err(|e| Error::Kvm("KVM_CREATE_VM", e))?;
+        fd.set_tss_address(KVM_TSS_ADDRESS as usize).map_err(|e| Error::Kvm("KVM_SET_TSS_ADDR", e))?;
+        match irqchip {
+            IrqchipMode::Kernel => {
+                fd.create_irq_chip().map_err(|e| Error::Kvm("KVM_CREATE_IRQCHIP", e))?;
+                let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+                fd.create_pit2(pit).map_err(|e| Error::Kvm("KVM_CREATE_PIT2", e))?;
+            }
+            IrqchipMode::Split => {
+                let mut cap = kvm_enable_cap { cap: KVM_CAP_SPLIT_IRQCHIP, ..Default::default() };
+                cap.args[0] = 24; // IOAPIC pins routed by userspace
+                fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(SPLIT_IRQCHIP)", e))?;
+            }
+        }
+        for (slot, region) in memory.guest.iter().enumerate() {
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: region.as_ptr() as u64,
+            };
+            // SAFETY: the region is a live mapping owned by `memory`, which the Vm keeps for as
+            // long as the VM fd exists, and regions do not overlap.
+            unsafe { fd.set_user_memory_region(r) }.map_err(|e| Error::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
+        }
+        let msr_list = kvm.get_msr_index_list().map_err(|e| Error::Kvm("KVM_GET_MSR_INDEX_LIST", e))?;
+        Ok(Vm {
+            kvm,
+            fd: Arc::new(fd),
+            memory,
+            irqchip,
+            ncpus,
+            msr_list: Arc::new(msr_list.as_slice().to_vec()),
+        })
+    }
+
+    pub fn create_vcpu(&self, id: u32) -> Result<Vcpu> {
+        let fd = self.fd.create_vcpu(id as u64).map_err(|e| Error::Kvm("KVM_CREATE_VCPU", e))?;
+        Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), true))
+    }
+
+    /// Routes an eventfd to a GSI of the in-kernel irqchip (no-op for a split irqchip, which has
+    /// no in-kernel IOAPIC pins to route to).
+    pub fn register_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<bool> {
+        if self.irqchip == IrqchipMode::Split {
+            return Ok(false);
+        }
+        self.fd.register_irqfd(evt, gsi).map_err(|e| Error::Kvm("KVM_IRQFD", e))?;
+        Ok(true)
+    }
+
+    /// VM-wide state. vCPUs must be paused.
+    pub fn save_state(&self) -> Result<VmState> {
+        let mut irqchips = Vec::new();
+        let mut pit = None;
+        if self.irqchip == IrqchipMode::Kernel {
+            for chip_id in [KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_IRQCHIP_IOAPIC] {
+                let mut c = kvm_irqchip { chip_id, ..Default::default() };
+                self.fd.get_irqchip(&mut c).map_err(|e| Error::Kvm("KVM_GET_IRQCHIP", e))?;
+                irqchips.push(c);
+            }
+            pit = Some(self.fd.get_pit2().map_err(|e| Error::Kvm("KVM_GET_PIT2", e))?);
+        }
+        let clock = self.fd.get_clock().map_err(|e| Error::Kvm("KVM_GET_CLOCK", e))?;
+        Ok(VmState { irqchips, pit, clock })
+    }
+
+    pub fn restore_state(&self, s: &VmState) -> Result<()> {
+        let kernel = self.irqchip == IrqchipMode::Kernel;
+        if kernel != (s.irqchips.len() == 3 && s.pit.is_some()) {
+            return Err(Error::Restore(format!("saved irqchip state does not fit a {} irqchip", self.irqchip)));
+        }
+        for c in &s.irqchips {
+            self.fd.set_irqchip(c).map_err(|e| Error::Kvm("KVM_SET_IRQCHIP", e))?;
+        }
+        if let Some(p) = &s.pit {
+            self.fd.set_pit2(p).map_err(|e| Error::Kvm("KVM_SET_PIT2", e))?;
+        }
+        // Only the clock value is restored; KVM rejects flags it set itself on GET.
+        let clock = kvm_bindings::kvm_clock_data { clock: s.clock.clock, ..Default::default() };
+        self.fd.set_clock(&clock).map_err(|e| Error::Kvm("KVM_SET_CLOCK", e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,65 @@
+//! The control API's view of a running VM.
+
+use std::sync::{Arc, Weak};
+
+use kumo_api::{ApiError, ApiHandler, ApiRequest, ApiResponse, VmInfo, VmState, KUMO_VERSION};
+
+use crate::vmm::RunningVm;
+use crate::Error;
+
+/// Serves API requests against a VM. Holds it weakly: the API never keeps a VM alive.
+pub struct VmApi {
+    vm: Weak<RunningVm>,
+}
+
+impl VmApi {
+    pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
+        Arc::new(VmApi { vm: Arc::downgrade(vm) })
+    }
+}
+
+pub fn info(vm: &RunningVm) -> VmInfo {
+    let c = vm.config();
+    VmInfo {
+        state: if vm.is_finished() {
+            VmState::Shutdown
+        } else if vm.is_paused() {
+            VmState::Paused
+        } else {
+            VmState::Running
+        },
+        vcpus: c.cpus,
+        memory_bytes: c.memory,
+        guest: c.payload_name(),
+        irqchip: c.irqchip.to_string(),
+        pid: std::process::id(),
+        uptime_ms: vm.uptime().as_millis() as u64,
+        kumo_version: KUMO_VERSION.to_string(),
+    }
+}
+
+fn to_api(e: Error) -> ApiError {
+    match e {
+        Error::State(what) => ApiError::conflict(format!("vm is {what}")),
+        other => ApiError::internal(other.to_string()),
+    }
+}
+
+impl ApiHandler for VmApi {
+    fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+        let vm = self.vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?;
+        match req {
+            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
+            ApiRequest::Info => Ok(ApiResponse::Info(info(&vm))),
+            ApiRequest::Pause => vm.pause().map(|_| ApiResponse::Ok).map_err(to_api),
+            ApiRequest::Resume => vm.resume().map(|_| ApiResponse::Ok).map_err(to_api),
+            ApiRequest::Shutdown => {
+                if vm.is_finished() {
+                    return Err(ApiError::conflict("vm is already shutting down"));
+                }
+                vm.shutdown();
+                Ok(ApiResponse::Ok)
+            }
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! VM configuration: from the command line, a JSON or TOML file, or both (flags win).
+
+use std::path::{Path, PathBuf};
+
+pub use kumo_vm::{parse_size, IrqchipMode};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::Error;
+
+/// What the VM boots.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Payload {
+    /// One of kumo's own guest programs, with `key=value` arguments.
+    Guest { name: String, #[serde(default)] args: Vec<String> },
+    /// A Linux kernel (bzImage or PVH vmlinux).
+    Kernel { path: PathBuf, #[serde(default)] initrd: Option<PathBuf>, #[serde(default)] cmdline: Option<String> },
+}
+
+pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k panic=-1 noapic nomodule";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    #[serde(default = "default_cpus")]
+    pub cpus: u32,
+    /// Bytes; in files also a string such as "512M".
+    #[serde(default = "default_memory", deserialize_with = "size_de")]
+    pub memory: u64,
+    #[serde(default)]
+    pub irqchip: IrqchipMode,
+    pub payload: Payload,
+}
+
+fn default_cpus() -> u32 {
+    1
+}
+fn default_memory() -> u64 {
+    256 << 20
+}
+
+fn size_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        N(u64),
+        S(String),
+    }
+    match Size::deserialize(d)? {
+        Size::N(n) => Ok(n),
+        Size::S(s) => kumo_vm::parse_size(&s).map_err(serde::de::Error::custom),
+    }
+}
+
+/// A config file's contents: like `VmConfig`, but everything optional, so flags can complete it.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    pub cpus: Option<u32>,
+    #[serde(default, deserialize_with = "opt_size_de")]
+    pub memory: Option<u64>,
+    pub irqchip: Option<IrqchipMode>,
+    pub payload: Option<Payload>,
+}
+
+fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    size_de(d).map(Some)
+}
+
+impl ConfigFile {
+    /// Reads a `.json` or `.toml` file (by extension; otherwise JSON is tried, then TOML).
+    pub fn load(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let json = || serde_json::from_str::<ConfigFile>(&text).map_err(|e| e.to_string());
+        let toml = || toml::from_str::<ConfigFile>(&text).map_err(|e| e.to_string());
+        let parsed = match ext {
+            "json" => json(),
+            "toml" => toml(),
+            _ => json().or_else(|_| toml()),
+        };
+        parsed.map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+}
+
+impl VmConfig {
+    /// Checks what can be checked before touching KVM.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.cpus == 0 {
+            return Err(Error::Config("cpus must be at least 1".into()));
+        }
+        if self.cpus > kumo_vm::layout::MAX_VCPUS {
+            return Err(Error::Config(format!("cpus {} exceeds kumo's limit of {}", self.cpus, kumo_vm::layout::MAX_VCPUS)));
+        }
+        if self.memory < kumo_vm::memory::MIN_MEMORY || self.memory % 4096 != 0 {
+            return Err(Error::Config(format!(
+                "memory {} bytes: give a multiple of 4 KiB, at least {} MiB",
+                self.memory,
+                kumo_vm::memory::MIN_MEMORY >> 20
+            )));
+        }
+        match &self.payload {
+            Payload::Guest { name, args } => {
+                let g = kumo_guests::find(name)?;
+                g.check_cpus(self.cpus)?;
+                g.command_line(args)?;
+            }
+            Payload::Kernel { path, initrd, .. } => {
+                for (what, p) in std::iter::once(("kernel", Some(path))).chain(std::iter::once(("initrd", initrd.as_ref()))) {
+                    if let Some(p) = p {
+                        if !p.is_file() {
+                            return Err(Error::Config(format!("{what} {} does not exist or is not a file", p.display())));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A short description of the payload, e.g. `guest:memtouch`.
+    pub fn payload_name(&self) -> String {
+        match &self.payload {
+            Payload::Guest { name, .. } => format!("guest:{name}"),
+            Payload::Kernel { path, .. } => format!("kernel:{}", path.display()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kumo-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn toml_and_json_files() {
+        let t = ConfigFile::load(&write("a.toml", "cpus = 2\nmemory = \"512M\"\n[payload.guest]\nname = \"memtouch\"\nargs = [\"pages=10\"]\n")).unwrap();
+        assert_eq!(t.cpus, Some(2));
+        assert_eq!(t.memory, Some(512 << 20));
+        assert_eq!(t.payload, Some(Payload::Guest { name: "memtouch".into(), args: vec!["pages=10".into()] }));
+        let j = ConfigFile::load(&write("b.json", r#"{"memory": 67108864, "irqchip": "split", "payload": {"kernel": {"path": "/k"}}}"#)).unwrap();
+        assert_eq!(j.memory, Some(64 << 20));
+        assert_eq!(j.irqchip, Some(IrqchipMode::Split));
+        assert!(matches!(j.payload, Some(Payload::Kernel { .. })));
+    }
+
+    #[test]
+    fn bad_files_give_clear_errors() {
+        let e = ConfigFile::load(&write("c.toml", "cpus = \"many\"\n")).unwrap_err().to_string();
+        assert!(e.contains("c.toml"), "{e}");
+        let e = ConfigFile::load(&write("d.json", r#"{"cpu": 1}"#)).unwrap_err().to_string();
+        assert!(e.contains("unknown field"), "{e}");
+        let e = ConfigFile::load(&write("e.json", r#"{"memory": "lots"}"#)).unwrap_err().to_string();
+        assert!(e.contains("not a size"), "{e}");
+        let e = ConfigFile::load(Path::new("/nonexistent/kumo.toml")).unwrap_err().to_string();
+        assert!(e.contains("cannot read /nonexistent/kumo.toml"), "{e}");
+    }
+
+    #[test]
+    fn validation() {
+        let guest = |name: &str, args: &[&str]| Payload::Guest { name: name.into(), args: args.iter().map(|s| s.to_string()).collect() };
+        let ok = VmConfig { cpus: 1, memory: 64 << 20, irqchip: IrqchipMode::Kernel, payload: guest("hello", &[]) };
+        ok.validate().unwrap();
+        assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
+        assert!(VmConfig { cpus: 9999, ..ok.clone() }.validate().unwrap_err().to_string().contains("limit"));
+        assert!(VmConfig { memory: 1000, ..ok.clone() }.validate().unwrap_err().to_string().contains("4 KiB"));
+        assert!(VmConfig { payload: guest("nope", &[]), ..ok.clone() }.validate().unwrap_err().to_string().contains("unknown guest"));
+        assert!(VmConfig { payload: guest("smp", &[]), ..ok.clone() }.validate().unwrap_err().to_string().contains("vCPUs"));
+        assert!(VmConfig { payload: guest("memtouch", &["pages=x"]), ..ok.clone() }.validate().is_err());
+        let k = Payload::Kernel { path: "/no/such/bzImage".into(), initrd: None, cmdline: None };
+        assert!(VmConfig { payload: k, ..ok }.validate().unwrap_err().to_string().contains("/no/such/bzImage does not exist"));
+    }
+}

@@ -1,0 +1,29 @@
+//! kumo-vmm: builds a VM from a `VmConfig`, runs one thread per vCPU, and controls it: pause,
+//! resume, save and restore state, shut down. The control API and the CLI sit on top.
+
+pub mod api;
+pub mod config;
+pub mod vmm;
+
+pub use config::{ConfigFile, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
+pub use vmm::{monotonic_ns, Outcome, RunReport, RunningVm, Snapshot, Timings};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("config: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Guest(#[from] kumo_guests::GuestError),
+    #[error(transparent)]
+    Vm(#[from] kumo_vm::Error),
+    #[error("loading guest program: {0}")]
+    Load(String),
+    #[error("the VM is {0}")]
+    State(&'static str),
+    #[error("cannot start vCPU thread: {0}")]
+    Thread(std::io::Error),
+    #[error("devices: {0}")]
+    Devices(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

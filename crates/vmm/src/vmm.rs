@@ -1,0 +1,493 @@
+//! A running VM: vCPU threads and their control.
+//!
+//! Each vCPU thread loops on KVM_RUN. Control requests (pause, stop) are published in an atomic
+//! and a mutex-protected record; a thread parks on a condition variable when it sees one. To get
+//! a thread out of KVM_RUN (e.g. a halted guest), it is sent a signal, resent until it parks:
+//! a signal that lands between the request check and KVM_RUN would otherwise be lost.
+
+use std::io::{Cursor, Write};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kumo_devices::{DebugPort, DeviceEvent, PioBus, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT};
+use kumo_vm::boot::{write_gdt, write_page_tables, Entry, KumoBootInfo};
+use kumo_vm::layout::{ram_regions, HIMEM_START, MMIO_GAP_START};
+use kumo_vm::linux::{load_linux, LinuxBootConfig, LinuxEntry};
+use kumo_vm::{Vcpu, VcpuRun, VcpuState, Vm, VmState};
+use linux_loader_shim::load_elf;
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::config::{Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
+use crate::{Error, Result};
+
+/// CLOCK_MONOTONIC in nanoseconds: comparable across processes, for start-up timings.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// How a VM ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The guest wrote this code to the exit port.
+    GuestExit(u32),
+    /// Shut down through the API (or `RunningVm::shutdown`).
+    Shutdown,
+    /// The guest powered off.
+    PowerOff,
+    /// The guest reset or triple-faulted.
+    Reset(String),
+    /// A vCPU stopped on an error (emulation failure, KVM error).
+    Error(String),
+    /// `wait_timeout` ran out.
+    TimedOut,
+}
+
+impl Outcome {
+    /// Process exit status for `kumo run`.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Outcome::GuestExit(c) => (*c).min(255) as i32,
+            Outcome::Shutdown | Outcome::PowerOff => 0,
+            Outcome::Reset(_) | Outcome::Error(_) => 1,
+            Outcome::TimedOut => 124,
+        }
+    }
+}
+
+/// Start-up timestamps (CLOCK_MONOTONIC ns).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Timings {
+    /// When `RunningVm::start` began.
+    pub start_ns: u64,
+    /// When vCPUs were about to enter the guest for the first time.
+    pub vcpus_started_ns: Option<u64>,
+    /// When the guest signalled its entry (marker 1 on port 0x502).
+    pub guest_entry_ns: Option<u64>,
+    /// When the guest wrote its first serial byte.
+    pub first_output_ns: Option<u64>,
+}
+
+#[derive(Debug)]
+pub struct RunReport {
+    pub outcome: Outcome,
+    pub timings: Timings,
+}
+
+/// Everything needed to put a paused VM back where it was (memory stays in place).
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct Snapshot {
+    pub vm: VmState,
+    pub vcpus: Vec<VcpuState>,
+}
+
+const RUN: u8 = 0;
+const PAUSE: u8 = 1;
+const STOP: u8 = 2;
+
+struct Control {
+    parked: u32,
+    live: u32,
+    outcome: Option<Outcome>,
+    paused: bool,
+}
+
+struct Shared {
+    request: AtomicU8,
+    ctl: Mutex<Control>,
+    cv: Condvar,
+    timings: Mutex<Timings>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Parks while paused. Returns false when the thread should exit.
+    fn wait_runnable(&self) -> bool {
+        if self.request.load(Ordering::Acquire) == RUN {
+            return true;
+        }
+        let mut c = lock(&self.ctl);
+        let mut parked = false;
+        loop {
+            match self.request.load(Ordering::Acquire) {
+                PAUSE => {
+                    if !parked {
+                        parked = true;
+                        c.parked += 1;
+                        self.cv.notify_all();
+                    }
+                    c = self.cv.wait(c).unwrap_or_else(|p| p.into_inner());
+                }
+                r => {
+                    if parked {
+                        c.parked -= 1;
+                    }
+                    return r == RUN;
+                }
+            }
+        }
+    }
+
+    /// Records how the VM ended (the first report wins) and asks every vCPU to stop.
+    fn finish(&self, outcome: Outcome) {
+        let mut c = lock(&self.ctl);
+        c.outcome.get_or_insert(outcome);
+        self.request.store(STOP, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    fn mark(&self, marker: u8) {
+        if marker == 1 {
+            lock(&self.timings).guest_entry_ns.get_or_insert_with(monotonic_ns);
+        }
+    }
+}
+
+/// The console sink: line-buffered, and notes when the first byte arrived.
+struct TimedSink {
+    out: Box<dyn Write + Send>,
+    shared: Arc<Shared>,
+    seen: bool,
+    line: Vec<u8>,
+}
+
+impl Write for TimedSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if !self.seen && !buf.is_empty() {
+            self.seen = true;
+            lock(&self.shared.timings).first_output_ns.get_or_insert_with(monotonic_ns);
+        }
+        self.line.extend_from_slice(buf);
+        if self.line.len() >= 256 || buf.contains(&b'\n') {
+            self.flush()?;
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.write_all(&self.line)?;
+        self.line.clear();
+        self.out.flush()
+    }
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+fn kick_signal() -> libc::c_int {
+    static INIT: Once = Once::new();
+    INIT.call_once(|| {
+        // A no-op handler: its only purpose is to make KVM_RUN return EINTR.
+        register_signal_handler(SIGRTMIN(), kick_handler).expect("register vCPU kick signal");
+    });
+    SIGRTMIN()
+}
+
+pub struct RunningVm {
+    vm: Vm,
+    config: VmConfig,
+    vcpus: Vec<Arc<Mutex<Vcpu>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    shared: Arc<Shared>,
+    serial: Arc<Mutex<SerialConsole>>,
+    started: Instant,
+}
+
+mod linux_loader_shim {
+    //! kumo guests are plain static ELF executables; linux-loader's ELF loader places them.
+    use super::*;
+    use linux_loader::loader::{Elf, KernelLoader};
+    use vm_memory::GuestAddress;
+
+    /// Loads `elf` and returns (entry point, end of the loaded image).
+    pub fn load_elf(mem: &kumo_vm::GuestMemory, elf: &[u8]) -> Result<(u64, u64)> {
+        let r = Elf::load(mem, None, &mut Cursor::new(elf), Some(GuestAddress(HIMEM_START)))
+            .map_err(|e| Error::Load(e.to_string()))?;
+        let end = kumo_guests::image_end(elf).map_err(Error::Load)?;
+        Ok((r.kernel_load.0, end.max(r.kernel_end)))
+    }
+}
+
+impl RunningVm {
+    /// Builds the VM, loads its payload and starts every vCPU. Console output goes to `serial`.
+    pub fn start(config: VmConfig, serial: Box<dyn Write + Send>) -> Result<RunningVm> {
+        let start_ns = monotonic_ns();
+        config.validate()?;
+        let vm = Vm::new(config.cpus, config.memory, config.irqchip)?;
+        let mem = &vm.memory.guest;
+        let top = ram_regions(config.memory).last().map(|(s, l)| s + l).unwrap_or(0);
+        write_gdt(mem, config.cpus)?;
+        write_page_tables(mem, top)?;
+
+        let shared = Arc::new(Shared {
+            request: AtomicU8::new(RUN),
+            ctl: Mutex::new(Control { parked: 0, live: 0, outcome: None, paused: false }),
+            cv: Condvar::new(),
+            timings: Mutex::new(Timings { start_ns, ..Default::default() }),
+        });
+
+        let vcpus: Vec<Vcpu> = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;
+        let entries: Vec<Option<Entry>> = match &config.payload {
+            Payload::Guest { name, args } => {
+                let guest = kumo_guests::find(name)?;
+                let cmdline = guest.command_line(args)?;
+                let (rip, end) = load_elf(mem, guest.elf)?;
+                let free_end = config.memory.min(MMIO_GAP_START);
+                let info = KumoBootInfo {
+                    ncpus: config.cpus,
+                    mem_bytes: config.memory,
+                    tsc_khz: vcpus[0].tsc_khz().unwrap_or(0),
+                    free_start: end.next_multiple_of(4096),
+                    free_end,
+                    cmdline,
+                };
+                if info.free_start >= free_end {
+                    return Err(Error::Load(format!("guest {name} does not fit in {} bytes of memory", config.memory)));
+                }
+                info.write(mem)?;
+                vec![Some(Entry::KumoGuest { rip }); config.cpus as usize]
+            }
+            Payload::Kernel { path, initrd, cmdline } => {
+                let cfg = LinuxBootConfig {
+                    kernel: path,
+                    initrd: initrd.as_deref(),
+                    cmdline: cmdline.as_deref().unwrap_or(DEFAULT_LINUX_CMDLINE),
+                    mem_bytes: config.memory,
+                };
+                let entry = match load_linux(mem, &cfg).map_err(kumo_vm::Error::from)? {
+                    LinuxEntry::BzImage64 { entry, boot_params } => Entry::Linux64 { rip: entry, boot_params },
+                    LinuxEntry::Pvh { entry, start_info } => Entry::Pvh { rip: entry, start_info },
+                };
+                // APs wait for the kernel's INIT/SIPI.
+                std::iter::once(Some(entry)).chain(std::iter::repeat(None)).take(config.cpus as usize).collect()
+            }
+        };
+        for (v, e) in vcpus.iter().zip(&entries) {
+            v.configure(&vm.kvm, config.cpus, *e)?;
+        }
+
+        let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::Devices(e.to_string()))?;
+        vm.register_irqfd(&irq, COM1_IRQ)?;
+        let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
+        let serial = Arc::new(Mutex::new(SerialConsole::new(irq, Box::new(sink))));
+        let mut bus = PioBus::new();
+        bus.insert(COM1_PORT, 8, serial.clone()).map_err(|e| Error::Devices(e.to_string()))?;
+        bus.insert(EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).map_err(|e| Error::Devices(e.to_string()))?;
+        let bus = Arc::new(bus);
+
+        let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
+        let signal = kick_signal();
+        let _ = signal;
+        lock(&shared.timings).vcpus_started_ns = Some(monotonic_ns());
+        let mut threads = Vec::new();
+        for v in &vcpus {
+            let (v, bus, sh) = (v.clone(), bus.clone(), shared.clone());
+            let id = lock(&v).id;
+            lock(&shared.ctl).live += 1;
+            let t = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || vcpu_thread(v, bus, sh))
+                .map_err(Error::Thread);
+            match t {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    lock(&shared.ctl).live -= 1;
+                    shared.finish(Outcome::Error(e.to_string()));
+                    let vm = RunningVm { vm, config, vcpus, threads: Mutex::new(threads), shared, serial, started: Instant::now() };
+                    vm.stop_threads();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(RunningVm { vm, config, vcpus, threads: Mutex::new(threads), shared, serial, started: Instant::now() })
+    }
+
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    pub fn memory(&self) -> &kumo_vm::GuestMemory {
+        &self.vm.memory.guest
+    }
+
+    pub fn uptime(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    pub fn is_paused(&self) -> bool {
+        lock(&self.shared.ctl).paused
+    }
+
+    /// True once the VM has stopped or been asked to (guest exit, error, shutdown).
+    pub fn is_finished(&self) -> bool {
+        lock(&self.shared.ctl).outcome.is_some()
+    }
+
+    pub fn timings(&self) -> Timings {
+        lock(&self.shared.timings).clone()
+    }
+
+    /// Sends the kick signal to every vCPU thread still running.
+    fn kick_all(&self) {
+        let sig = kick_signal();
+        for t in lock(&self.threads).iter().filter(|t| !t.is_finished()) {
+            let _ = t.kill(sig);
+        }
+    }
+
+    /// Stops every vCPU; returns once they are all parked.
+    pub fn pause(&self) -> Result<()> {
+        {
+            let c = lock(&self.shared.ctl);
+            if c.outcome.is_some() {
+                return Err(Error::State("shutting down"));
+            }
+            if c.paused {
+                return Err(Error::State("already paused"));
+            }
+            self.shared.request.store(PAUSE, Ordering::Release);
+        }
+        loop {
+            self.kick_all();
+            let c = lock(&self.shared.ctl);
+            let (mut c, _) = self.shared.cv.wait_timeout(c, Duration::from_millis(2)).unwrap_or_else(|p| p.into_inner());
+            if c.outcome.is_some() {
+                return Err(Error::State("shutting down"));
+            }
+            if c.parked == c.live {
+                c.paused = true;
+                return Ok(());
+            }
+        }
+    }
+
+    pub fn resume(&self) -> Result<()> {
+        let mut c = lock(&self.shared.ctl);
+        if c.outcome.is_some() {
+            return Err(Error::State("shutting down"));
+        }
+        if !c.paused {
+            return Err(Error::State("not paused"));
+        }
+        c.paused = false;
+        self.shared.request.store(RUN, Ordering::Release);
+        self.shared.cv.notify_all();
+        Ok(())
+    }
+
+    fn require_paused(&self) -> Result<()> {
+        if lock(&self.shared.ctl).paused {
+            Ok(())
+        } else {
+            Err(Error::State("not paused (pause it first)"))
+        }
+    }
+
+    /// Reads the state of every vCPU and of the VM. The VM must be paused.
+    pub fn save_state(&self) -> Result<Snapshot> {
+        self.require_paused()?;
+        let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
+        Ok(Snapshot { vm: self.vm.save_state()?, vcpus })
+    }
+
+    /// Puts back a state from `save_state`. The VM must be paused.
+    pub fn restore_state(&self, s: &Snapshot) -> Result<()> {
+        self.require_paused()?;
+        if s.vcpus.len() != self.vcpus.len() {
+            return Err(kumo_vm::Error::Restore(format!("snapshot has {} vCPUs, VM has {}", s.vcpus.len(), self.vcpus.len())).into());
+        }
+        self.vm.restore_state(&s.vm)?;
+        for (v, st) in self.vcpus.iter().zip(&s.vcpus) {
+            lock(v).restore_state(st)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on a paused vCPU (for debugging and tests).
+    pub fn with_vcpu<R>(&self, id: usize, f: impl FnOnce(&Vcpu) -> R) -> Result<R> {
+        self.require_paused()?;
+        let v = self.vcpus.get(id).ok_or(Error::State("without that vCPU"))?;
+        Ok(f(&lock(v)))
+    }
+
+    /// Asks the VM to stop; `wait` then returns `Outcome::Shutdown`.
+    pub fn shutdown(&self) {
+        self.shared.finish(Outcome::Shutdown);
+    }
+
+    /// Feeds bytes to the guest's serial console.
+    pub fn serial_input(&self, bytes: &[u8]) -> usize {
+        lock(&self.serial).enqueue_input(bytes)
+    }
+
+    /// Waits until the VM ends (or `timeout` passes), stops all vCPU threads and reports.
+    pub fn wait_timeout(&self, timeout: Option<Duration>) -> RunReport {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut c = lock(&self.shared.ctl);
+        while c.outcome.is_none() {
+            let step = deadline.map(|d| d.saturating_duration_since(Instant::now())).unwrap_or(Duration::from_secs(3600));
+            if step.is_zero() {
+                c.outcome = Some(Outcome::TimedOut);
+                break;
+            }
+            c = self.shared.cv.wait_timeout(c, step).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        drop(c);
+        self.stop_threads();
+        let _ = lock(&self.serial).flush_output();
+        let outcome = lock(&self.shared.ctl).outcome.clone().unwrap_or(Outcome::Shutdown);
+        RunReport { outcome, timings: self.timings() }
+    }
+
+    pub fn wait(&self) -> RunReport {
+        self.wait_timeout(None)
+    }
+
+    fn stop_threads(&self) {
+        self.shared.request.store(STOP, Ordering::Release);
+        self.shared.cv.notify_all();
+        loop {
+            self.kick_all();
+            let c = lock(&self.shared.ctl);
+            if c.live == 0 {
+                break;
+            }
+            drop(self.shared.cv.wait_timeout(c, Duration::from_millis(2)));
+        }
+        for t in lock(&self.threads).drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for RunningVm {
+    fn drop(&mut self) {
+        self.shared.finish(Outcome::Shutdown);
+        self.stop_threads();
+    }
+}
+
+fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<PioBus>, shared: Arc<Shared>) {
+    while shared.wait_runnable() {
+        let r = lock(&vcpu).run(&bus);
+        match r {
+            Ok(VcpuRun::Continue) | Ok(VcpuRun::Interrupted) => {}
+            Ok(VcpuRun::Device(DeviceEvent::GuestExit(code))) => shared.finish(Outcome::GuestExit(code)),
+            Ok(VcpuRun::Device(DeviceEvent::Marker(m))) => shared.mark(m),
+            // With KVM's LAPIC, HLT only exits here if KVM chose not to park the vCPU itself.
+            Ok(VcpuRun::Halted) => std::thread::sleep(Duration::from_micros(100)),
+            Ok(VcpuRun::Reset(why)) => shared.finish(Outcome::Reset(why)),
+            Ok(VcpuRun::PowerOff) => shared.finish(Outcome::PowerOff),
+            Err(e) => shared.finish(Outcome::Error(e.to_string())),
+        }
+    }
+    let mut c = lock(&shared.ctl);
+    c.live -= 1;
+    shared.cv.notify_all();
+}

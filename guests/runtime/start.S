@@ -1,0 +1,84 @@
+/* Entry of every vCPU: rdi = boot info, rsi = vCPU index. Sets up this vCPU's kernel stack and
+ * calls kumo_start(bi, cpu). Kept tiny: each ring-0 instruction is emulated on nested KVM. */
+    .section .text.start, "ax"
+    .globl _start
+    .code64
+_start:
+    cmpq $64, %rsi          /* KUMO_MAX_CPUS: vCPUs beyond the runtime's stacks stay parked */
+    jae 2f
+    cmpq $1, %rsi
+    jae 1f
+    movb $1, %al            /* marker: guest entry (BSP) */
+    movw $0x502, %dx
+    outb %al, %dx
+1:  movq %rsi, %rax
+    addq $1, %rax
+    shlq $14, %rax          /* 16 KiB kernel stack per vCPU */
+    leaq kumo_kstacks(%rip), %rsp
+    addq %rax, %rsp
+    call kumo_start
+2:  hlt
+    jmp 2b
+
+/* Exception entry stubs: push a fake error code where the CPU pushes none, then the vector. */
+    .text
+    .macro EXC_NOERR vec
+    .globl kumo_exc\vec
+kumo_exc\vec:
+    pushq $0
+    pushq $\vec
+    jmp kumo_exc_common
+    .endm
+    .macro EXC_ERR vec
+    .globl kumo_exc\vec
+kumo_exc\vec:
+    pushq $\vec
+    jmp kumo_exc_common
+    .endm
+    EXC_NOERR 0
+    EXC_NOERR 1
+    EXC_NOERR 2
+    EXC_NOERR 3
+    EXC_NOERR 4
+    EXC_NOERR 5
+    EXC_NOERR 6
+    EXC_NOERR 7
+    EXC_ERR 8
+    EXC_NOERR 9
+    EXC_ERR 10
+    EXC_ERR 11
+    EXC_ERR 12
+    EXC_ERR 13
+    EXC_ERR 14
+    EXC_NOERR 15
+    EXC_NOERR 16
+    EXC_ERR 17
+    EXC_NOERR 18
+    EXC_NOERR 19
+kumo_exc_common:
+    movq %rsp, %rdi         /* -> struct exc_frame { vec, err, rip, cs, rflags, rsp, ss } */
+    andq $-16, %rsp
+    call kumo_exception     /* reports and exits the VM; does not return */
+3:  hlt
+    jmp 3b
+
+/* Ring 3 entry: rdi = fn, rsi = arg, rdx = user stack top. */
+    .globl kumo_iret_to_user
+kumo_iret_to_user:
+    pushq $0x1b             /* ss */
+    pushq %rdx              /* rsp */
+    pushq $0x3202           /* rflags: IF, IOPL 3 (port I/O allowed in ring 3) */
+    pushq $0x23             /* cs */
+    pushq %rdi              /* rip */
+    movq %rsi, %rdi
+    movw $0x1b, %ax
+    movw %ax, %ds
+    movw %ax, %es
+    iretq
+
+/* Where a ring-3 function returns to (pushed on the user stack): exit with its return value. */
+    .globl kumo_user_return
+kumo_user_return:
+    movw $0x501, %dx
+    outl %eax, %dx
+4:  jmp 4b

@@ -1,0 +1,114 @@
+/* memtouch: the dirtying workload. Writes a working set of pages at a set rate, sequentially or
+ * at random, then reports its throughput and a checksum of the working set. The sequence of
+ * writes is a pure function of the parameters, so two runs with the same parameters end with the
+ * same checksum whatever happened to the VM in between (pause, save/restore, migration). */
+#include "kumo.h"
+
+KUMO_MANIFEST("name=memtouch\n"
+              "summary=Writes a working set of pages (random or sequential, rate-limited) and reports throughput and a checksum.\n"
+              "max_cpus=64\n"
+              "param=pages:u64:1024:pages (4 KiB) in the working set\n"
+              "param=mode:random|seq:random:order in which pages are written\n"
+              "param=writes:u64:0:page writes before reporting (0: 4 x pages, unless duration_ms is set)\n"
+              "param=duration_ms:u64:0:stop after this long instead (0: no time limit)\n"
+              "param=rate:u64:0:page writes per second (0: as fast as possible)\n"
+              "param=seed:u64:1:seed of the write sequence\n"
+              "param=report_ms:u64:0:print a progress line this often (0: never)\n");
+
+#define PAGE 4096UL
+
+struct job {
+    u64 base, pages, writes, duration_ms, rate, seed, report_ms, tsc_khz, random;
+};
+static struct job job;
+
+static u64 mix64(u64 x) {
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9UL;
+    x ^= x >> 27; x *= 0x94d049bb133111ebUL;
+    return x ^ (x >> 31);
+}
+
+static u64 ms_to_tsc(u64 ms) { return ms * job.tsc_khz; }
+
+/* Runs in ring 3. */
+static u64 workload(u64 arg) {
+    struct job *j = (struct job *)arg;
+    u64 rng = mix64(j->seed) | 1, start = rdtsc(), next_report = start + ms_to_tsc(j->report_ms);
+    u64 deadline = j->duration_ms ? start + ms_to_tsc(j->duration_ms) : 0;
+    u64 n = 0;
+    for (;; n++) {
+        if (j->writes && n >= j->writes) break;
+        u64 now = (n & 63) == 0 || j->rate || j->report_ms ? rdtsc() : 0;
+        if (deadline && now && now >= deadline) break;
+        u64 page;
+        if (j->random) {
+            rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+            page = rng % j->pages;
+        } else {
+            page = n % j->pages;
+        }
+        volatile u64 *w = (volatile u64 *)(j->base + page * PAGE) + (n & 511);
+        *w = mix64(n ^ (j->seed << 40));
+        if (j->report_ms && now >= next_report) {
+            u64 ms = (now - start) / (j->tsc_khz ? j->tsc_khz : 1);
+            kprintf("memtouch: progress t_ms=%lu writes=%lu\n", ms, n + 1);
+            next_report += ms_to_tsc(j->report_ms);
+        }
+        if (j->rate && j->tsc_khz) {
+            u64 due = start + (n + 1) * j->tsc_khz * 1000 / j->rate;
+            while (rdtsc() < due) cpu_relax();
+        }
+    }
+    u64 elapsed = rdtsc() - start;
+    u64 sum = 0xcbf29ce484222325UL;
+    for (u64 p = 0; p < j->pages; p++) {
+        const u64 *w = (const u64 *)(j->base + p * PAGE);
+        for (int i = 0; i < 512; i++) sum = (sum ^ w[i]) * 0x100000001b3UL;
+    }
+    u64 us = j->tsc_khz ? elapsed * 1000 / j->tsc_khz : 0;
+    kprintf("memtouch: done writes=%lu elapsed_us=%lu pages_per_sec=%lu\n", n, us,
+            us ? n * 1000000 / us : 0);
+    kprintf("memtouch: checksum=%lx\n", sum);
+    return 0;
+}
+
+static u64 param_or(struct kumo_boot_info *bi, const char *key, u64 dflt) {
+    u64 v = dflt;
+    if (kumo_param_u64(bi, key, &v) < 0) {
+        kprintf("memtouch: bad value for %s (want a number)\n", key);
+        kumo_exit(2);
+    }
+    return v;
+}
+
+void kmain(struct kumo_boot_info *bi, u32 cpu) {
+    if (cpu != 0)
+        for (;;) sti_hlt_cli();
+    char mode[16] = "random";
+    kumo_param(bi, "mode", mode, sizeof(mode));
+    if (!kstreq(mode, "random") && !kstreq(mode, "seq")) {
+        kprintf("memtouch: mode must be random or seq, not %s\n", mode);
+        kumo_exit(2);
+    }
+    job.random = kstreq(mode, "random");
+    job.pages = param_or(bi, "pages", 1024);
+    job.duration_ms = param_or(bi, "duration_ms", 0);
+    job.writes = param_or(bi, "writes", job.duration_ms ? 0 : 4 * job.pages);
+    job.rate = param_or(bi, "rate", 0);
+    job.seed = param_or(bi, "seed", 1);
+    job.report_ms = param_or(bi, "report_ms", 0);
+    job.tsc_khz = bi->tsc_khz;
+    job.base = (bi->free_start + PAGE - 1) & ~(PAGE - 1);
+    u64 avail = (bi->free_end - job.base) / PAGE;
+    if (job.pages == 0 || job.pages > avail) {
+        kprintf("memtouch: pages=%lu does not fit: 1..%lu pages are free\n", job.pages, avail);
+        kumo_exit(2);
+    }
+    if ((job.rate || job.duration_ms || job.report_ms) && !job.tsc_khz) {
+        kputs("memtouch: rate/duration_ms/report_ms need the TSC frequency, which kumo did not give\n");
+        kumo_exit(2);
+    }
+    kprintf("memtouch: pages=%lu mode=%s writes=%lu duration_ms=%lu rate=%lu seed=%lu base=%lx\n",
+            job.pages, mode, job.writes, job.duration_ms, job.rate, job.seed, job.base);
+    kumo_enter_user(workload, (u64)&job);
+}
