@@ -4,6 +4,7 @@
 
 mod elf;
 mod manifest;
+pub mod memtouch;
 
 pub use elf::image_end;
 pub use manifest::{Manifest, Param, ParamKind};

@@ -70,7 +70,7 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::{Bytes, GuestMemory as _, GuestMemoryBackend as _};
+    use vm_memory::{Bytes, GuestMemoryBackend as _};
 
     #[test]
     fn sizes() {

@@ -87,6 +87,14 @@ impl Vcpu {
         Ok(())
     }
 
+    pub fn regs(&self) -> Result<kvm_bindings::kvm_regs> {
+        self.fd.get_regs().map_err(|e| Error::Kvm("KVM_GET_REGS", e))
+    }
+
+    pub fn set_regs(&self, regs: &kvm_bindings::kvm_regs) -> Result<()> {
+        self.fd.set_regs(regs).map_err(|e| Error::Kvm("KVM_SET_REGS", e))
+    }
+
     /// TSC frequency of this vCPU in kHz, if KVM reports one.
     pub fn tsc_khz(&self) -> Option<u64> {
         self.fd.get_tsc_khz().ok().map(|k| k as u64).filter(|k| *k > 0)
