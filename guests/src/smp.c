@@ -123,7 +123,8 @@ static u64 sort_and_report(u64 arg) {
     kprintf("smp: ipi_rtt_cycles iters=%lu min=%lu p50=%lu p99=%lu max=%lu\n", n, samples[0], p50, p99,
             samples[n - 1]);
     kprintf("smp: ipi_rtt_ns p50=%lu p99=%lu\n", ns(p50, r->tsc_khz), ns(p99, r->tsc_khz));
-    kprintf("smp: exit_rtt_cycles p50=%lu exit_rtt_ns p50=%lu\n", e50, ns(e50, r->tsc_khz));
+    kprintf("smp: exit_rtt_cycles p50=%lu\n", e50);
+    kprintf("smp: exit_rtt_ns p50=%lu\n", ns(e50, r->tsc_khz));
     kprintf("smp: tsc_khz=%lu ipi_over_exit=%lu.%lu\n", r->tsc_khz, e50 ? p50 / e50 : 0,
             e50 ? (p50 * 10 / e50) % 10 : 0);
     return 0;
