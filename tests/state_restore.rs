@@ -1,8 +1,14 @@
 //! Pause → save → (clobber) → restore → resume, in process: the guest must carry on exactly
 //! where it was, which memtouch's checksum (against the reference model) proves.
 
-mod common;
-use common::kvm_or_skip;
+/// The CLI tests' helpers need the kumo binary; this in-process test only needs KVM.
+fn kvm_or_skip(test: &str) -> bool {
+    let ok = kumo_vm::vm::kvm_available();
+    if !ok {
+        eprintln!("skipping {test}: /dev/kvm not available");
+    }
+    ok
+}
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};

@@ -18,7 +18,7 @@ pub fn kvm_or_skip(test: &str) -> bool {
 }
 
 pub fn kumo_bin() -> PathBuf {
-    PathBuf::from(option_env!("CARGO_BIN_EXE_kumo").expect("kumo binary: only for tests of kumo-cli"))
+    PathBuf::from(env!("CARGO_BIN_EXE_kumo"))
 }
 
 pub fn kumo(args: &[&str]) -> Output {

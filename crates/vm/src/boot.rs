@@ -25,6 +25,7 @@ const TSS_HEADER: u64 = 104;
 pub const IO_BITMAP_PORTS: u64 = 0x600;
 /// Header, bitmap, and the all-ones byte the CPU requires after the bitmap.
 const TSS_SIZE: u64 = TSS_HEADER + IO_BITMAP_PORTS / 8 + 1;
+const _: () = assert!(TSS_SIZE <= TSS_STRIDE, "a TSS must fit its slot");
 
 const CR0_PE: u64 = 1;
 const CR0_MP: u64 = 1 << 1;
@@ -248,7 +249,6 @@ mod tests {
         assert_eq!(tss2 & 0xffff, TSS_SIZE - 1);
         let iomap: u16 = m.guest.read_obj(GuestAddress(TSS_START + 2 * TSS_STRIDE + 102)).unwrap();
         assert_eq!(iomap as u64, TSS_HEADER);
-        assert!(TSS_SIZE <= TSS_STRIDE);
         assert_eq!(gdt_limit(3) as u64 + 1, (GDT_FIRST_TSS as u64 + 6) * 8);
         assert!(matches!(write_gdt(&m.guest, 0), Err(Error::BadVcpuCount(0, _))));
         assert!(matches!(write_gdt(&m.guest, MAX_VCPUS + 1), Err(Error::BadVcpuCount(..))));

@@ -23,7 +23,7 @@ pub const MIN_MEMORY: u64 = 8 << 20;
 
 impl Memory {
     pub fn new(size: u64) -> Result<Self> {
-        if size < MIN_MEMORY || size % 4096 != 0 {
+        if size < MIN_MEMORY || !size.is_multiple_of(4096) {
             return Err(Error::BadMemorySize(size));
         }
         // SAFETY: memfd_create with a NUL-terminated name; the result is checked.

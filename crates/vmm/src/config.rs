@@ -92,7 +92,7 @@ impl VmConfig {
         if self.cpus > kumo_vm::layout::MAX_VCPUS {
             return Err(Error::Config(format!("cpus {} exceeds kumo's limit of {}", self.cpus, kumo_vm::layout::MAX_VCPUS)));
         }
-        if self.memory < kumo_vm::memory::MIN_MEMORY || self.memory % 4096 != 0 {
+        if self.memory < kumo_vm::memory::MIN_MEMORY || !self.memory.is_multiple_of(4096) {
             return Err(Error::Config(format!(
                 "memory {} bytes: give a multiple of 4 KiB, at least {} MiB",
                 self.memory,
