@@ -132,6 +132,10 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
         let j = serde_json::to_string_pretty(&report.timings).unwrap_or_default();
         std::fs::write(p, j).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
     }
+    let assists = vm.assist_counts();
+    if assists.total() > 0 {
+        eprintln!("kumo: emulation assists: {}", assists.summary());
+    }
     use kumo_vmm::Outcome::*;
     match &report.outcome {
         Reset(why) => eprintln!("kumo: guest reset: {why}"),

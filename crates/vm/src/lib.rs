@@ -3,8 +3,10 @@
 //! what pause/save/restore and, later, migration build on. Almost all of kumo's `unsafe` lives
 //! here, at the KVM and memory boundary.
 
+pub mod assist;
 pub mod boot;
 pub mod cpuid;
+pub mod dirty;
 pub mod insn;
 pub mod layout;
 pub mod linux;

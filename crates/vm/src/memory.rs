@@ -36,6 +36,23 @@ impl Memory {
         memfd
             .set_len(size)
             .map_err(|e| Error::Memory(format!("cannot size guest RAM to {size} bytes: {e}")))?;
+        Self::map(memfd, size)
+    }
+
+    /// Guest RAM backed by an existing memory file of exactly `size` bytes, e.g. the memfd of a
+    /// VM migrating on the same host: both processes then share the same pages.
+    pub fn from_file(memfd: File, size: u64) -> Result<Self> {
+        if size < MIN_MEMORY || !size.is_multiple_of(4096) {
+            return Err(Error::BadMemorySize(size));
+        }
+        let len = memfd.metadata().map_err(|e| Error::Memory(format!("memory file: {e}")))?.len();
+        if len != size {
+            return Err(Error::Memory(format!("memory file holds {len} bytes, the VM needs {size}")));
+        }
+        Self::map(memfd, size)
+    }
+
+    fn map(memfd: File, size: u64) -> Result<Self> {
         let mut regions = Vec::new();
         let mut offset = 0u64;
         for (start, len) in ram_regions(size) {
@@ -93,6 +110,18 @@ mod tests {
         assert_eq!(u32::from_le_bytes(b), 0xdeadbeef);
         assert!(matches!(Memory::new(1 << 20), Err(Error::BadMemorySize(_))));
         assert!(matches!(Memory::new((16 << 20) + 1), Err(Error::BadMemorySize(_))));
+    }
+
+    #[test]
+    fn a_second_mapping_of_the_same_memfd_shares_pages() {
+        let a = Memory::new(16 << 20).unwrap();
+        a.guest.write_obj(0x1234_5678u32, GuestAddress(0x20_0000)).unwrap();
+        let b = Memory::from_file(a.memfd.try_clone().unwrap(), 16 << 20).unwrap();
+        assert_eq!(b.guest.read_obj::<u32>(GuestAddress(0x20_0000)).unwrap(), 0x1234_5678);
+        b.guest.write_obj(7u32, GuestAddress(0x30_0000)).unwrap();
+        assert_eq!(a.guest.read_obj::<u32>(GuestAddress(0x30_0000)).unwrap(), 7);
+        let e = Memory::from_file(a.memfd.try_clone().unwrap(), 32 << 20).err().unwrap().to_string();
+        assert!(e.contains("holds 16777216 bytes, the VM needs 33554432"), "{e}");
     }
 
     #[test]

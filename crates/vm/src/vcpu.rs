@@ -8,6 +8,7 @@ use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use kumo_devices::{DeviceEvent, PioBus};
 use vm_memory::{Bytes, GuestAddress};
 
+use crate::assist::{self, AssistCounts, AssistCpu};
 use crate::boot::{regs_for, sregs_for, Entry};
 use crate::state::VcpuState;
 use crate::{cpuid, insn, Error, Result};
@@ -43,11 +44,19 @@ pub struct Vcpu {
     /// MSRs to save, from KVM_GET_MSR_INDEX_LIST.
     msr_list: Arc<Vec<u32>>,
     has_lapic: bool,
+    /// Emulation assists performed so far (see `crate::assist`).
+    assists: AssistCounts,
 }
 
 impl Vcpu {
     pub(crate) fn new(id: u32, fd: VcpuFd, mem: crate::GuestMemory, msr_list: Arc<Vec<u32>>, has_lapic: bool) -> Self {
-        Vcpu { id, fd, mem, msr_list, has_lapic }
+        Vcpu { id, fd, mem, msr_list, has_lapic, assists: AssistCounts::default() }
+    }
+
+    /// How many instructions of each kind kumo carried out for this vCPU after KVM failed to
+    /// emulate them.
+    pub fn assist_counts(&self) -> AssistCounts {
+        self.assists
     }
 
     /// Sets CPUID, MSRs, LAPIC LINT pins and, if `entry` is given, the boot register state.
@@ -125,7 +134,7 @@ impl Vcpu {
                 kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => Ok(VcpuRun::PowerOff),
                 _ => Ok(VcpuRun::Reset(format!("vCPU {id} requested a system reset (event {t})"))),
             },
-            Ok(VcpuExit::InternalError) => Err(self.internal_error()),
+            Ok(VcpuExit::InternalError) => self.internal_error(),
             Ok(VcpuExit::FailEntry(reason, _)) => Err(Error::FailEntry { cpu: id, reason }),
             Ok(VcpuExit::Intr) => Ok(VcpuRun::Interrupted),
             Ok(VcpuExit::IrqWindowOpen) => Ok(VcpuRun::Continue),
@@ -137,28 +146,54 @@ impl Vcpu {
         }
     }
 
-    fn internal_error(&mut self) -> Error {
+    /// Handles KVM_EXIT_INTERNAL_ERROR: an emulation failure on an instruction kumo can carry
+    /// out itself is assisted and the vCPU continues; anything else is an error naming the RIP,
+    /// the bytes and, where known, the instruction.
+    fn internal_error(&mut self) -> Result<VcpuRun> {
         // SAFETY: reading the `internal` member of the kvm_run union is valid right after
         // KVM_RUN returned KVM_EXIT_INTERNAL_ERROR, which is the only caller.
         let suberror = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
-        let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+        let mut regs = self.fd.get_regs().map_err(|e| Error::Kvm("KVM_GET_REGS", e))?;
+        let rip = regs.rip;
         if suberror != kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
-            return Error::InternalError { cpu: self.id, suberror, rip };
+            return Err(Error::InternalError { cpu: self.id, suberror, rip });
         }
         let mut bytes = [0u8; 15];
-        let read = self
-            .fd
-            .translate_gva(rip)
-            .ok()
-            .filter(|t| t.valid != 0)
-            .map(|t| self.mem.read_slice(&mut bytes, GuestAddress(t.physical_address)).is_ok())
-            .unwrap_or(false);
-        let (bytes, what) = if read {
-            (insn::hex(&bytes[..8]), insn::describe(&bytes).map(|n| format!(": {n}")).unwrap_or_default())
+        let n = VcpuMem { fd: &self.fd, mem: &self.mem }.read_prefix(rip, &mut bytes);
+        let bytes = &bytes[..n];
+        if let Some(kind) = self.assist(bytes, &mut regs)? {
+            self.assists.add(kind);
+            tracing::debug!(cpu = self.id, rip = format_args!("{rip:#x}"), insn = kind.name(), total = self.assists.get(kind), "emulation assist");
+            return Ok(VcpuRun::Continue);
+        }
+        let (bytes, what) = if n > 0 {
+            (insn::hex(&bytes[..n.min(8)]), insn::describe(bytes).map(|n| format!(": {n}")).unwrap_or_default())
         } else {
             ("unreadable".to_string(), String::new())
         };
-        Error::EmulationFailure { cpu: self.id, rip, bytes, what }
+        Err(Error::EmulationFailure { cpu: self.id, rip, bytes, what })
+    }
+
+    /// Carries out the instruction in `bytes` (at `regs.rip`) if kumo knows how; `None` if not.
+    fn assist(&mut self, bytes: &[u8], regs: &mut kvm_bindings::kvm_regs) -> Result<Option<assist::AssistKind>> {
+        let sregs = self.fd.get_sregs().map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?;
+        let Some((insn, len)) = assist::decode(bytes, sregs.cs.l == 1) else { return Ok(None) };
+        let mut cpu = VcpuMem { fd: &self.fd, mem: &self.mem };
+        let Some(done) = assist::execute(&mut cpu, insn, len, regs, &sregs)? else { return Ok(None) };
+        // Registers first: KVM_SET_REGS drops a pending exception.
+        self.fd.set_regs(regs).map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
+        if let Some(ex) = done.exception {
+            let mut ev = self.fd.get_vcpu_events().map_err(|e| Error::Kvm("KVM_GET_VCPU_EVENTS", e))?;
+            ev.exception.injected = 1;
+            ev.exception.pending = 0;
+            ev.exception.nr = ex.vector;
+            ev.exception.has_error_code = ex.error_code.is_some() as u8;
+            ev.exception.error_code = ex.error_code.unwrap_or(0);
+            ev.exception_has_payload = 0;
+            ev.exception_payload = 0;
+            self.fd.set_vcpu_events(&ev).map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
+        }
+        Ok(Some(done.kind))
     }
 
     /// Reads this vCPU's state. The vCPU must not be running.
@@ -226,6 +261,76 @@ impl Vcpu {
         fd.set_debug_regs(&s.debugregs).map_err(|e| Error::Kvm("KVM_SET_DEBUGREGS", e))?;
         fd.set_vcpu_events(&s.events).map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
         Ok(())
+    }
+}
+
+/// Guest-virtual memory and MXCSR of one vCPU, for `assist::execute`.
+struct VcpuMem<'a> {
+    fd: &'a VcpuFd,
+    mem: &'a crate::GuestMemory,
+}
+
+impl VcpuMem<'_> {
+    /// Guest-physical address of `gva` through the vCPU's page tables (KVM_TRANSLATE).
+    fn translate(&self, gva: u64, write: bool) -> Option<u64> {
+        let t = self.fd.translate_gva(gva).ok()?;
+        (t.valid != 0 && (!write || t.writeable != 0)).then_some(t.physical_address)
+    }
+
+    /// Calls `f(gpa, range)` for each page-contiguous piece of `[gva, gva + len)`; stops at the
+    /// first piece that does not translate or that `f` refuses. Returns the bytes covered.
+    fn pieces(&self, gva: u64, len: usize, write: bool, mut f: impl FnMut(u64, std::ops::Range<usize>) -> bool) -> usize {
+        let mut done = 0;
+        while done < len {
+            let va = gva.wrapping_add(done as u64);
+            let n = ((0x1000 - (va & 0xfff)) as usize).min(len - done);
+            match self.translate(va, write) {
+                Some(gpa) if f(gpa, done..done + n) => done += n,
+                _ => break,
+            }
+        }
+        done
+    }
+
+    /// Reads as much of `buf` from `gva` as is mapped RAM (an instruction fetch near the end of
+    /// a mapping); returns the count.
+    fn read_prefix(&self, gva: u64, buf: &mut [u8]) -> usize {
+        let len = buf.len();
+        self.pieces(gva, len, false, |gpa, r| self.mem.read_slice(&mut buf[r], GuestAddress(gpa)).is_ok())
+    }
+}
+
+impl AssistCpu for VcpuMem<'_> {
+    fn read_virt(&mut self, gva: u64, buf: &mut [u8]) -> bool {
+        self.read_prefix(gva, buf) == buf.len()
+    }
+
+    fn write_virt(&mut self, gva: u64, buf: &[u8]) -> bool {
+        // Translate every page before writing any, so a fault writes nothing.
+        if self.pieces(gva, buf.len(), true, |_, _| true) != buf.len() {
+            return false;
+        }
+        self.pieces(gva, buf.len(), true, |gpa, r| self.mem.write_slice(&buf[r], GuestAddress(gpa)).is_ok()) == buf.len()
+    }
+
+    fn mxcsr(&mut self) -> Result<(u32, u32)> {
+        let x = self.fd.get_xsave().map_err(|e| Error::Kvm("KVM_GET_XSAVE", e))?;
+        Ok((assist::xsave_mxcsr(&x.region), assist::xsave_mxcsr_mask(&x.region)))
+    }
+
+    fn rdmsr(&mut self, index: u32) -> Result<Option<u64>> {
+        let mut msrs = Msrs::from_entries(&[kvm_msr_entry { index, ..Default::default() }]).expect("one MSR");
+        let n = self.fd.get_msrs(&mut msrs).map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
+        Ok((n == 1).then(|| msrs.as_slice()[0].data))
+    }
+
+    fn set_mxcsr(&mut self, mxcsr: u32) -> Result<()> {
+        // KVM_SET_FPU does not change MXCSR on this host; KVM_SET_XSAVE does.
+        let mut x = self.fd.get_xsave().map_err(|e| Error::Kvm("KVM_GET_XSAVE", e))?;
+        assist::set_xsave_mxcsr(&mut x.region, mxcsr);
+        // SAFETY: `x` is the whole kvm_xsave KVM_GET_XSAVE just returned for this vCPU, with only
+        // the MXCSR word changed; KVM validates the contents.
+        unsafe { self.fd.set_xsave(&x) }.map_err(|e| Error::Kvm("KVM_SET_XSAVE", e))
     }
 }
 

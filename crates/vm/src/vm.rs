@@ -46,6 +46,8 @@ pub struct Vm {
     pub irqchip: IrqchipMode,
     pub ncpus: u32,
     msr_list: Arc<Vec<u32>>,
+    /// Whether KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 is enabled (see `dirty`).
+    pub(crate) dirty_manual: std::sync::atomic::AtomicBool,
 }
 
 /// Opens /dev/kvm with a clear error when it is absent or not accessible.
@@ -62,6 +64,12 @@ pub fn kvm_available() -> bool {
 
 impl Vm {
     pub fn new(ncpus: u32, mem_bytes: u64, irqchip: IrqchipMode) -> Result<Self> {
+        Self::check_kvm(ncpus, irqchip)?;
+        Self::with_memory(ncpus, Memory::new(mem_bytes)?, irqchip)
+    }
+
+    /// Fails early, before memory is allocated, if KVM cannot host this VM.
+    fn check_kvm(ncpus: u32, irqchip: IrqchipMode) -> Result<Kvm> {
         let kvm = open_kvm()?;
         for (cap, name) in [
             (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
@@ -83,7 +91,12 @@ impl Vm {
         if ncpus == 0 || ncpus > max {
             return Err(Error::BadVcpuCount(ncpus, max));
         }
-        let memory = Memory::new(mem_bytes)?;
+        Ok(kvm)
+    }
+
+    /// A VM over existing guest memory (e.g. a memfd handed over by a local migration).
+    pub fn with_memory(ncpus: u32, memory: Memory, irqchip: IrqchipMode) -> Result<Self> {
+        let kvm = Self::check_kvm(ncpus, irqchip)?;
         let fd = kvm.create_vm().map_err(|e| Error::Kvm("KVM_CREATE_VM", e))?;
         fd.set_tss_address(KVM_TSS_ADDRESS as usize).map_err(|e| Error::Kvm("KVM_SET_TSS_ADDR", e))?;
         match irqchip {
@@ -118,6 +131,7 @@ impl Vm {
             irqchip,
             ncpus,
             msr_list: Arc::new(msr_list.as_slice().to_vec()),
+            dirty_manual: Default::default(),
         })
     }
 

@@ -17,7 +17,20 @@ pub enum Payload {
     Kernel { path: PathBuf, #[serde(default)] initrd: Option<PathBuf>, #[serde(default)] cmdline: Option<String> },
 }
 
-pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k panic=-1 noapic nomodule";
+/// The command line for `--kernel` without `--cmdline`: the serial console, no reboot loop, and
+/// what this project's nested KVM needs (`/work/shared/NESTED-KVM.md`, docs/linux-boot.md). That
+/// host leaks CPU features into the guest's CPUID although kumo masks them, and cannot emulate
+/// their instructions in guest ring 0:
+/// - `noxsave`: XSAVE leaks, and XRSTOR stops the vCPU in the kernel's FPU set-up; with
+///   `noxsave` Linux uses FXSAVE/FXRSTOR, which the host emulates.
+/// - `clearcpuid=ssse3`: SSSE3 leaks, and the kernel's BLAKE2s (the random pool) then runs SSE
+///   code (`movd`, `pshufb`, `paddd`, ...) the host cannot emulate and kumo has no assist for;
+///   without SSSE3 it uses the generic C code.
+///
+/// The other leaked features seen so far (SMAP's CLAC/STAC, POPCNT) and INT3 from text patching
+/// are handled by kumo's emulation assists (`kumo_vm::assist`), so they need nothing here.
+pub const DEFAULT_LINUX_CMDLINE: &str =
+    "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k panic=-1 noapic nomodule noxsave clearcpuid=ssse3";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -84,8 +97,8 @@ impl ConfigFile {
 }
 
 impl VmConfig {
-    /// Checks what can be checked before touching KVM.
-    pub fn validate(&self) -> Result<(), Error> {
+    /// Checks the VM's shape: vCPUs and memory.
+    pub fn validate_shape(&self) -> Result<(), Error> {
         if self.cpus == 0 {
             return Err(Error::Config("cpus must be at least 1".into()));
         }
@@ -99,6 +112,12 @@ impl VmConfig {
                 kumo_vm::memory::MIN_MEMORY >> 20
             )));
         }
+        Ok(())
+    }
+
+    /// Checks what can be checked before touching KVM: the shape and the payload.
+    pub fn validate(&self) -> Result<(), Error> {
+        self.validate_shape()?;
         match &self.payload {
             Payload::Guest { name, args } => {
                 let g = kumo_guests::find(name)?;

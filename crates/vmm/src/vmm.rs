@@ -46,6 +46,8 @@ pub enum Outcome {
     Error(String),
     /// `wait_timeout` ran out.
     TimedOut,
+    /// The VM was migrated to another kumo (named here) and this copy stopped.
+    Migrated(String),
 }
 
 impl Outcome {
@@ -53,7 +55,7 @@ impl Outcome {
     pub fn exit_code(&self) -> i32 {
         match self {
             Outcome::GuestExit(c) => (*c).min(255) as i32,
-            Outcome::Shutdown | Outcome::PowerOff => 0,
+            Outcome::Shutdown | Outcome::PowerOff | Outcome::Migrated(_) => 0,
             Outcome::Reset(_) | Outcome::Error(_) => 1,
             Outcome::TimedOut => 124,
         }
@@ -217,23 +219,47 @@ mod linux_loader_shim {
 impl RunningVm {
     /// Builds the VM, loads its payload and starts every vCPU. Console output goes to `serial`.
     pub fn start(config: VmConfig, serial: Box<dyn Write + Send>) -> Result<RunningVm> {
+        Self::build(config, serial, false, None)
+    }
+
+    /// Builds a VM of `config`'s shape for an incoming migration: memory empty, payload not
+    /// loaded, every vCPU thread parked (the VM is paused) until its state is restored and it
+    /// is resumed. With `memfd`, guest memory is that file (a local migration shares it).
+    pub fn incoming(config: VmConfig, serial: Box<dyn Write + Send>, memfd: Option<std::fs::File>) -> Result<RunningVm> {
+        Self::build(config, serial, true, memfd)
+    }
+
+    fn build(config: VmConfig, serial: Box<dyn Write + Send>, incoming: bool, memfd: Option<std::fs::File>) -> Result<RunningVm> {
         let start_ns = monotonic_ns();
-        config.validate()?;
-        let vm = Vm::new(config.cpus, config.memory, config.irqchip)?;
+        if incoming {
+            config.validate_shape()?;
+        } else {
+            config.validate()?;
+        }
+        let vm = match memfd {
+            Some(f) => Vm::with_memory(config.cpus, kumo_vm::Memory::from_file(f, config.memory)?, config.irqchip)?,
+            None => Vm::new(config.cpus, config.memory, config.irqchip)?,
+        };
         let mem = &vm.memory.guest;
         let top = ram_regions(config.memory).last().map(|(s, l)| s + l).unwrap_or(0);
-        write_gdt(mem, config.cpus)?;
-        write_page_tables(mem, top)?;
+        // An incoming VM's memory comes from the source (for a local migration it *is* the
+        // source's memory): writing boot structures would clobber the guest.
+        if !incoming {
+            write_gdt(mem, config.cpus)?;
+            write_page_tables(mem, top)?;
+        }
 
         let shared = Arc::new(Shared {
-            request: AtomicU8::new(RUN),
-            ctl: Mutex::new(Control { parked: 0, live: 0, outcome: None, paused: false }),
+            request: AtomicU8::new(if incoming { PAUSE } else { RUN }),
+            ctl: Mutex::new(Control { parked: 0, live: 0, outcome: None, paused: incoming }),
             cv: Condvar::new(),
             timings: Mutex::new(Timings { start_ns, ..Default::default() }),
         });
 
         let vcpus: Vec<Vcpu> = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;
         let entries: Vec<Option<Entry>> = match &config.payload {
+            // Memory and registers arrive with the migration stream.
+            _ if incoming => vec![None; config.cpus as usize],
             Payload::Guest { name, args } => {
                 let guest = kumo_guests::find(name)?;
                 let cmdline = guest.command_line(args)?;
@@ -282,8 +308,7 @@ impl RunningVm {
         let bus = Arc::new(bus);
 
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        let signal = kick_signal();
-        let _ = signal;
+        kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&shared.timings).vcpus_started_ns = Some(monotonic_ns());
         let mut threads = Vec::new();
         for v in &vcpus {
@@ -314,6 +339,22 @@ impl RunningVm {
 
     pub fn memory(&self) -> &kumo_vm::GuestMemory {
         &self.vm.memory.guest
+    }
+
+    /// The KVM VM (dirty logging, memory), for migration.
+    pub fn vm(&self) -> &Vm {
+        &self.vm
+    }
+
+    /// The file behind guest memory.
+    pub fn memfd(&self) -> &std::fs::File {
+        &self.vm.memory.memfd
+    }
+
+    /// Records that the VM now runs elsewhere and stops this copy; `wait` returns
+    /// `Outcome::Migrated`.
+    pub fn finish_migrated(&self, to: String) {
+        self.shared.finish(Outcome::Migrated(to));
     }
 
     pub fn uptime(&self) -> Duration {
@@ -414,6 +455,16 @@ impl RunningVm {
         self.require_paused()?;
         let v = self.vcpus.get(id).ok_or(Error::State("without that vCPU"))?;
         Ok(f(&lock(v)))
+    }
+
+    /// Emulation assists (instructions KVM could not emulate that kumo carried out), summed over
+    /// the vCPUs. Waits for vCPUs inside KVM_RUN, so call it on a paused or finished VM.
+    pub fn assist_counts(&self) -> kumo_vm::assist::AssistCounts {
+        let mut c = kumo_vm::assist::AssistCounts::default();
+        for v in &self.vcpus {
+            c.merge(&lock(v).assist_counts());
+        }
+        c
     }
 
     /// Asks the VM to stop; `wait` then returns `Outcome::Shutdown`.

@@ -1,0 +1,14 @@
+//! kumo-migration-engine: moves a running VM to another kumo. The stream format, stop rules
+//! and dirty-page model are in `kumo-migration` (pure); this crate adds the I/O: transports
+//! (TCP, unix sockets with fd passing, MSG_ZEROCOPY) and the pre-copy sessions and engines.
+//! The VM is reached through the `SourceVm`/`DestVm` traits, so this crate does not depend on
+//! how a VMM runs vCPUs.
+
+pub mod session;
+pub mod transport;
+
+#[cfg(test)]
+mod tests;
+
+pub use session::{migrate, receive, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvReport, Report, RoundReport, SourceVm};
+pub use transport::{Address, Conn, Listener};

@@ -1,0 +1,830 @@
+//! Live migration sessions: the pre-copy loop on the source, the receiver on the destination,
+//! and the engines that move pages between them.
+//!
+//! The VM is reached through [`SourceVm`] and [`DestVm`], so everything here is independent of
+//! how a VMM runs its vCPUs and can be tested with plain memory. Engines:
+//! - `serial`: copy a batch of up to 1,024 pages into a buffer, send it, reuse the buffer, in
+//!   order (the paper's baseline, one thread).
+//! - `overlap`: the paper's pipeline: a collector copies batch k+1 while sender threads put
+//!   batch k on the wire, through bounded queues of reusable buffers; with several connections
+//!   the receiver places their batches in parallel.
+//! - `zerocopy`: no copy on the sender: `sendmsg(MSG_ZEROCOPY)` with iovecs straight into guest
+//!   memory (live-round batches checksum their metadata only, see docs/migration-format.md).
+//! - `local`: same host: the guest memory's memfd is passed over a unix socket (SCM_RIGHTS), so
+//!   memory is not copied at all; only vCPU and device state cross.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kumo_vm::dirty::PageBitmap;
+use kumo_vm::GuestMemory;
+use serde::{Deserialize, Serialize};
+use vm_memory::{Bytes, GuestAddress};
+
+use kumo_migration::format::{self, Checksum, Encoder, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES};
+use kumo_migration::planner::{Decision, Planner, RoundStats, StopPolicy, StopReason};
+use crate::transport::{Address, Conn, Listener, ZeroCopy};
+
+const PAGE: usize = 4096;
+
+/// How pages travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    Serial,
+    Overlap,
+    Zerocopy,
+    Local,
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "serial" => Ok(EngineKind::Serial),
+            "overlap" => Ok(EngineKind::Overlap),
+            "zerocopy" => Ok(EngineKind::Zerocopy),
+            "local" => Ok(EngineKind::Local),
+            _ => Err(format!("unknown engine `{s}`: serial, overlap, zerocopy or local")),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EngineKind::Serial => "serial",
+            EngineKind::Overlap => "overlap",
+            EngineKind::Zerocopy => "zerocopy",
+            EngineKind::Local => "local",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigrateOptions {
+    pub engine: EngineKind,
+    pub policy: StopPolicy,
+    /// Parallel connections (overlap and zerocopy).
+    pub connections: usize,
+    /// How long to wait for the destination's replies.
+    pub reply_timeout: Duration,
+}
+
+impl Default for MigrateOptions {
+    fn default() -> Self {
+        MigrateOptions { engine: EngineKind::Overlap, policy: StopPolicy::default(), connections: 1, reply_timeout: Duration::from_secs(60) }
+    }
+}
+
+/// The source VM, as migration sees it.
+pub trait SourceVm: Sync {
+    fn description(&self) -> VmDescription;
+    fn memory(&self) -> &GuestMemory;
+    fn memfd(&self) -> BorrowedFd<'_>;
+    fn start_dirty_log(&self) -> Result<(), String>;
+    fn stop_dirty_log(&self);
+    /// Pages ever touched (round 0 sends these).
+    fn touched_pages(&self) -> Result<PageBitmap, String>;
+    /// Adds pages dirtied since the last call to `into`; returns how many.
+    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, String>;
+    fn pause(&self) -> Result<(), String>;
+    fn resume(&self) -> Result<(), String>;
+    /// vCPU, irqchip, clock and device state, opaque to migration.
+    fn save_state(&self) -> Result<Vec<u8>, String>;
+}
+
+/// The destination VM, built from the stream's description.
+pub trait DestVm: Sync {
+    fn memory(&self) -> &GuestMemory;
+    fn restore_state(&self, state: &[u8]) -> Result<(), String>;
+    fn resume(&self) -> Result<(), String>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error("cannot connect to {addr}: {source}")]
+    Connect { addr: String, source: io::Error },
+    #[error("migration stream: {0}")]
+    Stream(#[from] format::Error),
+    #[error("connection: {0}")]
+    Io(#[from] io::Error),
+    #[error("source VM: {0}")]
+    Source(String),
+    #[error("destination refused: {0}")]
+    Refused(String),
+    #[error("destination VM: {0}")]
+    Dest(String),
+    #[error("no reply from the destination within {0:?}")]
+    ReplyTimeout(Duration),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Progress of a migration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    Started { engine: EngineKind, connections: usize, total_pages: u64, touched_pages: u64 },
+    Round { round: u32, pages_sent: u64, ms: f64, dirty_pages: u64, mb_per_s: f64, estimated_downtime_ms: Option<f64> },
+    StopAndCopy { reason: String, pages: u64 },
+    Completed { total_ms: f64, downtime_ms: f64 },
+    Failed { error: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundReport {
+    pub round: u32,
+    pub pages: u64,
+    pub ms: f64,
+    /// Pages dirty when the round ended (distinct pages dirtied during it).
+    pub dirty_after: u64,
+}
+
+/// What a finished migration measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub engine: EngineKind,
+    pub connections: usize,
+    pub total_ms: f64,
+    /// VM paused on the source until the destination said it runs it.
+    pub downtime_ms: f64,
+    pub rounds: Vec<RoundReport>,
+    pub stop_reason: String,
+    pub total_pages: u64,
+    pub bytes: u64,
+    pub mb_per_s: f64,
+    /// CPU time of the migration's own threads on the source (user + system).
+    pub sender_cpu_ms: f64,
+    /// Zero-copy sends the kernel completed, and how many of those it copied anyway.
+    pub zerocopy_completions: u64,
+    pub zerocopy_copied: u64,
+}
+
+/// CPU time (user + system) of the calling thread, in ms.
+pub fn thread_cpu_ms() -> f64 {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_THREAD is Linux's per-thread usage.
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Adds the calling thread's CPU time since `start_ms` to `total` (µs, atomically).
+fn add_cpu(total: &AtomicU64, start_ms: f64) {
+    total.fetch_add(((thread_cpu_ms() - start_ms) * 1000.0) as u64, Ordering::Relaxed);
+}
+
+
+/// One batch handed between pipeline stages: its gfns and (for copying engines) their data.
+struct Batch {
+    round: u32,
+    gfns: Vec<u64>,
+    data: Vec<u8>,
+    checksum: Checksum,
+}
+
+enum Work {
+    Batch(Batch),
+    RoundEnd(u32),
+}
+
+/// A sender thread: owns one connection and writes what it is given, returning buffers.
+struct Sender {
+    tx: SyncSender<Work>,
+    handle: std::thread::JoinHandle<Result<(Conn, Encoder, SenderStats), MigrateError>>,
+}
+
+#[derive(Default)]
+struct SenderStats {
+    /// Pages this connection carried in all rounds (its Complete record says so).
+    pages: u64,
+    zc_completions: u64,
+    zc_copied: u64,
+}
+
+fn spawn_sender(
+    conn: Conn,
+    engine: EngineKind,
+    mem: Option<SendMem>,
+    free: SyncSender<Vec<u8>>,
+    cpu: Arc<AtomicU64>,
+    depth: usize,
+) -> Sender {
+    let (tx, rx) = sync_channel::<Work>(depth);
+    let handle = std::thread::Builder::new()
+        .name("mig-send".into())
+        .spawn(move || {
+            let t0 = thread_cpu_ms();
+            let r = sender_loop(conn, engine, mem, rx, free);
+            add_cpu(&cpu, t0);
+            r
+        })
+        .expect("spawn sender thread");
+    Sender { tx, handle }
+}
+
+/// Guest memory's host mapping, for zero-copy iovecs. Valid while the VM lives, which outlives
+/// the migration (the session borrows the VM for its whole run).
+#[derive(Clone, Copy)]
+struct SendMem {
+    regions: [(u64, u64, usize); 2], // (first gfn, pages, host address)
+    n: usize,
+}
+
+// SAFETY: the addresses refer to guest memory mappings that outlive the migration threads
+// (they are joined before `migrate` returns); only the kernel reads through them.
+unsafe impl Send for SendMem {}
+
+impl SendMem {
+    fn new(mem: &GuestMemory) -> Result<SendMem, String> {
+        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+        let mut s = SendMem { regions: [(0, 0, 0); 2], n: 0 };
+        for r in mem.iter() {
+            if s.n == 2 {
+                return Err("more than two RAM regions".into());
+            }
+            s.regions[s.n] = (r.start_addr().0 / PAGE as u64, r.len() / PAGE as u64, r.as_ptr() as usize);
+            s.n += 1;
+        }
+        Ok(s)
+    }
+
+    fn addr(&self, gfn: u64) -> Option<usize> {
+        self.regions[..self.n]
+            .iter()
+            .find(|(first, n, _)| gfn >= *first && gfn < first + n)
+            .map(|(first, _, host)| host + ((gfn - first) as usize) * PAGE)
+    }
+}
+
+fn sender_loop(
+    mut conn: Conn,
+    engine: EngineKind,
+    mem: Option<SendMem>,
+    rx: Receiver<Work>,
+    free: SyncSender<Vec<u8>>,
+) -> Result<(Conn, Encoder, SenderStats), MigrateError> {
+    let mut enc = Encoder::new();
+    let mut out = Vec::with_capacity(64);
+    let mut round_pages = 0u64;
+    let mut zc = (engine == EngineKind::Zerocopy).then(|| ZeroCopy::new(&conn));
+    let mut stats = SenderStats::default();
+    for work in rx {
+        match work {
+            Work::Batch(b) => {
+                round_pages += b.gfns.len() as u64;
+                let mut frame = enc.batch_frame(b.round, &b.gfns, b.checksum)?;
+                match (&mut zc, mem) {
+                    (Some(z), Some(m)) => {
+                        // Only guest pages go zero-copy: the kernel reads them after sendmsg
+                        // returns, which is safe for guest memory (mapped for the VM's life) but
+                        // not for the short-lived frame head and trailer, sent by ordinary copy.
+                        conn.write_all(frame.head())?;
+                        // Contiguous pages share one iovec.
+                        let mut iov: Vec<libc::iovec> = Vec::with_capacity(b.gfns.len());
+                        for &g in &b.gfns {
+                            let a = m.addr(g).ok_or_else(|| MigrateError::Source(format!("page {g:#x} outside guest memory")))?;
+                            if b.checksum == Checksum::Full {
+                                // SAFETY: `a` maps a whole guest page (checked by `addr`); a full
+                                // checksum is only asked for while the VM is paused.
+                                frame.update(unsafe { std::slice::from_raw_parts(a as *const u8, PAGE) });
+                            }
+                            match iov.last_mut() {
+                                Some(l) if l.iov_base as usize + l.iov_len == a => l.iov_len += PAGE,
+                                _ => iov.push(libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE }),
+                            }
+                        }
+                        z.send_iovecs(&conn, &mut iov)?;
+                        conn.write_all(&frame.trailer()?)?;
+                    }
+                    _ => {
+                        frame.update(&b.data);
+                        let trailer = frame.trailer()?;
+                        let mut bufs = [io::IoSlice::new(frame.head()), io::IoSlice::new(&b.data), io::IoSlice::new(&trailer)];
+                        crate::transport::write_all_vectored(&mut conn, &mut bufs)?;
+                    }
+                }
+                let _ = free.try_send(b.data);
+            }
+            Work::RoundEnd(round) => {
+                out.clear();
+                enc.round_end(&mut out, round, round_pages);
+                conn.write_all(&out)?;
+                stats.pages += round_pages;
+                round_pages = 0;
+            }
+        }
+    }
+    if let Some(z) = &mut zc {
+        z.reap(conn.as_raw_fd(), false)?;
+        stats.zc_completions = z.completions;
+        stats.zc_copied = z.copied;
+    }
+    Ok((conn, enc, stats))
+}
+
+/// Splits a set of pages into batches and feeds them to the senders, copying page data into
+/// pooled buffers for the copying engines (the pipeline's "map" stage).
+struct Collector<'a> {
+    mem: &'a GuestMemory,
+    copy: bool,
+    free_rx: Receiver<Vec<u8>>,
+    senders: &'a [Sender],
+    next: usize,
+}
+
+impl Collector<'_> {
+    fn send_round(&mut self, round: u32, pages: impl Iterator<Item = u64>, checksum: Checksum) -> Result<u64, MigrateError> {
+        let mut gfns = Vec::with_capacity(MAX_BATCH_PAGES);
+        let mut n = 0u64;
+        for g in pages {
+            gfns.push(g);
+            if gfns.len() == MAX_BATCH_PAGES {
+                n += gfns.len() as u64;
+                self.dispatch(round, std::mem::replace(&mut gfns, Vec::with_capacity(MAX_BATCH_PAGES)), checksum)?;
+            }
+        }
+        if !gfns.is_empty() {
+            n += gfns.len() as u64;
+            self.dispatch(round, gfns, checksum)?;
+        }
+        for s in self.senders {
+            s.tx.send(Work::RoundEnd(round)).map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+        }
+        Ok(n)
+    }
+
+    fn dispatch(&mut self, round: u32, gfns: Vec<u64>, checksum: Checksum) -> Result<(), MigrateError> {
+        let mut data = Vec::new();
+        if self.copy {
+            // Reuse a buffer a sender has released, or allocate while the pool fills up.
+            data = self.free_rx.try_recv().unwrap_or_default();
+            data.resize(gfns.len() * PAGE, 0);
+            for (i, &g) in gfns.iter().enumerate() {
+                self.mem
+                    .read_slice(&mut data[i * PAGE..(i + 1) * PAGE], GuestAddress(g * PAGE as u64))
+                    .map_err(|e| MigrateError::Source(format!("reading page {g:#x}: {e}")))?;
+            }
+        }
+        let s = &self.senders[self.next % self.senders.len()];
+        self.next += 1;
+        s.tx.send(Work::Batch(Batch { round, gfns, data, checksum })).map_err(|_| MigrateError::Other("sender thread stopped".into()))
+    }
+}
+
+/// The destination's replies on the first connection, read in order.
+struct Replies(ReplyReader<Conn>);
+
+impl Replies {
+    fn wait(&mut self, timeout: Duration) -> Result<Reply, MigrateError> {
+        self.0.get_mut().set_read_timeout(Some(timeout))?;
+        match self.0.next_reply() {
+            Ok(reply) => Ok(reply),
+            Err(format::Error::Io(e)) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Err(MigrateError::ReplyTimeout(timeout))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// Migrates `src` to the kumo listening at `to`. On success the source VM is left paused (its
+/// copy now runs at the destination); on any failure dirty logging is stopped and the source
+/// VM runs on.
+pub fn migrate(src: &dyn SourceVm, to: &Address, opts: &MigrateOptions, events: &mut dyn FnMut(Event)) -> Result<Report, MigrateError> {
+    let paused = AtomicBool::new(false);
+    let r = migrate_inner(src, to, opts, events, &paused);
+    if let Err(e) = &r {
+        src.stop_dirty_log();
+        if paused.load(Ordering::Acquire) {
+            if let Err(re) = src.resume() {
+                tracing::error!("migration failed ({e}) and the source VM could not be resumed: {re}");
+            }
+        }
+        events(Event::Failed { error: e.to_string() });
+    }
+    r
+}
+
+fn migrate_inner(
+    src: &dyn SourceVm,
+    to: &Address,
+    opts: &MigrateOptions,
+    events: &mut dyn FnMut(Event),
+    paused: &AtomicBool,
+) -> Result<Report, MigrateError> {
+    let t_start = Instant::now();
+    let cpu = Arc::new(AtomicU64::new(0));
+    let cpu0 = thread_cpu_ms();
+    let local = opts.engine == EngineKind::Local;
+    let nconn = if local { 1 } else { opts.connections.clamp(1, 16) };
+    let mut desc = src.description();
+    desc.connections = nconn as u32;
+    desc.shared_memory = local;
+
+    let connect = || Conn::connect(to, Duration::from_secs(10)).map_err(|e| MigrateError::Connect { addr: to.to_string(), source: e });
+    let mut conn0 = connect()?;
+    if local && !conn0.is_unix() {
+        return Err(MigrateError::Other("the local engine passes guest memory over a unix socket: use --to unix:PATH".into()));
+    }
+    format::write_header(&mut conn0, &desc)?;
+    if local {
+        conn0.send_fd(src.memfd())?;
+    }
+    let mut conns = vec![conn0];
+    for _ in 1..nconn {
+        let mut c = connect()?;
+        format::write_header(&mut c, &desc)?;
+        conns.push(c);
+    }
+    let mut replies = Replies(ReplyReader::new(conns[0].try_clone()?));
+    match replies.wait(opts.reply_timeout)? {
+        Reply::Ready => {}
+        Reply::Failed(why) => return Err(MigrateError::Refused(why)),
+        other => return Err(MigrateError::Other(format!("expected Ready from the destination, got {other:?}"))),
+    }
+    let total_pages = desc.total_pages();
+    let mem = src.memory();
+    let regions: Vec<(u64, u64)> = desc.regions.clone();
+
+    let mut rounds = Vec::new();
+    let mut stop_reason = String::from("local: memory shared, no pre-copy");
+    let mut bytes = 0u64;
+    let mut sent_total = 0u64;
+    let mut stats_zc = (0, 0);
+    let pause_at;
+    let mut encs: Vec<(Conn, Encoder, u64)> = Vec::new();
+
+    if local {
+        events(Event::Started { engine: opts.engine, connections: 1, total_pages, touched_pages: 0 });
+        src.pause().map_err(MigrateError::Source)?;
+        paused.store(true, Ordering::Release);
+        pause_at = Instant::now();
+        encs.push((conns.pop().expect("one connection"), Encoder::new(), 0));
+    } else {
+        src.start_dirty_log().map_err(MigrateError::Source)?;
+        let touched = src.touched_pages().map_err(MigrateError::Source)?;
+        events(Event::Started { engine: opts.engine, connections: nconn, total_pages, touched_pages: touched.count() });
+
+        let copy = opts.engine != EngineKind::Zerocopy;
+        let send_mem = if copy { None } else { Some(SendMem::new(mem).map_err(MigrateError::Source)?) };
+        // Serial: one buffer in flight; overlap/zerocopy: a few batches queued per sender.
+        let depth = if opts.engine == EngineKind::Serial { 0 } else { 4 };
+        let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
+        let senders: Vec<Sender> =
+            conns.drain(..).map(|c| spawn_sender(c, opts.engine, send_mem, free_tx.clone(), cpu.clone(), depth)).collect();
+        let mut col = Collector { mem, copy, free_rx, senders: &senders, next: 0 };
+        let mut planner = Planner::new(opts.policy, total_pages);
+        let live_checksum = if copy { Checksum::Full } else { Checksum::MetadataOnly };
+
+        let mut to_send = touched;
+        let mut round = 0u32;
+        let result = (|| -> Result<(), MigrateError> {
+            loop {
+                let t = Instant::now();
+                let n = col.send_round(round, to_send.gfns(), live_checksum)?;
+                let mut dirty = PageBitmap::for_regions(&regions);
+                let d = src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
+                let dur = t.elapsed();
+                sent_total += n;
+                let st = RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
+                let decision = planner.after_round(&st);
+                rounds.push(RoundReport { round, pages: n, ms: dur.as_secs_f64() * 1e3, dirty_after: d });
+                events(Event::Round {
+                    round,
+                    pages_sent: n,
+                    ms: dur.as_secs_f64() * 1e3,
+                    dirty_pages: d,
+                    mb_per_s: planner.bandwidth().unwrap_or(0.0) / 1e6,
+                    estimated_downtime_ms: planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3),
+                });
+                to_send = dirty;
+                round += 1;
+                if let Decision::StopAndCopy(reason) = decision {
+                    stop_reason = reason_text(&reason);
+                    return Ok(());
+                }
+            }
+        })();
+        let paused_result = result.and_then(|()| {
+            src.pause().map_err(MigrateError::Source)?;
+            paused.store(true, Ordering::Release);
+            Ok(())
+        });
+        pause_at = Instant::now();
+        let final_result = paused_result.and_then(|()| {
+            src.fetch_dirty(&mut to_send).map_err(MigrateError::Source)?;
+            events(Event::StopAndCopy { reason: stop_reason.clone(), pages: to_send.count() });
+            let t = Instant::now();
+            let n = col.send_round(round, to_send.gfns(), Checksum::Full)?;
+            sent_total += n;
+            rounds.push(RoundReport { round, pages: n, ms: t.elapsed().as_secs_f64() * 1e3, dirty_after: 0 });
+            Ok(())
+        });
+        drop(col);
+        // Close the queues and collect every sender, also after a failure, so no thread is left.
+        // A sender's own error (the connection broke) explains a failure better than the
+        // collector's "sender stopped", so it goes first.
+        let mut first_err = None;
+        for s in senders {
+            drop(s.tx);
+            match s.handle.join() {
+                Ok(Ok((c, e, zs))) => {
+                    stats_zc.0 += zs.zc_completions;
+                    stats_zc.1 += zs.zc_copied;
+                    encs.push((c, e, zs.pages));
+                }
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(_) => {
+                    first_err.get_or_insert(MigrateError::Other("sender thread panicked".into()));
+                }
+            }
+        }
+        if let Err(e) = final_result {
+            first_err.get_or_insert(e);
+        }
+        if let Some(e) = first_err {
+            for (mut c, mut enc, _) in encs {
+                let mut out = Vec::new();
+                enc.abort(&mut out, &e.to_string());
+                let _ = c.write_all(&out);
+            }
+            return Err(e);
+        }
+        bytes = sent_total * PAGE as u64;
+    }
+
+    // Closing records: the state on the first connection, Complete (with the pages each
+    // connection carried, which its receiver checks) on all.
+    let state = src.save_state().map_err(MigrateError::Source)?;
+    let mut out = Vec::new();
+    for (i, (c, enc, pages)) in encs.iter_mut().enumerate() {
+        out.clear();
+        if i == 0 {
+            enc.state(&mut out, &state)?;
+        }
+        enc.complete(&mut out, *pages);
+        c.write_all(&out)?;
+    }
+    bytes += state.len() as u64;
+    let reply = replies.wait(opts.reply_timeout)?;
+    let downtime = pause_at.elapsed();
+    match reply {
+        Reply::Resumed => {}
+        Reply::Failed(why) => return Err(MigrateError::Dest(why)),
+        Reply::Ready => return Err(MigrateError::Other("destination sent Ready twice".into())),
+    }
+    src.stop_dirty_log();
+    add_cpu(&cpu, cpu0);
+    let total = t_start.elapsed();
+    events(Event::Completed { total_ms: total.as_secs_f64() * 1e3, downtime_ms: downtime.as_secs_f64() * 1e3 });
+    Ok(Report {
+        engine: opts.engine,
+        connections: nconn,
+        total_ms: total.as_secs_f64() * 1e3,
+        downtime_ms: downtime.as_secs_f64() * 1e3,
+        rounds,
+        stop_reason,
+        total_pages: sent_total,
+        bytes,
+        mb_per_s: bytes as f64 / total.as_secs_f64() / 1e6,
+        sender_cpu_ms: cpu.load(Ordering::Relaxed) as f64 / 1e3,
+        zerocopy_completions: stats_zc.0,
+        zerocopy_copied: stats_zc.1,
+    })
+}
+
+fn reason_text(r: &StopReason) -> String {
+    match r {
+        StopReason::FewDirtyPages => "few dirty pages left".into(),
+        StopReason::MaxRounds => "round limit".into(),
+        StopReason::MaxSent => "sent 3x the VM's pages".into(),
+        StopReason::DowntimeMet { estimated } => format!("downtime target met (estimated {:.1} ms)", estimated.as_secs_f64() * 1e3),
+    }
+}
+
+/// A barrier that a failing thread can break, so the others stop waiting instead of hanging.
+struct RoundBarrier {
+    state: Mutex<(usize, u64, bool)>, // (arrived, generation, broken)
+    cv: std::sync::Condvar,
+    n: usize,
+}
+
+impl RoundBarrier {
+    fn new(n: usize) -> Self {
+        RoundBarrier { state: Mutex::new((0, 0, false)), cv: std::sync::Condvar::new(), n }
+    }
+
+    /// Waits for every connection to finish the round; false if the barrier was broken.
+    fn wait(&self) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.2 {
+            return false;
+        }
+        s.0 += 1;
+        if s.0 == self.n {
+            s.0 = 0;
+            s.1 += 1;
+            self.cv.notify_all();
+            return true;
+        }
+        let gen = s.1;
+        while s.1 == gen && !s.2 {
+            s = self.cv.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        !s.2
+    }
+
+    fn break_all(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).2 = true;
+        self.cv.notify_all();
+    }
+}
+
+/// What the destination measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecvReport {
+    pub connections: usize,
+    pub pages: u64,
+    pub bytes: u64,
+    pub total_ms: f64,
+    /// CPU time of the receiving threads (user + system).
+    pub receiver_cpu_ms: f64,
+    pub shared_memory: bool,
+}
+
+/// The destination's side of the reply channel: one encoder, so replies are numbered in order.
+struct Replier {
+    conn: Conn,
+    enc: Encoder,
+}
+
+impl Replier {
+    /// Best effort: a reply that cannot be sent means the source is gone anyway.
+    fn send(&mut self, r: &Reply) {
+        let mut out = Vec::new();
+        self.enc.reply(&mut out, r);
+        let _ = self.conn.write_all(&out);
+    }
+}
+
+/// Accepts one incoming migration on `listener`: builds the VM with `create` from the
+/// stream's description (and the source's memory file for a local migration), fills its
+/// memory, restores its state and resumes it. Connections that stay silent for `idle` fail
+/// the migration. On failure the source is told why, and the caller drops the VM.
+pub fn receive<V: DestVm>(
+    listener: &Listener,
+    idle: Duration,
+    create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, String>,
+) -> Result<(V, RecvReport), MigrateError> {
+    let conn0 = listener.accept()?;
+    let t0 = Instant::now();
+    conn0.set_read_timeout(Some(idle))?;
+    let mut conn0 = Replier { enc: Encoder::new(), conn: conn0 };
+    let opened = Reader::open(conn0.conn.try_clone()?);
+    let (reader0, desc) = match opened {
+        Ok(x) => x,
+        Err(e) => {
+            conn0.send(&Reply::Failed(e.to_string()));
+            return Err(e.into());
+        }
+    };
+    let fail = |conn0: &mut Replier, e: MigrateError| -> MigrateError {
+        conn0.send(&Reply::Failed(e.to_string()));
+        e
+    };
+    let memfd = if desc.shared_memory {
+        match conn0.conn.recv_fd() {
+            Ok(fd) => Some(File::from(fd)),
+            Err(e) => return Err(fail(&mut conn0, e.into())),
+        }
+    } else {
+        None
+    };
+    let nconn = desc.connections.max(1) as usize;
+    let mut readers = vec![reader0];
+    for i in 1..nconn {
+        let c = match accept_within(listener, idle) {
+            Ok(c) => c,
+            Err(e) => return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} of {nconn} did not arrive: {e}")))),
+        };
+        c.set_read_timeout(Some(idle))?;
+        let mut c = c;
+        match format::read_header(&mut c).map(|d| (d, c)) {
+            Ok((d, c)) if d == desc => readers.push(Reader::secondary(c, &desc)),
+            Ok(_) => return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} describes another VM")))),
+            Err(e) => return Err(fail(&mut conn0, e.into())),
+        }
+    }
+    let vm = match create(&desc, memfd) {
+        Ok(vm) => vm,
+        Err(e) => return Err(fail(&mut conn0, MigrateError::Dest(e))),
+    };
+    conn0.send(&Reply::Ready);
+
+    let barrier = RoundBarrier::new(nconn);
+    let cpu = AtomicU64::new(0);
+    let pages = AtomicU64::new(0);
+    let state: Mutex<Option<Vec<u8>>> = Mutex::new(None);
+    let mem = vm.memory();
+    let result: Result<(), MigrateError> = std::thread::scope(|s| {
+        let handles: Vec<_> = readers
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut r)| {
+                let (barrier, cpu, pages, state) = (&barrier, &cpu, &pages, &state);
+                s.spawn(move || {
+                    let c0 = thread_cpu_ms();
+                    let res = (|| -> Result<(), MigrateError> {
+                        while let Some(rec) = r.next_record()? {
+                            match rec {
+                                Record::MemBatch(b) => {
+                                    for (gfn, page) in b.pages() {
+                                        mem.write_slice(page, GuestAddress(gfn * PAGE as u64))
+                                            .map_err(|e| MigrateError::Dest(format!("writing page {gfn:#x}: {e}")))?;
+                                    }
+                                    pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
+                                }
+                                // Pages of round r+1 must not land before every connection's pages
+                                // of round r: a page resent later would be overwritten by its stale
+                                // copy on a slower connection.
+                                Record::RoundEnd { .. } if nconn > 1 => {
+                                    if !barrier.wait() {
+                                        return Err(MigrateError::Other("another connection failed".into()));
+                                    }
+                                }
+                                Record::RoundEnd { .. } => {}
+                                Record::State(st) if i == 0 => {
+                                    *state.lock().unwrap_or_else(|p| p.into_inner()) = Some(st.to_vec());
+                                }
+                                Record::State(_) => return Err(MigrateError::Other(format!("state sent on connection {i}"))),
+                                Record::Complete { .. } => {}
+                                Record::Abort(why) => return Err(MigrateError::Other(format!("the source aborted: {why}"))),
+                            }
+                        }
+                        Ok(())
+                    })();
+                    if res.is_err() {
+                        barrier.break_all();
+                    }
+                    add_cpu(cpu, c0);
+                    res
+                })
+            })
+            .collect();
+        let mut first = Ok(());
+        for h in handles {
+            let r = h.join().unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into())));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    });
+    let finish = result.and_then(|()| {
+        let st = state.lock().unwrap_or_else(|p| p.into_inner()).take().ok_or_else(|| MigrateError::Other("the stream carried no VM state".into()))?;
+        vm.restore_state(&st).map_err(MigrateError::Dest)?;
+        vm.resume().map_err(MigrateError::Dest)
+    });
+    if let Err(e) = finish {
+        return Err(fail(&mut conn0, e));
+    }
+    conn0.send(&Reply::Resumed);
+    let pages = pages.load(Ordering::Relaxed);
+    Ok((
+        vm,
+        RecvReport {
+            connections: nconn,
+            pages,
+            bytes: pages * PAGE as u64,
+            total_ms: t0.elapsed().as_secs_f64() * 1e3,
+            receiver_cpu_ms: cpu.load(Ordering::Relaxed) as f64 / 1e3,
+            shared_memory: desc.shared_memory,
+        },
+    ))
+}
+
+fn accept_within(listener: &Listener, limit: Duration) -> io::Result<Conn> {
+    listener.set_nonblocking(true)?;
+    let t = Instant::now();
+    let r = loop {
+        match listener.accept() {
+            Ok(c) => break Ok(c),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && t.elapsed() < limit => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => break Err(e),
+        }
+    };
+    listener.set_nonblocking(false)?;
+    let c = r?;
+    c.set_nonblocking(false)?;
+    Ok(c)
+}

@@ -1,0 +1,327 @@
+//! Engine tests without KVM: a fake VM whose "guest" is a thread writing pages (and tracking
+//! what it dirtied, as KVM's dirty log would), migrated into a fake destination; afterwards the
+//! two memories must be identical, whatever the engine, connection count or timing.
+
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kumo_migration::format::VmDescription;
+use kumo_migration::planner::{StopPolicy, XenRule};
+use kumo_vm::dirty::PageBitmap;
+use kumo_vm::{GuestMemory, Memory};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::session::*;
+use crate::transport::{Address, Conn, Listener};
+
+const MEM: u64 = 16 << 20;
+const PAGES: u64 = MEM / 4096;
+
+struct FakeSource {
+    mem: Arc<Memory>,
+    dirty: Arc<Mutex<Option<PageBitmap>>>,
+    running: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    writes: Arc<AtomicU64>,
+    resumed: AtomicU64,
+}
+
+fn regions() -> Vec<(u64, u64)> {
+    vec![(0, MEM)]
+}
+
+impl FakeSource {
+    /// Memory with a recognizable pattern in the first 1,000 pages, and a writer that keeps
+    /// rewriting random pages among the first `hot` while running.
+    fn new(hot: u64) -> Arc<FakeSource> {
+        let mem = Arc::new(Memory::new(MEM).unwrap());
+        for p in 0..1000u64 {
+            mem.guest.write_obj(p * 31 + 7, GuestAddress(p * 4096 + 8)).unwrap();
+        }
+        let s = Arc::new(FakeSource {
+            mem,
+            dirty: Arc::new(Mutex::new(None)),
+            running: Arc::new(AtomicBool::new(true)),
+            stop: Arc::new(AtomicBool::new(false)),
+            writer: Mutex::new(None),
+            writes: Arc::new(AtomicU64::new(0)),
+            resumed: AtomicU64::new(0),
+        });
+        let (mem, dirty, running, stop, writes) = (s.mem.clone(), s.dirty.clone(), s.running.clone(), s.stop.clone(), s.writes.clone());
+        *s.writer.lock().unwrap() = Some(std::thread::spawn(move || {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            while !stop.load(Ordering::Acquire) {
+                if !running.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_micros(200));
+                    continue;
+                }
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let page = x % hot;
+                // Mark dirty before writing, as write protection would catch the write.
+                if let Some(d) = dirty.lock().unwrap().as_mut() {
+                    d.set(page);
+                }
+                mem.guest.write_obj(x, GuestAddress(page * 4096 + (x % 512) * 8)).unwrap();
+                writes.fetch_add(1, Ordering::Relaxed);
+                if x % 64 == 0 {
+                    std::thread::yield_now();
+                }
+            }
+        }));
+        s
+    }
+
+    fn stop_writer(&self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(h) = self.writer.lock().unwrap().take() {
+            h.join().unwrap();
+        }
+    }
+}
+
+impl SourceVm for FakeSource {
+    fn description(&self) -> VmDescription {
+        VmDescription::new(1, "kernel", serde_json::json!({"fake": true}), regions())
+    }
+    fn memory(&self) -> &GuestMemory {
+        &self.mem.guest
+    }
+    fn memfd(&self) -> BorrowedFd<'_> {
+        self.mem.memfd.as_fd()
+    }
+    fn start_dirty_log(&self) -> Result<(), String> {
+        *self.dirty.lock().unwrap() = Some(PageBitmap::for_regions(&regions()));
+        Ok(())
+    }
+    fn stop_dirty_log(&self) {
+        *self.dirty.lock().unwrap() = None;
+    }
+    fn touched_pages(&self) -> Result<PageBitmap, String> {
+        let mut b = PageBitmap::for_regions(&regions());
+        for p in 0..PAGES {
+            b.set(p);
+        }
+        Ok(b)
+    }
+    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, String> {
+        let mut d = self.dirty.lock().unwrap();
+        let d = d.as_mut().ok_or("dirty log not started")?;
+        let n = d.count();
+        into.union(d);
+        d.clear();
+        Ok(n)
+    }
+    fn pause(&self) -> Result<(), String> {
+        self.running.store(false, Ordering::Release);
+        std::thread::sleep(Duration::from_millis(1)); // let an in-flight write land
+        Ok(())
+    }
+    fn resume(&self) -> Result<(), String> {
+        self.resumed.fetch_add(1, Ordering::Relaxed);
+        self.running.store(true, Ordering::Release);
+        Ok(())
+    }
+    fn save_state(&self) -> Result<Vec<u8>, String> {
+        Ok(b"vcpu state".to_vec())
+    }
+}
+
+struct FakeDest {
+    mem: Memory,
+    state: Mutex<Vec<u8>>,
+    running: AtomicBool,
+}
+
+impl DestVm for FakeDest {
+    fn memory(&self) -> &GuestMemory {
+        &self.mem.guest
+    }
+    fn restore_state(&self, state: &[u8]) -> Result<(), String> {
+        *self.state.lock().unwrap() = state.to_vec();
+        Ok(())
+    }
+    fn resume(&self) -> Result<(), String> {
+        self.running.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+fn make_dest(desc: &VmDescription, memfd: Option<File>) -> Result<FakeDest, String> {
+    let mem = match memfd {
+        Some(f) => Memory::from_file(f, desc.memory_bytes).map_err(|e| e.to_string())?,
+        None => Memory::new(desc.memory_bytes).map_err(|e| e.to_string())?,
+    };
+    Ok(FakeDest { mem, state: Mutex::new(Vec::new()), running: AtomicBool::new(false) })
+}
+
+fn read_all(m: &GuestMemory) -> Vec<u8> {
+    let mut v = vec![0u8; MEM as usize];
+    m.read_slice(&mut v, GuestAddress(0)).unwrap();
+    v
+}
+
+fn listen(unix: bool, tag: &str) -> (Listener, Address) {
+    let addr = if unix {
+        Address::Unix(std::env::temp_dir().join(format!("kumo-mig-{}-{tag}.sock", std::process::id())))
+    } else {
+        Address::Tcp("127.0.0.1:0".into())
+    };
+    let l = Listener::bind(&addr).unwrap();
+    let a = l.local_addr();
+    (l, a)
+}
+
+fn run(engine: EngineKind, connections: usize, unix: bool, tag: &str) -> (Report, RecvReport) {
+    let src = FakeSource::new(2000);
+    std::thread::sleep(Duration::from_millis(20));
+    let (l, addr) = listen(unix, tag);
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
+    let opts = MigrateOptions { engine, connections, ..Default::default() };
+    let mut events = Vec::new();
+    let report = migrate(&*src, &addr, &opts, &mut |e| events.push(e)).unwrap();
+    let (dvm, rr) = dest.join().unwrap().unwrap();
+    // The source stays paused after a successful migration; stop its writer and compare.
+    src.stop_writer();
+    assert!(src.writes.load(Ordering::Relaxed) > 0, "the guest wrote during migration");
+    assert_eq!(read_all(&src.mem.guest), read_all(&dvm.mem.guest), "{engine} x{connections}: memories differ");
+    assert_eq!(&*dvm.state.lock().unwrap(), b"vcpu state");
+    assert!(dvm.running.load(Ordering::Acquire));
+    assert_eq!(src.resumed.load(Ordering::Relaxed), 0, "a successful migration leaves the source paused");
+    assert!(matches!(events.first(), Some(Event::Started { .. })), "{events:?}");
+    assert!(matches!(events.last(), Some(Event::Completed { .. })), "{events:?}");
+    (report, rr)
+}
+
+#[test]
+fn serial_engine_moves_memory_exactly() {
+    let (r, rr) = run(EngineKind::Serial, 1, false, "serial");
+    assert!(r.rounds.len() >= 2, "a live round and the final one: {:?}", r.rounds);
+    assert_eq!(r.rounds[0].pages, PAGES, "round 0 sends every touched page");
+    assert_eq!(rr.pages, r.total_pages);
+}
+
+#[test]
+fn overlap_engine_with_one_and_three_connections() {
+    run(EngineKind::Overlap, 1, false, "ov1");
+    let (r, rr) = run(EngineKind::Overlap, 3, false, "ov3");
+    assert_eq!((r.connections, rr.connections), (3, 3));
+}
+
+#[test]
+fn zerocopy_engine_with_one_and_two_connections() {
+    run(EngineKind::Zerocopy, 1, false, "zc1");
+    run(EngineKind::Zerocopy, 2, false, "zc2");
+}
+
+#[test]
+fn engines_work_over_unix_sockets_too() {
+    run(EngineKind::Overlap, 2, true, "unix-ov");
+}
+
+#[test]
+fn local_engine_shares_memory_instead_of_sending_it() {
+    let (r, rr) = run(EngineKind::Local, 1, true, "local");
+    assert_eq!(r.total_pages, 0);
+    assert!(rr.shared_memory);
+}
+
+#[test]
+fn local_engine_needs_a_unix_socket() {
+    let src = FakeSource::new(10);
+    let (l, addr) = listen(false, "local-tcp");
+    let _dest = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest));
+    let e = migrate(&*src, &addr, &MigrateOptions { engine: EngineKind::Local, ..Default::default() }, &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("unix socket"), "{e}");
+    src.stop_writer();
+}
+
+#[test]
+fn downtime_rule_stops_when_the_rest_fits_the_target() {
+    let src = FakeSource::new(20);
+    let (l, addr) = listen(false, "downtime");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
+    let policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(50)) };
+    let r = migrate(&*src, &addr, &MigrateOptions { policy, ..Default::default() }, &mut |_| {}).unwrap();
+    assert!(r.stop_reason.contains("downtime target met"), "{}", r.stop_reason);
+    dest.join().unwrap().unwrap();
+    src.stop_writer();
+}
+
+#[test]
+fn a_destination_that_refuses_leaves_the_source_running() {
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "refuse");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(5), |_, _| Err::<FakeDest, _>("no room here".into())));
+    let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("no room here"), "{e}");
+    assert!(dest.join().unwrap().is_err());
+    assert!(src.running.load(Ordering::Acquire));
+    assert!(src.dirty.lock().unwrap().is_none(), "dirty logging stopped");
+    src.stop_writer();
+}
+
+#[test]
+fn a_receiver_dying_mid_stream_leaves_the_source_running() {
+    let src = FakeSource::new(1000);
+    let (l, addr) = listen(false, "die");
+    // A "receiver" that accepts, says Ready, reads a little, then drops the connection.
+    let t = std::thread::spawn(move || {
+        let mut c = l.accept().unwrap();
+        let desc = kumo_migration::format::read_header(&mut c).unwrap();
+        let mut out = Vec::new();
+        kumo_migration::format::Encoder::new().reply(&mut out, &kumo_migration::format::Reply::Ready);
+        std::io::Write::write_all(&mut c, &out).unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        std::io::Read::read_exact(&mut c, &mut buf).unwrap();
+        drop(c);
+        desc
+    });
+    let e = migrate(&*src, &addr, &MigrateOptions { engine: EngineKind::Serial, ..Default::default() }, &mut |_| {}).unwrap_err();
+    t.join().unwrap();
+    assert!(matches!(e, MigrateError::Io(_) | MigrateError::Stream(_)), "{e}");
+    assert!(src.running.load(Ordering::Acquire), "source runs on");
+    src.stop_writer();
+}
+
+#[test]
+fn a_source_that_vanishes_fails_the_receiver_cleanly() {
+    let (l, addr) = listen(false, "vanish");
+    let t = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest).map(|_| ()));
+    let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+    let desc = VmDescription::new(1, "kernel", serde_json::json!(null), regions());
+    kumo_migration::format::write_header(&mut c, &desc).unwrap();
+    drop(c);
+    let e = t.join().unwrap().unwrap_err();
+    assert!(e.to_string().contains("truncated") || e.to_string().contains("Truncated") || e.to_string().contains("connection"), "{e}");
+}
+
+#[test]
+fn garbage_is_rejected_with_a_clear_error() {
+    let (l, addr) = listen(false, "garbage");
+    let t = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest).map(|_| ()));
+    let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+    std::io::Write::write_all(&mut c, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let e = t.join().unwrap().unwrap_err().to_string();
+    assert!(e.to_lowercase().contains("magic"), "{e}");
+}
+
+#[test]
+fn xen_rule_reaches_few_dirty_pages_for_an_idle_guest() {
+    let src = FakeSource::new(1);
+    src.pause().unwrap(); // an idle guest: nothing dirties memory
+    let (l, addr) = listen(false, "idle");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
+    let policy = StopPolicy { xen: Some(XenRule::default()), downtime: None };
+    let r = migrate(&*src, &addr, &MigrateOptions { policy, ..Default::default() }, &mut |_| {}).unwrap();
+    assert_eq!(r.rounds.len(), 2, "round 0, then a final round: {:?}", r.rounds);
+    assert_eq!(r.rounds[1].pages, 0);
+    dest.join().unwrap().unwrap();
+    src.stop_writer();
+}

@@ -1,0 +1,683 @@
+use super::*;
+
+/// 32 pages in two regions with a hole: gfns 0..16 and 256..272.
+fn desc() -> VmDescription {
+    VmDescription::new(
+        2,
+        "kernel",
+        serde_json::json!({"guest": {"name": "memtouch"}}),
+        vec![(0, 16 * 4096), (0x10_0000, 16 * 4096)],
+    )
+}
+
+fn page(gfn: u64, round: u32) -> Vec<u8> {
+    (0..PAGE).map(|i| (gfn as usize).wrapping_mul(7).wrapping_add(i * 13 + round as usize * 29) as u8).collect()
+}
+
+fn pages(gfns: &[u64], round: u32) -> Vec<u8> {
+    gfns.iter().flat_map(|&g| page(g, round)).collect()
+}
+
+/// A record with its data copied out of the reader.
+#[derive(Debug, Clone, PartialEq)]
+enum Owned {
+    Batch { round: u32, gfns: Vec<u64>, data: Vec<u8>, checked: bool },
+    RoundEnd(u32, u64),
+    State(Vec<u8>),
+    Complete(u64),
+    Abort(String),
+}
+
+fn own(r: Record<'_>) -> Owned {
+    match r {
+        Record::MemBatch(b) => {
+            Owned::Batch { round: b.round, gfns: b.gfns.to_vec(), data: b.data.to_vec(), checked: b.checked }
+        }
+        Record::RoundEnd { round, pages } => Owned::RoundEnd(round, pages),
+        Record::State(s) => Owned::State(s.to_vec()),
+        Record::Complete { total_pages } => Owned::Complete(total_pages),
+        Record::Abort(r) => Owned::Abort(r.to_string()),
+    }
+}
+
+fn read_all(bytes: &[u8]) -> Result<(VmDescription, Vec<Owned>)> {
+    let (mut rd, desc) = Reader::open(bytes)?;
+    let mut out = Vec::new();
+    while let Some(r) = rd.next_record()? {
+        out.push(own(r));
+    }
+    assert!(rd.is_finished());
+    Ok((desc, out))
+}
+
+/// Two live rounds (batches with `live` coverage), a checked final round, State, Complete.
+fn sample_stream(live: Checksum) -> (Vec<u8>, Vec<Owned>) {
+    build_stream(&[
+        (&[&[0, 1, 2, 3, 4, 5, 6, 7], &[256, 257, 258, 259]], live),
+        (&[&[3, 257]], live),
+        (&[&[271]], Checksum::Full),
+    ])
+}
+
+/// Every record kind in as few bytes as possible, for the quadratic tests (truncate or
+/// corrupt at every offset).
+fn tiny_stream() -> Vec<u8> {
+    build_stream(&[(&[&[0]], Checksum::Full), (&[&[256]], Checksum::Full)]).0
+}
+
+fn build_stream(rounds: &[(&[&[u64]], Checksum)]) -> (Vec<u8>, Vec<Owned>) {
+    let mut w = Writer::start(Vec::new(), &desc()).unwrap();
+    let mut expect = Vec::new();
+    let mut total = 0;
+    for (round, (batches, checksum)) in rounds.iter().enumerate() {
+        let round = round as u32;
+        let mut n = 0;
+        for gfns in batches.iter() {
+            let data = pages(gfns, round);
+            let slices: Vec<&[u8]> = data.chunks(PAGE).collect();
+            w.mem_batch_vectored(round, gfns, &slices, *checksum).unwrap();
+            expect.push(Owned::Batch { round, gfns: gfns.to_vec(), data, checked: *checksum == Checksum::Full });
+            n += gfns.len() as u64;
+        }
+        w.round_end(round, n).unwrap();
+        expect.push(Owned::RoundEnd(round, n));
+        total += n;
+    }
+    w.state(b"vcpu and irqchip state").unwrap();
+    expect.push(Owned::State(b"vcpu and irqchip state".to_vec()));
+    w.complete(total).unwrap();
+    expect.push(Owned::Complete(total));
+    (w.into_inner(), expect)
+}
+
+fn header_len(bytes: &[u8]) -> usize {
+    HEADER_FIXED_LEN + le_u32(&bytes[12..16]) as usize + TRAILER_LEN
+}
+
+/// Header bytes for arbitrary JSON, with a valid CRC.
+fn raw_header(version: u32, json: &[u8]) -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(json);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// A frame with any fields and a valid CRC over header and body.
+fn raw_frame(tag: u8, flags: u8, seq: u64, body: &[u8]) -> Vec<u8> {
+    let mut out = vec![tag, flags, 0, 0];
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(body);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+fn with_header(frames: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = encode_header(&desc()).unwrap();
+    for f in frames {
+        out.extend_from_slice(f);
+    }
+    out
+}
+
+fn first_error(bytes: &[u8]) -> Error {
+    read_all(bytes).expect_err("stream should be rejected")
+}
+
+/// xorshift64*: deterministic, no crate.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+// --- round trips and layout ---------------------------------------------------------------
+
+#[test]
+fn header_round_trip_and_layout() {
+    let d = desc();
+    let mut w = Vec::new();
+    write_header(&mut w, &d).unwrap();
+    assert_eq!(w, encode_header(&d).unwrap());
+    assert_eq!(&w[..8], b"KUMOMIG\0");
+    assert_eq!(le_u32(&w[8..12]), 1);
+    let n = le_u32(&w[12..16]) as usize;
+    assert_eq!(w.len(), 16 + n + 4);
+    let json: serde_json::Value = serde_json::from_slice(&w[16..16 + n]).unwrap();
+    assert_eq!(json["page_size"], 4096);
+    assert_eq!(json["regions"][1], serde_json::json!([0x10_0000, 65536]));
+    assert_eq!(le_u32(&w[16 + n..]), crc32fast::hash(&w[..16 + n]));
+    assert_eq!(read_header(&mut w.as_slice()).unwrap(), d);
+    assert_eq!(d.total_pages(), 32);
+    assert!(d.contains_gfn(15) && d.contains_gfn(256) && d.contains_gfn(271));
+    assert!(!d.contains_gfn(16) && !d.contains_gfn(255) && !d.contains_gfn(272));
+}
+
+#[test]
+fn frame_layout() {
+    // The CRC is CRC-32/ISO-HDLC (zlib's), as the format document says.
+    assert_eq!(crc32fast::hash(b"123456789"), 0xcbf4_3926);
+    let mut out = Vec::new();
+    let mut e = Encoder::new();
+    e.complete(&mut out, 1);
+    out.clear();
+    e.round_end(&mut out, 7, 0x0102_0304_0506);
+    assert_eq!(out.len(), 16 + 12 + 4);
+    assert_eq!(&out[..8], &[2, 0, 0, 0, 12, 0, 0, 0]);
+    assert_eq!(le_u64(&out[8..16]), 1, "second frame of the encoder");
+    assert_eq!(le_u32(&out[16..20]), 7);
+    assert_eq!(le_u64(&out[20..28]), 0x0102_0304_0506);
+    assert_eq!(le_u32(&out[28..]), crc32fast::hash(&out[..28]));
+    // MemBatch: round, count, gfns, then the pages.
+    out.clear();
+    e.mem_batch(&mut out, 3, &[5, 9], &pages(&[5, 9], 3)).unwrap();
+    assert_eq!(out.len(), 16 + batch_body_len(2) + 4);
+    assert_eq!((out[0], out[1], le_u32(&out[4..8]) as usize), (1, 0, batch_body_len(2)));
+    assert_eq!((le_u32(&out[16..20]), le_u32(&out[20..24])), (3, 2));
+    assert_eq!((le_u64(&out[24..32]), le_u64(&out[32..40])), (5, 9));
+    assert_eq!(&out[40..40 + PAGE], page(5, 3).as_slice());
+    assert_eq!(MAX_BATCH_BODY, 4_202_504);
+}
+
+#[test]
+fn every_record_kind_round_trips() {
+    for live in [Checksum::Full, Checksum::MetadataOnly] {
+        let (bytes, expect) = sample_stream(live);
+        let (d, got) = read_all(&bytes).unwrap();
+        assert_eq!(d, desc());
+        assert_eq!(got, expect);
+    }
+    // Abort ends a stream anywhere, even mid-round.
+    let mut w = Writer::start(Vec::new(), &desc()).unwrap();
+    w.mem_batch(0, &[1], &page(1, 0)).unwrap();
+    w.abort("source VM failed: ü").unwrap();
+    let (_, got) = read_all(&w.into_inner()).unwrap();
+    assert_eq!(got[1], Owned::Abort("source VM failed: ü".into()));
+    // Empty state and a maximum batch.
+    let gfns: Vec<u64> = (0..MAX_BATCH_PAGES as u64).collect();
+    let big = VmDescription::new(1, "split", serde_json::Value::Null, vec![(0, MAX_BATCH_PAGES as u64 * 4096)]);
+    let mut w = Writer::start(Vec::new(), &big).unwrap();
+    let data = pages(&gfns, 0);
+    w.mem_batch(0, &gfns, &data).unwrap();
+    w.round_end(0, 1024).unwrap();
+    w.state(&[]).unwrap();
+    w.complete(1024).unwrap();
+    let (_, got) = read_all(&w.into_inner()).unwrap();
+    assert_eq!(got[0], Owned::Batch { round: 0, gfns, data, checked: true });
+    assert_eq!(got[2], Owned::State(vec![]));
+}
+
+#[test]
+fn batch_pages_iterator() {
+    let (bytes, _) = sample_stream(Checksum::Full);
+    let (mut rd, _) = Reader::open(bytes.as_slice()).unwrap();
+    let Some(Record::MemBatch(b)) = rd.next_record().unwrap() else { panic!() };
+    let v: Vec<(u64, Vec<u8>)> = b.pages().map(|(g, p)| (g, p.to_vec())).collect();
+    assert_eq!(v.len(), 8);
+    assert_eq!(v[3], (3, page(3, 0)));
+    assert_eq!((rd.seq(), rd.round()), (1, 0));
+}
+
+#[test]
+fn replies_round_trip() {
+    let mut w = Writer::new(Vec::new());
+    w.reply(&Reply::Ready).unwrap();
+    w.reply(&Reply::Resumed).unwrap();
+    let bytes = w.into_inner();
+    assert_eq!(&bytes[..2], &[0x81, 0]);
+    let mut r = ReplyReader::new(bytes.as_slice());
+    assert_eq!(r.next_reply().unwrap(), Reply::Ready);
+    assert_eq!(r.next_reply().unwrap(), Reply::Resumed);
+    assert!(matches!(r.next_reply(), Err(Error::BadRecord { .. })));
+
+    for first in [true, false] {
+        let mut w = Writer::new(Vec::new());
+        if first {
+            w.reply(&Reply::Ready).unwrap();
+        }
+        w.reply(&Reply::Failed("no memory".into())).unwrap();
+        let bytes = w.into_inner();
+        let mut r = ReplyReader::new(bytes.as_slice());
+        if first {
+            assert_eq!(r.next_reply().unwrap(), Reply::Ready);
+        }
+        assert_eq!(r.next_reply().unwrap(), Reply::Failed("no memory".into()));
+    }
+    // Resumed before Ready, EOF, and a record tag among replies.
+    let mut w = Writer::new(Vec::new());
+    w.reply(&Reply::Resumed).unwrap();
+    assert!(matches!(ReplyReader::new(w.into_inner().as_slice()).next_reply(), Err(Error::BadRecord { .. })));
+    assert!(matches!(ReplyReader::new(&[][..]).next_reply(), Err(Error::Truncated { .. })));
+    let f = raw_frame(Tag::Complete as u8, 0, 0, &0u64.to_le_bytes());
+    assert!(matches!(ReplyReader::new(f.as_slice()).next_reply(), Err(Error::UnknownTag(4))));
+}
+
+#[test]
+fn long_reasons_are_cut_at_a_char_boundary() {
+    let mut out = Vec::new();
+    let reason = "é".repeat(MAX_REASON_LEN); // 2 bytes each
+    Encoder::new().abort(&mut out, &reason);
+    assert_eq!(le_u32(&out[4..8]) as usize, MAX_REASON_LEN);
+    let mut bytes = encode_header(&desc()).unwrap();
+    bytes.extend_from_slice(&out);
+    let (_, got) = read_all(&bytes).unwrap();
+    assert_eq!(got, vec![Owned::Abort("é".repeat(MAX_REASON_LEN / 2))]);
+}
+
+// --- zero copy ------------------------------------------------------------------------------
+
+#[test]
+fn zero_copy_frames_match_the_buffered_encoder() {
+    let gfns = [4u64, 256, 9];
+    let data = pages(&gfns, 2);
+    let mut buffered = Vec::new();
+    let mut e = Encoder::new();
+    e.round_end(&mut buffered, 0, 0); // the seq advances the same way in both
+    e.mem_batch(&mut buffered, 2, &gfns, &data).unwrap();
+
+    // Checked zero copy: head, then pages from "guest memory" fed one by one, then trailer.
+    let assemble = |checksum| {
+        let mut e = Encoder::new();
+        let mut out = Vec::new();
+        e.round_end(&mut out, 0, 0);
+        let mut f = e.batch_frame(2, &gfns, checksum).unwrap();
+        assert_eq!((f.seq(), f.data_len(), f.checksum()), (1, 3 * PAGE, checksum));
+        for p in data.chunks(PAGE) {
+            f.update(p);
+        }
+        out.extend_from_slice(f.head());
+        out.extend_from_slice(&data);
+        out.extend_from_slice(&f.trailer().unwrap());
+        assert_eq!(e.seq(), 2);
+        (out, f)
+    };
+    let (full, _) = assemble(Checksum::Full);
+    assert_eq!(full, buffered);
+
+    // Unchecked: only the flag byte and the CRC differ; the CRC covers the head alone.
+    let (unchecked, f) = assemble(Checksum::MetadataOnly);
+    assert_eq!(unchecked.len(), buffered.len());
+    let frame_start = 16 + 12 + 4;
+    let diff: Vec<usize> = (0..buffered.len()).filter(|&i| buffered[i] != unchecked[i]).collect();
+    assert_eq!(diff[0], frame_start + 1);
+    assert_eq!(unchecked[frame_start + 1], FLAG_DATA_UNCHECKED);
+    assert!(diff[1..].iter().all(|&i| i >= buffered.len() - 4));
+    assert_eq!(f.head(), &unchecked[frame_start..frame_start + 16 + batch_meta_len(3)]);
+    assert_eq!(f.trailer().unwrap(), crc32fast::hash(f.head()).to_le_bytes());
+
+    // The Writer's vectored path writes the same bytes.
+    let mut w = Writer::new(Vec::new());
+    w.round_end(0, 0).unwrap();
+    let slices: Vec<&[u8]> = data.chunks(PAGE).collect();
+    w.mem_batch_vectored(2, &gfns, &slices, Checksum::Full).unwrap();
+    assert_eq!(w.get_ref(), &buffered);
+}
+
+#[test]
+fn encoder_rejects_bad_batches_without_using_a_seq() {
+    let mut e = Encoder::new();
+    let mut out = Vec::new();
+    assert!(matches!(e.mem_batch(&mut out, 0, &[1, 2], &[0; PAGE]), Err(Error::BadRecord { seq: 0, .. })));
+    assert!(matches!(e.batch_frame(0, &[], Checksum::Full), Err(Error::BadRecord { .. })));
+    let many = vec![0u64; MAX_BATCH_PAGES + 1];
+    assert!(matches!(e.batch_frame(0, &many, Checksum::Full), Err(Error::Oversized { len: 1025, max: 1024, .. })));
+    let mut f = e.batch_frame(0, &[1], Checksum::Full).unwrap();
+    f.update(&[0; 100]);
+    assert!(matches!(f.trailer(), Err(Error::BadRecord { .. })));
+    assert_eq!(e.seq(), 1);
+    assert!(out.is_empty());
+    let huge = vec![0u8; MAX_STATE_LEN + 1];
+    assert!(matches!(e.state(&mut out, &huge), Err(Error::Oversized { .. })));
+    assert!(matches!(Writer::new(Vec::new()).state(&huge), Err(Error::Oversized { .. })));
+}
+
+#[test]
+fn unchecked_data_is_the_documented_exception() {
+    let (bytes, _) = sample_stream(Checksum::MetadataOnly);
+    let h = header_len(&bytes);
+    // First page byte of the first (unchecked) batch: not detected.
+    let data_at = h + 16 + batch_meta_len(8);
+    let mut b = bytes.clone();
+    b[data_at] ^= 0xff;
+    let (_, got) = read_all(&b).unwrap();
+    let Owned::Batch { data, checked: false, .. } = &got[0] else { panic!() };
+    assert_eq!(data[0], page(0, 0)[0] ^ 0xff);
+    // Its gfns are covered.
+    let mut b = bytes.clone();
+    b[h + 16 + 8] ^= 1;
+    assert!(matches!(first_error(&b), Error::ChecksumMismatch { seq: 0, tag: Tag::MemBatch }));
+    // The same flip in a checked stream is caught.
+    let (bytes, _) = sample_stream(Checksum::Full);
+    let mut b = bytes.clone();
+    b[data_at] ^= 0xff;
+    assert!(matches!(first_error(&b), Error::ChecksumMismatch { seq: 0, tag: Tag::MemBatch }));
+}
+
+#[test]
+fn the_final_round_must_be_checked() {
+    let mut w = Writer::start(Vec::new(), &desc()).unwrap();
+    w.mem_batch_vectored(0, &[1], &[&page(1, 0)], Checksum::MetadataOnly).unwrap();
+    w.round_end(0, 1).unwrap();
+    w.state(b"s").unwrap();
+    w.complete(1).unwrap();
+    let e = first_error(&w.into_inner());
+    assert!(matches!(&e, Error::BadRecord { seq: 3, reason } if reason.contains("unchecked")), "{e}");
+}
+
+// --- errors from crafted input --------------------------------------------------------------
+
+#[test]
+fn header_errors() {
+    let good = encode_header(&desc()).unwrap();
+    let read = |b: &[u8]| read_header(&mut &b[..]).unwrap_err();
+
+    let mut b = good.clone();
+    b[0] = b'X';
+    assert!(matches!(read(&b), Error::BadMagic { .. }));
+    assert!(matches!(read(b"GET / HTTP/1.1\r\n"), Error::BadMagic { .. }));
+    assert!(matches!(read(b"KUMO"), Error::Truncated { what: "stream header" }));
+    assert!(matches!(read(b"KUMX"), Error::BadMagic { .. }));
+    assert!(matches!(read(b""), Error::Truncated { .. }));
+
+    // Version is checked before the description is even read.
+    let mut b = good.clone();
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    assert!(matches!(read(&b[..16]), Error::UnsupportedVersion { got: 2, supported: 1 }));
+    assert!(matches!(read(&raw_header(0, b"{}")), Error::UnsupportedVersion { got: 0, .. }));
+
+    let mut b = good[..16].to_vec();
+    b[12..16].copy_from_slice(&(MAX_DESC_LEN as u32 + 1).to_le_bytes());
+    assert!(matches!(read(&b), Error::Oversized { len: 1_048_577, max: 1_048_576, .. }));
+
+    let mut b = good.clone();
+    let last = b.len() - 1;
+    b[last] ^= 1;
+    assert!(matches!(read(&b), Error::HeaderChecksumMismatch));
+
+    let bad_desc = |json: serde_json::Value| read(&raw_header(1, json.to_string().as_bytes()));
+    let mut j = serde_json::to_value(desc()).unwrap();
+    assert!(matches!(read(&raw_header(1, b"{not json")), Error::BadDescription(_)));
+    j["page_size"] = 8192.into();
+    assert!(matches!(bad_desc(j.clone()), Error::BadDescription(m) if m.contains("page size")));
+    j["page_size"] = 4096.into();
+    j["memory_bytes"] = (33 * 4096).into();
+    assert!(matches!(bad_desc(j.clone()), Error::BadDescription(m) if m.contains("cover")));
+    j["memory_bytes"] = (32 * 4096).into();
+    j["regions"] = serde_json::json!([[0, 65536], [4096, 65536]]);
+    assert!(matches!(bad_desc(j.clone()), Error::BadDescription(m) if m.contains("overlap")));
+    j["regions"] = serde_json::json!([[0, 131072]]);
+    assert_eq!(
+        read_header(&mut raw_header(1, j.to_string().as_bytes()).as_slice()).unwrap().regions,
+        vec![(0, 131072)]
+    );
+    j["extra"] = 1.into();
+    assert!(matches!(bad_desc(j.clone()), Error::BadDescription(m) if m.contains("extra")));
+}
+
+#[test]
+fn descriptions_are_validated_before_writing() {
+    let mut d = desc();
+    d.page_size = 2 << 20;
+    assert!(matches!(write_header(&mut Vec::new(), &d), Err(Error::BadDescription(_))));
+    for regions in [vec![], vec![(0, 100)], vec![(1, 4096)], vec![(u64::MAX - 4095, 8192)]] {
+        let d = VmDescription::new(1, "kernel", serde_json::Value::Null, regions);
+        assert!(matches!(d.validate(), Err(Error::BadDescription(_))), "{d:?}");
+    }
+    let mut d = desc();
+    d.cpus = 0;
+    assert!(matches!(Writer::start(Vec::new(), &d), Err(Error::BadDescription(_))));
+}
+
+#[test]
+fn record_errors() {
+    let batch = |round: u32, gfns: &[u64]| {
+        let mut b = round.to_le_bytes().to_vec();
+        b.extend_from_slice(&(gfns.len() as u32).to_le_bytes());
+        gfns.iter().for_each(|g| b.extend_from_slice(&g.to_le_bytes()));
+        b.extend_from_slice(&pages(gfns, round));
+        b
+    };
+    let end = |round: u32, pages: u64| [round.to_le_bytes().to_vec(), pages.to_le_bytes().to_vec()].concat();
+    let err = |frames: &[Vec<u8>]| first_error(&with_header(frames));
+
+    // ChecksumMismatch names the record.
+    let mut f = raw_frame(2, 0, 1, &end(0, 1));
+    f[20] ^= 1;
+    assert!(matches!(
+        err(&[raw_frame(1, 0, 0, &batch(0, &[1])), f]),
+        Error::ChecksumMismatch { seq: 1, tag: Tag::RoundEnd }
+    ));
+
+    // A valid frame with the wrong seq: lost or repeated record.
+    assert!(matches!(
+        err(&[raw_frame(1, 0, 0, &batch(0, &[1])), raw_frame(1, 0, 0, &batch(0, &[2]))]),
+        Error::BadSequence { expected: 1, got: 0 }
+    ));
+    assert!(matches!(err(&[raw_frame(2, 0, 5, &end(0, 0))]), Error::BadSequence { expected: 0, got: 5 }));
+
+    // Tags: unknown, and replies in a record stream.
+    assert!(matches!(err(&[raw_frame(9, 0, 0, b"")]), Error::UnknownTag(9)));
+    assert!(matches!(err(&[raw_frame(0x81, 0, 0, b"")]), Error::UnknownTag(0x81)));
+    assert!(matches!(err(&[raw_frame(0, 0, 0, b"")]), Error::UnknownTag(0)));
+
+    // Oversized lengths are refused before anything is read or allocated.
+    let mut hdr = raw_frame(3, 0, 0, b"")[..16].to_vec();
+    hdr[4..8].copy_from_slice(&(MAX_STATE_LEN as u32 + 1).to_le_bytes());
+    assert!(matches!(err(&[hdr]), Error::Oversized { what: "record body", max, .. } if max == MAX_STATE_LEN as u64));
+    let mut hdr = raw_frame(1, 0, 0, b"")[..16].to_vec();
+    hdr[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(err(&[hdr]), Error::Oversized { .. }));
+    let mut b = batch(0, &[1]);
+    b[4..8].copy_from_slice(&5000u32.to_le_bytes());
+    assert!(matches!(err(&[raw_frame(1, 0, 0, &b)]), Error::Oversized { what: "page batch", len: 5000, .. }));
+    assert!(matches!(err(&[raw_frame(1, FLAG_DATA_UNCHECKED, 0, &b)]), Error::Oversized { what: "page batch", .. }));
+    assert!(matches!(err(&[raw_frame(2, 0, 0, &[0; 13])]), Error::Oversized { .. }));
+
+    // Pages outside memory: in the hole, past the end, and absurd.
+    for gfn in [16, 255, 272, u64::MAX] {
+        let e = err(&[raw_frame(1, 0, 0, &batch(0, &[1, gfn]))]);
+        assert!(matches!(e, Error::PageOutOfRange { gfn: g, memory_bytes: 131072 } if g == gfn), "{e}");
+    }
+
+    // Malformed bodies and flags.
+    let bad = |frames: &[Vec<u8>], what: &str| {
+        let e = err(frames);
+        assert!(matches!(&e, Error::BadRecord { reason, .. } if reason.contains(what)), "{what}: {e}");
+    };
+    bad(&[raw_frame(1, 0, 0, &batch(0, &[1])[..100])], "pages in a");
+    bad(&[raw_frame(1, 0, 0, &batch(0, &[]))], "0 pages");
+    bad(&[raw_frame(1, 0, 0, &[0; 4])], "shorter");
+    bad(&[raw_frame(1, FLAG_DATA_UNCHECKED, 0, &[0; 4])], "shorter");
+    bad(&[raw_frame(1, 2, 0, &batch(0, &[1]))], "flags");
+    bad(&[raw_frame(2, FLAG_DATA_UNCHECKED, 0, &end(0, 0))], "flags");
+    let mut f = raw_frame(4, 0, 0, &[0; 8]);
+    f[2] = 1;
+    let crc = crc32fast::hash(&f[..24]);
+    f[24..].copy_from_slice(&crc.to_le_bytes());
+    bad(&[f], "reserved");
+    bad(&[raw_frame(2, 0, 0, &[0; 11])], "need 12");
+    bad(&[raw_frame(5, 0, 0, &[0xff, 0xfe])], "UTF-8");
+
+    // Grammar.
+    let state = || raw_frame(3, 0, 2, b"s");
+    bad(&[raw_frame(1, 0, 0, &batch(1, &[1]))], "round 1 during round 0");
+    bad(&[raw_frame(1, 0, 0, &batch(0, &[1])), raw_frame(2, 0, 1, &end(0, 2))], "carried 1 pages");
+    bad(&[raw_frame(2, 0, 0, &end(1, 0))], "round 0 carried");
+    bad(&[raw_frame(2, 0, 0, &end(0, 0)), raw_frame(4, 0, 1, &0u64.to_le_bytes())], "before State");
+    bad(&[raw_frame(2, 0, 0, &end(0, 0)), raw_frame(3, 0, 1, b""), raw_frame(3, 0, 2, b"")], "second State");
+    bad(
+        &[raw_frame(1, 0, 0, &batch(0, &[1])), raw_frame(3, 0, 1, b""), raw_frame(4, 0, 2, &1u64.to_le_bytes())],
+        "no RoundEnd",
+    );
+    bad(
+        &[
+            raw_frame(1, 0, 0, &batch(0, &[1])),
+            raw_frame(2, 0, 1, &end(0, 1)),
+            state(),
+            raw_frame(4, 0, 3, &2u64.to_le_bytes()),
+        ],
+        "claims 2",
+    );
+    bad(&[raw_frame(4, 0, 0, &[0; 7])], "need 8");
+    // Rounds may be empty, and State may come before the final round.
+    let ok = with_header(&[
+        raw_frame(2, 0, 0, &end(0, 0)),
+        raw_frame(3, 0, 1, b"s"),
+        raw_frame(1, 0, 2, &batch(1, &[1])),
+        raw_frame(2, 0, 3, &end(1, 1)),
+        raw_frame(4, 0, 4, &1u64.to_le_bytes()),
+    ]);
+    assert_eq!(read_all(&ok).unwrap().1.len(), 5);
+}
+
+#[test]
+fn reading_stops_after_complete_and_after_errors() {
+    let (mut bytes, _) = sample_stream(Checksum::Full);
+    bytes.extend_from_slice(b"the receiver never reads this");
+    let (mut rd, _) = Reader::open(bytes.as_slice()).unwrap();
+    while rd.next_record().unwrap().is_some() {}
+    assert!(rd.next_record().unwrap().is_none());
+    assert_eq!(rd.into_inner(), b"the receiver never reads this");
+
+    let b = with_header(&[raw_frame(9, 0, 0, b""), raw_frame(5, 0, 0, b"x")]);
+    let (mut rd, _) = Reader::open(b.as_slice()).unwrap();
+    assert!(matches!(rd.next_record(), Err(Error::UnknownTag(9))));
+    assert!(matches!(rd.next_record(), Err(Error::BadRecord { reason, .. }) if reason.contains("already failed")));
+}
+
+#[test]
+fn io_errors_pass_through() {
+    struct Failing;
+    impl Read for Failing {
+        fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+            Err(io::Error::new(io::ErrorKind::ConnectionReset, "reset"))
+        }
+    }
+    assert!(matches!(read_header(&mut Failing), Err(Error::Io(e)) if e.kind() == io::ErrorKind::ConnectionReset));
+    assert!(matches!(Reader::new(Failing, &desc()).next_record(), Err(Error::Io(_))));
+    // Interrupted reads are retried, one byte at a time here.
+    struct Trickle<'a>(&'a [u8], bool);
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.1 = !self.1;
+            if self.1 {
+                return Err(io::ErrorKind::Interrupted.into());
+            }
+            let n = buf.len().min(1).min(self.0.len());
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+    let (bytes, expect) = sample_stream(Checksum::Full);
+    let (mut rd, _) = Reader::open(Trickle(&bytes, false)).unwrap();
+    let mut got = Vec::new();
+    while let Some(r) = rd.next_record().unwrap() {
+        got.push(own(r));
+    }
+    assert_eq!(got, expect);
+}
+
+#[test]
+fn truncation_at_every_offset() {
+    let bytes = tiny_stream();
+    let h = header_len(&bytes);
+    for cut in 0..bytes.len() {
+        match read_all(&bytes[..cut]) {
+            Err(Error::Truncated { what }) => {
+                if cut < h {
+                    assert_eq!(what, "stream header", "cut at {cut}");
+                }
+            }
+            other => panic!("cut at {cut}: {other:?}"),
+        }
+    }
+    assert!(read_all(&bytes).is_ok());
+}
+
+#[test]
+fn flipping_any_byte_is_detected() {
+    let mut bytes = tiny_stream();
+    assert!(read_all(&bytes).is_ok());
+    for mask in [0x01u8, 0x80, 0xff] {
+        for i in 0..bytes.len() {
+            bytes[i] ^= mask;
+            assert!(read_all(&bytes).is_err(), "flip {mask:#x} at {i} went unnoticed");
+            bytes[i] ^= mask;
+        }
+    }
+}
+
+#[test]
+fn fuzz_garbage_never_panics() {
+    let (valid, _) = sample_stream(Checksum::MetadataOnly);
+    let header = encode_header(&desc()).unwrap();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for i in 0..4000 {
+        let input: Vec<u8> = match i % 4 {
+            // Pure garbage, sometimes with a valid magic.
+            0 => {
+                let mut v: Vec<u8> = (0..rng.below(300)).map(|_| rng.next() as u8).collect();
+                if rng.below(2) == 0 && v.len() >= 8 {
+                    v[..8].copy_from_slice(&MAGIC);
+                }
+                v
+            }
+            // A valid header then garbage.
+            1 => {
+                let mut v = header.clone();
+                v.extend((0..rng.below(400)).map(|_| rng.next() as u8));
+                v
+            }
+            // A valid stream with a few random changes, cuts and insertions.
+            2 => {
+                let mut v = valid.clone();
+                for _ in 0..1 + rng.below(4) {
+                    let at = rng.below(v.len());
+                    match rng.below(3) {
+                        0 => v[at] = rng.next() as u8,
+                        1 => v.truncate(at),
+                        _ => v.insert(at, rng.next() as u8),
+                    }
+                    if v.is_empty() {
+                        break;
+                    }
+                }
+                v
+            }
+            // Frames with valid CRC and seq but random contents: exercises the body parsers.
+            _ => {
+                let mut v = header.clone();
+                for seq in 0..1 + rng.below(6) as u64 {
+                    let tag = [1u8, 2, 3, 4, 5, 0x81, 7][rng.below(7)];
+                    let flags = [0u8, 0, 1, 2][rng.below(4)];
+                    let mut body: Vec<u8> = (0..rng.below(64)).map(|_| rng.next() as u8).collect();
+                    if tag == 1 && rng.below(2) == 0 {
+                        let n = 1 + rng.below(3);
+                        body = [0u32.to_le_bytes(), (n as u32).to_le_bytes()].concat();
+                        for _ in 0..n {
+                            let gfn = [rng.next() % 300, rng.next()][rng.below(2)];
+                            body.extend_from_slice(&gfn.to_le_bytes());
+                        }
+                        body.resize(batch_body_len(n) - rng.below(2), 0);
+                    }
+                    v.extend(raw_frame(tag, flags, seq, &body));
+                }
+                v
+            }
+        };
+        let _ = read_all(&input);
+        let _ = ReplyReader::new(input.as_slice()).next_reply();
+    }
+}

@@ -1,0 +1,256 @@
+//! Dirty page tracking for live migration.
+//!
+//! Guest writes are tracked by KVM's dirty log per memory slot. Where KVM offers
+//! `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`, reading the log and re-protecting pages are separate
+//! steps (`KVM_GET_DIRTY_LOG`, then `KVM_CLEAR_DIRTY_LOG` for exactly the bits read): this
+//! avoids write-protecting the whole slot at every fetch. Pages the guest never touched are
+//! found with `mincore` on the memfd mapping: they are holes in the file and need not be sent.
+
+use kvm_bindings::{kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+use vmm_sys_util::ioctl::ioctl_with_ref;
+use vmm_sys_util::ioctl_iowr_nr;
+
+use std::sync::atomic::Ordering;
+
+use crate::vm::Vm;
+use crate::{Error, Result};
+
+pub const PAGE_SIZE: u64 = 4096;
+const KVMIO: u32 = 0xAE;
+ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
+
+/// A set of guest pages, one bit per page, per RAM region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageBitmap {
+    /// (first gfn of the region, pages in the region, bits)
+    pub regions: Vec<(u64, u64, Vec<u64>)>,
+}
+
+impl PageBitmap {
+    /// An empty bitmap shaped like `vm`'s memory.
+    pub fn for_regions(regions: &[(u64, u64)]) -> Self {
+        PageBitmap {
+            regions: regions
+                .iter()
+                .map(|&(gpa, len)| (gpa / PAGE_SIZE, len / PAGE_SIZE, vec![0u64; (len / PAGE_SIZE).div_ceil(64) as usize]))
+                .collect(),
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.regions.iter().map(|(_, _, b)| b.iter().map(|w| w.count_ones() as u64).sum::<u64>()).sum()
+    }
+
+    pub fn clear(&mut self) {
+        for (_, _, b) in &mut self.regions {
+            b.fill(0);
+        }
+    }
+
+    pub fn set(&mut self, gfn: u64) -> bool {
+        for (first, n, b) in &mut self.regions {
+            if gfn >= *first && gfn < *first + *n {
+                let i = gfn - *first;
+                b[(i / 64) as usize] |= 1 << (i % 64);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Adds every page of `other` (same shape) to this set.
+    pub fn union(&mut self, other: &PageBitmap) {
+        for ((_, _, a), (_, _, b)) in self.regions.iter_mut().zip(&other.regions) {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x |= *y;
+            }
+        }
+    }
+
+    /// The set pages' frame numbers, ascending.
+    pub fn gfns(&self) -> impl Iterator<Item = u64> + '_ {
+        self.regions.iter().flat_map(|(first, n, bits)| {
+            bits.iter().enumerate().flat_map(move |(w, &word)| {
+                let mut word = word;
+                std::iter::from_fn(move || {
+                    if word == 0 {
+                        return None;
+                    }
+                    let b = word.trailing_zeros() as u64;
+                    word &= word - 1;
+                    Some(w as u64 * 64 + b)
+                })
+                .filter(move |i| i < n)
+                .map(move |i| first + i)
+            })
+        })
+    }
+}
+
+impl Vm {
+    /// Starts tracking guest writes. Returns whether manual re-protection is in use.
+    pub fn start_dirty_log(&self) -> Result<bool> {
+        let manual = self.kvm.check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 as _) > 0;
+        if manual && !self.dirty_manual.load(Ordering::Acquire) {
+            let mut cap = kvm_enable_cap { cap: kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, ..Default::default() };
+            cap.args[0] = kvm_bindings::KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE as u64;
+            self.fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
+            self.dirty_manual.store(true, Ordering::Release);
+        }
+        self.set_slot_flags(KVM_MEM_LOG_DIRTY_PAGES)?;
+        Ok(self.dirty_manual.load(Ordering::Acquire))
+    }
+
+    /// Stops tracking guest writes (e.g. after a failed migration, so the guest runs at full speed).
+    pub fn stop_dirty_log(&self) -> Result<()> {
+        self.set_slot_flags(0)
+    }
+
+    fn set_slot_flags(&self, flags: u32) -> Result<()> {
+        for (slot, region) in self.memory.guest.iter().enumerate() {
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: region.as_ptr() as u64,
+            };
+            // SAFETY: the same live mapping the slot already has, owned by `self.memory`; only
+            // the flags change.
+            unsafe { self.fd.set_user_memory_region(r) }.map_err(|e| Error::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
+        }
+        Ok(())
+    }
+
+    /// Adds the pages the guest wrote since the last fetch to `into` and re-arms tracking for
+    /// them. Returns how many pages were dirty.
+    pub fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64> {
+        let mut total = 0;
+        for (slot, region) in self.memory.guest.iter().enumerate() {
+            let bits = self.fd.get_dirty_log(slot as u32, region.len() as usize).map_err(|e| Error::Kvm("KVM_GET_DIRTY_LOG", e))?;
+            let n: u64 = bits.iter().map(|w| w.count_ones() as u64).sum();
+            if n == 0 {
+                continue;
+            }
+            total += n;
+            if self.dirty_manual.load(Ordering::Acquire) {
+                let mut clear = kvm_clear_dirty_log {
+                    slot: slot as u32,
+                    num_pages: (region.len() / PAGE_SIZE) as u32,
+                    first_page: 0,
+                    ..Default::default()
+                };
+                clear.__bindgen_anon_1.dirty_bitmap = bits.as_ptr() as *mut libc::c_void;
+                // SAFETY: `clear` points at `bits`, a bitmap covering the slot's `num_pages`
+                // pages, which outlives the call; KVM only reads it.
+                let ret = unsafe { ioctl_with_ref(self.fd.as_ref(), KVM_CLEAR_DIRTY_LOG(), &clear) };
+                if ret < 0 {
+                    return Err(Error::Kvm("KVM_CLEAR_DIRTY_LOG", vmm_sys_util::errno::Error::last()));
+                }
+            }
+            let (_, _, dst) = &mut into.regions[slot];
+            for (d, s) in dst.iter_mut().zip(&bits) {
+                *d |= *s;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Pages that exist in the memfd: everything the guest or kumo ever touched. Never-touched
+    /// pages are holes and read as zeros on both sides, so round 0 skips them.
+    pub fn touched_pages(&self) -> Result<PageBitmap> {
+        let regions: Vec<_> = self.memory.guest.iter().map(|r| (r.start_addr().0, r.len())).collect();
+        let mut bm = PageBitmap::for_regions(&regions);
+        let mut vec = Vec::new();
+        for (i, region) in self.memory.guest.iter().enumerate() {
+            let pages = (region.len() / PAGE_SIZE) as usize;
+            vec.resize(pages, 0u8);
+            // SAFETY: the region is a live, page-aligned mapping of `region.len()` bytes and
+            // `vec` has one byte per page, as mincore requires.
+            let r = unsafe { libc::mincore(region.as_ptr() as *mut libc::c_void, region.len() as usize, vec.as_mut_ptr()) };
+            if r != 0 {
+                return Err(Error::Memory(format!("mincore: {}", std::io::Error::last_os_error())));
+            }
+            let (_, _, bits) = &mut bm.regions[i];
+            for (p, v) in vec.iter().enumerate() {
+                if v & 1 != 0 {
+                    bits[p / 64] |= 1 << (p % 64);
+                }
+            }
+        }
+        Ok(bm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::boot::{write_gdt, write_page_tables, Entry};
+    use crate::vcpu::VcpuRun;
+    use crate::vm::{kvm_available, IrqchipMode};
+    use kumo_devices::{DebugPort, PioBus};
+    use std::sync::{Arc, Mutex};
+    use vm_memory::{Bytes, GuestAddress};
+
+    #[test]
+    fn bitmap_sets_and_lists_pages_across_regions() {
+        let mut b = PageBitmap::for_regions(&[(0, 130 * PAGE_SIZE), (1 << 32, 64 * PAGE_SIZE)]);
+        for g in [0, 63, 64, 129, (1 << 20) + 5] {
+            assert!(b.set(g));
+        }
+        assert!(!b.set(130), "outside every region");
+        assert_eq!(b.gfns().collect::<Vec<_>>(), vec![0, 63, 64, 129, (1 << 20) + 5]);
+        assert_eq!(b.count(), 5);
+        let mut c = PageBitmap::for_regions(&[(0, 130 * PAGE_SIZE), (1 << 32, 64 * PAGE_SIZE)]);
+        c.set(7);
+        c.union(&b);
+        assert_eq!(c.count(), 6);
+        c.clear();
+        assert_eq!(c.count(), 0);
+    }
+
+    #[test]
+    fn kvm_reports_exactly_the_pages_the_guest_wrote() {
+        if !kvm_available() {
+            eprintln!("skipping: /dev/kvm not available");
+            return;
+        }
+        let vm = Vm::new(1, 32 << 20, IrqchipMode::Kernel).unwrap();
+        write_gdt(&vm.memory.guest, 1).unwrap();
+        write_page_tables(&vm.memory.guest, 32 << 20).unwrap();
+        // Write to 0x800000 and 0x803008 (two pages), then exit through port 0x501.
+        let code: &[u8] = &[
+            0x48, 0xc7, 0xc0, 0x00, 0x00, 0x80, 0x00, // mov $0x800000, %rax
+            0xc7, 0x00, 0x01, 0x00, 0x00, 0x00, // movl $1, (%rax)
+            0xc7, 0x80, 0x08, 0x30, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, // movl $2, 0x3008(%rax)
+            0x66, 0xba, 0x01, 0x05, 0xb0, 0x00, 0xee, // mov $0x501,%dx; mov $0,%al; out
+        ];
+        vm.memory.guest.write_slice(code, GuestAddress(0x100000)).unwrap();
+        let mut v = vm.create_vcpu(0).unwrap();
+        v.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: 0x100000 })).unwrap();
+        vm.start_dirty_log().unwrap();
+        let touched = vm.touched_pages().unwrap();
+        assert!(touched.count() > 0 && touched.count() < 1000, "only boot structures: {}", touched.count());
+        let mut dirty = PageBitmap::for_regions(&[(0, 32 << 20)]);
+        let mut bus = PioBus::new();
+        bus.insert(kumo_devices::EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).unwrap();
+        loop {
+            match v.run(&bus).unwrap() {
+                VcpuRun::Continue => continue,
+                VcpuRun::Device(_) => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        vm.fetch_dirty(&mut dirty).unwrap();
+        let gfns: Vec<_> = dirty.gfns().collect();
+        assert!(gfns.contains(&0x800) && gfns.contains(&0x803), "{gfns:x?}");
+        // Nothing else the guest wrote but its own stack-less code: at most a few extra pages
+        // (the CPU sets accessed/dirty bits in the page tables).
+        assert!(gfns.len() <= 8, "{gfns:x?}");
+        // A second fetch sees nothing new.
+        let mut again = PageBitmap::for_regions(&[(0, 32 << 20)]);
+        assert_eq!(vm.fetch_dirty(&mut again).unwrap(), 0);
+        vm.stop_dirty_log().unwrap();
+    }
+}
