@@ -13,12 +13,13 @@ KUMO_MANIFEST("name=memtouch\n"
               "param=duration_ms:u64:0:stop after this long instead (0: no time limit)\n"
               "param=rate:u64:0:page writes per second (0: as fast as possible)\n"
               "param=seed:u64:1:seed of the write sequence\n"
-              "param=report_ms:u64:0:print a progress line this often (0: never)\n");
+              "param=report_ms:u64:0:print a progress line this often (0: never)\n"
+              "param=hold_ms:u64:0:after reporting, keep the memory this long without writing, then checksum it again\n");
 
 #define PAGE 4096UL
 
 struct job {
-    u64 base, pages, writes, duration_ms, rate, seed, report_ms, tsc_khz, random;
+    u64 base, pages, writes, duration_ms, rate, seed, report_ms, tsc_khz, random, hold_ms;
 };
 static struct job job;
 
@@ -29,6 +30,15 @@ static u64 mix64(u64 x) {
 }
 
 static u64 ms_to_tsc(u64 ms) { return ms * job.tsc_khz; }
+
+static u64 checksum(const struct job *j) {
+    u64 sum = 0xcbf29ce484222325UL;
+    for (u64 p = 0; p < j->pages; p++) {
+        const u64 *w = (const u64 *)(j->base + p * PAGE);
+        for (int i = 0; i < 512; i++) sum = (sum ^ w[i]) * 0x100000001b3UL;
+    }
+    return sum;
+}
 
 /* Runs in ring 3. */
 static u64 workload(u64 arg) {
@@ -60,15 +70,16 @@ static u64 workload(u64 arg) {
         }
     }
     u64 elapsed = rdtsc() - start;
-    u64 sum = 0xcbf29ce484222325UL;
-    for (u64 p = 0; p < j->pages; p++) {
-        const u64 *w = (const u64 *)(j->base + p * PAGE);
-        for (int i = 0; i < 512; i++) sum = (sum ^ w[i]) * 0x100000001b3UL;
-    }
     u64 us = j->tsc_khz ? elapsed * 1000 / j->tsc_khz : 0;
     kprintf("memtouch: done writes=%lu elapsed_us=%lu pages_per_sec=%lu\n", n, us,
             us ? n * 1000000 / us : 0);
-    kprintf("memtouch: checksum=%lx\n", sum);
+    kprintf("memtouch: checksum=%lx\n", checksum(j));
+    if (j->hold_ms) {
+        /* An idle guest: memory stays as it is (a spin in ring 3 writes nothing). */
+        u64 until = rdtsc() + ms_to_tsc(j->hold_ms);
+        while (rdtsc() < until) cpu_relax();
+        kprintf("memtouch: checksum_after_hold=%lx\n", checksum(j));
+    }
     return 0;
 }
 
@@ -97,6 +108,7 @@ void kmain(struct kumo_boot_info *bi, u32 cpu) {
     job.rate = param_or(bi, "rate", 0);
     job.seed = param_or(bi, "seed", 1);
     job.report_ms = param_or(bi, "report_ms", 0);
+    job.hold_ms = param_or(bi, "hold_ms", 0);
     job.tsc_khz = bi->tsc_khz;
     job.base = (bi->free_start + PAGE - 1) & ~(PAGE - 1);
     u64 avail = (bi->free_end - job.base) / PAGE;
@@ -104,8 +116,8 @@ void kmain(struct kumo_boot_info *bi, u32 cpu) {
         kprintf("memtouch: pages=%lu does not fit: 1..%lu pages are free\n", job.pages, avail);
         kumo_exit(2);
     }
-    if ((job.rate || job.duration_ms || job.report_ms) && !job.tsc_khz) {
-        kputs("memtouch: rate/duration_ms/report_ms need the TSC frequency, which kumo did not give\n");
+    if ((job.rate || job.duration_ms || job.report_ms || job.hold_ms) && !job.tsc_khz) {
+        kputs("memtouch: rate/duration_ms/report_ms/hold_ms need the TSC frequency, which kumo did not give\n");
         kumo_exit(2);
     }
     kprintf("memtouch: pages=%lu mode=%s writes=%lu duration_ms=%lu rate=%lu seed=%lu base=%lx\n",

@@ -26,6 +26,8 @@ pub mod paths {
     pub const PAUSE: &str = "/api/v1/vm.pause";
     pub const RESUME: &str = "/api/v1/vm.resume";
     pub const SHUTDOWN: &str = "/api/v1/vm.shutdown";
+    pub const MIGRATE: &str = "/api/v1/vm.migrate";
+    pub const MIGRATION: &str = "/api/v1/vm.migration";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -55,7 +57,7 @@ pub struct VmInfo {
 /// What a client asked for, decoded from method + path (+ JSON body).
 /// Routes with a body add a variant carrying its deserialized type, e.g.
 /// `Migrate(MigrateConfig)`, plus one line in the server's route table.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ApiRequest {
     Ping,
@@ -63,6 +65,36 @@ pub enum ApiRequest {
     Pause,
     Resume,
     Shutdown,
+    /// Migrate the VM (or, with `dry_run`, only estimate the migration).
+    Migrate(MigrateRequest),
+    /// Progress events and result of the current or last migration.
+    MigrationStatus,
+}
+
+/// Body of `PUT /api/v1/vm.migrate`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateRequest {
+    /// Destination: `tcp:HOST:PORT` or `unix:PATH` of a `kumo run --incoming`.
+    pub to: String,
+    /// `serial`, `overlap` (default), `zerocopy` or `local`.
+    #[serde(default)]
+    pub engine: Option<String>,
+    /// Stop pre-copy once the rest fits this downtime (ms).
+    #[serde(default)]
+    pub downtime_ms: Option<u64>,
+    /// Apply Xen's stop rule (≤ 50 dirty pages, 30 rounds, 3x pages): default true unless only
+    /// `downtime_ms` is given.
+    #[serde(default)]
+    pub xen: Option<bool>,
+    /// Parallel connections (overlap, zerocopy).
+    #[serde(default)]
+    pub connections: Option<usize>,
+    /// Only observe the guest's dirtying for `estimate_ms` and predict the migration.
+    #[serde(default)]
+    pub dry_run: bool,
+    #[serde(default)]
+    pub estimate_ms: Option<u64>,
 }
 
 /// What the handler answers on success.
@@ -74,6 +106,8 @@ pub enum ApiResponse {
     Pong { kumo_version: String },
     /// 200 with the [`VmInfo`] as body.
     Info(VmInfo),
+    /// 200 with any JSON body (migration reports, progress).
+    Json(Value),
 }
 
 impl ApiResponse {
@@ -85,6 +119,7 @@ impl ApiResponse {
                 (200, Some(json!({ "kumo_version": kumo_version })))
             }
             ApiResponse::Info(info) => (200, Some(to_json(&info)?)),
+            ApiResponse::Json(v) => (200, Some(v)),
         })
     }
 }

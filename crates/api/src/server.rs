@@ -68,10 +68,19 @@ pub(crate) const ROUTES: &[Route] = &[
         path: paths::SHUTDOWN,
         build: |_| Ok(ApiRequest::Shutdown),
     },
+    Route {
+        method: "PUT",
+        path: paths::MIGRATE,
+        build: |b| Ok(ApiRequest::Migrate(json_body(b)?)),
+    },
+    Route {
+        method: "GET",
+        path: paths::MIGRATION,
+        build: |_| Ok(ApiRequest::MigrationStatus),
+    },
 ];
 
 /// Decodes the JSON body of a route that takes one.
-#[cfg_attr(not(test), allow(dead_code))] // for upcoming routes with bodies
 fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if body.is_empty() {
         return Err(ApiError::bad_request("missing JSON body"));
@@ -242,9 +251,15 @@ impl ApiServerHandle {
         } else {
             warn!(path = %self.path.display(), "API accept thread did not stop; leaving it behind");
         }
-        // Readers see EOF and exit; writers can still send their response.
+        // Readers see EOF and exit; writers can still send their response. Wait (bounded)
+        // for them: a handler that ends the VM (shutdown, a finished migration) must get its
+        // answer out before the process exits.
         for conn in self.shared.conns().values() {
             let _ = conn.shutdown(Shutdown::Read);
+        }
+        let until = Instant::now() + STOP_WAIT;
+        while !self.shared.conns().is_empty() && Instant::now() < until {
+            thread::sleep(Duration::from_millis(2));
         }
         if ours {
             let _ = fs::remove_file(&self.path);
@@ -516,8 +531,35 @@ mod tests {
                     *state = VmState::Shutdown;
                     Ok(ApiResponse::Ok)
                 }
+                ApiRequest::Migrate(m) if m.to.is_empty() => Err(ApiError::bad_request("no destination")),
+                ApiRequest::Migrate(m) => Ok(ApiResponse::Json(serde_json::json!({"to": m.to, "engine": m.engine}))),
+                ApiRequest::MigrationStatus => Ok(ApiResponse::Json(serde_json::json!({"state": "none"}))),
             }
         }
+    }
+
+    #[test]
+    fn migrate_routes_carry_their_json_body() {
+        let f = start();
+        let req = crate::MigrateRequest {
+            to: "tcp:127.0.0.1:1".into(),
+            engine: Some("serial".into()),
+            downtime_ms: None,
+            xen: None,
+            connections: None,
+            dry_run: false,
+            estimate_ms: None,
+        };
+        let v = f.client.migrate(&req).unwrap();
+        assert_eq!(v["to"], "tcp:127.0.0.1:1");
+        assert_eq!(v["engine"], "serial");
+        assert_eq!(f.client.migration_status().unwrap()["state"], "none");
+        // A body that is not a MigrateRequest is a 400 with the reason.
+        let (status, body) = f.client.request("PUT", paths::MIGRATE, Some(&serde_json::json!({"to": "x", "bogus": 1}))).unwrap();
+        assert_eq!(status, 400);
+        assert!(body.unwrap()["error"].as_str().unwrap().contains("bogus"));
+        let (status, _) = f.client.request("PUT", paths::MIGRATE, None).unwrap();
+        assert_eq!(status, 400);
     }
 
     struct Fixture {

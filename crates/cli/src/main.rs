@@ -1,6 +1,7 @@
 //! `kumo`: run VMs, list guest programs, talk to a running VM's control API, benchmark.
 
 mod bench;
+mod migrate;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,6 +44,8 @@ enum Cmd {
     Shutdown,
     /// Check that a VM's API answers (needs --api-socket).
     Ping,
+    /// Migrate a running VM (needs --api-socket) to a `kumo run --incoming`.
+    Migrate(migrate::MigrateArgs),
     /// Benchmarks: print a table and write JSON.
     Bench {
         #[command(subcommand)]
@@ -55,6 +58,10 @@ struct RunArgs {
     /// Linux kernel (bzImage, or vmlinux with a PVH entry).
     #[arg(long, value_name = "PATH", conflicts_with = "guest")]
     kernel: Option<PathBuf>,
+    /// Receive a migrating VM on tcp:HOST:PORT or unix:PATH instead of booting one; its shape
+    /// comes from the stream.
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config"])]
+    incoming: Option<String>,
     /// Initial ramdisk for --kernel.
     #[arg(long, value_name = "PATH", requires = "kernel")]
     initrd: Option<PathBuf>,
@@ -118,8 +125,13 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
 }
 
 fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
-    let config = build_config(&a)?;
-    let vm = Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?);
+    let vm = match &a.incoming {
+        Some(addr) => Arc::new(migrate::incoming(addr)?),
+        None => {
+            let config = build_config(&a)?;
+            Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)
+        }
+    };
     let _api = match &api_socket {
         Some(p) => Some(ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
             vm.shutdown();
@@ -141,6 +153,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
         Reset(why) => eprintln!("kumo: guest reset: {why}"),
         Error(e) => eprintln!("kumo: error: {e}"),
         TimedOut => eprintln!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or(0.0)),
+        Migrated(to) => eprintln!("kumo: VM migrated to {to}; this copy stopped"),
         _ => {}
     }
     Ok(report.outcome.exit_code())
@@ -190,6 +203,7 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run(a, cli.api_socket),
         Cmd::Guests { json } => guests(json),
         Cmd::Bench { which } => bench::run(which),
+        Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
         ref c @ (Cmd::Info | Cmd::Pause | Cmd::Resume | Cmd::Shutdown | Cmd::Ping) => client_cmd(c, cli.api_socket),
     };
     match r {

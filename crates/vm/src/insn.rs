@@ -34,6 +34,9 @@ pub fn describe(bytes: &[u8]) -> Option<&'static str> {
             _ => None,
         },
         [0x0f, 0xc7, m, ..] if *m < 0xc0 && reg(*m) == 3 => Some("XRSTORS"),
+        // SSE integer code, e.g. the kernel's BLAKE2s with SSSE3 (see DEFAULT_LINUX_CMDLINE).
+        [0x0f, 0x6e | 0x7e, ..] if prefixes.contains(&0x66) => Some("MOVD/MOVQ (SSE)"),
+        [0x0f, 0x38, 0x00, ..] if prefixes.contains(&0x66) => Some("PSHUFB (SSSE3)"),
         _ => None,
     }
 }
@@ -58,6 +61,9 @@ mod tests {
         assert_eq!(describe(&[0xf0, 0x48, 0x0f, 0xc7, 0x0e]), Some("CMPXCHG16B"));
         assert_eq!(describe(&[0x0f, 0x01, 0xf9]), Some("RDTSCP"));
         assert_eq!(describe(&[0x9b]), Some("FWAIT"));
+        assert_eq!(describe(&[0x66, 0x44, 0x0f, 0x6e, 0xf9]), Some("MOVD/MOVQ (SSE)")); // movd %ecx,%xmm15
+        assert_eq!(describe(&[0x66, 0x0f, 0x38, 0x00, 0xc1]), Some("PSHUFB (SSSE3)"));
+        assert_eq!(describe(&[0x0f, 0x6e, 0xc1]), None); // MMX movd
         assert_eq!(describe(&[0x0f, 0xae, 0xf0]), None); // mfence, register form
         assert_eq!(describe(&[0x90]), None);
         assert_eq!(describe(&[]), None);

@@ -4,17 +4,19 @@ use std::sync::{Arc, Weak};
 
 use kumo_api::{ApiError, ApiHandler, ApiRequest, ApiResponse, VmInfo, VmState, KUMO_VERSION};
 
+use crate::migration::{JobError, MigrationJob};
 use crate::vmm::RunningVm;
 use crate::Error;
 
 /// Serves API requests against a VM. Holds it weakly: the API never keeps a VM alive.
 pub struct VmApi {
     vm: Weak<RunningVm>,
+    migration: MigrationJob,
 }
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
-        Arc::new(VmApi { vm: Arc::downgrade(vm) })
+        Arc::new(VmApi { vm: Arc::downgrade(vm), migration: MigrationJob::default() })
     }
 }
 
@@ -60,6 +62,13 @@ impl ApiHandler for VmApi {
                 vm.shutdown();
                 Ok(ApiResponse::Ok)
             }
+            ApiRequest::Migrate(req) => match self.migration.run(&vm, &req) {
+                Ok(v) => Ok(ApiResponse::Json(v)),
+                Err(JobError::BadRequest(e)) => Err(ApiError::bad_request(e)),
+                Err(JobError::Busy) => Err(ApiError::conflict("a migration is already running")),
+                Err(e @ JobError::Failed(_)) => Err(ApiError::internal(e.to_string())),
+            },
+            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(self.migration.status())),
         }
     }
 }

@@ -26,11 +26,13 @@ pub enum Payload {
 /// - `clearcpuid=ssse3`: SSSE3 leaks, and the kernel's BLAKE2s (the random pool) then runs SSE
 ///   code (`movd`, `pshufb`, `paddd`, ...) the host cannot emulate and kumo has no assist for;
 ///   without SSSE3 it uses the generic C code.
+/// - `cryptomgr.notests`: the crypto self-tests run so slowly when emulated that loading the
+///   module-signing certificate times out (60 s) waiting for them.
 ///
 /// The other leaked features seen so far (SMAP's CLAC/STAC, POPCNT) and INT3 from text patching
 /// are handled by kumo's emulation assists (`kumo_vm::assist`), so they need nothing here.
 pub const DEFAULT_LINUX_CMDLINE: &str =
-    "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k panic=-1 noapic nomodule noxsave clearcpuid=ssse3";
+    "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k panic=-1 noapic nomodule noxsave clearcpuid=ssse3 cryptomgr.notests";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

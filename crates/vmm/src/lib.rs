@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod config;
+pub mod migration;
 pub mod vmm;
 
 pub use config::{ConfigFile, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
