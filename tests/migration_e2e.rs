@@ -246,3 +246,99 @@ fn bad_migrate_requests_are_refused() {
     kumo(&["--api-socket", &sock, "shutdown"]);
     assert_eq!(src.wait().0, Some(0));
 }
+
+/// Two network namespaces joined by a veth pair: two "hosts" on this machine, with addresses
+/// that exist only inside them. Needs root and iproute2; skips otherwise.
+struct Netns {
+    a: String,
+    b: String,
+}
+
+impl Netns {
+    fn create() -> Result<Netns, String> {
+        let id = std::process::id() % 100_000;
+        let (a, b) = (format!("kumo-a{id}"), format!("kumo-b{id}"));
+        let ns = Netns { a: a.clone(), b: b.clone() };
+        let (va, vb) = (format!("kva{id}"), format!("kvb{id}"));
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns", "add", &a],
+            vec!["netns", "add", &b],
+            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
+            vec!["link", "set", &va, "netns", &a],
+            vec!["link", "set", &vb, "netns", &b],
+            vec!["-n", &a, "addr", "add", "10.77.0.1/24", "dev", &va],
+            vec!["-n", &b, "addr", "add", "10.77.0.2/24", "dev", &vb],
+            vec!["-n", &a, "link", "set", &va, "up"],
+            vec!["-n", &b, "link", "set", &vb, "up"],
+            vec!["-n", &a, "link", "set", "lo", "up"],
+            vec!["-n", &b, "link", "set", "lo", "up"],
+        ]
+        .into_iter()
+        .map(|v| v.into_iter().map(String::from).collect())
+        .collect();
+        for step in steps {
+            let o = Command::new("ip").args(&step).output().map_err(|e| format!("ip: {e}"))?;
+            if !o.status.success() {
+                return Err(format!("ip {}: {}", step.join(" "), String::from_utf8_lossy(&o.stderr).trim()));
+            }
+        }
+        Ok(ns)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Deleting the namespaces removes the veth pair with them.
+        for n in [&self.a, &self.b] {
+            let _ = Command::new("ip").args(["netns", "delete", n]).status();
+        }
+    }
+}
+
+#[test]
+fn migration_between_two_network_namespaces() {
+    if !kvm_or_skip("migration_between_two_network_namespaces") {
+        return;
+    }
+    let ns = match Netns::create() {
+        Ok(ns) => ns,
+        Err(e) if std::env::var_os("CI").is_some() => panic!("cannot create the test namespaces in CI: {e}"),
+        Err(e) => {
+            eprintln!("skipping migration_between_two_network_namespaces: {e}");
+            return;
+        }
+    };
+    let bin = kumo_bin();
+    let bin = bin.to_str().unwrap();
+    // Destination "host" B listens on its own address; source "host" A runs the VM.
+    let out = temp_path("netns-dst.out");
+    let err = temp_path("netns-dst.err");
+    let child = Command::new("ip")
+        .args(["netns", "exec", &ns.b, bin, "run", "--incoming", "tcp:10.77.0.2:4444", "--memory", "64M", "--timeout", "120"])
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let dest = Dest { kid: Kid(child), err, out };
+    eventually(Duration::from_secs(20), || dest.stderr().contains("waiting for a migration").then_some(()));
+    let sock = temp_path("netns-src.sock").to_str().unwrap().to_string();
+    let sout = temp_path("netns-src.out");
+    let serr = temp_path("netns-src.err");
+    let child = Command::new("ip")
+        .args(["netns", "exec", &ns.a, bin, "run", "--guest", "memtouch", "--memory", "64M", "--api-socket", &sock, "--timeout", "120"])
+        .args(["pages=4000", "writes=400000", "rate=200000", "seed=6"])
+        .stdout(std::fs::File::create(&sout).unwrap())
+        .stderr(std::fs::File::create(&serr).unwrap())
+        .spawn()
+        .unwrap();
+    let src = Dest { kid: Kid(child), err: serr, out: sout };
+    eventually(Duration::from_secs(20), || src.stdout().contains("memtouch: pages=").then_some(()));
+    std::thread::sleep(Duration::from_millis(300));
+    // The API socket is a file, reachable from the root namespace; the stream goes A -> B.
+    let (ok, o, e) = migrate(&sock, &["--to", "tcp:10.77.0.2:4444", "--engine", "overlap"]);
+    assert!(ok, "{o}\n{e}\n{}", dest.stderr());
+    assert_eq!(src.wait().0, Some(0));
+    let (code, dout, derr) = dest.wait();
+    assert_eq!(code, Some(0), "{derr}");
+    assert_eq!(checksum_of(&dout, "checksum"), Some(kumo_guests::memtouch::expected_checksum(4000, 400_000, 6, true)));
+}

@@ -87,6 +87,11 @@ static inline void sti_hlt_cli(void) { __asm__ volatile("sti; hlt; cli" ::: "mem
  * code. Never returns. */
 __attribute__((noreturn)) void kumo_enter_user(u64 (*fn)(u64), u64 arg);
 
+/* From ring 3: sleep (the vCPU halts, using no host CPU) until the TSC reaches `tsc`. Works by
+ * a `hlt` that faults into the runtime, which arms the LAPIC TSC-deadline timer and halts. */
+#define KUMO_TIMER_VECTOR 0x30
+void kumo_idle_until(u64 tsc);
+
 /* Per-vCPU stacks, defined by the runtime. */
 #define KUMO_MAX_CPUS 64
 

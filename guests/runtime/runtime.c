@@ -23,6 +23,7 @@ void kumo_set_gate(int vector, void (*handler)(void)) {
     idt[vector].zero = 0;
 }
 
+extern void kumo_timer_isr(void);
 extern void kumo_exc0(void), kumo_exc1(void), kumo_exc2(void), kumo_exc3(void), kumo_exc4(void),
     kumo_exc5(void), kumo_exc6(void), kumo_exc7(void), kumo_exc8(void), kumo_exc9(void),
     kumo_exc10(void), kumo_exc11(void), kumo_exc12(void), kumo_exc13(void), kumo_exc14(void),
@@ -38,12 +39,16 @@ void kumo_start(struct kumo_boot_info *bi, u32 cpu) {
         boot_info = bi;
         for (int v = 0; v < 20; v++)
             kumo_set_gate(v, exc_stubs[v]);
+        kumo_set_gate(KUMO_TIMER_VECTOR, kumo_timer_isr);
         __atomic_store_n(&idt_ready, 1, __ATOMIC_RELEASE);
     } else {
         while (!__atomic_load_n(&idt_ready, __ATOMIC_ACQUIRE))
             cpu_relax();
     }
     __asm__ volatile("lidt %0" ::"m"(idtr));
+    /* LAPIC on, timer in TSC-deadline mode: what kumo_idle_until sleeps on. */
+    mmio_write32(bi->lapic_base + 0xf0, 0x1ff);
+    mmio_write32(bi->lapic_base + 0x320, KUMO_TIMER_VECTOR | (2u << 17));
     /* TSS.rsp0: the stack the CPU switches to when an interrupt arrives in ring 3. */
     *(volatile u64 *)(bi->tss_base + cpu * bi->tss_stride + 4) = (u64)&kumo_kstacks[cpu + 1][0];
     if (bi->magic != KUMO_BOOT_MAGIC || bi->version != KUMO_BOOT_VERSION) {
@@ -81,6 +86,11 @@ void kumo_enter_user(u64 (*fn)(u64), u64 arg) {
     *(u64 *)top = (u64)kumo_user_return; /* fn's return address */
     kumo_iret_to_user(fn, arg, top);
     __builtin_unreachable();
+}
+
+void kumo_idle_until(u64 tsc) {
+    while (rdtsc() < tsc)
+        __asm__ volatile("hlt" ::"a"((u32)tsc), "d"((u32)(tsc >> 32)) : "memory");
 }
 
 void kumo_exit(u32 code) {

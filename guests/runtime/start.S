@@ -48,13 +48,45 @@ kumo_exc\vec:
     EXC_ERR 10
     EXC_ERR 11
     EXC_ERR 12
-    EXC_ERR 13
     EXC_ERR 14
     EXC_NOERR 15
     EXC_NOERR 16
     EXC_ERR 17
     EXC_NOERR 18
     EXC_NOERR 19
+/* #GP. Ring-3 code idles by executing `hlt` (which faults) with a TSC deadline in edx:eax:
+ * arm the LAPIC TSC-deadline timer, halt until an interrupt, resume after the hlt. Kept to a
+ * few instructions: each one is emulated on nested KVM. Anything else is a real fault. */
+    .globl kumo_exc13
+kumo_exc13:
+    testb $3, 16(%rsp)          /* CS of the interrupted code: from ring 3? */
+    jz 5f
+    pushq %rcx
+    movq 16(%rsp), %rcx         /* its RIP */
+    cmpb $0xf4, (%rcx)          /* hlt? */
+    jne 6f
+    movl $0x6e0, %ecx           /* IA32_TSC_DEADLINE <- edx:eax */
+    wrmsr
+    sti
+    hlt
+    cli
+    popq %rcx
+    addq $1, 8(%rsp)            /* resume after the hlt */
+    addq $8, %rsp               /* drop the error code */
+    iretq
+6:  popq %rcx
+5:  pushq $13
+    jmp kumo_exc_common
+
+/* TSC-deadline timer interrupt: it only needs to end the hlt above. */
+    .globl kumo_timer_isr
+kumo_timer_isr:
+    pushq %rax
+    movq $0xfee000b0, %rax      /* LAPIC EOI */
+    movl $0, (%rax)
+    popq %rax
+    iretq
+
 kumo_exc_common:
     movq %rsp, %rdi         /* -> struct exc_frame { vec, err, rip, cs, rflags, rsp, ss } */
     andq $-16, %rsp

@@ -14,12 +14,14 @@ KUMO_MANIFEST("name=memtouch\n"
               "param=rate:u64:0:page writes per second (0: as fast as possible)\n"
               "param=seed:u64:1:seed of the write sequence\n"
               "param=report_ms:u64:0:print a progress line this often (0: never)\n"
+              "param=prefill:u64:0:1 = first write every free page once (a VM whose whole memory is in use)\n"
               "param=hold_ms:u64:0:after reporting, keep the memory this long without writing, then checksum it again\n");
 
 #define PAGE 4096UL
 
 struct job {
     u64 base, pages, writes, duration_ms, rate, seed, report_ms, tsc_khz, random, hold_ms;
+    u64 prefill_start, prefill_end;
 };
 static struct job job;
 
@@ -43,6 +45,12 @@ static u64 checksum(const struct job *j) {
 /* Runs in ring 3. */
 static u64 workload(u64 arg) {
     struct job *j = (struct job *)arg;
+    if (j->prefill_end) {
+        /* One word per page, beyond the working set so the checksum is unaffected. */
+        for (u64 a = j->prefill_start; a < j->prefill_end; a += PAGE)
+            *(volatile u64 *)a = a;
+        kprintf("memtouch: prefilled %lu pages\n", (j->prefill_end - j->prefill_start) / PAGE);
+    }
     u64 rng = mix64(j->seed) | 1, start = rdtsc(), next_report = start + ms_to_tsc(j->report_ms);
     u64 deadline = j->duration_ms ? start + ms_to_tsc(j->duration_ms) : 0;
     u64 n = 0;
@@ -65,7 +73,10 @@ static u64 workload(u64 arg) {
             next_report += ms_to_tsc(j->report_ms);
         }
         if (j->rate && j->tsc_khz) {
-            u64 due = start + (n + 1) * j->tsc_khz * 1000 / j->rate;
+            u64 due = start + (n + 1) * j->tsc_khz * 1000 / j->rate, t = rdtsc();
+            /* Long waits halt the vCPU; short ones spin (a wake-up costs tens of µs here). */
+            if (due > t + ms_to_tsc(1))
+                kumo_idle_until(due);
             while (rdtsc() < due) cpu_relax();
         }
     }
@@ -75,9 +86,8 @@ static u64 workload(u64 arg) {
             us ? n * 1000000 / us : 0);
     kprintf("memtouch: checksum=%lx\n", checksum(j));
     if (j->hold_ms) {
-        /* An idle guest: memory stays as it is (a spin in ring 3 writes nothing). */
-        u64 until = rdtsc() + ms_to_tsc(j->hold_ms);
-        while (rdtsc() < until) cpu_relax();
+        /* An idle guest: memory stays as it is (halted). */
+        kumo_idle_until(rdtsc() + ms_to_tsc(j->hold_ms)); /* halted: an idle guest */
         kprintf("memtouch: checksum_after_hold=%lx\n", checksum(j));
     }
     return 0;
@@ -109,6 +119,10 @@ void kmain(struct kumo_boot_info *bi, u32 cpu) {
     job.seed = param_or(bi, "seed", 1);
     job.report_ms = param_or(bi, "report_ms", 0);
     job.hold_ms = param_or(bi, "hold_ms", 0);
+    if (param_or(bi, "prefill", 0)) {
+        job.prefill_start = job.base + job.pages * PAGE;
+        job.prefill_end = bi->free_end & ~(PAGE - 1);
+    }
     job.tsc_khz = bi->tsc_khz;
     job.base = (bi->free_start + PAGE - 1) & ~(PAGE - 1);
     u64 avail = (bi->free_end - job.base) / PAGE;

@@ -59,7 +59,8 @@ struct RunArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "guest")]
     kernel: Option<PathBuf>,
     /// Receive a migrating VM on tcp:HOST:PORT or unix:PATH instead of booting one; its shape
-    /// comes from the stream.
+    /// comes from the stream. With --memory, that much memory is reserved and faulted in before
+    /// the migration starts (a prepared destination) and only a VM of that size is accepted.
     #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config"])]
     incoming: Option<String>,
     /// Initial ramdisk for --kernel.
@@ -126,7 +127,7 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
 
 fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     let vm = match &a.incoming {
-        Some(addr) => Arc::new(migrate::incoming(addr)?),
+        Some(addr) => Arc::new(migrate::incoming(addr, a.memory)?),
         None => {
             let config = build_config(&a)?;
             Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)

@@ -159,13 +159,34 @@ fn print_report(r: &Value) {
     }
 }
 
-/// Waits for one incoming migration on `addr` and returns the VM, running.
-pub fn incoming(addr: &str) -> Result<RunningVm, String> {
+/// Waits for one incoming migration on `addr` and returns the VM, running. With `prepared`,
+/// guest memory of that size is allocated and faulted in first, so the transfer does not pay
+/// for first-touch page faults (expensive on nested hosts).
+pub fn incoming(addr: &str, prepared: Option<u64>) -> Result<RunningVm, String> {
     let addr: Address = addr.parse()?;
     let listener = Listener::bind(&addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let mut reserved = match prepared {
+        Some(size) => {
+            let t = std::time::Instant::now();
+            let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
+            for (gpa, len) in kumo_vm::layout::ram_regions(size) {
+                kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
+            }
+            eprintln!("kumo: prepared {} MiB of guest memory in {:.0} ms", size >> 20, t.elapsed().as_secs_f64() * 1e3);
+            Some(m.memfd)
+        }
+        None => None,
+    };
     eprintln!("kumo: waiting for a migration on {}", listener.local_addr());
     let (vm, rr) = receive(&listener, Duration::from_secs(60), |desc, memfd| {
         let config = config_from_description(desc)?;
+        if let (Some(size), None) = (prepared, &memfd) {
+            if size != config.memory {
+                return Err(format!("this destination is prepared for {size} bytes of memory; the VM has {}", config.memory));
+            }
+        }
+        // Memory shared by a local migration wins; otherwise the prepared memory, if any.
+        let memfd = memfd.or_else(|| reserved.take());
         RunningVm::incoming(config, Box::new(std::io::stdout()), memfd).map_err(|e| e.to_string())
     })
     .map_err(|e| format!("incoming migration failed: {e}"))?;

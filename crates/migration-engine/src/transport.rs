@@ -64,20 +64,7 @@ impl Conn {
             }
             Address::Unix(p) => Conn::Unix(UnixStream::connect(p)?),
         };
-        c.set_buffers()?;
         Ok(c)
-    }
-
-    /// Larger socket buffers keep a 4 MiB batch pipeline flowing on fast links.
-    fn set_buffers(&self) -> io::Result<()> {
-        let size: libc::c_int = 8 << 20;
-        for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-            // SAFETY: setsockopt on our own socket with a c_int value of the right size.
-            unsafe {
-                libc::setsockopt(self.as_raw_fd(), libc::SOL_SOCKET, opt, &size as *const _ as *const libc::c_void, 4);
-            }
-        }
-        Ok(())
     }
 
     pub fn try_clone(&self) -> io::Result<Conn> {
@@ -257,7 +244,6 @@ impl Listener {
             }
             Listener::Unix(l, _) => Conn::Unix(l.accept()?.0),
         };
-        c.set_buffers()?;
         Ok(c)
     }
 }
@@ -296,6 +282,8 @@ pub struct ZeroCopy {
     pub completions: u64,
     /// Completions the kernel reports it had to copy anyway (e.g. loopback delivery).
     pub copied: u64,
+    /// Sends that fell back to copying because too many zero-copy sends were outstanding.
+    pub fallbacks: u64,
 }
 
 impl ZeroCopy {
@@ -306,7 +294,7 @@ impl ZeroCopy {
         let r = unsafe {
             libc::setsockopt(conn.as_raw_fd(), libc::SOL_SOCKET, libc::SO_ZEROCOPY, &one as *const _ as *const libc::c_void, 4)
         };
-        ZeroCopy { enabled: r == 0, sent_calls: 0, completions: 0, copied: 0 }
+        ZeroCopy { enabled: r == 0, sent_calls: 0, completions: 0, copied: 0, fallbacks: 0 }
     }
 
     pub fn enabled(&self) -> bool {
@@ -324,7 +312,7 @@ impl ZeroCopy {
     /// stay mapped until the kernel reports completion; kumo only sends guest memory, which
     /// lives as long as the VM, and small frame headers that are copied when zero-copy is off.
     pub fn send_iovecs(&mut self, conn: &Conn, iov: &mut [libc::iovec]) -> io::Result<()> {
-        let flags = if self.enabled { libc::MSG_ZEROCOPY } else { 0 };
+        let mut flags = if self.enabled { libc::MSG_ZEROCOPY } else { 0 };
         let mut start = 0;
         while start < iov.len() {
             // SAFETY: msghdr over live iovecs; the caller keeps their memory mapped.
@@ -337,9 +325,13 @@ impl ZeroCopy {
                 let e = io::Error::last_os_error();
                 match e.raw_os_error() {
                     Some(libc::EINTR) => continue,
-                    // Too many pinned sends outstanding: reap completions, then retry.
-                    Some(libc::ENOBUFS) if self.enabled => {
-                        self.reap(conn.as_raw_fd(), true)?;
+                    // Too many pinned sends outstanding (the socket's option memory is
+                    // full of completions): reap what has arrived and send the rest of this
+                    // call by ordinary copy rather than wait for the kernel.
+                    Some(libc::ENOBUFS) if flags != 0 => {
+                        self.reap(conn.as_raw_fd(), false)?;
+                        self.fallbacks += 1;
+                        flags = 0;
                         continue;
                     }
                     _ => return Err(e),
