@@ -681,3 +681,58 @@ fn fuzz_garbage_never_panics() {
         let _ = ReplyReader::new(input.as_slice()).next_reply();
     }
 }
+
+#[test]
+fn connections_and_shared_memory_round_trip_and_are_checked() {
+    let mut d = desc();
+    assert_eq!((d.connections, d.shared_memory), (1, false));
+    d.connections = 3;
+    d.shared_memory = true;
+    let mut bytes = Vec::new();
+    write_header(&mut bytes, &d).unwrap();
+    assert_eq!(read_header(&mut &bytes[..]).unwrap(), d);
+    // Older descriptions without the fields read as one connection, no shared memory.
+    let json = serde_json::to_value(desc()).unwrap();
+    let mut obj = json.as_object().unwrap().clone();
+    obj.remove("connections");
+    obj.remove("shared_memory");
+    let old: VmDescription = serde_json::from_value(serde_json::Value::Object(obj)).unwrap();
+    assert_eq!((old.connections, old.shared_memory), (1, false));
+    for bad in [0, MAX_CONNECTIONS + 1] {
+        let mut d = desc();
+        d.connections = bad;
+        assert!(matches!(d.validate(), Err(Error::BadDescription(m)) if m.contains("connections")));
+    }
+}
+
+#[test]
+fn an_extra_connection_carries_no_state() {
+    let d = desc();
+    let mut enc = Encoder::new();
+    let mut out = Vec::new();
+    enc.mem_batch(&mut out, 0, &[1], &page(1, 0)).unwrap();
+    enc.round_end(&mut out, 0, 1);
+    enc.complete(&mut out, 1);
+    // Accepted by a secondary reader without State...
+    let mut r = Reader::secondary(&out[..], &d);
+    let mut n = 0;
+    while r.next_record().unwrap().is_some() {
+        n += 1;
+    }
+    assert_eq!(n, 3);
+    // ...rejected by a primary one, and State on a secondary connection is an error.
+    let mut r = Reader::new(&out[..], &d);
+    let e = loop {
+        match r.next_record() {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("Complete without State accepted"),
+            Err(e) => break e,
+        }
+    };
+    assert!(e.to_string().contains("before State"), "{e}");
+    let mut enc = Encoder::new();
+    let mut out = Vec::new();
+    enc.state(&mut out, b"s").unwrap();
+    let mut r = Reader::secondary(&out[..], &d);
+    assert!(r.next_record().unwrap_err().to_string().contains("extra connection"));
+}
