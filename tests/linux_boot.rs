@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 const BANNER: &str = "Linux version";
 const CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 reboot=k nokaslr";
-/// With what this host needs (as kumo's default command line): its KVM leaks XSAVE and SSSE3
-/// into the guest's CPUID but cannot emulate XRSTOR nor the kernel's SSSE3 code.
+/// With the two features this host needs turned off (as in kumo's default command line): the
+/// guest sees XSAVE and SSSE3 in CPUID, but this KVM cannot emulate XRSTOR nor the kernel's
+/// SSSE3 code in ring 0.
 const CMDLINE_HOST: &str =
     "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 reboot=k nokaslr noxsave clearcpuid=ssse3";
 /// Printed by `pid_max_init` in `start_kernel`, after FPU set-up, the alternatives patching

@@ -20,12 +20,13 @@ pub enum Payload {
 /// The command line for `--kernel` without `--cmdline`: the serial console, no reboot loop, and
 /// what this project's nested KVM needs (`/work/shared/NESTED-KVM.md`, docs/linux-boot.md). That
 /// host leaks CPU features into the guest's CPUID although kumo masks them, and cannot emulate
-/// their instructions in guest ring 0:
+/// some instructions in guest ring 0:
 /// - `noxsave`: XSAVE leaks, and XRSTOR stops the vCPU in the kernel's FPU set-up; with
 ///   `noxsave` Linux uses FXSAVE/FXRSTOR, which the host emulates.
-/// - `clearcpuid=ssse3`: SSSE3 leaks, and the kernel's BLAKE2s (the random pool) then runs SSE
-///   code (`movd`, `pshufb`, `paddd`, ...) the host cannot emulate and kumo has no assist for;
-///   without SSSE3 it uses the generic C code.
+/// - `clearcpuid=ssse3`: with SSSE3 in CPUID (kumo leaves it: ring-3 SSE code runs natively),
+///   the kernel's BLAKE2s (the random pool) runs SSE code (`movd`, `pshufb`, `paddd`, ...) in
+///   ring 0 that the host cannot emulate and kumo has no assist for; without SSSE3 it uses the
+///   generic C code.
 /// - `cryptomgr.notests`: the crypto self-tests run so slowly when emulated that loading the
 ///   module-signing certificate times out (60 s) waiting for them.
 ///
