@@ -335,9 +335,14 @@ fn sender_loop(
 struct Collector<'a> {
     mem: &'a GuestMemory,
     copy: bool,
+    /// The paper's serial baseline: copy, send and release one batch at a time, never
+    /// copying the next batch while one is on the wire.
+    lockstep: bool,
     free_rx: Receiver<Vec<u8>>,
     senders: &'a [Sender],
     next: usize,
+    /// Lockstep mode's one buffer, back from the sender.
+    spare: Option<Vec<u8>>,
 }
 
 impl Collector<'_> {
@@ -365,7 +370,7 @@ impl Collector<'_> {
         let mut data = Vec::new();
         if self.copy {
             // Reuse a buffer a sender has released, or allocate while the pool fills up.
-            data = self.free_rx.try_recv().unwrap_or_default();
+            data = self.spare.take().or_else(|| self.free_rx.try_recv().ok()).unwrap_or_default();
             data.resize(gfns.len() * PAGE, 0);
             for (i, &g) in gfns.iter().enumerate() {
                 self.mem
@@ -375,7 +380,13 @@ impl Collector<'_> {
         }
         let s = &self.senders[self.next % self.senders.len()];
         self.next += 1;
-        s.tx.send(Work::Batch(Batch { round, gfns, data, checksum })).map_err(|_| MigrateError::Other("sender thread stopped".into()))
+        s.tx.send(Work::Batch(Batch { round, gfns, data, checksum })).map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+        if self.lockstep {
+            // Wait until the sender has released the buffer: the batch is on the wire.
+            let buf = self.free_rx.recv().map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+            self.spare = Some(buf);
+        }
+        Ok(())
     }
 }
 
@@ -480,7 +491,11 @@ fn migrate_inner(
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
         let senders: Vec<Sender> =
             conns.drain(..).map(|c| spawn_sender(c, opts.engine, send_mem, free_tx.clone(), cpu.clone(), depth)).collect();
-        let mut col = Collector { mem, copy, free_rx, senders: &senders, next: 0 };
+        // Only the senders may hold the pool's sending side: when they all stop, a collector
+        // waiting for a buffer must see the channel close instead of waiting forever.
+        drop(free_tx);
+        let lockstep = opts.engine == EngineKind::Serial;
+        let mut col = Collector { mem, copy, lockstep, free_rx, senders: &senders, next: 0, spare: None };
         let mut planner = Planner::new(opts.policy, total_pages);
         let live_checksum = if copy { Checksum::Full } else { Checksum::MetadataOnly };
 
