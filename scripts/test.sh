@@ -11,4 +11,5 @@ else
     echo "test: /dev/kvm absent: KVM tests will skip; not fetching a kernel" >&2
 fi
 cargo build --workspace --all-targets
-cargo test --workspace -- --test-threads=2 "$@"
+# A hung test must fail the run, not eat CI's whole time budget.
+timeout --signal=KILL 45m cargo test --workspace -- --test-threads=2 "$@"

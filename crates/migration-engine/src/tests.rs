@@ -70,7 +70,7 @@ impl FakeSource {
                 }
                 mem.guest.write_obj(x, GuestAddress(page * 4096 + (x % 512) * 8)).unwrap();
                 writes.fetch_add(1, Ordering::Relaxed);
-                if x % 64 == 0 {
+                if x.is_multiple_of(64) {
                     std::thread::yield_now();
                 }
             }
