@@ -34,6 +34,19 @@ fn memtouch_checksum_matches_the_reference_model() {
 }
 
 #[test]
+fn memtouch_prefill_leaves_the_working_set_checksum_alone() {
+    if !kvm_or_skip("memtouch_prefill_leaves_the_working_set_checksum_alone") {
+        return;
+    }
+    let (code, out, err) =
+        Kid::spawn(&["run", "--guest", "memtouch", "--memory", "64M", "pages=1000", "writes=5000", "seed=3", "prefill=1", "--timeout", "60"]).finish(LIMIT);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("memtouch: prefilled"), "{out}");
+    let sum = field(&out, "memtouch: checksum", "checksum").expect("checksum line");
+    assert_eq!(u64::from_str_radix(&sum, 16).unwrap(), kumo_guests::memtouch::expected_checksum(1000, 5000, 3, true), "{out}");
+}
+
+#[test]
 fn memtouch_rate_limit_and_progress() {
     if !kvm_or_skip("memtouch_rate_limit_and_progress") {
         return;

@@ -46,9 +46,12 @@ static u64 checksum(const struct job *j) {
 static u64 workload(u64 arg) {
     struct job *j = (struct job *)arg;
     if (j->prefill_end) {
-        /* One word per page, beyond the working set so the checksum is unaffected. */
+        /* One word per page. Working-set pages get 0 (already their content: the checksum
+         * is unaffected, but they are faulted in like the rest); pages beyond get their
+         * address. */
+        u64 ws_end = j->base + j->pages * PAGE;
         for (u64 a = j->prefill_start; a < j->prefill_end; a += PAGE)
-            *(volatile u64 *)a = a;
+            *(volatile u64 *)a = a < ws_end ? 0 : a;
         kprintf("memtouch: prefilled %lu pages\n", (j->prefill_end - j->prefill_start) / PAGE);
     }
     u64 rng = mix64(j->seed) | 1, start = rdtsc(), next_report = start + ms_to_tsc(j->report_ms);
@@ -120,12 +123,13 @@ void kmain(struct kumo_boot_info *bi, u32 cpu) {
     job.seed = param_or(bi, "seed", 1);
     job.report_ms = param_or(bi, "report_ms", 0);
     job.hold_ms = param_or(bi, "hold_ms", 0);
-    if (param_or(bi, "prefill", 0)) {
-        job.prefill_start = job.base + job.pages * PAGE;
-        job.prefill_end = bi->free_end & ~(PAGE - 1);
-    }
+
     job.tsc_khz = bi->tsc_khz;
     job.base = (bi->free_start + PAGE - 1) & ~(PAGE - 1);
+    if (param_or(bi, "prefill", 0)) {
+        job.prefill_start = job.base;
+        job.prefill_end = bi->free_end & ~(PAGE - 1);
+    }
     u64 avail = (bi->free_end - job.base) / PAGE;
     if (job.pages == 0 || job.pages > avail) {
         kprintf("memtouch: pages=%lu does not fit: 1..%lu pages are free\n", job.pages, avail);

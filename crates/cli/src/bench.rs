@@ -1,6 +1,8 @@
 //! `kumo bench`: benchmarks that measure against a baseline taken in the same run, print a
 //! table and write JSON. Absolute times on a shared, nested host are noise; ratios are the result.
 
+use crate::bench_migrate;
+
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
@@ -22,6 +24,9 @@ pub enum BenchCmd {
         #[arg(long, default_value = "kumo-bench-boot.json")]
         json: PathBuf,
     },
+    /// Live migration between kumo processes: throughput against raw loopback TCP, downtime,
+    /// the dirty-page model, correctness; table, JSON and a PNG plot.
+    Migrate(bench_migrate::Args),
 }
 
 #[derive(Serialize)]
@@ -125,7 +130,10 @@ fn smp_once(irqchip: &str, iters: u64) -> Result<(f64, f64), String> {
 }
 
 pub fn run(cmd: BenchCmd) -> Result<i32, String> {
-    let BenchCmd::Boot { runs, iters, json } = cmd;
+    let (runs, iters, json) = match cmd {
+        BenchCmd::Boot { runs, iters, json } => (runs, iters, json),
+        BenchCmd::Migrate(a) => return bench_migrate::run(a),
+    };
     if runs == 0 {
         return Err("--runs must be at least 1".into());
     }

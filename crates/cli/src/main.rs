@@ -1,6 +1,7 @@
 //! `kumo`: run VMs, list guest programs, talk to a running VM's control API, benchmark.
 
 mod bench;
+mod bench_migrate;
 mod migrate;
 
 use std::path::PathBuf;
