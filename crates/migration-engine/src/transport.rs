@@ -287,8 +287,22 @@ pub struct ZeroCopy {
 }
 
 impl ZeroCopy {
-    /// Turns on SO_ZEROCOPY for the socket; falls back to ordinary sends where refused.
+    /// Turns on SO_ZEROCOPY for a socket to a remote peer; ordinary sends otherwise, or where
+    /// the kernel refuses.
     pub fn new(conn: &Conn) -> ZeroCopy {
+        // To a peer on this host (loopback, unix socket) the kernel copies MSG_ZEROCOPY data
+        // on delivery anyway and adds completion notifications on top: measured here, plain
+        // sendmsg from guest memory is ~1.5x faster. Zero-copy is asked for remote peers only;
+        // either way kumo itself copies nothing.
+        let remote = matches!(conn, Conn::Tcp(s) if s.peer_addr().map(|a| !a.ip().is_loopback()).unwrap_or(false));
+        Self::with_msg_zerocopy(conn, remote)
+    }
+
+    /// `MSG_ZEROCOPY` on (where the kernel allows it) or off, whatever the peer.
+    pub fn with_msg_zerocopy(conn: &Conn, want: bool) -> ZeroCopy {
+        if !want {
+            return ZeroCopy { enabled: false, sent_calls: 0, completions: 0, copied: 0, fallbacks: 0 };
+        }
         let one: libc::c_int = 1;
         // SAFETY: setsockopt with a c_int on our own socket.
         let r = unsafe {
@@ -461,9 +475,16 @@ mod tests {
         let a = vec![1u8; 100_000];
         let b = vec![2u8; 50_000];
         write_all_vectored(&mut c, &mut [IoSlice::new(&a), IoSlice::new(&b)]).unwrap();
-        let mut z = ZeroCopy::new(&c);
+        assert!(!ZeroCopy::new(&c).enabled(), "no MSG_ZEROCOPY to a loopback peer");
+        let mut z = ZeroCopy::with_msg_zerocopy(&c, true);
+        assert!(z.enabled());
         z.send_all(&c, &[IoSlice::new(&b), IoSlice::new(&a)]).unwrap();
-        z.reap(c.as_raw_fd(), false).unwrap();
+        // The kernel reports completion of every zero-copy send (here: copied on delivery).
+        let start = std::time::Instant::now();
+        while z.completions < z.sent_calls && start.elapsed() < Duration::from_secs(10) {
+            z.reap(c.as_raw_fd(), true).unwrap();
+        }
+        assert_eq!(z.completions, z.sent_calls);
         c.shutdown();
         let got = t.join().unwrap();
         let want: Vec<u8> = [&a[..], &b[..], &b[..], &a[..]].concat();
