@@ -63,11 +63,12 @@ impl Engine {
     }
 }
 
-const ENGINES: [Engine; 5] = [
+const ENGINES: [Engine; 6] = [
     Engine { label: "serial", engine: "serial", connections: 1 },
     Engine { label: "overlap", engine: "overlap", connections: 1 },
     Engine { label: "overlap x2", engine: "overlap", connections: 2 },
     Engine { label: "zerocopy", engine: "zerocopy", connections: 1 },
+    Engine { label: "zerocopy x2", engine: "zerocopy", connections: 2 },
     Engine { label: "local", engine: "local", connections: 1 },
 ];
 const SERIAL: Engine = ENGINES[0];
@@ -1004,7 +1005,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     let root = BitMapBackend::new(path, (1400, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
     let (left, right) = root.split_horizontally(700);
-    let colors = [RED, BLUE, GREEN, MAGENTA];
+    let colors = [RED, BLUE, GREEN, MAGENTA, RGBColor(230, 140, 0), CYAN];
 
     // Idle throughput by VM size, per network engine, with the raw TCP line.
     let raw = r.raw_tcp.median_mb_per_s;

@@ -873,44 +873,20 @@ mod tests {
 /// host's KVM fails on these instructions or runs them itself, the guest must see x86 semantics.
 #[cfg(test)]
 mod kvm_tests {
-    use std::sync::{Arc, Mutex};
-
-    use kumo_devices::{DebugPort, DeviceEvent, PioBus};
-    use vm_memory::{Bytes, GuestAddress};
+    use kumo_devices::DeviceEvent;
 
     use super::{AssistCounts, AssistKind};
-    use crate::boot::{write_gdt, write_page_tables, Entry};
-    use crate::vm::{kvm_available, IrqchipMode, Vm};
+    use crate::testing::CODE;
     use crate::VcpuRun;
-
-    const CODE: u64 = 0x10_0000;
 
     /// Runs ring-0 code at 1 MiB (with `data` written at its addresses) until it writes the exit
     /// port; returns the exit code and the assists that fired.
     fn run(code: &[u8], data: &[(u64, &[u8])]) -> Option<(u32, AssistCounts)> {
-        if !kvm_available() {
-            eprintln!("skipping: /dev/kvm not available");
-            return None;
+        let mut g = crate::testing::RawGuest::new(code, data)?;
+        match g.run().unwrap() {
+            VcpuRun::Device(DeviceEvent::GuestExit(c)) => Some((c, g.vcpu.assist_counts())),
+            other => panic!("guest ended with {other:?}"),
         }
-        let vm = Vm::new(1, 16 << 20, IrqchipMode::Kernel).unwrap();
-        write_gdt(&vm.memory.guest, 1).unwrap();
-        write_page_tables(&vm.memory.guest, 16 << 20).unwrap();
-        vm.memory.guest.write_slice(code, GuestAddress(CODE)).unwrap();
-        for (addr, bytes) in data {
-            vm.memory.guest.write_slice(bytes, GuestAddress(*addr)).unwrap();
-        }
-        let mut v = vm.create_vcpu(0).unwrap();
-        v.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: CODE })).unwrap();
-        let mut bus = PioBus::new();
-        bus.insert(kumo_devices::EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).unwrap();
-        for _ in 0..1000 {
-            match v.run(&bus).unwrap() {
-                VcpuRun::Continue => continue,
-                VcpuRun::Device(DeviceEvent::GuestExit(c)) => return Some((c, v.assist_counts())),
-                other => panic!("guest ended with {other:?}"),
-            }
-        }
-        panic!("guest code did not exit");
     }
 
     /// `mov $0x501,%dx; out %eax,(%dx)`

@@ -186,12 +186,7 @@ impl Vm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::boot::{write_gdt, write_page_tables, Entry};
     use crate::vcpu::VcpuRun;
-    use crate::vm::{kvm_available, IrqchipMode};
-    use kumo_devices::{DebugPort, PioBus};
-    use std::sync::{Arc, Mutex};
-    use vm_memory::{Bytes, GuestAddress};
 
     #[test]
     fn bitmap_sets_and_lists_pages_across_regions() {
@@ -212,13 +207,6 @@ mod tests {
 
     #[test]
     fn kvm_reports_exactly_the_pages_the_guest_wrote() {
-        if !kvm_available() {
-            eprintln!("skipping: /dev/kvm not available");
-            return;
-        }
-        let vm = Vm::new(1, 32 << 20, IrqchipMode::Kernel).unwrap();
-        write_gdt(&vm.memory.guest, 1).unwrap();
-        write_page_tables(&vm.memory.guest, 32 << 20).unwrap();
         // Write to 0x800000 and 0x803008 (two pages), then exit through port 0x501.
         let code: &[u8] = &[
             0x48, 0xc7, 0xc0, 0x00, 0x00, 0x80, 0x00, // mov $0x800000, %rax
@@ -226,22 +214,14 @@ mod tests {
             0xc7, 0x80, 0x08, 0x30, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, // movl $2, 0x3008(%rax)
             0x66, 0xba, 0x01, 0x05, 0xb0, 0x00, 0xee, // mov $0x501,%dx; mov $0,%al; out
         ];
-        vm.memory.guest.write_slice(code, GuestAddress(0x100000)).unwrap();
-        let mut v = vm.create_vcpu(0).unwrap();
-        v.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: 0x100000 })).unwrap();
+        let Some(mut g) = crate::testing::RawGuest::new(code, &[]) else { return };
+        let vm = &g.vm;
         vm.start_dirty_log().unwrap();
         let touched = vm.touched_pages().unwrap();
         assert!(touched.count() > 0 && touched.count() < 1000, "only boot structures: {}", touched.count());
         let mut dirty = PageBitmap::for_regions(&[(0, 32 << 20)]);
-        let mut bus = PioBus::new();
-        bus.insert(kumo_devices::EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).unwrap();
-        loop {
-            match v.run(&bus).unwrap() {
-                VcpuRun::Continue => continue,
-                VcpuRun::Device(_) => break,
-                other => panic!("{other:?}"),
-            }
-        }
+        assert!(matches!(g.run().unwrap(), VcpuRun::Device(_)));
+        let vm = &g.vm;
         vm.fetch_dirty(&mut dirty).unwrap();
         let gfns: Vec<_> = dirty.gfns().collect();
         assert!(gfns.contains(&0x800) && gfns.contains(&0x803), "{gfns:x?}");

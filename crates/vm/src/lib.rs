@@ -15,6 +15,9 @@ pub mod state;
 pub mod vcpu;
 pub mod vm;
 
+#[cfg(test)]
+mod testing;
+
 pub use boot::{Entry, KumoBootInfo};
 pub use memory::{parse_size, GuestMemory, Memory};
 pub use state::{VcpuState, VmState};

@@ -187,33 +187,12 @@ impl Vm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::boot::{write_gdt, write_page_tables, Entry};
     use crate::vcpu::VcpuRun;
-    use kumo_devices::{DebugPort, DeviceEvent, PioBus};
-    use std::sync::Mutex;
-    use vm_memory::{Bytes, GuestAddress};
+    use kumo_devices::DeviceEvent;
 
     /// Runs raw ring-0 code at 1 MiB on a 1-vCPU VM until it exits or fails.
     fn run_code(code: &[u8]) -> Option<Result<VcpuRun>> {
-        if !kvm_available() {
-            eprintln!("skipping: /dev/kvm not available");
-            return None;
-        }
-        let vm = Vm::new(1, 16 << 20, IrqchipMode::Kernel).unwrap();
-        write_gdt(&vm.memory.guest, 1).unwrap();
-        write_page_tables(&vm.memory.guest, 16 << 20).unwrap();
-        vm.memory.guest.write_slice(code, GuestAddress(0x100000)).unwrap();
-        let mut v = vm.create_vcpu(0).unwrap();
-        v.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: 0x100000 })).unwrap();
-        let mut bus = PioBus::new();
-        bus.insert(kumo_devices::EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).unwrap();
-        for _ in 0..1000 {
-            match v.run(&bus) {
-                Ok(VcpuRun::Continue) => continue,
-                other => return Some(other),
-            }
-        }
-        panic!("guest code neither exited nor failed");
+        crate::testing::RawGuest::new(code, &[]).map(|mut g| g.run())
     }
 
     #[test]

@@ -1,0 +1,54 @@
+//! Raw-code guests for this crate's KVM tests: a 1-vCPU VM running bytes placed at 1 MiB in
+//! long mode, with the exit port on the bus.
+
+use std::sync::{Arc, Mutex};
+
+use kumo_devices::{DebugPort, PioBus};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::boot::{write_gdt, write_page_tables, Entry};
+use crate::vcpu::{Vcpu, VcpuRun};
+use crate::vm::{kvm_available, IrqchipMode, Vm};
+use crate::Result;
+
+pub const CODE: u64 = 0x10_0000;
+const MEM: u64 = 32 << 20;
+
+pub struct RawGuest {
+    pub vm: Vm,
+    pub vcpu: Vcpu,
+    pub bus: PioBus,
+}
+
+impl RawGuest {
+    /// `code` at 1 MiB, `data` at their addresses; `None` (with a message) without /dev/kvm.
+    pub fn new(code: &[u8], data: &[(u64, &[u8])]) -> Option<RawGuest> {
+        if !kvm_available() {
+            eprintln!("skipping: /dev/kvm not available");
+            return None;
+        }
+        let vm = Vm::new(1, MEM, IrqchipMode::Kernel).unwrap();
+        write_gdt(&vm.memory.guest, 1).unwrap();
+        write_page_tables(&vm.memory.guest, MEM).unwrap();
+        vm.memory.guest.write_slice(code, GuestAddress(CODE)).unwrap();
+        for (addr, bytes) in data {
+            vm.memory.guest.write_slice(bytes, GuestAddress(*addr)).unwrap();
+        }
+        let vcpu = vm.create_vcpu(0).unwrap();
+        vcpu.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: CODE })).unwrap();
+        let mut bus = PioBus::new();
+        bus.insert(kumo_devices::EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).unwrap();
+        Some(RawGuest { vm, vcpu, bus })
+    }
+
+    /// Runs until something other than a handled exit happens.
+    pub fn run(&mut self) -> Result<VcpuRun> {
+        for _ in 0..1000 {
+            match self.vcpu.run(&self.bus) {
+                Ok(VcpuRun::Continue) => continue,
+                other => return other,
+            }
+        }
+        panic!("guest code neither exited nor failed");
+    }
+}
