@@ -763,10 +763,14 @@ pub fn receive<V: DestVm>(
                         while let Some(rec) = r.next_record()? {
                             match rec {
                                 Record::MemBatch(b) => {
-                                    populate_runs(mem, b.gfns);
-                                    for (gfn, page) in b.pages() {
-                                        mem.write_slice(page, GuestAddress(gfn * PAGE as u64))
-                                            .map_err(|e| MigrateError::Dest(format!("writing page {gfn:#x}: {e}")))?;
+                                    // Runs of contiguous pages are contiguous in the batch too:
+                                    // fault each run in with one call and copy it with one call.
+                                    for (first, n, at) in runs(b.gfns) {
+                                        let (gpa, len) = (first * PAGE as u64, n * PAGE);
+                                        // Best effort: a page not populated is faulted in by the write.
+                                        let _ = kumo_vm::memory::populate(mem, gpa, len as u64);
+                                        mem.write_slice(&b.data[at * PAGE..at * PAGE + len], GuestAddress(gpa))
+                                            .map_err(|e| MigrateError::Dest(format!("writing pages at {gpa:#x}: {e}")))?;
                                     }
                                     pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
                                 }
@@ -845,17 +849,28 @@ fn accept_within(listener: &Listener, limit: Duration) -> io::Result<Conn> {
     Ok(c)
 }
 
-/// Faults in the runs of contiguous pages of a batch before they are written: one batched
-/// kernel call per run is several times cheaper than a fault per page on nested hosts.
-/// Best effort: a page that could not be populated is faulted in by the write anyway.
-fn populate_runs(mem: &GuestMemory, gfns: &[u64]) {
+/// The runs of contiguous gfns in a batch as (first gfn, pages, index of the first in the batch).
+fn runs(gfns: &[u64]) -> impl Iterator<Item = (u64, usize, usize)> + '_ {
     let mut i = 0;
-    while i < gfns.len() {
-        let mut j = i + 1;
-        while j < gfns.len() && gfns[j] == gfns[j - 1] + 1 {
-            j += 1;
+    std::iter::from_fn(move || {
+        if i >= gfns.len() {
+            return None;
         }
-        let _ = kumo_vm::memory::populate(mem, gfns[i] * PAGE as u64, (j - i) as u64 * PAGE as u64);
-        i = j;
+        let start = i;
+        i += 1;
+        while i < gfns.len() && gfns[i] == gfns[i - 1] + 1 {
+            i += 1;
+        }
+        Some((gfns[start], i - start, start))
+    })
+}
+
+#[cfg(test)]
+mod run_tests {
+    #[test]
+    fn contiguous_gfns_form_runs() {
+        let r: Vec<_> = super::runs(&[4, 5, 6, 9, 11, 12]).collect();
+        assert_eq!(r, vec![(4, 3, 0), (9, 1, 3), (11, 2, 4)]);
+        assert_eq!(super::runs(&[]).count(), 0);
     }
 }
