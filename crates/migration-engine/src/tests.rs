@@ -56,19 +56,26 @@ impl FakeSource {
         *s.writer.lock().unwrap() = Some(std::thread::spawn(move || {
             let mut x = 0x9e37_79b9_7f4a_7c15u64;
             while !stop.load(Ordering::Acquire) {
-                if !running.load(Ordering::Acquire) {
-                    std::thread::sleep(Duration::from_micros(200));
-                    continue;
-                }
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
                 let page = x % hot;
-                // Mark dirty before writing, as write protection would catch the write.
-                if let Some(d) = dirty.lock().unwrap().as_mut() {
-                    d.set(page);
+                // Check `running`, write and mark dirty under one lock, as KVM's write protection
+                // and a real pause (all vCPUs parked) make them atomic with respect to
+                // `fetch_dirty` and `pause`: otherwise a fetch could clear the bit between mark
+                // and write, or a write could land after the final fetch of a paused VM.
+                {
+                    let mut d = dirty.lock().unwrap();
+                    if !running.load(Ordering::Acquire) {
+                        drop(d);
+                        std::thread::sleep(Duration::from_micros(200));
+                        continue;
+                    }
+                    mem.guest.write_obj(x, GuestAddress(page * 4096 + (x % 512) * 8)).unwrap();
+                    if let Some(d) = d.as_mut() {
+                        d.set(page);
+                    }
                 }
-                mem.guest.write_obj(x, GuestAddress(page * 4096 + (x % 512) * 8)).unwrap();
                 writes.fetch_add(1, Ordering::Relaxed);
                 if x.is_multiple_of(64) {
                     std::thread::yield_now();
@@ -119,8 +126,9 @@ impl SourceVm for FakeSource {
         Ok(n)
     }
     fn pause(&self) -> Result<(), String> {
+        // Under the writer's lock: once this returns, no write is in flight.
+        let _guard = self.dirty.lock().unwrap();
         self.running.store(false, Ordering::Release);
-        std::thread::sleep(Duration::from_millis(1)); // let an in-flight write land
         Ok(())
     }
     fn resume(&self) -> Result<(), String> {
@@ -190,7 +198,10 @@ fn run(engine: EngineKind, connections: usize, unix: bool, tag: &str) -> (Report
     // The source stays paused after a successful migration; stop its writer and compare.
     src.stop_writer();
     assert!(src.writes.load(Ordering::Relaxed) > 0, "the guest wrote during migration");
-    assert_eq!(read_all(&src.mem.guest), read_all(&dvm.mem.guest), "{engine} x{connections}: memories differ");
+    let (a, b) = (read_all(&src.mem.guest), read_all(&dvm.mem.guest));
+    if let Some(off) = a.iter().zip(&b).position(|(x, y)| x != y) {
+        panic!("{engine} x{connections}: memories differ first at {off:#x} (page {:#x})", off / 4096);
+    }
     assert_eq!(&*dvm.state.lock().unwrap(), b"vcpu state");
     assert!(dvm.running.load(Ordering::Acquire));
     assert_eq!(src.resumed.load(Ordering::Relaxed), 0, "a successful migration leaves the source paused");
