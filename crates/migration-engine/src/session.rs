@@ -97,6 +97,12 @@ pub trait SourceVm: Sync {
     fn resume(&self) -> Result<(), String>;
     /// vCPU, irqchip, clock and device state, opaque to migration.
     fn save_state(&self) -> Result<Vec<u8>, String>;
+    /// Distinct pages dirtied since the last `fetch_dirty`, read without clearing; `None` if
+    /// the VM cannot tell without clearing. Sampled during round 0 to measure the dirty-page
+    /// curve D(t) directly.
+    fn peek_dirty_count(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The destination VM, built from the stream's description.
@@ -164,6 +170,10 @@ pub struct Report {
     /// Zero-copy sends the kernel completed, and how many of those it copied anyway.
     pub zerocopy_completions: u64,
     pub zerocopy_copied: u64,
+    /// (seconds into round 0, distinct pages dirtied so far): the dirty-page curve D(t),
+    /// sampled every 50 ms while round 0 ran (empty if the VM cannot be sampled).
+    #[serde(default)]
+    pub round0_dirty_samples: Vec<(f64, u64)>,
 }
 
 /// CPU time (user + system) of the calling thread, in ms.
@@ -472,6 +482,7 @@ fn migrate_inner(
     let mut stats_zc = (0, 0);
     let pause_at;
     let mut encs: Vec<(Conn, Encoder, u64)> = Vec::new();
+    let mut round0_samples = Vec::new();
 
     if local {
         events(Event::Started { engine: opts.engine, connections: 1, total_pages, touched_pages: 0 });
@@ -504,7 +515,30 @@ fn migrate_inner(
         let result = (|| -> Result<(), MigrateError> {
             loop {
                 let t = Instant::now();
-                let n = col.send_round(round, to_send.gfns(), live_checksum)?;
+                let n = if round == 0 {
+                    // Sample D(t) while round 0 runs: its length spans the workload's curve,
+                    // unlike the short later rounds.
+                    let done = AtomicBool::new(false);
+                    std::thread::scope(|s| {
+                        let sampler = s.spawn(|| {
+                            let mut v = Vec::new();
+                            while !done.load(Ordering::Acquire) {
+                                std::thread::sleep(Duration::from_millis(50));
+                                match src.peek_dirty_count() {
+                                    Some(c) => v.push((t.elapsed().as_secs_f64(), c)),
+                                    None => break,
+                                }
+                            }
+                            v
+                        });
+                        let n = col.send_round(round, to_send.gfns(), live_checksum);
+                        done.store(true, Ordering::Release);
+                        round0_samples = sampler.join().unwrap_or_default();
+                        n
+                    })?
+                } else {
+                    col.send_round(round, to_send.gfns(), live_checksum)?
+                };
                 let mut dirty = PageBitmap::for_regions(&regions);
                 let d = src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
                 let dur = t.elapsed();
@@ -615,6 +649,7 @@ fn migrate_inner(
         sender_cpu_ms: cpu.load(Ordering::Relaxed) as f64 / 1e3,
         zerocopy_completions: stats_zc.0,
         zerocopy_copied: stats_zc.1,
+        round0_dirty_samples: round0_samples,
     })
 }
 

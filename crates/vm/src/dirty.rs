@@ -157,6 +157,21 @@ impl Vm {
         Ok(total)
     }
 
+    /// Distinct pages dirtied since tracking started or pages were last re-protected, without
+    /// changing anything: with manual protection, `KVM_GET_DIRTY_LOG` only reads. `None` when
+    /// manual protection is off (then a read would also clear).
+    pub fn peek_dirty_count(&self) -> Result<Option<u64>> {
+        if !self.dirty_manual.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        let mut n = 0;
+        for (slot, region) in self.memory.guest.iter().enumerate() {
+            let bits = self.fd.get_dirty_log(slot as u32, region.len() as usize).map_err(|e| Error::Kvm("KVM_GET_DIRTY_LOG", e))?;
+            n += bits.iter().map(|w| w.count_ones() as u64).sum::<u64>();
+        }
+        Ok(Some(n))
+    }
+
     /// Pages that exist in the memfd: everything the guest or kumo ever touched. Never-touched
     /// pages are holes and read as zeros on both sides, so round 0 skips them.
     pub fn touched_pages(&self) -> Result<PageBitmap> {
@@ -222,6 +237,10 @@ mod tests {
         let mut dirty = PageBitmap::for_regions(&[(0, 32 << 20)]);
         assert!(matches!(g.run().unwrap(), VcpuRun::Device(_)));
         let vm = &g.vm;
+        if let Some(peeked) = vm.peek_dirty_count().unwrap() {
+            assert!(peeked >= 2);
+            assert_eq!(vm.peek_dirty_count().unwrap(), Some(peeked), "peeking does not clear");
+        }
         vm.fetch_dirty(&mut dirty).unwrap();
         let gfns: Vec<_> = dirty.gfns().collect();
         assert!(gfns.contains(&0x800) && gfns.contains(&0x803), "{gfns:x?}");

@@ -53,6 +53,9 @@ impl SourceVm for RunningVm {
         let s = RunningVm::save_state(self).map_err(|e| e.to_string())?;
         serde_json::to_vec(&s).map_err(|e| e.to_string())
     }
+    fn peek_dirty_count(&self) -> Option<u64> {
+        self.vm().peek_dirty_count().ok().flatten()
+    }
 }
 
 impl DestVm for RunningVm {
@@ -98,8 +101,14 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
 /// Fits the dirty-page model to the live rounds' observations (round length, pages dirtied
 /// during it) and predicts the whole migration from them, to compare with what happened.
 pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
-    let live: Vec<_> = r.rounds.iter().filter(|x| x.dirty_after > 0 || x.round + 1 < r.rounds.len() as u32).collect();
-    let obs: Vec<(f64, f64)> = live.iter().take(live.len().saturating_sub(1).max(2)).map(|x| (x.ms / 1e3, x.dirty_after as f64)).collect();
+    // Prefer D(t) sampled during round 0: a direct measurement of the curve, so the rounds
+    // after it are predicted out of sample. Otherwise fit the rounds' (length, pages dirtied).
+    let (obs, source): (Vec<(f64, f64)>, &str) = if r.round0_dirty_samples.len() >= 3 {
+        (r.round0_dirty_samples.iter().map(|&(t, d)| (t, d as f64)).collect(), "round 0, sampled every 50 ms")
+    } else {
+        let live: Vec<_> = r.rounds.iter().filter(|x| x.dirty_after > 0 || x.round + 1 < r.rounds.len() as u32).collect();
+        (live.iter().take(live.len().saturating_sub(1).max(2)).map(|x| (x.ms / 1e3, x.dirty_after as f64)).collect(), "rounds")
+    };
     let model = match DirtyModel::fit(&obs) {
         Ok(m) => m,
         Err(e) => return json!({"fitted": false, "why": e.to_string(), "observations": obs}),
@@ -128,8 +137,8 @@ pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
     match predict(&model, &params) {
         Ok(p) => {
             let cmp = compare(&p, &measured);
-            json!({"fitted": true, "m": model.m, "tau_s": model.tau, "observations": obs, "bandwidth_pages_per_s": bw,
-                   "predicted": p, "comparison": cmp})
+            json!({"fitted": true, "fit_source": source, "m": model.m, "tau_s": model.tau, "observations": obs,
+                   "bandwidth_pages_per_s": bw, "predicted": p, "comparison": cmp})
         }
         Err(e) => json!({"fitted": true, "m": model.m, "tau_s": model.tau, "predict_error": e.to_string()}),
     }
