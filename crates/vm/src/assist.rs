@@ -445,15 +445,7 @@ pub struct Done {
     pub exception: Option<Exception>,
 }
 
-const RFLAGS_AC: u64 = 1 << 18;
-const CR0_EM: u64 = 1 << 2;
-const CR0_TS: u64 = 1 << 3;
-const CR4_TSD: u64 = 1 << 2;
-const CR4_OSFXSR: u64 = 1 << 9;
-const CR4_SMAP: u64 = 1 << 21;
-/// OF, SF, ZF, AF, PF, CF.
-const RFLAGS_ARITH: u64 = (1 << 11) | (1 << 7) | (1 << 6) | (1 << 4) | (1 << 2) | 1;
-const RFLAGS_ZF: u64 = 1 << 6;
+use crate::x86::{CR0_EM, CR0_TS, CR4_OSFXSR, CR4_SMAP, CR4_TSD, RFLAGS_AC, RFLAGS_ARITH, RFLAGS_ZF};
 
 /// Carries out `insn` (of `len` bytes at `regs.rip`): updates `regs` (RIP and flags) and guest
 /// state through `cpu`. `Ok(None)` declines (the caller reports the emulation failure).

@@ -27,17 +27,7 @@ pub const IO_BITMAP_PORTS: u64 = 0x600;
 const TSS_SIZE: u64 = TSS_HEADER + IO_BITMAP_PORTS / 8 + 1;
 const _: () = assert!(TSS_SIZE <= TSS_STRIDE, "a TSS must fit its slot");
 
-const CR0_PE: u64 = 1;
-const CR0_MP: u64 = 1 << 1;
-const CR0_ET: u64 = 1 << 4;
-const CR0_NE: u64 = 1 << 5;
-const CR0_WP: u64 = 1 << 16;
-const CR0_PG: u64 = 1 << 31;
-const CR4_PAE: u64 = 1 << 5;
-const CR4_OSFXSR: u64 = 1 << 9;
-const CR4_OSXMMEXCPT: u64 = 1 << 10;
-const EFER_LME: u64 = 1 << 8;
-const EFER_LMA: u64 = 1 << 10;
+use crate::x86::*;
 
 /// How vCPU 0 (and, for kumo guests, every vCPU) starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -14,6 +14,7 @@ pub mod memory;
 pub mod state;
 pub mod vcpu;
 pub mod vm;
+pub mod x86;
 
 #[cfg(test)]
 mod testing;
