@@ -17,8 +17,7 @@
 //! ([`Pending`]): the halted VM uses no CPU while the next measurements run.
 
 use std::fs::File;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -479,29 +478,7 @@ struct RawTcp {
 
 /// MB/s (10^6) from connect to the receiver's last byte.
 fn raw_tcp_once(bytes: u64) -> Result<f64, String> {
-    const CHUNK: usize = 4 << 20;
-    let io = |e: std::io::Error| format!("raw TCP: {e}");
-    let l = TcpListener::bind("127.0.0.1:0").map_err(io)?;
-    let addr = l.local_addr().map_err(io)?;
-    let rx = std::thread::spawn(move || -> std::io::Result<u64> {
-        let (mut s, _) = l.accept()?;
-        let (mut buf, mut n) = (vec![0u8; CHUNK], 0u64);
-        loop {
-            match s.read(&mut buf)? {
-                0 => return Ok(n),
-                k => n += k as u64,
-            }
-        }
-    });
-    let buf = vec![0x5au8; CHUNK];
-    let t = Instant::now();
-    let mut s = TcpStream::connect(addr).map_err(io)?;
-    for _ in 0..bytes / CHUNK as u64 {
-        s.write_all(&buf).map_err(io)?;
-    }
-    drop(s);
-    let n = rx.join().map_err(|_| "raw TCP receiver panicked".to_string())?.map_err(io)?;
-    Ok(n as f64 / t.elapsed().as_secs_f64() / 1e6)
+    kumo_migration_engine::transport::loopback_tcp_bytes_per_s(bytes, 4 << 20).map(|b| b / 1e6).map_err(|e| format!("raw TCP: {e}"))
 }
 
 fn raw_tcp(ctx: &Ctx) -> Result<RawTcp, String> {

@@ -271,6 +271,33 @@ impl Drop for Listener {
     }
 }
 
+/// Raw loopback TCP throughput in bytes/s: `total` bytes in `chunk`-byte writes from a plain
+/// socket to a receiver thread, timed from connect to the receiver's last byte. The baseline
+/// migrations are compared against.
+pub fn loopback_tcp_bytes_per_s(total: u64, chunk: usize) -> io::Result<f64> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let rx = std::thread::spawn(move || -> io::Result<u64> {
+        let (mut s, _) = l.accept()?;
+        let (mut buf, mut n) = (vec![0u8; chunk], 0u64);
+        loop {
+            match s.read(&mut buf)? {
+                0 => return Ok(n),
+                k => n += k as u64,
+            }
+        }
+    });
+    let buf = vec![0x5au8; chunk];
+    let t = std::time::Instant::now();
+    let mut s = TcpStream::connect(addr)?;
+    for _ in 0..total / chunk as u64 {
+        s.write_all(&buf)?;
+    }
+    drop(s);
+    let n = rx.join().map_err(|_| io::Error::other("loopback receiver panicked"))??;
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
 /// Writes all of `bufs` (gathered I/O), looping over short writes.
 pub fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
     while !bufs.is_empty() {

@@ -91,8 +91,9 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
         return Err("no stop rule: keep Xen's rule or give downtime_ms".into());
     }
     let connections = req.connections.unwrap_or(1);
-    if !(1..=16).contains(&connections) {
-        return Err(format!("connections must be 1..=16, not {connections}"));
+    let max = kumo_migration::format::MAX_CONNECTIONS as usize;
+    if !(1..=max).contains(&connections) {
+        return Err(format!("connections must be 1..={max}, not {connections}"));
     }
     let policy = StopPolicy { xen: xen.then(XenRule::default), downtime };
     Ok((to, MigrateOptions { engine, policy, connections, ..Default::default() }))
@@ -259,30 +260,5 @@ pub enum JobError {
 /// This host's loopback TCP throughput in pages/s, measured by sending 64 MiB to ourselves:
 /// the bandwidth a dry run assumes for a local destination.
 pub fn loopback_pages_per_s() -> f64 {
-    use std::io::{Read, Write};
-    let measure = || -> std::io::Result<f64> {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        let addr = l.local_addr()?;
-        let t = std::thread::spawn(move || -> std::io::Result<u64> {
-            let (mut s, _) = l.accept()?;
-            let mut buf = vec![0u8; 1 << 20];
-            let mut n = 0u64;
-            loop {
-                match s.read(&mut buf)? {
-                    0 => return Ok(n),
-                    k => n += k as u64,
-                }
-            }
-        });
-        let mut s = std::net::TcpStream::connect(addr)?;
-        let buf = vec![0x5au8; 1 << 20];
-        let t0 = Instant::now();
-        for _ in 0..64 {
-            s.write_all(&buf)?;
-        }
-        drop(s);
-        let n = t.join().map_err(|_| std::io::Error::other("receiver panicked"))??;
-        Ok(n as f64 / 4096.0 / t0.elapsed().as_secs_f64())
-    };
-    measure().unwrap_or(250_000.0)
+    kumo_migration_engine::transport::loopback_tcp_bytes_per_s(64 << 20, 1 << 20).map(|b| b / 4096.0).unwrap_or(250_000.0)
 }
