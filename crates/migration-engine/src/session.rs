@@ -445,7 +445,7 @@ fn migrate_inner(
     let cpu = Arc::new(AtomicU64::new(0));
     let cpu0 = thread_cpu_ms();
     let local = opts.engine == EngineKind::Local;
-    let nconn = if local { 1 } else { opts.connections.clamp(1, 16) };
+    let nconn = if local { 1 } else { opts.connections.clamp(1, format::MAX_CONNECTIONS as usize) };
     let mut desc = src.description();
     desc.connections = nconn as u32;
     desc.shared_memory = local;
