@@ -64,8 +64,9 @@ pub fn kvm_available() -> bool {
 
 impl Vm {
     pub fn new(ncpus: u32, mem_bytes: u64, irqchip: IrqchipMode) -> Result<Self> {
-        Self::check_kvm(ncpus, irqchip)?;
-        Self::with_memory(ncpus, Memory::new(mem_bytes)?, irqchip)
+        // KVM is checked before memory is allocated: a bad request fails cheaply.
+        let kvm = Self::check_kvm(ncpus, irqchip)?;
+        Self::build(kvm, ncpus, Memory::new(mem_bytes)?, irqchip)
     }
 
     /// Fails early, before memory is allocated, if KVM cannot host this VM.
@@ -96,7 +97,10 @@ impl Vm {
 
     /// A VM over existing guest memory (e.g. a memfd handed over by a local migration).
     pub fn with_memory(ncpus: u32, memory: Memory, irqchip: IrqchipMode) -> Result<Self> {
-        let kvm = Self::check_kvm(ncpus, irqchip)?;
+        Self::build(Self::check_kvm(ncpus, irqchip)?, ncpus, memory, irqchip)
+    }
+
+    fn build(kvm: Kvm, ncpus: u32, memory: Memory, irqchip: IrqchipMode) -> Result<Self> {
         let fd = kvm.create_vm().map_err(|e| Error::Kvm("KVM_CREATE_VM", e))?;
         fd.set_tss_address(KVM_TSS_ADDRESS as usize).map_err(|e| Error::Kvm("KVM_SET_TSS_ADDR", e))?;
         match irqchip {
