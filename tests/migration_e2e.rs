@@ -17,9 +17,22 @@ struct Dest {
 }
 
 fn spawn_logged(args: &[&str], tag: &str) -> Dest {
+    spawn_logged_in(None, args, tag)
+}
+
+/// `kumo ARGS`, inside network namespace `netns` if given, with stdout/stderr in files.
+fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Dest {
     let out = temp_path(&format!("{tag}.out"));
     let err = temp_path(&format!("{tag}.err"));
-    let child = Command::new(kumo_bin())
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(kumo_bin());
+            c
+        }
+        None => Command::new(kumo_bin()),
+    };
+    let child = cmd
         .args(args)
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&err).unwrap())
@@ -308,30 +321,15 @@ fn migration_between_two_network_namespaces() {
             return;
         }
     };
-    let bin = kumo_bin();
-    let bin = bin.to_str().unwrap();
     // Destination "host" B listens on its own address; source "host" A runs the VM.
-    let out = temp_path("netns-dst.out");
-    let err = temp_path("netns-dst.err");
-    let child = Command::new("ip")
-        .args(["netns", "exec", &ns.b, bin, "run", "--incoming", "tcp:10.77.0.2:4444", "--memory", "64M", "--timeout", "120"])
-        .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(std::fs::File::create(&err).unwrap())
-        .spawn()
-        .unwrap();
-    let dest = Dest { kid: Kid(child), err, out };
+    let dest = spawn_logged_in(Some(&ns.b), &["run", "--incoming", "tcp:10.77.0.2:4444", "--memory", "64M", "--timeout", "120"], "netns-dst");
     eventually(Duration::from_secs(20), || dest.stderr().contains("waiting for a migration").then_some(()));
     let sock = temp_path("netns-src.sock").to_str().unwrap().to_string();
-    let sout = temp_path("netns-src.out");
-    let serr = temp_path("netns-src.err");
-    let child = Command::new("ip")
-        .args(["netns", "exec", &ns.a, bin, "run", "--guest", "memtouch", "--memory", "64M", "--api-socket", &sock, "--timeout", "120"])
-        .args(["pages=4000", "writes=400000", "rate=200000", "seed=6"])
-        .stdout(std::fs::File::create(&sout).unwrap())
-        .stderr(std::fs::File::create(&serr).unwrap())
-        .spawn()
-        .unwrap();
-    let src = Dest { kid: Kid(child), err: serr, out: sout };
+    let src = spawn_logged_in(
+        Some(&ns.a),
+        &["run", "--guest", "memtouch", "--memory", "64M", "--api-socket", &sock, "--timeout", "120", "pages=4000", "writes=400000", "rate=200000", "seed=6"],
+        "netns-src",
+    );
     eventually(Duration::from_secs(20), || src.stdout().contains("memtouch: pages=").then_some(()));
     std::thread::sleep(Duration::from_millis(300));
     // The API socket is a file, reachable from the root namespace; the stream goes A -> B.

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 /// True if /dev/kvm can be opened. KVM tests print why they skip and return when it cannot.
 pub fn kvm_or_skip(test: &str) -> bool {
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    match kumo_vm::vm::open_kvm() {
         Ok(_) => true,
         Err(e) => {
-            eprintln!("skipping {test}: /dev/kvm not available ({e})");
+            eprintln!("skipping {test}: {e}");
             false
         }
     }
