@@ -3,8 +3,9 @@
 //!
 //! The VM is reached through [`SourceVm`] and [`DestVm`], so everything here is independent of
 //! how a VMM runs its vCPUs and can be tested with plain memory. Engines:
-//! - `serial`: copy a batch of up to 1,024 pages into a buffer, send it, reuse the buffer, in
-//!   order (the paper's baseline, one thread).
+//! - `serial`: copy a batch of up to 1,024 pages into a buffer, send it, wait until the
+//!   destination reports it placed (the paper's per-batch completion notice), reuse the
+//!   buffer, in order (the paper's baseline without pipelining).
 //! - `overlap`: the paper's pipeline: a collector copies batch k+1 while sender threads put
 //!   batch k on the wire, through bounded queues of reusable buffers; with several connections
 //!   the receiver places their batches in parallel.
@@ -12,9 +13,12 @@
 //!   memory (live-round batches checksum their metadata only, see docs/migration-format.md).
 //! - `local`: same host: the guest memory's memfd is passed over a unix socket (SCM_RIGHTS), so
 //!   memory is not copied at all; only vCPU and device state cross.
+//!
+//! The receiver reads page data straight into the destination's guest memory
+//! ([`format::Reader::next_record_placed`]): receiving is placing, with no buffer in between.
 
 use std::fs::File;
-use std::io::{self, Write};
+use std::io::{self, BufReader, Write};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
@@ -26,7 +30,7 @@ use kumo_vm::GuestMemory;
 use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
 
-use kumo_migration::format::{self, Checksum, Encoder, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES};
+use kumo_migration::format::{self, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES};
 use kumo_migration::planner::{Decision, Planner, RoundStats, StopPolicy, StopReason};
 use crate::transport::{Address, Conn, Listener, ZeroCopy};
 
@@ -290,7 +294,8 @@ fn sender_loop(
         match work {
             Work::Batch(b) => {
                 round_pages += b.gfns.len() as u64;
-                let mut frame = enc.batch_frame(b.round, &b.gfns, b.checksum)?;
+                // Serial asks for the per-batch completion notice it waits for.
+                let mut frame = enc.batch_frame(b.round, &b.gfns, b.checksum, engine == EngineKind::Serial)?;
                 match (&mut zc, mem) {
                     (Some(z), Some(m)) => {
                         // Only guest pages go zero-copy: the kernel reads them after sendmsg
@@ -345,9 +350,10 @@ fn sender_loop(
 struct Collector<'a> {
     mem: &'a GuestMemory,
     copy: bool,
-    /// The paper's serial baseline: copy, send and release one batch at a time, never
-    /// copying the next batch while one is on the wire.
-    lockstep: bool,
+    /// The paper's serial baseline: copy, send, wait for the destination's completion notice
+    /// and release one batch at a time, never copying the next batch while one is in flight.
+    /// Holds the reply channel the notices come on.
+    lockstep: Option<(&'a mut Replies, Duration)>,
     free_rx: Receiver<Vec<u8>>,
     senders: &'a [Sender],
     next: usize,
@@ -391,8 +397,14 @@ impl Collector<'_> {
         let s = &self.senders[self.next % self.senders.len()];
         self.next += 1;
         s.tx.send(Work::Batch(Batch { round, gfns, data, checksum })).map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
-        if self.lockstep {
-            // Wait until the sender has released the buffer: the batch is on the wire.
+        if let Some((replies, timeout)) = &mut self.lockstep {
+            // The batch is done when the destination has it in place, as an RDMA write is
+            // done at its completion; TCP's send buffer alone would already overlap stages.
+            match replies.wait(*timeout)? {
+                Reply::Placed(_) => {}
+                Reply::Failed(why) => return Err(MigrateError::Dest(why)),
+                other => return Err(MigrateError::Other(format!("expected Placed from the destination, got {other:?}"))),
+            }
             let buf = self.free_rx.recv().map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
             self.spare = Some(buf);
         }
@@ -505,7 +517,7 @@ fn migrate_inner(
         // Only the senders may hold the pool's sending side: when they all stop, a collector
         // waiting for a buffer must see the channel close instead of waiting forever.
         drop(free_tx);
-        let lockstep = opts.engine == EngineKind::Serial;
+        let lockstep = (opts.engine == EngineKind::Serial).then_some((&mut replies, opts.reply_timeout));
         let mut col = Collector { mem, copy, lockstep, free_rx, senders: &senders, next: 0, spare: None };
         let mut planner = Planner::new(opts.policy, total_pages);
         let live_checksum = if copy { Checksum::Full } else { Checksum::MetadataOnly };
@@ -630,7 +642,7 @@ fn migrate_inner(
     match reply {
         Reply::Resumed => {}
         Reply::Failed(why) => return Err(MigrateError::Dest(why)),
-        Reply::Ready => return Err(MigrateError::Other("destination sent Ready twice".into())),
+        other => return Err(MigrateError::Other(format!("expected Resumed from the destination, got {other:?}"))),
     }
     src.stop_dirty_log();
     add_cpu(&cpu, cpu0);
@@ -727,6 +739,39 @@ impl Replier {
     }
 }
 
+/// The destination's guest memory as the place batches are read into.
+struct MemPlacer<'a> {
+    mem: &'a GuestMemory,
+}
+
+impl PagePlacer for MemPlacer<'_> {
+    fn buffers(&mut self, runs: &[(u64, usize)]) -> Result<Vec<io::IoSliceMut<'_>>, String> {
+        use vm_memory::GuestMemoryBackend;
+        runs.iter()
+            .map(|&(gfn, n)| {
+                let (gpa, len) = (gfn * PAGE as u64, n * PAGE);
+                // Best effort: a page not populated is faulted in by the read.
+                let _ = kumo_vm::memory::populate(self.mem, gpa, len as u64);
+                let slice = self.mem.get_slice(GuestAddress(gpa), len).map_err(|e| format!("pages at {gpa:#x}: {e}"))?;
+                let ptr = slice.ptr_guard_mut().as_ptr();
+                // SAFETY: `get_slice` checked that the `len` bytes at `ptr` are guest memory
+                // mapped for the VM's lifetime, which outlives this borrow of `self.mem`. The
+                // destination VM does not run yet, and nothing else holds these pages: the
+                // reader hands out disjoint runs (strictly increasing gfns), and receiving
+                // threads place different pages (a round sends each page once; rounds are
+                // separated by the barrier).
+                Ok(io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr, len) }))
+            })
+            .collect()
+    }
+}
+
+/// Buffered reading for the small frame headers; page data bypasses the buffer (big reads
+/// of an empty `BufReader` go straight to the socket).
+fn buffered(c: Conn) -> BufReader<Conn> {
+    BufReader::with_capacity(64 << 10, c)
+}
+
 /// Accepts one incoming migration on `listener`: builds the VM with `create` from the
 /// stream's description (and the source's memory file for a local migration), fills its
 /// memory, restores its state and resumes it. Connections that stay silent for `idle` fail
@@ -740,9 +785,11 @@ pub fn receive<V: DestVm>(
     let t0 = Instant::now();
     conn0.set_read_timeout(Some(idle))?;
     let mut conn0 = Replier { enc: Encoder::new(), conn: conn0 };
-    let opened = Reader::open(conn0.conn.try_clone()?);
-    let (reader0, desc) = match opened {
-        Ok(x) => x,
+    // The header is read unbuffered: a local migration's memory file follows it on the socket,
+    // and a buffer would swallow the byte that carries it.
+    let mut raw0 = conn0.conn.try_clone()?;
+    let desc = match format::read_header(&mut raw0) {
+        Ok(d) => d,
         Err(e) => {
             conn0.send(&Reply::Failed(e.to_string()));
             return Err(e.into());
@@ -761,7 +808,7 @@ pub fn receive<V: DestVm>(
         None
     };
     let nconn = desc.connections.max(1) as usize;
-    let mut readers = vec![reader0];
+    let mut readers = vec![Reader::new(buffered(raw0), &desc)];
     for i in 1..nconn {
         let c = match accept_within(listener, idle) {
             Ok(c) => c,
@@ -770,7 +817,7 @@ pub fn receive<V: DestVm>(
         c.set_read_timeout(Some(idle))?;
         let mut c = c;
         match format::read_header(&mut c).map(|d| (d, c)) {
-            Ok((d, c)) if d == desc => readers.push(Reader::secondary(c, &desc)),
+            Ok((d, c)) if d == desc => readers.push(Reader::secondary(buffered(c), &desc)),
             Ok(_) => return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} describes another VM")))),
             Err(e) => return Err(fail(&mut conn0, e.into())),
         }
@@ -780,6 +827,9 @@ pub fn receive<V: DestVm>(
         Err(e) => return Err(fail(&mut conn0, MigrateError::Dest(e))),
     };
     conn0.send(&Reply::Ready);
+    // Shared with the first connection's receiving thread, which sends the Placed notices.
+    let conn0 = Mutex::new(conn0);
+    let reply = |r: &Reply| conn0.lock().unwrap_or_else(|p| p.into_inner()).send(r);
 
     let barrier = RoundBarrier::new(nconn);
     let cpu = AtomicU64::new(0);
@@ -791,23 +841,18 @@ pub fn receive<V: DestVm>(
             .into_iter()
             .enumerate()
             .map(|(i, mut r)| {
-                let (barrier, cpu, pages, state) = (&barrier, &cpu, &pages, &state);
+                let (barrier, cpu, pages, state, reply) = (&barrier, &cpu, &pages, &state, &reply);
                 s.spawn(move || {
                     let c0 = thread_cpu_ms();
+                    let mut placer = MemPlacer { mem };
                     let res = (|| -> Result<(), MigrateError> {
-                        while let Some(rec) = r.next_record()? {
+                        while let Some(rec) = r.next_record_placed(&mut placer)? {
                             match rec {
                                 Record::MemBatch(b) => {
-                                    // Runs of contiguous pages are contiguous in the batch too:
-                                    // fault each run in with one call and copy it with one call.
-                                    for (first, n, at) in runs(b.gfns) {
-                                        let (gpa, len) = (first * PAGE as u64, n * PAGE);
-                                        // Best effort: a page not populated is faulted in by the write.
-                                        let _ = kumo_vm::memory::populate(mem, gpa, len as u64);
-                                        mem.write_slice(&b.data[at * PAGE..at * PAGE + len], GuestAddress(gpa))
-                                            .map_err(|e| MigrateError::Dest(format!("writing pages at {gpa:#x}: {e}")))?;
-                                    }
                                     pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
+                                    if b.ack {
+                                        reply(&Reply::Placed(b.seq));
+                                    }
                                 }
                                 // Pages of round r+1 must not land before every connection's pages
                                 // of round r: a page resent later would be overwritten by its stale
@@ -850,6 +895,7 @@ pub fn receive<V: DestVm>(
         vm.restore_state(&st).map_err(MigrateError::Dest)?;
         vm.resume().map_err(MigrateError::Dest)
     });
+    let mut conn0 = conn0.into_inner().unwrap_or_else(|p| p.into_inner());
     if let Err(e) = finish {
         return Err(fail(&mut conn0, e));
     }
@@ -882,30 +928,4 @@ fn accept_within(listener: &Listener, limit: Duration) -> io::Result<Conn> {
     let c = r?;
     c.set_nonblocking(false)?;
     Ok(c)
-}
-
-/// The runs of contiguous gfns in a batch as (first gfn, pages, index of the first in the batch).
-fn runs(gfns: &[u64]) -> impl Iterator<Item = (u64, usize, usize)> + '_ {
-    let mut i = 0;
-    std::iter::from_fn(move || {
-        if i >= gfns.len() {
-            return None;
-        }
-        let start = i;
-        i += 1;
-        while i < gfns.len() && gfns[i] == gfns[i - 1] + 1 {
-            i += 1;
-        }
-        Some((gfns[start], i - start, start))
-    })
-}
-
-#[cfg(test)]
-mod run_tests {
-    #[test]
-    fn contiguous_gfns_form_runs() {
-        let r: Vec<_> = super::runs(&[4, 5, 6, 9, 11, 12]).collect();
-        assert_eq!(r, vec![(4, 3, 0), (9, 1, 3), (11, 2, 4)]);
-        assert_eq!(super::runs(&[]).count(), 0);
-    }
 }

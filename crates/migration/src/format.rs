@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 /// First 8 bytes of every stream.
 pub const MAGIC: [u8; 8] = *b"KUMOMIG\0";
 /// The stream version this code writes and the only one it reads.
-pub const VERSION: u32 = 1;
-/// Guest page size; the only one version 1 allows.
+pub const VERSION: u32 = 2;
+/// Guest page size; the only one this version allows.
 pub const PAGE_SIZE: u32 = 4096;
 const PAGE: usize = PAGE_SIZE as usize;
 /// Most pages in one `MemBatch` (Xen's 1,024-page batch).
@@ -31,6 +31,9 @@ pub const MAX_STATE_LEN: usize = 64 << 20;
 pub const MAX_REASON_LEN: usize = 64 << 10;
 /// `MemBatch` flag: the CRC does not cover the page data (zero-copy sends from live memory).
 pub const FLAG_DATA_UNCHECKED: u8 = 0x1;
+/// `MemBatch` flag: the receiver answers with `Placed` once the batch is in guest memory (the
+/// paper's per-batch completion notice; the serial engine waits for it). First connection only.
+pub const FLAG_ACK: u8 = 0x2;
 /// Size of the frame header before every record body.
 pub const FRAME_HEADER_LEN: usize = 16;
 /// Size of the CRC-32 trailer after every record body.
@@ -126,6 +129,9 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The receiver could not find guest memory for a batch it reads in place.
+    #[error("cannot place page data: {0}")]
+    Placement(String),
     /// The underlying reader or writer failed.
     #[error("migration stream I/O error: {0}")]
     Io(#[from] io::Error),
@@ -134,7 +140,7 @@ pub enum Error {
 /// Result with this module's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Record tags. `0x01..=0x05` go sender → receiver, `0x81..=0x83` receiver → sender.
+/// Record tags. `0x01..=0x05` go sender → receiver, `0x81..=0x84` receiver → sender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Tag {
@@ -154,6 +160,8 @@ pub enum Tag {
     Resumed = 0x82,
     /// Reply: the destination failed.
     Failed = 0x83,
+    /// Reply: a batch sent with [`FLAG_ACK`] is in guest memory.
+    Placed = 0x84,
 }
 
 impl Tag {
@@ -168,6 +176,7 @@ impl Tag {
             0x81 => Tag::Ready,
             0x82 => Tag::Resumed,
             0x83 => Tag::Failed,
+            0x84 => Tag::Placed,
             _ => return None,
         })
     }
@@ -183,7 +192,7 @@ impl Tag {
             Tag::MemBatch => MAX_BATCH_BODY,
             Tag::RoundEnd => 12,
             Tag::State => MAX_STATE_LEN,
-            Tag::Complete => 8,
+            Tag::Complete | Tag::Placed => 8,
             Tag::Abort | Tag::Failed => MAX_REASON_LEN,
             Tag::Ready | Tag::Resumed => 0,
         }
@@ -192,7 +201,7 @@ impl Tag {
     /// Flags this tag may carry.
     fn allowed_flags(self) -> u8 {
         if self == Tag::MemBatch {
-            FLAG_DATA_UNCHECKED
+            FLAG_DATA_UNCHECKED | FLAG_ACK
         } else {
             0
         }
@@ -444,7 +453,9 @@ impl Encoder {
     /// [`BatchFrame::update`] if `checksum` is [`Checksum::Full`]), then
     /// [`BatchFrame::trailer`]. Apart from the flag and the CRC's coverage, the bytes are
     /// those of [`Encoder::mem_batch`].
-    pub fn batch_frame(&mut self, round: u32, gfns: &[u64], checksum: Checksum) -> Result<BatchFrame> {
+    ///
+    /// With `ack`, the receiver answers with [`Reply::Placed`] once the pages are in place.
+    pub fn batch_frame(&mut self, round: u32, gfns: &[u64], checksum: Checksum, ack: bool) -> Result<BatchFrame> {
         let count = gfns.len();
         if count == 0 {
             return Err(Error::BadRecord { seq: self.seq, reason: "empty page batch".into() });
@@ -452,10 +463,19 @@ impl Encoder {
         if count > MAX_BATCH_PAGES {
             return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
         }
-        let flags = match checksum {
+        if let Some(w) = gfns.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(Error::BadRecord {
+                seq: self.seq,
+                reason: format!("page frames out of order in a batch ({:#x} before {:#x})", w[0], w[1]),
+            });
+        }
+        let mut flags = match checksum {
             Checksum::Full => 0,
             Checksum::MetadataOnly => FLAG_DATA_UNCHECKED,
         };
+        if ack {
+            flags |= FLAG_ACK;
+        }
         let mut head = Vec::with_capacity(FRAME_HEADER_LEN + batch_meta_len(count));
         head.extend_from_slice(&frame_header(Tag::MemBatch, flags, batch_body_len(count), self.seq));
         head.extend_from_slice(&round.to_le_bytes());
@@ -474,7 +494,7 @@ impl Encoder {
     /// (`gfns.len() * 4096` bytes, in gfn order).
     pub fn mem_batch(&mut self, out: &mut Vec<u8>, round: u32, gfns: &[u64], data: &[u8]) -> Result<()> {
         check_data_len(self.seq, gfns.len(), data.len())?;
-        let mut f = self.batch_frame(round, gfns, Checksum::Full)?;
+        let mut f = self.batch_frame(round, gfns, Checksum::Full, false)?;
         f.update(data);
         out.extend_from_slice(f.head());
         out.extend_from_slice(data);
@@ -513,6 +533,7 @@ impl Encoder {
             Reply::Ready => self.frame(out, Tag::Ready, &[]),
             Reply::Resumed => self.frame(out, Tag::Resumed, &[]),
             Reply::Failed(r) => self.frame(out, Tag::Failed, &[clip(r, MAX_REASON_LEN).as_bytes()]),
+            Reply::Placed(seq) => self.frame(out, Tag::Placed, &[&seq.to_le_bytes()]),
         }
     }
 }
@@ -617,7 +638,7 @@ impl<W: Write> Writer<W> {
     /// page, pointing into guest memory), `gfns.len() * 4096` bytes in all.
     pub fn mem_batch_vectored(&mut self, round: u32, gfns: &[u64], data: &[&[u8]], checksum: Checksum) -> Result<()> {
         check_data_len(self.enc.seq(), gfns.len(), data.iter().map(|d| d.len()).sum())?;
-        let mut f = self.enc.batch_frame(round, gfns, checksum)?;
+        let mut f = self.enc.batch_frame(round, gfns, checksum, false)?;
         for d in data {
             f.update(d);
         }
@@ -750,18 +771,30 @@ struct FrameReader {
     failed: bool,
 }
 
+/// A frame header whose fields passed the checks that need no body.
+struct Head {
+    hdr: [u8; FRAME_HEADER_LEN],
+    tag: Tag,
+    flags: u8,
+    len: usize,
+}
+
 impl FrameReader {
     /// The next frame, or `None` on EOF exactly at a frame boundary.
     fn read<R: Read + ?Sized>(&mut self, r: &mut R, replies: bool) -> Result<Option<Frame>> {
-        if self.failed {
-            return Err(Error::BadRecord { seq: self.seq, reason: "the stream already failed".into() });
-        }
-        let res = self.read_inner(r, replies);
-        self.failed = res.is_err();
+        let res = match self.read_head(r, replies) {
+            Ok(Some(head)) => self.read_body(r, &head).map(Some),
+            other => other.map(|_| None),
+        };
+        self.failed |= res.is_err();
         res
     }
 
-    fn read_inner<R: Read + ?Sized>(&mut self, r: &mut R, replies: bool) -> Result<Option<Frame>> {
+    /// Reads a frame header and checks its tag, length bound, flags and reserved bytes.
+    fn read_head<R: Read + ?Sized>(&mut self, r: &mut R, replies: bool) -> Result<Option<Head>> {
+        if self.failed {
+            return Err(Error::BadRecord { seq: self.seq, reason: "the stream already failed".into() });
+        }
         let mut hdr = [0u8; FRAME_HEADER_LEN];
         match read_full(r, &mut hdr)? {
             0 => return Ok(None),
@@ -776,32 +809,38 @@ impl FrameReader {
         if len > tag.max_body_len() {
             return Err(Error::Oversized { what: "record body", len: len as u64, max: tag.max_body_len() as u64 });
         }
+        let (flags, seq) = (hdr[1], self.seq);
+        if flags & !tag.allowed_flags() != 0 {
+            return Err(Error::BadRecord { seq, reason: format!("unknown flags {flags:#04x} on {tag}") });
+        }
+        if hdr[2..4] != [0, 0] {
+            return Err(Error::BadRecord { seq, reason: "reserved bytes are not zero".into() });
+        }
+        Ok(Some(Head { hdr, tag, flags, len }))
+    }
+
+    /// Reads the body and trailer of `head` into `buf` and checks the CRC and seq.
+    fn read_body<R: Read + ?Sized>(&mut self, r: &mut R, head: &Head) -> Result<Frame> {
+        let &Head { hdr, tag, flags, len } = head;
         // Reused across records and never shrunk: after the first full batch, reading neither
         // allocates nor zero-fills.
         if self.buf.len() < len + TRAILER_LEN {
             self.buf.resize(len + TRAILER_LEN, 0);
         }
         read_exact(r, &mut self.buf[..len + TRAILER_LEN], "record body")?;
-        let (flags, seq) = (hdr[1], self.seq);
-        let bad = |reason: String| Err(Error::BadRecord { seq, reason });
-        if flags & !tag.allowed_flags() != 0 {
-            return bad(format!("unknown flags {flags:#04x} on {tag}"));
-        }
-        if hdr[2..4] != [0, 0] {
-            return bad("reserved bytes are not zero".into());
-        }
+        let seq = self.seq;
         // The CRC covers all of the body except the page data of an unchecked batch; finding
         // that boundary needs the page count, bounded before it is used.
         let covered = if flags & FLAG_DATA_UNCHECKED != 0 {
             if len < 8 {
-                return bad("batch shorter than its metadata".into());
+                return Err(Error::BadRecord { seq, reason: "batch shorter than its metadata".into() });
             }
             let count = le_u32(&self.buf[4..8]) as usize;
             if count > MAX_BATCH_PAGES {
                 return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
             }
             if batch_meta_len(count) > len {
-                return bad(format!("batch of {count} pages in a {len}-byte body"));
+                return Err(Error::BadRecord { seq, reason: format!("batch of {count} pages in a {len}-byte body") });
             }
             batch_meta_len(count)
         } else {
@@ -810,17 +849,23 @@ impl FrameReader {
         let mut h = crc32fast::Hasher::new();
         h.update(&hdr);
         h.update(&self.buf[..covered]);
-        if h.finalize() != le_u32(&self.buf[len..]) {
+        self.finish(&hdr, tag, h.finalize(), le_u32(&self.buf[len..]))?;
+        Ok(Frame { tag, flags, len })
+    }
+
+    /// Checks a frame's CRC, then its seq (after the CRC, so corruption reads as corruption
+    /// and a bad seq means a record really went missing or came twice), and counts it.
+    fn finish(&mut self, hdr: &[u8; FRAME_HEADER_LEN], tag: Tag, crc: u32, trailer: u32) -> Result<()> {
+        let seq = self.seq;
+        if crc != trailer {
             return Err(Error::ChecksumMismatch { seq, tag });
         }
-        // Checked after the CRC, so corruption reads as corruption and a bad seq means a
-        // record really went missing or came twice.
         let got = le_u64(&hdr[8..16]);
         if got != seq {
             return Err(Error::BadSequence { expected: seq, got });
         }
         self.seq += 1;
-        Ok(Some(Frame { tag, flags, len }))
+        Ok(())
     }
 }
 
@@ -853,10 +898,53 @@ pub struct Batch<'a> {
     pub round: u32,
     /// Guest page frame numbers, all within the described memory.
     pub gfns: &'a [u64],
-    /// `gfns.len() * 4096` bytes of page data, in gfn order.
+    /// `gfns.len() * 4096` bytes of page data, in gfn order; empty when the reader placed
+    /// the data itself ([`Reader::next_record_placed`]).
     pub data: &'a [u8],
     /// Whether the CRC covered the page data (false for zero-copy batches of live rounds).
     pub checked: bool,
+    /// The batch's seq, which a [`Reply::Placed`] names.
+    pub seq: u64,
+    /// The sender waits for [`Reply::Placed`] ([`FLAG_ACK`]).
+    pub ack: bool,
+}
+
+/// Guest memory a [`Reader`] reads page data straight into ([`Reader::next_record_placed`]),
+/// so the receiver does not copy pages out of a buffer.
+pub trait PagePlacer {
+    /// Buffers for the page data of `runs`, each `(first gfn, pages)` of contiguous frames
+    /// and `pages * 4096` bytes long, in stream order. The reader has checked that the runs
+    /// are disjoint and inside the described memory before it asks.
+    fn buffers(&mut self, runs: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String>;
+}
+
+/// The runs of contiguous gfns in `gfns`, as (first gfn, pages, index of the first).
+pub fn gfn_runs(gfns: &[u64]) -> impl Iterator<Item = (u64, usize, usize)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= gfns.len() {
+            return None;
+        }
+        let start = i;
+        i += 1;
+        while i < gfns.len() && gfns[i] == gfns[i - 1] + 1 {
+            i += 1;
+        }
+        Some((gfns[start], i - start, start))
+    })
+}
+
+/// `read_vectored` until every buffer is full.
+fn read_exact_vectored<R: Read + ?Sized>(r: &mut R, mut bufs: &mut [io::IoSliceMut<'_>], what: &'static str) -> Result<()> {
+    while !bufs.is_empty() {
+        match r.read_vectored(bufs) {
+            Ok(0) => return Err(Error::Truncated { what }),
+            Ok(n) => io::IoSliceMut::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 impl<'a> Batch<'a> {
@@ -891,7 +979,7 @@ pub enum Record<'a> {
 
 /// A checked record, before it borrows the reader's buffers.
 enum Parsed {
-    MemBatch { round: u32, count: usize, len: usize, checked: bool },
+    MemBatch { round: u32, count: usize, len: usize, checked: bool, seq: u64, ack: bool, placed: bool },
     RoundEnd { round: u32, pages: u64 },
     State { len: usize },
     Complete { total_pages: u64 },
@@ -960,12 +1048,24 @@ impl<R: Read> Reader<R> {
 
     /// The next record; `Ok(None)` once `Complete` or `Abort` has been read.
     pub fn next_record(&mut self) -> Result<Option<Record<'_>>> {
+        self.next(None)
+    }
+
+    /// Like [`Reader::next_record`], but page data goes straight into the buffers `placer`
+    /// gives, checked against the CRC there, and the batch's `data` is empty. Page frames are
+    /// range-checked before any byte is placed, but the CRC can only be checked after: on an
+    /// error, the placed memory may hold bad data (a receiver discards that VM anyway).
+    pub fn next_record_placed(&mut self, placer: &mut dyn PagePlacer) -> Result<Option<Record<'_>>> {
+        self.next(Some(placer))
+    }
+
+    fn next(&mut self, placer: Option<&mut dyn PagePlacer>) -> Result<Option<Record<'_>>> {
         if self.finished {
             return Ok(None);
         }
         // Checking and borrowing are separate steps: the record borrows the buffers only
         // once every check has passed.
-        let parsed = match self.advance() {
+        let parsed = match self.advance(placer) {
             Ok(p) => p,
             Err(e) => {
                 self.frames.failed = true;
@@ -974,8 +1074,9 @@ impl<R: Read> Reader<R> {
         };
         let buf = &self.frames.buf;
         Ok(Some(match parsed {
-            Parsed::MemBatch { round, count, len, checked } => {
-                Record::MemBatch(Batch { round, gfns: &self.gfns, data: &buf[batch_meta_len(count)..len], checked })
+            Parsed::MemBatch { round, count, len, checked, seq, ack, placed } => {
+                let data = if placed { &[][..] } else { &buf[batch_meta_len(count)..len] };
+                Record::MemBatch(Batch { round, gfns: &self.gfns, data, checked, seq, ack })
             }
             Parsed::RoundEnd { round, pages } => Record::RoundEnd { round, pages },
             Parsed::State { len } => Record::State(&buf[..len]),
@@ -984,46 +1085,110 @@ impl<R: Read> Reader<R> {
         }))
     }
 
-    /// Reads and checks the next record, updating the grammar state.
-    fn advance(&mut self) -> Result<Parsed> {
+    /// Checks a batch's first 8 body bytes (round, count) against its length, flags and the
+    /// current round; returns the count.
+    fn batch_count(&self, seq: u64, flags: u8, len: usize, first8: &[u8]) -> Result<usize> {
+        let bad = |reason: String| Err(Error::BadRecord { seq, reason });
+        if len < 8 {
+            return bad("batch shorter than its metadata".into());
+        }
+        let round = le_u32(&first8[0..4]);
+        let count = le_u32(&first8[4..8]) as usize;
+        if count > MAX_BATCH_PAGES {
+            return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
+        }
+        if count == 0 || len != batch_body_len(count) {
+            return bad(format!("batch of {count} pages in a {len}-byte body"));
+        }
+        if round != self.round {
+            return bad(format!("batch for round {round} during round {}", self.round));
+        }
+        if flags & FLAG_ACK != 0 && !self.expect_state {
+            return bad("acknowledged batch on an extra connection".into());
+        }
+        Ok(count)
+    }
+
+    /// Parses a batch's gfns into `gfns`: each inside guest memory, strictly increasing (so
+    /// a batch never names a page twice and its runs are disjoint).
+    fn load_gfns(gfns: &mut Vec<u64>, map: &GfnMap, seq: u64, raw: &[u8]) -> Result<()> {
+        gfns.clear();
+        for g in raw.chunks_exact(8) {
+            let gfn = le_u64(g);
+            if !map.contains(gfn) {
+                return Err(Error::PageOutOfRange { gfn, memory_bytes: map.memory_bytes });
+            }
+            if gfns.last().is_some_and(|&l| l >= gfn) {
+                return Err(Error::BadRecord { seq, reason: format!("page frames out of order ({gfn:#x} after {:#x})", gfns[gfns.len() - 1]) });
+            }
+            gfns.push(gfn);
+        }
+        Ok(())
+    }
+
+    /// Counts a checked batch into its round.
+    fn commit_batch(&mut self, seq: u64, flags: u8, count: usize, len: usize, placed: bool) -> Parsed {
+        let checked = flags & FLAG_DATA_UNCHECKED == 0;
+        self.round_pages += count as u64;
+        self.round_unchecked |= !checked;
+        Parsed::MemBatch { round: self.round, count, len, checked, seq, ack: flags & FLAG_ACK != 0, placed }
+    }
+
+    /// Reads a batch whose header is `head`, placing its page data with `placer`.
+    fn place_batch(&mut self, head: &Head, placer: &mut dyn PagePlacer) -> Result<Parsed> {
         let seq = self.frames.seq;
-        let Some(Frame { tag, flags, len }) = self.frames.read(&mut self.inner, false)? else {
+        let buf = &mut self.frames.buf;
+        if buf.len() < batch_meta_len(MAX_BATCH_PAGES) {
+            buf.resize(batch_meta_len(MAX_BATCH_PAGES), 0);
+        }
+        read_exact(&mut self.inner, &mut buf[..8.min(head.len)], "record body")?;
+        let count = self.batch_count(seq, head.flags, head.len, &self.frames.buf[..8])?;
+        let meta_len = batch_meta_len(count);
+        let buf = &mut self.frames.buf;
+        read_exact(&mut self.inner, &mut buf[8..meta_len], "record body")?;
+        Self::load_gfns(&mut self.gfns, &self.gfn_map, seq, &buf[8..meta_len])?;
+        let runs: Vec<(u64, usize)> = gfn_runs(&self.gfns).map(|(g, n, _)| (g, n)).collect();
+        let mut h = crc32fast::Hasher::new();
+        h.update(&head.hdr);
+        h.update(&buf[..meta_len]);
+        let mut bufs = placer.buffers(&runs).map_err(Error::Placement)?;
+        if bufs.len() != runs.len() || bufs.iter().zip(&runs).any(|(b, r)| b.len() != r.1 * PAGE) {
+            return Err(Error::Placement(format!("the placer's buffers do not match the batch's {} runs", runs.len())));
+        }
+        {
+            // Reborrowed, so the buffers can be read again for the CRC once they are full.
+            let mut work: Vec<io::IoSliceMut<'_>> = bufs.iter_mut().map(|b| io::IoSliceMut::new(&mut b[..])).collect();
+            read_exact_vectored(&mut self.inner, &mut work, "record body")?;
+        }
+        if head.flags & FLAG_DATA_UNCHECKED == 0 {
+            for b in &bufs {
+                h.update(b);
+            }
+        }
+        drop(bufs);
+        let mut trailer = [0u8; TRAILER_LEN];
+        read_exact(&mut self.inner, &mut trailer, "record body")?;
+        self.frames.finish(&head.hdr, head.tag, h.finalize(), le_u32(&trailer))?;
+        Ok(self.commit_batch(seq, head.flags, count, meta_len, true))
+    }
+
+    /// Reads and checks the next record, updating the grammar state.
+    fn advance(&mut self, placer: Option<&mut dyn PagePlacer>) -> Result<Parsed> {
+        let seq = self.frames.seq;
+        let Some(head) = self.frames.read_head(&mut self.inner, false)? else {
             return Err(Error::Truncated { what: "stream (it ended before Complete or Abort)" });
         };
+        if let (Tag::MemBatch, Some(p)) = (head.tag, placer) {
+            return self.place_batch(&head, p);
+        }
+        let Frame { tag, flags, len } = self.frames.read_body(&mut self.inner, &head)?;
         let body = &self.frames.buf[..len];
         let bad = |reason: String| Err(Error::BadRecord { seq, reason });
         match tag {
             Tag::MemBatch => {
-                if len < 8 {
-                    return bad("batch shorter than its metadata".into());
-                }
-                let round = le_u32(&body[0..4]);
-                let count = le_u32(&body[4..8]) as usize;
-                if count > MAX_BATCH_PAGES {
-                    return Err(Error::Oversized {
-                        what: "page batch",
-                        len: count as u64,
-                        max: MAX_BATCH_PAGES as u64,
-                    });
-                }
-                if count == 0 || len != batch_body_len(count) {
-                    return bad(format!("batch of {count} pages in a {len}-byte body"));
-                }
-                if round != self.round {
-                    return bad(format!("batch for round {round} during round {}", self.round));
-                }
-                self.gfns.clear();
-                for g in body[8..batch_meta_len(count)].chunks_exact(8) {
-                    let gfn = le_u64(g);
-                    if !self.gfn_map.contains(gfn) {
-                        return Err(Error::PageOutOfRange { gfn, memory_bytes: self.gfn_map.memory_bytes });
-                    }
-                    self.gfns.push(gfn);
-                }
-                let checked = flags & FLAG_DATA_UNCHECKED == 0;
-                self.round_pages += count as u64;
-                self.round_unchecked |= !checked;
-                Ok(Parsed::MemBatch { round, count, len, checked })
+                let count = self.batch_count(seq, flags, len, &body[..8.min(len)])?;
+                Self::load_gfns(&mut self.gfns, &self.gfn_map, seq, &body[8..batch_meta_len(count)])?;
+                Ok(self.commit_batch(seq, flags, count, len, false))
             }
             Tag::RoundEnd => {
                 if len != 12 {
@@ -1087,7 +1252,7 @@ impl<R: Read> Reader<R> {
                 Ok(Parsed::Abort { len })
             }
             // FrameReader already rejects replies in a record stream.
-            Tag::Ready | Tag::Resumed | Tag::Failed => Err(Error::UnknownTag(tag as u8)),
+            Tag::Ready | Tag::Resumed | Tag::Failed | Tag::Placed => Err(Error::UnknownTag(tag as u8)),
         }
     }
 
@@ -1131,22 +1296,26 @@ pub enum Reply {
     Resumed,
     /// The destination failed; the source keeps (and resumes) the VM.
     Failed(String),
+    /// The batch with this seq (sent with [`FLAG_ACK`]) is in the destination's guest memory.
+    Placed(u64),
 }
 
-/// Reads replies (sender side). Grammar: `Ready` or `Failed` first; after `Ready`,
-/// `Resumed` or `Failed`; nothing after `Resumed` or `Failed`.
+/// Reads replies (sender side). Grammar: `Ready` or `Failed` first; after `Ready`, any
+/// number of `Placed` (for increasing batch seqs), then `Resumed` or `Failed`; nothing after
+/// `Resumed` or `Failed`.
 #[derive(Debug)]
 pub struct ReplyReader<R> {
     inner: R,
     frames: FrameReader,
     ready: bool,
     finished: bool,
+    last_placed: Option<u64>,
 }
 
 impl<R: Read> ReplyReader<R> {
     /// A reader for the replies on `inner`.
     pub fn new(inner: R) -> Self {
-        ReplyReader { inner, frames: FrameReader::default(), ready: false, finished: false }
+        ReplyReader { inner, frames: FrameReader::default(), ready: false, finished: false, last_placed: None }
     }
 
     /// Waits for the next reply. EOF is [`Error::Truncated`]: the receiver must answer.
@@ -1161,6 +1330,15 @@ impl<R: Read> ReplyReader<R> {
         let reply = match tag {
             Tag::Ready if !self.ready => Reply::Ready,
             Tag::Resumed if self.ready => Reply::Resumed,
+            Tag::Placed if self.ready && len == 8 => {
+                let placed = le_u64(&self.frames.buf[..8]);
+                if self.last_placed.is_some_and(|l| placed <= l) {
+                    self.frames.failed = true;
+                    return Err(Error::BadRecord { seq, reason: format!("Placed for batch {placed} after a later one") });
+                }
+                self.last_placed = Some(placed);
+                Reply::Placed(placed)
+            }
             Tag::Failed => match std::str::from_utf8(&self.frames.buf[..len]) {
                 Ok(s) => Reply::Failed(s.to_string()),
                 Err(_) => {
@@ -1174,7 +1352,7 @@ impl<R: Read> ReplyReader<R> {
             }
         };
         self.ready = true;
-        self.finished = reply != Reply::Ready;
+        self.finished = matches!(reply, Reply::Resumed | Reply::Failed(_));
         Ok(reply)
     }
 

@@ -151,7 +151,7 @@ fn header_round_trip_and_layout() {
     write_header(&mut w, &d).unwrap();
     assert_eq!(w, encode_header(&d).unwrap());
     assert_eq!(&w[..8], b"KUMOMIG\0");
-    assert_eq!(le_u32(&w[8..12]), 1);
+    assert_eq!(le_u32(&w[8..12]), VERSION);
     let n = le_u32(&w[12..16]) as usize;
     assert_eq!(w.len(), 16 + n + 4);
     let json: serde_json::Value = serde_json::from_slice(&w[16..16 + n]).unwrap();
@@ -279,7 +279,7 @@ fn long_reasons_are_cut_at_a_char_boundary() {
 
 #[test]
 fn zero_copy_frames_match_the_buffered_encoder() {
-    let gfns = [4u64, 256, 9];
+    let gfns = [4u64, 9, 256];
     let data = pages(&gfns, 2);
     let mut buffered = Vec::new();
     let mut e = Encoder::new();
@@ -291,7 +291,7 @@ fn zero_copy_frames_match_the_buffered_encoder() {
         let mut e = Encoder::new();
         let mut out = Vec::new();
         e.round_end(&mut out, 0, 0);
-        let mut f = e.batch_frame(2, &gfns, checksum).unwrap();
+        let mut f = e.batch_frame(2, &gfns, checksum, false).unwrap();
         assert_eq!((f.seq(), f.data_len(), f.checksum()), (1, 3 * PAGE, checksum));
         for p in data.chunks(PAGE) {
             f.update(p);
@@ -329,10 +329,10 @@ fn encoder_rejects_bad_batches_without_using_a_seq() {
     let mut e = Encoder::new();
     let mut out = Vec::new();
     assert!(matches!(e.mem_batch(&mut out, 0, &[1, 2], &[0; PAGE]), Err(Error::BadRecord { seq: 0, .. })));
-    assert!(matches!(e.batch_frame(0, &[], Checksum::Full), Err(Error::BadRecord { .. })));
+    assert!(matches!(e.batch_frame(0, &[], Checksum::Full, false), Err(Error::BadRecord { .. })));
     let many = vec![0u64; MAX_BATCH_PAGES + 1];
-    assert!(matches!(e.batch_frame(0, &many, Checksum::Full), Err(Error::Oversized { len: 1025, max: 1024, .. })));
-    let mut f = e.batch_frame(0, &[1], Checksum::Full).unwrap();
+    assert!(matches!(e.batch_frame(0, &many, Checksum::Full, false), Err(Error::Oversized { len: 1025, max: 1024, .. })));
+    let mut f = e.batch_frame(0, &[1], Checksum::Full, false).unwrap();
     f.update(&[0; 100]);
     assert!(matches!(f.trailer(), Err(Error::BadRecord { .. })));
     assert_eq!(e.seq(), 1);
@@ -392,8 +392,8 @@ fn header_errors() {
 
     // Version is checked before the description is even read.
     let mut b = good.clone();
-    b[8..12].copy_from_slice(&2u32.to_le_bytes());
-    assert!(matches!(read(&b[..16]), Error::UnsupportedVersion { got: 2, supported: 1 }));
+    b[8..12].copy_from_slice(&1u32.to_le_bytes());
+    assert!(matches!(read(&b[..16]), Error::UnsupportedVersion { got: 1, supported: 2 }));
     assert!(matches!(read(&raw_header(0, b"{}")), Error::UnsupportedVersion { got: 0, .. }));
 
     let mut b = good[..16].to_vec();
@@ -405,9 +405,9 @@ fn header_errors() {
     b[last] ^= 1;
     assert!(matches!(read(&b), Error::HeaderChecksumMismatch));
 
-    let bad_desc = |json: serde_json::Value| read(&raw_header(1, json.to_string().as_bytes()));
+    let bad_desc = |json: serde_json::Value| read(&raw_header(VERSION, json.to_string().as_bytes()));
     let mut j = serde_json::to_value(desc()).unwrap();
-    assert!(matches!(read(&raw_header(1, b"{not json")), Error::BadDescription(_)));
+    assert!(matches!(read(&raw_header(VERSION, b"{not json")), Error::BadDescription(_)));
     j["page_size"] = 8192.into();
     assert!(matches!(bad_desc(j.clone()), Error::BadDescription(m) if m.contains("page size")));
     j["page_size"] = 4096.into();
@@ -418,7 +418,7 @@ fn header_errors() {
     assert!(matches!(bad_desc(j.clone()), Error::BadDescription(m) if m.contains("overlap")));
     j["regions"] = serde_json::json!([[0, 131072]]);
     assert_eq!(
-        read_header(&mut raw_header(1, j.to_string().as_bytes()).as_slice()).unwrap().regions,
+        read_header(&mut raw_header(VERSION, j.to_string().as_bytes()).as_slice()).unwrap().regions,
         vec![(0, 131072)]
     );
     j["extra"] = 1.into();
@@ -499,7 +499,10 @@ fn record_errors() {
     bad(&[raw_frame(1, 0, 0, &batch(0, &[]))], "0 pages");
     bad(&[raw_frame(1, 0, 0, &[0; 4])], "shorter");
     bad(&[raw_frame(1, FLAG_DATA_UNCHECKED, 0, &[0; 4])], "shorter");
-    bad(&[raw_frame(1, 2, 0, &batch(0, &[1]))], "flags");
+    bad(&[raw_frame(1, 4, 0, &batch(0, &[1]))], "flags");
+    bad(&[raw_frame(2, FLAG_ACK, 0, &end(0, 0))], "flags");
+    bad(&[raw_frame(1, 0, 0, &batch(0, &[5, 3]))], "out of order");
+    bad(&[raw_frame(1, 0, 0, &batch(0, &[5, 5]))], "out of order");
     bad(&[raw_frame(2, FLAG_DATA_UNCHECKED, 0, &end(0, 0))], "flags");
     let mut f = raw_frame(4, 0, 0, &[0; 8]);
     f[2] = 1;
@@ -735,4 +738,178 @@ fn an_extra_connection_carries_no_state() {
     enc.state(&mut out, b"s").unwrap();
     let mut r = Reader::secondary(&out[..], &d);
     assert!(r.next_record().unwrap_err().to_string().contains("extra connection"));
+}
+
+// --- reading in place -----------------------------------------------------------------------
+
+/// "Guest memory" for `desc()`: gfns 0..16 then 256..272, back to back.
+struct VecPlacer {
+    mem: Vec<u8>,
+    calls: usize,
+}
+
+fn mem_offset(gfn: u64) -> usize {
+    (if gfn < 16 { gfn } else { 16 + gfn - 256 }) as usize * PAGE
+}
+
+impl PagePlacer for VecPlacer {
+    fn buffers(&mut self, runs: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String> {
+        self.calls += 1;
+        let mut rest: &mut [u8] = &mut self.mem;
+        let mut base = 0;
+        let mut out = Vec::new();
+        for &(gfn, n) in runs {
+            let off = mem_offset(gfn);
+            let tail = std::mem::take(&mut rest);
+            let (run, tail) = tail.split_at_mut(off.checked_sub(base).ok_or("runs out of order")?).1.split_at_mut(n * PAGE);
+            out.push(io::IoSliceMut::new(run));
+            rest = tail;
+            base = off + n * PAGE;
+        }
+        Ok(out)
+    }
+}
+
+/// Hands out at most `chunk` bytes per read, so vectored reads end mid-buffer.
+struct Dribble<'a> {
+    bytes: &'a [u8],
+    chunk: usize,
+}
+
+impl Read for Dribble<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = buf.len().min(self.chunk).min(self.bytes.len());
+        buf[..n].copy_from_slice(&self.bytes[..n]);
+        self.bytes = &self.bytes[n..];
+        Ok(n)
+    }
+}
+
+/// Reads a stream placing pages; returns the memory and the batches' (gfns, seq, ack).
+fn read_placed<R: Read>(inner: R) -> Result<(VecPlacer, Vec<(Vec<u64>, u64, bool)>)> {
+    let (mut rd, _) = Reader::open(inner)?;
+    let mut p = VecPlacer { mem: vec![0; 32 * PAGE], calls: 0 };
+    let mut batches = Vec::new();
+    while let Some(r) = rd.next_record_placed(&mut p)? {
+        if let Record::MemBatch(b) = r {
+            assert!(b.data.is_empty());
+            batches.push((b.gfns.to_vec(), b.seq, b.ack));
+        }
+    }
+    Ok((p, batches))
+}
+
+#[test]
+fn placed_reading_puts_every_page_where_it_belongs() {
+    for live in [Checksum::Full, Checksum::MetadataOnly] {
+        let (bytes, expect) = sample_stream(live);
+        let mut want = vec![0u8; 32 * PAGE];
+        for e in &expect {
+            if let Owned::Batch { gfns, data, .. } = e {
+                for (g, d) in gfns.iter().zip(data.chunks(PAGE)) {
+                    want[mem_offset(*g)..mem_offset(*g) + PAGE].copy_from_slice(d);
+                }
+            }
+        }
+        for chunk in [usize::MAX, 1000, 4096, 7] {
+            let (p, batches) = read_placed(Dribble { bytes: &bytes, chunk }).unwrap();
+            assert!(p.mem == want, "{live:?}, chunk {chunk}: memory differs");
+            assert_eq!(batches.len(), 4);
+            assert_eq!(batches[0].0, vec![0, 1, 2, 3, 4, 5, 6, 7]);
+        }
+    }
+}
+
+#[test]
+fn placed_reading_checks_like_buffered_reading() {
+    // Corrupt page data: the CRC over the placed memory catches it.
+    let (mut bytes, _) = sample_stream(Checksum::Full);
+    let at = header_len(&bytes) + FRAME_HEADER_LEN + batch_meta_len(8) + 100;
+    bytes[at] ^= 1;
+    assert!(matches!(read_placed(&bytes[..]), Err(Error::ChecksumMismatch { seq: 0, tag: Tag::MemBatch })));
+    // A page outside memory is refused before anything is placed.
+    let body = [0u32.to_le_bytes(), 2u32.to_le_bytes()].concat();
+    let body = [body, 1u64.to_le_bytes().to_vec(), 300u64.to_le_bytes().to_vec(), pages(&[1, 300], 0)].concat();
+    let bytes = with_header(&[raw_frame(1, 0, 0, &body)]);
+    let (mut rd, _) = Reader::open(&bytes[..]).unwrap();
+    let mut p = VecPlacer { mem: vec![0; 32 * PAGE], calls: 0 };
+    assert!(matches!(rd.next_record_placed(&mut p), Err(Error::PageOutOfRange { gfn: 300, .. })));
+    assert_eq!(p.calls, 0);
+    // Truncation anywhere.
+    let bytes = tiny_stream();
+    for cut in 0..bytes.len() {
+        assert!(matches!(read_placed(&bytes[..cut]), Err(Error::Truncated { .. })), "cut at {cut}");
+    }
+    // A placer that cannot place fails the read with its reason.
+    struct Refuse;
+    impl PagePlacer for Refuse {
+        fn buffers(&mut self, _: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String> {
+            Err("no such memory".into())
+        }
+    }
+    let (mut rd, _) = Reader::open(&bytes[..]).unwrap();
+    assert!(matches!(rd.next_record_placed(&mut Refuse), Err(Error::Placement(m)) if m == "no such memory"));
+}
+
+#[test]
+fn acknowledged_batches_carry_their_seq_and_only_on_the_first_connection() {
+    let d = desc();
+    let mut enc = Encoder::new();
+    let mut out = encode_header(&d).unwrap();
+    enc.round_end(&mut out, 0, 0);
+    let data = pages(&[2, 3], 1);
+    let mut f = enc.batch_frame(1, &[2, 3], Checksum::Full, true).unwrap();
+    f.update(&data);
+    out.extend_from_slice(f.head());
+    out.extend_from_slice(&data);
+    out.extend_from_slice(&f.trailer().unwrap());
+    // (The stream ends here: the batches read before the truncation are what counts.)
+    let (mut rd, _) = Reader::open(&out[..]).unwrap();
+    let mut p = VecPlacer { mem: vec![0; 32 * PAGE], calls: 0 };
+    rd.next_record_placed(&mut p).unwrap();
+    let Some(Record::MemBatch(b)) = rd.next_record_placed(&mut p).unwrap() else { panic!("no batch") };
+    assert_eq!((b.gfns, b.seq, b.ack, b.data.len()), (&[2u64, 3][..], 1, true, 0));
+    assert!(p.mem[2 * PAGE..4 * PAGE] == data[..]);
+    assert!(matches!(rd.next_record_placed(&mut p), Err(Error::Truncated { .. })));
+    let (mut rd, _) = Reader::open(&out[..]).unwrap();
+    rd.next_record().unwrap();
+    let Some(Record::MemBatch(b)) = rd.next_record().unwrap() else { panic!("no batch") };
+    assert_eq!((b.seq, b.ack, b.data.len()), (1, true, 2 * PAGE));
+    // An extra connection has no reply channel of its own.
+    let frames = &out[header_len(&out)..];
+    let mut r = Reader::secondary(frames, &d);
+    r.next_record().unwrap();
+    assert!(r.next_record().unwrap_err().to_string().contains("extra connection"));
+    // The encoder refuses out-of-order gfns, which would alias placed buffers.
+    assert!(matches!(enc.batch_frame(1, &[3, 2], Checksum::Full, false), Err(Error::BadRecord { .. })));
+}
+
+#[test]
+fn placed_replies_follow_ready_in_order() {
+    let mut w = Writer::new(Vec::new());
+    for r in [Reply::Ready, Reply::Placed(3), Reply::Placed(5), Reply::Resumed] {
+        w.reply(&r).unwrap();
+    }
+    let bytes = w.into_inner();
+    let mut r = ReplyReader::new(bytes.as_slice());
+    for want in [Reply::Ready, Reply::Placed(3), Reply::Placed(5), Reply::Resumed] {
+        assert_eq!(r.next_reply().unwrap(), want);
+    }
+    for bad in [vec![Reply::Placed(1)], vec![Reply::Ready, Reply::Placed(4), Reply::Placed(4)]] {
+        let mut w = Writer::new(Vec::new());
+        for r in &bad {
+            w.reply(r).unwrap();
+        }
+        let bytes = w.into_inner();
+        let mut r = ReplyReader::new(bytes.as_slice());
+        let e = (0..bad.len()).map(|_| r.next_reply()).find_map(|x| x.err());
+        assert!(matches!(e, Some(Error::BadRecord { .. })), "{bad:?}: {e:?}");
+    }
+}
+
+#[test]
+fn contiguous_gfns_form_runs() {
+    let r: Vec<_> = gfn_runs(&[4, 5, 6, 9, 11, 12]).collect();
+    assert_eq!(r, vec![(4, 3, 0), (9, 1, 3), (11, 2, 4)]);
+    assert_eq!(gfn_runs(&[]).count(), 0);
 }
