@@ -86,3 +86,39 @@ fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
     assert!(m.normal_pages >= pages / 2, "the written part of the working set must have been sent: {m:?}");
     assert!(m.duplicate_pages > 0, "untouched memory goes as zero pages: {m:?}");
 }
+
+// Measurements (run on demand: `cargo test -p kumo-cli --test qemu_e2e -- --ignored
+// --nocapture`): the figures for comparing QEMU's migration with kumo's on this machine. Each
+// prints QEMU's figures as JSON and checks the guest's memory on the destination.
+
+/// Idle 2 GiB guest, as `kumo bench migrate`'s idle VM: the whole memory written once
+/// (prefill=1), then halted (hold_ms) while it migrates; checksummed again after the hold.
+#[test]
+#[ignore]
+fn measure_idle_2gib_prefilled() {
+    if !qemu_or_skip("measure_idle_2gib_prefilled") {
+        return;
+    }
+    let args = sv(&["pages=1000", "writes=1000", "prefill=1", "hold_ms=40000", "seed=2048"]);
+    let (m, out) = qemu::migrate_memtouch(2048, &args, "memtouch: checksum=", None, Duration::from_secs(120)).unwrap();
+    println!("qemu idle 2048 MiB prefill: {}", serde_json::to_string(&m).unwrap());
+    assert_eq!(checksum(&out, "checksum_after_hold"), kumo_guests::memtouch::expected_checksum(1000, 1000, 2048, true), "{out}");
+    assert!(m.normal_pages > 400_000, "a prefilled 2 GiB guest sends (nearly) every page: {m:?}");
+}
+
+/// Loaded 2 GiB guest, as `kumo bench migrate`'s loaded VM: random writes at 52,500 pages/s
+/// over 100,000 pages (prefilled), migrated 2 s into the run; the run ends on the destination.
+#[test]
+#[ignore]
+fn measure_loaded_2gib() {
+    if !qemu_or_skip("measure_loaded_2gib") {
+        return;
+    }
+    let args = sv(&["pages=100000", "mode=random", "rate=52500", "prefill=1", "duration_ms=40000", "report_ms=100"]);
+    let (m, out) = qemu::migrate_memtouch(2048, &args, "memtouch: progress t_ms=2000", None, Duration::from_secs(120)).unwrap();
+    println!("qemu loaded 2048 MiB rate=52500 pages=100000: {}", serde_json::to_string(&m).unwrap());
+    let writes: u64 = field(&out, "memtouch: done", "writes").and_then(|w| w.parse().ok()).expect("done line");
+    assert_eq!(checksum(&out, "checksum"), kumo_guests::memtouch::expected_checksum(100_000, writes, 1, true), "{out}");
+    let t_ms: Vec<u64> = out.lines().filter_map(|l| field(l, "memtouch: progress", "t_ms")?.parse().ok()).collect();
+    println!("destination progress from t_ms={:?}: the guest ran on after the switch-over", t_ms.first());
+}
