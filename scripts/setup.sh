@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing kumo needs beyond the Rust toolchain: gcc and binutils
 # (the guest programs are built with the host gcc and checked with objdump), and the tools the
-# Linux kernel fetch uses. Idempotent; runs apt-get only when something is missing.
+# Linux kernel fetch uses, and QEMU. Idempotent; runs apt-get only when something is missing.
 set -euo pipefail
 need=()
 command -v gcc >/dev/null 2>&1 || need+=(gcc)
@@ -18,5 +18,14 @@ if ((${#need[@]})); then
     echo "setup: installing ${need[*]}" >&2
     $SUDO apt-get update -qq >&2
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
+fi
+# QEMU runs kumo's guests for the comparison with QEMU's migration (tests/qemu_e2e.rs,
+# crates/cli/src/qemu.rs); without recommends it is the emulator and its firmware only.
+if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    echo "setup: installing qemu-system-x86" >&2
+    $SUDO apt-get update -qq >&2
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 >&2
 fi
 command -v cargo >/dev/null 2>&1 || { echo "setup: cargo not found: install Rust (rustup) first" >&2; exit 1; }

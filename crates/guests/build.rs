@@ -28,7 +28,7 @@ fn main() {
     println!("cargo:rerun-if-changed={}", src.display());
     println!("cargo:rerun-if-env-changed=KUMO_GUEST_CC");
 
-    let runtime = [src.join("runtime/start.S"), src.join("runtime/runtime.c")];
+    let runtime = [src.join("runtime/start.S"), src.join("runtime/runtime.c"), src.join("runtime/pvh.S"), src.join("runtime/pvh.c")];
     let mut table = String::from("pub static BUILT: &[(&str, &[u8])] = &[\n");
     for name in GUESTS {
         let elf = out.join(format!("{name}.elf"));

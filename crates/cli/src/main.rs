@@ -3,6 +3,7 @@
 mod bench;
 mod bench_migrate;
 mod migrate;
+mod qemu;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -1,0 +1,448 @@
+//! QEMU harness: runs kumo's own guests under QEMU (7.2) and measures a QEMU→QEMU live
+//! migration, so kumo's migration can be compared with QEMU's on the same guest and machine.
+//!
+//! Guests boot through their PVH entry (guests/runtime/pvh.S): `-kernel guest.elf` makes QEMU
+//! start them in 32-bit mode via its PVH option ROM, and the runtime builds kumo's boot state
+//! itself. Memory size comes from the PVH memory map; the TSC frequency from the hypervisor
+//! leaf 0x40000010 if the CPU model exposes it, else from a PIT calibration in the guest.
+//!
+//! Command line used for every VM (the destination adds `-incoming tcp:127.0.0.1:PORT`):
+//! `qemu-system-x86_64 -accel kvm -machine pc -cpu max -m MiB -smp 1 -nodefaults -display none
+//!  -kernel ELF -append ARGS -serial file:SERIAL -device isa-debug-exit,iobase=0x501,iosize=1
+//!  -qmp unix:SOCK,server=on,wait=off -no-reboot`.
+//! (`-cpu host` fails on this machine's nested KVM, on MSR 0x10a.) isa-debug-exit makes QEMU
+//! exit with status `(code << 1) | 1` when the guest writes its exit code to port 0x501; the
+//! size is 1 so that the guest's start marker at 0x502 is not taken for an exit.
+//!
+//! Nothing in the `kumo` binary calls this yet: the end-to-end tests include it by path.
+#![allow(dead_code)]
+
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+/// The QEMU binary: `$KUMO_QEMU` if set, else `qemu-system-x86_64` on `PATH`. An Err means
+/// QEMU is not installed (callers skip); `scripts/setup.sh` installs it.
+pub fn qemu_binary() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("KUMO_QEMU") {
+        let p = PathBuf::from(p);
+        return if p.is_file() { Ok(p) } else { Err(format!("KUMO_QEMU={} is not a file", p.display())) };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("qemu-system-x86_64"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| "qemu-system-x86_64 not found on PATH (scripts/setup.sh installs qemu-system-x86)".into())
+}
+
+/// Ok if QEMU can use KVM here (/dev/kvm opens read-write).
+pub fn kvm_usable() -> Result<(), String> {
+    fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").map(|_| ()).map_err(|e| format!("/dev/kvm: {e}"))
+}
+
+/// A private temporary directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Result<TempDir, String> {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let p = std::env::temp_dir().join(format!("kumo-qemu-{}-{}-{tag}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
+        fs::create_dir_all(&p).map_err(|e| format!("cannot create {}: {e}", p.display()))?;
+        Ok(TempDir(p))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What to run in a QEMU VM.
+#[derive(Debug, Clone)]
+pub struct QemuSpec {
+    /// A built kumo guest (`kumo_guests::find`), e.g. "memtouch".
+    pub guest: String,
+    /// Its `key=value` parameters, checked against the guest's manifest.
+    pub guest_args: Vec<String>,
+    pub mem_mib: u64,
+    /// `-cpu` value. The default, `max`, gives the guest what it needs (TSC-deadline LAPIC
+    /// timer); `max,+invtsc,vmware-cpuid-freq=on,tsc-frequency=HZ` also gives it the TSC
+    /// frequency through CPUID (migratable only with tsc-frequency set).
+    pub cpu: String,
+    /// `-mem-prealloc`: fault in all guest memory at start (matters for a destination here:
+    /// first touch of host memory is slow on this nested KVM).
+    pub prealloc: bool,
+}
+
+impl QemuSpec {
+    pub fn new(guest: &str, mem_mib: u64, guest_args: &[String]) -> QemuSpec {
+        QemuSpec { guest: guest.into(), guest_args: guest_args.to_vec(), mem_mib, cpu: "max".into(), prealloc: false }
+    }
+}
+
+/// A QEMU process running a kumo guest; killed (and its files removed) on drop.
+pub struct QemuVm {
+    child: Child,
+    qmp: Option<Qmp>,
+    dir: TempDir,
+    serial: PathBuf,
+    stderr: PathBuf,
+    started: Instant,
+}
+
+impl Drop for QemuVm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl QemuVm {
+    /// Starts `spec` in QEMU; with `incoming_port`, as a paused migration destination listening
+    /// on 127.0.0.1:PORT.
+    pub fn spawn(spec: &QemuSpec, incoming_port: Option<u16>) -> Result<QemuVm, String> {
+        let qemu = qemu_binary()?;
+        kvm_usable()?;
+        if spec.mem_mib < 16 || spec.mem_mib > 3072 {
+            return Err(format!("memory {} MiB: the guests' PVH page tables map 16..=3072 MiB (RAM below the PCI hole)", spec.mem_mib));
+        }
+        let guest = kumo_guests::find(&spec.guest).map_err(|e| e.to_string())?;
+        let cmdline = guest.command_line(&spec.guest_args).map_err(|e| e.to_string())?;
+        if cmdline.contains(',') {
+            // QEMU's option parser would split -append's value there.
+            return Err(format!("guest arguments must not contain ',': {cmdline}"));
+        }
+        let dir = TempDir::new(&spec.guest)?;
+        let elf = dir.0.join(format!("{}.elf", spec.guest));
+        fs::write(&elf, guest.elf).map_err(|e| format!("cannot write {}: {e}", elf.display()))?;
+        let (serial, stderr, sock) = (dir.0.join("serial.log"), dir.0.join("stderr.log"), dir.0.join("qmp.sock"));
+        fs::File::create(&serial).map_err(|e| format!("cannot create {}: {e}", serial.display()))?;
+        let mut cmd = Command::new(&qemu);
+        cmd.args(["-accel", "kvm", "-machine", "pc", "-cpu", &spec.cpu, "-smp", "1"])
+            .args(["-m", &spec.mem_mib.to_string(), "-nodefaults", "-display", "none", "-no-reboot"])
+            .arg("-kernel")
+            .arg(&elf)
+            .args(["-append", &cmdline])
+            .arg("-serial")
+            .arg(format!("file:{}", serial.display()))
+            .args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"])
+            .arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", sock.display()));
+        if spec.prealloc {
+            cmd.arg("-mem-prealloc");
+        }
+        if let Some(port) = incoming_port {
+            cmd.args(["-incoming", &format!("tcp:127.0.0.1:{port}")]);
+        }
+        let err_file = fs::File::create(&stderr).map_err(|e| format!("cannot create {}: {e}", stderr.display()))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(err_file)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", qemu.display()))?;
+        let mut vm = QemuVm { child, qmp: None, dir, serial, stderr, started: Instant::now() };
+        vm.qmp = Some(vm.connect_qmp(&sock, Duration::from_secs(30))?);
+        Ok(vm)
+    }
+
+    fn connect_qmp(&mut self, sock: &Path, limit: Duration) -> Result<Qmp, String> {
+        let t = Instant::now();
+        loop {
+            if let Ok(s) = UnixStream::connect(sock) {
+                return Qmp::handshake(s).map_err(|e| self.why(&format!("QMP: {e}")));
+            }
+            self.check_running()?;
+            if t.elapsed() > limit {
+                return Err(self.why("QMP socket did not appear"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Everything the guest wrote to its serial port so far.
+    pub fn serial(&self) -> String {
+        fs::read(&self.serial).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default()
+    }
+
+    /// `reason`, with QEMU's stderr and the guest's serial output appended.
+    fn why(&self, reason: &str) -> String {
+        let err = fs::read_to_string(&self.stderr).unwrap_or_default();
+        format!("QEMU: {reason}\n--- stderr ---\n{}\n--- serial ---\n{}", err.trim_end(), self.serial().trim_end())
+    }
+
+    fn check_running(&mut self) -> Result<(), String> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(st)) => Err(self.why(&format!("exited early ({st})"))),
+            Err(e) => Err(self.why(&format!("cannot wait: {e}"))),
+        }
+    }
+
+    /// Waits until a complete serial line contains `needle`; returns the serial output so far.
+    pub fn wait_serial(&mut self, needle: &str, limit: Duration) -> Result<String, String> {
+        let t = Instant::now();
+        loop {
+            let out = self.serial();
+            if out.lines().zip(out.split_inclusive('\n')).any(|(l, full)| full.ends_with('\n') && l.contains(needle)) {
+                return Ok(out);
+            }
+            self.check_running()?;
+            if t.elapsed() > limit {
+                return Err(self.why(&format!("no serial line with `{needle}` within {limit:?}")));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits for QEMU to exit and returns the guest's exit code (isa-debug-exit status
+    /// `(code << 1) | 1`), or an Err if QEMU exited otherwise or not within `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Result<u32, String> {
+        let t = Instant::now();
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(st)) => {
+                    return match st.code() {
+                        Some(c) if c & 1 == 1 => Ok((c >> 1) as u32),
+                        _ => Err(self.why(&format!("exited without a guest exit code ({st})"))),
+                    }
+                }
+                Ok(None) if t.elapsed() > limit => return Err(self.why(&format!("still running after {limit:?}"))),
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+                Err(e) => return Err(self.why(&format!("cannot wait: {e}"))),
+            }
+        }
+    }
+
+    /// Runs QMP command `execute` with `arguments` (Value::Null: none); returns its "return".
+    pub fn qmp(&mut self, execute: &str, arguments: Value) -> Result<Value, String> {
+        let r = match self.qmp.as_mut() {
+            Some(q) => q.command(execute, arguments),
+            None => Err("no QMP connection".into()),
+        };
+        r.map_err(|e| self.why(&format!("QMP {execute}: {e}")))
+    }
+
+    /// Time since the process was started.
+    pub fn uptime(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
+/// A minimal QMP client: one JSON object per line; asynchronous events are skipped.
+struct Qmp {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl Qmp {
+    fn handshake(s: UnixStream) -> Result<Qmp, String> {
+        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+        let writer = s.try_clone().map_err(|e| e.to_string())?;
+        let mut q = Qmp { reader: BufReader::new(s), writer };
+        let greeting = q.read()?;
+        if greeting.get("QMP").is_none() {
+            return Err(format!("unexpected greeting {greeting}"));
+        }
+        q.command("qmp_capabilities", Value::Null)?;
+        Ok(q)
+    }
+
+    fn read(&mut self) -> Result<Value, String> {
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(0) => Err("connection closed".into()),
+            Ok(_) => serde_json::from_str(&line).map_err(|e| format!("bad reply {line:?}: {e}")),
+            Err(e) => Err(format!("read: {e}")),
+        }
+    }
+
+    fn command(&mut self, execute: &str, arguments: Value) -> Result<Value, String> {
+        let mut msg = json!({ "execute": execute });
+        if !arguments.is_null() {
+            msg["arguments"] = arguments;
+        }
+        writeln!(self.writer, "{msg}").map_err(|e| format!("write: {e}"))?;
+        loop {
+            let v = self.read()?;
+            if let Some(r) = v.get("return") {
+                return Ok(r.clone());
+            }
+            if let Some(e) = v.get("error") {
+                return Err(format!("{}: {}", e["class"].as_str().unwrap_or("error"), e["desc"].as_str().unwrap_or("")));
+            }
+            // {"event": ...}: not a reply.
+        }
+    }
+}
+
+/// One QEMU live migration, as QEMU's `query-migrate` reports it when completed (plus the
+/// harness's own wall-clock measurement).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct QemuMigration {
+    /// From `migrate` to completion (QEMU's total-time).
+    pub total_ms: u64,
+    /// Guest stopped: last dirty pages, device state, switch-over (QEMU's downtime).
+    pub downtime_ms: u64,
+    pub setup_ms: u64,
+    /// From issuing `migrate` until `query-migrate` said completed, on the host clock.
+    pub wall_ms: u64,
+    pub transferred_bytes: u64,
+    /// Guest RAM size as QEMU counts it (all RAM blocks, ROMs included).
+    pub ram_total_bytes: u64,
+    /// Pages sent with their contents.
+    pub normal_pages: u64,
+    /// Zero pages, sent as a marker only.
+    pub duplicate_pages: u64,
+    /// QEMU's own throughput figure (Mbit/s, of the last iteration).
+    pub qemu_mbps: f64,
+    /// transferred_bytes / total_ms, in MB/s (10^6 bytes).
+    pub mb_per_s: f64,
+    /// Dirty-bitmap syncs: the number of copy rounds.
+    pub dirty_sync_count: u64,
+    /// Guest RAM the destination QEMU was given, MiB.
+    pub mem_mib: u64,
+    pub downtime_limit_ms: Option<u64>,
+}
+
+/// A migration to run: `spec` on a source, the same on a destination.
+#[derive(Debug, Clone)]
+pub struct MigrationSpec {
+    pub vm: QemuSpec,
+    /// Start migrating once the source's serial has a line containing this.
+    pub ready_line: String,
+    /// After migrating, wait for the destination's serial to have a line containing this.
+    pub final_line: String,
+    /// QMP `downtime-limit`; QEMU's default is 300 ms.
+    pub downtime_limit_ms: Option<u64>,
+    /// Bound on each phase (boot to ready line, migration, destination to final line).
+    pub timeout: Duration,
+}
+
+/// max-bandwidth for the migration: QEMU 7.2 throttles to 32 MiB/s by default; 100 GB/s is
+/// far above what this machine's loopback carries.
+const UNLIMITED_BANDWIDTH: u64 = 100_000_000_000;
+
+/// Runs `m.vm` in a source QEMU until `m.ready_line`, live-migrates it over loopback TCP to a
+/// destination QEMU, and waits for the destination to print `m.final_line`. Returns QEMU's
+/// figures and the destination's serial output (what the guest printed after the switch-over).
+pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
+    let port = free_port()?;
+    let mut src = QemuVm::spawn(&m.vm, None)?;
+    // Started before the source is ready, so its start-up is not part of the measurement.
+    let mut dst = QemuVm::spawn(&m.vm, Some(port))?;
+    src.wait_serial(&m.ready_line, m.timeout)?;
+
+    let mut params = json!({ "max-bandwidth": UNLIMITED_BANDWIDTH });
+    if let Some(d) = m.downtime_limit_ms {
+        params["downtime-limit"] = json!(d);
+    }
+    src.qmp("migrate-set-parameters", params)?;
+    let t0 = Instant::now();
+    src.qmp("migrate", json!({ "uri": format!("tcp:127.0.0.1:{port}") }))?;
+    let info = loop {
+        let info = src.qmp("query-migrate", Value::Null)?;
+        match info["status"].as_str().unwrap_or("") {
+            "completed" => break info,
+            "failed" | "cancelled" => {
+                let why = info["error-desc"].as_str().unwrap_or("no reason given").to_string();
+                return Err(format!("{}\n(destination) {}", src.why(&format!("migration {}: {why}", info["status"])), dst.why("")));
+            }
+            _ if t0.elapsed() > m.timeout => {
+                let _ = src.qmp("migrate_cancel", Value::Null);
+                return Err(src.why(&format!("migration not done within {:?}: {info}", m.timeout)));
+            }
+            _ => std::thread::sleep(Duration::from_millis(5)),
+        }
+    };
+    let wall_ms = t0.elapsed().as_millis() as u64;
+    let mut r = parse_migration(&info)?;
+    r.wall_ms = wall_ms;
+    r.mem_mib = m.vm.mem_mib;
+    r.downtime_limit_ms = m.downtime_limit_ms;
+    let out = dst.wait_serial(&m.final_line, m.timeout)?;
+    Ok((r, out))
+}
+
+/// [`migrate`] for the memtouch guest: `mem_mib` of RAM, `guest_args` for memtouch, migrate
+/// when the source prints `ready_line`, done when the destination prints its checksum
+/// (`memtouch: checksum=`; with `hold_ms`, `memtouch: checksum_after_hold=`).
+pub fn migrate_memtouch(
+    mem_mib: u64,
+    guest_args: &[String],
+    ready_line: &str,
+    downtime_limit_ms: Option<u64>,
+    timeout: Duration,
+) -> Result<(QemuMigration, String), String> {
+    let holds = guest_args.iter().any(|a| a.starts_with("hold_ms=") && a != "hold_ms=0");
+    let final_line = if holds { "memtouch: checksum_after_hold=" } else { "memtouch: checksum=" };
+    migrate(&MigrationSpec {
+        vm: QemuSpec::new("memtouch", mem_mib, guest_args),
+        ready_line: ready_line.into(),
+        final_line: final_line.into(),
+        downtime_limit_ms,
+        timeout,
+    })
+}
+
+/// QEMU's `query-migrate` reply for a completed migration → [`QemuMigration`].
+fn parse_migration(info: &Value) -> Result<QemuMigration, String> {
+    let num = |v: &Value, key: &str| v[key].as_u64().ok_or_else(|| format!("query-migrate has no `{key}`: {info}"));
+    let ram = &info["ram"];
+    let total_ms = num(info, "total-time")?;
+    let transferred = num(ram, "transferred")?;
+    Ok(QemuMigration {
+        total_ms,
+        downtime_ms: num(info, "downtime")?,
+        setup_ms: num(info, "setup-time").unwrap_or(0),
+        transferred_bytes: transferred,
+        ram_total_bytes: num(ram, "total")?,
+        normal_pages: num(ram, "normal")?,
+        duplicate_pages: num(ram, "duplicate")?,
+        qemu_mbps: ram["mbps"].as_f64().unwrap_or(0.0),
+        mb_per_s: if total_ms > 0 { transferred as f64 / 1000.0 / total_ms as f64 } else { 0.0 },
+        dirty_sync_count: num(ram, "dirty-sync-count")?,
+        ..Default::default()
+    })
+}
+
+fn free_port() -> Result<u16, String> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_completed_query_migrate() {
+        let info = json!({"status": "completed", "total-time": 2000, "downtime": 30, "setup-time": 2,
+            "ram": {"transferred": 1_000_000_000u64, "total": 2_148_000_000u64, "normal": 240000, "duplicate": 280000,
+                    "mbps": 4000.5, "dirty-sync-count": 3}});
+        let m = parse_migration(&info).unwrap();
+        assert_eq!((m.total_ms, m.downtime_ms, m.setup_ms, m.normal_pages, m.duplicate_pages, m.dirty_sync_count), (2000, 30, 2, 240000, 280000, 3));
+        assert_eq!(m.mb_per_s, 500.0);
+        assert!(parse_migration(&json!({"status": "completed"})).unwrap_err().contains("total-time"));
+    }
+
+    #[test]
+    fn bad_specs_are_errors_not_panics() {
+        if qemu_binary().is_err() || kvm_usable().is_err() {
+            return; // spawn reports those first
+        }
+        assert!(QemuVm::spawn(&QemuSpec::new("nope", 64, &[]), None).err().unwrap().contains("unknown guest"));
+        assert!(QemuVm::spawn(&QemuSpec::new("hello", 8, &[]), None).err().unwrap().contains("MiB"));
+        let bad = QemuSpec::new("memtouch", 64, &["pages=x,y".to_string()]);
+        assert!(QemuVm::spawn(&bad, None).is_err());
+    }
+}
