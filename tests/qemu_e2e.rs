@@ -3,6 +3,7 @@
 //! why, when QEMU or /dev/kvm is missing. The harness is the kumo binary's `qemu` module.
 
 #[path = "../crates/cli/src/qemu.rs"]
+#[allow(dead_code)] // the bench uses parts the tests do not
 mod qemu;
 
 use qemu::{QemuSpec, QemuVm};
@@ -77,7 +78,7 @@ fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
     // of the working set (1 - 1/e) has been written.
     let (pages, writes, seed) = (20_000, 60_000, 11);
     let args = sv(&["pages=20000", "writes=60000", "seed=11", "rate=20000", "report_ms=500"]);
-    let (m, out) = qemu::migrate_memtouch(256, &args, "memtouch: progress t_ms=1000", Some(100), LIMIT).unwrap();
+    let (m, out) = qemu::migrate_memtouch(256, &args, "memtouch: progress t_ms=1000", Some(100), false, LIMIT).unwrap();
     eprintln!("{}", serde_json::to_string(&m).unwrap());
     // The workload was still running when it moved: it finished on the destination.
     assert!(out.contains("memtouch: done writes=60000"), "{out}");
@@ -100,7 +101,7 @@ fn measure_idle_2gib_prefilled() {
         return;
     }
     let args = sv(&["pages=1000", "writes=1000", "prefill=1", "hold_ms=40000", "seed=2048"]);
-    let (m, out) = qemu::migrate_memtouch(2048, &args, "memtouch: checksum=", None, Duration::from_secs(120)).unwrap();
+    let (m, out) = qemu::migrate_memtouch(2048, &args, "memtouch: checksum=", None, true, Duration::from_secs(120)).unwrap();
     println!("qemu idle 2048 MiB prefill: {}", serde_json::to_string(&m).unwrap());
     assert_eq!(checksum(&out, "checksum_after_hold"), kumo_guests::memtouch::expected_checksum(1000, 1000, 2048, true), "{out}");
     assert!(m.normal_pages > 400_000, "a prefilled 2 GiB guest sends (nearly) every page: {m:?}");
@@ -115,7 +116,7 @@ fn measure_loaded_2gib() {
         return;
     }
     let args = sv(&["pages=100000", "mode=random", "rate=52500", "prefill=1", "duration_ms=40000", "report_ms=100"]);
-    let (m, out) = qemu::migrate_memtouch(2048, &args, "memtouch: progress t_ms=2000", None, Duration::from_secs(120)).unwrap();
+    let (m, out) = qemu::migrate_memtouch(2048, &args, "memtouch: progress t_ms=2000", None, true, Duration::from_secs(120)).unwrap();
     println!("qemu loaded 2048 MiB rate=52500 pages=100000: {}", serde_json::to_string(&m).unwrap());
     let writes: u64 = field(&out, "memtouch: done", "writes").and_then(|w| w.parse().ok()).expect("done line");
     assert_eq!(checksum(&out, "checksum"), kumo_guests::memtouch::expected_checksum(100_000, writes, 1, true), "{out}");

@@ -815,6 +815,92 @@ fn correct_loaded(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
 }
 
 // ---------------------------------------------------------------------------------------------
+// QEMU on the same guest
+
+#[derive(Serialize)]
+struct QemuRun {
+    label: String,
+    guest: String,
+    result: Result<crate::qemu::QemuMigration, String>,
+    /// The destination's memtouch checksum against the reference model.
+    memory: Option<Check>,
+}
+
+#[derive(Serialize)]
+struct QemuCompare {
+    memory_mib: u64,
+    /// Why QEMU was not run (not installed, no KVM).
+    skipped: Option<String>,
+    runs: Vec<QemuRun>,
+}
+
+/// QEMU 7.2 migrating the same memtouch guests (booted through their PVH entry) over loopback
+/// TCP, the destination preallocated like kumo's prepared one: idle, then (full run) loaded
+/// with QEMU's default downtime limit and with 50 ms.
+fn qemu_compare(ctx: &Ctx, mem_mib: u64, quick: bool) -> QemuCompare {
+    use crate::qemu;
+    let mut c = QemuCompare { memory_mib: mem_mib, skipped: None, runs: vec![] };
+    if let Err(e) = qemu::qemu_binary().and_then(|_| qemu::kvm_usable()) {
+        c.skipped = Some(e);
+        return c;
+    }
+    let limit = Duration::from_secs(180);
+    // Idle: migrated once the first checksum is out, halted for long enough to cover the
+    // migration, then checksummed again on the destination.
+    let seed = 11;
+    let hold = if quick { 3_500 } else { 4_000 + 6 * mem_mib };
+    let idle = sv(&["pages=1000", "writes=1000", "prefill=1", &format!("hold_ms={hold}"), &format!("seed={seed}")]);
+    ctx.step(format!("QEMU idle {mem_mib} MiB"));
+    let r = qemu::migrate_memtouch(mem_mib, &idle, "memtouch: checksum=", None, true, limit);
+    c.runs.push(qemu_run("idle", &idle, r, |out| Ok((expected_checksum(1000, 1000, seed, true), checksum(out, "checksum_after_hold")))));
+    ctx.bar.inc(1);
+    if quick {
+        return c;
+    }
+    // Loaded: kumo's loaded workload, migrated one second in; it runs to its end on the
+    // destination, whose final checksum depends on how many writes it made.
+    let loaded = sv(&[&format!("pages={LOADED_PAGES}"), "mode=random", &format!("rate={LOADED_RATE}"), "prefill=1", "duration_ms=9000", "report_ms=100"]);
+    for downtime in [None, Some(50)] {
+        let label = match downtime {
+            None => "loaded, QEMU's default downtime limit (300 ms)".to_string(),
+            Some(d) => format!("loaded, downtime limit {d} ms"),
+        };
+        ctx.step(format!("QEMU {label}"));
+        let r = qemu::migrate_memtouch(mem_mib, &loaded, "memtouch: progress t_ms=1000", downtime, true, limit);
+        c.runs.push(qemu_run(&label, &loaded, r, |out| {
+            let writes = complete(out)
+                .lines()
+                .find_map(|l| l.strip_prefix("memtouch: done writes="))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                .ok_or("no `memtouch: done writes=` line on the destination")?;
+            Ok((expected_checksum(LOADED_PAGES, writes, 1, true), checksum(out, "checksum")))
+        }));
+        ctx.bar.inc(1);
+    }
+    c
+}
+
+fn qemu_run(
+    label: &str,
+    args: &[String],
+    r: Result<(crate::qemu::QemuMigration, String), String>,
+    want: impl Fn(&str) -> Result<(u64, Option<u64>), String>,
+) -> QemuRun {
+    let guest = args.join(" ");
+    match r {
+        Err(e) => QemuRun { label: label.into(), guest, result: Err(e), memory: None },
+        Ok((m, out)) => {
+            let memory = Some(match want(&out) {
+                Ok((w, Some(got))) if got == w => Check { ok: true, detail: "matches the model".into() },
+                Ok((w, got)) => Check { ok: false, detail: format!("checksum {got:x?}, the model says {w:x}") },
+                Err(e) => Check { ok: false, detail: e },
+            });
+            QemuRun { label: label.into(), guest, result: Ok(m), memory }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Report
 
 #[derive(Serialize)]
@@ -838,6 +924,7 @@ struct Report {
     loaded: Loaded,
     guest_rate: Result<GuestRate, String>,
     correctness: [Correct; 2],
+    qemu: QemuCompare,
     targets: Vec<Target>,
     throughput_ratio: Option<f64>,
     downtime_ms: Option<f64>,
@@ -945,10 +1032,50 @@ fn print_all(r: &Report) {
         }
     }
 
+    print_qemu(r);
+
     println!("\nTargets (from the issue)");
     println!("{:<62} {:>12} {:>8}  result", "target", "value", "goal");
     for t in &r.targets {
         println!("{:<62} {:>12} {:>8}  {}", t.name, t.value, t.goal, if t.met { "met" } else { "NOT MET" });
+    }
+}
+
+fn print_qemu(r: &Report) {
+    let q = &r.qemu;
+    println!("\n5. QEMU 7.2 migrating the same guest (memtouch booted through its PVH entry), {} MiB, loopback TCP,", q.memory_mib);
+    println!("   destination preallocated (-mem-prealloc, like kumo's prepared destination), max-bandwidth unlimited");
+    if let Some(why) = &q.skipped {
+        println!("   skipped: {why}");
+        return;
+    }
+    println!("   QEMU's figures from query-migrate: time = total-time, MB/s = ram.transferred / total-time, rounds = dirty-sync-count");
+    println!("{:<48} {:>8} {:>8} {:>8} {:>6} {:>10}  memory", "run", "time ms", "MB/s", "down ms", "rounds", "pages");
+    for run in &q.runs {
+        let name = format!("QEMU {}", run.label);
+        match &run.result {
+            Ok(m) => println!(
+                "{name:<48} {:>8} {:>8.0} {:>8} {:>6} {:>10}  {}",
+                m.total_ms,
+                m.mb_per_s,
+                m.downtime_ms,
+                m.dirty_sync_count,
+                m.normal_pages,
+                run.memory.as_ref().map_or("-", |c| c.detail.as_str())
+            ),
+            Err(e) => println!("{name:<48} FAILED: {}", e.lines().next().unwrap_or("")),
+        }
+    }
+    // kumo's runs of the same guests, for comparison.
+    let best_idle = r.idle.iter().find(|s| s.memory_mib == q.memory_mib).and_then(|s| s.runs.iter().filter(|m| m.ok() && m.engine != "local").min_by(|a, b| a.total_ms.total_cmp(&b.total_ms)));
+    let kumo_runs = best_idle.map(|m| (format!("kumo idle, fastest network engine ({})", m.engine), m)).into_iter().chain(
+        r.loaded.runs.iter().filter(|m| m.ok() && r.loaded.memory_mib == q.memory_mib).map(|m| (format!("kumo loaded, {}", label(m)), m)),
+    );
+    for (name, m) in kumo_runs {
+        println!("{name:<48} {:>8.0} {:>8.0} {:>8.1} {:>6} {:>10}", m.total_ms, m.mb_per_s, m.downtime_ms, m.rounds, m.total_pages);
+    }
+    if let (Some(Ok(qm)), Some(k)) = (q.runs.first().map(|r| &r.result), best_idle) {
+        println!("   idle: kumo's fastest network engine takes {:.2}x QEMU's time", k.total_ms / qm.total_ms as f64);
     }
 }
 
@@ -1084,7 +1211,7 @@ pub fn run(a: Args) -> Result<i32, String> {
     let (sizes, big, n_correct): (&[u64], u64, usize) = if a.quick { (&[512], 512, 2) } else { (&[256, 512, 1024, 2048], 2048, 20) };
     let dir = std::env::temp_dir().join(format!("kumo-bench-migrate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let steps = 1 + sizes.len() * ENGINES.len() + 5 + 2 + 2 * n_correct;
+    let steps = 1 + sizes.len() * ENGINES.len() + 5 + 2 + 2 * n_correct + if a.quick { 1 } else { 3 };
     let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stderr());
     bar.set_style(ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
     let ctx = Ctx { kumo, dir, seq: AtomicU32::new(0), bar, t0: Instant::now() };
@@ -1115,6 +1242,7 @@ pub fn run(a: Args) -> Result<i32, String> {
         let idle = idle.join().unwrap_or_else(|_| Correct { runs: n_correct, failures: vec!["the idle thread panicked".into()], ..Default::default() });
         [idle, loaded]
     });
+    let qemu = qemu_compare(&ctx, big, a.quick);
     ctx.step("checking the idle VMs' memory".into());
     for (s, p) in idle.iter_mut().zip(pending) {
         s.memory = p.map(|p| match p.verify() {
@@ -1137,6 +1265,7 @@ pub fn run(a: Args) -> Result<i32, String> {
         loaded,
         guest_rate,
         correctness,
+        qemu,
         targets: vec![],
         throughput_ratio,
         downtime_ms,

@@ -14,8 +14,7 @@
 //! exit with status `(code << 1) | 1` when the guest writes its exit code to port 0x501; the
 //! size is 1 so that the guest's start marker at 0x502 is not taken for an exit.
 //!
-//! Nothing in the `kumo` binary calls this yet: the end-to-end tests include it by path.
-#![allow(dead_code)]
+//! `kumo bench migrate` uses it for its QEMU comparison; tests/qemu_e2e.rs includes it by path.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
@@ -93,10 +92,10 @@ impl QemuSpec {
 pub struct QemuVm {
     child: Child,
     qmp: Option<Qmp>,
-    dir: TempDir,
+    /// Held for its `Drop`: removes the guest ELF, sockets and logs.
+    _dir: TempDir,
     serial: PathBuf,
     stderr: PathBuf,
-    started: Instant,
 }
 
 impl Drop for QemuVm {
@@ -150,7 +149,7 @@ impl QemuVm {
             .stderr(err_file)
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", qemu.display()))?;
-        let mut vm = QemuVm { child, qmp: None, dir, serial, stderr, started: Instant::now() };
+        let mut vm = QemuVm { child, qmp: None, _dir: dir, serial, stderr };
         vm.qmp = Some(vm.connect_qmp(&sock, Duration::from_secs(30))?);
         Ok(vm)
     }
@@ -206,6 +205,7 @@ impl QemuVm {
 
     /// Waits for QEMU to exit and returns the guest's exit code (isa-debug-exit status
     /// `(code << 1) | 1`), or an Err if QEMU exited otherwise or not within `limit`.
+    #[allow(dead_code)] // the kumo binary only migrates; tests/qemu_e2e.rs waits for exits
     pub fn wait_exit(&mut self, limit: Duration) -> Result<u32, String> {
         let t = Instant::now();
         loop {
@@ -230,11 +230,6 @@ impl QemuVm {
             None => Err("no QMP connection".into()),
         };
         r.map_err(|e| self.why(&format!("QMP {execute}: {e}")))
-    }
-
-    /// Time since the process was started.
-    pub fn uptime(&self) -> Duration {
-        self.started.elapsed()
     }
 }
 
@@ -326,6 +321,9 @@ pub struct MigrationSpec {
     pub downtime_limit_ms: Option<u64>,
     /// Bound on each phase (boot to ready line, migration, destination to final line).
     pub timeout: Duration,
+    /// Start the destination with `-mem-prealloc`, as kumo's prepared destination
+    /// (`--incoming … --memory`) has its memory faulted in before the migration.
+    pub prepared_destination: bool,
 }
 
 /// max-bandwidth for the migration: QEMU 7.2 throttles to 32 MiB/s by default; 100 GB/s is
@@ -339,7 +337,8 @@ pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
     let port = free_port()?;
     let mut src = QemuVm::spawn(&m.vm, None)?;
     // Started before the source is ready, so its start-up is not part of the measurement.
-    let mut dst = QemuVm::spawn(&m.vm, Some(port))?;
+    let dst_spec = QemuSpec { prealloc: m.vm.prealloc || m.prepared_destination, ..m.vm.clone() };
+    let mut dst = QemuVm::spawn(&dst_spec, Some(port))?;
     src.wait_serial(&m.ready_line, m.timeout)?;
 
     let mut params = json!({ "max-bandwidth": UNLIMITED_BANDWIDTH });
@@ -381,6 +380,7 @@ pub fn migrate_memtouch(
     guest_args: &[String],
     ready_line: &str,
     downtime_limit_ms: Option<u64>,
+    prepared_destination: bool,
     timeout: Duration,
 ) -> Result<(QemuMigration, String), String> {
     let holds = guest_args.iter().any(|a| a.starts_with("hold_ms=") && a != "hold_ms=0");
@@ -391,6 +391,7 @@ pub fn migrate_memtouch(
         final_line: final_line.into(),
         downtime_limit_ms,
         timeout,
+        prepared_destination,
     })
 }
 

@@ -785,8 +785,11 @@ impl Read for Dribble<'_> {
     }
 }
 
-/// Reads a stream placing pages; returns the memory and the batches' (gfns, seq, ack).
-fn read_placed<R: Read>(inner: R) -> Result<(VecPlacer, Vec<(Vec<u64>, u64, bool)>)> {
+/// A placed batch as (gfns, seq, ack).
+type Placed = (Vec<u64>, u64, bool);
+
+/// Reads a stream placing pages; returns the memory and the batches.
+fn read_placed<R: Read>(inner: R) -> Result<(VecPlacer, Vec<Placed>)> {
     let (mut rd, _) = Reader::open(inner)?;
     let mut p = VecPlacer { mem: vec![0; 32 * PAGE], calls: 0 };
     let mut batches = Vec::new();
