@@ -5,6 +5,10 @@
 //! steps (`KVM_GET_DIRTY_LOG`, then `KVM_CLEAR_DIRTY_LOG` for exactly the bits read): this
 //! avoids write-protecting the whole slot at every fetch. Pages the guest never touched are
 //! found with `mincore` on the memfd mapping: they are holes in the file and need not be sent.
+//!
+//! KVM's log sees only the guest's own writes. Pages kumo writes into guest memory (an
+//! emulation assist storing a result, later a device doing DMA) are marked by vm-memory in the
+//! regions' bitmaps ([`crate::GuestMemory`]); `fetch_dirty` merges those in too.
 
 use kvm_bindings::{kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
@@ -88,6 +92,12 @@ impl PageBitmap {
     }
 }
 
+/// The bitmap of pages kumo wrote in `region` (through vm-memory), one bit per page.
+fn vmm_bitmap(region: &vm_memory::GuestRegionMmap<vm_memory::bitmap::AtomicBitmap>) -> &vm_memory::bitmap::AtomicBitmap {
+    // The region derefs to its mapping, which owns the whole-region bitmap.
+    std::ops::Deref::deref(region).bitmap()
+}
+
 impl Vm {
     /// Starts tracking guest writes. Returns whether manual re-protection is in use.
     pub fn start_dirty_log(&self) -> Result<bool> {
@@ -99,6 +109,10 @@ impl Vm {
             self.dirty_manual.store(true, Ordering::Release);
         }
         self.set_slot_flags(KVM_MEM_LOG_DIRTY_PAGES)?;
+        // What kumo wrote before now is in round 0 anyway (it touched the page).
+        for region in self.memory.guest.iter() {
+            vmm_bitmap(region).reset();
+        }
         Ok(self.dirty_manual.load(Ordering::Acquire))
     }
 
@@ -123,17 +137,22 @@ impl Vm {
         Ok(())
     }
 
-    /// Adds the pages the guest wrote since the last fetch to `into` and re-arms tracking for
-    /// them. Returns how many pages were dirty.
+    /// Adds the pages the guest or kumo wrote since the last fetch to `into` and re-arms
+    /// tracking for them. Returns how many pages were dirty.
     pub fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64> {
         let mut total = 0;
         for (slot, region) in self.memory.guest.iter().enumerate() {
+            // kumo's own writes first: a page it writes after this read is caught next time.
+            let vmm = vmm_bitmap(region).get_and_reset();
             let bits = self.fd.get_dirty_log(slot as u32, region.len() as usize).map_err(|e| Error::Kvm("KVM_GET_DIRTY_LOG", e))?;
-            let n: u64 = bits.iter().map(|w| w.count_ones() as u64).sum();
-            if n == 0 {
+            let (_, _, dst) = &mut into.regions[slot];
+            for (d, (k, v)) in dst.iter_mut().zip(bits.iter().zip(vmm.iter().chain(std::iter::repeat(&0)))) {
+                total += (k | v).count_ones() as u64;
+                *d |= k | v;
+            }
+            if bits.iter().all(|&w| w == 0) {
                 continue;
             }
-            total += n;
             if self.dirty_manual.load(Ordering::Acquire) {
                 let mut clear = kvm_clear_dirty_log {
                     slot: slot as u32,
@@ -148,10 +167,6 @@ impl Vm {
                 if ret < 0 {
                     return Err(Error::Kvm("KVM_CLEAR_DIRTY_LOG", vmm_sys_util::errno::Error::last()));
                 }
-            }
-            let (_, _, dst) = &mut into.regions[slot];
-            for (d, s) in dst.iter_mut().zip(&bits) {
-                *d |= *s;
             }
         }
         Ok(total)
@@ -237,6 +252,9 @@ mod tests {
         let mut dirty = PageBitmap::for_regions(&[(0, 32 << 20)]);
         assert!(matches!(g.run().unwrap(), VcpuRun::Device(_)));
         let vm = &g.vm;
+        // A write by kumo itself (as an emulation assist makes) at 0x900010: KVM's log does
+        // not see it, the region bitmap does.
+        vm_memory::Bytes::write_slice(&vm.memory.guest, &[7u8; 8], vm_memory::GuestAddress(0x90_0010)).unwrap();
         if let Some(peeked) = vm.peek_dirty_count().unwrap() {
             assert!(peeked >= 2);
             assert_eq!(vm.peek_dirty_count().unwrap(), Some(peeked), "peeking does not clear");
@@ -244,6 +262,7 @@ mod tests {
         vm.fetch_dirty(&mut dirty).unwrap();
         let gfns: Vec<_> = dirty.gfns().collect();
         assert!(gfns.contains(&0x800) && gfns.contains(&0x803), "{gfns:x?}");
+        assert!(gfns.contains(&0x900), "kumo's own write is missing: {gfns:x?}");
         // Nothing else the guest wrote but its own stack-less code: at most a few extra pages
         // (the CPU sets accessed/dirty bits in the page tables).
         assert!(gfns.len() <= 8, "{gfns:x?}");

@@ -36,7 +36,7 @@ use linux_loader::loader::elf::start_info::{
 };
 use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::{load_cmdline, BzImage, KernelLoader};
-use vm_memory::{Address, ByteValued, Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Address, ByteValued, Bytes, GuestAddress};
 
 use crate::layout::{
     ram_regions, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, MMIO_GAP_START,
@@ -254,7 +254,7 @@ fn align_up(v: u64, align: u64) -> u64 {
 /// Loads the kernel (and initrd, command line, boot parameters) described by `cfg` into `mem`,
 /// whose regions must be `ram_regions(cfg.mem_bytes)`, and says how to enter it.
 pub fn load_linux(
-    mem: &GuestMemoryMmap<()>,
+    mem: &crate::GuestMemory,
     cfg: &LinuxBootConfig,
 ) -> Result<LinuxEntry, LinuxError> {
     if cfg.mem_bytes <= HIMEM_START {
@@ -302,7 +302,7 @@ fn read_up_to(f: &mut File, buf: &mut [u8]) -> io::Result<usize> {
 }
 
 fn load_bzimage(
-    mem: &GuestMemoryMmap<()>,
+    mem: &crate::GuestMemory,
     cfg: &LinuxBootConfig,
     kernel: &mut File,
     file_len: u64,
@@ -383,7 +383,7 @@ fn load_bzimage(
 }
 
 fn load_elf(
-    mem: &GuestMemoryMmap<()>,
+    mem: &crate::GuestMemory,
     cfg: &LinuxBootConfig,
     kernel: &mut File,
     head: &[u8],
@@ -515,7 +515,7 @@ fn cmdline_len(c: &Cmdline) -> u32 {
 type Initrd = Option<(u64, u64)>;
 
 fn load_initrd(
-    mem: &GuestMemoryMmap<()>,
+    mem: &crate::GuestMemory,
     cfg: &LinuxBootConfig,
     kernel_end: u64,
     initrd_addr_max: u64,
@@ -551,7 +551,7 @@ fn load_initrd(
 }
 
 fn write_zero_page(
-    mem: &GuestMemoryMmap<()>,
+    mem: &crate::GuestMemory,
     mut params: boot_params,
     cfg: &LinuxBootConfig,
     cmdline_len: u32,
@@ -584,7 +584,7 @@ fn write_zero_page(
 }
 
 fn write_pvh_start_info(
-    mem: &GuestMemoryMmap<()>,
+    mem: &crate::GuestMemory,
     mem_bytes: u64,
     initrd: Initrd,
 ) -> Result<(), LinuxError> {
@@ -635,12 +635,12 @@ mod tests {
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
 
-    fn guest_mem(mem_bytes: u64) -> GuestMemoryMmap<()> {
+    fn guest_mem(mem_bytes: u64) -> crate::GuestMemory {
         let ranges: Vec<(GuestAddress, usize)> = ram_regions(mem_bytes)
             .into_iter()
             .map(|(s, l)| (GuestAddress(s), l as usize))
             .collect();
-        GuestMemoryMmap::from_ranges(&ranges).unwrap()
+        crate::GuestMemory::from_ranges(&ranges).unwrap()
     }
 
     /// A file in the temp dir, removed on drop.
@@ -658,7 +658,7 @@ mod tests {
         }
     }
 
-    fn read_cstr(mem: &GuestMemoryMmap<()>, addr: u64) -> String {
+    fn read_cstr(mem: &crate::GuestMemory, addr: u64) -> String {
         let mut buf = vec![0u8; 4096];
         mem.read_slice(&mut buf, GuestAddress(addr)).unwrap();
         let end = buf.iter().position(|&b| b == 0).unwrap();

@@ -4,12 +4,16 @@
 use std::fs::File;
 use std::os::fd::FromRawFd;
 
+use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 use crate::layout::ram_regions;
 use crate::{Error, Result};
 
-pub type GuestMemory = GuestMemoryMmap<()>;
+/// Guest memory. Each region carries a dirty bitmap that vm-memory sets on every write made
+/// through its API: the pages the VMM itself writes (emulation assists, devices), which KVM's
+/// dirty log does not see. Live migration merges both (`Vm::fetch_dirty`).
+pub type GuestMemory = GuestMemoryMmap<AtomicBitmap>;
 
 /// Guest RAM and the memfd behind it.
 pub struct Memory {
@@ -58,7 +62,7 @@ impl Memory {
         for (start, len) in ram_regions(size) {
             let fo = FileOffset::new(memfd.try_clone().map_err(|e| Error::Memory(e.to_string()))?, offset);
             let len_usize = usize::try_from(len).map_err(|_| Error::BadMemorySize(size))?;
-            let mmap = MmapRegion::from_file(fo, len_usize).map_err(|e| Error::Memory(format!("mmap: {e}")))?;
+            let mmap = MmapRegion::<AtomicBitmap>::from_file(fo, len_usize).map_err(|e| Error::Memory(format!("mmap: {e}")))?;
             regions.push(GuestRegionMmap::new(mmap, GuestAddress(start)).ok_or_else(|| Error::Memory("region overflow".into()))?);
             offset += len;
         }
