@@ -9,7 +9,7 @@ pub mod serial;
 
 pub use bus::{BusError, PioBus, PioDevice};
 pub use debug_port::{DebugPort, EXIT_PORT, MARKER_PORT};
-pub use serial::{SerialConsole, COM1_IRQ, COM1_PORT};
+pub use serial::{SerialConsole, SerialSnapshot, COM1_IRQ, COM1_PORT};
 
 /// Something a device write asks the VMM to act on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,6 +3,7 @@
 
 use std::io::Write;
 
+use serde::{Deserialize, Serialize};
 use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
@@ -27,15 +28,83 @@ pub struct SerialConsole {
     uart: Serial<EventFdTrigger, NoEvents, Box<dyn Write + Send>>,
 }
 
+/// vm-superio's FIFO size: a saved state holding more input than this is not one it made.
+const FIFO_SIZE: usize = 64;
+
+/// The UART's registers and pending input, serializable (vm-superio's `SerialState` is not).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialSnapshot {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
+impl From<SerialState> for SerialSnapshot {
+    fn from(s: SerialState) -> Self {
+        SerialSnapshot {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialSnapshot> for SerialState {
+    fn from(s: &SerialSnapshot) -> Self {
+        SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
+
 impl SerialConsole {
     /// `irq` is signalled when the UART raises its interrupt line.
     pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> Self {
         Self { uart: Serial::new(EventFdTrigger(irq), out) }
     }
 
-    /// Register state, for saving a VM.
-    pub fn state(&self) -> SerialState {
-        self.uart.state()
+    /// Register state and pending input, for saving a VM.
+    pub fn state(&self) -> SerialSnapshot {
+        self.uart.state().into()
+    }
+
+    /// Puts back a state from [`SerialConsole::state`], keeping this console's interrupt and
+    /// output sink. A state vm-superio could not have produced is refused and changes nothing.
+    pub fn restore(&mut self, s: &SerialSnapshot) -> Result<(), String> {
+        if s.in_buffer.len() > FIFO_SIZE {
+            return Err(format!("serial state holds {} input bytes, the FIFO {FIFO_SIZE}", s.in_buffer.len()));
+        }
+        let irq = self.uart.interrupt_evt().0.try_clone().map_err(|e| format!("serial interrupt: {e}"))?;
+        let placeholder = Serial::new(EventFdTrigger(irq.try_clone().map_err(|e| format!("serial interrupt: {e}"))?), Box::new(std::io::sink()) as Box<dyn Write + Send>);
+        let out = std::mem::replace(&mut self.uart, placeholder).into_writer();
+        // Cannot fail: the only check, the FIFO size, was made above. A pending interrupt is
+        // raised again on the (new) irqfd, which is what the guest expects after a restore.
+        self.uart = Serial::from_state(&SerialState::from(s), EventFdTrigger(irq), NoEvents, out)
+            .map_err(|e| format!("serial state: {e:?}"))?;
+        Ok(())
     }
 
     /// Pushes buffered console output to the sink.
@@ -96,6 +165,40 @@ mod tests {
         let mut lsr = [0u8];
         s.read(5, &mut lsr);
         assert_ne!(lsr[0] & 0x20, 0);
+    }
+
+    #[test]
+    fn state_round_trips_through_json_and_restore() {
+        let sink = Sink::default();
+        let mut a = SerialConsole::new(EventFd::new(0).unwrap(), Box::new(sink.clone()));
+        a.write(3, &[0x80]); // DLAB on: set the baud divisor
+        a.write(0, &[0x0c]);
+        a.write(3, &[0x03]); // 8N1, DLAB off
+        a.write(1, &[0x01]); // receive interrupt on
+        a.write(7, &[0x5a]); // scratch
+        a.enqueue_input(b"ok");
+        let saved = a.state();
+        let json = serde_json::to_string(&saved).unwrap();
+        let back: SerialSnapshot = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, saved);
+
+        let sink_b = Sink::default();
+        let mut b = SerialConsole::new(EventFd::new(0).unwrap(), Box::new(sink_b.clone()));
+        b.restore(&back).unwrap();
+        assert_eq!(b.state(), saved);
+        let mut r = [0u8];
+        b.read(7, &mut r);
+        assert_eq!(r[0], 0x5a);
+        b.read(0, &mut r);
+        assert_eq!(r[0], b'o', "pending input survives");
+        // Output still goes to b's own sink.
+        b.write(0, b"z");
+        assert_eq!(&*sink_b.0.lock().unwrap(), b"z");
+
+        let mut bad = saved.clone();
+        bad.in_buffer = vec![0; 65];
+        assert!(b.restore(&bad).is_err());
+        assert_eq!(b.state().scratch, 0x5a, "a refused state changes nothing");
     }
 
     #[test]

@@ -86,6 +86,9 @@ pub struct RunReport {
 pub struct Snapshot {
     pub vm: VmState,
     pub vcpus: Vec<VcpuState>,
+    /// COM1's registers and pending input (absent in snapshots from before it was saved).
+    #[serde(default)]
+    pub serial: Option<kumo_devices::SerialSnapshot>,
 }
 
 const RUN: u8 = 0;
@@ -434,7 +437,7 @@ impl RunningVm {
     pub fn save_state(&self) -> Result<Snapshot> {
         self.require_paused()?;
         let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
-        Ok(Snapshot { vm: self.vm.save_state()?, vcpus })
+        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(&self.serial).state()) })
     }
 
     /// Puts back a state from `save_state`. The VM must be paused.
@@ -442,6 +445,9 @@ impl RunningVm {
         self.require_paused()?;
         if s.vcpus.len() != self.vcpus.len() {
             return Err(kumo_vm::Error::Restore(format!("snapshot has {} vCPUs, VM has {}", s.vcpus.len(), self.vcpus.len())).into());
+        }
+        if let Some(serial) = &s.serial {
+            lock(&self.serial).restore(serial).map_err(kumo_vm::Error::Restore)?;
         }
         self.vm.restore_state(&s.vm)?;
         for (v, st) in self.vcpus.iter().zip(&s.vcpus) {
