@@ -336,3 +336,34 @@ fn xen_rule_reaches_few_dirty_pages_for_an_idle_guest() {
     dest.join().unwrap().unwrap();
     src.stop_writer();
 }
+
+#[test]
+fn serial_waits_for_each_batch_to_be_placed() {
+    let src = FakeSource::new(1000);
+    let (l, addr) = listen(false, "noplaced");
+    // A receiver that reads the first batch completely but never says Placed.
+    let t = std::thread::spawn(move || {
+        let mut c = l.accept().unwrap();
+        let (mut r, _) = kumo_migration::format::Reader::open(c.try_clone().unwrap()).unwrap();
+        let mut out = Vec::new();
+        kumo_migration::format::Encoder::new().reply(&mut out, &kumo_migration::format::Reply::Ready);
+        std::io::Write::write_all(&mut c, &out).unwrap();
+        let Some(kumo_migration::format::Record::MemBatch(b)) = r.next_record().unwrap() else { panic!("no batch") };
+        let (ack, pages) = (b.ack, b.gfns.len());
+        // Nothing more may come until the batch is acknowledged.
+        c.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        let more = std::io::Read::read(&mut c, &mut [0u8; 1]);
+        // Keep the connection open past the sender's reply timeout.
+        std::thread::sleep(Duration::from_millis(1500));
+        (ack, pages, more.is_err())
+    });
+    let opts = MigrateOptions { engine: EngineKind::Serial, reply_timeout: Duration::from_millis(800), ..Default::default() };
+    let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
+    let (ack, pages, silent) = t.join().unwrap();
+    assert!(ack, "serial batches ask for Placed");
+    assert_eq!(pages, 1024);
+    assert!(silent, "the sender sent more before its batch was placed");
+    assert!(matches!(e, MigrateError::ReplyTimeout(_)), "{e}");
+    assert!(src.running.load(Ordering::Acquire), "source runs on");
+    src.stop_writer();
+}
