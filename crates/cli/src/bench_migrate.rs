@@ -848,7 +848,7 @@ fn qemu_compare(ctx: &Ctx, mem_mib: u64, quick: bool) -> QemuCompare {
     // Idle: migrated once the first checksum is out, halted for long enough to cover the
     // migration, then checksummed again on the destination.
     let seed = 11;
-    let hold = if quick { 3_500 } else { 4_000 + 6 * mem_mib };
+    let hold = if quick { 2_500 } else { 4_000 + 6 * mem_mib };
     let idle = sv(&["pages=1000", "writes=1000", "prefill=1", &format!("hold_ms={hold}"), &format!("seed={seed}")]);
     ctx.step(format!("QEMU idle {mem_mib} MiB"));
     let r = qemu::migrate_memtouch(mem_mib, &idle, "memtouch: checksum=", None, true, limit);
@@ -1230,7 +1230,7 @@ pub fn run(a: Args) -> Result<i32, String> {
         idle.push(s);
         pending.push(p);
     }
-    let settle = Duration::from_millis(if a.quick { 1000 } else { 3000 });
+    let settle = Duration::from_millis(if a.quick { 700 } else { 3000 });
     let loaded = loaded(&ctx, big, settle, raw);
     let lead = Duration::from_millis(if a.quick { 800 } else { 1500 });
     let at = ctx.bar.position();
