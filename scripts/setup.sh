@@ -25,7 +25,9 @@ if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     echo "setup: installing qemu-system-x86" >&2
-    $SUDO apt-get update -qq >&2
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 >&2
+    # Not fatal: without QEMU its tests skip and the bench leaves out the comparison.
+    if ! { $SUDO apt-get update -qq >&2 && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 >&2; }; then
+        echo "setup: could not install qemu-system-x86; the QEMU tests will skip" >&2
+    fi
 fi
 command -v cargo >/dev/null 2>&1 || { echo "setup: cargo not found: install Rust (rustup) first" >&2; exit 1; }
