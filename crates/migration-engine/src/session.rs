@@ -30,7 +30,7 @@ use kumo_vm::GuestMemory;
 use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
 
-use kumo_migration::format::{self, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES};
+use kumo_migration::format::{self, BatchFrame, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES};
 use kumo_migration::planner::{Decision, Planner, RoundStats, StopPolicy, StopReason};
 use crate::transport::{Address, Conn, Listener, ZeroCopy};
 
@@ -209,10 +209,90 @@ enum Work {
     RoundEnd(u32),
 }
 
-/// A sender thread: owns one connection and writes what it is given, returning buffers.
+/// What a sender thread hands back: its sink (for the closing records), its encoder (the
+/// stream's seq) and what it counted.
+type SenderEnd = Result<(Box<dyn BatchSink>, Encoder, SenderStats), MigrateError>;
+
+/// A sender thread: owns one connection's sink and writes what it is given, returning buffers.
 struct Sender {
     tx: SyncSender<Work>,
-    handle: std::thread::JoinHandle<Result<(Conn, Encoder, SenderStats), MigrateError>>,
+    handle: std::thread::JoinHandle<SenderEnd>,
+}
+
+/// One connection's wire as the sender threads see it: the transport boundary. The pre-copy
+/// loop and the collector only hand a sink batches and encoded records, so a new transport is
+/// a new implementation (RDMA would send region info, RDMA-write the pages and wait for the
+/// completion notice) and nothing above it changes.
+trait BatchSink: Send {
+    /// Puts one batch on the wire: `frame`'s head, the batch's page data, the trailer.
+    fn send_batch(&mut self, frame: BatchFrame, b: &Batch) -> Result<(), MigrateError>;
+    /// Writes records already encoded (RoundEnd, State, Complete, Abort).
+    fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError>;
+    /// No batch follows: returns once the transport no longer reads guest memory, with the
+    /// zero-copy sends completed and those the kernel copied anyway.
+    fn drain(&mut self) -> Result<(u64, u64), MigrateError> {
+        Ok((0, 0))
+    }
+}
+
+/// A stream socket fed from the collector's buffers (serial, overlap).
+struct CopySink(Conn);
+
+impl BatchSink for CopySink {
+    fn send_batch(&mut self, mut frame: BatchFrame, b: &Batch) -> Result<(), MigrateError> {
+        frame.update(&b.data);
+        let trailer = frame.trailer()?;
+        let mut bufs = [io::IoSlice::new(frame.head()), io::IoSlice::new(&b.data), io::IoSlice::new(&trailer)];
+        crate::transport::write_all_vectored(&mut self.0, &mut bufs)?;
+        Ok(())
+    }
+
+    fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError> {
+        Ok(self.0.write_all(bytes)?)
+    }
+}
+
+/// A stream socket fed straight from guest memory (zerocopy): iovecs into the guest's pages,
+/// with MSG_ZEROCOPY where the kernel would otherwise copy.
+struct ZeroCopySink {
+    conn: Conn,
+    mem: SendMem,
+    zc: ZeroCopy,
+}
+
+impl BatchSink for ZeroCopySink {
+    fn send_batch(&mut self, mut frame: BatchFrame, b: &Batch) -> Result<(), MigrateError> {
+        // Only guest pages go zero-copy: the kernel reads them after sendmsg returns, which is
+        // safe for guest memory (mapped for the VM's life) but not for the short-lived frame
+        // head and trailer, sent by ordinary copy.
+        self.conn.write_all(frame.head())?;
+        // Contiguous pages share one iovec.
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(b.gfns.len());
+        for &g in &b.gfns {
+            let a = self.mem.addr(g).ok_or_else(|| MigrateError::Source(format!("page {g:#x} outside guest memory")))?;
+            if b.checksum == Checksum::Full {
+                // SAFETY: `a` maps a whole guest page (checked by `addr`); a full checksum is
+                // only asked for while the VM is paused.
+                frame.update(unsafe { std::slice::from_raw_parts(a as *const u8, PAGE) });
+            }
+            match iov.last_mut() {
+                Some(l) if l.iov_base as usize + l.iov_len == a => l.iov_len += PAGE,
+                _ => iov.push(libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE }),
+            }
+        }
+        self.zc.send_iovecs(&self.conn, &mut iov)?;
+        self.conn.write_all(&frame.trailer()?)?;
+        Ok(())
+    }
+
+    fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError> {
+        Ok(self.conn.write_all(bytes)?)
+    }
+
+    fn drain(&mut self) -> Result<(u64, u64), MigrateError> {
+        self.zc.reap(self.conn.as_raw_fd(), false)?;
+        Ok((self.zc.completions, self.zc.copied))
+    }
 }
 
 #[derive(Default)]
@@ -223,20 +303,14 @@ struct SenderStats {
     zc_copied: u64,
 }
 
-fn spawn_sender(
-    conn: Conn,
-    engine: EngineKind,
-    mem: Option<SendMem>,
-    free: SyncSender<Vec<u8>>,
-    cpu: Arc<AtomicU64>,
-    depth: usize,
-) -> Sender {
+/// `ack`: ask for a `Placed` notice after every batch (the serial engine waits for it).
+fn spawn_sender(sink: Box<dyn BatchSink>, ack: bool, free: SyncSender<Vec<u8>>, cpu: Arc<AtomicU64>, depth: usize) -> Sender {
     let (tx, rx) = sync_channel::<Work>(depth);
     let handle = std::thread::Builder::new()
         .name("mig-send".into())
         .spawn(move || {
             let t0 = thread_cpu_ms();
-            let r = sender_loop(conn, engine, mem, rx, free);
+            let r = sender_loop(sink, ack, rx, free);
             add_cpu(&cpu, t0);
             r
         })
@@ -279,70 +353,34 @@ impl SendMem {
 }
 
 fn sender_loop(
-    mut conn: Conn,
-    engine: EngineKind,
-    mem: Option<SendMem>,
+    mut sink: Box<dyn BatchSink>,
+    ack: bool,
     rx: Receiver<Work>,
     free: SyncSender<Vec<u8>>,
-) -> Result<(Conn, Encoder, SenderStats), MigrateError> {
+) -> SenderEnd {
     let mut enc = Encoder::new();
     let mut out = Vec::with_capacity(64);
     let mut round_pages = 0u64;
-    let mut zc = (engine == EngineKind::Zerocopy).then(|| ZeroCopy::new(&conn));
     let mut stats = SenderStats::default();
     for work in rx {
         match work {
             Work::Batch(b) => {
                 round_pages += b.gfns.len() as u64;
-                // Serial asks for the per-batch completion notice it waits for.
-                let mut frame = enc.batch_frame(b.round, &b.gfns, b.checksum, engine == EngineKind::Serial)?;
-                match (&mut zc, mem) {
-                    (Some(z), Some(m)) => {
-                        // Only guest pages go zero-copy: the kernel reads them after sendmsg
-                        // returns, which is safe for guest memory (mapped for the VM's life) but
-                        // not for the short-lived frame head and trailer, sent by ordinary copy.
-                        conn.write_all(frame.head())?;
-                        // Contiguous pages share one iovec.
-                        let mut iov: Vec<libc::iovec> = Vec::with_capacity(b.gfns.len());
-                        for &g in &b.gfns {
-                            let a = m.addr(g).ok_or_else(|| MigrateError::Source(format!("page {g:#x} outside guest memory")))?;
-                            if b.checksum == Checksum::Full {
-                                // SAFETY: `a` maps a whole guest page (checked by `addr`); a full
-                                // checksum is only asked for while the VM is paused.
-                                frame.update(unsafe { std::slice::from_raw_parts(a as *const u8, PAGE) });
-                            }
-                            match iov.last_mut() {
-                                Some(l) if l.iov_base as usize + l.iov_len == a => l.iov_len += PAGE,
-                                _ => iov.push(libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE }),
-                            }
-                        }
-                        z.send_iovecs(&conn, &mut iov)?;
-                        conn.write_all(&frame.trailer()?)?;
-                    }
-                    _ => {
-                        frame.update(&b.data);
-                        let trailer = frame.trailer()?;
-                        let mut bufs = [io::IoSlice::new(frame.head()), io::IoSlice::new(&b.data), io::IoSlice::new(&trailer)];
-                        crate::transport::write_all_vectored(&mut conn, &mut bufs)?;
-                    }
-                }
+                let frame = enc.batch_frame(b.round, &b.gfns, b.checksum, ack)?;
+                sink.send_batch(frame, &b)?;
                 let _ = free.try_send(b.data);
             }
             Work::RoundEnd(round) => {
                 out.clear();
                 enc.round_end(&mut out, round, round_pages);
-                conn.write_all(&out)?;
+                sink.send_records(&out)?;
                 stats.pages += round_pages;
                 round_pages = 0;
             }
         }
     }
-    if let Some(z) = &mut zc {
-        z.reap(conn.as_raw_fd(), false)?;
-        stats.zc_completions = z.completions;
-        stats.zc_copied = z.copied;
-    }
-    Ok((conn, enc, stats))
+    (stats.zc_completions, stats.zc_copied) = sink.drain()?;
+    Ok((sink, enc, stats))
 }
 
 /// Splits a set of pages into batches and feeds them to the senders, copying page data into
@@ -493,7 +531,7 @@ fn migrate_inner(
     let mut sent_total = 0u64;
     let mut stats_zc = (0, 0);
     let pause_at;
-    let mut encs: Vec<(Conn, Encoder, u64)> = Vec::new();
+    let mut encs: Vec<(Box<dyn BatchSink>, Encoder, u64)> = Vec::new();
     let mut round0_samples = Vec::new();
 
     if local {
@@ -501,7 +539,7 @@ fn migrate_inner(
         src.pause().map_err(MigrateError::Source)?;
         paused.store(true, Ordering::Release);
         pause_at = Instant::now();
-        encs.push((conns.pop().expect("one connection"), Encoder::new(), 0));
+        encs.push((Box::new(CopySink(conns.pop().expect("one connection"))), Encoder::new(), 0));
     } else {
         src.start_dirty_log().map_err(MigrateError::Source)?;
         let touched = src.touched_pages().map_err(MigrateError::Source)?;
@@ -509,11 +547,21 @@ fn migrate_inner(
 
         let copy = opts.engine != EngineKind::Zerocopy;
         let send_mem = if copy { None } else { Some(SendMem::new(mem).map_err(MigrateError::Source)?) };
+        let sink = |conn: Conn| -> Box<dyn BatchSink> {
+            match send_mem {
+                Some(mem) => {
+                    let zc = ZeroCopy::new(&conn);
+                    Box::new(ZeroCopySink { conn, mem, zc })
+                }
+                None => Box::new(CopySink(conn)),
+            }
+        };
+        let ack = opts.engine == EngineKind::Serial;
         // Serial: one buffer in flight; overlap/zerocopy: a few batches queued per sender.
         let depth = if opts.engine == EngineKind::Serial { 0 } else { 4 };
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
         let senders: Vec<Sender> =
-            conns.drain(..).map(|c| spawn_sender(c, opts.engine, send_mem, free_tx.clone(), cpu.clone(), depth)).collect();
+            conns.drain(..).map(|c| spawn_sender(sink(c), ack, free_tx.clone(), cpu.clone(), depth)).collect();
         // Only the senders may hold the pool's sending side: when they all stop, a collector
         // waiting for a buffer must see the channel close instead of waiting forever.
         drop(free_tx);
@@ -617,7 +665,7 @@ fn migrate_inner(
             for (mut c, mut enc, _) in encs {
                 let mut out = Vec::new();
                 enc.abort(&mut out, &e.to_string());
-                let _ = c.write_all(&out);
+                let _ = c.send_records(&out);
             }
             return Err(e);
         }
@@ -634,7 +682,7 @@ fn migrate_inner(
             enc.state(&mut out, &state)?;
         }
         enc.complete(&mut out, *pages);
-        c.write_all(&out)?;
+        c.send_records(&out)?;
     }
     bytes += state.len() as u64;
     let reply = replies.wait(opts.reply_timeout)?;
