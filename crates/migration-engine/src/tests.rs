@@ -278,17 +278,23 @@ fn a_destination_that_refuses_leaves_the_source_running() {
     src.stop_writer();
 }
 
+/// A hand-driven receiver: accepts, reads the header, says Ready; returns the connection.
+fn accept_and_say_ready(l: &Listener) -> (Conn, VmDescription) {
+    let mut c = l.accept().unwrap();
+    let desc = kumo_migration::format::read_header(&mut c).unwrap();
+    let mut out = Vec::new();
+    kumo_migration::format::Encoder::new().reply(&mut out, &kumo_migration::format::Reply::Ready);
+    std::io::Write::write_all(&mut c, &out).unwrap();
+    (c, desc)
+}
+
 #[test]
 fn a_receiver_dying_mid_stream_leaves_the_source_running() {
     let src = FakeSource::new(1000);
     let (l, addr) = listen(false, "die");
     // A "receiver" that accepts, says Ready, reads a little, then drops the connection.
     let t = std::thread::spawn(move || {
-        let mut c = l.accept().unwrap();
-        let desc = kumo_migration::format::read_header(&mut c).unwrap();
-        let mut out = Vec::new();
-        kumo_migration::format::Encoder::new().reply(&mut out, &kumo_migration::format::Reply::Ready);
-        std::io::Write::write_all(&mut c, &out).unwrap();
+        let (mut c, desc) = accept_and_say_ready(&l);
         let mut buf = vec![0u8; 1 << 20];
         std::io::Read::read_exact(&mut c, &mut buf).unwrap();
         drop(c);
@@ -343,11 +349,8 @@ fn serial_waits_for_each_batch_to_be_placed() {
     let (l, addr) = listen(false, "noplaced");
     // A receiver that reads the first batch completely but never says Placed.
     let t = std::thread::spawn(move || {
-        let mut c = l.accept().unwrap();
-        let (mut r, _) = kumo_migration::format::Reader::open(c.try_clone().unwrap()).unwrap();
-        let mut out = Vec::new();
-        kumo_migration::format::Encoder::new().reply(&mut out, &kumo_migration::format::Reply::Ready);
-        std::io::Write::write_all(&mut c, &out).unwrap();
+        let (mut c, desc) = accept_and_say_ready(&l);
+        let mut r = kumo_migration::format::Reader::new(c.try_clone().unwrap(), &desc);
         let Some(kumo_migration::format::Record::MemBatch(b)) = r.next_record().unwrap() else { panic!("no batch") };
         let (ack, pages) = (b.ack, b.gfns.len());
         // Nothing more may come until the batch is acknowledged.
