@@ -44,14 +44,6 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn kvm_available() -> bool {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok()
-}
-
 fn in_ci() -> bool {
     std::env::var_os("CI").is_some_and(|v| !v.is_empty())
 }
@@ -198,7 +190,7 @@ fn boot_until(kernel: &Path, cmdline: &str, needle: &str) {
 
 /// The kernel to boot, or `None` (after printing why) if the test must be skipped.
 fn find_kernel(env: &str, file: &str, required_in_ci: impl FnOnce() -> bool) -> Option<PathBuf> {
-    if !kvm_available() {
+    if !kumo_vm::vm::kvm_available() {
         println!("skipping: /dev/kvm not available");
         return None;
     }

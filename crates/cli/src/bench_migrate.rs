@@ -1205,9 +1205,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
 
 pub fn run(a: Args) -> Result<i32, String> {
     let kumo = std::env::current_exe().map_err(|e| format!("cannot find the kumo binary: {e}"))?;
-    if std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_err() {
-        return Err("kumo bench migrate needs /dev/kvm".into());
-    }
+    kumo_vm::vm::open_kvm().map_err(|e| format!("kumo bench migrate needs /dev/kvm: {e}"))?;
     let (sizes, big, n_correct): (&[u64], u64, usize) = if a.quick { (&[512], 512, 2) } else { (&[256, 512, 1024, 2048], 2048, 20) };
     let dir = std::env::temp_dir().join(format!("kumo-bench-migrate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;

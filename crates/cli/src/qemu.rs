@@ -42,9 +42,9 @@ pub fn qemu_binary() -> Result<PathBuf, String> {
         .ok_or_else(|| "qemu-system-x86_64 not found on PATH (scripts/setup.sh installs qemu-system-x86)".into())
 }
 
-/// Ok if QEMU can use KVM here (/dev/kvm opens read-write).
+/// Ok if QEMU can use KVM here: kumo's own check, /dev/kvm opens read-write.
 pub fn kvm_usable() -> Result<(), String> {
-    fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").map(|_| ()).map_err(|e| format!("/dev/kvm: {e}"))
+    kumo_vm::vm::open_kvm().map(drop).map_err(|e| e.to_string())
 }
 
 /// A private temporary directory, removed on drop.
