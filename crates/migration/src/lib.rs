@@ -13,6 +13,30 @@ pub mod format;
 pub mod model;
 pub mod planner;
 
+/// xorshift64*: a deterministic random source for the tests, with no crate.
+#[cfg(test)]
+pub(crate) struct TestRng(pub u64);
+
+#[cfg(test)]
+impl TestRng {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in `0..n`.
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// Uniform in [-1, 1).
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+    }
+}
+
 pub use format::{
     read_header, write_header, Batch, BatchFrame, Checksum, Encoder, Error, Reader, Record, Reply, ReplyReader, Tag,
     VmDescription, Writer,

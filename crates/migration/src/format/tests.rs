@@ -128,19 +128,7 @@ fn first_error(bytes: &[u8]) -> Error {
     read_all(bytes).expect_err("stream should be rejected")
 }
 
-/// xorshift64*: deterministic, no crate.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+use crate::TestRng as Rng;
 
 // --- round trips and layout ---------------------------------------------------------------
 

@@ -13,16 +13,7 @@ fn times() -> Vec<f64> {
     vec![0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]
 }
 
-/// xorshift64*, uniform in [-1, 1).
-struct Rng(u64);
-impl Rng {
-    fn unit(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 52) as f64 - 1.0
-    }
-}
+use crate::TestRng as Rng;
 
 #[test]
 fn dirtied_shape() {
