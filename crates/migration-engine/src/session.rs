@@ -556,16 +556,17 @@ fn migrate_inner(
                 None => Box::new(CopySink(conn)),
             }
         };
-        let ack = opts.engine == EngineKind::Serial;
+        // The serial baseline: one batch in flight, each acknowledged before the next.
+        let serial = opts.engine == EngineKind::Serial;
         // Serial: one buffer in flight; overlap/zerocopy: a few batches queued per sender.
-        let depth = if opts.engine == EngineKind::Serial { 0 } else { 4 };
+        let depth = if serial { 0 } else { 4 };
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
         let senders: Vec<Sender> =
-            conns.drain(..).map(|c| spawn_sender(sink(c), ack, free_tx.clone(), cpu.clone(), depth)).collect();
+            conns.drain(..).map(|c| spawn_sender(sink(c), serial, free_tx.clone(), cpu.clone(), depth)).collect();
         // Only the senders may hold the pool's sending side: when they all stop, a collector
         // waiting for a buffer must see the channel close instead of waiting forever.
         drop(free_tx);
-        let lockstep = (opts.engine == EngineKind::Serial).then_some((&mut replies, opts.reply_timeout));
+        let lockstep = serial.then_some((&mut replies, opts.reply_timeout));
         let mut col = Collector { mem, copy, lockstep, free_rx, senders: &senders, next: 0, spare: None };
         let mut planner = Planner::new(opts.policy, total_pages);
         let live_checksum = if copy { Checksum::Full } else { Checksum::MetadataOnly };
