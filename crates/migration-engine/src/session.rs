@@ -556,9 +556,9 @@ fn migrate_inner(
                 None => Box::new(CopySink(conn)),
             }
         };
-        // The serial baseline: one batch in flight, each acknowledged before the next.
+        // Serial: one batch in flight, each acknowledged (Placed) before the next; overlap and
+        // zerocopy: a few batches queued per sender.
         let serial = opts.engine == EngineKind::Serial;
-        // Serial: one buffer in flight; overlap/zerocopy: a few batches queued per sender.
         let depth = if serial { 0 } else { 4 };
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
         let senders: Vec<Sender> =

@@ -918,8 +918,8 @@ pub trait PagePlacer {
     fn buffers(&mut self, runs: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String>;
 }
 
-/// The runs of contiguous gfns in `gfns`, as (first gfn, pages, index of the first).
-pub fn gfn_runs(gfns: &[u64]) -> impl Iterator<Item = (u64, usize, usize)> + '_ {
+/// The runs of contiguous gfns in `gfns`, as (first gfn, pages).
+pub fn gfn_runs(gfns: &[u64]) -> impl Iterator<Item = (u64, usize)> + '_ {
     let mut i = 0;
     std::iter::from_fn(move || {
         if i >= gfns.len() {
@@ -930,7 +930,7 @@ pub fn gfn_runs(gfns: &[u64]) -> impl Iterator<Item = (u64, usize, usize)> + '_ 
         while i < gfns.len() && gfns[i] == gfns[i - 1] + 1 {
             i += 1;
         }
-        Some((gfns[start], i - start, start))
+        Some((gfns[start], i - start))
     })
 }
 
@@ -1147,7 +1147,7 @@ impl<R: Read> Reader<R> {
         let buf = &mut self.frames.buf;
         read_exact(&mut self.inner, &mut buf[8..meta_len], "record body")?;
         Self::load_gfns(&mut self.gfns, &self.gfn_map, seq, &buf[8..meta_len])?;
-        let runs: Vec<(u64, usize)> = gfn_runs(&self.gfns).map(|(g, n, _)| (g, n)).collect();
+        let runs: Vec<(u64, usize)> = gfn_runs(&self.gfns).collect();
         let mut h = crc32fast::Hasher::new();
         h.update(&head.hdr);
         h.update(&buf[..meta_len]);
