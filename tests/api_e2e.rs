@@ -12,7 +12,19 @@ fn info_pause_resume_shutdown_through_the_cli() {
     let sock = temp_path("api.sock");
     let s = sock.to_str().unwrap();
     // A guest that would run for 10 minutes: only shutdown ends it.
-    let vm = Kid::spawn(&["run", "--guest", "memtouch", "pages=64", "duration_ms=600000", "--cpus", "2", "--api-socket", s, "--timeout", "300"]);
+    let vm = Kid::spawn(&[
+        "run",
+        "--guest",
+        "memtouch",
+        "pages=64",
+        "duration_ms=600000",
+        "--cpus",
+        "2",
+        "--api-socket",
+        s,
+        "--timeout",
+        "300",
+    ]);
     let info = |want: &str| {
         let o = kumo(&["--api-socket", s, "info"]);
         if !o.status.success() {
@@ -51,13 +63,36 @@ fn a_paused_guest_makes_no_progress() {
     let s = sock.to_str().unwrap();
     // ~1 s of guest time, paused for 2 s in the middle: the guest's own clock (TSC) keeps
     // running, so a real pause shows as elapsed time ≥ the pause, with the writes unchanged.
-    let vm = Kid::spawn(&["run", "--guest", "memtouch", "pages=64", "writes=10000", "rate=10000", "--api-socket", s, "--timeout", "120"]);
-    eventually(Duration::from_secs(30), || kumo(&["--api-socket", s, "pause"]).status.success().then_some(()));
+    let vm = Kid::spawn(&[
+        "run",
+        "--guest",
+        "memtouch",
+        "pages=64",
+        "writes=10000",
+        "rate=10000",
+        "--api-socket",
+        s,
+        "--timeout",
+        "120",
+    ]);
+    eventually(Duration::from_secs(30), || {
+        kumo(&["--api-socket", s, "pause"])
+            .status
+            .success()
+            .then_some(())
+    });
     std::thread::sleep(Duration::from_secs(2));
     assert!(kumo(&["--api-socket", s, "resume"]).status.success());
     let (code, out, err) = vm.finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{err}");
-    assert_eq!(field(&out, "memtouch: done", "writes").as_deref(), Some("10000"));
-    let sum = u64::from_str_radix(&field(&out, "memtouch: checksum", "checksum").unwrap(), 16).unwrap();
-    assert_eq!(sum, kumo_guests::memtouch::expected_checksum(64, 10000, 1, true));
+    assert_eq!(
+        field(&out, "memtouch: done", "writes").as_deref(),
+        Some("10000")
+    );
+    let sum =
+        u64::from_str_radix(&field(&out, "memtouch: checksum", "checksum").unwrap(), 16).unwrap();
+    assert_eq!(
+        sum,
+        kumo_guests::memtouch::expected_checksum(64, 10000, 1, true)
+    );
 }

@@ -38,7 +38,11 @@ fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Dest {
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    Dest { kid: Kid(child), err, out }
+    Dest {
+        kid: Kid(child),
+        err,
+        out,
+    }
 }
 
 impl Dest {
@@ -48,7 +52,9 @@ impl Dest {
             args.extend(["--api-socket", a]);
         }
         let d = spawn_logged(&args, tag);
-        eventually(Duration::from_secs(20), || d.stderr().contains("waiting for a migration").then_some(()));
+        eventually(Duration::from_secs(20), || {
+            d.stderr().contains("waiting for a migration").then_some(())
+        });
         d
     }
     fn stderr(&self) -> String {
@@ -63,14 +69,22 @@ impl Dest {
             if let Some(st) = self.kid.0.try_wait().unwrap() {
                 return (st.code(), self.stdout(), self.stderr());
             }
-            assert!(t.elapsed() < LIMIT, "kumo did not exit; stderr:\n{}", self.stderr());
+            assert!(
+                t.elapsed() < LIMIT,
+                "kumo did not exit; stderr:\n{}",
+                self.stderr()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn checksum_of(out: &str, key: &str) -> Option<u64> {
@@ -78,17 +92,41 @@ fn checksum_of(out: &str, key: &str) -> Option<u64> {
 }
 
 fn migrate(sock: &str, args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(kumo_bin()).args(["--api-socket", sock, "migrate"]).args(args).stdin(Stdio::null()).output().unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+    let o = Command::new(kumo_bin())
+        .args(["--api-socket", sock, "migrate"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
 }
 
 /// Starts memtouch with an API socket and waits until it runs.
 fn source(tag: &str, mem: &str, guest_args: &[&str]) -> (Dest, String) {
-    let sock = temp_path(&format!("{tag}.sock")).to_str().unwrap().to_string();
-    let mut args = vec!["run", "--guest", "memtouch", "--memory", mem, "--api-socket", &sock, "--timeout", "120"];
+    let sock = temp_path(&format!("{tag}.sock"))
+        .to_str()
+        .unwrap()
+        .to_string();
+    let mut args = vec![
+        "run",
+        "--guest",
+        "memtouch",
+        "--memory",
+        mem,
+        "--api-socket",
+        &sock,
+        "--timeout",
+        "120",
+    ];
     args.extend_from_slice(guest_args);
     let d = spawn_logged(&args, tag);
-    eventually(Duration::from_secs(20), || d.stdout().contains("memtouch: pages=").then_some(()));
+    eventually(Duration::from_secs(20), || {
+        d.stdout().contains("memtouch: pages=").then_some(())
+    });
     (d, sock)
 }
 
@@ -98,22 +136,46 @@ fn a_loaded_guest_migrates_with_every_engine() {
         return;
     }
     let want = kumo_guests::memtouch::expected_checksum(4000, 500_000, 9, true);
-    for (engine, conns) in [("serial", "1"), ("overlap", "1"), ("overlap", "2"), ("zerocopy", "1")] {
+    for (engine, conns) in [
+        ("serial", "1"),
+        ("overlap", "1"),
+        ("overlap", "2"),
+        ("zerocopy", "1"),
+    ] {
         let tag = format!("eng-{engine}-{conns}");
         let addr = format!("tcp:127.0.0.1:{}", free_port());
         let dest = Dest::incoming(&addr, &format!("{tag}-dst"), None);
         // ~2 s of writes at 250,000 pages/s, migrated in the middle.
-        let (src, sock) = source(&format!("{tag}-src"), "64M", &["pages=4000", "writes=500000", "rate=250000", "seed=9"]);
+        let (src, sock) = source(
+            &format!("{tag}-src"),
+            "64M",
+            &["pages=4000", "writes=500000", "rate=250000", "seed=9"],
+        );
         std::thread::sleep(Duration::from_millis(300));
-        let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine, "--connections", conns]);
-        assert!(ok, "{engine}: migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dest.stderr());
-        assert!(out.contains("migrated to") && out.contains("downtime"), "{out}");
+        let (ok, out, err) = migrate(
+            &sock,
+            &["--to", &addr, "--engine", engine, "--connections", conns],
+        );
+        assert!(
+            ok,
+            "{engine}: migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}",
+            src.stderr(),
+            dest.stderr()
+        );
+        assert!(
+            out.contains("migrated to") && out.contains("downtime"),
+            "{out}"
+        );
         let (scode, _, serr) = src.wait();
         assert_eq!(scode, Some(0), "{serr}");
         assert!(serr.contains("VM migrated to"), "{serr}");
         let (dcode, dout, derr) = dest.wait();
         assert_eq!(dcode, Some(0), "{engine}: {dout}\n{derr}");
-        assert_eq!(checksum_of(&dout, "checksum"), Some(want), "{engine} x{conns}: checksum after migration\n{dout}");
+        assert_eq!(
+            checksum_of(&dout, "checksum"),
+            Some(want),
+            "{engine} x{conns}: checksum after migration\n{dout}"
+        );
     }
 }
 
@@ -124,7 +186,11 @@ fn local_migration_shares_memory() {
     }
     let addr = format!("unix:{}", temp_path("local-mig.sock").display());
     let dest = Dest::incoming(&addr, "local-dst", None);
-    let (src, sock) = source("local-src", "64M", &["pages=4000", "writes=400000", "rate=200000", "seed=4"]);
+    let (src, sock) = source(
+        "local-src",
+        "64M",
+        &["pages=4000", "writes=400000", "rate=200000", "seed=4"],
+    );
     std::thread::sleep(Duration::from_millis(300));
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "local"]);
     assert!(ok, "{out}\n{err}\n{}", dest.stderr());
@@ -132,7 +198,12 @@ fn local_migration_shares_memory() {
     let (dcode, dout, derr) = dest.wait();
     assert_eq!(dcode, Some(0), "{derr}");
     assert!(derr.contains("memory shared, not copied"), "{derr}");
-    assert_eq!(checksum_of(&dout, "checksum"), Some(kumo_guests::memtouch::expected_checksum(4000, 400_000, 4, true)));
+    assert_eq!(
+        checksum_of(&dout, "checksum"),
+        Some(kumo_guests::memtouch::expected_checksum(
+            4000, 400_000, 4, true
+        ))
+    );
 }
 
 #[test]
@@ -142,15 +213,25 @@ fn an_idle_guest_keeps_its_memory() {
     }
     let addr = format!("unix:{}", temp_path("idle-mig.sock").display());
     let dest = Dest::incoming(&addr, "idle-dst", None);
-    let (src, sock) = source("idle-src", "128M", &["pages=8000", "writes=30000", "seed=2", "hold_ms=4000"]);
-    eventually(Duration::from_secs(20), || src.stdout().contains("memtouch: checksum=").then_some(()));
+    let (src, sock) = source(
+        "idle-src",
+        "128M",
+        &["pages=8000", "writes=30000", "seed=2", "hold_ms=4000"],
+    );
+    eventually(Duration::from_secs(20), || {
+        src.stdout().contains("memtouch: checksum=").then_some(())
+    });
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "overlap"]);
     assert!(ok, "{out}\n{err}");
     src.wait();
     let (dcode, dout, _) = dest.wait();
     assert_eq!(dcode, Some(0));
     let want = kumo_guests::memtouch::expected_checksum(8000, 30000, 2, true);
-    assert_eq!(checksum_of(&dout, "checksum_after_hold"), Some(want), "{dout}");
+    assert_eq!(
+        checksum_of(&dout, "checksum_after_hold"),
+        Some(want),
+        "{dout}"
+    );
 }
 
 #[test]
@@ -159,18 +240,37 @@ fn twenty_migrations_in_a_row() {
         return;
     }
     // One VM hops through 20 kumo processes while it writes; the last one finishes it.
-    let (first, mut sock) = source("hop-src", "64M", &["pages=2000", "duration_ms=600000", "rate=100000", "seed=3", "writes=2000000"]);
+    let (first, mut sock) = source(
+        "hop-src",
+        "64M",
+        &[
+            "pages=2000",
+            "duration_ms=600000",
+            "rate=100000",
+            "seed=3",
+            "writes=2000000",
+        ],
+    );
     let mut prev = first;
     for hop in 0..20 {
         let addr = format!("unix:{}", temp_path(&format!("hop{hop}.sock")).display());
-        let api = temp_path(&format!("hop{hop}-api.sock")).to_str().unwrap().to_string();
+        let api = temp_path(&format!("hop{hop}-api.sock"))
+            .to_str()
+            .unwrap()
+            .to_string();
         let next = Dest::incoming(&addr, &format!("hop{hop}"), Some(&api));
         let engine = ["serial", "overlap", "zerocopy"][hop % 3];
         let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine]);
-        assert!(ok, "hop {hop} ({engine}) failed:\n{out}\n{err}\nnext:\n{}", next.stderr());
+        assert!(
+            ok,
+            "hop {hop} ({engine}) failed:\n{out}\n{err}\nnext:\n{}",
+            next.stderr()
+        );
         let (code, _, perr) = prev.wait();
         assert_eq!(code, Some(0), "hop {hop}: previous kumo: {perr}");
-        eventually(Duration::from_secs(10), || std::path::Path::new(&api).exists().then_some(()));
+        eventually(Duration::from_secs(10), || {
+            std::path::Path::new(&api).exists().then_some(())
+        });
         prev = next;
         sock = api;
     }
@@ -189,7 +289,11 @@ fn the_source_runs_on_when_the_receiver_dies() {
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let mut dest = Dest::incoming(&addr, "die-dst", None);
     // 512 MiB touched: round 0 takes long enough to kill the receiver in the middle of it.
-    let (src, sock) = source("die-src", "1G", &["pages=131072", "writes=1500000", "rate=500000", "seed=8"]);
+    let (src, sock) = source(
+        "die-src",
+        "1G",
+        &["pages=131072", "writes=1500000", "rate=500000", "seed=8"],
+    );
     std::thread::sleep(Duration::from_millis(500));
     let sock2 = sock.clone();
     let mig = std::thread::spawn(move || migrate(&sock2, &["--to", &addr, "--engine", "serial"]));
@@ -202,7 +306,12 @@ fn the_source_runs_on_when_the_receiver_dies() {
     let (code, sout, serr) = src.wait();
     assert_eq!(code, Some(0), "{serr}");
     assert!(!serr.contains("migrated"), "{serr}");
-    assert_eq!(checksum_of(&sout, "checksum"), Some(kumo_guests::memtouch::expected_checksum(131072, 1_500_000, 8, true)));
+    assert_eq!(
+        checksum_of(&sout, "checksum"),
+        Some(kumo_guests::memtouch::expected_checksum(
+            131072, 1_500_000, 8, true
+        ))
+    );
 }
 
 #[test]
@@ -216,7 +325,10 @@ fn garbage_sent_to_a_destination_is_rejected() {
     std::io::Write::write_all(&mut s, b"this is not a kumo migration stream").unwrap();
     let (code, _, err) = dest.wait();
     assert_eq!(code, Some(1));
-    assert!(err.contains("incoming migration failed") && err.to_lowercase().contains("magic"), "{err}");
+    assert!(
+        err.contains("incoming migration failed") && err.to_lowercase().contains("magic"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -225,10 +337,17 @@ fn a_dry_run_predicts_the_migration() {
     if !kvm_or_skip("a_dry_run_predicts_the_migration") {
         return;
     }
-    let (src, sock) = source("dry-src", "128M", &["pages=20000", "duration_ms=600000", "rate=200000"]);
+    let (src, sock) = source(
+        "dry-src",
+        "128M",
+        &["pages=20000", "duration_ms=600000", "rate=200000"],
+    );
     let (ok, out, err) = migrate(&sock, &["--dry-run", "--estimate-ms", "1500"]);
     assert!(ok, "{out}\n{err}");
-    assert!(out.contains("dirty-page model: M =") && out.contains("predicted"), "{out}");
+    assert!(
+        out.contains("dirty-page model: M =") && out.contains("predicted"),
+        "{out}"
+    );
     // The source was not moved and still answers.
     assert!(kumo(&["--api-socket", &sock, "info"]).status.success());
     assert!(kumo(&["--api-socket", &sock, "shutdown"]).status.success());
@@ -243,7 +362,10 @@ fn bad_migrate_requests_are_refused() {
     let (src, sock) = source("bad-src", "64M", &["pages=100", "duration_ms=600000"]);
     for (args, want) in [
         (&["--to", "udp:1.2.3.4:5"][..], "tcp:HOST:PORT or unix:PATH"),
-        (&["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..], "unknown engine `warp`"),
+        (
+            &["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..],
+            "unknown engine `warp`",
+        ),
         (&["--to", "tcp:127.0.0.1:1", "--no-xen"][..], "no stop rule"),
         (&[][..], "needs --to"),
     ] {
@@ -271,7 +393,10 @@ impl Netns {
     fn create() -> Result<Netns, String> {
         let id = std::process::id() % 100_000;
         let (a, b) = (format!("kumo-a{id}"), format!("kumo-b{id}"));
-        let ns = Netns { a: a.clone(), b: b.clone() };
+        let ns = Netns {
+            a: a.clone(),
+            b: b.clone(),
+        };
         let (va, vb) = (format!("kva{id}"), format!("kvb{id}"));
         let steps: Vec<Vec<String>> = vec![
             vec!["netns", "add", &a],
@@ -290,9 +415,16 @@ impl Netns {
         .map(|v| v.into_iter().map(String::from).collect())
         .collect();
         for step in steps {
-            let o = Command::new("ip").args(&step).output().map_err(|e| format!("ip: {e}"))?;
+            let o = Command::new("ip")
+                .args(&step)
+                .output()
+                .map_err(|e| format!("ip: {e}"))?;
             if !o.status.success() {
-                return Err(format!("ip {}: {}", step.join(" "), String::from_utf8_lossy(&o.stderr).trim()));
+                return Err(format!(
+                    "ip {}: {}",
+                    step.join(" "),
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ));
             }
         }
         Ok(ns)
@@ -315,28 +447,70 @@ fn migration_between_two_network_namespaces() {
     }
     let ns = match Netns::create() {
         Ok(ns) => ns,
-        Err(e) if std::env::var_os("CI").is_some() => panic!("cannot create the test namespaces in CI: {e}"),
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("cannot create the test namespaces in CI: {e}")
+        }
         Err(e) => {
             eprintln!("skipping migration_between_two_network_namespaces: {e}");
             return;
         }
     };
     // Destination "host" B listens on its own address; source "host" A runs the VM.
-    let dest = spawn_logged_in(Some(&ns.b), &["run", "--incoming", "tcp:10.77.0.2:4444", "--memory", "64M", "--timeout", "120"], "netns-dst");
-    eventually(Duration::from_secs(20), || dest.stderr().contains("waiting for a migration").then_some(()));
+    let dest = spawn_logged_in(
+        Some(&ns.b),
+        &[
+            "run",
+            "--incoming",
+            "tcp:10.77.0.2:4444",
+            "--memory",
+            "64M",
+            "--timeout",
+            "120",
+        ],
+        "netns-dst",
+    );
+    eventually(Duration::from_secs(20), || {
+        dest.stderr()
+            .contains("waiting for a migration")
+            .then_some(())
+    });
     let sock = temp_path("netns-src.sock").to_str().unwrap().to_string();
     let src = spawn_logged_in(
         Some(&ns.a),
-        &["run", "--guest", "memtouch", "--memory", "64M", "--api-socket", &sock, "--timeout", "120", "pages=4000", "writes=400000", "rate=200000", "seed=6"],
+        &[
+            "run",
+            "--guest",
+            "memtouch",
+            "--memory",
+            "64M",
+            "--api-socket",
+            &sock,
+            "--timeout",
+            "120",
+            "pages=4000",
+            "writes=400000",
+            "rate=200000",
+            "seed=6",
+        ],
         "netns-src",
     );
-    eventually(Duration::from_secs(20), || src.stdout().contains("memtouch: pages=").then_some(()));
+    eventually(Duration::from_secs(20), || {
+        src.stdout().contains("memtouch: pages=").then_some(())
+    });
     std::thread::sleep(Duration::from_millis(300));
     // The API socket is a file, reachable from the root namespace; the stream goes A -> B.
-    let (ok, o, e) = migrate(&sock, &["--to", "tcp:10.77.0.2:4444", "--engine", "overlap"]);
+    let (ok, o, e) = migrate(
+        &sock,
+        &["--to", "tcp:10.77.0.2:4444", "--engine", "overlap"],
+    );
     assert!(ok, "{o}\n{e}\n{}", dest.stderr());
     assert_eq!(src.wait().0, Some(0));
     let (code, dout, derr) = dest.wait();
     assert_eq!(code, Some(0), "{derr}");
-    assert_eq!(checksum_of(&dout, "checksum"), Some(kumo_guests::memtouch::expected_checksum(4000, 400_000, 6, true)));
+    assert_eq!(
+        checksum_of(&dout, "checksum"),
+        Some(kumo_guests::memtouch::expected_checksum(
+            4000, 400_000, 6, true
+        ))
+    );
 }

@@ -38,7 +38,10 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         cpus,
         memory: 128 << 20,
         irqchip: Default::default(),
-        payload: Payload::Guest { name: "memtouch".into(), args: args.iter().map(|s| s.to_string()).collect() },
+        payload: Payload::Guest {
+            name: "memtouch".into(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+        },
     }
 }
 
@@ -49,15 +52,26 @@ fn pause_save_restore_resume_keeps_the_guest_going() {
     }
     // 40,000 writes at 20,000/s: about 2 s of guest time.
     let console = Console::default();
-    let vm = RunningVm::start(memtouch(2, &["pages=4000", "writes=40000", "rate=20000", "seed=3"]), Box::new(console.clone())).unwrap();
+    let vm = RunningVm::start(
+        memtouch(2, &["pages=4000", "writes=40000", "rate=20000", "seed=3"]),
+        Box::new(console.clone()),
+    )
+    .unwrap();
     let t = Instant::now();
     while !console.text().contains("memtouch: pages=") {
-        assert!(t.elapsed() < Duration::from_secs(30), "guest did not start: {}", console.text());
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "guest did not start: {}",
+            console.text()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     std::thread::sleep(Duration::from_millis(300));
 
-    assert!(matches!(vm.save_state(), Err(kumo_vmm::Error::State(_))), "save needs a paused VM");
+    assert!(
+        matches!(vm.save_state(), Err(kumo_vmm::Error::State(_))),
+        "save needs a paused VM"
+    );
     vm.pause().unwrap();
     assert!(vm.is_paused());
     let snap = vm.save_state().unwrap();
@@ -86,8 +100,15 @@ fn pause_save_restore_resume_keeps_the_guest_going() {
     let report = vm.wait_timeout(Some(Duration::from_secs(120)));
     let out = console.text();
     assert_eq!(report.outcome, Outcome::GuestExit(0), "{out}");
-    assert_eq!(out.matches("memtouch: pages=").count(), 1, "the guest must not restart: {out}");
-    let sum = out.lines().find_map(|l| l.strip_prefix("memtouch: checksum=")).expect(&out);
+    assert_eq!(
+        out.matches("memtouch: pages=").count(),
+        1,
+        "the guest must not restart: {out}"
+    );
+    let sum = out
+        .lines()
+        .find_map(|l| l.strip_prefix("memtouch: checksum="))
+        .expect(&out);
     let want = kumo_guests::memtouch::expected_checksum(4000, 40000, 3, true);
     assert_eq!(u64::from_str_radix(sum.trim(), 16).unwrap(), want, "{out}");
 }
@@ -97,8 +118,16 @@ fn restore_rejects_a_snapshot_of_another_shape() {
     if !kvm_or_skip("restore_rejects_a_snapshot_of_another_shape") {
         return;
     }
-    let a = RunningVm::start(memtouch(1, &["pages=10", "duration_ms=600000"]), Box::new(std::io::sink())).unwrap();
-    let b = RunningVm::start(memtouch(2, &["pages=10", "duration_ms=600000"]), Box::new(std::io::sink())).unwrap();
+    let a = RunningVm::start(
+        memtouch(1, &["pages=10", "duration_ms=600000"]),
+        Box::new(std::io::sink()),
+    )
+    .unwrap();
+    let b = RunningVm::start(
+        memtouch(2, &["pages=10", "duration_ms=600000"]),
+        Box::new(std::io::sink()),
+    )
+    .unwrap();
     a.pause().unwrap();
     b.pause().unwrap();
     let snap = a.save_state().unwrap();

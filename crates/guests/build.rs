@@ -9,26 +9,63 @@ use std::process::Command;
 
 const GUESTS: &[&str] = &["hello", "memtouch", "smp"];
 const CFLAGS: &[&str] = &[
-    "-m64", "-O2", "-std=gnu11", "-ffreestanding", "-fno-pic", "-no-pie", "-nostdlib", "-static",
-    "-mno-red-zone", "-mgeneral-regs-only", "-mno-popcnt", "-fno-stack-protector", "-fno-builtin",
-    "-fcf-protection=none", "-fno-asynchronous-unwind-tables", "-fno-tree-vectorize", "-Wall",
-    "-Werror", "-Wl,--build-id=none", "-Wl,-z,noexecstack", "-Wl,--no-warn-rwx-segments",
+    "-m64",
+    "-O2",
+    "-std=gnu11",
+    "-ffreestanding",
+    "-fno-pic",
+    "-no-pie",
+    "-nostdlib",
+    "-static",
+    "-mno-red-zone",
+    "-mgeneral-regs-only",
+    "-mno-popcnt",
+    "-fno-stack-protector",
+    "-fno-builtin",
+    "-fcf-protection=none",
+    "-fno-asynchronous-unwind-tables",
+    "-fno-tree-vectorize",
+    "-Wall",
+    "-Werror",
+    "-Wl,--build-id=none",
+    "-Wl,-z,noexecstack",
+    "-Wl,--no-warn-rwx-segments",
 ];
 /// Mnemonics that stop a vCPU with an emulation failure here, or use state kumo masks.
 const FORBIDDEN: &[&str] = &[
-    "int3", "clac", "stac", "xrstor", "xsave", "rdtscp", "popcnt", "fwait", "ldmxcsr", "stmxcsr",
-    "cmpxchg16b", "%xmm", "%ymm", "%zmm",
+    "int3",
+    "clac",
+    "stac",
+    "xrstor",
+    "xsave",
+    "rdtscp",
+    "popcnt",
+    "fwait",
+    "ldmxcsr",
+    "stmxcsr",
+    "cmpxchg16b",
+    "%xmm",
+    "%ymm",
+    "%zmm",
 ];
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
-    let src = manifest_dir.join("../../guests").canonicalize().expect("guests/ source directory");
+    let src = manifest_dir
+        .join("../../guests")
+        .canonicalize()
+        .expect("guests/ source directory");
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let cc = env::var("KUMO_GUEST_CC").unwrap_or_else(|_| "gcc".into());
     println!("cargo:rerun-if-changed={}", src.display());
     println!("cargo:rerun-if-env-changed=KUMO_GUEST_CC");
 
-    let runtime = [src.join("runtime/start.S"), src.join("runtime/runtime.c"), src.join("runtime/pvh.S"), src.join("runtime/pvh.c")];
+    let runtime = [
+        src.join("runtime/start.S"),
+        src.join("runtime/runtime.c"),
+        src.join("runtime/pvh.S"),
+        src.join("runtime/pvh.c"),
+    ];
     let mut table = String::from("pub static BUILT: &[(&str, &[u8])] = &[\n");
     for name in GUESTS {
         let elf = out.join(format!("{name}.elf"));
@@ -46,7 +83,10 @@ fn main() {
             .unwrap_or_else(|e| panic!("cannot run {cc} to build guest {name}: {e}"));
         assert!(status.success(), "building guest {name} with {cc} failed");
         check_instructions(name, &elf);
-        table.push_str(&format!("    ({name:?}, include_bytes!({:?})),\n", elf.display().to_string()));
+        table.push_str(&format!(
+            "    ({name:?}, include_bytes!({:?})),\n",
+            elf.display().to_string()
+        ));
     }
     table.push_str("];\n");
     fs::write(out.join("built.rs"), table).unwrap();
@@ -62,7 +102,10 @@ fn check_instructions(name: &str, elf: &Path) {
     let text = String::from_utf8_lossy(&dis.stdout);
     for line in text.lines() {
         let insn = line.split('\t').nth(1).unwrap_or("");
-        if let Some(bad) = FORBIDDEN.iter().find(|f| insn.split_whitespace().next() == Some(**f) || (f.starts_with('%') && insn.contains(**f))) {
+        if let Some(bad) = FORBIDDEN.iter().find(|f| {
+            insn.split_whitespace().next() == Some(**f)
+                || (f.starts_with('%') && insn.contains(**f))
+        }) {
             panic!("guest {name} contains `{bad}`, which nested KVM cannot run in ring 0: {line}");
         }
     }

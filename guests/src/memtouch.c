@@ -15,12 +15,15 @@ KUMO_MANIFEST("name=memtouch\n"
               "param=seed:u64:1:seed of the write sequence\n"
               "param=report_ms:u64:0:print a progress line this often (0: never)\n"
               "param=prefill:u64:0:1 = first write every free page once (a VM whose whole memory is in use)\n"
-              "param=hold_ms:u64:0:after reporting, keep the memory this long without writing, then checksum it again\n");
+              "param=hold_ms:u64:0:after reporting, keep the memory this long without writing, then checksum it again\n"
+              "param=until_input:u64:0:1 = write until a byte arrives on the serial console (writes and duration_ms, if given, still end it sooner)\n"
+              "param=hold_input:u64:0:1 = after reporting, keep the memory (halted) until a byte arrives on the serial console, then checksum it again\n");
 
 #define PAGE 4096UL
 
 struct job {
     u64 base, pages, writes, duration_ms, rate, seed, report_ms, tsc_khz, random, hold_ms;
+    u64 until_input, hold_input;
     u64 prefill_start, prefill_end;
 };
 static struct job job;
@@ -32,6 +35,15 @@ static u64 mix64(u64 x) {
 }
 
 static u64 ms_to_tsc(u64 ms) { return ms * job.tsc_khz; }
+
+/* True once a byte has arrived on COM1 (consumed). A port read exits to the VMM, so callers
+ * poll it every few thousand writes or after a halt, not per write. */
+static int console_input(void) {
+    if (!(inb(COM1 + 5) & 1)) /* LSR: data ready */
+        return 0;
+    (void)inb(COM1);
+    return 1;
+}
 
 static u64 checksum(const struct job *j) {
     u64 sum = 0xcbf29ce484222325UL;
@@ -61,6 +73,7 @@ static u64 workload(u64 arg) {
         if (j->writes && n >= j->writes) break;
         u64 now = (n & 63) == 0 || j->rate || j->report_ms ? rdtsc() : 0;
         if (deadline && now && now >= deadline) break;
+        if (j->until_input && (n & 16383) == 0 && console_input()) break;
         u64 page;
         if (j->random) {
             rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
@@ -80,8 +93,10 @@ static u64 workload(u64 arg) {
              * rate is kept while the vCPU stays mostly idle (a wake-up costs tens of µs here,
              * too much to halt between single writes). */
             u64 due = start + (n + 1) * j->tsc_khz * 1000 / j->rate;
-            if (due > rdtsc() + ms_to_tsc(1))
+            if (due > rdtsc() + ms_to_tsc(1)) {
                 kumo_idle_until(due);
+                if (j->until_input && console_input()) { n++; break; }
+            }
         }
     }
     u64 elapsed = rdtsc() - start;
@@ -89,9 +104,14 @@ static u64 workload(u64 arg) {
     kprintf("memtouch: done writes=%lu elapsed_us=%lu pages_per_sec=%lu\n", n, us,
             us ? n * 1000000 / us : 0);
     kprintf("memtouch: checksum=%lx\n", checksum(j));
-    if (j->hold_ms) {
+    if (j->hold_input) {
+        /* An idle guest until told to stop: halted, waking every 10 ms to look for input. */
+        while (!console_input())
+            kumo_idle_until(rdtsc() + ms_to_tsc(10));
+        kprintf("memtouch: checksum_after_hold=%lx\n", checksum(j));
+    } else if (j->hold_ms) {
         /* An idle guest: memory stays as it is (halted). */
-        kumo_idle_until(rdtsc() + ms_to_tsc(j->hold_ms)); /* halted: an idle guest */
+        kumo_idle_until(rdtsc() + ms_to_tsc(j->hold_ms));
         kprintf("memtouch: checksum_after_hold=%lx\n", checksum(j));
     }
     return 0;
@@ -118,7 +138,9 @@ void kmain(struct kumo_boot_info *bi, u32 cpu) {
     job.random = kstreq(mode, "random");
     job.pages = param_or(bi, "pages", 1024);
     job.duration_ms = param_or(bi, "duration_ms", 0);
-    job.writes = param_or(bi, "writes", job.duration_ms ? 0 : 4 * job.pages);
+    job.until_input = param_or(bi, "until_input", 0);
+    job.hold_input = param_or(bi, "hold_input", 0);
+    job.writes = param_or(bi, "writes", job.duration_ms || job.until_input ? 0 : 4 * job.pages);
     job.rate = param_or(bi, "rate", 0);
     job.seed = param_or(bi, "seed", 1);
     job.report_ms = param_or(bi, "report_ms", 0);
@@ -135,8 +157,8 @@ void kmain(struct kumo_boot_info *bi, u32 cpu) {
         kprintf("memtouch: pages=%lu does not fit: 1..%lu pages are free\n", job.pages, avail);
         kumo_exit(2);
     }
-    if ((job.rate || job.duration_ms || job.report_ms || job.hold_ms) && !job.tsc_khz) {
-        kputs("memtouch: rate/duration_ms/report_ms/hold_ms need the TSC frequency, which kumo did not give\n");
+    if ((job.rate || job.duration_ms || job.report_ms || job.hold_ms || job.hold_input) && !job.tsc_khz) {
+        kputs("memtouch: rate/duration_ms/report_ms/hold_ms/hold_input need the TSC frequency, which kumo did not give\n");
         kumo_exit(2);
     }
     kprintf("memtouch: pages=%lu mode=%s writes=%lu duration_ms=%lu rate=%lu seed=%lu base=%lx\n",

@@ -22,11 +22,17 @@ pub fn kumo_bin() -> PathBuf {
 }
 
 pub fn kumo(args: &[&str]) -> Output {
-    Command::new(kumo_bin()).args(args).output().expect("run kumo")
+    Command::new(kumo_bin())
+        .args(args)
+        .output()
+        .expect("run kumo")
 }
 
 pub fn text(o: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 /// A kumo child process that is killed if the test ends early.
@@ -41,7 +47,12 @@ impl Drop for Kid {
 
 impl Kid {
     pub fn spawn(args: &[&str]) -> Kid {
-        Kid(Command::new(kumo_bin()).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn kumo"))
+        Kid(Command::new(kumo_bin())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kumo"))
     }
 
     /// Waits for exit (bounded) and returns (status code, stdout, stderr).
@@ -51,8 +62,18 @@ impl Kid {
             if let Some(st) = self.0.try_wait().unwrap() {
                 let mut out = String::new();
                 let mut err = String::new();
-                self.0.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-                self.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                self.0
+                    .stdout
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut out)
+                    .unwrap();
+                self.0
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut err)
+                    .unwrap();
                 return (st.code(), out, err);
             }
             assert!(t.elapsed() < limit, "kumo did not exit within {limit:?}");

@@ -95,6 +95,10 @@ pub struct MigrateRequest {
     pub dry_run: bool,
     #[serde(default)]
     pub estimate_ms: Option<u64>,
+    /// Give up when the destination takes no data or does not answer for this long (ms);
+    /// the source then runs on. Default 15,000.
+    #[serde(default)]
+    pub progress_timeout_ms: Option<u64>,
 }
 
 /// What the handler answers on success.

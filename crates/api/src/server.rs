@@ -531,9 +531,15 @@ mod tests {
                     *state = VmState::Shutdown;
                     Ok(ApiResponse::Ok)
                 }
-                ApiRequest::Migrate(m) if m.to.is_empty() => Err(ApiError::bad_request("no destination")),
-                ApiRequest::Migrate(m) => Ok(ApiResponse::Json(serde_json::json!({"to": m.to, "engine": m.engine}))),
-                ApiRequest::MigrationStatus => Ok(ApiResponse::Json(serde_json::json!({"state": "none"}))),
+                ApiRequest::Migrate(m) if m.to.is_empty() => {
+                    Err(ApiError::bad_request("no destination"))
+                }
+                ApiRequest::Migrate(m) => Ok(ApiResponse::Json(
+                    serde_json::json!({"to": m.to, "engine": m.engine}),
+                )),
+                ApiRequest::MigrationStatus => {
+                    Ok(ApiResponse::Json(serde_json::json!({"state": "none"})))
+                }
             }
         }
     }
@@ -549,13 +555,21 @@ mod tests {
             connections: None,
             dry_run: false,
             estimate_ms: None,
+            progress_timeout_ms: None,
         };
         let v = f.client.migrate(&req).unwrap();
         assert_eq!(v["to"], "tcp:127.0.0.1:1");
         assert_eq!(v["engine"], "serial");
         assert_eq!(f.client.migration_status().unwrap()["state"], "none");
         // A body that is not a MigrateRequest is a 400 with the reason.
-        let (status, body) = f.client.request("PUT", paths::MIGRATE, Some(&serde_json::json!({"to": "x", "bogus": 1}))).unwrap();
+        let (status, body) = f
+            .client
+            .request(
+                "PUT",
+                paths::MIGRATE,
+                Some(&serde_json::json!({"to": "x", "bogus": 1})),
+            )
+            .unwrap();
         assert_eq!(status, 400);
         assert!(body.unwrap()["error"].as_str().unwrap().contains("bogus"));
         let (status, _) = f.client.request("PUT", paths::MIGRATE, None).unwrap();

@@ -10,5 +10,8 @@ pub mod transport;
 #[cfg(test)]
 mod tests;
 
-pub use session::{migrate, receive, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvReport, Report, RoundReport, SourceVm};
+pub use session::{
+    migrate, receive, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvReport, Report,
+    RoundReport, SourceVm, HANDSHAKE_TIMEOUT, PROGRESS_TIMEOUT,
+};
 pub use transport::{Address, Conn, Listener};

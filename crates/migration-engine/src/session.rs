@@ -30,9 +30,12 @@ use kumo_vm::GuestMemory;
 use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
 
-use kumo_migration::format::{self, BatchFrame, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES};
-use kumo_migration::planner::{Decision, Planner, RoundStats, StopPolicy, StopReason};
 use crate::transport::{Address, Conn, Listener, ZeroCopy};
+use kumo_migration::format::{
+    self, BatchFrame, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader,
+    VmDescription, MAX_BATCH_PAGES,
+};
+use kumo_migration::planner::{Decision, Planner, RoundStats, StopPolicy, StopReason};
 
 const PAGE: usize = 4096;
 
@@ -54,7 +57,9 @@ impl std::str::FromStr for EngineKind {
             "overlap" => Ok(EngineKind::Overlap),
             "zerocopy" => Ok(EngineKind::Zerocopy),
             "local" => Ok(EngineKind::Local),
-            _ => Err(format!("unknown engine `{s}`: serial, overlap, zerocopy or local")),
+            _ => Err(format!(
+                "unknown engine `{s}`: serial, overlap, zerocopy or local"
+            )),
         }
     }
 }
@@ -76,13 +81,28 @@ pub struct MigrateOptions {
     pub policy: StopPolicy,
     /// Parallel connections (overlap and zerocopy).
     pub connections: usize,
-    /// How long to wait for the destination's replies.
-    pub reply_timeout: Duration,
+    /// Progress deadline: the migration gives up (and the source runs on) when the destination
+    /// takes no data, or does not answer, for this long.
+    pub progress_timeout: Duration,
+    /// How long a peer has to answer the stream header with `Accepted`: a peer that is not a
+    /// kumo destination is rejected this quickly.
+    pub handshake_timeout: Duration,
 }
+
+/// Default progress deadline, both sides.
+pub const PROGRESS_TIMEOUT: Duration = Duration::from_secs(15);
+/// Default handshake deadline.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl Default for MigrateOptions {
     fn default() -> Self {
-        MigrateOptions { engine: EngineKind::Overlap, policy: StopPolicy::default(), connections: 1, reply_timeout: Duration::from_secs(60) }
+        MigrateOptions {
+            engine: EngineKind::Overlap,
+            policy: StopPolicy::default(),
+            connections: 1,
+            progress_timeout: PROGRESS_TIMEOUT,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+        }
     }
 }
 
@@ -130,21 +150,72 @@ pub enum MigrateError {
     Refused(String),
     #[error("destination VM: {0}")]
     Dest(String),
-    #[error("no reply from the destination within {0:?}")]
+    #[error("no reply from the destination within {} s", .0.as_secs_f64())]
     ReplyTimeout(Duration),
+    /// A deadline passed with no progress: `what` says whose.
+    #[error("{what} for {} s: giving up", after.as_secs_f64())]
+    NoProgress { what: &'static str, after: Duration },
+    #[error("{addr} is not a kumo migration destination ({why})")]
+    NotKumo { addr: String, why: String },
+    /// The VM's final state went out, but the destination did not confirm that it runs the
+    /// VM. It may: the source keeps its copy paused rather than risk running the guest twice.
+    #[error(
+        "the destination did not confirm that it runs the VM ({0}); it may be running it, so this copy stays paused: check the destination, then resume or shut down this copy"
+    )]
+    Unconfirmed(String),
     #[error("{0}")]
     Other(String),
+}
+
+/// Whether an I/O error is a socket deadline passing.
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// The sender's view of an I/O error: a send deadline becomes "no progress".
+fn send_err(e: io::Error, deadline: Duration) -> MigrateError {
+    if is_timeout(&e) {
+        MigrateError::NoProgress {
+            what: "the destination took no data",
+            after: deadline,
+        }
+    } else {
+        MigrateError::Io(e)
+    }
 }
 
 /// Progress of a migration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
-    Started { engine: EngineKind, connections: usize, total_pages: u64, touched_pages: u64 },
-    Round { round: u32, pages_sent: u64, ms: f64, dirty_pages: u64, mb_per_s: f64, estimated_downtime_ms: Option<f64> },
-    StopAndCopy { reason: String, pages: u64 },
-    Completed { total_ms: f64, downtime_ms: f64 },
-    Failed { error: String },
+    Started {
+        engine: EngineKind,
+        connections: usize,
+        total_pages: u64,
+        touched_pages: u64,
+    },
+    Round {
+        round: u32,
+        pages_sent: u64,
+        ms: f64,
+        dirty_pages: u64,
+        mb_per_s: f64,
+        estimated_downtime_ms: Option<f64>,
+    },
+    StopAndCopy {
+        reason: String,
+        pages: u64,
+    },
+    Completed {
+        total_ms: f64,
+        downtime_ms: f64,
+    },
+    Failed {
+        error: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -192,9 +263,11 @@ pub fn thread_cpu_ms() -> f64 {
 
 /// Adds the calling thread's CPU time since `start_ms` to `total` (µs, atomically).
 fn add_cpu(total: &AtomicU64, start_ms: f64) {
-    total.fetch_add(((thread_cpu_ms() - start_ms) * 1000.0) as u64, Ordering::Relaxed);
+    total.fetch_add(
+        ((thread_cpu_ms() - start_ms) * 1000.0) as u64,
+        Ordering::Relaxed,
+    );
 }
-
 
 /// One batch handed between pipeline stages: its gfns and (for copying engines) their data.
 struct Batch {
@@ -235,20 +308,25 @@ trait BatchSink: Send {
     }
 }
 
-/// A stream socket fed from the collector's buffers (serial, overlap).
-struct CopySink(Conn);
+/// A stream socket fed from the collector's buffers (serial, overlap). Writes time out after
+/// the progress deadline (`SO_SNDTIMEO`, set by the session).
+struct CopySink(Conn, Duration);
 
 impl BatchSink for CopySink {
     fn send_batch(&mut self, mut frame: BatchFrame, b: &Batch) -> Result<(), MigrateError> {
         frame.update(&b.data);
         let trailer = frame.trailer()?;
-        let mut bufs = [io::IoSlice::new(frame.head()), io::IoSlice::new(&b.data), io::IoSlice::new(&trailer)];
-        crate::transport::write_all_vectored(&mut self.0, &mut bufs)?;
-        Ok(())
+        let mut bufs = [
+            io::IoSlice::new(frame.head()),
+            io::IoSlice::new(&b.data),
+            io::IoSlice::new(&trailer),
+        ];
+        crate::transport::write_all_vectored(&mut self.0, &mut bufs)
+            .map_err(|e| send_err(e, self.1))
     }
 
     fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError> {
-        Ok(self.0.write_all(bytes)?)
+        self.0.write_all(bytes).map_err(|e| send_err(e, self.1))
     }
 }
 
@@ -258,6 +336,7 @@ struct ZeroCopySink {
     conn: Conn,
     mem: SendMem,
     zc: ZeroCopy,
+    deadline: Duration,
 }
 
 impl BatchSink for ZeroCopySink {
@@ -265,11 +344,17 @@ impl BatchSink for ZeroCopySink {
         // Only guest pages go zero-copy: the kernel reads them after sendmsg returns, which is
         // safe for guest memory (mapped for the VM's life) but not for the short-lived frame
         // head and trailer, sent by ordinary copy.
-        self.conn.write_all(frame.head())?;
+        let deadline = self.deadline;
+        self.conn
+            .write_all(frame.head())
+            .map_err(|e| send_err(e, deadline))?;
         // Contiguous pages share one iovec.
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(b.gfns.len());
         for &g in &b.gfns {
-            let a = self.mem.addr(g).ok_or_else(|| MigrateError::Source(format!("page {g:#x} outside guest memory")))?;
+            let a = self
+                .mem
+                .addr(g)
+                .ok_or_else(|| MigrateError::Source(format!("page {g:#x} outside guest memory")))?;
             if b.checksum == Checksum::Full {
                 // SAFETY: `a` maps a whole guest page (checked by `addr`); a full checksum is
                 // only asked for while the VM is paused.
@@ -277,16 +362,24 @@ impl BatchSink for ZeroCopySink {
             }
             match iov.last_mut() {
                 Some(l) if l.iov_base as usize + l.iov_len == a => l.iov_len += PAGE,
-                _ => iov.push(libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE }),
+                _ => iov.push(libc::iovec {
+                    iov_base: a as *mut libc::c_void,
+                    iov_len: PAGE,
+                }),
             }
         }
-        self.zc.send_iovecs(&self.conn, &mut iov)?;
-        self.conn.write_all(&frame.trailer()?)?;
-        Ok(())
+        self.zc
+            .send_iovecs(&self.conn, &mut iov)
+            .map_err(|e| send_err(e, deadline))?;
+        self.conn
+            .write_all(&frame.trailer()?)
+            .map_err(|e| send_err(e, deadline))
     }
 
     fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError> {
-        Ok(self.conn.write_all(bytes)?)
+        self.conn
+            .write_all(bytes)
+            .map_err(|e| send_err(e, self.deadline))
     }
 
     fn drain(&mut self) -> Result<(u64, u64), MigrateError> {
@@ -304,7 +397,13 @@ struct SenderStats {
 }
 
 /// `ack`: ask for a `Placed` notice after every batch (the serial engine waits for it).
-fn spawn_sender(sink: Box<dyn BatchSink>, ack: bool, free: SyncSender<Vec<u8>>, cpu: Arc<AtomicU64>, depth: usize) -> Sender {
+fn spawn_sender(
+    sink: Box<dyn BatchSink>,
+    ack: bool,
+    free: SyncSender<Vec<u8>>,
+    cpu: Arc<AtomicU64>,
+    depth: usize,
+) -> Sender {
     let (tx, rx) = sync_channel::<Work>(depth);
     let handle = std::thread::Builder::new()
         .name("mig-send".into())
@@ -333,12 +432,19 @@ unsafe impl Send for SendMem {}
 impl SendMem {
     fn new(mem: &GuestMemory) -> Result<SendMem, String> {
         use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
-        let mut s = SendMem { regions: [(0, 0, 0); 2], n: 0 };
+        let mut s = SendMem {
+            regions: [(0, 0, 0); 2],
+            n: 0,
+        };
         for r in mem.iter() {
             if s.n == 2 {
                 return Err("more than two RAM regions".into());
             }
-            s.regions[s.n] = (r.start_addr().0 / PAGE as u64, r.len() / PAGE as u64, r.as_ptr() as usize);
+            s.regions[s.n] = (
+                r.start_addr().0 / PAGE as u64,
+                r.len() / PAGE as u64,
+                r.as_ptr() as usize,
+            );
             s.n += 1;
         }
         Ok(s)
@@ -400,14 +506,23 @@ struct Collector<'a> {
 }
 
 impl Collector<'_> {
-    fn send_round(&mut self, round: u32, pages: impl Iterator<Item = u64>, checksum: Checksum) -> Result<u64, MigrateError> {
+    fn send_round(
+        &mut self,
+        round: u32,
+        pages: impl Iterator<Item = u64>,
+        checksum: Checksum,
+    ) -> Result<u64, MigrateError> {
         let mut gfns = Vec::with_capacity(MAX_BATCH_PAGES);
         let mut n = 0u64;
         for g in pages {
             gfns.push(g);
             if gfns.len() == MAX_BATCH_PAGES {
                 n += gfns.len() as u64;
-                self.dispatch(round, std::mem::replace(&mut gfns, Vec::with_capacity(MAX_BATCH_PAGES)), checksum)?;
+                self.dispatch(
+                    round,
+                    std::mem::replace(&mut gfns, Vec::with_capacity(MAX_BATCH_PAGES)),
+                    checksum,
+                )?;
             }
         }
         if !gfns.is_empty() {
@@ -415,35 +530,61 @@ impl Collector<'_> {
             self.dispatch(round, gfns, checksum)?;
         }
         for s in self.senders {
-            s.tx.send(Work::RoundEnd(round)).map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+            s.tx.send(Work::RoundEnd(round))
+                .map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
         }
         Ok(n)
     }
 
-    fn dispatch(&mut self, round: u32, gfns: Vec<u64>, checksum: Checksum) -> Result<(), MigrateError> {
+    fn dispatch(
+        &mut self,
+        round: u32,
+        gfns: Vec<u64>,
+        checksum: Checksum,
+    ) -> Result<(), MigrateError> {
         let mut data = Vec::new();
         if self.copy {
             // Reuse a buffer a sender has released, or allocate while the pool fills up.
-            data = self.spare.take().or_else(|| self.free_rx.try_recv().ok()).unwrap_or_default();
+            data = self
+                .spare
+                .take()
+                .or_else(|| self.free_rx.try_recv().ok())
+                .unwrap_or_default();
             data.resize(gfns.len() * PAGE, 0);
             for (i, &g) in gfns.iter().enumerate() {
                 self.mem
-                    .read_slice(&mut data[i * PAGE..(i + 1) * PAGE], GuestAddress(g * PAGE as u64))
+                    .read_slice(
+                        &mut data[i * PAGE..(i + 1) * PAGE],
+                        GuestAddress(g * PAGE as u64),
+                    )
                     .map_err(|e| MigrateError::Source(format!("reading page {g:#x}: {e}")))?;
             }
         }
         let s = &self.senders[self.next % self.senders.len()];
         self.next += 1;
-        s.tx.send(Work::Batch(Batch { round, gfns, data, checksum })).map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+        s.tx.send(Work::Batch(Batch {
+            round,
+            gfns,
+            data,
+            checksum,
+        }))
+        .map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
         if let Some((replies, timeout)) = &mut self.lockstep {
             // The batch is done when the destination has it in place, as an RDMA write is
             // done at its completion; TCP's send buffer alone would already overlap stages.
             match replies.wait(*timeout)? {
                 Reply::Placed(_) => {}
                 Reply::Failed(why) => return Err(MigrateError::Dest(why)),
-                other => return Err(MigrateError::Other(format!("expected Placed from the destination, got {other:?}"))),
+                other => {
+                    return Err(MigrateError::Other(format!(
+                        "expected Placed from the destination, got {other:?}"
+                    )))
+                }
             }
-            let buf = self.free_rx.recv().map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+            let buf = self
+                .free_rx
+                .recv()
+                .map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
             self.spare = Some(buf);
         }
         Ok(())
@@ -458,28 +599,37 @@ impl Replies {
         self.0.get_mut().set_read_timeout(Some(timeout))?;
         match self.0.next_reply() {
             Ok(reply) => Ok(reply),
-            Err(format::Error::Io(e)) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                Err(MigrateError::ReplyTimeout(timeout))
-            }
+            Err(format::Error::Io(e)) if is_timeout(&e) => Err(MigrateError::ReplyTimeout(timeout)),
             Err(e) => Err(e.into()),
         }
     }
 }
 
 /// Migrates `src` to the kumo listening at `to`. On success the source VM is left paused (its
-/// copy now runs at the destination); on any failure dirty logging is stopped and the source
-/// VM runs on.
-pub fn migrate(src: &dyn SourceVm, to: &Address, opts: &MigrateOptions, events: &mut dyn FnMut(Event)) -> Result<Report, MigrateError> {
+/// copy now runs at the destination). On a failure before the VM's final state has gone out,
+/// dirty logging is stopped and the source VM runs on. After it has gone out, only the
+/// destination's explicit `Failed` gives the VM back; any other failure is
+/// [`MigrateError::Unconfirmed`] and the source stays paused: one owner at a time.
+pub fn migrate(
+    src: &dyn SourceVm,
+    to: &Address,
+    opts: &MigrateOptions,
+    events: &mut dyn FnMut(Event),
+) -> Result<Report, MigrateError> {
     let paused = AtomicBool::new(false);
     let r = migrate_inner(src, to, opts, events, &paused);
     if let Err(e) = &r {
         src.stop_dirty_log();
-        if paused.load(Ordering::Acquire) {
+        if paused.load(Ordering::Acquire) && !matches!(e, MigrateError::Unconfirmed(_)) {
             if let Err(re) = src.resume() {
-                tracing::error!("migration failed ({e}) and the source VM could not be resumed: {re}");
+                tracing::error!(
+                    "migration failed ({e}) and the source VM could not be resumed: {re}"
+                );
             }
         }
-        events(Event::Failed { error: e.to_string() });
+        events(Event::Failed {
+            error: e.to_string(),
+        });
     }
     r
 }
@@ -495,17 +645,64 @@ fn migrate_inner(
     let cpu = Arc::new(AtomicU64::new(0));
     let cpu0 = thread_cpu_ms();
     let local = opts.engine == EngineKind::Local;
-    let nconn = if local { 1 } else { opts.connections.clamp(1, format::MAX_CONNECTIONS as usize) };
+    if opts.engine == EngineKind::Serial && opts.connections > 1 {
+        return Err(MigrateError::Other(
+            "the serial engine sends one batch at a time on one connection: use --connections 1"
+                .into(),
+        ));
+    }
+    let nconn = if local {
+        1
+    } else {
+        opts.connections.clamp(1, format::MAX_CONNECTIONS as usize)
+    };
     let mut desc = src.description();
     desc.connections = nconn as u32;
     desc.shared_memory = local;
+    let deadline = opts.progress_timeout;
 
-    let connect = || Conn::connect(to, Duration::from_secs(10)).map_err(|e| MigrateError::Connect { addr: to.to_string(), source: e });
+    let connect = || -> Result<Conn, MigrateError> {
+        let c = Conn::connect(to, Duration::from_secs(10)).map_err(|e| MigrateError::Connect {
+            addr: to.to_string(),
+            source: e,
+        })?;
+        c.set_write_timeout(Some(deadline))?;
+        Ok(c)
+    };
     let mut conn0 = connect()?;
     if local && !conn0.is_unix() {
-        return Err(MigrateError::Other("the local engine passes guest memory over a unix socket: use --to unix:PATH".into()));
+        return Err(MigrateError::Other(
+            "the local engine passes guest memory over a unix socket: use --to unix:PATH".into(),
+        ));
     }
-    format::write_header(&mut conn0, &desc)?;
+    format::write_header(&mut conn0, &desc).map_err(|e| match e {
+        format::Error::Io(io) => send_err(io, opts.handshake_timeout),
+        e => e.into(),
+    })?;
+    let mut replies = Replies(ReplyReader::new(conn0.try_clone()?));
+    // The handshake: a kumo destination answers a valid header at once; anything else (no
+    // answer, bytes that are not a reply) is not a kumo destination.
+    let not_kumo = |why: String| MigrateError::NotKumo {
+        addr: to.to_string(),
+        why,
+    };
+    match replies.wait(opts.handshake_timeout) {
+        Ok(Reply::Accepted) => {}
+        Ok(Reply::Failed(why)) => return Err(MigrateError::Refused(why)),
+        Ok(other) => {
+            return Err(not_kumo(format!(
+                "it answered {other:?} to the stream header"
+            )))
+        }
+        Err(MigrateError::ReplyTimeout(t)) => {
+            return Err(not_kumo(format!(
+                "no answer to the stream header within {} s",
+                t.as_secs_f64()
+            )))
+        }
+        Err(MigrateError::Stream(e)) => return Err(not_kumo(e.to_string())),
+        Err(e) => return Err(e),
+    }
     if local {
         conn0.send_fd(src.memfd())?;
     }
@@ -515,11 +712,14 @@ fn migrate_inner(
         format::write_header(&mut c, &desc)?;
         conns.push(c);
     }
-    let mut replies = Replies(ReplyReader::new(conns[0].try_clone()?));
-    match replies.wait(opts.reply_timeout)? {
+    match replies.wait(deadline)? {
         Reply::Ready => {}
         Reply::Failed(why) => return Err(MigrateError::Refused(why)),
-        other => return Err(MigrateError::Other(format!("expected Ready from the destination, got {other:?}"))),
+        other => {
+            return Err(MigrateError::Other(format!(
+                "expected Ready from the destination, got {other:?}"
+            )))
+        }
     }
     let total_pages = desc.total_pages();
     let mem = src.memory();
@@ -535,25 +735,48 @@ fn migrate_inner(
     let mut round0_samples = Vec::new();
 
     if local {
-        events(Event::Started { engine: opts.engine, connections: 1, total_pages, touched_pages: 0 });
+        events(Event::Started {
+            engine: opts.engine,
+            connections: 1,
+            total_pages,
+            touched_pages: 0,
+        });
         src.pause().map_err(MigrateError::Source)?;
         paused.store(true, Ordering::Release);
         pause_at = Instant::now();
-        encs.push((Box::new(CopySink(conns.pop().expect("one connection"))), Encoder::new(), 0));
+        encs.push((
+            Box::new(CopySink(conns.pop().expect("one connection"), deadline)),
+            Encoder::new(),
+            0,
+        ));
     } else {
         src.start_dirty_log().map_err(MigrateError::Source)?;
         let touched = src.touched_pages().map_err(MigrateError::Source)?;
-        events(Event::Started { engine: opts.engine, connections: nconn, total_pages, touched_pages: touched.count() });
+        events(Event::Started {
+            engine: opts.engine,
+            connections: nconn,
+            total_pages,
+            touched_pages: touched.count(),
+        });
 
         let copy = opts.engine != EngineKind::Zerocopy;
-        let send_mem = if copy { None } else { Some(SendMem::new(mem).map_err(MigrateError::Source)?) };
+        let send_mem = if copy {
+            None
+        } else {
+            Some(SendMem::new(mem).map_err(MigrateError::Source)?)
+        };
         let sink = |conn: Conn| -> Box<dyn BatchSink> {
             match send_mem {
                 Some(mem) => {
                     let zc = ZeroCopy::new(&conn);
-                    Box::new(ZeroCopySink { conn, mem, zc })
+                    Box::new(ZeroCopySink {
+                        conn,
+                        mem,
+                        zc,
+                        deadline,
+                    })
                 }
-                None => Box::new(CopySink(conn)),
+                None => Box::new(CopySink(conn, deadline)),
             }
         };
         // Serial: one batch in flight, each acknowledged (Placed) before the next; overlap and
@@ -561,15 +784,29 @@ fn migrate_inner(
         let serial = opts.engine == EngineKind::Serial;
         let depth = if serial { 0 } else { 4 };
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
-        let senders: Vec<Sender> =
-            conns.drain(..).map(|c| spawn_sender(sink(c), serial, free_tx.clone(), cpu.clone(), depth)).collect();
+        let senders: Vec<Sender> = conns
+            .drain(..)
+            .map(|c| spawn_sender(sink(c), serial, free_tx.clone(), cpu.clone(), depth))
+            .collect();
         // Only the senders may hold the pool's sending side: when they all stop, a collector
         // waiting for a buffer must see the channel close instead of waiting forever.
         drop(free_tx);
-        let lockstep = serial.then_some((&mut replies, opts.reply_timeout));
-        let mut col = Collector { mem, copy, lockstep, free_rx, senders: &senders, next: 0, spare: None };
+        let lockstep = serial.then_some((&mut replies, deadline));
+        let mut col = Collector {
+            mem,
+            copy,
+            lockstep,
+            free_rx,
+            senders: &senders,
+            next: 0,
+            spare: None,
+        };
         let mut planner = Planner::new(opts.policy, total_pages);
-        let live_checksum = if copy { Checksum::Full } else { Checksum::MetadataOnly };
+        let live_checksum = if copy {
+            Checksum::Full
+        } else {
+            Checksum::MetadataOnly
+        };
 
         let mut to_send = touched;
         let mut round = 0u32;
@@ -604,16 +841,29 @@ fn migrate_inner(
                 let d = src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
                 let dur = t.elapsed();
                 sent_total += n;
-                let st = RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
+                let st = RoundStats {
+                    round,
+                    pages_sent: n,
+                    bytes_sent: n * PAGE as u64,
+                    duration: dur,
+                    dirty_pages: d,
+                };
                 let decision = planner.after_round(&st);
-                rounds.push(RoundReport { round, pages: n, ms: dur.as_secs_f64() * 1e3, dirty_after: d });
+                rounds.push(RoundReport {
+                    round,
+                    pages: n,
+                    ms: dur.as_secs_f64() * 1e3,
+                    dirty_after: d,
+                });
                 events(Event::Round {
                     round,
                     pages_sent: n,
                     ms: dur.as_secs_f64() * 1e3,
                     dirty_pages: d,
                     mb_per_s: planner.bandwidth().unwrap_or(0.0) / 1e6,
-                    estimated_downtime_ms: planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3),
+                    estimated_downtime_ms: planner
+                        .estimated_downtime(d)
+                        .map(|x| x.as_secs_f64() * 1e3),
                 });
                 to_send = dirty;
                 round += 1;
@@ -630,12 +880,21 @@ fn migrate_inner(
         });
         pause_at = Instant::now();
         let final_result = paused_result.and_then(|()| {
-            src.fetch_dirty(&mut to_send).map_err(MigrateError::Source)?;
-            events(Event::StopAndCopy { reason: stop_reason.clone(), pages: to_send.count() });
+            src.fetch_dirty(&mut to_send)
+                .map_err(MigrateError::Source)?;
+            events(Event::StopAndCopy {
+                reason: stop_reason.clone(),
+                pages: to_send.count(),
+            });
             let t = Instant::now();
             let n = col.send_round(round, to_send.gfns(), Checksum::Full)?;
             sent_total += n;
-            rounds.push(RoundReport { round, pages: n, ms: t.elapsed().as_secs_f64() * 1e3, dirty_after: 0 });
+            rounds.push(RoundReport {
+                round,
+                pages: n,
+                ms: t.elapsed().as_secs_f64() * 1e3,
+                dirty_after: 0,
+            });
             Ok(())
         });
         drop(col);
@@ -686,17 +945,27 @@ fn migrate_inner(
         c.send_records(&out)?;
     }
     bytes += state.len() as u64;
-    let reply = replies.wait(opts.reply_timeout)?;
+    // Committed: the destination has everything it needs to run the VM. From here on only its
+    // explicit Failed gives the VM back to the source.
+    let reply = replies.wait(deadline);
     let downtime = pause_at.elapsed();
     match reply {
-        Reply::Resumed => {}
-        Reply::Failed(why) => return Err(MigrateError::Dest(why)),
-        other => return Err(MigrateError::Other(format!("expected Resumed from the destination, got {other:?}"))),
+        Ok(Reply::Resumed) => {}
+        Ok(Reply::Failed(why)) => return Err(MigrateError::Dest(why)),
+        Ok(other) => {
+            return Err(MigrateError::Unconfirmed(format!(
+                "it answered {other:?} instead of Resumed"
+            )))
+        }
+        Err(e) => return Err(MigrateError::Unconfirmed(e.to_string())),
     }
     src.stop_dirty_log();
     add_cpu(&cpu, cpu0);
     let total = t_start.elapsed();
-    events(Event::Completed { total_ms: total.as_secs_f64() * 1e3, downtime_ms: downtime.as_secs_f64() * 1e3 });
+    events(Event::Completed {
+        total_ms: total.as_secs_f64() * 1e3,
+        downtime_ms: downtime.as_secs_f64() * 1e3,
+    });
     Ok(Report {
         engine: opts.engine,
         connections: nconn,
@@ -719,7 +988,10 @@ fn reason_text(r: &StopReason) -> String {
         StopReason::FewDirtyPages => "few dirty pages left".into(),
         StopReason::MaxRounds => "round limit".into(),
         StopReason::MaxSent => "sent 3x the VM's pages".into(),
-        StopReason::DowntimeMet { estimated } => format!("downtime target met (estimated {:.1} ms)", estimated.as_secs_f64() * 1e3),
+        StopReason::DowntimeMet { estimated } => format!(
+            "downtime target met (estimated {:.1} ms)",
+            estimated.as_secs_f64() * 1e3
+        ),
     }
 }
 
@@ -732,7 +1004,11 @@ struct RoundBarrier {
 
 impl RoundBarrier {
     fn new(n: usize) -> Self {
-        RoundBarrier { state: Mutex::new((0, 0, false)), cv: std::sync::Condvar::new(), n }
+        RoundBarrier {
+            state: Mutex::new((0, 0, false)),
+            cv: std::sync::Condvar::new(),
+            n,
+        }
     }
 
     /// Waits for every connection to finish the round; false if the barrier was broken.
@@ -801,7 +1077,10 @@ impl PagePlacer for MemPlacer<'_> {
                 let (gpa, len) = (gfn * PAGE as u64, n * PAGE);
                 // Best effort: a page not populated is faulted in by the read.
                 let _ = kumo_vm::memory::populate(self.mem, gpa, len as u64);
-                let slice = self.mem.get_slice(GuestAddress(gpa), len).map_err(|e| format!("pages at {gpa:#x}: {e}"))?;
+                let slice = self
+                    .mem
+                    .get_slice(GuestAddress(gpa), len)
+                    .map_err(|e| format!("pages at {gpa:#x}: {e}"))?;
                 let ptr = slice.ptr_guard_mut().as_ptr();
                 // SAFETY: `get_slice` checked that the `len` bytes at `ptr` are guest memory
                 // mapped for the VM's lifetime, which outlives this borrow of `self.mem`. The
@@ -809,7 +1088,9 @@ impl PagePlacer for MemPlacer<'_> {
                 // reader hands out disjoint runs (strictly increasing gfns), and receiving
                 // threads place different pages (a round sends each page once; rounds are
                 // separated by the barrier).
-                Ok(io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr, len) }))
+                Ok(io::IoSliceMut::new(unsafe {
+                    std::slice::from_raw_parts_mut(ptr, len)
+                }))
             })
             .collect()
     }
@@ -833,7 +1114,10 @@ pub fn receive<V: DestVm>(
     let conn0 = listener.accept()?;
     let t0 = Instant::now();
     conn0.set_read_timeout(Some(idle))?;
-    let mut conn0 = Replier { enc: Encoder::new(), conn: conn0 };
+    let mut conn0 = Replier {
+        enc: Encoder::new(),
+        conn: conn0,
+    };
     // The header is read unbuffered: a local migration's memory file follows it on the socket,
     // and a buffer would swallow the byte that carries it.
     let mut raw0 = conn0.conn.try_clone()?;
@@ -841,9 +1125,11 @@ pub fn receive<V: DestVm>(
         Ok(d) => d,
         Err(e) => {
             conn0.send(&Reply::Failed(e.to_string()));
-            return Err(e.into());
+            return Err(recv_err(e.into(), idle));
         }
     };
+    // A valid header: say so at once, before building anything (the source's handshake).
+    conn0.send(&Reply::Accepted);
     let fail = |conn0: &mut Replier, e: MigrateError| -> MigrateError {
         conn0.send(&Reply::Failed(e.to_string()));
         e
@@ -861,13 +1147,23 @@ pub fn receive<V: DestVm>(
     for i in 1..nconn {
         let c = match accept_within(listener, idle) {
             Ok(c) => c,
-            Err(e) => return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} of {nconn} did not arrive: {e}")))),
+            Err(e) => {
+                return Err(fail(
+                    &mut conn0,
+                    MigrateError::Other(format!("connection {i} of {nconn} did not arrive: {e}")),
+                ))
+            }
         };
         c.set_read_timeout(Some(idle))?;
         let mut c = c;
         match format::read_header(&mut c).map(|d| (d, c)) {
             Ok((d, c)) if d == desc => readers.push(Reader::secondary(buffered(c), &desc)),
-            Ok(_) => return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} describes another VM")))),
+            Ok(_) => {
+                return Err(fail(
+                    &mut conn0,
+                    MigrateError::Other(format!("connection {i} describes another VM")),
+                ))
+            }
             Err(e) => return Err(fail(&mut conn0, e.into())),
         }
     }
@@ -895,7 +1191,10 @@ pub fn receive<V: DestVm>(
                     let c0 = thread_cpu_ms();
                     let mut placer = MemPlacer { mem };
                     let res = (|| -> Result<(), MigrateError> {
-                        while let Some(rec) = r.next_record_placed(&mut placer)? {
+                        while let Some(rec) = r
+                            .next_record_placed(&mut placer)
+                            .map_err(|e| recv_err(e.into(), idle))?
+                        {
                             match rec {
                                 Record::MemBatch(b) => {
                                     pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
@@ -908,16 +1207,27 @@ pub fn receive<V: DestVm>(
                                 // copy on a slower connection.
                                 Record::RoundEnd { .. } if nconn > 1 => {
                                     if !barrier.wait() {
-                                        return Err(MigrateError::Other("another connection failed".into()));
+                                        return Err(MigrateError::Other(
+                                            "another connection failed".into(),
+                                        ));
                                     }
                                 }
                                 Record::RoundEnd { .. } => {}
                                 Record::State(st) if i == 0 => {
-                                    *state.lock().unwrap_or_else(|p| p.into_inner()) = Some(st.to_vec());
+                                    *state.lock().unwrap_or_else(|p| p.into_inner()) =
+                                        Some(st.to_vec());
                                 }
-                                Record::State(_) => return Err(MigrateError::Other(format!("state sent on connection {i}"))),
+                                Record::State(_) => {
+                                    return Err(MigrateError::Other(format!(
+                                        "state sent on connection {i}"
+                                    )))
+                                }
                                 Record::Complete { .. } => {}
-                                Record::Abort(why) => return Err(MigrateError::Other(format!("the source aborted: {why}"))),
+                                Record::Abort(why) => {
+                                    return Err(MigrateError::Other(format!(
+                                        "the source aborted: {why}"
+                                    )))
+                                }
                             }
                         }
                         Ok(())
@@ -932,7 +1242,9 @@ pub fn receive<V: DestVm>(
             .collect();
         let mut first = Ok(());
         for h in handles {
-            let r = h.join().unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into())));
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into())));
             if first.is_ok() {
                 first = r;
             }
@@ -940,7 +1252,11 @@ pub fn receive<V: DestVm>(
         first
     });
     let finish = result.and_then(|()| {
-        let st = state.lock().unwrap_or_else(|p| p.into_inner()).take().ok_or_else(|| MigrateError::Other("the stream carried no VM state".into()))?;
+        let st = state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| MigrateError::Other("the stream carried no VM state".into()))?;
         vm.restore_state(&st).map_err(MigrateError::Dest)?;
         vm.resume().map_err(MigrateError::Dest)
     });
@@ -963,13 +1279,28 @@ pub fn receive<V: DestVm>(
     ))
 }
 
+/// The receiver's view of an error: a read deadline becomes "no progress".
+fn recv_err(e: MigrateError, idle: Duration) -> MigrateError {
+    match e {
+        MigrateError::Stream(format::Error::Io(io)) | MigrateError::Io(io) if is_timeout(&io) => {
+            MigrateError::NoProgress {
+                what: "no data from the source",
+                after: idle,
+            }
+        }
+        e => e,
+    }
+}
+
 fn accept_within(listener: &Listener, limit: Duration) -> io::Result<Conn> {
     listener.set_nonblocking(true)?;
     let t = Instant::now();
     let r = loop {
         match listener.accept() {
             Ok(c) => break Ok(c),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock && t.elapsed() < limit => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && t.elapsed() < limit => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
             Err(e) => break Err(e),
         }
     };

@@ -15,6 +15,8 @@ use kumo_vm::dirty::PageBitmap;
 use kumo_vm::{GuestMemory, Memory};
 use vm_memory::{Bytes, GuestAddress};
 
+use kumo_migration::format::{Encoder, Reply};
+
 use crate::session::*;
 use crate::transport::{Address, Conn, Listener};
 
@@ -41,7 +43,9 @@ impl FakeSource {
     fn new(hot: u64) -> Arc<FakeSource> {
         let mem = Arc::new(Memory::new(MEM).unwrap());
         for p in 0..1000u64 {
-            mem.guest.write_obj(p * 31 + 7, GuestAddress(p * 4096 + 8)).unwrap();
+            mem.guest
+                .write_obj(p * 31 + 7, GuestAddress(p * 4096 + 8))
+                .unwrap();
         }
         let s = Arc::new(FakeSource {
             mem,
@@ -52,7 +56,13 @@ impl FakeSource {
             writes: Arc::new(AtomicU64::new(0)),
             resumed: AtomicU64::new(0),
         });
-        let (mem, dirty, running, stop, writes) = (s.mem.clone(), s.dirty.clone(), s.running.clone(), s.stop.clone(), s.writes.clone());
+        let (mem, dirty, running, stop, writes) = (
+            s.mem.clone(),
+            s.dirty.clone(),
+            s.running.clone(),
+            s.stop.clone(),
+            s.writes.clone(),
+        );
         *s.writer.lock().unwrap() = Some(std::thread::spawn(move || {
             let mut x = 0x9e37_79b9_7f4a_7c15u64;
             while !stop.load(Ordering::Acquire) {
@@ -71,7 +81,9 @@ impl FakeSource {
                         std::thread::sleep(Duration::from_micros(200));
                         continue;
                     }
-                    mem.guest.write_obj(x, GuestAddress(page * 4096 + (x % 512) * 8)).unwrap();
+                    mem.guest
+                        .write_obj(x, GuestAddress(page * 4096 + (x % 512) * 8))
+                        .unwrap();
                     if let Some(d) = d.as_mut() {
                         d.set(page);
                     }
@@ -166,7 +178,11 @@ fn make_dest(desc: &VmDescription, memfd: Option<File>) -> Result<FakeDest, Stri
         Some(f) => Memory::from_file(f, desc.memory_bytes).map_err(|e| e.to_string())?,
         None => Memory::new(desc.memory_bytes).map_err(|e| e.to_string())?,
     };
-    Ok(FakeDest { mem, state: Mutex::new(Vec::new()), running: AtomicBool::new(false) })
+    Ok(FakeDest {
+        mem,
+        state: Mutex::new(Vec::new()),
+        running: AtomicBool::new(false),
+    })
 }
 
 fn read_all(m: &GuestMemory) -> Vec<u8> {
@@ -177,7 +193,9 @@ fn read_all(m: &GuestMemory) -> Vec<u8> {
 
 fn listen(unix: bool, tag: &str) -> (Listener, Address) {
     let addr = if unix {
-        Address::Unix(std::env::temp_dir().join(format!("kumo-mig-{}-{tag}.sock", std::process::id())))
+        Address::Unix(
+            std::env::temp_dir().join(format!("kumo-mig-{}-{tag}.sock", std::process::id())),
+        )
     } else {
         Address::Tcp("127.0.0.1:0".into())
     };
@@ -191,29 +209,53 @@ fn run(engine: EngineKind, connections: usize, unix: bool, tag: &str) -> (Report
     std::thread::sleep(Duration::from_millis(20));
     let (l, addr) = listen(unix, tag);
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let opts = MigrateOptions { engine, connections, ..Default::default() };
+    let opts = MigrateOptions {
+        engine,
+        connections,
+        ..Default::default()
+    };
     let mut events = Vec::new();
     let report = migrate(&*src, &addr, &opts, &mut |e| events.push(e)).unwrap();
     let (dvm, rr) = dest.join().unwrap().unwrap();
     // The source stays paused after a successful migration; stop its writer and compare.
     src.stop_writer();
-    assert!(src.writes.load(Ordering::Relaxed) > 0, "the guest wrote during migration");
+    assert!(
+        src.writes.load(Ordering::Relaxed) > 0,
+        "the guest wrote during migration"
+    );
     let (a, b) = (read_all(&src.mem.guest), read_all(&dvm.mem.guest));
     if let Some(off) = a.iter().zip(&b).position(|(x, y)| x != y) {
-        panic!("{engine} x{connections}: memories differ first at {off:#x} (page {:#x})", off / 4096);
+        panic!(
+            "{engine} x{connections}: memories differ first at {off:#x} (page {:#x})",
+            off / 4096
+        );
     }
     assert_eq!(&*dvm.state.lock().unwrap(), b"vcpu state");
     assert!(dvm.running.load(Ordering::Acquire));
-    assert_eq!(src.resumed.load(Ordering::Relaxed), 0, "a successful migration leaves the source paused");
-    assert!(matches!(events.first(), Some(Event::Started { .. })), "{events:?}");
-    assert!(matches!(events.last(), Some(Event::Completed { .. })), "{events:?}");
+    assert_eq!(
+        src.resumed.load(Ordering::Relaxed),
+        0,
+        "a successful migration leaves the source paused"
+    );
+    assert!(
+        matches!(events.first(), Some(Event::Started { .. })),
+        "{events:?}"
+    );
+    assert!(
+        matches!(events.last(), Some(Event::Completed { .. })),
+        "{events:?}"
+    );
     (report, rr)
 }
 
 #[test]
 fn serial_engine_moves_memory_exactly() {
     let (r, rr) = run(EngineKind::Serial, 1, false, "serial");
-    assert!(r.rounds.len() >= 2, "a live round and the final one: {:?}", r.rounds);
+    assert!(
+        r.rounds.len() >= 2,
+        "a live round and the final one: {:?}",
+        r.rounds
+    );
     assert_eq!(r.rounds[0].pages, PAGES, "round 0 sends every touched page");
     assert_eq!(rr.pages, r.total_pages);
 }
@@ -248,7 +290,16 @@ fn local_engine_needs_a_unix_socket() {
     let src = FakeSource::new(10);
     let (l, addr) = listen(false, "local-tcp");
     let _dest = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest));
-    let e = migrate(&*src, &addr, &MigrateOptions { engine: EngineKind::Local, ..Default::default() }, &mut |_| {}).unwrap_err();
+    let e = migrate(
+        &*src,
+        &addr,
+        &MigrateOptions {
+            engine: EngineKind::Local,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("unix socket"), "{e}");
     src.stop_writer();
 }
@@ -258,9 +309,25 @@ fn downtime_rule_stops_when_the_rest_fits_the_target() {
     let src = FakeSource::new(20);
     let (l, addr) = listen(false, "downtime");
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(50)) };
-    let r = migrate(&*src, &addr, &MigrateOptions { policy, ..Default::default() }, &mut |_| {}).unwrap();
-    assert!(r.stop_reason.contains("downtime target met"), "{}", r.stop_reason);
+    let policy = StopPolicy {
+        xen: None,
+        downtime: Some(Duration::from_millis(50)),
+    };
+    let r = migrate(
+        &*src,
+        &addr,
+        &MigrateOptions {
+            policy,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert!(
+        r.stop_reason.contains("downtime target met"),
+        "{}",
+        r.stop_reason
+    );
     dest.join().unwrap().unwrap();
     src.stop_writer();
 }
@@ -269,7 +336,11 @@ fn downtime_rule_stops_when_the_rest_fits_the_target() {
 fn a_destination_that_refuses_leaves_the_source_running() {
     let src = FakeSource::new(100);
     let (l, addr) = listen(false, "refuse");
-    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(5), |_, _| Err::<FakeDest, _>("no room here".into())));
+    let dest = std::thread::spawn(move || {
+        receive(&l, Duration::from_secs(5), |_, _| {
+            Err::<FakeDest, _>("no room here".into())
+        })
+    });
     let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("no room here"), "{e}");
     assert!(dest.join().unwrap().is_err());
@@ -278,14 +349,17 @@ fn a_destination_that_refuses_leaves_the_source_running() {
     src.stop_writer();
 }
 
-/// A hand-driven receiver: accepts, reads the header, says Ready; returns the connection.
-fn accept_and_say_ready(l: &Listener) -> (Conn, VmDescription) {
+/// A hand-driven receiver: accepts, reads the header, says Accepted and Ready; returns the
+/// connection and the encoder its further replies must use.
+fn accept_and_say_ready(l: &Listener) -> (Conn, VmDescription, Encoder) {
     let mut c = l.accept().unwrap();
     let desc = kumo_migration::format::read_header(&mut c).unwrap();
     let mut out = Vec::new();
-    kumo_migration::format::Encoder::new().reply(&mut out, &kumo_migration::format::Reply::Ready);
+    let mut enc = Encoder::new();
+    enc.reply(&mut out, &Reply::Accepted);
+    enc.reply(&mut out, &Reply::Ready);
     std::io::Write::write_all(&mut c, &out).unwrap();
-    (c, desc)
+    (c, desc, enc)
 }
 
 #[test]
@@ -294,15 +368,27 @@ fn a_receiver_dying_mid_stream_leaves_the_source_running() {
     let (l, addr) = listen(false, "die");
     // A "receiver" that accepts, says Ready, reads a little, then drops the connection.
     let t = std::thread::spawn(move || {
-        let (mut c, desc) = accept_and_say_ready(&l);
+        let (mut c, desc, _) = accept_and_say_ready(&l);
         let mut buf = vec![0u8; 1 << 20];
         std::io::Read::read_exact(&mut c, &mut buf).unwrap();
         drop(c);
         desc
     });
-    let e = migrate(&*src, &addr, &MigrateOptions { engine: EngineKind::Serial, ..Default::default() }, &mut |_| {}).unwrap_err();
+    let e = migrate(
+        &*src,
+        &addr,
+        &MigrateOptions {
+            engine: EngineKind::Serial,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap_err();
     t.join().unwrap();
-    assert!(matches!(e, MigrateError::Io(_) | MigrateError::Stream(_)), "{e}");
+    assert!(
+        matches!(e, MigrateError::Io(_) | MigrateError::Stream(_)),
+        "{e}"
+    );
     assert!(src.running.load(Ordering::Acquire), "source runs on");
     src.stop_writer();
 }
@@ -316,7 +402,12 @@ fn a_source_that_vanishes_fails_the_receiver_cleanly() {
     kumo_migration::format::write_header(&mut c, &desc).unwrap();
     drop(c);
     let e = t.join().unwrap().unwrap_err();
-    assert!(e.to_string().contains("truncated") || e.to_string().contains("Truncated") || e.to_string().contains("connection"), "{e}");
+    assert!(
+        e.to_string().contains("truncated")
+            || e.to_string().contains("Truncated")
+            || e.to_string().contains("connection"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -335,9 +426,26 @@ fn xen_rule_reaches_few_dirty_pages_for_an_idle_guest() {
     src.pause().unwrap(); // an idle guest: nothing dirties memory
     let (l, addr) = listen(false, "idle");
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let policy = StopPolicy { xen: Some(XenRule::default()), downtime: None };
-    let r = migrate(&*src, &addr, &MigrateOptions { policy, ..Default::default() }, &mut |_| {}).unwrap();
-    assert_eq!(r.rounds.len(), 2, "round 0, then a final round: {:?}", r.rounds);
+    let policy = StopPolicy {
+        xen: Some(XenRule::default()),
+        downtime: None,
+    };
+    let r = migrate(
+        &*src,
+        &addr,
+        &MigrateOptions {
+            policy,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(
+        r.rounds.len(),
+        2,
+        "round 0, then a final round: {:?}",
+        r.rounds
+    );
     assert_eq!(r.rounds[1].pages, 0);
     dest.join().unwrap().unwrap();
     src.stop_writer();
@@ -348,25 +456,185 @@ fn serial_waits_for_each_batch_to_be_placed() {
     let src = FakeSource::new(1000);
     let (l, addr) = listen(false, "noplaced");
     // A receiver that reads the first batch completely but never says Placed.
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let t = std::thread::spawn(move || {
-        let (mut c, desc) = accept_and_say_ready(&l);
+        let (mut c, desc, _) = accept_and_say_ready(&l);
         let mut r = kumo_migration::format::Reader::new(c.try_clone().unwrap(), &desc);
-        let Some(kumo_migration::format::Record::MemBatch(b)) = r.next_record().unwrap() else { panic!("no batch") };
+        let Some(kumo_migration::format::Record::MemBatch(b)) = r.next_record().unwrap() else {
+            panic!("no batch")
+        };
         let (ack, pages) = (b.ack, b.gfns.len());
         // Nothing more may come until the batch is acknowledged.
-        c.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
         let more = std::io::Read::read(&mut c, &mut [0u8; 1]);
-        // Keep the connection open past the sender's reply timeout.
-        std::thread::sleep(Duration::from_millis(1500));
+        // Keep the connection open until the sender has given up.
+        let _ = done_rx.recv();
         (ack, pages, more.is_err())
     });
-    let opts = MigrateOptions { engine: EngineKind::Serial, reply_timeout: Duration::from_millis(800), ..Default::default() };
+    let opts = MigrateOptions {
+        engine: EngineKind::Serial,
+        progress_timeout: Duration::from_millis(800),
+        ..Default::default()
+    };
     let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
+    done_tx.send(()).unwrap();
     let (ack, pages, silent) = t.join().unwrap();
     assert!(ack, "serial batches ask for Placed");
     assert_eq!(pages, 1024);
     assert!(silent, "the sender sent more before its batch was placed");
     assert!(matches!(e, MigrateError::ReplyTimeout(_)), "{e}");
+    assert!(src.running.load(Ordering::Acquire), "source runs on");
+    src.stop_writer();
+}
+
+#[test]
+fn a_peer_that_never_answers_the_header_is_not_kumo() {
+    let src = FakeSource::new(10);
+    let (l, addr) = listen(false, "silent-peer");
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    // Accepts and reads, but never answers (a stopped process, or another protocol).
+    let t = std::thread::spawn(move || {
+        let c = l.accept().unwrap();
+        let _ = done_rx.recv();
+        drop(c);
+    });
+    let opts = MigrateOptions {
+        handshake_timeout: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
+    done_tx.send(()).unwrap();
+    t.join().unwrap();
+    assert!(matches!(e, MigrateError::NotKumo { .. }), "{e}");
+    assert!(
+        e.to_string().contains("not a kumo migration destination"),
+        "{e}"
+    );
+    assert!(src.running.load(Ordering::Acquire), "source runs on");
+    src.stop_writer();
+}
+
+#[test]
+fn a_peer_speaking_another_protocol_is_not_kumo() {
+    let src = FakeSource::new(10);
+    let (l, addr) = listen(false, "http-peer");
+    let t = std::thread::spawn(move || {
+        let mut c = l.accept().unwrap();
+        let _ = std::io::Read::read(&mut c, &mut [0u8; 64]);
+        std::io::Write::write_all(
+            &mut c,
+            b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
+        )
+        .unwrap();
+        c
+    });
+    let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
+    drop(t.join().unwrap());
+    assert!(matches!(e, MigrateError::NotKumo { .. }), "{e}");
+    src.stop_writer();
+}
+
+#[test]
+fn a_destination_that_stops_reading_fails_the_migration_and_the_source_runs_on() {
+    for engine in [
+        EngineKind::Serial,
+        EngineKind::Overlap,
+        EngineKind::Zerocopy,
+    ] {
+        let src = FakeSource::new(1000);
+        let (l, addr) = listen(false, &format!("stalled-{engine}"));
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        // Says Ready, then reads nothing: a SIGSTOPped destination.
+        let t = std::thread::spawn(move || {
+            let (c, _, _) = accept_and_say_ready(&l);
+            let _ = done_rx.recv();
+            drop(c);
+        });
+        let opts = MigrateOptions {
+            engine,
+            progress_timeout: Duration::from_millis(500),
+            ..Default::default()
+        };
+        let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
+        done_tx.send(()).unwrap();
+        t.join().unwrap();
+        assert!(
+            matches!(
+                e,
+                MigrateError::NoProgress { .. } | MigrateError::ReplyTimeout(_)
+            ),
+            "{engine}: {e}"
+        );
+        assert!(
+            src.running.load(Ordering::Acquire),
+            "{engine}: source runs on"
+        );
+        src.stop_writer();
+    }
+}
+
+#[test]
+fn serial_with_several_connections_is_refused_up_front() {
+    let src = FakeSource::new(10);
+    // Nothing listens there: the refusal must come before any connection is tried.
+    let addr = Address::Unix(
+        std::env::temp_dir().join(format!("kumo-nobody-{}.sock", std::process::id())),
+    );
+    let opts = MigrateOptions {
+        engine: EngineKind::Serial,
+        connections: 2,
+        ..Default::default()
+    };
+    let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("--connections 1"), "{e}");
+    src.stop_writer();
+}
+
+/// A receiver that takes the whole stream, state included, and then answers `last` (or
+/// nothing, closing the connection).
+fn receiver_that_answers(l: Listener, last: Option<Reply>) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let (c, desc, mut enc) = accept_and_say_ready(&l);
+        let mut r = kumo_migration::format::Reader::new(c.try_clone().unwrap(), &desc);
+        while let Some(rec) = r.next_record().unwrap() {
+            if matches!(rec, kumo_migration::format::Record::Complete { .. }) {
+                break;
+            }
+        }
+        if let Some(reply) = last {
+            let mut out = Vec::new();
+            enc.reply(&mut out, &reply);
+            let mut c = c;
+            std::io::Write::write_all(&mut c, &out).unwrap();
+        }
+    })
+}
+
+#[test]
+fn after_the_final_state_only_an_explicit_failure_gives_the_vm_back() {
+    // No confirmation: the destination may run the VM, so the source must stay paused.
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "unconfirmed");
+    let t = receiver_that_answers(l, None);
+    let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
+    t.join().unwrap();
+    assert!(matches!(e, MigrateError::Unconfirmed(_)), "{e}");
+    assert!(e.to_string().contains("stays paused"), "{e}");
+    assert!(
+        !src.running.load(Ordering::Acquire),
+        "the source must not run the guest again"
+    );
+    assert_eq!(src.resumed.load(Ordering::Acquire), 0);
+    src.stop_writer();
+
+    // An explicit Failed: the destination will not run it, so the source takes it back.
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "dest-failed");
+    let t = receiver_that_answers(l, Some(Reply::Failed("restore failed".into())));
+    let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
+    t.join().unwrap();
+    assert!(matches!(e, MigrateError::Dest(_)), "{e}");
     assert!(src.running.load(Ordering::Acquire), "source runs on");
     src.stop_writer();
 }

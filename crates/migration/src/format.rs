@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 /// First 8 bytes of every stream.
 pub const MAGIC: [u8; 8] = *b"KUMOMIG\0";
 /// The stream version this code writes and the only one it reads.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Guest page size; the only one this version allows.
 pub const PAGE_SIZE: u32 = 4096;
 const PAGE: usize = PAGE_SIZE as usize;
@@ -140,7 +140,7 @@ pub enum Error {
 /// Result with this module's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Record tags. `0x01..=0x05` go sender → receiver, `0x81..=0x84` receiver → sender.
+/// Record tags. `0x01..=0x05` go sender → receiver, `0x81..=0x85` receiver → sender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Tag {
@@ -162,6 +162,9 @@ pub enum Tag {
     Failed = 0x83,
     /// Reply: a batch sent with [`FLAG_ACK`] is in guest memory.
     Placed = 0x84,
+    /// Reply: the header was read and is valid; the destination is building the VM. Sent at
+    /// once, so a sender learns within a round trip that it talks to a kumo destination.
+    Accepted = 0x85,
 }
 
 impl Tag {
@@ -177,6 +180,7 @@ impl Tag {
             0x82 => Tag::Resumed,
             0x83 => Tag::Failed,
             0x84 => Tag::Placed,
+            0x85 => Tag::Accepted,
             _ => return None,
         })
     }
@@ -194,7 +198,7 @@ impl Tag {
             Tag::State => MAX_STATE_LEN,
             Tag::Complete | Tag::Placed => 8,
             Tag::Abort | Tag::Failed => MAX_REASON_LEN,
-            Tag::Ready | Tag::Resumed => 0,
+            Tag::Ready | Tag::Resumed | Tag::Accepted => 0,
         }
     }
 
@@ -255,7 +259,12 @@ pub const MAX_CONNECTIONS: u32 = 16;
 impl VmDescription {
     /// A description with the page size set to [`PAGE_SIZE`] and `memory_bytes` set to the
     /// sum of the region lengths.
-    pub fn new(cpus: u32, irqchip: &str, payload: serde_json::Value, regions: Vec<(u64, u64)>) -> Self {
+    pub fn new(
+        cpus: u32,
+        irqchip: &str,
+        payload: serde_json::Value,
+        regions: Vec<(u64, u64)>,
+    ) -> Self {
         let memory_bytes = regions.iter().fold(0u64, |s, r| s.saturating_add(r.1));
         VmDescription {
             cpus,
@@ -277,13 +286,19 @@ impl VmDescription {
             return bad("no vCPUs".into());
         }
         if self.page_size != PAGE_SIZE {
-            return bad(format!("page size {} (only {PAGE_SIZE} is supported)", self.page_size));
+            return bad(format!(
+                "page size {} (only {PAGE_SIZE} is supported)",
+                self.page_size
+            ));
         }
         if self.regions.is_empty() {
             return bad("no memory regions".into());
         }
         if self.connections == 0 || self.connections > MAX_CONNECTIONS {
-            return bad(format!("{} connections (1 to {MAX_CONNECTIONS})", self.connections));
+            return bad(format!(
+                "{} connections (1 to {MAX_CONNECTIONS})",
+                self.connections
+            ));
         }
         let mut sorted = self.regions.clone();
         sorted.sort_unstable();
@@ -291,7 +306,9 @@ impl VmDescription {
         let mut prev_end = 0u64;
         for (i, &(gpa, len)) in sorted.iter().enumerate() {
             if len == 0 || gpa % PAGE as u64 != 0 || len % PAGE as u64 != 0 {
-                return bad(format!("region {gpa:#x}+{len:#x} is empty or not page-aligned"));
+                return bad(format!(
+                    "region {gpa:#x}+{len:#x} is empty or not page-aligned"
+                ));
             }
             let Some(end) = gpa.checked_add(len) else {
                 return bad(format!("region {gpa:#x}+{len:#x} wraps around"));
@@ -303,7 +320,10 @@ impl VmDescription {
             sum = sum.saturating_add(len);
         }
         if sum != self.memory_bytes {
-            return bad(format!("regions cover {sum} bytes but memory_bytes is {}", self.memory_bytes));
+            return bad(format!(
+                "regions cover {sum} bytes but memory_bytes is {}",
+                self.memory_bytes
+            ));
         }
         Ok(())
     }
@@ -316,7 +336,9 @@ impl VmDescription {
     /// Whether guest page frame `gfn` lies in a region.
     pub fn contains_gfn(&self, gfn: u64) -> bool {
         let page = PAGE as u64;
-        self.regions.iter().any(|&(gpa, len)| gfn >= gpa / page && gfn - gpa / page < len / page)
+        self.regions
+            .iter()
+            .any(|&(gpa, len)| gfn >= gpa / page && gfn - gpa / page < len / page)
     }
 }
 
@@ -325,7 +347,11 @@ pub fn encode_header(desc: &VmDescription) -> Result<Vec<u8>> {
     desc.validate()?;
     let json = serde_json::to_vec(desc).map_err(|e| Error::BadDescription(e.to_string()))?;
     if json.len() > MAX_DESC_LEN {
-        return Err(Error::Oversized { what: "VM description", len: json.len() as u64, max: MAX_DESC_LEN as u64 });
+        return Err(Error::Oversized {
+            what: "VM description",
+            len: json.len() as u64,
+            max: MAX_DESC_LEN as u64,
+        });
     }
     let mut out = Vec::with_capacity(HEADER_FIXED_LEN + json.len() + TRAILER_LEN);
     out.extend_from_slice(&MAGIC);
@@ -351,7 +377,9 @@ pub fn read_header<R: Read + ?Sized>(r: &mut R) -> Result<VmDescription> {
     let mut fixed = [0u8; HEADER_FIXED_LEN];
     let n = read_full(r, &mut fixed[..8])?;
     if fixed[..n] != MAGIC[..n] {
-        return Err(Error::BadMagic { found: fixed[..n].to_vec() });
+        return Err(Error::BadMagic {
+            found: fixed[..n].to_vec(),
+        });
     }
     if n < 8 {
         return Err(Error::Truncated { what: WHAT });
@@ -359,11 +387,18 @@ pub fn read_header<R: Read + ?Sized>(r: &mut R) -> Result<VmDescription> {
     read_exact(r, &mut fixed[8..], WHAT)?;
     let version = le_u32(&fixed[8..12]);
     if version != VERSION {
-        return Err(Error::UnsupportedVersion { got: version, supported: VERSION });
+        return Err(Error::UnsupportedVersion {
+            got: version,
+            supported: VERSION,
+        });
     }
     let desc_len = le_u32(&fixed[12..16]) as usize;
     if desc_len > MAX_DESC_LEN {
-        return Err(Error::Oversized { what: "VM description", len: desc_len as u64, max: MAX_DESC_LEN as u64 });
+        return Err(Error::Oversized {
+            what: "VM description",
+            len: desc_len as u64,
+            max: MAX_DESC_LEN as u64,
+        });
     }
     let mut rest = vec![0u8; desc_len + TRAILER_LEN];
     read_exact(r, &mut rest, WHAT)?;
@@ -373,8 +408,8 @@ pub fn read_header<R: Read + ?Sized>(r: &mut R) -> Result<VmDescription> {
     if h.finalize() != le_u32(&rest[desc_len..]) {
         return Err(Error::HeaderChecksumMismatch);
     }
-    let desc: VmDescription =
-        serde_json::from_slice(&rest[..desc_len]).map_err(|e| Error::BadDescription(e.to_string()))?;
+    let desc: VmDescription = serde_json::from_slice(&rest[..desc_len])
+        .map_err(|e| Error::BadDescription(e.to_string()))?;
     desc.validate()?;
     Ok(desc)
 }
@@ -455,18 +490,34 @@ impl Encoder {
     /// those of [`Encoder::mem_batch`].
     ///
     /// With `ack`, the receiver answers with [`Reply::Placed`] once the pages are in place.
-    pub fn batch_frame(&mut self, round: u32, gfns: &[u64], checksum: Checksum, ack: bool) -> Result<BatchFrame> {
+    pub fn batch_frame(
+        &mut self,
+        round: u32,
+        gfns: &[u64],
+        checksum: Checksum,
+        ack: bool,
+    ) -> Result<BatchFrame> {
         let count = gfns.len();
         if count == 0 {
-            return Err(Error::BadRecord { seq: self.seq, reason: "empty page batch".into() });
+            return Err(Error::BadRecord {
+                seq: self.seq,
+                reason: "empty page batch".into(),
+            });
         }
         if count > MAX_BATCH_PAGES {
-            return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
+            return Err(Error::Oversized {
+                what: "page batch",
+                len: count as u64,
+                max: MAX_BATCH_PAGES as u64,
+            });
         }
         if let Some(w) = gfns.windows(2).find(|w| w[0] >= w[1]) {
             return Err(Error::BadRecord {
                 seq: self.seq,
-                reason: format!("page frames out of order in a batch ({:#x} before {:#x})", w[0], w[1]),
+                reason: format!(
+                    "page frames out of order in a batch ({:#x} before {:#x})",
+                    w[0], w[1]
+                ),
             });
         }
         let mut flags = match checksum {
@@ -477,7 +528,12 @@ impl Encoder {
             flags |= FLAG_ACK;
         }
         let mut head = Vec::with_capacity(FRAME_HEADER_LEN + batch_meta_len(count));
-        head.extend_from_slice(&frame_header(Tag::MemBatch, flags, batch_body_len(count), self.seq));
+        head.extend_from_slice(&frame_header(
+            Tag::MemBatch,
+            flags,
+            batch_body_len(count),
+            self.seq,
+        ));
         head.extend_from_slice(&round.to_le_bytes());
         head.extend_from_slice(&(count as u32).to_le_bytes());
         for gfn in gfns {
@@ -485,14 +541,27 @@ impl Encoder {
         }
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&head);
-        let frame = BatchFrame { head, hasher, checksum, seq: self.seq, data_len: count * PAGE, fed: 0 };
+        let frame = BatchFrame {
+            head,
+            hasher,
+            checksum,
+            seq: self.seq,
+            data_len: count * PAGE,
+            fed: 0,
+        };
         self.seq += 1;
         Ok(frame)
     }
 
     /// Appends a fully checked `MemBatch` of pages already copied into `data`
     /// (`gfns.len() * 4096` bytes, in gfn order).
-    pub fn mem_batch(&mut self, out: &mut Vec<u8>, round: u32, gfns: &[u64], data: &[u8]) -> Result<()> {
+    pub fn mem_batch(
+        &mut self,
+        out: &mut Vec<u8>,
+        round: u32,
+        gfns: &[u64],
+        data: &[u8],
+    ) -> Result<()> {
         check_data_len(self.seq, gfns.len(), data.len())?;
         let mut f = self.batch_frame(round, gfns, Checksum::Full, false)?;
         f.update(data);
@@ -504,13 +573,21 @@ impl Encoder {
 
     /// Appends a `RoundEnd`: round `round` is over, having sent `pages` pages.
     pub fn round_end(&mut self, out: &mut Vec<u8>, round: u32, pages: u64) {
-        self.frame(out, Tag::RoundEnd, &[&round.to_le_bytes(), &pages.to_le_bytes()]);
+        self.frame(
+            out,
+            Tag::RoundEnd,
+            &[&round.to_le_bytes(), &pages.to_le_bytes()],
+        );
     }
 
     /// Appends the VM's opaque device/vCPU state (at most [`MAX_STATE_LEN`] bytes).
     pub fn state(&mut self, out: &mut Vec<u8>, state: &[u8]) -> Result<()> {
         if state.len() > MAX_STATE_LEN {
-            return Err(Error::Oversized { what: "VM state", len: state.len() as u64, max: MAX_STATE_LEN as u64 });
+            return Err(Error::Oversized {
+                what: "VM state",
+                len: state.len() as u64,
+                max: MAX_STATE_LEN as u64,
+            });
         }
         self.frame(out, Tag::State, &[state]);
         Ok(())
@@ -530,6 +607,7 @@ impl Encoder {
     /// Appends a receiver → sender reply (reasons cut as for [`Encoder::abort`]).
     pub fn reply(&mut self, out: &mut Vec<u8>, reply: &Reply) {
         match reply {
+            Reply::Accepted => self.frame(out, Tag::Accepted, &[]),
             Reply::Ready => self.frame(out, Tag::Ready, &[]),
             Reply::Resumed => self.frame(out, Tag::Resumed, &[]),
             Reply::Failed(r) => self.frame(out, Tag::Failed, &[clip(r, MAX_REASON_LEN).as_bytes()]),
@@ -542,7 +620,10 @@ fn check_data_len(seq: u64, count: usize, data_len: usize) -> Result<()> {
     if data_len != count * PAGE {
         return Err(Error::BadRecord {
             seq,
-            reason: format!("{data_len} bytes of page data for {count} pages (need {})", count * PAGE),
+            reason: format!(
+                "{data_len} bytes of page data for {count} pages (need {})",
+                count * PAGE
+            ),
         });
     }
     Ok(())
@@ -595,7 +676,10 @@ impl BatchFrame {
         if self.checksum == Checksum::Full && self.fed != self.data_len {
             return Err(Error::BadRecord {
                 seq: self.seq,
-                reason: format!("{} bytes of page data fed to the checksum, need {}", self.fed, self.data_len),
+                reason: format!(
+                    "{} bytes of page data fed to the checksum, need {}",
+                    self.fed, self.data_len
+                ),
             });
         }
         Ok(self.hasher.clone().finalize().to_le_bytes())
@@ -615,7 +699,11 @@ impl<W: Write> Writer<W> {
     /// A writer whose first record gets seq 0. Write the header first ([`write_header`]), or
     /// use [`Writer::start`].
     pub fn new(inner: W) -> Self {
-        Writer { inner, enc: Encoder::new(), buf: Vec::new() }
+        Writer {
+            inner,
+            enc: Encoder::new(),
+            buf: Vec::new(),
+        }
     }
 
     /// Writes the stream header for `desc` and returns a writer for the records.
@@ -636,8 +724,18 @@ impl<W: Write> Writer<W> {
 
     /// Writes a `MemBatch` whose page data lies in `data` slices of any size (e.g. one per
     /// page, pointing into guest memory), `gfns.len() * 4096` bytes in all.
-    pub fn mem_batch_vectored(&mut self, round: u32, gfns: &[u64], data: &[&[u8]], checksum: Checksum) -> Result<()> {
-        check_data_len(self.enc.seq(), gfns.len(), data.iter().map(|d| d.len()).sum())?;
+    pub fn mem_batch_vectored(
+        &mut self,
+        round: u32,
+        gfns: &[u64],
+        data: &[&[u8]],
+        checksum: Checksum,
+    ) -> Result<()> {
+        check_data_len(
+            self.enc.seq(),
+            gfns.len(),
+            data.iter().map(|d| d.len()).sum(),
+        )?;
         let mut f = self.enc.batch_frame(round, gfns, checksum, false)?;
         for d in data {
             f.update(d);
@@ -660,7 +758,11 @@ impl<W: Write> Writer<W> {
     pub fn state(&mut self, state: &[u8]) -> Result<()> {
         // Header and trailer go around the caller's bytes; no copy of a big state.
         if state.len() > MAX_STATE_LEN {
-            return Err(Error::Oversized { what: "VM state", len: state.len() as u64, max: MAX_STATE_LEN as u64 });
+            return Err(Error::Oversized {
+                what: "VM state",
+                len: state.len() as u64,
+                max: MAX_STATE_LEN as u64,
+            });
         }
         let head = frame_header(Tag::State, 0, state.len(), self.enc.seq);
         let mut h = crc32fast::Hasher::new();
@@ -793,13 +895,20 @@ impl FrameReader {
     /// Reads a frame header and checks its tag, length bound, flags and reserved bytes.
     fn read_head<R: Read + ?Sized>(&mut self, r: &mut R, replies: bool) -> Result<Option<Head>> {
         if self.failed {
-            return Err(Error::BadRecord { seq: self.seq, reason: "the stream already failed".into() });
+            return Err(Error::BadRecord {
+                seq: self.seq,
+                reason: "the stream already failed".into(),
+            });
         }
         let mut hdr = [0u8; FRAME_HEADER_LEN];
         match read_full(r, &mut hdr)? {
             0 => return Ok(None),
             FRAME_HEADER_LEN => {}
-            _ => return Err(Error::Truncated { what: "record header" }),
+            _ => {
+                return Err(Error::Truncated {
+                    what: "record header",
+                })
+            }
         }
         let tag = match Tag::from_u8(hdr[0]) {
             Some(t) if t.is_reply() == replies => t,
@@ -807,21 +916,41 @@ impl FrameReader {
         };
         let len = le_u32(&hdr[4..8]) as usize;
         if len > tag.max_body_len() {
-            return Err(Error::Oversized { what: "record body", len: len as u64, max: tag.max_body_len() as u64 });
+            return Err(Error::Oversized {
+                what: "record body",
+                len: len as u64,
+                max: tag.max_body_len() as u64,
+            });
         }
         let (flags, seq) = (hdr[1], self.seq);
         if flags & !tag.allowed_flags() != 0 {
-            return Err(Error::BadRecord { seq, reason: format!("unknown flags {flags:#04x} on {tag}") });
+            return Err(Error::BadRecord {
+                seq,
+                reason: format!("unknown flags {flags:#04x} on {tag}"),
+            });
         }
         if hdr[2..4] != [0, 0] {
-            return Err(Error::BadRecord { seq, reason: "reserved bytes are not zero".into() });
+            return Err(Error::BadRecord {
+                seq,
+                reason: "reserved bytes are not zero".into(),
+            });
         }
-        Ok(Some(Head { hdr, tag, flags, len }))
+        Ok(Some(Head {
+            hdr,
+            tag,
+            flags,
+            len,
+        }))
     }
 
     /// Reads the body and trailer of `head` into `buf` and checks the CRC and seq.
     fn read_body<R: Read + ?Sized>(&mut self, r: &mut R, head: &Head) -> Result<Frame> {
-        let &Head { hdr, tag, flags, len } = head;
+        let &Head {
+            hdr,
+            tag,
+            flags,
+            len,
+        } = head;
         // Reused across records and never shrunk: after the first full batch, reading neither
         // allocates nor zero-fills.
         if self.buf.len() < len + TRAILER_LEN {
@@ -833,14 +962,24 @@ impl FrameReader {
         // that boundary needs the page count, bounded before it is used.
         let covered = if flags & FLAG_DATA_UNCHECKED != 0 {
             if len < 8 {
-                return Err(Error::BadRecord { seq, reason: "batch shorter than its metadata".into() });
+                return Err(Error::BadRecord {
+                    seq,
+                    reason: "batch shorter than its metadata".into(),
+                });
             }
             let count = le_u32(&self.buf[4..8]) as usize;
             if count > MAX_BATCH_PAGES {
-                return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
+                return Err(Error::Oversized {
+                    what: "page batch",
+                    len: count as u64,
+                    max: MAX_BATCH_PAGES as u64,
+                });
             }
             if batch_meta_len(count) > len {
-                return Err(Error::BadRecord { seq, reason: format!("batch of {count} pages in a {len}-byte body") });
+                return Err(Error::BadRecord {
+                    seq,
+                    reason: format!("batch of {count} pages in a {len}-byte body"),
+                });
             }
             batch_meta_len(count)
         } else {
@@ -855,7 +994,13 @@ impl FrameReader {
 
     /// Checks a frame's CRC, then its seq (after the CRC, so corruption reads as corruption
     /// and a bad seq means a record really went missing or came twice), and counts it.
-    fn finish(&mut self, hdr: &[u8; FRAME_HEADER_LEN], tag: Tag, crc: u32, trailer: u32) -> Result<()> {
+    fn finish(
+        &mut self,
+        hdr: &[u8; FRAME_HEADER_LEN],
+        tag: Tag,
+        crc: u32,
+        trailer: u32,
+    ) -> Result<()> {
         let seq = self.seq;
         if crc != trailer {
             return Err(Error::ChecksumMismatch { seq, tag });
@@ -879,10 +1024,16 @@ struct GfnMap {
 impl GfnMap {
     fn new(desc: &VmDescription) -> Self {
         let p = PAGE as u64;
-        let mut ranges: Vec<_> =
-            desc.regions.iter().map(|&(gpa, len)| (gpa / p, (gpa / p).saturating_add(len / p))).collect();
+        let mut ranges: Vec<_> = desc
+            .regions
+            .iter()
+            .map(|&(gpa, len)| (gpa / p, (gpa / p).saturating_add(len / p)))
+            .collect();
         ranges.sort_unstable();
-        GfnMap { ranges, memory_bytes: desc.memory_bytes }
+        GfnMap {
+            ranges,
+            memory_bytes: desc.memory_bytes,
+        }
     }
 
     fn contains(&self, gfn: u64) -> bool {
@@ -915,7 +1066,10 @@ pub trait PagePlacer {
     /// Buffers for the page data of `runs`, each `(first gfn, pages)` of contiguous frames
     /// and `pages * 4096` bytes long, in stream order. The reader has checked that the runs
     /// are disjoint and inside the described memory before it asks.
-    fn buffers(&mut self, runs: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String>;
+    fn buffers(
+        &mut self,
+        runs: &[(u64, usize)],
+    ) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String>;
 }
 
 /// The runs of contiguous gfns in `gfns`, as (first gfn, pages).
@@ -935,7 +1089,11 @@ pub fn gfn_runs(gfns: &[u64]) -> impl Iterator<Item = (u64, usize)> + '_ {
 }
 
 /// `read_vectored` until every buffer is full.
-fn read_exact_vectored<R: Read + ?Sized>(r: &mut R, mut bufs: &mut [io::IoSliceMut<'_>], what: &'static str) -> Result<()> {
+fn read_exact_vectored<R: Read + ?Sized>(
+    r: &mut R,
+    mut bufs: &mut [io::IoSliceMut<'_>],
+    what: &'static str,
+) -> Result<()> {
     while !bufs.is_empty() {
         match r.read_vectored(bufs) {
             Ok(0) => return Err(Error::Truncated { what }),
@@ -979,11 +1137,28 @@ pub enum Record<'a> {
 
 /// A checked record, before it borrows the reader's buffers.
 enum Parsed {
-    MemBatch { round: u32, count: usize, len: usize, checked: bool, seq: u64, ack: bool, placed: bool },
-    RoundEnd { round: u32, pages: u64 },
-    State { len: usize },
-    Complete { total_pages: u64 },
-    Abort { len: usize },
+    MemBatch {
+        round: u32,
+        count: usize,
+        len: usize,
+        checked: bool,
+        seq: u64,
+        ack: bool,
+        placed: bool,
+    },
+    RoundEnd {
+        round: u32,
+        pages: u64,
+    },
+    State {
+        len: usize,
+    },
+    Complete {
+        total_pages: u64,
+    },
+    Abort {
+        len: usize,
+    },
 }
 
 /// Reads and checks the records of a stream (receiver side).
@@ -1037,7 +1212,10 @@ impl<R: Read> Reader<R> {
 
     /// A reader for an extra connection of a multi-connection stream, which carries no State.
     pub fn secondary(inner: R, desc: &VmDescription) -> Self {
-        Reader { expect_state: false, ..Self::new(inner, desc) }
+        Reader {
+            expect_state: false,
+            ..Self::new(inner, desc)
+        }
     }
 
     /// Reads the header, then returns a reader for the records and the description.
@@ -1055,7 +1233,10 @@ impl<R: Read> Reader<R> {
     /// gives, checked against the CRC there, and the batch's `data` is empty. Page frames are
     /// range-checked before any byte is placed, but the CRC can only be checked after: on an
     /// error, the placed memory may hold bad data (a receiver discards that VM anyway).
-    pub fn next_record_placed(&mut self, placer: &mut dyn PagePlacer) -> Result<Option<Record<'_>>> {
+    pub fn next_record_placed(
+        &mut self,
+        placer: &mut dyn PagePlacer,
+    ) -> Result<Option<Record<'_>>> {
         self.next(Some(placer))
     }
 
@@ -1074,14 +1255,35 @@ impl<R: Read> Reader<R> {
         };
         let buf = &self.frames.buf;
         Ok(Some(match parsed {
-            Parsed::MemBatch { round, count, len, checked, seq, ack, placed } => {
-                let data = if placed { &[][..] } else { &buf[batch_meta_len(count)..len] };
-                Record::MemBatch(Batch { round, gfns: &self.gfns, data, checked, seq, ack })
+            Parsed::MemBatch {
+                round,
+                count,
+                len,
+                checked,
+                seq,
+                ack,
+                placed,
+            } => {
+                let data = if placed {
+                    &[][..]
+                } else {
+                    &buf[batch_meta_len(count)..len]
+                };
+                Record::MemBatch(Batch {
+                    round,
+                    gfns: &self.gfns,
+                    data,
+                    checked,
+                    seq,
+                    ack,
+                })
             }
             Parsed::RoundEnd { round, pages } => Record::RoundEnd { round, pages },
             Parsed::State { len } => Record::State(&buf[..len]),
             Parsed::Complete { total_pages } => Record::Complete { total_pages },
-            Parsed::Abort { len } => Record::Abort(std::str::from_utf8(&buf[..len]).unwrap_or_default()),
+            Parsed::Abort { len } => {
+                Record::Abort(std::str::from_utf8(&buf[..len]).unwrap_or_default())
+            }
         }))
     }
 
@@ -1095,13 +1297,20 @@ impl<R: Read> Reader<R> {
         let round = le_u32(&first8[0..4]);
         let count = le_u32(&first8[4..8]) as usize;
         if count > MAX_BATCH_PAGES {
-            return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
+            return Err(Error::Oversized {
+                what: "page batch",
+                len: count as u64,
+                max: MAX_BATCH_PAGES as u64,
+            });
         }
         if count == 0 || len != batch_body_len(count) {
             return bad(format!("batch of {count} pages in a {len}-byte body"));
         }
         if round != self.round {
-            return bad(format!("batch for round {round} during round {}", self.round));
+            return bad(format!(
+                "batch for round {round} during round {}",
+                self.round
+            ));
         }
         if flags & FLAG_ACK != 0 && !self.expect_state {
             return bad("acknowledged batch on an extra connection".into());
@@ -1116,10 +1325,19 @@ impl<R: Read> Reader<R> {
         for g in raw.chunks_exact(8) {
             let gfn = le_u64(g);
             if !map.contains(gfn) {
-                return Err(Error::PageOutOfRange { gfn, memory_bytes: map.memory_bytes });
+                return Err(Error::PageOutOfRange {
+                    gfn,
+                    memory_bytes: map.memory_bytes,
+                });
             }
             if gfns.last().is_some_and(|&l| l >= gfn) {
-                return Err(Error::BadRecord { seq, reason: format!("page frames out of order ({gfn:#x} after {:#x})", gfns[gfns.len() - 1]) });
+                return Err(Error::BadRecord {
+                    seq,
+                    reason: format!(
+                        "page frames out of order ({gfn:#x} after {:#x})",
+                        gfns[gfns.len() - 1]
+                    ),
+                });
             }
             gfns.push(gfn);
         }
@@ -1127,11 +1345,26 @@ impl<R: Read> Reader<R> {
     }
 
     /// Counts a checked batch into its round.
-    fn commit_batch(&mut self, seq: u64, flags: u8, count: usize, len: usize, placed: bool) -> Parsed {
+    fn commit_batch(
+        &mut self,
+        seq: u64,
+        flags: u8,
+        count: usize,
+        len: usize,
+        placed: bool,
+    ) -> Parsed {
         let checked = flags & FLAG_DATA_UNCHECKED == 0;
         self.round_pages += count as u64;
         self.round_unchecked |= !checked;
-        Parsed::MemBatch { round: self.round, count, len, checked, seq, ack: flags & FLAG_ACK != 0, placed }
+        Parsed::MemBatch {
+            round: self.round,
+            count,
+            len,
+            checked,
+            seq,
+            ack: flags & FLAG_ACK != 0,
+            placed,
+        }
     }
 
     /// Reads a batch whose header is `head`, placing its page data with `placer`.
@@ -1153,11 +1386,17 @@ impl<R: Read> Reader<R> {
         h.update(&buf[..meta_len]);
         let mut bufs = placer.buffers(&runs).map_err(Error::Placement)?;
         if bufs.len() != runs.len() || bufs.iter().zip(&runs).any(|(b, r)| b.len() != r.1 * PAGE) {
-            return Err(Error::Placement(format!("the placer's buffers do not match the batch's {} runs", runs.len())));
+            return Err(Error::Placement(format!(
+                "the placer's buffers do not match the batch's {} runs",
+                runs.len()
+            )));
         }
         {
             // Reborrowed, so the buffers can be read again for the CRC once they are full.
-            let mut work: Vec<io::IoSliceMut<'_>> = bufs.iter_mut().map(|b| io::IoSliceMut::new(&mut b[..])).collect();
+            let mut work: Vec<io::IoSliceMut<'_>> = bufs
+                .iter_mut()
+                .map(|b| io::IoSliceMut::new(&mut b[..]))
+                .collect();
             read_exact_vectored(&mut self.inner, &mut work, "record body")?;
         }
         if head.flags & FLAG_DATA_UNCHECKED == 0 {
@@ -1168,7 +1407,8 @@ impl<R: Read> Reader<R> {
         drop(bufs);
         let mut trailer = [0u8; TRAILER_LEN];
         read_exact(&mut self.inner, &mut trailer, "record body")?;
-        self.frames.finish(&head.hdr, head.tag, h.finalize(), le_u32(&trailer))?;
+        self.frames
+            .finish(&head.hdr, head.tag, h.finalize(), le_u32(&trailer))?;
         Ok(self.commit_batch(seq, head.flags, count, meta_len, true))
     }
 
@@ -1176,7 +1416,9 @@ impl<R: Read> Reader<R> {
     fn advance(&mut self, placer: Option<&mut dyn PagePlacer>) -> Result<Parsed> {
         let seq = self.frames.seq;
         let Some(head) = self.frames.read_head(&mut self.inner, false)? else {
-            return Err(Error::Truncated { what: "stream (it ended before Complete or Abort)" });
+            return Err(Error::Truncated {
+                what: "stream (it ended before Complete or Abort)",
+            });
         };
         if let (Tag::MemBatch, Some(p)) = (head.tag, placer) {
             return self.place_batch(&head, p);
@@ -1187,7 +1429,12 @@ impl<R: Read> Reader<R> {
         match tag {
             Tag::MemBatch => {
                 let count = self.batch_count(seq, flags, len, &body[..8.min(len)])?;
-                Self::load_gfns(&mut self.gfns, &self.gfn_map, seq, &body[8..batch_meta_len(count)])?;
+                Self::load_gfns(
+                    &mut self.gfns,
+                    &self.gfn_map,
+                    seq,
+                    &body[8..batch_meta_len(count)],
+                )?;
                 Ok(self.commit_batch(seq, flags, count, len, false))
             }
             Tag::RoundEnd => {
@@ -1230,7 +1477,10 @@ impl<R: Read> Reader<R> {
                     return bad("Complete before State".into());
                 }
                 if self.round_pages != 0 {
-                    return bad(format!("Complete inside round {} (no RoundEnd)", self.round));
+                    return bad(format!(
+                        "Complete inside round {} (no RoundEnd)",
+                        self.round
+                    ));
                 }
                 if total_pages != self.total_pages {
                     return bad(format!(
@@ -1252,7 +1502,9 @@ impl<R: Read> Reader<R> {
                 Ok(Parsed::Abort { len })
             }
             // FrameReader already rejects replies in a record stream.
-            Tag::Ready | Tag::Resumed | Tag::Failed | Tag::Placed => Err(Error::UnknownTag(tag as u8)),
+            Tag::Ready | Tag::Resumed | Tag::Failed | Tag::Placed | Tag::Accepted => {
+                Err(Error::UnknownTag(tag as u8))
+            }
         }
     }
 
@@ -1290,7 +1542,10 @@ impl<R: Read> Reader<R> {
 /// A receiver → sender reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
-    /// The header was accepted; the sender may send records.
+    /// The header was read and is valid; the destination builds the VM (Ready or Failed
+    /// follows).
+    Accepted,
+    /// The destination's VM is built; the sender may send records.
     Ready,
     /// The destination runs the VM; the source may discard it.
     Resumed,
@@ -1300,7 +1555,8 @@ pub enum Reply {
     Placed(u64),
 }
 
-/// Reads replies (sender side). Grammar: `Ready` or `Failed` first; after `Ready`, any
+/// Reads replies (sender side). Grammar: optionally `Accepted` first; then `Ready` or `Failed`;
+/// after `Ready`, any
 /// number of `Placed` (for increasing batch seqs), then `Resumed` or `Failed`; nothing after
 /// `Resumed` or `Failed`.
 #[derive(Debug)]
@@ -1308,6 +1564,7 @@ pub struct ReplyReader<R> {
     inner: R,
     frames: FrameReader,
     ready: bool,
+    accepted: bool,
     finished: bool,
     last_placed: Option<u64>,
 }
@@ -1315,26 +1572,45 @@ pub struct ReplyReader<R> {
 impl<R: Read> ReplyReader<R> {
     /// A reader for the replies on `inner`.
     pub fn new(inner: R) -> Self {
-        ReplyReader { inner, frames: FrameReader::default(), ready: false, finished: false, last_placed: None }
+        ReplyReader {
+            inner,
+            frames: FrameReader::default(),
+            ready: false,
+            accepted: false,
+            finished: false,
+            last_placed: None,
+        }
     }
 
     /// Waits for the next reply. EOF is [`Error::Truncated`]: the receiver must answer.
     pub fn next_reply(&mut self) -> Result<Reply> {
         let seq = self.frames.seq;
         if self.finished {
-            return Err(Error::BadRecord { seq, reason: "no reply follows Resumed or Failed".into() });
+            return Err(Error::BadRecord {
+                seq,
+                reason: "no reply follows Resumed or Failed".into(),
+            });
         }
         let Some(Frame { tag, len, .. }) = self.frames.read(&mut self.inner, true)? else {
-            return Err(Error::Truncated { what: "reply stream" });
+            return Err(Error::Truncated {
+                what: "reply stream",
+            });
         };
         let reply = match tag {
+            Tag::Accepted if !self.ready && !self.accepted => {
+                self.accepted = true;
+                return Ok(Reply::Accepted);
+            }
             Tag::Ready if !self.ready => Reply::Ready,
             Tag::Resumed if self.ready => Reply::Resumed,
             Tag::Placed if self.ready && len == 8 => {
                 let placed = le_u64(&self.frames.buf[..8]);
                 if self.last_placed.is_some_and(|l| placed <= l) {
                     self.frames.failed = true;
-                    return Err(Error::BadRecord { seq, reason: format!("Placed for batch {placed} after a later one") });
+                    return Err(Error::BadRecord {
+                        seq,
+                        reason: format!("Placed for batch {placed} after a later one"),
+                    });
                 }
                 self.last_placed = Some(placed);
                 Reply::Placed(placed)
@@ -1343,12 +1619,18 @@ impl<R: Read> ReplyReader<R> {
                 Ok(s) => Reply::Failed(s.to_string()),
                 Err(_) => {
                     self.frames.failed = true;
-                    return Err(Error::BadRecord { seq, reason: "Failed reason is not UTF-8".into() });
+                    return Err(Error::BadRecord {
+                        seq,
+                        reason: "Failed reason is not UTF-8".into(),
+                    });
                 }
             },
             _ => {
                 self.frames.failed = true;
-                return Err(Error::BadRecord { seq, reason: format!("unexpected reply {tag}") });
+                return Err(Error::BadRecord {
+                    seq,
+                    reason: format!("unexpected reply {tag}"),
+                });
             }
         };
         self.ready = true;

@@ -12,9 +12,19 @@ use crate::Error;
 #[serde(rename_all = "lowercase")]
 pub enum Payload {
     /// One of kumo's own guest programs, with `key=value` arguments.
-    Guest { name: String, #[serde(default)] args: Vec<String> },
+    Guest {
+        name: String,
+        #[serde(default)]
+        args: Vec<String>,
+    },
     /// A Linux kernel (bzImage or PVH vmlinux).
-    Kernel { path: PathBuf, #[serde(default)] initrd: Option<PathBuf>, #[serde(default)] cmdline: Option<String> },
+    Kernel {
+        path: PathBuf,
+        #[serde(default)]
+        initrd: Option<PathBuf>,
+        #[serde(default)]
+        cmdline: Option<String>,
+    },
 }
 
 /// The command line for `--kernel` without `--cmdline`: the serial console, no reboot loop, and
@@ -86,7 +96,8 @@ fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error>
 impl ConfigFile {
     /// Reads a `.json` or `.toml` file (by extension; otherwise JSON is tried, then TOML).
     pub fn load(path: &Path) -> Result<Self, Error> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         let json = || serde_json::from_str::<ConfigFile>(&text).map_err(|e| e.to_string());
         let toml = || toml::from_str::<ConfigFile>(&text).map_err(|e| e.to_string());
@@ -106,7 +117,11 @@ impl VmConfig {
             return Err(Error::Config("cpus must be at least 1".into()));
         }
         if self.cpus > kumo_vm::layout::MAX_VCPUS {
-            return Err(Error::Config(format!("cpus {} exceeds kumo's limit of {}", self.cpus, kumo_vm::layout::MAX_VCPUS)));
+            return Err(Error::Config(format!(
+                "cpus {} exceeds kumo's limit of {}",
+                self.cpus,
+                kumo_vm::layout::MAX_VCPUS
+            )));
         }
         if self.memory < kumo_vm::memory::MIN_MEMORY || !self.memory.is_multiple_of(4096) {
             return Err(Error::Config(format!(
@@ -128,10 +143,15 @@ impl VmConfig {
                 g.command_line(args)?;
             }
             Payload::Kernel { path, initrd, .. } => {
-                for (what, p) in std::iter::once(("kernel", Some(path))).chain(std::iter::once(("initrd", initrd.as_ref()))) {
+                for (what, p) in std::iter::once(("kernel", Some(path)))
+                    .chain(std::iter::once(("initrd", initrd.as_ref())))
+                {
                     if let Some(p) = p {
                         if !p.is_file() {
-                            return Err(Error::Config(format!("{what} {} does not exist or is not a file", p.display())));
+                            return Err(Error::Config(format!(
+                                "{what} {} does not exist or is not a file",
+                                p.display()
+                            )));
                         }
                     }
                 }
@@ -166,8 +186,18 @@ mod tests {
         let t = ConfigFile::load(&write("a.toml", "cpus = 2\nmemory = \"512M\"\n[payload.guest]\nname = \"memtouch\"\nargs = [\"pages=10\"]\n")).unwrap();
         assert_eq!(t.cpus, Some(2));
         assert_eq!(t.memory, Some(512 << 20));
-        assert_eq!(t.payload, Some(Payload::Guest { name: "memtouch".into(), args: vec!["pages=10".into()] }));
-        let j = ConfigFile::load(&write("b.json", r#"{"memory": 67108864, "irqchip": "split", "payload": {"kernel": {"path": "/k"}}}"#)).unwrap();
+        assert_eq!(
+            t.payload,
+            Some(Payload::Guest {
+                name: "memtouch".into(),
+                args: vec!["pages=10".into()]
+            })
+        );
+        let j = ConfigFile::load(&write(
+            "b.json",
+            r#"{"memory": 67108864, "irqchip": "split", "payload": {"kernel": {"path": "/k"}}}"#,
+        ))
+        .unwrap();
         assert_eq!(j.memory, Some(64 << 20));
         assert_eq!(j.irqchip, Some(IrqchipMode::Split));
         assert!(matches!(j.payload, Some(Payload::Kernel { .. })));
@@ -175,28 +205,92 @@ mod tests {
 
     #[test]
     fn bad_files_give_clear_errors() {
-        let e = ConfigFile::load(&write("c.toml", "cpus = \"many\"\n")).unwrap_err().to_string();
+        let e = ConfigFile::load(&write("c.toml", "cpus = \"many\"\n"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("c.toml"), "{e}");
-        let e = ConfigFile::load(&write("d.json", r#"{"cpu": 1}"#)).unwrap_err().to_string();
+        let e = ConfigFile::load(&write("d.json", r#"{"cpu": 1}"#))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown field"), "{e}");
-        let e = ConfigFile::load(&write("e.json", r#"{"memory": "lots"}"#)).unwrap_err().to_string();
+        let e = ConfigFile::load(&write("e.json", r#"{"memory": "lots"}"#))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a size"), "{e}");
-        let e = ConfigFile::load(Path::new("/nonexistent/kumo.toml")).unwrap_err().to_string();
+        let e = ConfigFile::load(Path::new("/nonexistent/kumo.toml"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cannot read /nonexistent/kumo.toml"), "{e}");
     }
 
     #[test]
     fn validation() {
-        let guest = |name: &str, args: &[&str]| Payload::Guest { name: name.into(), args: args.iter().map(|s| s.to_string()).collect() };
-        let ok = VmConfig { cpus: 1, memory: 64 << 20, irqchip: IrqchipMode::Kernel, payload: guest("hello", &[]) };
+        let guest = |name: &str, args: &[&str]| Payload::Guest {
+            name: name.into(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+        };
+        let ok = VmConfig {
+            cpus: 1,
+            memory: 64 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: guest("hello", &[]),
+        };
         ok.validate().unwrap();
-        assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
-        assert!(VmConfig { cpus: 9999, ..ok.clone() }.validate().unwrap_err().to_string().contains("limit"));
-        assert!(VmConfig { memory: 1000, ..ok.clone() }.validate().unwrap_err().to_string().contains("4 KiB"));
-        assert!(VmConfig { payload: guest("nope", &[]), ..ok.clone() }.validate().unwrap_err().to_string().contains("unknown guest"));
-        assert!(VmConfig { payload: guest("smp", &[]), ..ok.clone() }.validate().unwrap_err().to_string().contains("vCPUs"));
-        assert!(VmConfig { payload: guest("memtouch", &["pages=x"]), ..ok.clone() }.validate().is_err());
-        let k = Payload::Kernel { path: "/no/such/bzImage".into(), initrd: None, cmdline: None };
-        assert!(VmConfig { payload: k, ..ok }.validate().unwrap_err().to_string().contains("/no/such/bzImage does not exist"));
+        assert!(VmConfig {
+            cpus: 0,
+            ..ok.clone()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("at least 1"));
+        assert!(VmConfig {
+            cpus: 9999,
+            ..ok.clone()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("limit"));
+        assert!(VmConfig {
+            memory: 1000,
+            ..ok.clone()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("4 KiB"));
+        assert!(VmConfig {
+            payload: guest("nope", &[]),
+            ..ok.clone()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("unknown guest"));
+        assert!(VmConfig {
+            payload: guest("smp", &[]),
+            ..ok.clone()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("vCPUs"));
+        assert!(VmConfig {
+            payload: guest("memtouch", &["pages=x"]),
+            ..ok.clone()
+        }
+        .validate()
+        .is_err());
+        let k = Payload::Kernel {
+            path: "/no/such/bzImage".into(),
+            initrd: None,
+            cmdline: None,
+        };
+        assert!(VmConfig { payload: k, ..ok }
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("/no/such/bzImage does not exist"));
     }
 }

@@ -8,7 +8,9 @@ use kumo_api::MigrateRequest;
 use kumo_migration::format::VmDescription;
 use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
-use kumo_migration_engine::{migrate, Address, DestVm, EngineKind, Event, MigrateOptions, Report, SourceVm};
+use kumo_migration_engine::{
+    migrate, Address, DestVm, EngineKind, Event, MigrateOptions, Report, SourceVm,
+};
 use kumo_vm::dirty::PageBitmap;
 use kumo_vm::layout::ram_regions;
 use kumo_vm::GuestMemory;
@@ -21,7 +23,12 @@ impl SourceVm for RunningVm {
     fn description(&self) -> VmDescription {
         let c = self.config();
         let payload = serde_json::to_value(c).unwrap_or(Value::Null);
-        VmDescription::new(c.cpus, &c.irqchip.to_string(), payload, ram_regions(c.memory))
+        VmDescription::new(
+            c.cpus,
+            &c.irqchip.to_string(),
+            payload,
+            ram_regions(c.memory),
+        )
     }
     fn memory(&self) -> &GuestMemory {
         RunningVm::memory(self)
@@ -30,7 +37,10 @@ impl SourceVm for RunningVm {
         RunningVm::memfd(self).as_fd()
     }
     fn start_dirty_log(&self) -> Result<(), String> {
-        self.vm().start_dirty_log().map(drop).map_err(|e| e.to_string())
+        self.vm()
+            .start_dirty_log()
+            .map(drop)
+            .map_err(|e| e.to_string())
     }
     fn stop_dirty_log(&self) {
         if let Err(e) = self.vm().stop_dirty_log() {
@@ -44,10 +54,10 @@ impl SourceVm for RunningVm {
         self.vm().fetch_dirty(into).map_err(|e| e.to_string())
     }
     fn pause(&self) -> Result<(), String> {
-        RunningVm::pause(self).map_err(|e| e.to_string())
+        self.migration_pause().map_err(|e| e.to_string())
     }
     fn resume(&self) -> Result<(), String> {
-        RunningVm::resume(self).map_err(|e| e.to_string())
+        self.migration_resume().map_err(|e| e.to_string())
     }
     fn save_state(&self) -> Result<Vec<u8>, String> {
         let s = RunningVm::save_state(self).map_err(|e| e.to_string())?;
@@ -63,17 +73,19 @@ impl DestVm for RunningVm {
         RunningVm::memory(self)
     }
     fn restore_state(&self, state: &[u8]) -> Result<(), String> {
-        let s: Snapshot = serde_json::from_slice(state).map_err(|e| format!("bad VM state: {e}"))?;
+        let s: Snapshot =
+            serde_json::from_slice(state).map_err(|e| format!("bad VM state: {e}"))?;
         RunningVm::restore_state(self, &s).map_err(|e| e.to_string())
     }
     fn resume(&self) -> Result<(), String> {
-        RunningVm::resume(self).map_err(|e| e.to_string())
+        self.resume_incoming().map_err(|e| e.to_string())
     }
 }
 
 /// The VM config an incoming stream describes, checked against the stream's own shape.
 pub fn config_from_description(d: &VmDescription) -> Result<VmConfig, String> {
-    let c: VmConfig = serde_json::from_value(d.payload.clone()).map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
+    let c: VmConfig = serde_json::from_value(d.payload.clone())
+        .map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
     if c.cpus != d.cpus || c.memory != d.memory_bytes || ram_regions(c.memory) != d.regions {
         return Err("the stream's VM config contradicts its description".into());
     }
@@ -95,8 +107,30 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
     if !(1..=max).contains(&connections) {
         return Err(format!("connections must be 1..={max}, not {connections}"));
     }
-    let policy = StopPolicy { xen: xen.then(XenRule::default), downtime };
-    Ok((to, MigrateOptions { engine, policy, connections, ..Default::default() }))
+    if engine == EngineKind::Serial && connections > 1 {
+        return Err(
+            "the serial engine sends one batch at a time on one connection: use connections 1"
+                .into(),
+        );
+    }
+    let mut opts = MigrateOptions {
+        engine,
+        connections,
+        ..Default::default()
+    };
+    if let Some(ms) = req.progress_timeout_ms {
+        if !(100..=3_600_000).contains(&ms) {
+            return Err(format!(
+                "progress_timeout_ms must be 100..=3600000, not {ms}"
+            ));
+        }
+        opts.progress_timeout = Duration::from_millis(ms);
+    }
+    opts.policy = StopPolicy {
+        xen: xen.then(XenRule::default),
+        downtime,
+    };
+    Ok((to, opts))
 }
 
 /// Fits the dirty-page model to the live rounds' observations (round length, pages dirtied
@@ -105,10 +139,26 @@ pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
     // Prefer D(t) sampled during round 0: a direct measurement of the curve, so the rounds
     // after it are predicted out of sample. Otherwise fit the rounds' (length, pages dirtied).
     let (obs, source): (Vec<(f64, f64)>, &str) = if r.round0_dirty_samples.len() >= 3 {
-        (r.round0_dirty_samples.iter().map(|&(t, d)| (t, d as f64)).collect(), "round 0, sampled every 50 ms")
+        (
+            r.round0_dirty_samples
+                .iter()
+                .map(|&(t, d)| (t, d as f64))
+                .collect(),
+            "round 0, sampled every 50 ms",
+        )
     } else {
-        let live: Vec<_> = r.rounds.iter().filter(|x| x.dirty_after > 0 || x.round + 1 < r.rounds.len() as u32).collect();
-        (live.iter().take(live.len().saturating_sub(1).max(2)).map(|x| (x.ms / 1e3, x.dirty_after as f64)).collect(), "rounds")
+        let live: Vec<_> = r
+            .rounds
+            .iter()
+            .filter(|x| x.dirty_after > 0 || x.round + 1 < r.rounds.len() as u32)
+            .collect();
+        (
+            live.iter()
+                .take(live.len().saturating_sub(1).max(2))
+                .map(|x| (x.ms / 1e3, x.dirty_after as f64))
+                .collect(),
+            "rounds",
+        )
     };
     let model = match DirtyModel::fit(&obs) {
         Ok(m) => m,
@@ -141,18 +191,27 @@ pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
             json!({"fitted": true, "fit_source": source, "m": model.m, "tau_s": model.tau, "observations": obs,
                    "bandwidth_pages_per_s": bw, "predicted": p, "comparison": cmp})
         }
-        Err(e) => json!({"fitted": true, "m": model.m, "tau_s": model.tau, "predict_error": e.to_string()}),
+        Err(e) => {
+            json!({"fitted": true, "m": model.m, "tau_s": model.tau, "predict_error": e.to_string()})
+        }
     }
 }
 
 /// Watches the guest dirty memory for about `window` and predicts a migration at
 /// `bandwidth_pages_per_s`: the dry run behind `kumo migrate --dry-run`.
-pub fn estimate(vm: &RunningVm, window: Duration, bandwidth_pages_per_s: f64, policy: StopPolicy) -> Result<Value, String> {
+pub fn estimate(
+    vm: &RunningVm,
+    window: Duration,
+    bandwidth_pages_per_s: f64,
+    policy: StopPolicy,
+) -> Result<Value, String> {
     vm.vm().start_dirty_log().map_err(|e| e.to_string())?;
     let regions = ram_regions(vm.config().memory);
     let r = (|| {
         let mut scratch = PageBitmap::for_regions(&regions);
-        vm.vm().fetch_dirty(&mut scratch).map_err(|e| e.to_string())?;
+        vm.vm()
+            .fetch_dirty(&mut scratch)
+            .map_err(|e| e.to_string())?;
         // Windows of growing length: the model's curve is only determined by several t.
         let mut obs = Vec::new();
         let mut t = (window.as_secs_f64() / 31.0).max(0.005);
@@ -166,12 +225,21 @@ pub fn estimate(vm: &RunningVm, window: Duration, bandwidth_pages_per_s: f64, po
             t *= 2.0;
         }
         let touched = vm.vm().touched_pages().map_err(|e| e.to_string())?.count();
-        let model = DirtyModel::fit(&obs).map_err(|e| format!("cannot fit the dirty-page model: {e} (observations {obs:?})"))?;
+        let model = DirtyModel::fit(&obs)
+            .map_err(|e| format!("cannot fit the dirty-page model: {e} (observations {obs:?})"))?;
         let total_pages = vm.config().memory / 4096;
-        let params = PredictParams { total_pages, round0_pages: touched, bandwidth_pages_per_s, beta: 0.0, policy };
+        let params = PredictParams {
+            total_pages,
+            round0_pages: touched,
+            bandwidth_pages_per_s,
+            beta: 0.0,
+            policy,
+        };
         let p = predict(&model, &params).map_err(|e| e.to_string())?;
-        Ok(json!({"dry_run": true, "m": model.m, "tau_s": model.tau, "observations": obs, "touched_pages": touched,
-                  "bandwidth_pages_per_s": bandwidth_pages_per_s, "predicted": p}))
+        Ok(
+            json!({"dry_run": true, "m": model.m, "tau_s": model.tau, "observations": obs, "touched_pages": touched,
+                  "bandwidth_pages_per_s": bandwidth_pages_per_s, "predicted": p}),
+        )
     })();
     let _ = vm.vm().stop_dirty_log();
     r
@@ -211,26 +279,46 @@ impl MigrationJob {
             if s.running {
                 return Err(JobError::Busy);
             }
-            *s = JobState { running: true, ..Default::default() };
+            *s = JobState {
+                running: true,
+                ..Default::default()
+            };
         }
         let result = if req.dry_run {
             let bw = loopback_pages_per_s();
-            estimate(vm, Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000)), bw, opts.policy)
+            estimate(
+                vm,
+                Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000)),
+                bw,
+                opts.policy,
+            )
+        } else if let Err(e) = vm.begin_migration() {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            s.running = false;
+            return Err(JobError::Conflict(e.to_string()));
         } else {
             let total_pages = vm.config().memory / 4096;
-            migrate(&**vm, &to, &opts, &mut |e| {
+            let r = migrate(&**vm, &to, &opts, &mut |e| {
                 tracing::info!(?e, "migration");
-                self.state.lock().unwrap_or_else(|p| p.into_inner()).events.push(e);
+                self.state
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .events
+                    .push(e);
             })
             .map(|r| {
                 let mut v = serde_json::to_value(&r).unwrap_or(Value::Null);
                 v["model"] = model_report(&r, opts.policy, total_pages);
                 v["to"] = json!(to.to_string());
-                // The VM runs at the destination now; this copy stops.
+                v["arrived_paused"] = json!(vm.paused_by_user());
+                // The VM runs at the destination now; this copy stops (before the run state
+                // goes back to the user, so nothing can resume it in between).
                 vm.finish_migrated(to.to_string());
                 v
             })
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string());
+            vm.end_migration();
+            r
         };
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.running = false;
@@ -253,6 +341,8 @@ pub enum JobError {
     BadRequest(String),
     #[error("a migration is already running")]
     Busy,
+    #[error("{0}")]
+    Conflict(String),
     #[error("migration failed: {0}")]
     Failed(String),
 }
@@ -260,5 +350,7 @@ pub enum JobError {
 /// This host's loopback TCP throughput in pages/s, measured by sending 64 MiB to ourselves:
 /// the bandwidth a dry run assumes for a local destination.
 pub fn loopback_pages_per_s() -> f64 {
-    kumo_migration_engine::transport::loopback_tcp_bytes_per_s(64 << 20, 1 << 20).map(|b| b / 4096.0).unwrap_or(250_000.0)
+    kumo_migration_engine::transport::loopback_tcp_bytes_per_s(64 << 20, 1 << 20)
+        .map(|b| b / 4096.0)
+        .unwrap_or(250_000.0)
 }

@@ -25,7 +25,10 @@ use crate::{Error, Result};
 
 /// CLOCK_MONOTONIC in nanoseconds: comparable across processes, for start-up timings.
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec we pass.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -89,6 +92,9 @@ pub struct Snapshot {
     /// COM1's registers and pending input (absent in snapshots from before it was saved).
     #[serde(default)]
     pub serial: Option<kumo_devices::SerialSnapshot>,
+    /// The user had paused the VM: a migrated VM arrives paused, as it left.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 const RUN: u8 = 0;
@@ -100,6 +106,13 @@ struct Control {
     live: u32,
     outcome: Option<Outcome>,
     paused: bool,
+    /// A migration owns the VM's run state: the user's pause and resume are refused.
+    migrating: bool,
+    /// The user had paused the VM when the migration began: the migration neither resumes it
+    /// on failure nor lets it run at the destination.
+    user_paused: bool,
+    /// Restored from a snapshot of a user-paused VM: resuming after restore keeps it paused.
+    stay_paused: bool,
 }
 
 struct Shared {
@@ -151,7 +164,9 @@ impl Shared {
 
     fn mark(&self, marker: u8) {
         if marker == 1 {
-            lock(&self.timings).guest_entry_ns.get_or_insert_with(monotonic_ns);
+            lock(&self.timings)
+                .guest_entry_ns
+                .get_or_insert_with(monotonic_ns);
         }
     }
 }
@@ -168,7 +183,9 @@ impl Write for TimedSink {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if !self.seen && !buf.is_empty() {
             self.seen = true;
-            lock(&self.shared.timings).first_output_ns.get_or_insert_with(monotonic_ns);
+            lock(&self.shared.timings)
+                .first_output_ns
+                .get_or_insert_with(monotonic_ns);
         }
         self.line.extend_from_slice(buf);
         if self.line.len() >= 256 || buf.contains(&b'\n') {
@@ -212,8 +229,13 @@ mod linux_loader_shim {
 
     /// Loads `elf` and returns (entry point, end of the loaded image).
     pub fn load_elf(mem: &kumo_vm::GuestMemory, elf: &[u8]) -> Result<(u64, u64)> {
-        let r = Elf::load(mem, None, &mut Cursor::new(elf), Some(GuestAddress(HIMEM_START)))
-            .map_err(|e| Error::Load(e.to_string()))?;
+        let r = Elf::load(
+            mem,
+            None,
+            &mut Cursor::new(elf),
+            Some(GuestAddress(HIMEM_START)),
+        )
+        .map_err(|e| Error::Load(e.to_string()))?;
         let end = kumo_guests::image_end(elf).map_err(Error::Load)?;
         Ok((r.kernel_load.0, end.max(r.kernel_end)))
     }
@@ -228,11 +250,20 @@ impl RunningVm {
     /// Builds a VM of `config`'s shape for an incoming migration: memory empty, payload not
     /// loaded, every vCPU thread parked (the VM is paused) until its state is restored and it
     /// is resumed. With `memfd`, guest memory is that file (a local migration shares it).
-    pub fn incoming(config: VmConfig, serial: Box<dyn Write + Send>, memfd: Option<std::fs::File>) -> Result<RunningVm> {
+    pub fn incoming(
+        config: VmConfig,
+        serial: Box<dyn Write + Send>,
+        memfd: Option<std::fs::File>,
+    ) -> Result<RunningVm> {
         Self::build(config, serial, true, memfd)
     }
 
-    fn build(config: VmConfig, serial: Box<dyn Write + Send>, incoming: bool, memfd: Option<std::fs::File>) -> Result<RunningVm> {
+    fn build(
+        config: VmConfig,
+        serial: Box<dyn Write + Send>,
+        incoming: bool,
+        memfd: Option<std::fs::File>,
+    ) -> Result<RunningVm> {
         let start_ns = monotonic_ns();
         if incoming {
             config.validate_shape()?;
@@ -240,11 +271,18 @@ impl RunningVm {
             config.validate()?;
         }
         let vm = match memfd {
-            Some(f) => Vm::with_memory(config.cpus, kumo_vm::Memory::from_file(f, config.memory)?, config.irqchip)?,
+            Some(f) => Vm::with_memory(
+                config.cpus,
+                kumo_vm::Memory::from_file(f, config.memory)?,
+                config.irqchip,
+            )?,
             None => Vm::new(config.cpus, config.memory, config.irqchip)?,
         };
         let mem = &vm.memory.guest;
-        let top = ram_regions(config.memory).last().map(|(s, l)| s + l).unwrap_or(0);
+        let top = ram_regions(config.memory)
+            .last()
+            .map(|(s, l)| s + l)
+            .unwrap_or(0);
         // An incoming VM's memory comes from the source (for a local migration it *is* the
         // source's memory): writing boot structures would clobber the guest.
         if !incoming {
@@ -254,12 +292,25 @@ impl RunningVm {
 
         let shared = Arc::new(Shared {
             request: AtomicU8::new(if incoming { PAUSE } else { RUN }),
-            ctl: Mutex::new(Control { parked: 0, live: 0, outcome: None, paused: incoming }),
+            ctl: Mutex::new(Control {
+                parked: 0,
+                live: 0,
+                outcome: None,
+                paused: incoming,
+                migrating: false,
+                user_paused: false,
+                stay_paused: false,
+            }),
             cv: Condvar::new(),
-            timings: Mutex::new(Timings { start_ns, ..Default::default() }),
+            timings: Mutex::new(Timings {
+                start_ns,
+                ..Default::default()
+            }),
         });
 
-        let vcpus: Vec<Vcpu> = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;
+        let vcpus: Vec<Vcpu> = (0..config.cpus)
+            .map(|i| vm.create_vcpu(i))
+            .collect::<kumo_vm::Result<_>>()?;
         let entries: Vec<Option<Entry>> = match &config.payload {
             // Memory and registers arrive with the migration stream.
             _ if incoming => vec![None; config.cpus as usize],
@@ -277,12 +328,19 @@ impl RunningVm {
                     cmdline,
                 };
                 if info.free_start >= free_end {
-                    return Err(Error::Load(format!("guest {name} does not fit in {} bytes of memory", config.memory)));
+                    return Err(Error::Load(format!(
+                        "guest {name} does not fit in {} bytes of memory",
+                        config.memory
+                    )));
                 }
                 info.write(mem)?;
                 vec![Some(Entry::KumoGuest { rip }); config.cpus as usize]
             }
-            Payload::Kernel { path, initrd, cmdline } => {
+            Payload::Kernel {
+                path,
+                initrd,
+                cmdline,
+            } => {
                 let cfg = LinuxBootConfig {
                     kernel: path,
                     initrd: initrd.as_deref(),
@@ -290,11 +348,20 @@ impl RunningVm {
                     mem_bytes: config.memory,
                 };
                 let entry = match load_linux(mem, &cfg).map_err(kumo_vm::Error::from)? {
-                    LinuxEntry::BzImage64 { entry, boot_params } => Entry::Linux64 { rip: entry, boot_params },
-                    LinuxEntry::Pvh { entry, start_info } => Entry::Pvh { rip: entry, start_info },
+                    LinuxEntry::BzImage64 { entry, boot_params } => Entry::Linux64 {
+                        rip: entry,
+                        boot_params,
+                    },
+                    LinuxEntry::Pvh { entry, start_info } => Entry::Pvh {
+                        rip: entry,
+                        start_info,
+                    },
                 };
                 // APs wait for the kernel's INIT/SIPI.
-                std::iter::once(Some(entry)).chain(std::iter::repeat(None)).take(config.cpus as usize).collect()
+                std::iter::once(Some(entry))
+                    .chain(std::iter::repeat(None))
+                    .take(config.cpus as usize)
+                    .collect()
             }
         };
         for (v, e) in vcpus.iter().zip(&entries) {
@@ -303,11 +370,18 @@ impl RunningVm {
 
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::Devices(e.to_string()))?;
         vm.register_irqfd(&irq, COM1_IRQ)?;
-        let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
+        let sink = TimedSink {
+            out: serial,
+            shared: shared.clone(),
+            seen: false,
+            line: Vec::new(),
+        };
         let serial = Arc::new(Mutex::new(SerialConsole::new(irq, Box::new(sink))));
         let mut bus = PioBus::new();
-        bus.insert(COM1_PORT, 8, serial.clone()).map_err(|e| Error::Devices(e.to_string()))?;
-        bus.insert(EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).map_err(|e| Error::Devices(e.to_string()))?;
+        bus.insert(COM1_PORT, 8, serial.clone())
+            .map_err(|e| Error::Devices(e.to_string()))?;
+        bus.insert(EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort)))
+            .map_err(|e| Error::Devices(e.to_string()))?;
         let bus = Arc::new(bus);
 
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
@@ -327,13 +401,29 @@ impl RunningVm {
                 Err(e) => {
                     lock(&shared.ctl).live -= 1;
                     shared.finish(Outcome::Error(e.to_string()));
-                    let vm = RunningVm { vm, config, vcpus, threads: Mutex::new(threads), shared, serial, started: Instant::now() };
+                    let vm = RunningVm {
+                        vm,
+                        config,
+                        vcpus,
+                        threads: Mutex::new(threads),
+                        shared,
+                        serial,
+                        started: Instant::now(),
+                    };
                     vm.stop_threads();
                     return Err(e);
                 }
             }
         }
-        Ok(RunningVm { vm, config, vcpus, threads: Mutex::new(threads), shared, serial, started: Instant::now() })
+        Ok(RunningVm {
+            vm,
+            config,
+            vcpus,
+            threads: Mutex::new(threads),
+            shared,
+            serial,
+            started: Instant::now(),
+        })
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -385,12 +475,22 @@ impl RunningVm {
         }
     }
 
-    /// Stops every vCPU; returns once they are all parked.
+    /// Stops every vCPU; returns once they are all parked. Refused while a migration runs:
+    /// the migration owns the VM's run state then.
     pub fn pause(&self) -> Result<()> {
+        self.pause_as(false)
+    }
+
+    fn pause_as(&self, migration: bool) -> Result<()> {
         {
             let c = lock(&self.shared.ctl);
             if c.outcome.is_some() {
                 return Err(Error::State("shutting down"));
+            }
+            if c.migrating && !migration {
+                return Err(Error::State(
+                    "migrating (pause and resume wait until it ends)",
+                ));
             }
             if c.paused {
                 return Err(Error::State("already paused"));
@@ -400,7 +500,11 @@ impl RunningVm {
         loop {
             self.kick_all();
             let c = lock(&self.shared.ctl);
-            let (mut c, _) = self.shared.cv.wait_timeout(c, Duration::from_millis(2)).unwrap_or_else(|p| p.into_inner());
+            let (mut c, _) = self
+                .shared
+                .cv
+                .wait_timeout(c, Duration::from_millis(2))
+                .unwrap_or_else(|p| p.into_inner());
             if c.outcome.is_some() {
                 return Err(Error::State("shutting down"));
             }
@@ -411,10 +515,28 @@ impl RunningVm {
         }
     }
 
+    /// Lets a paused VM run again. Refused while a migration runs.
     pub fn resume(&self) -> Result<()> {
+        self.resume_as(false)
+    }
+
+    fn resume_as(&self, migration: bool) -> Result<()> {
         let mut c = lock(&self.shared.ctl);
         if c.outcome.is_some() {
             return Err(Error::State("shutting down"));
+        }
+        if c.migrating && !migration {
+            return Err(Error::State(
+                "migrating (pause and resume wait until it ends)",
+            ));
+        }
+        if c.stay_paused {
+            // Restored from a user-paused VM: the first resume (the migration's) is not the
+            // user's; it stays paused until the user resumes it.
+            c.stay_paused = false;
+            if migration {
+                return Ok(());
+            }
         }
         if !c.paused {
             return Err(Error::State("not paused"));
@@ -423,6 +545,54 @@ impl RunningVm {
         self.shared.request.store(RUN, Ordering::Release);
         self.shared.cv.notify_all();
         Ok(())
+    }
+
+    /// Hands the VM's run state to a migration until [`RunningVm::end_migration`]: the user's
+    /// pause and resume are refused meanwhile, and a second migration too.
+    pub fn begin_migration(&self) -> Result<()> {
+        let mut c = lock(&self.shared.ctl);
+        if c.outcome.is_some() {
+            return Err(Error::State("shutting down"));
+        }
+        if c.migrating {
+            return Err(Error::State("already migrating"));
+        }
+        c.migrating = true;
+        c.user_paused = c.paused;
+        Ok(())
+    }
+
+    /// Gives the run state back to the user.
+    pub fn end_migration(&self) {
+        let mut c = lock(&self.shared.ctl);
+        c.migrating = false;
+        c.user_paused = false;
+    }
+
+    /// The migration's pause: a VM the user had paused already is left as it is.
+    pub fn migration_pause(&self) -> Result<()> {
+        if lock(&self.shared.ctl).user_paused {
+            return Ok(());
+        }
+        self.pause_as(true)
+    }
+
+    /// The migration's resume after a failure: a VM the user had paused stays paused.
+    pub fn migration_resume(&self) -> Result<()> {
+        if lock(&self.shared.ctl).user_paused {
+            return Ok(());
+        }
+        self.resume_as(true)
+    }
+
+    /// Whether the user had paused the VM before the running migration began.
+    pub fn paused_by_user(&self) -> bool {
+        lock(&self.shared.ctl).user_paused
+    }
+
+    /// Resumes an incoming VM once its state is restored, unless it left its source paused.
+    pub fn resume_incoming(&self) -> Result<()> {
+        self.resume_as(true)
     }
 
     fn require_paused(&self) -> Result<()> {
@@ -436,30 +606,51 @@ impl RunningVm {
     /// Reads the state of every vCPU and of the VM. The VM must be paused.
     pub fn save_state(&self) -> Result<Snapshot> {
         self.require_paused()?;
-        let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
-        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(&self.serial).state()) })
+        let vcpus = self
+            .vcpus
+            .iter()
+            .map(|v| lock(v).save_state())
+            .collect::<kumo_vm::Result<Vec<_>>>()?;
+        let paused = lock(&self.shared.ctl).user_paused;
+        Ok(Snapshot {
+            vm: self.vm.save_state()?,
+            vcpus,
+            serial: Some(lock(&self.serial).state()),
+            paused,
+        })
     }
 
     /// Puts back a state from `save_state`. The VM must be paused.
     pub fn restore_state(&self, s: &Snapshot) -> Result<()> {
         self.require_paused()?;
         if s.vcpus.len() != self.vcpus.len() {
-            return Err(kumo_vm::Error::Restore(format!("snapshot has {} vCPUs, VM has {}", s.vcpus.len(), self.vcpus.len())).into());
+            return Err(kumo_vm::Error::Restore(format!(
+                "snapshot has {} vCPUs, VM has {}",
+                s.vcpus.len(),
+                self.vcpus.len()
+            ))
+            .into());
         }
         if let Some(serial) = &s.serial {
-            lock(&self.serial).restore(serial).map_err(kumo_vm::Error::Restore)?;
+            lock(&self.serial)
+                .restore(serial)
+                .map_err(kumo_vm::Error::Restore)?;
         }
         self.vm.restore_state(&s.vm)?;
         for (v, st) in self.vcpus.iter().zip(&s.vcpus) {
             lock(v).restore_state(st)?;
         }
+        lock(&self.shared.ctl).stay_paused = s.paused;
         Ok(())
     }
 
     /// Runs `f` on a paused vCPU (for debugging and tests).
     pub fn with_vcpu<R>(&self, id: usize, f: impl FnOnce(&Vcpu) -> R) -> Result<R> {
         self.require_paused()?;
-        let v = self.vcpus.get(id).ok_or(Error::State("without that vCPU"))?;
+        let v = self
+            .vcpus
+            .get(id)
+            .ok_or(Error::State("without that vCPU"))?;
         Ok(f(&lock(v)))
     }
 
@@ -488,18 +679,31 @@ impl RunningVm {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut c = lock(&self.shared.ctl);
         while c.outcome.is_none() {
-            let step = deadline.map(|d| d.saturating_duration_since(Instant::now())).unwrap_or(Duration::from_secs(3600));
+            let step = deadline
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or(Duration::from_secs(3600));
             if step.is_zero() {
                 c.outcome = Some(Outcome::TimedOut);
                 break;
             }
-            c = self.shared.cv.wait_timeout(c, step).unwrap_or_else(|p| p.into_inner()).0;
+            c = self
+                .shared
+                .cv
+                .wait_timeout(c, step)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         drop(c);
         self.stop_threads();
         let _ = lock(&self.serial).flush_output();
-        let outcome = lock(&self.shared.ctl).outcome.clone().unwrap_or(Outcome::Shutdown);
-        RunReport { outcome, timings: self.timings() }
+        let outcome = lock(&self.shared.ctl)
+            .outcome
+            .clone()
+            .unwrap_or(Outcome::Shutdown);
+        RunReport {
+            outcome,
+            timings: self.timings(),
+        }
     }
 
     pub fn wait(&self) -> RunReport {
@@ -535,7 +739,9 @@ fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<PioBus>, shared: Arc<Shared>) {
         let r = lock(&vcpu).run(&bus);
         match r {
             Ok(VcpuRun::Continue) | Ok(VcpuRun::Interrupted) => {}
-            Ok(VcpuRun::Device(DeviceEvent::GuestExit(code))) => shared.finish(Outcome::GuestExit(code)),
+            Ok(VcpuRun::Device(DeviceEvent::GuestExit(code))) => {
+                shared.finish(Outcome::GuestExit(code))
+            }
             Ok(VcpuRun::Device(DeviceEvent::Marker(m))) => shared.mark(m),
             // With KVM's LAPIC, HLT only exits here if KVM chose not to park the vCPU itself.
             Ok(VcpuRun::Halted) => std::thread::sleep(Duration::from_micros(100)),
