@@ -2,14 +2,48 @@
 # kumo's test command: installs what is missing, fetches the Debian kernel for the Linux boot
 # test, then runs every test of the workspace. Tests that need /dev/kvm skip (with a message)
 # where it is absent.
+#
+#   scripts/test.sh              every test
+#   scripts/test.sh --e2e        only the end-to-end suites of VMs, the API and migration
+#   KUMO_TEST_STRESS=1 scripts/test.sh [--e2e]
+#                                the same with every core kept busy by an unrelated load (one
+#                                spinning process per core, at normal priority): the suites
+#                                must hold on a slower or busier machine.
+# Further arguments go to the test binaries (e.g. a test name filter).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+e2e=0
+if [ "${1:-}" = "--e2e" ]; then
+    e2e=1
+    shift
+fi
 scripts/setup.sh
 if [ -e /dev/kvm ]; then
-    scripts/fetch-linux-kernel.sh >/dev/null
+    [ "$e2e" = 1 ] || scripts/fetch-linux-kernel.sh >/dev/null
 else
     echo "test: /dev/kvm absent: KVM tests will skip; not fetching a kernel" >&2
 fi
 cargo build --workspace --all-targets
+
+stress=()
+stop_stress() {
+    if ((${#stress[@]})); then
+        kill "${stress[@]}" 2>/dev/null || true
+    fi
+}
+trap stop_stress EXIT
+if [ "${KUMO_TEST_STRESS:-0}" = 1 ]; then
+    for _ in $(seq "$(nproc)"); do
+        bash -c 'while :; do :; done' &
+        stress+=($!)
+    done
+    echo "test: KUMO_TEST_STRESS=1: ${#stress[@]} busy loops keep every core busy" >&2
+fi
+
 # A hung test must fail the run, not eat CI's whole time budget.
-timeout --signal=KILL 45m cargo test --workspace -- --test-threads=2 "$@"
+if [ "$e2e" = 1 ]; then
+    timeout --signal=KILL 30m cargo test -p kumo-cli --test guests_e2e --test api_e2e --test migration_e2e -- --test-threads=2 "$@"
+    timeout --signal=KILL 10m cargo test -p kumo-vmm --test state_restore -- --test-threads=2 "$@"
+else
+    timeout --signal=KILL 45m cargo test --workspace -- --test-threads=2 "$@"
+fi

@@ -1,27 +1,36 @@
 //! End to end: live migration between kumo processes, checked by the guest's own memory
 //! checksum against the reference model.
+//!
+//! No test depends on a duration: guests write (or hold their memory) until the test types a
+//! byte on their console (memtouch `until_input=1` / `hold_input=1`), and then report how many
+//! writes they made, so the model's checksum is computed for exactly that count. Deadlines
+//! below are only safety nets against hangs.
 
 mod common;
 use common::*;
 
+use std::io::{Read, Write};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const LIMIT: Duration = Duration::from_secs(120);
+use kumo_migration::format::{self, Encoder, Reply};
 
-/// A `kumo run --incoming` whose stderr goes to a file, so the test can wait for it to listen.
-struct Dest {
+/// A `kumo` process whose stdout/stderr go to files (so the test can watch them while it
+/// runs) and whose stdin is the guest's console.
+struct Vmp {
     kid: Kid,
     err: std::path::PathBuf,
     out: std::path::PathBuf,
 }
 
-fn spawn_logged(args: &[&str], tag: &str) -> Dest {
+fn spawn_logged(args: &[&str], tag: &str) -> Vmp {
     spawn_logged_in(None, args, tag)
 }
 
 /// `kumo ARGS`, inside network namespace `netns` if given, with stdout/stderr in files.
-fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Dest {
+fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Vmp {
     let out = temp_path(&format!("{tag}.out"));
     let err = temp_path(&format!("{tag}.err"));
     let mut cmd = match netns {
@@ -34,27 +43,23 @@ fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Dest {
     };
     let child = cmd
         .args(args)
+        .stdin(Stdio::piped())
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    Dest {
-        kid: Kid(child),
-        err,
-        out,
-    }
+    Vmp { kid: Kid(child), err, out }
 }
 
-impl Dest {
-    fn incoming(addr: &str, tag: &str, api: Option<&str>) -> Dest {
-        let mut args = vec!["run", "--incoming", addr, "--timeout", "120"];
+impl Vmp {
+    /// A destination: `kumo run --incoming ADDR`, waited for until it listens.
+    fn incoming(addr: &str, tag: &str, api: Option<&str>) -> Vmp {
+        let mut args = vec!["run", "--incoming", addr];
         if let Some(a) = api {
             args.extend(["--api-socket", a]);
         }
         let d = spawn_logged(&args, tag);
-        eventually(Duration::from_secs(20), || {
-            d.stderr().contains("waiting for a migration").then_some(())
-        });
+        eventually(PATIENCE, || d.stderr().contains("waiting for a migration").then_some(()));
         d
     }
     fn stderr(&self) -> String {
@@ -63,71 +68,65 @@ impl Dest {
     fn stdout(&self) -> String {
         std::fs::read_to_string(&self.out).unwrap_or_default()
     }
+    /// Tells the guest to stop (memtouch `until_input`/`hold_input`).
+    fn stop_guest(&mut self) {
+        self.kid.input(b"q");
+    }
     fn wait(mut self) -> (Option<i32>, String, String) {
         let t = Instant::now();
         loop {
             if let Some(st) = self.kid.0.try_wait().unwrap() {
                 return (st.code(), self.stdout(), self.stderr());
             }
-            assert!(
-                t.elapsed() < LIMIT,
-                "kumo did not exit; stderr:\n{}",
-                self.stderr()
-            );
+            assert!(t.elapsed() < PATIENCE, "kumo did not exit; stderr:\n{}", self.stderr());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn checksum_of(out: &str, key: &str) -> Option<u64> {
+fn hex_field(out: &str, key: &str) -> Option<u64> {
     field(out, &format!("memtouch: {key}"), key).and_then(|v| u64::from_str_radix(&v, 16).ok())
 }
 
+/// The writes a stopped memtouch reports, and whether its checksum is the model's for them.
+fn check_memtouch(out: &str, pages: u64, seed: u64, random: bool) -> u64 {
+    let writes: u64 = field(out, "memtouch: done", "writes").and_then(|w| w.parse().ok()).unwrap_or_else(|| panic!("no done line:\n{out}"));
+    let want = kumo_guests::memtouch::expected_checksum(pages, writes, seed, random);
+    assert_eq!(hex_field(out, "checksum"), Some(want), "checksum after {writes} writes:\n{out}");
+    writes
+}
+
 fn migrate(sock: &str, args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(kumo_bin())
-        .args(["--api-socket", sock, "migrate"])
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    (
-        o.status.success(),
-        String::from_utf8_lossy(&o.stdout).into(),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
+    let o = Command::new(kumo_bin()).args(["--api-socket", sock, "migrate"]).args(args).stdin(Stdio::null()).output().unwrap();
+    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
 }
 
 /// Starts memtouch with an API socket and waits until it runs.
-fn source(tag: &str, mem: &str, guest_args: &[&str]) -> (Dest, String) {
-    let sock = temp_path(&format!("{tag}.sock"))
-        .to_str()
-        .unwrap()
-        .to_string();
-    let mut args = vec![
-        "run",
-        "--guest",
-        "memtouch",
-        "--memory",
-        mem,
-        "--api-socket",
-        &sock,
-        "--timeout",
-        "120",
-    ];
+fn source(tag: &str, mem: &str, guest_args: &[&str]) -> (Vmp, String) {
+    let sock = temp_path(&format!("{tag}.sock")).to_str().unwrap().to_string();
+    let mut args = vec!["run", "--guest", "memtouch", "--memory", mem, "--api-socket", &sock];
     args.extend_from_slice(guest_args);
     let d = spawn_logged(&args, tag);
-    eventually(Duration::from_secs(20), || {
-        d.stdout().contains("memtouch: pages=").then_some(())
-    });
+    eventually(PATIENCE, || d.stdout().contains("memtouch: pages=").then_some(()));
     (d, sock)
+}
+
+fn vm_state(sock: &str) -> Option<String> {
+    let o = kumo(&["--api-socket", sock, "info"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).ok()?;
+    v["state"].as_str().map(String::from)
+}
+
+/// A source whose migration succeeded: exits 0, saying where the VM went.
+fn assert_migrated_away(src: Vmp) -> String {
+    let (code, out, err) = src.wait();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("VM migrated to"), "{err}");
+    out
 }
 
 #[test]
@@ -135,47 +134,21 @@ fn a_loaded_guest_migrates_with_every_engine() {
     if !kvm_or_skip("a_loaded_guest_migrates_with_every_engine") {
         return;
     }
-    let want = kumo_guests::memtouch::expected_checksum(4000, 500_000, 9, true);
-    for (engine, conns) in [
-        ("serial", "1"),
-        ("overlap", "1"),
-        ("overlap", "2"),
-        ("zerocopy", "1"),
-    ] {
+    for (engine, conns) in [("serial", "1"), ("overlap", "1"), ("overlap", "2"), ("zerocopy", "1"), ("zerocopy", "2")] {
         let tag = format!("eng-{engine}-{conns}");
         let addr = format!("tcp:127.0.0.1:{}", free_port());
-        let dest = Dest::incoming(&addr, &format!("{tag}-dst"), None);
-        // ~2 s of writes at 250,000 pages/s, migrated in the middle.
-        let (src, sock) = source(
-            &format!("{tag}-src"),
-            "64M",
-            &["pages=4000", "writes=500000", "rate=250000", "seed=9"],
-        );
-        std::thread::sleep(Duration::from_millis(300));
-        let (ok, out, err) = migrate(
-            &sock,
-            &["--to", &addr, "--engine", engine, "--connections", conns],
-        );
-        assert!(
-            ok,
-            "{engine}: migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}",
-            src.stderr(),
-            dest.stderr()
-        );
-        assert!(
-            out.contains("migrated to") && out.contains("downtime"),
-            "{out}"
-        );
-        let (scode, _, serr) = src.wait();
-        assert_eq!(scode, Some(0), "{serr}");
-        assert!(serr.contains("VM migrated to"), "{serr}");
+        let mut dest = Vmp::incoming(&addr, &format!("{tag}-dst"), None);
+        // Writes at 250,000 pages/s until told to stop: under load whenever it migrates.
+        let (src, sock) = source(&format!("{tag}-src"), "64M", &["pages=4000", "rate=250000", "seed=9", "until_input=1"]);
+        let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine, "--connections", conns]);
+        assert!(ok, "{engine}: migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dest.stderr());
+        assert!(out.contains("migrated to") && out.contains("downtime"), "{out}");
+        assert_migrated_away(src);
+        dest.stop_guest();
         let (dcode, dout, derr) = dest.wait();
         assert_eq!(dcode, Some(0), "{engine}: {dout}\n{derr}");
-        assert_eq!(
-            checksum_of(&dout, "checksum"),
-            Some(want),
-            "{engine} x{conns}: checksum after migration\n{dout}"
-        );
+        let writes = check_memtouch(&dout, 4000, 9, true);
+        assert!(writes > 0, "{dout}");
     }
 }
 
@@ -185,25 +158,16 @@ fn local_migration_shares_memory() {
         return;
     }
     let addr = format!("unix:{}", temp_path("local-mig.sock").display());
-    let dest = Dest::incoming(&addr, "local-dst", None);
-    let (src, sock) = source(
-        "local-src",
-        "64M",
-        &["pages=4000", "writes=400000", "rate=200000", "seed=4"],
-    );
-    std::thread::sleep(Duration::from_millis(300));
+    let mut dest = Vmp::incoming(&addr, "local-dst", None);
+    let (src, sock) = source("local-src", "64M", &["pages=4000", "rate=200000", "seed=4", "until_input=1"]);
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "local"]);
     assert!(ok, "{out}\n{err}\n{}", dest.stderr());
-    assert_eq!(src.wait().0, Some(0));
+    assert_migrated_away(src);
+    dest.stop_guest();
     let (dcode, dout, derr) = dest.wait();
     assert_eq!(dcode, Some(0), "{derr}");
     assert!(derr.contains("memory shared, not copied"), "{derr}");
-    assert_eq!(
-        checksum_of(&dout, "checksum"),
-        Some(kumo_guests::memtouch::expected_checksum(
-            4000, 400_000, 4, true
-        ))
-    );
+    check_memtouch(&dout, 4000, 4, true);
 }
 
 #[test]
@@ -212,26 +176,17 @@ fn an_idle_guest_keeps_its_memory() {
         return;
     }
     let addr = format!("unix:{}", temp_path("idle-mig.sock").display());
-    let dest = Dest::incoming(&addr, "idle-dst", None);
-    let (src, sock) = source(
-        "idle-src",
-        "128M",
-        &["pages=8000", "writes=30000", "seed=2", "hold_ms=4000"],
-    );
-    eventually(Duration::from_secs(20), || {
-        src.stdout().contains("memtouch: checksum=").then_some(())
-    });
+    let mut dest = Vmp::incoming(&addr, "idle-dst", None);
+    let (src, sock) = source("idle-src", "128M", &["pages=8000", "writes=30000", "seed=2", "hold_input=1"]);
+    eventually(PATIENCE, || src.stdout().contains("memtouch: checksum=").then_some(()));
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "overlap"]);
     assert!(ok, "{out}\n{err}");
-    src.wait();
+    assert_migrated_away(src);
+    dest.stop_guest();
     let (dcode, dout, _) = dest.wait();
     assert_eq!(dcode, Some(0));
     let want = kumo_guests::memtouch::expected_checksum(8000, 30000, 2, true);
-    assert_eq!(
-        checksum_of(&dout, "checksum_after_hold"),
-        Some(want),
-        "{dout}"
-    );
+    assert_eq!(hex_field(&dout, "checksum_after_hold"), Some(want), "{dout}");
 }
 
 #[test]
@@ -239,46 +194,43 @@ fn twenty_migrations_in_a_row() {
     if !kvm_or_skip("twenty_migrations_in_a_row") {
         return;
     }
-    // One VM hops through 20 kumo processes while it writes; the last one finishes it.
-    let (first, mut sock) = source(
-        "hop-src",
-        "64M",
-        &[
-            "pages=2000",
-            "duration_ms=600000",
-            "rate=100000",
-            "seed=3",
-            "writes=2000000",
-        ],
-    );
+    // One VM hops through 20 kumo processes while it writes; the last one stops it.
+    let (first, mut sock) = source("hop-src", "64M", &["pages=2000", "rate=100000", "seed=3", "until_input=1"]);
     let mut prev = first;
     for hop in 0..20 {
         let addr = format!("unix:{}", temp_path(&format!("hop{hop}.sock")).display());
-        let api = temp_path(&format!("hop{hop}-api.sock"))
-            .to_str()
-            .unwrap()
-            .to_string();
-        let next = Dest::incoming(&addr, &format!("hop{hop}"), Some(&api));
+        let api = temp_path(&format!("hop{hop}-api.sock")).to_str().unwrap().to_string();
+        let next = Vmp::incoming(&addr, &format!("hop{hop}"), Some(&api));
         let engine = ["serial", "overlap", "zerocopy"][hop % 3];
         let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine]);
-        assert!(
-            ok,
-            "hop {hop} ({engine}) failed:\n{out}\n{err}\nnext:\n{}",
-            next.stderr()
-        );
-        let (code, _, perr) = prev.wait();
-        assert_eq!(code, Some(0), "hop {hop}: previous kumo: {perr}");
-        eventually(Duration::from_secs(10), || {
-            std::path::Path::new(&api).exists().then_some(())
-        });
+        assert!(ok, "hop {hop} ({engine}) failed:\n{out}\n{err}\nnext:\n{}", next.stderr());
+        assert_migrated_away(prev);
+        eventually(PATIENCE, || std::path::Path::new(&api).exists().then_some(()));
         prev = next;
         sock = api;
     }
-    // 2,000,000 writes at 100,000/s: the guest finishes about 20 s after it started.
+    prev.stop_guest();
     let (code, out, err) = prev.wait();
     assert_eq!(code, Some(0), "{err}");
-    let want = kumo_guests::memtouch::expected_checksum(2000, 2_000_000, 3, true);
-    assert_eq!(checksum_of(&out, "checksum"), Some(want), "{out}");
+    check_memtouch(&out, 2000, 3, true);
+}
+
+/// A fake destination on a TCP port: accepts one migration, answers the handshake, then does
+/// what `after` says with the connection.
+fn fake_destination(after: impl FnOnce(std::net::TcpStream, Encoder) + Send + 'static) -> (String, std::thread::JoinHandle<()>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = format!("tcp:{}", l.local_addr().unwrap());
+    let t = std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        format::read_header(&mut c).unwrap();
+        let mut enc = Encoder::new();
+        let mut out = Vec::new();
+        enc.reply(&mut out, &Reply::Accepted);
+        enc.reply(&mut out, &Reply::Ready);
+        c.write_all(&out).unwrap();
+        after(c, enc);
+    });
+    (addr, t)
 }
 
 #[test]
@@ -286,32 +238,171 @@ fn the_source_runs_on_when_the_receiver_dies() {
     if !kvm_or_skip("the_source_runs_on_when_the_receiver_dies") {
         return;
     }
-    let addr = format!("tcp:127.0.0.1:{}", free_port());
-    let mut dest = Dest::incoming(&addr, "die-dst", None);
-    // 512 MiB touched: round 0 takes long enough to kill the receiver in the middle of it.
-    let (src, sock) = source(
-        "die-src",
-        "1G",
-        &["pages=131072", "writes=1500000", "rate=500000", "seed=8"],
-    );
-    std::thread::sleep(Duration::from_millis(500));
-    let sock2 = sock.clone();
-    let mig = std::thread::spawn(move || migrate(&sock2, &["--to", &addr, "--engine", "serial"]));
-    std::thread::sleep(Duration::from_millis(400));
-    dest.kid.0.kill().unwrap();
-    let (ok, out, err) = mig.join().unwrap();
+    // The receiver takes 4 MiB of the stream, then its process "dies" (the connection drops).
+    let (addr, fake) = fake_destination(|mut c, _| {
+        let mut buf = vec![0u8; 4 << 20];
+        c.read_exact(&mut buf).unwrap();
+    });
+    let (mut src, sock) = source("die-src", "256M", &["pages=20000", "rate=500000", "seed=8", "until_input=1"]);
+    let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "serial"]);
+    fake.join().unwrap();
     assert!(!ok, "migration must fail when the receiver dies:\n{out}");
     assert!(err.contains("migration failed"), "{err}");
     // The source is still running and finishes its work with intact memory.
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
+    src.stop_guest();
     let (code, sout, serr) = src.wait();
     assert_eq!(code, Some(0), "{serr}");
     assert!(!serr.contains("migrated"), "{serr}");
-    assert_eq!(
-        checksum_of(&sout, "checksum"),
-        Some(kumo_guests::memtouch::expected_checksum(
-            131072, 1_500_000, 8, true
-        ))
-    );
+    check_memtouch(&sout, 20000, 8, true);
+}
+
+#[test]
+fn a_destination_that_stops_taking_data_fails_the_migration_and_the_source_runs_on() {
+    if !kvm_or_skip("a_destination_that_stops_taking_data_fails_the_migration_and_the_source_runs_on") {
+        return;
+    }
+    let (mut src, sock) = source("stall-src", "256M", &["pages=20000", "rate=500000", "seed=5", "until_input=1"]);
+    for engine in ["overlap", "zerocopy"] {
+        // Says Ready, then reads nothing more (a stopped process), until the test is done.
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let (addr, fake) = fake_destination(move |c, _| {
+            let _ = done_rx.recv();
+            drop(c);
+        });
+        let (ok, _, err) = migrate(&sock, &["--to", &addr, "--engine", engine, "--progress-timeout-ms", "1000"]);
+        done_tx.send(()).unwrap();
+        fake.join().unwrap();
+        assert!(!ok, "{engine}");
+        assert!(err.contains("took no data") || err.contains("no reply"), "{engine}: {err}");
+        assert_eq!(vm_state(&sock).as_deref(), Some("running"), "{engine}");
+    }
+    src.stop_guest();
+    let (code, sout, serr) = src.wait();
+    assert_eq!(code, Some(0), "{serr}");
+    check_memtouch(&sout, 20000, 5, true);
+}
+
+#[test]
+fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
+    if !kvm_or_skip("a_stopped_or_foreign_peer_is_rejected_at_the_handshake") {
+        return;
+    }
+    let (mut src, sock) = source("peer-src", "64M", &["pages=1000", "rate=100000", "until_input=1"]);
+    // A kumo destination that is stopped (SIGSTOP): the kernel still accepts the connection.
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let dest = Vmp::incoming(&addr, "peer-stopped", None);
+    let pid = dest.kid.0.id() as libc::pid_t;
+    // SAFETY: signalling our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let (ok, _, err) = migrate(&sock, &["--to", &addr]);
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(!ok);
+    assert!(err.contains("not a kumo migration destination") && err.contains("no answer"), "{err}");
+    drop(dest);
+    // Not kumo at all: a server that answers in HTTP.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let http = format!("tcp:{}", l.local_addr().unwrap());
+    let t = std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let _ = c.read(&mut [0u8; 256]);
+        let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+        // Hold the connection: the source must not wait for it to close.
+        std::thread::sleep(Duration::from_secs(1));
+    });
+    let (ok, _, err) = migrate(&sock, &["--to", &http]);
+    t.join().unwrap();
+    assert!(!ok);
+    assert!(err.contains("not a kumo migration destination"), "{err}");
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
+    src.stop_guest();
+    let (code, sout, _) = src.wait();
+    assert_eq!(code, Some(0));
+    check_memtouch(&sout, 1000, 1, true);
+}
+
+/// The largest `writes=` of memtouch's progress lines in `out`, and the smallest.
+fn progress_writes(out: &str) -> Vec<u64> {
+    out.lines()
+        .filter(|l| l.starts_with("memtouch: progress"))
+        .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("writes=")).and_then(|v| v.parse().ok()))
+        .collect()
+}
+
+#[test]
+fn pause_resume_and_a_second_migration_are_refused_while_migrating() {
+    if !kvm_or_skip("pause_resume_and_a_second_migration_are_refused_while_migrating") {
+        return;
+    }
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let mut dest = Vmp::incoming(&addr, "hammer-dst", None);
+    let (src, sock) = source("hammer-src", "512M", &["pages=60000", "mode=seq", "seed=987654321", "rate=50000", "report_ms=2", "until_input=1"]);
+    // A client hammering the API from the moment it sees the migration running until it ends.
+    let done = Arc::new(AtomicBool::new(false));
+    let hammer = {
+        let (done, sock) = (done.clone(), sock.clone());
+        std::thread::spawn(move || {
+            let c = kumo_api::ApiClient::new(&sock).with_timeout(Duration::from_secs(30));
+            let body = serde_json::json!({"to": "tcp:127.0.0.1:1"});
+            let mut answers: Vec<(String, u16)> = Vec::new();
+            let running = || matches!(c.migration_status(), Ok(v) if v["state"] == "running");
+            while !done.load(Ordering::Acquire) && !running() {}
+            while !done.load(Ordering::Acquire) {
+                for (path, b) in [("/api/v1/vm.resume", None), ("/api/v1/vm.pause", None), ("/api/v1/vm.migrate", Some(&body))] {
+                    match c.request("PUT", path, b) {
+                        Ok((status, _)) => answers.push((path.to_string(), status)),
+                        Err(_) => return answers, // the source has ended
+                    }
+                }
+            }
+            answers
+        })
+    };
+    let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "overlap"]);
+    done.store(true, Ordering::Release);
+    let answers = hammer.join().unwrap();
+    assert!(ok, "{out}\n{err}\n{}", dest.stderr());
+    eprintln!("hammer: {} answers during the migration", answers.len());
+    // During the migration, and after it (the VM has moved), nothing may pause, resume or
+    // migrate this copy.
+    for (path, status) in &answers {
+        assert!(*status >= 400, "{path} answered {status} during a migration");
+    }
+    let sout = assert_migrated_away(src);
+    dest.stop_guest();
+    let (dcode, dout, derr) = dest.wait();
+    assert_eq!(dcode, Some(0), "{derr}");
+    check_memtouch(&dout, 60000, 987654321, false);
+    // The guest never ran in two places: the source's last progress is no later than where
+    // the destination's starts.
+    let (s, d) = (progress_writes(&sout), progress_writes(&dout));
+    if let (Some(smax), Some(dmin)) = (s.iter().max(), d.iter().min()) {
+        assert!(smax <= dmin, "source reached writes={smax}, destination started at writes={dmin}");
+    }
+}
+
+#[test]
+fn a_paused_vm_migrates_and_arrives_paused() {
+    if !kvm_or_skip("a_paused_vm_migrates_and_arrives_paused") {
+        return;
+    }
+    let addr = format!("unix:{}", temp_path("paused-mig.sock").display());
+    let api = temp_path("paused-dst-api.sock").to_str().unwrap().to_string();
+    let mut dest = Vmp::incoming(&addr, "paused-dst", Some(&api));
+    let (src, sock) = source("paused-src", "64M", &["pages=3000", "rate=100000", "seed=11", "until_input=1"]);
+    assert!(kumo(&["--api-socket", &sock, "pause"]).status.success());
+    let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "zerocopy"]);
+    assert!(ok, "{out}\n{err}\n{}", dest.stderr());
+    assert_migrated_away(src);
+    eventually(PATIENCE, || vm_state(&api));
+    assert_eq!(vm_state(&api).as_deref(), Some("paused"), "it left paused, so it arrives paused");
+    assert!(kumo(&["--api-socket", &api, "resume"]).status.success());
+    assert_eq!(vm_state(&api).as_deref(), Some("running"));
+    dest.stop_guest();
+    let (code, dout, derr) = dest.wait();
+    assert_eq!(code, Some(0), "{derr}");
+    check_memtouch(&dout, 3000, 11, true);
 }
 
 #[test]
@@ -320,15 +411,12 @@ fn garbage_sent_to_a_destination_is_rejected() {
         return;
     }
     let port = free_port();
-    let dest = Dest::incoming(&format!("tcp:127.0.0.1:{port}"), "garbage-dst", None);
+    let dest = Vmp::incoming(&format!("tcp:127.0.0.1:{port}"), "garbage-dst", None);
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    std::io::Write::write_all(&mut s, b"this is not a kumo migration stream").unwrap();
+    s.write_all(b"this is not a kumo migration stream").unwrap();
     let (code, _, err) = dest.wait();
     assert_eq!(code, Some(1));
-    assert!(
-        err.contains("incoming migration failed") && err.to_lowercase().contains("magic"),
-        "{err}"
-    );
+    assert!(err.contains("incoming migration failed") && err.to_lowercase().contains("magic"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -337,17 +425,10 @@ fn a_dry_run_predicts_the_migration() {
     if !kvm_or_skip("a_dry_run_predicts_the_migration") {
         return;
     }
-    let (src, sock) = source(
-        "dry-src",
-        "128M",
-        &["pages=20000", "duration_ms=600000", "rate=200000"],
-    );
+    let (src, sock) = source("dry-src", "128M", &["pages=20000", "rate=200000", "until_input=1"]);
     let (ok, out, err) = migrate(&sock, &["--dry-run", "--estimate-ms", "1500"]);
     assert!(ok, "{out}\n{err}");
-    assert!(
-        out.contains("dirty-page model: M =") && out.contains("predicted"),
-        "{out}"
-    );
+    assert!(out.contains("dirty-page model: M =") && out.contains("predicted"), "{out}");
     // The source was not moved and still answers.
     assert!(kumo(&["--api-socket", &sock, "info"]).status.success());
     assert!(kumo(&["--api-socket", &sock, "shutdown"]).status.success());
@@ -359,14 +440,12 @@ fn bad_migrate_requests_are_refused() {
     if !kvm_or_skip("bad_migrate_requests_are_refused") {
         return;
     }
-    let (src, sock) = source("bad-src", "64M", &["pages=100", "duration_ms=600000"]);
+    let (src, sock) = source("bad-src", "64M", &["pages=100", "until_input=1"]);
     for (args, want) in [
         (&["--to", "udp:1.2.3.4:5"][..], "tcp:HOST:PORT or unix:PATH"),
-        (
-            &["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..],
-            "unknown engine `warp`",
-        ),
+        (&["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..], "unknown engine `warp`"),
         (&["--to", "tcp:127.0.0.1:1", "--no-xen"][..], "no stop rule"),
+        (&["--to", "tcp:127.0.0.1:1", "--engine", "serial", "--connections", "2"][..], "one connection"),
         (&[][..], "needs --to"),
     ] {
         let (ok, out, err) = migrate(&sock, args);
@@ -376,8 +455,7 @@ fn bad_migrate_requests_are_refused() {
     // Nothing listens there: the migration fails, the VM runs on.
     let (ok, _, err) = migrate(&sock, &["--to", &format!("tcp:127.0.0.1:{}", free_port())]);
     assert!(!ok && err.contains("cannot connect"), "{err}");
-    let info = kumo(&["--api-socket", &sock, "info"]);
-    assert!(String::from_utf8_lossy(&info.stdout).contains("\"running\""));
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
     kumo(&["--api-socket", &sock, "shutdown"]);
     assert_eq!(src.wait().0, Some(0));
 }
@@ -393,10 +471,7 @@ impl Netns {
     fn create() -> Result<Netns, String> {
         let id = std::process::id() % 100_000;
         let (a, b) = (format!("kumo-a{id}"), format!("kumo-b{id}"));
-        let ns = Netns {
-            a: a.clone(),
-            b: b.clone(),
-        };
+        let ns = Netns { a: a.clone(), b: b.clone() };
         let (va, vb) = (format!("kva{id}"), format!("kvb{id}"));
         let steps: Vec<Vec<String>> = vec![
             vec!["netns", "add", &a],
@@ -415,16 +490,9 @@ impl Netns {
         .map(|v| v.into_iter().map(String::from).collect())
         .collect();
         for step in steps {
-            let o = Command::new("ip")
-                .args(&step)
-                .output()
-                .map_err(|e| format!("ip: {e}"))?;
+            let o = Command::new("ip").args(&step).output().map_err(|e| format!("ip: {e}"))?;
             if !o.status.success() {
-                return Err(format!(
-                    "ip {}: {}",
-                    step.join(" "),
-                    String::from_utf8_lossy(&o.stderr).trim()
-                ));
+                return Err(format!("ip {}: {}", step.join(" "), String::from_utf8_lossy(&o.stderr).trim()));
             }
         }
         Ok(ns)
@@ -447,70 +515,28 @@ fn migration_between_two_network_namespaces() {
     }
     let ns = match Netns::create() {
         Ok(ns) => ns,
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("cannot create the test namespaces in CI: {e}")
-        }
+        Err(e) if std::env::var_os("CI").is_some() => panic!("cannot create the test namespaces in CI: {e}"),
         Err(e) => {
             eprintln!("skipping migration_between_two_network_namespaces: {e}");
             return;
         }
     };
     // Destination "host" B listens on its own address; source "host" A runs the VM.
-    let dest = spawn_logged_in(
-        Some(&ns.b),
-        &[
-            "run",
-            "--incoming",
-            "tcp:10.77.0.2:4444",
-            "--memory",
-            "64M",
-            "--timeout",
-            "120",
-        ],
-        "netns-dst",
-    );
-    eventually(Duration::from_secs(20), || {
-        dest.stderr()
-            .contains("waiting for a migration")
-            .then_some(())
-    });
+    let mut dest = spawn_logged_in(Some(&ns.b), &["run", "--incoming", "tcp:10.77.0.2:4444", "--memory", "64M"], "netns-dst");
+    eventually(PATIENCE, || dest.stderr().contains("waiting for a migration").then_some(()));
     let sock = temp_path("netns-src.sock").to_str().unwrap().to_string();
     let src = spawn_logged_in(
         Some(&ns.a),
-        &[
-            "run",
-            "--guest",
-            "memtouch",
-            "--memory",
-            "64M",
-            "--api-socket",
-            &sock,
-            "--timeout",
-            "120",
-            "pages=4000",
-            "writes=400000",
-            "rate=200000",
-            "seed=6",
-        ],
+        &["run", "--guest", "memtouch", "--memory", "64M", "--api-socket", &sock, "pages=4000", "rate=200000", "seed=6", "until_input=1"],
         "netns-src",
     );
-    eventually(Duration::from_secs(20), || {
-        src.stdout().contains("memtouch: pages=").then_some(())
-    });
-    std::thread::sleep(Duration::from_millis(300));
+    eventually(PATIENCE, || src.stdout().contains("memtouch: pages=").then_some(()));
     // The API socket is a file, reachable from the root namespace; the stream goes A -> B.
-    let (ok, o, e) = migrate(
-        &sock,
-        &["--to", "tcp:10.77.0.2:4444", "--engine", "overlap"],
-    );
+    let (ok, o, e) = migrate(&sock, &["--to", "tcp:10.77.0.2:4444", "--engine", "overlap"]);
     assert!(ok, "{o}\n{e}\n{}", dest.stderr());
     assert_eq!(src.wait().0, Some(0));
+    dest.stop_guest();
     let (code, dout, derr) = dest.wait();
     assert_eq!(code, Some(0), "{derr}");
-    assert_eq!(
-        checksum_of(&dout, "checksum"),
-        Some(kumo_guests::memtouch::expected_checksum(
-            4000, 400_000, 6, true
-        ))
-    );
+    check_memtouch(&dout, 4000, 6, true);
 }

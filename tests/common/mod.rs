@@ -46,13 +46,26 @@ impl Drop for Kid {
 }
 
 impl Kid {
+    /// Spawns `kumo ARGS` with piped stdin (the guest's console input), stdout and stderr.
     pub fn spawn(args: &[&str]) -> Kid {
         Kid(Command::new(kumo_bin())
             .args(args)
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn kumo"))
+    }
+
+    /// Types `bytes` on the guest's serial console (kumo's stdin). memtouch with `until_input=1`
+    /// or `hold_input=1` stops at the first byte: tests end guests this way, never by a timer.
+    pub fn input(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        let stdin = self.0.stdin.as_mut().expect("kumo's stdin is piped");
+        stdin
+            .write_all(bytes)
+            .and_then(|()| stdin.flush())
+            .expect("write to kumo's stdin");
     }
 
     /// Waits for exit (bounded) and returns (status code, stdout, stderr).
@@ -87,6 +100,11 @@ pub fn temp_path(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }
+
+/// How long tests wait for something that normally takes a moment (a VM to start, a socket to
+/// appear): only a safety net against hangs, far above any normal duration, so that a slow or
+/// busy machine does not fail a test.
+pub const PATIENCE: Duration = Duration::from_secs(300);
 
 /// Polls `f` until it returns Some, for at most `limit`.
 pub fn eventually<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
