@@ -638,3 +638,24 @@ fn after_the_final_state_only_an_explicit_failure_gives_the_vm_back() {
     assert!(src.running.load(Ordering::Acquire), "source runs on");
     src.stop_writer();
 }
+
+#[test]
+fn a_silent_source_fails_the_receiver_within_its_deadline() {
+    let (l, addr) = listen(false, "silent-src");
+    let t =
+        std::thread::spawn(move || receive(&l, Duration::from_millis(300), make_dest).map(|_| ()));
+    let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+    let desc = VmDescription::new(1, "kernel", serde_json::json!(null), regions());
+    kumo_migration::format::write_header(&mut c, &desc).unwrap();
+    // The handshake, then nothing: a stopped source. The connection stays open.
+    let mut replies = kumo_migration::format::ReplyReader::new(c.try_clone().unwrap());
+    assert_eq!(replies.next_reply().unwrap(), Reply::Accepted);
+    assert_eq!(replies.next_reply().unwrap(), Reply::Ready);
+    let e = t.join().unwrap().unwrap_err();
+    assert!(matches!(e, MigrateError::NoProgress { .. }), "{e}");
+    assert!(e.to_string().contains("no data from the source"), "{e}");
+    // The source is told why.
+    assert!(
+        matches!(replies.next_reply().unwrap(), Reply::Failed(why) if why.contains("no data from the source"))
+    );
+}
