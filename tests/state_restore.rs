@@ -145,3 +145,60 @@ fn restore_rejects_a_snapshot_of_another_shape() {
     assert_eq!(a.wait().outcome, Outcome::Shutdown);
     assert!(a.pause().is_err(), "no pause after shutdown");
 }
+
+#[test]
+fn a_throttled_guest_runs_on_and_keeps_its_memory() {
+    if !kvm_or_skip("a_throttled_guest_runs_on_and_keeps_its_memory") {
+        return;
+    }
+    let console = Console::default();
+    let vm = RunningVm::start(
+        memtouch(2, &["pages=2000", "until_input=1", "report_ms=5", "seed=5"]),
+        Box::new(console.clone()),
+    )
+    .unwrap();
+    let t = Instant::now();
+    while !console.text().contains("memtouch: progress") {
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "guest did not start: {}",
+            console.text()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    vm.set_throttle(90);
+    assert_eq!(vm.throttle(), 90);
+    // Throttled, the guest still makes progress: more progress lines arrive.
+    let seen = console.text().matches("memtouch: progress").count();
+    while console.text().matches("memtouch: progress").count() < seen + 3 {
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "a throttled guest must still run: {}",
+            console.text()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Pause and resume work while throttled.
+    vm.pause().unwrap();
+    vm.resume().unwrap();
+    vm.set_throttle(0);
+    assert_eq!(vm.throttle(), 0);
+    vm.serial_input(b"q");
+    let report = vm.wait_timeout(Some(Duration::from_secs(600)));
+    let out = console.text();
+    assert_eq!(report.outcome, Outcome::GuestExit(0), "{out}");
+    let writes: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("memtouch: done writes="))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|w| w.parse().ok())
+        .expect(&out);
+    let sum = out
+        .lines()
+        .find_map(|l| l.strip_prefix("memtouch: checksum="))
+        .expect(&out);
+    assert_eq!(
+        u64::from_str_radix(sum.trim(), 16).unwrap(),
+        kumo_guests::memtouch::expected_checksum(2000, writes, 5, true)
+    );
+}

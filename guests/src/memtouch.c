@@ -86,7 +86,10 @@ static u64 workload(u64 arg) {
         if (j->report_ms && now >= next_report) {
             u64 ms = (now - start) / (j->tsc_khz ? j->tsc_khz : 1);
             kprintf("memtouch: progress t_ms=%lu writes=%lu\n", ms, n + 1);
-            next_report += ms_to_tsc(j->report_ms);
+            /* From the end of this line, not from the missed deadline: printing a line costs
+             * about a millisecond here (every byte exits to the VMM), and catching up would
+             * print back to back. */
+            next_report = rdtsc() + ms_to_tsc(j->report_ms);
         }
         if (j->rate && j->tsc_khz) {
             /* Write in bursts up to 1 ms ahead of schedule, then halt until due: the dirty

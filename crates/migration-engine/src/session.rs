@@ -127,6 +127,9 @@ pub trait SourceVm: Sync {
     fn peek_dirty_count(&self) -> Option<u64> {
         None
     }
+    /// Slows the vCPUs so that a migration can converge: `percent` of the time asleep (0: full
+    /// speed). VMs that cannot be throttled ignore it.
+    fn set_throttle(&self, _percent: u32) {}
 }
 
 /// The destination VM, built from the stream's description.
@@ -618,6 +621,7 @@ pub fn migrate(
 ) -> Result<Report, MigrateError> {
     let paused = AtomicBool::new(false);
     let r = migrate_inner(src, to, opts, events, &paused);
+    src.set_throttle(0);
     if let Err(e) = &r {
         src.stop_dirty_log();
         if paused.load(Ordering::Acquire) && !matches!(e, MigrateError::Unconfirmed(_)) {

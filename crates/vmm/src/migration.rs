@@ -63,6 +63,9 @@ impl SourceVm for RunningVm {
         let s = RunningVm::save_state(self).map_err(|e| e.to_string())?;
         serde_json::to_vec(&s).map_err(|e| e.to_string())
     }
+    fn set_throttle(&self, percent: u32) {
+        RunningVm::set_throttle(self, percent)
+    }
     fn peek_dirty_count(&self) -> Option<u64> {
         self.vm().peek_dirty_count().ok().flatten()
     }

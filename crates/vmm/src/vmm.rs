@@ -6,7 +6,7 @@
 //! a signal that lands between the request check and KVM_RUN would otherwise be lost.
 
 use std::io::{Cursor, Write};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -97,6 +97,9 @@ pub struct Snapshot {
     pub paused: bool,
 }
 
+/// The vCPU throttle's period: a throttled vCPU sleeps its share of each.
+const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
+
 const RUN: u8 = 0;
 const PAUSE: u8 = 1;
 const STOP: u8 = 2;
@@ -116,6 +119,11 @@ struct Control {
 }
 
 struct Shared {
+    /// vCPU throttle, percent of each [`THROTTLE_PERIOD`] the vCPUs spend asleep (0: none).
+    throttle: AtomicU32,
+    /// Whether the throttle thread runs.
+    throttler: AtomicBool,
+    threads: Mutex<Vec<JoinHandle<()>>>,
     request: AtomicU8,
     ctl: Mutex<Control>,
     cv: Condvar,
@@ -160,6 +168,14 @@ impl Shared {
         c.outcome.get_or_insert(outcome);
         self.request.store(STOP, Ordering::Release);
         self.cv.notify_all();
+    }
+
+    /// Sends the kick signal to every vCPU thread still running.
+    fn kick_all(&self) {
+        let sig = kick_signal();
+        for t in lock(&self.threads).iter().filter(|t| !t.is_finished()) {
+            let _ = t.kill(sig);
+        }
     }
 
     fn mark(&self, marker: u8) {
@@ -215,7 +231,6 @@ pub struct RunningVm {
     vm: Vm,
     config: VmConfig,
     vcpus: Vec<Arc<Mutex<Vcpu>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
     shared: Arc<Shared>,
     serial: Arc<Mutex<SerialConsole>>,
     started: Instant,
@@ -291,6 +306,9 @@ impl RunningVm {
         }
 
         let shared = Arc::new(Shared {
+            throttle: AtomicU32::new(0),
+            throttler: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
             request: AtomicU8::new(if incoming { PAUSE } else { RUN }),
             ctl: Mutex::new(Control {
                 parked: 0,
@@ -387,7 +405,6 @@ impl RunningVm {
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
         kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&shared.timings).vcpus_started_ns = Some(monotonic_ns());
-        let mut threads = Vec::new();
         for v in &vcpus {
             let (v, bus, sh) = (v.clone(), bus.clone(), shared.clone());
             let id = lock(&v).id;
@@ -397,7 +414,7 @@ impl RunningVm {
                 .spawn(move || vcpu_thread(v, bus, sh))
                 .map_err(Error::Thread);
             match t {
-                Ok(t) => threads.push(t),
+                Ok(t) => lock(&shared.threads).push(t),
                 Err(e) => {
                     lock(&shared.ctl).live -= 1;
                     shared.finish(Outcome::Error(e.to_string()));
@@ -405,7 +422,6 @@ impl RunningVm {
                         vm,
                         config,
                         vcpus,
-                        threads: Mutex::new(threads),
                         shared,
                         serial,
                         started: Instant::now(),
@@ -419,7 +435,6 @@ impl RunningVm {
             vm,
             config,
             vcpus,
-            threads: Mutex::new(threads),
             shared,
             serial,
             started: Instant::now(),
@@ -467,12 +482,49 @@ impl RunningVm {
         lock(&self.shared.timings).clone()
     }
 
-    /// Sends the kick signal to every vCPU thread still running.
     fn kick_all(&self) {
-        let sig = kick_signal();
-        for t in lock(&self.threads).iter().filter(|t| !t.is_finished()) {
-            let _ = t.kill(sig);
+        self.shared.kick_all();
+    }
+
+    /// Throttles the vCPUs to `percent` of each 10 ms period asleep (0 ends it), as QEMU's
+    /// auto-converge does: a guest that dirties memory faster than a migration can send it is
+    /// slowed until the migration converges. A thread kicks the vCPUs out of KVM_RUN every
+    /// period; each kicked vCPU sleeps its share before it re-enters.
+    pub fn set_throttle(&self, percent: u32) {
+        let percent = percent.min(99);
+        self.shared.throttle.store(percent, Ordering::Release);
+        if percent == 0 || self.shared.throttler.swap(true, Ordering::AcqRel) {
+            return;
         }
+        let shared = self.shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("vcpu-throttle".into())
+            .spawn(move || {
+                loop {
+                    let p = shared.throttle.load(Ordering::Acquire);
+                    if p == 0 || shared.request.load(Ordering::Acquire) == STOP {
+                        shared.throttler.store(false, Ordering::Release);
+                        // A throttle set again just now must not be left without its thread.
+                        if shared.throttle.load(Ordering::Acquire) == 0
+                            || shared.throttler.swap(true, Ordering::AcqRel)
+                        {
+                            return;
+                        }
+                        continue;
+                    }
+                    std::thread::sleep(THROTTLE_PERIOD * (100 - p) / 100);
+                    shared.kick_all();
+                }
+            });
+        if let Err(e) = spawned {
+            self.shared.throttler.store(false, Ordering::Release);
+            tracing::warn!("cannot throttle the vCPUs: {e}");
+        }
+    }
+
+    /// The current vCPU throttle, percent.
+    pub fn throttle(&self) -> u32 {
+        self.shared.throttle.load(Ordering::Acquire)
     }
 
     /// Stops every vCPU; returns once they are all parked. Refused while a migration runs:
@@ -721,7 +773,8 @@ impl RunningVm {
             }
             drop(self.shared.cv.wait_timeout(c, Duration::from_millis(2)));
         }
-        for t in lock(&self.threads).drain(..) {
+        let threads: Vec<_> = lock(&self.shared.threads).drain(..).collect();
+        for t in threads {
             let _ = t.join();
         }
     }
@@ -738,7 +791,14 @@ fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<PioBus>, shared: Arc<Shared>) {
     while shared.wait_runnable() {
         let r = lock(&vcpu).run(&bus);
         match r {
-            Ok(VcpuRun::Continue) | Ok(VcpuRun::Interrupted) => {}
+            Ok(VcpuRun::Continue) => {}
+            Ok(VcpuRun::Interrupted) => {
+                // Kicked by the throttle (or a pause/stop request, which wait_runnable sees).
+                let p = shared.throttle.load(Ordering::Acquire);
+                if p > 0 && shared.request.load(Ordering::Acquire) == RUN {
+                    std::thread::sleep(THROTTLE_PERIOD * p / 100);
+                }
+            }
             Ok(VcpuRun::Device(DeviceEvent::GuestExit(code))) => {
                 shared.finish(Outcome::GuestExit(code))
             }
