@@ -12,17 +12,7 @@ fn info_pause_resume_shutdown_through_the_cli() {
     let sock = temp_path("api.sock");
     let s = sock.to_str().unwrap();
     // A guest that would run for 10 minutes: only shutdown ends it.
-    let vm = Kid::spawn(&[
-        "run",
-        "--guest",
-        "memtouch",
-        "pages=64",
-        "until_input=1",
-        "--cpus",
-        "2",
-        "--api-socket",
-        s,
-    ]);
+    let vm = Kid::spawn(&["run", "--guest", "memtouch", "pages=64", "until_input=1", "--cpus", "2", "--api-socket", s]);
     let info = |want: &str| {
         let o = kumo(&["--api-socket", s, "info"]);
         if !o.status.success() {
@@ -62,44 +52,17 @@ fn a_paused_guest_makes_no_progress() {
     // Writes at 10,000/s until told to stop, paused for 2 s in the middle: the guest's own
     // clock (TSC) keeps running, so a real pause shows as elapsed time ≥ the pause, and the
     // checksum still matches the writes the guest reports.
-    let vm = Kid::spawn(&[
-        "run",
-        "--guest",
-        "memtouch",
-        "pages=64",
-        "until_input=1",
-        "rate=10000",
-        "--api-socket",
-        s,
-    ]);
-    eventually(PATIENCE, || {
-        kumo(&["--api-socket", s, "pause"])
-            .status
-            .success()
-            .then_some(())
-    });
+    let vm = Kid::spawn(&["run", "--guest", "memtouch", "pages=64", "until_input=1", "rate=10000", "--api-socket", s]);
+    eventually(PATIENCE, || kumo(&["--api-socket", s, "pause"]).status.success().then_some(()));
     std::thread::sleep(Duration::from_secs(2));
     assert!(kumo(&["--api-socket", s, "resume"]).status.success());
     let mut vm = vm;
     vm.input(b"q");
     let (code, out, err) = vm.finish(PATIENCE);
     assert_eq!(code, Some(0), "{err}");
-    let writes: u64 = field(&out, "memtouch: done", "writes")
-        .unwrap()
-        .parse()
-        .unwrap();
-    let us: u64 = field(&out, "memtouch: done", "elapsed_us")
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(
-        us >= 2_000_000,
-        "the guest's clock ran through the 2 s pause: {us} us"
-    );
-    let sum =
-        u64::from_str_radix(&field(&out, "memtouch: checksum", "checksum").unwrap(), 16).unwrap();
-    assert_eq!(
-        sum,
-        kumo_guests::memtouch::expected_checksum(64, writes, 1, true)
-    );
+    let writes: u64 = field(&out, "memtouch: done", "writes").unwrap().parse().unwrap();
+    let us: u64 = field(&out, "memtouch: done", "elapsed_us").unwrap().parse().unwrap();
+    assert!(us >= 2_000_000, "the guest's clock ran through the 2 s pause: {us} us");
+    let sum = u64::from_str_radix(&field(&out, "memtouch: checksum", "checksum").unwrap(), 16).unwrap();
+    assert_eq!(sum, kumo_guests::memtouch::expected_checksum(64, writes, 1, true));
 }

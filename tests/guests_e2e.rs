@@ -11,8 +11,7 @@ fn hello_prints_and_exits_zero() {
     if !kvm_or_skip("hello_prints_and_exits_zero") {
         return;
     }
-    let (code, out, err) =
-        Kid::spawn(&["run", "--guest", "hello", "--timeout", "60"]).finish(LIMIT);
+    let (code, out, err) = Kid::spawn(&["run", "--guest", "hello", "--timeout", "60"]).finish(LIMIT);
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains("Hello from kumo guest!"), "{out}");
     assert!(out.contains("hello: cpus=1 memory_mib=256"), "{out}");
@@ -39,18 +38,10 @@ fn memtouch_checksum_matches_the_reference_model() {
         ];
         let (code, out, err) = Kid::spawn(&args).finish(LIMIT);
         assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
-        assert_eq!(
-            field(&out, "memtouch: done", "writes").as_deref(),
-            Some("20000"),
-            "{out}"
-        );
+        assert_eq!(field(&out, "memtouch: done", "writes").as_deref(), Some("20000"), "{out}");
         let sum = field(&out, "memtouch: checksum", "checksum").expect("checksum line");
         let want = kumo_guests::memtouch::expected_checksum(3000, 20000, 7, random);
-        assert_eq!(
-            u64::from_str_radix(&sum, 16).unwrap(),
-            want,
-            "mode {mode}: {out}"
-        );
+        assert_eq!(u64::from_str_radix(&sum, 16).unwrap(), want, "mode {mode}: {out}");
     }
 }
 
@@ -102,14 +93,8 @@ fn memtouch_rate_limit_and_progress() {
     ])
     .finish(LIMIT);
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
-    let us: u64 = field(&out, "memtouch: done", "elapsed_us")
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(
-        us >= 190_000,
-        "rate=10000 for 2000 writes must take at least ~0.2 s of guest time, took {us} us"
-    );
+    let us: u64 = field(&out, "memtouch: done", "elapsed_us").unwrap().parse().unwrap();
+    assert!(us >= 190_000, "rate=10000 for 2000 writes must take at least ~0.2 s of guest time, took {us} us");
     assert!(out.matches("memtouch: progress").count() >= 2, "{out}");
 }
 
@@ -119,35 +104,14 @@ fn smp_brings_up_vcpus_and_measures_ipis() {
         return;
     }
     for cpus in ["2", "4"] {
-        let (code, out, err) = Kid::spawn(&[
-            "run",
-            "--guest",
-            "smp",
-            "--cpus",
-            cpus,
-            "iters=200",
-            "--timeout",
-            "60",
-        ])
-        .finish(LIMIT);
+        let (code, out, err) =
+            Kid::spawn(&["run", "--guest", "smp", "--cpus", cpus, "iters=200", "--timeout", "60"]).finish(LIMIT);
         assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
-        assert!(
-            out.contains(&format!("smp: {cpus}/{cpus} vcpus online")),
-            "{out}"
-        );
-        let p50: u64 = field(&out, "smp: ipi_rtt_cycles", "p50")
-            .unwrap()
-            .parse()
-            .unwrap();
-        let min: u64 = field(&out, "smp: ipi_rtt_cycles", "min")
-            .unwrap()
-            .parse()
-            .unwrap();
+        assert!(out.contains(&format!("smp: {cpus}/{cpus} vcpus online")), "{out}");
+        let p50: u64 = field(&out, "smp: ipi_rtt_cycles", "p50").unwrap().parse().unwrap();
+        let min: u64 = field(&out, "smp: ipi_rtt_cycles", "min").unwrap().parse().unwrap();
         assert!(min > 0 && p50 >= min, "{out}");
-        assert_eq!(
-            field(&out, "smp: ipi_rtt_cycles", "iters").as_deref(),
-            Some("200")
-        );
+        assert_eq!(field(&out, "smp: ipi_rtt_cycles", "iters").as_deref(), Some("200"));
     }
 }
 
@@ -156,19 +120,9 @@ fn split_irqchip_runs_guests_too() {
     if !kvm_or_skip("split_irqchip_runs_guests_too") {
         return;
     }
-    let (code, out, err) = Kid::spawn(&[
-        "run",
-        "--guest",
-        "smp",
-        "--cpus",
-        "2",
-        "--irqchip",
-        "split",
-        "iters=50",
-        "--timeout",
-        "60",
-    ])
-    .finish(LIMIT);
+    let (code, out, err) =
+        Kid::spawn(&["run", "--guest", "smp", "--cpus", "2", "--irqchip", "split", "iters=50", "--timeout", "60"])
+            .finish(LIMIT);
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains("smp: 2/2 vcpus online"), "{out}");
 }
@@ -179,17 +133,8 @@ fn guest_exit_code_is_the_process_status() {
         return;
     }
     // memtouch exits 2 when its working set does not fit.
-    let (code, out, _) = Kid::spawn(&[
-        "run",
-        "--guest",
-        "memtouch",
-        "--memory",
-        "16M",
-        "pages=999999",
-        "--timeout",
-        "60",
-    ])
-    .finish(LIMIT);
+    let (code, out, _) =
+        Kid::spawn(&["run", "--guest", "memtouch", "--memory", "16M", "pages=999999", "--timeout", "60"]).finish(LIMIT);
     assert_eq!(code, Some(2));
     assert!(out.contains("does not fit"), "{out}");
 }
@@ -199,16 +144,8 @@ fn timeout_stops_the_vm() {
     if !kvm_or_skip("timeout_stops_the_vm") {
         return;
     }
-    let (code, _, err) = Kid::spawn(&[
-        "run",
-        "--guest",
-        "memtouch",
-        "pages=10",
-        "duration_ms=600000",
-        "--timeout",
-        "0.5",
-    ])
-    .finish(LIMIT);
+    let (code, _, err) =
+        Kid::spawn(&["run", "--guest", "memtouch", "pages=10", "duration_ms=600000", "--timeout", "0.5"]).finish(LIMIT);
     assert_eq!(code, Some(124));
     assert!(err.contains("timed out"), "{err}");
 }
@@ -219,26 +156,13 @@ fn config_file_supplies_the_vm() {
         return;
     }
     let p = temp_path("vm.toml");
-    std::fs::write(
-        &p,
-        "cpus = 2\nmemory = \"128M\"\n[payload.guest]\nname = \"hello\"\n",
-    )
-    .unwrap();
-    let (code, out, err) =
-        Kid::spawn(&["run", "--config", p.to_str().unwrap(), "--timeout", "60"]).finish(LIMIT);
+    std::fs::write(&p, "cpus = 2\nmemory = \"128M\"\n[payload.guest]\nname = \"hello\"\n").unwrap();
+    let (code, out, err) = Kid::spawn(&["run", "--config", p.to_str().unwrap(), "--timeout", "60"]).finish(LIMIT);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("hello: cpus=2 memory_mib=128"), "{out}");
     // Flags override the file.
-    let (code, out, _) = Kid::spawn(&[
-        "run",
-        "--config",
-        p.to_str().unwrap(),
-        "--memory",
-        "64M",
-        "--timeout",
-        "60",
-    ])
-    .finish(LIMIT);
+    let (code, out, _) =
+        Kid::spawn(&["run", "--config", p.to_str().unwrap(), "--memory", "64M", "--timeout", "60"]).finish(LIMIT);
     assert_eq!(code, Some(0));
     assert!(out.contains("memory_mib=64"), "{out}");
 }
@@ -251,10 +175,7 @@ fn guests_are_listed_with_parameters() {
     for name in ["hello", "memtouch", "smp"] {
         assert!(out.lines().any(|l| l.starts_with(name)), "{out}");
     }
-    assert!(
-        out.contains("pages") && out.contains("random|seq") && out.contains("iters"),
-        "{out}"
-    );
+    assert!(out.contains("pages") && out.contains("random|seq") && out.contains("iters"), "{out}");
     let o = kumo(&["guests", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v.as_array().unwrap().len(), 3);
@@ -265,44 +186,17 @@ fn guests_are_listed_with_parameters() {
 #[test]
 fn bad_input_gives_clear_errors() {
     let cases: &[(&[&str], &str)] = &[
-        (
-            &["run", "--guest", "hello", "--memory", "12X"],
-            "unknown unit",
-        ),
+        (&["run", "--guest", "hello", "--memory", "12X"], "unknown unit"),
         (&["run", "--guest", "nope"], "unknown guest `nope`"),
-        (
-            &["run", "--guest", "memtouch", "pagez=1"],
-            "unknown parameter `pagez`",
-        ),
-        (
-            &["run", "--guest", "memtouch", "pages=many"],
-            "wants a number",
-        ),
-        (
-            &["run", "--guest", "smp", "--cpus", "1"],
-            "runs on 2..=64 vCPUs",
-        ),
-        (
-            &["run", "--guest", "hello", "--cpus", "100000"],
-            "exceeds kumo's limit",
-        ),
-        (
-            &["run", "--guest", "hello", "--memory", "1M"],
-            "at least 8 MiB",
-        ),
-        (
-            &["run", "--kernel", "/nonexistent/bzImage"],
-            "/nonexistent/bzImage does not exist",
-        ),
+        (&["run", "--guest", "memtouch", "pagez=1"], "unknown parameter `pagez`"),
+        (&["run", "--guest", "memtouch", "pages=many"], "wants a number"),
+        (&["run", "--guest", "smp", "--cpus", "1"], "runs on 2..=64 vCPUs"),
+        (&["run", "--guest", "hello", "--cpus", "100000"], "exceeds kumo's limit"),
+        (&["run", "--guest", "hello", "--memory", "1M"], "at least 8 MiB"),
+        (&["run", "--kernel", "/nonexistent/bzImage"], "/nonexistent/bzImage does not exist"),
         (&["run"], "nothing to boot"),
-        (
-            &["run", "--config", "/nonexistent.toml"],
-            "cannot read /nonexistent.toml",
-        ),
-        (
-            &["--api-socket", "/nonexistent/kumo.sock", "info"],
-            "no kumo VM is listening on /nonexistent/kumo.sock",
-        ),
+        (&["run", "--config", "/nonexistent.toml"], "cannot read /nonexistent.toml"),
+        (&["--api-socket", "/nonexistent/kumo.sock", "info"], "no kumo VM is listening on /nonexistent/kumo.sock"),
         (&["pause"], "needs --api-socket"),
     ];
     for (args, want) in cases {

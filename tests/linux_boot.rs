@@ -56,10 +56,8 @@ fn kernel_path(env: &str, file: &str) -> PathBuf {
 }
 
 fn timeout() -> Duration {
-    let secs = std::env::var("KUMO_LINUX_BOOT_TIMEOUT")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_TIMEOUT_SECS);
+    let secs =
+        std::env::var("KUMO_LINUX_BOOT_TIMEOUT").ok().and_then(|s| s.parse().ok()).unwrap_or(DEFAULT_TIMEOUT_SECS);
     Duration::from_secs(secs)
 }
 
@@ -104,11 +102,7 @@ fn pump(src: impl Read + Send + 'static, prefix: &'static str, tx: mpsc::Sender<
 
 fn tail(lines: &[String]) -> String {
     let start = lines.len().saturating_sub(TAIL_LINES);
-    let mut s = format!(
-        "--- last {} of {} output lines ---\n",
-        lines.len() - start,
-        lines.len()
-    );
+    let mut s = format!("--- last {} of {} output lines ---\n", lines.len() - start, lines.len());
     for l in &lines[start..] {
         s.push_str(l);
         s.push('\n');
@@ -135,10 +129,7 @@ fn boot_until(kernel: &Path, cmdline: &str, needle: &str) {
         .stderr(Stdio::piped());
     println!("running: {cmd:?}");
     let start = Instant::now();
-    let mut child = ChildGuard(
-        cmd.spawn()
-            .unwrap_or_else(|e| panic!("cannot run {bin}: {e}")),
-    );
+    let mut child = ChildGuard(cmd.spawn().unwrap_or_else(|e| panic!("cannot run {bin}: {e}")));
     let (tx, rx): (mpsc::Sender<String>, Receiver<String>) = mpsc::channel();
     pump(child.0.stdout.take().unwrap(), "", tx.clone());
     pump(child.0.stderr.take().unwrap(), "[stderr] ", tx);
@@ -159,11 +150,7 @@ fn boot_until(kernel: &Path, cmdline: &str, needle: &str) {
             }
             Err(RecvTimeoutError::Timeout) => {
                 if Instant::now() >= deadline {
-                    panic!(
-                        "no {needle:?} on the console within {} s\n{}",
-                        timeout().as_secs(),
-                        tail(&lines)
-                    );
+                    panic!("no {needle:?} on the console within {} s\n{}", timeout().as_secs(), tail(&lines));
                 }
             }
             Err(RecvTimeoutError::Disconnected) => {
@@ -198,10 +185,7 @@ fn find_kernel(env: &str, file: &str, required_in_ci: impl FnOnce() -> bool) -> 
     if k.is_file() {
         return Some(k);
     }
-    let why = format!(
-        "kernel {} not found (set {env} or run scripts/fetch-linux-kernel.sh)",
-        k.display()
-    );
+    let why = format!("kernel {} not found (set {env} or run scripts/fetch-linux-kernel.sh)", k.display());
     if in_ci() && required_in_ci() {
         panic!("{why}");
     }

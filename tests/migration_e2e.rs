@@ -48,11 +48,7 @@ fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Vmp {
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    Vmp {
-        kid: Kid(child),
-        err,
-        out,
-    }
+    Vmp { kid: Kid(child), err, out }
 }
 
 impl Vmp {
@@ -63,9 +59,7 @@ impl Vmp {
             args.extend(["--api-socket", a]);
         }
         let d = spawn_logged(&args, tag);
-        eventually(PATIENCE, || {
-            d.stderr().contains("waiting for a migration").then_some(())
-        });
+        eventually(PATIENCE, || d.stderr().contains("waiting for a migration").then_some(()));
         d
     }
     fn stderr(&self) -> String {
@@ -84,22 +78,14 @@ impl Vmp {
             if let Some(st) = self.kid.0.try_wait().unwrap() {
                 return (st.code(), self.stdout(), self.stderr());
             }
-            assert!(
-                t.elapsed() < PATIENCE,
-                "kumo did not exit; stderr:\n{}",
-                self.stderr()
-            );
+            assert!(t.elapsed() < PATIENCE, "kumo did not exit; stderr:\n{}", self.stderr());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn hex_field(out: &str, key: &str) -> Option<u64> {
@@ -112,11 +98,7 @@ fn check_memtouch(out: &str, pages: u64, seed: u64, random: bool) -> u64 {
         .and_then(|w| w.parse().ok())
         .unwrap_or_else(|| panic!("no done line:\n{out}"));
     let want = kumo_guests::memtouch::expected_checksum(pages, writes, seed, random);
-    assert_eq!(
-        hex_field(out, "checksum"),
-        Some(want),
-        "checksum after {writes} writes:\n{out}"
-    );
+    assert_eq!(hex_field(out, "checksum"), Some(want), "checksum after {writes} writes:\n{out}");
     writes
 }
 
@@ -127,33 +109,16 @@ fn migrate(sock: &str, args: &[&str]) -> (bool, String, String) {
         .stdin(Stdio::null())
         .output()
         .unwrap();
-    (
-        o.status.success(),
-        String::from_utf8_lossy(&o.stdout).into(),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
+    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
 }
 
 /// Starts memtouch with an API socket and waits until it runs.
 fn source(tag: &str, mem: &str, guest_args: &[&str]) -> (Vmp, String) {
-    let sock = temp_path(&format!("{tag}.sock"))
-        .to_str()
-        .unwrap()
-        .to_string();
-    let mut args = vec![
-        "run",
-        "--guest",
-        "memtouch",
-        "--memory",
-        mem,
-        "--api-socket",
-        &sock,
-    ];
+    let sock = temp_path(&format!("{tag}.sock")).to_str().unwrap().to_string();
+    let mut args = vec!["run", "--guest", "memtouch", "--memory", mem, "--api-socket", &sock];
     args.extend_from_slice(guest_args);
     let d = spawn_logged(&args, tag);
-    eventually(PATIENCE, || {
-        d.stdout().contains("memtouch: pages=").then_some(())
-    });
+    eventually(PATIENCE, || d.stdout().contains("memtouch: pages=").then_some(()));
     (d, sock)
 }
 
@@ -176,36 +141,16 @@ fn a_loaded_guest_migrates_with_every_engine() {
     if !kvm_or_skip("a_loaded_guest_migrates_with_every_engine") {
         return;
     }
-    for (engine, conns) in [
-        ("serial", "1"),
-        ("overlap", "1"),
-        ("overlap", "2"),
-        ("zerocopy", "1"),
-        ("zerocopy", "2"),
-    ] {
+    for (engine, conns) in [("serial", "1"), ("overlap", "1"), ("overlap", "2"), ("zerocopy", "1"), ("zerocopy", "2")] {
         let tag = format!("eng-{engine}-{conns}");
         let addr = format!("tcp:127.0.0.1:{}", free_port());
         let mut dest = Vmp::incoming(&addr, &format!("{tag}-dst"), None);
         // Writes at 250,000 pages/s until told to stop: under load whenever it migrates.
-        let (src, sock) = source(
-            &format!("{tag}-src"),
-            "64M",
-            &["pages=4000", "rate=250000", "seed=9", "until_input=1"],
-        );
-        let (ok, out, err) = migrate(
-            &sock,
-            &["--to", &addr, "--engine", engine, "--connections", conns],
-        );
-        assert!(
-            ok,
-            "{engine}: migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}",
-            src.stderr(),
-            dest.stderr()
-        );
-        assert!(
-            out.contains("migrated to") && out.contains("downtime"),
-            "{out}"
-        );
+        let (src, sock) =
+            source(&format!("{tag}-src"), "64M", &["pages=4000", "rate=250000", "seed=9", "until_input=1"]);
+        let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine, "--connections", conns]);
+        assert!(ok, "{engine}: migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dest.stderr());
+        assert!(out.contains("migrated to") && out.contains("downtime"), "{out}");
         assert_migrated_away(src);
         dest.stop_guest();
         let (dcode, dout, derr) = dest.wait();
@@ -222,11 +167,7 @@ fn local_migration_shares_memory() {
     }
     let addr = format!("unix:{}", temp_path("local-mig.sock").display());
     let mut dest = Vmp::incoming(&addr, "local-dst", None);
-    let (src, sock) = source(
-        "local-src",
-        "64M",
-        &["pages=4000", "rate=200000", "seed=4", "until_input=1"],
-    );
+    let (src, sock) = source("local-src", "64M", &["pages=4000", "rate=200000", "seed=4", "until_input=1"]);
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "local"]);
     assert!(ok, "{out}\n{err}\n{}", dest.stderr());
     assert_migrated_away(src);
@@ -244,14 +185,8 @@ fn an_idle_guest_keeps_its_memory() {
     }
     let addr = format!("unix:{}", temp_path("idle-mig.sock").display());
     let mut dest = Vmp::incoming(&addr, "idle-dst", None);
-    let (src, sock) = source(
-        "idle-src",
-        "128M",
-        &["pages=8000", "writes=30000", "seed=2", "hold_input=1"],
-    );
-    eventually(PATIENCE, || {
-        src.stdout().contains("memtouch: checksum=").then_some(())
-    });
+    let (src, sock) = source("idle-src", "128M", &["pages=8000", "writes=30000", "seed=2", "hold_input=1"]);
+    eventually(PATIENCE, || src.stdout().contains("memtouch: checksum=").then_some(()));
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "overlap"]);
     assert!(ok, "{out}\n{err}");
     assert_migrated_away(src);
@@ -259,11 +194,7 @@ fn an_idle_guest_keeps_its_memory() {
     let (dcode, dout, _) = dest.wait();
     assert_eq!(dcode, Some(0));
     let want = kumo_guests::memtouch::expected_checksum(8000, 30000, 2, true);
-    assert_eq!(
-        hex_field(&dout, "checksum_after_hold"),
-        Some(want),
-        "{dout}"
-    );
+    assert_eq!(hex_field(&dout, "checksum_after_hold"), Some(want), "{dout}");
 }
 
 #[test]
@@ -272,30 +203,17 @@ fn twenty_migrations_in_a_row() {
         return;
     }
     // One VM hops through 20 kumo processes while it writes; the last one stops it.
-    let (first, mut sock) = source(
-        "hop-src",
-        "64M",
-        &["pages=2000", "rate=100000", "seed=3", "until_input=1"],
-    );
+    let (first, mut sock) = source("hop-src", "64M", &["pages=2000", "rate=100000", "seed=3", "until_input=1"]);
     let mut prev = first;
     for hop in 0..20 {
         let addr = format!("unix:{}", temp_path(&format!("hop{hop}.sock")).display());
-        let api = temp_path(&format!("hop{hop}-api.sock"))
-            .to_str()
-            .unwrap()
-            .to_string();
+        let api = temp_path(&format!("hop{hop}-api.sock")).to_str().unwrap().to_string();
         let next = Vmp::incoming(&addr, &format!("hop{hop}"), Some(&api));
         let engine = ["serial", "overlap", "zerocopy"][hop % 3];
         let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine]);
-        assert!(
-            ok,
-            "hop {hop} ({engine}) failed:\n{out}\n{err}\nnext:\n{}",
-            next.stderr()
-        );
+        assert!(ok, "hop {hop} ({engine}) failed:\n{out}\n{err}\nnext:\n{}", next.stderr());
         assert_migrated_away(prev);
-        eventually(PATIENCE, || {
-            std::path::Path::new(&api).exists().then_some(())
-        });
+        eventually(PATIENCE, || std::path::Path::new(&api).exists().then_some(()));
         prev = next;
         sock = api;
     }
@@ -335,11 +253,7 @@ fn the_source_runs_on_when_the_receiver_dies() {
         let mut buf = vec![0u8; 4 << 20];
         c.read_exact(&mut buf).unwrap();
     });
-    let (mut src, sock) = source(
-        "die-src",
-        "256M",
-        &["pages=20000", "rate=500000", "seed=8", "until_input=1"],
-    );
+    let (mut src, sock) = source("die-src", "256M", &["pages=20000", "rate=500000", "seed=8", "until_input=1"]);
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "serial"]);
     fake.join().unwrap();
     assert!(!ok, "migration must fail when the receiver dies:\n{out}");
@@ -355,16 +269,10 @@ fn the_source_runs_on_when_the_receiver_dies() {
 
 #[test]
 fn a_destination_that_stops_taking_data_fails_the_migration_and_the_source_runs_on() {
-    if !kvm_or_skip(
-        "a_destination_that_stops_taking_data_fails_the_migration_and_the_source_runs_on",
-    ) {
+    if !kvm_or_skip("a_destination_that_stops_taking_data_fails_the_migration_and_the_source_runs_on") {
         return;
     }
-    let (mut src, sock) = source(
-        "stall-src",
-        "256M",
-        &["pages=20000", "rate=500000", "seed=5", "until_input=1"],
-    );
+    let (mut src, sock) = source("stall-src", "256M", &["pages=20000", "rate=500000", "seed=5", "until_input=1"]);
     for engine in ["overlap", "zerocopy"] {
         // Says Ready, then reads nothing more (a stopped process), until the test is done.
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -372,24 +280,11 @@ fn a_destination_that_stops_taking_data_fails_the_migration_and_the_source_runs_
             let _ = done_rx.recv();
             drop(c);
         });
-        let (ok, _, err) = migrate(
-            &sock,
-            &[
-                "--to",
-                &addr,
-                "--engine",
-                engine,
-                "--progress-timeout-ms",
-                "1000",
-            ],
-        );
+        let (ok, _, err) = migrate(&sock, &["--to", &addr, "--engine", engine, "--progress-timeout-ms", "1000"]);
         done_tx.send(()).unwrap();
         fake.join().unwrap();
         assert!(!ok, "{engine}");
-        assert!(
-            err.contains("took no data") || err.contains("no reply"),
-            "{engine}: {err}"
-        );
+        assert!(err.contains("took no data") || err.contains("no reply"), "{engine}: {err}");
         assert_eq!(vm_state(&sock).as_deref(), Some("running"), "{engine}");
     }
     src.stop_guest();
@@ -403,11 +298,7 @@ fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
     if !kvm_or_skip("a_stopped_or_foreign_peer_is_rejected_at_the_handshake") {
         return;
     }
-    let (mut src, sock) = source(
-        "peer-src",
-        "64M",
-        &["pages=1000", "rate=100000", "until_input=1"],
-    );
+    let (mut src, sock) = source("peer-src", "64M", &["pages=1000", "rate=100000", "until_input=1"]);
     // A kumo destination that is stopped (SIGSTOP): the kernel still accepts the connection.
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let dest = Vmp::incoming(&addr, "peer-stopped", None);
@@ -418,10 +309,7 @@ fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     assert!(!ok);
-    assert!(
-        err.contains("not a kumo migration destination") && err.contains("no answer"),
-        "{err}"
-    );
+    assert!(err.contains("not a kumo migration destination") && err.contains("no answer"), "{err}");
     drop(dest);
     // Not kumo at all: a server that answers in HTTP.
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -448,11 +336,7 @@ fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
 fn progress_writes(out: &str) -> Vec<u64> {
     out.lines()
         .filter(|l| l.starts_with("memtouch: progress"))
-        .filter_map(|l| {
-            l.split_whitespace()
-                .find_map(|w| w.strip_prefix("writes="))
-                .and_then(|v| v.parse().ok())
-        })
+        .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("writes=")).and_then(|v| v.parse().ok()))
         .collect()
 }
 
@@ -466,14 +350,7 @@ fn pause_resume_and_a_second_migration_are_refused_while_migrating() {
     let (src, sock) = source(
         "hammer-src",
         "512M",
-        &[
-            "pages=60000",
-            "mode=seq",
-            "seed=987654321",
-            "rate=50000",
-            "report_ms=2",
-            "until_input=1",
-        ],
+        &["pages=60000", "mode=seq", "seed=987654321", "rate=50000", "report_ms=2", "until_input=1"],
     );
     // A client hammering the API from the moment it sees the migration running until it ends.
     let done = Arc::new(AtomicBool::new(false));
@@ -486,11 +363,9 @@ fn pause_resume_and_a_second_migration_are_refused_while_migrating() {
             let running = || matches!(c.migration_status(), Ok(v) if v["state"] == "running");
             while !done.load(Ordering::Acquire) && !running() {}
             while !done.load(Ordering::Acquire) {
-                for (path, b) in [
-                    ("/api/v1/vm.resume", None),
-                    ("/api/v1/vm.pause", None),
-                    ("/api/v1/vm.migrate", Some(&body)),
-                ] {
+                for (path, b) in
+                    [("/api/v1/vm.resume", None), ("/api/v1/vm.pause", None), ("/api/v1/vm.migrate", Some(&body))]
+                {
                     match c.request("PUT", path, b) {
                         Ok((status, _)) => answers.push((path.to_string(), status)),
                         Err(_) => return answers, // the source has ended
@@ -508,10 +383,7 @@ fn pause_resume_and_a_second_migration_are_refused_while_migrating() {
     // During the migration, and after it (the VM has moved), nothing may pause, resume or
     // migrate this copy.
     for (path, status) in &answers {
-        assert!(
-            *status >= 400,
-            "{path} answered {status} during a migration"
-        );
+        assert!(*status >= 400, "{path} answered {status} during a migration");
     }
     let sout = assert_migrated_away(src);
     dest.stop_guest();
@@ -522,10 +394,7 @@ fn pause_resume_and_a_second_migration_are_refused_while_migrating() {
     // the destination's starts.
     let (s, d) = (progress_writes(&sout), progress_writes(&dout));
     if let (Some(smax), Some(dmin)) = (s.iter().max(), d.iter().min()) {
-        assert!(
-            smax <= dmin,
-            "source reached writes={smax}, destination started at writes={dmin}"
-        );
+        assert!(smax <= dmin, "source reached writes={smax}, destination started at writes={dmin}");
     }
 }
 
@@ -535,26 +404,15 @@ fn a_paused_vm_migrates_and_arrives_paused() {
         return;
     }
     let addr = format!("unix:{}", temp_path("paused-mig.sock").display());
-    let api = temp_path("paused-dst-api.sock")
-        .to_str()
-        .unwrap()
-        .to_string();
+    let api = temp_path("paused-dst-api.sock").to_str().unwrap().to_string();
     let mut dest = Vmp::incoming(&addr, "paused-dst", Some(&api));
-    let (src, sock) = source(
-        "paused-src",
-        "64M",
-        &["pages=3000", "rate=100000", "seed=11", "until_input=1"],
-    );
+    let (src, sock) = source("paused-src", "64M", &["pages=3000", "rate=100000", "seed=11", "until_input=1"]);
     assert!(kumo(&["--api-socket", &sock, "pause"]).status.success());
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "zerocopy"]);
     assert!(ok, "{out}\n{err}\n{}", dest.stderr());
     assert_migrated_away(src);
     eventually(PATIENCE, || vm_state(&api));
-    assert_eq!(
-        vm_state(&api).as_deref(),
-        Some("paused"),
-        "it left paused, so it arrives paused"
-    );
+    assert_eq!(vm_state(&api).as_deref(), Some("paused"), "it left paused, so it arrives paused");
     assert!(kumo(&["--api-socket", &api, "resume"]).status.success());
     assert_eq!(vm_state(&api).as_deref(), Some("running"));
     dest.stop_guest();
@@ -574,10 +432,7 @@ fn garbage_sent_to_a_destination_is_rejected() {
     s.write_all(b"this is not a kumo migration stream").unwrap();
     let (code, _, err) = dest.wait();
     assert_eq!(code, Some(1));
-    assert!(
-        err.contains("incoming migration failed") && err.to_lowercase().contains("magic"),
-        "{err}"
-    );
+    assert!(err.contains("incoming migration failed") && err.to_lowercase().contains("magic"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -586,17 +441,10 @@ fn a_dry_run_predicts_the_migration() {
     if !kvm_or_skip("a_dry_run_predicts_the_migration") {
         return;
     }
-    let (src, sock) = source(
-        "dry-src",
-        "128M",
-        &["pages=20000", "rate=200000", "until_input=1"],
-    );
+    let (src, sock) = source("dry-src", "128M", &["pages=20000", "rate=200000", "until_input=1"]);
     let (ok, out, err) = migrate(&sock, &["--dry-run", "--estimate-ms", "1500"]);
     assert!(ok, "{out}\n{err}");
-    assert!(
-        out.contains("dirty-page model: M =") && out.contains("predicted"),
-        "{out}"
-    );
+    assert!(out.contains("dirty-page model: M =") && out.contains("predicted"), "{out}");
     // The source was not moved and still answers.
     assert!(kumo(&["--api-socket", &sock, "info"]).status.success());
     assert!(kumo(&["--api-socket", &sock, "shutdown"]).status.success());
@@ -611,22 +459,9 @@ fn bad_migrate_requests_are_refused() {
     let (src, sock) = source("bad-src", "64M", &["pages=100", "until_input=1"]);
     for (args, want) in [
         (&["--to", "udp:1.2.3.4:5"][..], "tcp:HOST:PORT or unix:PATH"),
-        (
-            &["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..],
-            "unknown engine `warp`",
-        ),
+        (&["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..], "unknown engine `warp`"),
         (&["--to", "tcp:127.0.0.1:1", "--no-xen"][..], "no stop rule"),
-        (
-            &[
-                "--to",
-                "tcp:127.0.0.1:1",
-                "--engine",
-                "serial",
-                "--connections",
-                "2",
-            ][..],
-            "one connection",
-        ),
+        (&["--to", "tcp:127.0.0.1:1", "--engine", "serial", "--connections", "2"][..], "one connection"),
         (&[][..], "needs --to"),
     ] {
         let (ok, out, err) = migrate(&sock, args);
@@ -652,10 +487,7 @@ impl Netns {
     fn create() -> Result<Netns, String> {
         let id = std::process::id() % 100_000;
         let (a, b) = (format!("kumo-a{id}"), format!("kumo-b{id}"));
-        let ns = Netns {
-            a: a.clone(),
-            b: b.clone(),
-        };
+        let ns = Netns { a: a.clone(), b: b.clone() };
         let (va, vb) = (format!("kva{id}"), format!("kvb{id}"));
         let steps: Vec<Vec<String>> = vec![
             vec!["netns", "add", &a],
@@ -674,16 +506,9 @@ impl Netns {
         .map(|v| v.into_iter().map(String::from).collect())
         .collect();
         for step in steps {
-            let o = Command::new("ip")
-                .args(&step)
-                .output()
-                .map_err(|e| format!("ip: {e}"))?;
+            let o = Command::new("ip").args(&step).output().map_err(|e| format!("ip: {e}"))?;
             if !o.status.success() {
-                return Err(format!(
-                    "ip {}: {}",
-                    step.join(" "),
-                    String::from_utf8_lossy(&o.stderr).trim()
-                ));
+                return Err(format!("ip {}: {}", step.join(" "), String::from_utf8_lossy(&o.stderr).trim()));
             }
         }
         Ok(ns)
@@ -715,16 +540,9 @@ fn migration_between_two_network_namespaces() {
         }
     };
     // Destination "host" B listens on its own address; source "host" A runs the VM.
-    let mut dest = spawn_logged_in(
-        Some(&ns.b),
-        &["run", "--incoming", "tcp:10.77.0.2:4444", "--memory", "64M"],
-        "netns-dst",
-    );
-    eventually(PATIENCE, || {
-        dest.stderr()
-            .contains("waiting for a migration")
-            .then_some(())
-    });
+    let mut dest =
+        spawn_logged_in(Some(&ns.b), &["run", "--incoming", "tcp:10.77.0.2:4444", "--memory", "64M"], "netns-dst");
+    eventually(PATIENCE, || dest.stderr().contains("waiting for a migration").then_some(()));
     let sock = temp_path("netns-src.sock").to_str().unwrap().to_string();
     let src = spawn_logged_in(
         Some(&ns.a),
@@ -743,14 +561,9 @@ fn migration_between_two_network_namespaces() {
         ],
         "netns-src",
     );
-    eventually(PATIENCE, || {
-        src.stdout().contains("memtouch: pages=").then_some(())
-    });
+    eventually(PATIENCE, || src.stdout().contains("memtouch: pages=").then_some(()));
     // The API socket is a file, reachable from the root namespace; the stream goes A -> B.
-    let (ok, o, e) = migrate(
-        &sock,
-        &["--to", "tcp:10.77.0.2:4444", "--engine", "overlap"],
-    );
+    let (ok, o, e) = migrate(&sock, &["--to", "tcp:10.77.0.2:4444", "--engine", "overlap"]);
     assert!(ok, "{o}\n{e}\n{}", dest.stderr());
     assert_eq!(src.wait().0, Some(0));
     dest.stop_guest();

@@ -34,8 +34,7 @@ fn field(out: &str, prefix: &str, key: &str) -> Option<String> {
 }
 
 fn checksum(out: &str, key: &str) -> u64 {
-    let hex =
-        field(out, "memtouch: checksum", key).unwrap_or_else(|| panic!("no {key} line:\n{out}"));
+    let hex = field(out, "memtouch: checksum", key).unwrap_or_else(|| panic!("no {key} line:\n{out}"));
     u64::from_str_radix(&hex, 16).unwrap_or_else(|e| panic!("{key}={hex}: {e}"))
 }
 
@@ -62,23 +61,12 @@ fn memtouch_under_qemu_matches_the_reference_model() {
     let mut vm = QemuVm::spawn(&QemuSpec::new("memtouch", 64, &args), None).unwrap();
     assert_eq!(vm.wait_exit(LIMIT).unwrap(), 0, "{}", vm.serial());
     let out = vm.serial();
-    assert_eq!(
-        checksum(&out, "checksum"),
-        kumo_guests::memtouch::expected_checksum(3000, 20000, 7, true),
-        "{out}"
-    );
+    assert_eq!(checksum(&out, "checksum"), kumo_guests::memtouch::expected_checksum(3000, 20000, 7, true), "{out}");
     // rate=40000 for 20000 writes: about 0.5 s of guest time if the guest knows its TSC rate.
-    let tsc_khz: u64 = field(&out, "kumo-pvh:", "tsc_khz")
-        .and_then(|v| v.parse().ok())
-        .expect("tsc_khz line");
+    let tsc_khz: u64 = field(&out, "kumo-pvh:", "tsc_khz").and_then(|v| v.parse().ok()).expect("tsc_khz line");
     assert!(tsc_khz > 100_000, "{out}");
-    let us: u64 = field(&out, "memtouch: done", "elapsed_us")
-        .and_then(|v| v.parse().ok())
-        .expect("done line");
-    assert!(
-        (450_000..2_000_000).contains(&us),
-        "rate-limited run took {us} us:\n{out}"
-    );
+    let us: u64 = field(&out, "memtouch: done", "elapsed_us").and_then(|v| v.parse().ok()).expect("done line");
+    assert!((450_000..2_000_000).contains(&us), "rate-limited run took {us} us:\n{out}");
 }
 
 #[test]
@@ -89,22 +77,8 @@ fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
     // ~3 s of random writes over 80 MiB at 20,000 pages/s; migrated after 1 s, when about 63%
     // of the working set (1 - 1/e) has been written.
     let (pages, writes, seed) = (20_000, 60_000, 11);
-    let args = sv(&[
-        "pages=20000",
-        "writes=60000",
-        "seed=11",
-        "rate=20000",
-        "report_ms=500",
-    ]);
-    let (m, out) = qemu::migrate_memtouch(
-        256,
-        &args,
-        "memtouch: progress t_ms=1000",
-        Some(100),
-        false,
-        LIMIT,
-    )
-    .unwrap();
+    let args = sv(&["pages=20000", "writes=60000", "seed=11", "rate=20000", "report_ms=500"]);
+    let (m, out) = qemu::migrate_memtouch(256, &args, "memtouch: progress t_ms=1000", Some(100), false, LIMIT).unwrap();
     eprintln!("{}", serde_json::to_string(&m).unwrap());
     // The workload was still running when it moved: it finished on the destination.
     assert!(out.contains("memtouch: done writes=60000"), "{out}");
@@ -113,18 +87,9 @@ fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
         kumo_guests::memtouch::expected_checksum(pages, writes, seed, true),
         "{out}"
     );
-    assert!(
-        m.total_ms > 0 && m.transferred_bytes > 0 && m.dirty_sync_count >= 1,
-        "{m:?}"
-    );
-    assert!(
-        m.normal_pages >= pages / 2,
-        "the written part of the working set must have been sent: {m:?}"
-    );
-    assert!(
-        m.duplicate_pages > 0,
-        "untouched memory goes as zero pages: {m:?}"
-    );
+    assert!(m.total_ms > 0 && m.transferred_bytes > 0 && m.dirty_sync_count >= 1, "{m:?}");
+    assert!(m.normal_pages >= pages / 2, "the written part of the working set must have been sent: {m:?}");
+    assert!(m.duplicate_pages > 0, "untouched memory goes as zero pages: {m:?}");
 }
 
 // Measurements (run on demand: `cargo test -p kumo-cli --test qemu_e2e -- --ignored
@@ -139,35 +104,16 @@ fn measure_idle_2gib_prefilled() {
     if !qemu_or_skip("measure_idle_2gib_prefilled") {
         return;
     }
-    let args = sv(&[
-        "pages=1000",
-        "writes=1000",
-        "prefill=1",
-        "hold_ms=40000",
-        "seed=2048",
-    ]);
-    let (m, out) = qemu::migrate_memtouch(
-        2048,
-        &args,
-        "memtouch: checksum=",
-        None,
-        true,
-        Duration::from_secs(120),
-    )
-    .unwrap();
-    println!(
-        "qemu idle 2048 MiB prefill: {}",
-        serde_json::to_string(&m).unwrap()
-    );
+    let args = sv(&["pages=1000", "writes=1000", "prefill=1", "hold_ms=40000", "seed=2048"]);
+    let (m, out) =
+        qemu::migrate_memtouch(2048, &args, "memtouch: checksum=", None, true, Duration::from_secs(120)).unwrap();
+    println!("qemu idle 2048 MiB prefill: {}", serde_json::to_string(&m).unwrap());
     assert_eq!(
         checksum(&out, "checksum_after_hold"),
         kumo_guests::memtouch::expected_checksum(1000, 1000, 2048, true),
         "{out}"
     );
-    assert!(
-        m.normal_pages > 400_000,
-        "a prefilled 2 GiB guest sends (nearly) every page: {m:?}"
-    );
+    assert!(m.normal_pages > 400_000, "a prefilled 2 GiB guest sends (nearly) every page: {m:?}");
 }
 
 /// Loaded 2 GiB guest, as `kumo bench migrate`'s loaded VM: random writes at 52,500 pages/s
@@ -178,41 +124,13 @@ fn measure_loaded_2gib() {
     if !qemu_or_skip("measure_loaded_2gib") {
         return;
     }
-    let args = sv(&[
-        "pages=100000",
-        "mode=random",
-        "rate=52500",
-        "prefill=1",
-        "duration_ms=40000",
-        "report_ms=100",
-    ]);
-    let (m, out) = qemu::migrate_memtouch(
-        2048,
-        &args,
-        "memtouch: progress t_ms=2000",
-        None,
-        true,
-        Duration::from_secs(120),
-    )
-    .unwrap();
-    println!(
-        "qemu loaded 2048 MiB rate=52500 pages=100000: {}",
-        serde_json::to_string(&m).unwrap()
-    );
-    let writes: u64 = field(&out, "memtouch: done", "writes")
-        .and_then(|w| w.parse().ok())
-        .expect("done line");
-    assert_eq!(
-        checksum(&out, "checksum"),
-        kumo_guests::memtouch::expected_checksum(100_000, writes, 1, true),
-        "{out}"
-    );
-    let t_ms: Vec<u64> = out
-        .lines()
-        .filter_map(|l| field(l, "memtouch: progress", "t_ms")?.parse().ok())
-        .collect();
-    println!(
-        "destination progress from t_ms={:?}: the guest ran on after the switch-over",
-        t_ms.first()
-    );
+    let args = sv(&["pages=100000", "mode=random", "rate=52500", "prefill=1", "duration_ms=40000", "report_ms=100"]);
+    let (m, out) =
+        qemu::migrate_memtouch(2048, &args, "memtouch: progress t_ms=2000", None, true, Duration::from_secs(120))
+            .unwrap();
+    println!("qemu loaded 2048 MiB rate=52500 pages=100000: {}", serde_json::to_string(&m).unwrap());
+    let writes: u64 = field(&out, "memtouch: done", "writes").and_then(|w| w.parse().ok()).expect("done line");
+    assert_eq!(checksum(&out, "checksum"), kumo_guests::memtouch::expected_checksum(100_000, writes, 1, true), "{out}");
+    let t_ms: Vec<u64> = out.lines().filter_map(|l| field(l, "memtouch: progress", "t_ms")?.parse().ok()).collect();
+    println!("destination progress from t_ms={:?}: the guest ran on after the switch-over", t_ms.first());
 }

@@ -38,10 +38,7 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         cpus,
         memory: 128 << 20,
         irqchip: Default::default(),
-        payload: Payload::Guest {
-            name: "memtouch".into(),
-            args: args.iter().map(|s| s.to_string()).collect(),
-        },
+        payload: Payload::Guest { name: "memtouch".into(), args: args.iter().map(|s| s.to_string()).collect() },
     }
 }
 
@@ -59,18 +56,11 @@ fn pause_save_restore_resume_keeps_the_guest_going() {
     .unwrap();
     let t = Instant::now();
     while !console.text().contains("memtouch: pages=") {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "guest did not start: {}",
-            console.text()
-        );
+        assert!(t.elapsed() < Duration::from_secs(30), "guest did not start: {}", console.text());
         std::thread::sleep(Duration::from_millis(10));
     }
 
-    assert!(
-        matches!(vm.save_state(), Err(kumo_vmm::Error::State(_))),
-        "save needs a paused VM"
-    );
+    assert!(matches!(vm.save_state(), Err(kumo_vmm::Error::State(_))), "save needs a paused VM");
     vm.pause().unwrap();
     assert!(vm.is_paused());
     let snap = vm.save_state().unwrap();
@@ -100,15 +90,8 @@ fn pause_save_restore_resume_keeps_the_guest_going() {
     let report = vm.wait_timeout(Some(Duration::from_secs(600)));
     let out = console.text();
     assert_eq!(report.outcome, Outcome::GuestExit(0), "{out}");
-    assert_eq!(
-        out.matches("memtouch: pages=").count(),
-        1,
-        "the guest must not restart: {out}"
-    );
-    let sum = out
-        .lines()
-        .find_map(|l| l.strip_prefix("memtouch: checksum="))
-        .expect(&out);
+    assert_eq!(out.matches("memtouch: pages=").count(), 1, "the guest must not restart: {out}");
+    let sum = out.lines().find_map(|l| l.strip_prefix("memtouch: checksum=")).expect(&out);
     let writes: u64 = out
         .lines()
         .find_map(|l| l.strip_prefix("memtouch: done writes="))
@@ -124,16 +107,8 @@ fn restore_rejects_a_snapshot_of_another_shape() {
     if !kvm_or_skip("restore_rejects_a_snapshot_of_another_shape") {
         return;
     }
-    let a = RunningVm::start(
-        memtouch(1, &["pages=10", "duration_ms=600000"]),
-        Box::new(std::io::sink()),
-    )
-    .unwrap();
-    let b = RunningVm::start(
-        memtouch(2, &["pages=10", "duration_ms=600000"]),
-        Box::new(std::io::sink()),
-    )
-    .unwrap();
+    let a = RunningVm::start(memtouch(1, &["pages=10", "duration_ms=600000"]), Box::new(std::io::sink())).unwrap();
+    let b = RunningVm::start(memtouch(2, &["pages=10", "duration_ms=600000"]), Box::new(std::io::sink())).unwrap();
     a.pause().unwrap();
     b.pause().unwrap();
     let snap = a.save_state().unwrap();
@@ -159,11 +134,7 @@ fn a_throttled_guest_runs_on_and_keeps_its_memory() {
     .unwrap();
     let t = Instant::now();
     while !console.text().contains("memtouch: progress") {
-        assert!(
-            t.elapsed() < Duration::from_secs(300),
-            "guest did not start: {}",
-            console.text()
-        );
+        assert!(t.elapsed() < Duration::from_secs(300), "guest did not start: {}", console.text());
         std::thread::sleep(Duration::from_millis(10));
     }
     vm.set_throttle(90);
@@ -171,11 +142,7 @@ fn a_throttled_guest_runs_on_and_keeps_its_memory() {
     // Throttled, the guest still makes progress: more progress lines arrive.
     let seen = console.text().matches("memtouch: progress").count();
     while console.text().matches("memtouch: progress").count() < seen + 3 {
-        assert!(
-            t.elapsed() < Duration::from_secs(300),
-            "a throttled guest must still run: {}",
-            console.text()
-        );
+        assert!(t.elapsed() < Duration::from_secs(300), "a throttled guest must still run: {}", console.text());
         std::thread::sleep(Duration::from_millis(10));
     }
     // Pause and resume work while throttled.
@@ -193,10 +160,7 @@ fn a_throttled_guest_runs_on_and_keeps_its_memory() {
         .and_then(|l| l.split_whitespace().next())
         .and_then(|w| w.parse().ok())
         .expect(&out);
-    let sum = out
-        .lines()
-        .find_map(|l| l.strip_prefix("memtouch: checksum="))
-        .expect(&out);
+    let sum = out.lines().find_map(|l| l.strip_prefix("memtouch: checksum=")).expect(&out);
     assert_eq!(
         u64::from_str_radix(sum.trim(), 16).unwrap(),
         kumo_guests::memtouch::expected_checksum(2000, writes, 5, true)

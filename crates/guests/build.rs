@@ -51,10 +51,7 @@ const FORBIDDEN: &[&str] = &[
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
-    let src = manifest_dir
-        .join("../../guests")
-        .canonicalize()
-        .expect("guests/ source directory");
+    let src = manifest_dir.join("../../guests").canonicalize().expect("guests/ source directory");
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let cc = env::var("KUMO_GUEST_CC").unwrap_or_else(|_| "gcc".into());
     println!("cargo:rerun-if-changed={}", src.display());
@@ -83,10 +80,7 @@ fn main() {
             .unwrap_or_else(|e| panic!("cannot run {cc} to build guest {name}: {e}"));
         assert!(status.success(), "building guest {name} with {cc} failed");
         check_instructions(name, &elf);
-        table.push_str(&format!(
-            "    ({name:?}, include_bytes!({:?})),\n",
-            elf.display().to_string()
-        ));
+        table.push_str(&format!("    ({name:?}, include_bytes!({:?})),\n", elf.display().to_string()));
     }
     table.push_str("];\n");
     fs::write(out.join("built.rs"), table).unwrap();
@@ -102,10 +96,10 @@ fn check_instructions(name: &str, elf: &Path) {
     let text = String::from_utf8_lossy(&dis.stdout);
     for line in text.lines() {
         let insn = line.split('\t').nth(1).unwrap_or("");
-        if let Some(bad) = FORBIDDEN.iter().find(|f| {
-            insn.split_whitespace().next() == Some(**f)
-                || (f.starts_with('%') && insn.contains(**f))
-        }) {
+        if let Some(bad) = FORBIDDEN
+            .iter()
+            .find(|f| insn.split_whitespace().next() == Some(**f) || (f.starts_with('%') && insn.contains(**f)))
+        {
             panic!("guest {name} contains `{bad}`, which nested KVM cannot run in ring 0: {line}");
         }
     }

@@ -22,17 +22,11 @@ pub fn kumo_bin() -> PathBuf {
 }
 
 pub fn kumo(args: &[&str]) -> Output {
-    Command::new(kumo_bin())
-        .args(args)
-        .output()
-        .expect("run kumo")
+    Command::new(kumo_bin()).args(args).output().expect("run kumo")
 }
 
 pub fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
 /// A kumo child process that is killed if the test ends early.
@@ -62,10 +56,7 @@ impl Kid {
     pub fn input(&mut self, bytes: &[u8]) {
         use std::io::Write;
         let stdin = self.0.stdin.as_mut().expect("kumo's stdin is piped");
-        stdin
-            .write_all(bytes)
-            .and_then(|()| stdin.flush())
-            .expect("write to kumo's stdin");
+        stdin.write_all(bytes).and_then(|()| stdin.flush()).expect("write to kumo's stdin");
     }
 
     /// Waits for exit (bounded) and returns (status code, stdout, stderr).
@@ -75,18 +66,8 @@ impl Kid {
             if let Some(st) = self.0.try_wait().unwrap() {
                 let mut out = String::new();
                 let mut err = String::new();
-                self.0
-                    .stdout
-                    .take()
-                    .unwrap()
-                    .read_to_string(&mut out)
-                    .unwrap();
-                self.0
-                    .stderr
-                    .take()
-                    .unwrap()
-                    .read_to_string(&mut err)
-                    .unwrap();
+                self.0.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+                self.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
                 return (st.code(), out, err);
             }
             assert!(t.elapsed() < limit, "kumo did not exit within {limit:?}");

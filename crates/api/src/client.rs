@@ -57,10 +57,7 @@ pub struct ApiClient {
 
 impl ApiClient {
     pub fn new(path: impl AsRef<Path>) -> Self {
-        ApiClient {
-            path: path.as_ref().to_path_buf(),
-            timeout: DEFAULT_CLIENT_TIMEOUT,
-        }
+        ApiClient { path: path.as_ref().to_path_buf(), timeout: DEFAULT_CLIENT_TIMEOUT }
     }
 
     /// Bounds each request (sending it and reading the whole answer).
@@ -77,11 +74,7 @@ impl ApiClient {
     /// `GET /api/v1/vmm.ping`; returns the VM's kumo version.
     pub fn ping(&self) -> Result<String, ClientError> {
         let body = self.call("GET", paths::PING, None)?;
-        match body
-            .as_ref()
-            .and_then(|b| b.get("kumo_version"))
-            .and_then(Value::as_str)
-        {
+        match body.as_ref().and_then(|b| b.get("kumo_version")).and_then(Value::as_str) {
             Some(v) => Ok(v.to_string()),
             None => Err(self.bad("vmm.ping answer lacks kumo_version")),
         }
@@ -89,9 +82,7 @@ impl ApiClient {
 
     /// `GET /api/v1/vm.info`.
     pub fn info(&self) -> Result<VmInfo, ClientError> {
-        let body = self
-            .call("GET", paths::INFO, None)?
-            .ok_or_else(|| self.bad("empty vm.info answer"))?;
+        let body = self.call("GET", paths::INFO, None)?.ok_or_else(|| self.bad("empty vm.info answer"))?;
         serde_json::from_value(body).map_err(|e| self.bad(format!("invalid vm.info answer: {e}")))
     }
 
@@ -113,26 +104,18 @@ impl ApiClient {
     /// Runs a migration (blocks until it ends: give the client a long timeout) and returns
     /// its report.
     pub fn migrate(&self, req: &crate::MigrateRequest) -> Result<Value, ClientError> {
-        let body = serde_json::to_value(req)
-            .map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
-        self.call("PUT", paths::MIGRATE, Some(&body))?
-            .ok_or_else(|| self.bad("empty vm.migrate answer"))
+        let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
+        self.call("PUT", paths::MIGRATE, Some(&body))?.ok_or_else(|| self.bad("empty vm.migrate answer"))
     }
 
     /// Progress events and result of the current or last migration.
     pub fn migration_status(&self) -> Result<Value, ClientError> {
-        self.call("GET", paths::MIGRATION, None)?
-            .ok_or_else(|| self.bad("empty vm.migration answer"))
+        self.call("GET", paths::MIGRATION, None)?.ok_or_else(|| self.bad("empty vm.migration answer"))
     }
 
     /// Like [`request`](Self::request), but a non-2xx status is an error
     /// ([`ClientError::Http`], carrying the server's message).
-    pub fn call(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&Value>,
-    ) -> Result<Option<Value>, ClientError> {
+    pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Option<Value>, ClientError> {
         let (status, body) = self.request(method, path, body)?;
         if (200..300).contains(&status) {
             return Ok(body);
@@ -148,25 +131,15 @@ impl ApiClient {
 
     /// Sends one request and returns the status and JSON body (if any),
     /// whatever the status. `path` is the full path, e.g. `/api/v1/vm.info`.
-    pub fn request(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&Value>,
-    ) -> Result<(u16, Option<Value>), ClientError> {
-        let stream = UnixStream::connect(&self.path).map_err(|source| ClientError::Connect {
-            path: self.path.clone(),
-            source,
-        })?;
+    pub fn request(&self, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, Option<Value>), ClientError> {
+        let stream = UnixStream::connect(&self.path)
+            .map_err(|source| ClientError::Connect { path: self.path.clone(), source })?;
         let deadline = Instant::now() + self.timeout;
-        stream
-            .set_write_timeout(Some(self.timeout))
-            .map_err(|e| self.io(e))?;
+        stream.set_write_timeout(Some(self.timeout)).map_err(|e| self.io(e))?;
 
         let body = body.map(Value::to_string).unwrap_or_default();
-        let mut msg = format!(
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\nConnection: close\r\n"
-        );
+        let mut msg =
+            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\nConnection: close\r\n");
         if !body.is_empty() {
             msg += "Content-Type: application/json\r\n";
         }
@@ -216,22 +189,16 @@ impl ApiClient {
         match serde_json::from_slice(&body) {
             Ok(v) => Ok((status, Some(v))),
             // Keep a non-JSON error text as the message rather than lose it.
-            Err(_) if status >= 400 => Ok((
-                status,
-                Some(Value::String(
-                    String::from_utf8_lossy(&body).trim().to_string(),
-                )),
-            )),
+            Err(_) if status >= 400 => {
+                Ok((status, Some(Value::String(String::from_utf8_lossy(&body).trim().to_string()))))
+            }
             Err(e) => Err(self.bad(format!("invalid JSON body: {e}"))),
         }
     }
 
     fn read_error(&self, e: ReadError) -> ClientError {
         match e {
-            ReadError::TimedOut { .. } => ClientError::Timeout {
-                path: self.path.clone(),
-                timeout: self.timeout,
-            },
+            ReadError::TimedOut { .. } => ClientError::Timeout { path: self.path.clone(), timeout: self.timeout },
             ReadError::Closed { .. } => self.bad("connection closed before a complete answer"),
             ReadError::TooLarge => self.bad("answer too large"),
             ReadError::Io(e) => self.io(e),
@@ -239,17 +206,11 @@ impl ApiClient {
     }
 
     fn bad(&self, reason: impl Into<String>) -> ClientError {
-        ClientError::BadResponse {
-            path: self.path.clone(),
-            reason: reason.into(),
-        }
+        ClientError::BadResponse { path: self.path.clone(), reason: reason.into() }
     }
 
     fn io(&self, source: io::Error) -> ClientError {
-        ClientError::Io {
-            path: self.path.clone(),
-            source,
-        }
+        ClientError::Io { path: self.path.clone(), source }
     }
 }
 
@@ -271,8 +232,7 @@ mod tests {
         let t = thread::spawn(move || {
             let (stream, _) = listener.accept().unwrap();
             let mut conn = Conn::new(stream);
-            conn.read_head(Instant::now() + Duration::from_secs(30))
-                .unwrap();
+            conn.read_head(Instant::now() + Duration::from_secs(30)).unwrap();
             conn.stream.write_all(answer).unwrap();
         });
         (path, t)
@@ -283,13 +243,7 @@ mod tests {
         let path = temp_sock("missing");
         let e = ApiClient::new(&path).info().unwrap_err();
         assert!(matches!(e, ClientError::Connect { .. }));
-        assert_eq!(
-            e.to_string(),
-            format!(
-                "no kumo VM is listening on {}: No such file or directory",
-                path.display()
-            )
-        );
+        assert_eq!(e.to_string(), format!("no kumo VM is listening on {}: No such file or directory", path.display()));
     }
 
     #[test]
@@ -303,15 +257,9 @@ mod tests {
 
     #[test]
     fn plain_text_error_and_body_until_close() {
-        let (path, t) = canned(
-            "text",
-            b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\n\r\nupstream broke\n",
-        );
+        let (path, t) = canned("text", b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\n\r\nupstream broke\n");
         let e = ApiClient::new(&path).call("GET", "/x", None).unwrap_err();
-        assert!(
-            matches!(&e, ClientError::Http { status: 502, message } if message == "upstream broke"),
-            "{e:?}"
-        );
+        assert!(matches!(&e, ClientError::Http { status: 502, message } if message == "upstream broke"), "{e:?}");
         t.join().unwrap();
         std::fs::remove_file(&path).unwrap();
     }
@@ -321,10 +269,7 @@ mod tests {
         let path = temp_sock("silent");
         let _ = std::fs::remove_file(&path);
         let _listener = UnixListener::bind(&path).unwrap(); // never accepts: connect still succeeds
-        let e = ApiClient::new(&path)
-            .with_timeout(Duration::from_millis(50))
-            .ping()
-            .unwrap_err();
+        let e = ApiClient::new(&path).with_timeout(Duration::from_millis(50)).ping().unwrap_err();
         assert!(matches!(e, ClientError::Timeout { .. }), "{e:?}");
         std::fs::remove_file(&path).unwrap();
     }

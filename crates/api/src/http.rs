@@ -36,10 +36,7 @@ pub(crate) struct Conn {
 
 impl Conn {
     pub fn new(stream: UnixStream) -> Self {
-        Conn {
-            stream,
-            buf: Vec::new(),
-        }
+        Conn { stream, buf: Vec::new() }
     }
 
     fn fill(&mut self, deadline: Instant) -> Result<(), ReadError> {
@@ -52,9 +49,7 @@ impl Conn {
             if left.is_zero() {
                 return Err(ReadError::TimedOut { partial });
             }
-            self.stream
-                .set_read_timeout(Some(left))
-                .map_err(ReadError::Io)?;
+            self.stream.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
             match self.stream.read(&mut chunk) {
                 Ok(0) => return Err(ReadError::Closed { partial }),
                 Ok(n) => {
@@ -62,12 +57,7 @@ impl Conn {
                     return Ok(());
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                     return Err(ReadError::TimedOut { partial })
                 }
                 Err(e) => return Err(ReadError::Io(e)),
@@ -79,11 +69,7 @@ impl Conn {
     pub fn read_head(&mut self, deadline: Instant) -> Result<Vec<u8>, ReadError> {
         loop {
             // Stray blank lines between messages are to be ignored (RFC 9112 §2.2).
-            let skip = self
-                .buf
-                .iter()
-                .take_while(|b| matches!(b, b'\r' | b'\n'))
-                .count();
+            let skip = self.buf.iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
             self.buf.drain(..skip);
             if let Some(end) = head_end(&self.buf) {
                 if end > MAX_HEAD {
@@ -123,14 +109,11 @@ impl Conn {
 
 /// End of the head: the first empty line, accepting bare LF line endings.
 fn head_end(buf: &[u8]) -> Option<usize> {
-    buf.iter()
-        .enumerate()
-        .filter(|(_, &b)| b == b'\n')
-        .find_map(|(i, _)| match &buf[i + 1..] {
-            [b'\n', ..] => Some(i + 2),
-            [b'\r', b'\n', ..] => Some(i + 3),
-            _ => None,
-        })
+    buf.iter().enumerate().filter(|(_, &b)| b == b'\n').find_map(|(i, _)| match &buf[i + 1..] {
+        [b'\n', ..] => Some(i + 2),
+        [b'\r', b'\n', ..] => Some(i + 3),
+        _ => None,
+    })
 }
 
 #[derive(Debug, Default)]
@@ -138,24 +121,16 @@ pub(crate) struct Headers(Vec<(String, String)>);
 
 impl Headers {
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
-        self.0
-            .iter()
-            .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.0.iter().filter(move |(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.0.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     /// Whether a comma-separated header (Connection, Expect...) lists `token`.
     pub fn has_token(&self, name: &str, token: &str) -> bool {
-        self.get_all(name)
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case(token))
+        self.get_all(name).flat_map(|v| v.split(',')).any(|t| t.trim().eq_ignore_ascii_case(token))
     }
 
     /// Declared body length; a number too big for u64 saturates (it is
@@ -194,10 +169,7 @@ fn split_head(head: &[u8]) -> Result<(&str, Headers), &'static str> {
         if name.is_empty() || !name.bytes().all(is_tchar) {
             return Err("malformed header name");
         }
-        headers.push((
-            name.to_string(),
-            value.trim_matches([' ', '\t']).to_string(),
-        ));
+        headers.push((name.to_string(), value.trim_matches([' ', '\t']).to_string()));
     }
     Ok((start, Headers(headers)))
 }
@@ -214,8 +186,7 @@ pub(crate) struct RequestHead {
 pub(crate) fn parse_request_head(head: &[u8]) -> Result<RequestHead, ApiError> {
     let (start, headers) = split_head(head).map_err(ApiError::bad_request)?;
     let mut parts = start.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
+    let (Some(method), Some(target), Some(version), None) = (parts.next(), parts.next(), parts.next(), parts.next())
     else {
         return Err(ApiError::bad_request("malformed request line"));
     };
@@ -223,29 +194,16 @@ pub(crate) fn parse_request_head(head: &[u8]) -> Result<RequestHead, ApiError> {
         return Err(ApiError::bad_request("malformed request method"));
     }
     if !target.starts_with('/') {
-        return Err(ApiError::bad_request(
-            "request target must be an absolute path",
-        ));
+        return Err(ApiError::bad_request("request target must be an absolute path"));
     }
     let keep_alive = match version {
         "HTTP/1.1" => !headers.has_token("connection", "close"),
         "HTTP/1.0" => headers.has_token("connection", "keep-alive"),
-        v if v.starts_with("HTTP/") => {
-            return Err(ApiError::new(505, format!("unsupported HTTP version {v}")))
-        }
+        v if v.starts_with("HTTP/") => return Err(ApiError::new(505, format!("unsupported HTTP version {v}"))),
         _ => return Err(ApiError::bad_request("malformed request line")),
     };
-    let path = target
-        .split(['?', '#'])
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    Ok(RequestHead {
-        method: method.to_string(),
-        path,
-        keep_alive,
-        headers,
-    })
+    let path = target.split(['?', '#']).next().unwrap_or_default().to_string();
+    Ok(RequestHead { method: method.to_string(), path, keep_alive, headers })
 }
 
 pub(crate) fn parse_response_head(head: &[u8]) -> Result<(u16, Headers), &'static str> {
@@ -355,36 +313,24 @@ mod tests {
             let e = parse_request_head(bad).unwrap_err();
             assert_eq!(e.status, 400, "{:?}", String::from_utf8_lossy(bad));
         }
-        assert_eq!(
-            parse_request_head(b"GET / HTTP/2.0\r\n\r\n")
-                .unwrap_err()
-                .status,
-            505
-        );
+        assert_eq!(parse_request_head(b"GET / HTTP/2.0\r\n\r\n").unwrap_err().status, 505);
     }
 
     #[test]
     fn content_length_validation() {
         let cl = |head: &[u8]| parse_request_head(head).unwrap().headers.content_length();
         assert_eq!(cl(b"GET / HTTP/1.1\r\n\r\n"), Ok(None));
-        assert_eq!(
-            cl(b"GET / HTTP/1.1\r\nContent-Length: 5\r\ncontent-length: 5\r\n\r\n"),
-            Ok(Some(5))
-        );
+        assert_eq!(cl(b"GET / HTTP/1.1\r\nContent-Length: 5\r\ncontent-length: 5\r\n\r\n"), Ok(Some(5)));
         assert!(cl(b"GET / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n").is_err());
         assert!(cl(b"GET / HTTP/1.1\r\nContent-Length: -1\r\n\r\n").is_err());
         assert!(cl(b"GET / HTTP/1.1\r\nContent-Length: +1\r\n\r\n").is_err());
         assert!(cl(b"GET / HTTP/1.1\r\nContent-Length:\r\n\r\n").is_err());
-        assert_eq!(
-            cl(b"GET / HTTP/1.1\r\nContent-Length: 99999999999999999999999\r\n\r\n"),
-            Ok(Some(u64::MAX))
-        );
+        assert_eq!(cl(b"GET / HTTP/1.1\r\nContent-Length: 99999999999999999999999\r\n\r\n"), Ok(Some(u64::MAX)));
     }
 
     #[test]
     fn parses_response_head() {
-        let (status, h) =
-            parse_response_head(b"HTTP/1.1 409 Conflict\r\nContent-Length: 3\r\n\r\n").unwrap();
+        let (status, h) = parse_response_head(b"HTTP/1.1 409 Conflict\r\nContent-Length: 3\r\n\r\n").unwrap();
         assert_eq!(status, 409);
         assert_eq!(h.content_length(), Ok(Some(3)));
         assert_eq!(parse_response_head(b"HTTP/1.1 204\r\n\r\n").unwrap().0, 204);
@@ -397,8 +343,7 @@ mod tests {
         let r = String::from_utf8(response_bytes(204, None, &[], false)).unwrap();
         assert_eq!(r, "HTTP/1.1 204 No Content\r\n\r\n");
         let body = serde_json::json!({"error": "nope"});
-        let r =
-            String::from_utf8(response_bytes(405, Some(&body), &[("Allow", "GET")], true)).unwrap();
+        let r = String::from_utf8(response_bytes(405, Some(&body), &[("Allow", "GET")], true)).unwrap();
         assert_eq!(
             r,
             "HTTP/1.1 405 Method Not Allowed\r\nAllow: GET\r\nConnection: close\r\n\

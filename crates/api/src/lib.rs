@@ -119,9 +119,7 @@ impl ApiResponse {
     pub fn into_http(self) -> Result<(u16, Option<Value>), ApiError> {
         Ok(match self {
             ApiResponse::Ok => (204, None),
-            ApiResponse::Pong { kumo_version } => {
-                (200, Some(json!({ "kumo_version": kumo_version })))
-            }
+            ApiResponse::Pong { kumo_version } => (200, Some(json!({ "kumo_version": kumo_version }))),
             ApiResponse::Info(info) => (200, Some(to_json(&info)?)),
             ApiResponse::Json(v) => (200, Some(v)),
         })
@@ -142,10 +140,7 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: u16, message: impl Into<String>) -> Self {
-        ApiError {
-            status,
-            message: message.into(),
-        }
+        ApiError { status, message: message.into() }
     }
     /// 400: the request is malformed or its body invalid.
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -188,24 +183,14 @@ mod tests {
 
     #[test]
     fn state_serializes_lowercase() {
-        assert_eq!(
-            serde_json::to_string(&VmState::Paused).unwrap(),
-            "\"paused\""
-        );
-        assert_eq!(
-            serde_json::from_str::<VmState>("\"shutdown\"").unwrap(),
-            VmState::Shutdown
-        );
+        assert_eq!(serde_json::to_string(&VmState::Paused).unwrap(), "\"paused\"");
+        assert_eq!(serde_json::from_str::<VmState>("\"shutdown\"").unwrap(), VmState::Shutdown);
     }
 
     #[test]
     fn responses_on_the_wire() {
         assert_eq!(ApiResponse::Ok.into_http(), Ok((204, None)));
-        let pong = ApiResponse::Pong {
-            kumo_version: "1.2.3".into(),
-        }
-        .into_http()
-        .unwrap();
+        let pong = ApiResponse::Pong { kumo_version: "1.2.3".into() }.into_http().unwrap();
         assert_eq!(pong, (200, Some(json!({"kumo_version": "1.2.3"}))));
         assert_eq!(ApiError::conflict("x").body(), json!({"error": "x"}));
     }

@@ -43,41 +43,13 @@ pub(crate) struct Route {
 }
 
 pub(crate) const ROUTES: &[Route] = &[
-    Route {
-        method: "GET",
-        path: paths::PING,
-        build: |_| Ok(ApiRequest::Ping),
-    },
-    Route {
-        method: "GET",
-        path: paths::INFO,
-        build: |_| Ok(ApiRequest::Info),
-    },
-    Route {
-        method: "PUT",
-        path: paths::PAUSE,
-        build: |_| Ok(ApiRequest::Pause),
-    },
-    Route {
-        method: "PUT",
-        path: paths::RESUME,
-        build: |_| Ok(ApiRequest::Resume),
-    },
-    Route {
-        method: "PUT",
-        path: paths::SHUTDOWN,
-        build: |_| Ok(ApiRequest::Shutdown),
-    },
-    Route {
-        method: "PUT",
-        path: paths::MIGRATE,
-        build: |b| Ok(ApiRequest::Migrate(json_body(b)?)),
-    },
-    Route {
-        method: "GET",
-        path: paths::MIGRATION,
-        build: |_| Ok(ApiRequest::MigrationStatus),
-    },
+    Route { method: "GET", path: paths::PING, build: |_| Ok(ApiRequest::Ping) },
+    Route { method: "GET", path: paths::INFO, build: |_| Ok(ApiRequest::Info) },
+    Route { method: "PUT", path: paths::PAUSE, build: |_| Ok(ApiRequest::Pause) },
+    Route { method: "PUT", path: paths::RESUME, build: |_| Ok(ApiRequest::Resume) },
+    Route { method: "PUT", path: paths::SHUTDOWN, build: |_| Ok(ApiRequest::Shutdown) },
+    Route { method: "PUT", path: paths::MIGRATE, build: |b| Ok(ApiRequest::Migrate(json_body(b)?)) },
+    Route { method: "GET", path: paths::MIGRATION, build: |_| Ok(ApiRequest::MigrationStatus) },
 ];
 
 /// Decodes the JSON body of a route that takes one.
@@ -85,8 +57,7 @@ fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
     if body.is_empty() {
         return Err(ApiError::bad_request("missing JSON body"));
     }
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
 /// Finds the route, or the error with, for 405, the `Allow` header value.
@@ -98,11 +69,7 @@ fn resolve(method: &str, path: &str) -> Result<&'static Route, (ApiError, Option
     if on_path.is_empty() {
         return Err((ApiError::not_found(format!("no such route: {path}")), None));
     }
-    let allow = on_path
-        .iter()
-        .map(|r| r.method)
-        .collect::<Vec<_>>()
-        .join(", ");
+    let allow = on_path.iter().map(|r| r.method).collect::<Vec<_>>().join(", ");
     let e = ApiError::method_not_allowed(format!("{path} does not support {method} (use {allow})"));
     Err((e, Some(allow)))
 }
@@ -124,14 +91,8 @@ pub struct ApiServer;
 impl ApiServer {
     /// Binds `path` and serves the API on it from a background thread until
     /// the returned handle is shut down or dropped.
-    pub fn start(
-        path: &Path,
-        handler: Arc<dyn ApiHandler>,
-    ) -> Result<ApiServerHandle, ServerError> {
-        let bind_err = |source| ServerError::Bind {
-            path: path.to_path_buf(),
-            source,
-        };
+    pub fn start(path: &Path, handler: Arc<dyn ApiHandler>) -> Result<ApiServerHandle, ServerError> {
+        let bind_err = |source| ServerError::Bind { path: path.to_path_buf(), source };
         let listener = bind(path)?;
         let socket_id = socket_id(path);
         let cleanup = |e: ServerError| {
@@ -139,8 +100,7 @@ impl ApiServer {
             e
         };
         // The socket drives the VM: only its owner may connect.
-        fs::set_permissions(path, Permissions::from_mode(0o600))
-            .map_err(|e| cleanup(bind_err(e)))?;
+        fs::set_permissions(path, Permissions::from_mode(0o600)).map_err(|e| cleanup(bind_err(e)))?;
 
         let shared = Arc::new(Shared::default());
         let thread = thread::Builder::new()
@@ -151,26 +111,16 @@ impl ApiServer {
             })
             .map_err(|e| cleanup(ServerError::Spawn(e)))?;
         info!(path = %path.display(), "API server listening");
-        Ok(ApiServerHandle {
-            path: path.to_path_buf(),
-            socket_id,
-            shared,
-            thread: Some(thread),
-        })
+        Ok(ApiServerHandle { path: path.to_path_buf(), socket_id, shared, thread: Some(thread) })
     }
 }
 
 /// Binds the socket, replacing a stale socket file (left by a VM that died)
 /// but never a live one or a file that is not a socket.
 fn bind(path: &Path) -> Result<UnixListener, ServerError> {
-    let bind_err = |source| ServerError::Bind {
-        path: path.to_path_buf(),
-        source,
-    };
+    let bind_err = |source| ServerError::Bind { path: path.to_path_buf(), source };
     match fs::symlink_metadata(path) {
-        Ok(meta) if !meta.file_type().is_socket() => {
-            return Err(ServerError::NotASocket(path.into()))
-        }
+        Ok(meta) if !meta.file_type().is_socket() => return Err(ServerError::NotASocket(path.into())),
         Ok(_) => match UnixStream::connect(path) {
             Ok(_) => return Err(ServerError::InUse(path.into())),
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
@@ -304,19 +254,17 @@ fn accept_loop(listener: UnixListener, shared: &Arc<Shared>, handler: Arc<dyn Ap
             };
         }
         let (shared2, handler) = (shared.clone(), handler.clone());
-        let spawned = thread::Builder::new()
-            .name("kumo-api-conn".into())
-            .spawn(move || {
-                // Deregisters even if serving unwinds.
-                struct Deregister(Arc<Shared>, u64);
-                impl Drop for Deregister {
-                    fn drop(&mut self) {
-                        self.0.conns().remove(&self.1);
-                    }
+        let spawned = thread::Builder::new().name("kumo-api-conn".into()).spawn(move || {
+            // Deregisters even if serving unwinds.
+            struct Deregister(Arc<Shared>, u64);
+            impl Drop for Deregister {
+                fn drop(&mut self) {
+                    self.0.conns().remove(&self.1);
                 }
-                let guard = Deregister(shared2, id);
-                serve_connection(stream, &*handler, &guard.0);
-            });
+            }
+            let guard = Deregister(shared2, id);
+            serve_connection(stream, &*handler, &guard.0);
+        });
         if let Err(e) = spawned {
             warn!("cannot spawn API connection thread: {e}");
             shared.conns().remove(&id);
@@ -342,17 +290,8 @@ impl Reply {
     fn error(e: ApiError, close: bool) -> Self {
         // A handler returning a non-error status would make a failure look
         // like success to the client.
-        let status = if (400..600).contains(&e.status) {
-            e.status
-        } else {
-            500
-        };
-        Reply {
-            status,
-            body: Some(e.body()),
-            allow: None,
-            close,
-        }
+        let status = if (400..600).contains(&e.status) { e.status } else { 500 };
+        Reply { status, body: Some(e.body()), allow: None, close }
     }
 }
 
@@ -391,10 +330,7 @@ fn next_reply(conn: &mut Conn, handler: &dyn ApiHandler) -> Option<Reply> {
         Err(e) => return Some(Reply::error(e, true)),
     };
     if req.headers.get("transfer-encoding").is_some() {
-        let e = ApiError::new(
-            501,
-            "Transfer-Encoding is not supported; send Content-Length",
-        );
+        let e = ApiError::new(501, "Transfer-Encoding is not supported; send Content-Length");
         return Some(Reply::error(e, true));
     }
     let len = match req.headers.content_length() {
@@ -409,19 +345,12 @@ fn next_reply(conn: &mut Conn, handler: &dyn ApiHandler) -> Option<Reply> {
     let route = match resolve(&req.method, &req.path) {
         Ok(route) => route,
         Err((e, allow)) => {
-            return Some(Reply {
-                allow,
-                ..Reply::error(e, !req.keep_alive || len > 0)
-            });
+            return Some(Reply { allow, ..Reply::error(e, !req.keep_alive || len > 0) });
         }
     };
     if len > 0 && req.headers.has_token("expect", "100-continue") {
         // curl waits for this (up to a second) before sending a body.
-        if conn
-            .stream
-            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-            .is_err()
-        {
+        if conn.stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").is_err() {
             return None;
         }
     }
@@ -429,25 +358,16 @@ fn next_reply(conn: &mut Conn, handler: &dyn ApiHandler) -> Option<Reply> {
         Ok(body) => body,
         Err(e) => return read_failure(e, true),
     };
-    let result = (route.build)(&body)
-        .and_then(|r| call(handler, r))
-        .and_then(ApiResponse::into_http);
+    let result = (route.build)(&body).and_then(|r| call(handler, r)).and_then(ApiResponse::into_http);
     Some(match result {
-        Ok((status, body)) => Reply {
-            status,
-            body,
-            allow: None,
-            close: !req.keep_alive,
-        },
+        Ok((status, body)) => Reply { status, body, allow: None, close: !req.keep_alive },
         Err(e) => Reply::error(e, !req.keep_alive),
     })
 }
 
 fn read_failure(e: ReadError, mid_request: bool) -> Option<Reply> {
     let e = match e {
-        ReadError::Closed { partial } | ReadError::TimedOut { partial }
-            if !partial && !mid_request =>
-        {
+        ReadError::Closed { partial } | ReadError::TimedOut { partial } if !partial && !mid_request => {
             return None; // idle connection closed or timed out between requests
         }
         ReadError::Io(_) => return None,
@@ -461,11 +381,8 @@ fn read_failure(e: ReadError, mid_request: bool) -> Option<Reply> {
 fn call(handler: &dyn ApiHandler, req: ApiRequest) -> Result<ApiResponse, ApiError> {
     debug!(?req, "API request");
     // A panicking handler must cost a 500, not a silently dropped connection.
-    panic::catch_unwind(AssertUnwindSafe(|| handler.handle(req))).unwrap_or_else(|_| {
-        Err(ApiError::internal(
-            "internal error while handling the request",
-        ))
-    })
+    panic::catch_unwind(AssertUnwindSafe(|| handler.handle(req)))
+        .unwrap_or_else(|_| Err(ApiError::internal("internal error while handling the request")))
 }
 
 #[cfg(test)]
@@ -518,9 +435,7 @@ mod tests {
                 Ok(ApiResponse::Ok)
             };
             match req {
-                ApiRequest::Ping => Ok(ApiResponse::Pong {
-                    kumo_version: KUMO_VERSION.into(),
-                }),
+                ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.into() }),
                 ApiRequest::Info => Ok(ApiResponse::Info(Self::info(*state))),
                 ApiRequest::Pause => go(VmState::Running, VmState::Paused, "vm is already paused"),
                 ApiRequest::Resume => go(VmState::Paused, VmState::Running, "vm is not paused"),
@@ -531,15 +446,9 @@ mod tests {
                     *state = VmState::Shutdown;
                     Ok(ApiResponse::Ok)
                 }
-                ApiRequest::Migrate(m) if m.to.is_empty() => {
-                    Err(ApiError::bad_request("no destination"))
-                }
-                ApiRequest::Migrate(m) => Ok(ApiResponse::Json(
-                    serde_json::json!({"to": m.to, "engine": m.engine}),
-                )),
-                ApiRequest::MigrationStatus => {
-                    Ok(ApiResponse::Json(serde_json::json!({"state": "none"})))
-                }
+                ApiRequest::Migrate(m) if m.to.is_empty() => Err(ApiError::bad_request("no destination")),
+                ApiRequest::Migrate(m) => Ok(ApiResponse::Json(serde_json::json!({"to": m.to, "engine": m.engine}))),
+                ApiRequest::MigrationStatus => Ok(ApiResponse::Json(serde_json::json!({"state": "none"}))),
             }
         }
     }
@@ -562,14 +471,8 @@ mod tests {
         assert_eq!(v["engine"], "serial");
         assert_eq!(f.client.migration_status().unwrap()["state"], "none");
         // A body that is not a MigrateRequest is a 400 with the reason.
-        let (status, body) = f
-            .client
-            .request(
-                "PUT",
-                paths::MIGRATE,
-                Some(&serde_json::json!({"to": "x", "bogus": 1})),
-            )
-            .unwrap();
+        let (status, body) =
+            f.client.request("PUT", paths::MIGRATE, Some(&serde_json::json!({"to": "x", "bogus": 1}))).unwrap();
         assert_eq!(status, 400);
         assert!(body.unwrap()["error"].as_str().unwrap().contains("bogus"));
         let (status, _) = f.client.request("PUT", paths::MIGRATE, None).unwrap();
@@ -583,17 +486,10 @@ mod tests {
     }
 
     fn start() -> Fixture {
-        let vm = Arc::new(FakeVm {
-            state: Mutex::new(VmState::Running),
-            calls: Mutex::default(),
-        });
+        let vm = Arc::new(FakeVm { state: Mutex::new(VmState::Running), calls: Mutex::default() });
         let path = temp_sock();
         let server = ApiServer::start(&path, vm.clone()).unwrap();
-        Fixture {
-            vm,
-            server,
-            client: ApiClient::new(&path),
-        }
+        Fixture { vm, server, client: ApiClient::new(&path) }
     }
 
     fn connect(path: &Path) -> Conn {
@@ -624,10 +520,7 @@ mod tests {
     }
 
     fn assert_closed(conn: &mut Conn) {
-        assert!(matches!(
-            conn.read_head(deadline()),
-            Err(ReadError::Closed { partial: false })
-        ));
+        assert!(matches!(conn.read_head(deadline()), Err(ReadError::Closed { partial: false })));
     }
 
     fn error_of(body: Option<Value>) -> String {
@@ -642,10 +535,7 @@ mod tests {
         let (status, body) = f.client.request("GET", paths::INFO, None).unwrap();
         assert_eq!(status, 200);
         assert_eq!(body.unwrap()["state"], "running");
-        assert_eq!(
-            f.vm.calls(),
-            [ApiRequest::Ping, ApiRequest::Info, ApiRequest::Info]
-        );
+        assert_eq!(f.vm.calls(), [ApiRequest::Ping, ApiRequest::Info, ApiRequest::Info]);
     }
 
     #[test]
@@ -655,10 +545,7 @@ mod tests {
         assert_eq!(f.client.info().unwrap().state, VmState::Paused);
 
         let e = f.client.pause().unwrap_err();
-        assert!(
-            matches!(&e, ClientError::Http { status: 409, message } if message == "vm is already paused"),
-            "{e:?}"
-        );
+        assert!(matches!(&e, ClientError::Http { status: 409, message } if message == "vm is already paused"), "{e:?}");
         assert_eq!(e.status(), Some(409));
         assert_eq!(
             f.client.request("PUT", paths::PAUSE, None).unwrap(),
@@ -669,27 +556,18 @@ mod tests {
         assert_eq!(f.client.info().unwrap().state, VmState::Running);
         assert_eq!(f.client.resume().unwrap_err().status(), Some(409));
 
-        assert_eq!(
-            f.client.request("PUT", paths::SHUTDOWN, None).unwrap(),
-            (204, None)
-        );
+        assert_eq!(f.client.request("PUT", paths::SHUTDOWN, None).unwrap(), (204, None));
         assert_eq!(f.client.info().unwrap().state, VmState::Shutdown);
         assert_eq!(f.client.shutdown().unwrap_err().status(), Some(409));
 
         use ApiRequest::*;
-        assert_eq!(
-            f.vm.calls(),
-            [Pause, Info, Pause, Pause, Resume, Info, Resume, Shutdown, Info, Shutdown]
-        );
+        assert_eq!(f.vm.calls(), [Pause, Info, Pause, Pause, Resume, Info, Resume, Shutdown, Info, Shutdown]);
     }
 
     #[test]
     fn unknown_path_is_404() {
         let f = start();
-        let (status, _, body, _) = raw(
-            f.server.path(),
-            b"GET /api/v1/vm.nope HTTP/1.1\r\nHost: x\r\n\r\n",
-        );
+        let (status, _, body, _) = raw(f.server.path(), b"GET /api/v1/vm.nope HTTP/1.1\r\nHost: x\r\n\r\n");
         assert_eq!(status, 404);
         assert!(error_of(body).contains("/api/v1/vm.nope"));
         let e = f.client.call("GET", "/", None).unwrap_err();
@@ -700,15 +578,11 @@ mod tests {
     #[test]
     fn wrong_method_is_405_with_allow() {
         let f = start();
-        let (status, headers, body, _) = raw(
-            f.server.path(),
-            b"GET /api/v1/vm.pause HTTP/1.1\r\nHost: x\r\n\r\n",
-        );
+        let (status, headers, body, _) = raw(f.server.path(), b"GET /api/v1/vm.pause HTTP/1.1\r\nHost: x\r\n\r\n");
         assert_eq!(status, 405);
         assert_eq!(headers.get("allow"), Some("PUT"));
         assert!(error_of(body).contains("PUT"));
-        let (status, headers, _, _) =
-            raw(f.server.path(), b"DELETE /api/v1/vm.info HTTP/1.1\r\n\r\n");
+        let (status, headers, _, _) = raw(f.server.path(), b"DELETE /api/v1/vm.info HTTP/1.1\r\n\r\n");
         assert_eq!((status, headers.get("Allow")), (405, Some("GET")));
         assert!(f.vm.calls().is_empty());
     }
@@ -739,41 +613,28 @@ mod tests {
     #[test]
     fn oversized_requests_are_rejected() {
         let f = start();
-        let (status, _, body, mut conn) = raw(
-            f.server.path(),
-            b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n",
-        );
+        let (status, _, body, mut conn) =
+            raw(f.server.path(), b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n");
         assert_eq!(status, 413);
         assert!(error_of(body).contains("bytes"));
         assert_closed(&mut conn);
 
-        let big = format!(
-            "GET /api/v1/vmm.ping HTTP/1.1\r\nX-Big: {}\r\n\r\n",
-            "a".repeat(MAX_HEAD)
-        );
+        let big = format!("GET /api/v1/vmm.ping HTTP/1.1\r\nX-Big: {}\r\n\r\n", "a".repeat(MAX_HEAD));
         let (status, _, _, mut conn) = raw(f.server.path(), big.as_bytes());
         assert_eq!(status, 431);
         assert_closed(&mut conn);
 
         // Through the client, which sends the whole body anyway.
         let huge = json!("x".repeat(MAX_BODY + 1));
-        assert_eq!(
-            f.client
-                .request("PUT", paths::PAUSE, Some(&huge))
-                .unwrap()
-                .0,
-            413
-        );
+        assert_eq!(f.client.request("PUT", paths::PAUSE, Some(&huge)).unwrap().0, 413);
         assert!(f.vm.calls().is_empty());
     }
 
     #[test]
     fn unsupported_framing_is_rejected() {
         let f = start();
-        let (status, ..) = raw(
-            f.server.path(),
-            b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-        );
+        let (status, ..) =
+            raw(f.server.path(), b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n");
         assert_eq!(status, 501);
         let (status, ..) = raw(f.server.path(), b"GET /api/v1/vmm.ping HTTP/3\r\n\r\n");
         assert_eq!(status, 505);
@@ -784,10 +645,7 @@ mod tests {
         let f = start();
         let mut conn = connect(f.server.path());
         // One after the other, including an error that keeps the connection.
-        for req in [
-            &b"GET /api/v1/vmm.ping HTTP/1.1\r\n\r\n"[..],
-            b"GET /nope HTTP/1.1\r\n\r\n",
-        ] {
+        for req in [&b"GET /api/v1/vmm.ping HTTP/1.1\r\n\r\n"[..], b"GET /nope HTTP/1.1\r\n\r\n"] {
             conn.stream.write_all(req).unwrap();
             read_one(&mut conn);
         }
@@ -800,30 +658,16 @@ mod tests {
             .unwrap();
         assert_eq!(read_one(&mut conn).0, 204);
         let (status, _, body) = read_one(&mut conn);
-        assert_eq!(
-            (status, body.unwrap()["state"].as_str()),
-            (200, Some("paused"))
-        );
+        assert_eq!((status, body.unwrap()["state"].as_str()), (200, Some("paused")));
         // Connection: close ends it after the response.
-        conn.stream
-            .write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\nConnection: close\r\n\r\n")
-            .unwrap();
+        conn.stream.write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\nConnection: close\r\n\r\n").unwrap();
         let (status, headers, _) = read_one(&mut conn);
         assert_eq!((status, headers.get("connection")), (200, Some("close")));
         assert_closed(&mut conn);
-        assert_eq!(
-            f.vm.calls(),
-            [
-                ApiRequest::Ping,
-                ApiRequest::Pause,
-                ApiRequest::Info,
-                ApiRequest::Ping
-            ]
-        );
+        assert_eq!(f.vm.calls(), [ApiRequest::Ping, ApiRequest::Pause, ApiRequest::Info, ApiRequest::Ping]);
 
         // HTTP/1.0 closes unless asked otherwise.
-        let (status, _, _, mut conn) =
-            raw(f.server.path(), b"GET /api/v1/vmm.ping HTTP/1.0\r\n\r\n");
+        let (status, _, _, mut conn) = raw(f.server.path(), b"GET /api/v1/vmm.ping HTTP/1.0\r\n\r\n");
         assert_eq!(status, 200);
         assert_closed(&mut conn);
     }
@@ -845,10 +689,7 @@ mod tests {
         let f = start();
         let _silent = connect(f.server.path());
         let mut partial = connect(f.server.path());
-        partial
-            .stream
-            .write_all(b"GET /api/v1/vm.info HTTP/1.1\r\nHost:")
-            .unwrap();
+        partial.stream.write_all(b"GET /api/v1/vm.info HTTP/1.1\r\nHost:").unwrap();
         assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
         assert_eq!(f.client.info().unwrap().state, VmState::Running);
     }
@@ -858,9 +699,7 @@ mod tests {
         let mut f = start();
         let path = f.server.path().to_path_buf();
         let mut idle = connect(&path);
-        idle.stream
-            .write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\n\r\n")
-            .unwrap();
+        idle.stream.write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\n\r\n").unwrap();
         read_one(&mut idle);
         assert!(path.exists());
 
@@ -884,13 +723,8 @@ mod tests {
     #[test]
     fn second_server_on_live_socket_fails() {
         let f = start();
-        let e = ApiServer::start(f.server.path(), f.vm.clone())
-            .err()
-            .unwrap();
-        assert!(
-            matches!(&e, ServerError::InUse(p) if p == f.server.path()),
-            "{e:?}"
-        );
+        let e = ApiServer::start(f.server.path(), f.vm.clone()).err().unwrap();
+        assert!(matches!(&e, ServerError::InUse(p) if p == f.server.path()), "{e:?}");
         assert!(e.to_string().contains("already serving"), "{e}");
         // The first one is unharmed.
         assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
@@ -901,10 +735,7 @@ mod tests {
         let path = temp_sock();
         drop(UnixListener::bind(&path).unwrap()); // leaves the file, nobody listening
         assert!(path.exists());
-        let vm = Arc::new(FakeVm {
-            state: Mutex::new(VmState::Paused),
-            calls: Mutex::default(),
-        });
+        let vm = Arc::new(FakeVm { state: Mutex::new(VmState::Paused), calls: Mutex::default() });
         let _server = ApiServer::start(&path, vm).unwrap();
         assert_eq!(ApiClient::new(&path).info().unwrap().state, VmState::Paused);
     }
@@ -913,10 +744,7 @@ mod tests {
     fn refuses_to_replace_a_regular_file() {
         let path = temp_sock();
         fs::write(&path, "precious").unwrap();
-        let vm = Arc::new(FakeVm {
-            state: Mutex::new(VmState::Running),
-            calls: Mutex::default(),
-        });
+        let vm = Arc::new(FakeVm { state: Mutex::new(VmState::Running), calls: Mutex::default() });
         let e = ApiServer::start(&path, vm).err().unwrap();
         assert!(matches!(e, ServerError::NotASocket(_)), "{e:?}");
         assert_eq!(fs::read_to_string(&path).unwrap(), "precious");
@@ -949,9 +777,7 @@ mod tests {
         assert_eq!(client.pause().unwrap_err().status(), Some(500));
         assert_eq!(client.resume().unwrap_err().status(), Some(500));
         let e = client.info().unwrap_err();
-        assert!(
-            matches!(&e, ClientError::Http { status: 503, message } if message == "vm is still booting")
-        );
+        assert!(matches!(&e, ClientError::Http { status: 503, message } if message == "vm is still booting"));
         // The server survived the panic.
         assert_eq!(client.shutdown().unwrap_err().status(), Some(503));
     }
@@ -962,10 +788,7 @@ mod tests {
         struct Target {
             dest: String,
         }
-        assert_eq!(
-            json_body::<Target>(br#"{"dest":"x"}"#),
-            Ok(Target { dest: "x".into() })
-        );
+        assert_eq!(json_body::<Target>(br#"{"dest":"x"}"#), Ok(Target { dest: "x".into() }));
         assert_eq!(json_body::<Target>(b"").unwrap_err().status, 400);
         assert_eq!(json_body::<Target>(b"{").unwrap_err().status, 400);
         assert_eq!(json_body::<Target>(b"{}").unwrap_err().status, 400);
@@ -977,25 +800,15 @@ mod tests {
         let yaml = include_str!("../../../docs/openapi.yaml");
         for r in ROUTES {
             let short = r.path.trim_start_matches("/api/v1");
-            assert!(
-                md.contains(&format!("{} {}", r.method, r.path)),
-                "api.md lacks {} {}",
-                r.method,
-                r.path
-            );
-            assert!(
-                yaml.contains(&format!("  {short}:")),
-                "openapi.yaml lacks {short}"
-            );
+            assert!(md.contains(&format!("{} {}", r.method, r.path)), "api.md lacks {} {}", r.method, r.path);
+            assert!(yaml.contains(&format!("  {short}:")), "openapi.yaml lacks {short}");
         }
     }
 
     #[test]
     fn busy_server_answers_503() {
         let f = start();
-        let conns: Vec<Conn> = (0..MAX_CONNECTIONS)
-            .map(|_| connect(f.server.path()))
-            .collect();
+        let conns: Vec<Conn> = (0..MAX_CONNECTIONS).map(|_| connect(f.server.path())).collect();
         // Wait until the server has registered them all (no timing assumption: poll the state).
         while f.server.shared.conns().len() < MAX_CONNECTIONS {
             thread::sleep(Duration::from_millis(1));

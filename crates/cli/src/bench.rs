@@ -39,12 +39,7 @@ struct Stat {
 
 fn stat(mut v: Vec<f64>) -> Stat {
     v.sort_by(|a, b| a.total_cmp(b));
-    Stat {
-        median: v[v.len() / 2],
-        min: v[0],
-        max: v[v.len() - 1],
-        runs: v.len(),
-    }
+    Stat { median: v[v.len() / 2], min: v[0], max: v[v.len() - 1], runs: v.len() }
 }
 
 #[derive(Serialize)]
@@ -88,11 +83,7 @@ fn ms(ns: u64) -> f64 {
 
 fn exec_once() -> Result<f64, String> {
     let t0 = monotonic_ns();
-    let st = Command::new(kumo()?)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .map_err(|e| e.to_string())?;
+    let st = Command::new(kumo()?).arg("--version").stdout(Stdio::null()).status().map_err(|e| e.to_string())?;
     if !st.success() {
         return Err("kumo --version failed".into());
     }
@@ -103,14 +94,7 @@ fn exec_once() -> Result<f64, String> {
 fn hello_once(tmp: &std::path::Path) -> Result<[f64; 4], String> {
     let t0 = monotonic_ns();
     let st = Command::new(kumo()?)
-        .args([
-            "run",
-            "--guest",
-            "hello",
-            "--timeout",
-            "60",
-            "--timings-json",
-        ])
+        .args(["run", "--guest", "hello", "--timeout", "60", "--timings-json"])
         .arg(tmp)
         .stdout(Stdio::null())
         .status()
@@ -120,43 +104,20 @@ fn hello_once(tmp: &std::path::Path) -> Result<[f64; 4], String> {
         return Err(format!("hello exited with {st}"));
     }
     let j: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(tmp).map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
-    let at = |k: &str| {
-        j[k].as_u64()
-            .map(|v| ms(v.saturating_sub(t0)))
-            .ok_or(format!("timings lack {k}"))
-    };
-    Ok([
-        at("vcpus_started_ns")?,
-        at("guest_entry_ns")?,
-        at("first_output_ns")?,
-        ms(t_exit - t0),
-    ])
+        serde_json::from_slice(&std::fs::read(tmp).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let at = |k: &str| j[k].as_u64().map(|v| ms(v.saturating_sub(t0))).ok_or(format!("timings lack {k}"));
+    Ok([at("vcpus_started_ns")?, at("guest_entry_ns")?, at("first_output_ns")?, ms(t_exit - t0)])
 }
 
 fn smp_once(irqchip: &str, iters: u64) -> Result<(f64, f64), String> {
     let out = Command::new(kumo()?)
-        .args([
-            "run",
-            "--guest",
-            "smp",
-            "--cpus",
-            "2",
-            "--irqchip",
-            irqchip,
-            "--timeout",
-            "300",
-        ])
+        .args(["run", "--guest", "smp", "--cpus", "2", "--irqchip", irqchip, "--timeout", "300"])
         .arg(format!("iters={iters}"))
         .output()
         .map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
-        return Err(format!(
-            "smp failed: {text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
+        return Err(format!("smp failed: {text}{}", String::from_utf8_lossy(&out.stderr)));
     }
     let get = |prefix: &str, key: &str| -> Result<f64, String> {
         text.lines()
@@ -166,10 +127,7 @@ fn smp_once(irqchip: &str, iters: u64) -> Result<(f64, f64), String> {
             .and_then(|v| v.parse().ok())
             .ok_or(format!("no {key} in smp output: {text}"))
     };
-    Ok((
-        get("smp: ipi_rtt_ns", "p50=")?,
-        get("smp: exit_rtt_ns", "p50=")?,
-    ))
+    Ok((get("smp: ipi_rtt_ns", "p50=")?, get("smp: exit_rtt_ns", "p50=")?))
 }
 
 pub fn run(cmd: BenchCmd) -> Result<i32, String> {
@@ -182,8 +140,7 @@ pub fn run(cmd: BenchCmd) -> Result<i32, String> {
     }
     let tmp = std::env::temp_dir().join(format!("kumo-bench-{}.json", std::process::id()));
     // Interleave baseline and measurement so drifting host load hits both alike.
-    let (mut exec, mut built, mut entry, mut first, mut exit) =
-        (vec![], vec![], vec![], vec![], vec![]);
+    let (mut exec, mut built, mut entry, mut first, mut exit) = (vec![], vec![], vec![], vec![], vec![]);
     for i in 0..runs {
         exec.push(exec_once()?);
         let [b, e, f, x] = hello_once(&tmp)?;
@@ -203,10 +160,7 @@ pub fn run(cmd: BenchCmd) -> Result<i32, String> {
         first_output_ms: stat(first),
         exit_ms: stat(exit),
     };
-    let boot = BootResult {
-        first_output_over_exec: boot.first_output_ms.median / boot.exec_ms.median,
-        ..boot
-    };
+    let boot = BootResult { first_output_over_exec: boot.first_output_ms.median / boot.exec_ms.median, ..boot };
 
     let smp_runs = runs.clamp(1, 5);
     let mut ipi = Vec::new();
@@ -228,73 +182,30 @@ pub fn run(cmd: BenchCmd) -> Result<i32, String> {
     }
 
     println!("kumo bench boot: {runs} runs, medians (min..max); baseline = `kumo --version` spawn-to-exit");
-    println!(
-        "{:<44} {:>10} {:>21} {:>9}",
-        "measurement", "median", "min..max", "x base"
-    );
+    println!("{:<44} {:>10} {:>21} {:>9}", "measurement", "median", "min..max", "x base");
     let base = boot.exec_ms.median;
     let row = |name: &str, s: &Stat, unit: &str, base: f64| {
-        println!(
-            "{:<44} {:>8.2}{unit} {:>9.2}..{:<9.2} {:>9.2}",
-            name,
-            s.median,
-            s.min,
-            s.max,
-            s.median / base
-        )
+        println!("{:<44} {:>8.2}{unit} {:>9.2}..{:<9.2} {:>9.2}", name, s.median, s.min, s.max, s.median / base)
     };
     row("baseline: process spawn → exit", &boot.exec_ms, "ms", base);
-    row(
-        "hello: spawn → VM built, vCPUs started",
-        &boot.vm_built_ms,
-        "ms",
-        base,
-    );
-    row(
-        "hello: spawn → guest entry",
-        &boot.guest_entry_ms,
-        "ms",
-        base,
-    );
-    row(
-        "hello: spawn → first serial output",
-        &boot.first_output_ms,
-        "ms",
-        base,
-    );
+    row("hello: spawn → VM built, vCPUs started", &boot.vm_built_ms, "ms", base);
+    row("hello: spawn → guest entry", &boot.guest_entry_ms, "ms", base);
+    row("hello: spawn → first serial output", &boot.first_output_ms, "ms", base);
     row("hello: spawn → exit", &boot.exit_ms, "ms", base);
     println!();
-    println!("smp: {smp_runs} runs x {iters} IPI round trips, vCPU 0 ↔ vCPU 1; baseline = VM exit round trip (port read)");
     println!(
-        "{:<44} {:>10} {:>21} {:>9}",
-        "measurement", "median", "min..max", "x base"
+        "smp: {smp_runs} runs x {iters} IPI round trips, vCPU 0 ↔ vCPU 1; baseline = VM exit round trip (port read)"
     );
+    println!("{:<44} {:>10} {:>21} {:>9}", "measurement", "median", "min..max", "x base");
     for r in &ipi {
         let eb = r.exit_rtt_ns_p50.median;
-        let us = |s: &Stat| Stat {
-            median: s.median / 1e3,
-            min: s.min / 1e3,
-            max: s.max / 1e3,
-            runs: s.runs,
-        };
-        row(
-            &format!("irqchip={}: exit round trip p50", r.irqchip),
-            &us(&r.exit_rtt_ns_p50),
-            "us",
-            eb / 1e3,
-        );
-        row(
-            &format!("irqchip={}: IPI round trip p50", r.irqchip),
-            &us(&r.ipi_rtt_ns_p50),
-            "us",
-            eb / 1e3,
-        );
+        let us = |s: &Stat| Stat { median: s.median / 1e3, min: s.min / 1e3, max: s.max / 1e3, runs: s.runs };
+        row(&format!("irqchip={}: exit round trip p50", r.irqchip), &us(&r.exit_rtt_ns_p50), "us", eb / 1e3);
+        row(&format!("irqchip={}: IPI round trip p50", r.irqchip), &us(&r.ipi_rtt_ns_p50), "us", eb / 1e3);
     }
     let report = Report {
         bench: "boot",
-        host_cpus: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
+        host_cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         boot,
         ipi,

@@ -63,36 +63,12 @@ impl Engine {
 }
 
 const ENGINES: [Engine; 6] = [
-    Engine {
-        label: "serial",
-        engine: "serial",
-        connections: 1,
-    },
-    Engine {
-        label: "overlap",
-        engine: "overlap",
-        connections: 1,
-    },
-    Engine {
-        label: "overlap x2",
-        engine: "overlap",
-        connections: 2,
-    },
-    Engine {
-        label: "zerocopy",
-        engine: "zerocopy",
-        connections: 1,
-    },
-    Engine {
-        label: "zerocopy x2",
-        engine: "zerocopy",
-        connections: 2,
-    },
-    Engine {
-        label: "local",
-        engine: "local",
-        connections: 1,
-    },
+    Engine { label: "serial", engine: "serial", connections: 1 },
+    Engine { label: "overlap", engine: "overlap", connections: 1 },
+    Engine { label: "overlap x2", engine: "overlap", connections: 2 },
+    Engine { label: "zerocopy", engine: "zerocopy", connections: 1 },
+    Engine { label: "zerocopy x2", engine: "zerocopy", connections: 2 },
+    Engine { label: "local", engine: "local", connections: 1 },
 ];
 const SERIAL: Engine = ENGINES[0];
 const OVERLAP: Engine = ENGINES[1];
@@ -130,25 +106,12 @@ impl Proc {
         let err = self.stderr();
         let tail: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
         let tail = tail[tail.len().saturating_sub(2)..].join(" | ");
-        format!(
-            "{} {msg}{}",
-            self.what,
-            if tail.is_empty() {
-                String::new()
-            } else {
-                format!(": {tail}")
-            }
-        )
+        format!("{} {msg}{}", self.what, if tail.is_empty() { String::new() } else { format!(": {tail}") })
     }
 
     /// Polls (stdout, stderr) until `f` finds something; fails when the process exits first or
     /// after `limit`.
-    fn wait_for<T>(
-        &mut self,
-        limit: Duration,
-        what: &str,
-        f: impl Fn(&str, &str) -> Option<T>,
-    ) -> Result<T, String> {
+    fn wait_for<T>(&mut self, limit: Duration, what: &str, f: impl Fn(&str, &str) -> Option<T>) -> Result<T, String> {
         let t = Instant::now();
         loop {
             let exited = self.child.try_wait().ok().flatten();
@@ -199,17 +162,13 @@ impl Drop for Ctx {
 impl Ctx {
     /// A unique path in the temp dir (socket paths stay far below the 108-byte limit).
     fn path(&self, tag: &str) -> PathBuf {
-        self.dir.join(format!(
-            "{:03}-{tag}",
-            self.seq.fetch_add(1, Ordering::Relaxed)
-        ))
+        self.dir.join(format!("{:03}-{tag}", self.seq.fetch_add(1, Ordering::Relaxed)))
     }
 
     fn spawn(&self, tag: &str, args: &[String]) -> Result<Proc, String> {
         let base = self.path(tag);
         let (out, err) = (base.with_extension("out"), base.with_extension("err"));
-        let create =
-            |p: &Path| File::create(p).map_err(|e| format!("cannot create {}: {e}", p.display()));
+        let create = |p: &Path| File::create(p).map_err(|e| format!("cannot create {}: {e}", p.display()));
         let child = Command::new(&self.kumo)
             .args(args)
             .stdin(Stdio::null())
@@ -217,16 +176,8 @@ impl Ctx {
             .stderr(create(&err)?)
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", self.kumo.display()))?;
-        let what = format!(
-            "`kumo {}`",
-            args.iter().take(4).cloned().collect::<Vec<_>>().join(" ")
-        );
-        Ok(Proc {
-            child,
-            out,
-            err,
-            what,
-        })
+        let what = format!("`kumo {}`", args.iter().take(4).cloned().collect::<Vec<_>>().join(" "));
+        Ok(Proc { child, out, err, what })
     }
 
     /// Runs `kumo args` to completion (bounded) and fails unless it exits 0.
@@ -256,8 +207,7 @@ fn sv(args: &[&str]) -> Vec<String> {
 }
 
 fn free_port() -> Result<u16, String> {
-    let l =
-        TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
     l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
 }
 
@@ -270,24 +220,14 @@ struct Vm {
 /// Starts `kumo run --guest memtouch` with an API socket; ready when stdout shows `ready`.
 fn source(ctx: &Ctx, mem_mib: u64, guest: &[String], ready: &str) -> Result<Vm, String> {
     let api = ctx.path("src-api.sock");
-    let mut args = sv(&[
-        "run",
-        "--guest",
-        "memtouch",
-        "--memory",
-        &format!("{mem_mib}M"),
-        "--timeout",
-        LIFETIME,
-        "--api-socket",
-    ]);
+    let mut args =
+        sv(&["run", "--guest", "memtouch", "--memory", &format!("{mem_mib}M"), "--timeout", LIFETIME, "--api-socket"]);
     args.push(api.display().to_string());
     args.extend(guest.iter().cloned());
     let mut proc = ctx.spawn("src", &args)?;
     // Prefill costs ~40 µs per page on this nested host; allow far more.
     let limit = Duration::from_secs(60) + Duration::from_micros(mem_mib * 256 * 200);
-    proc.wait_for(limit, &format!("`{ready}`"), |o, _| {
-        complete(o).contains(ready).then_some(())
-    })?;
+    proc.wait_for(limit, &format!("`{ready}`"), |o, _| complete(o).contains(ready).then_some(()))?;
     Ok(Vm { proc, api })
 }
 
@@ -300,16 +240,11 @@ struct Clock {
 impl Clock {
     fn read(vm: &mut Vm) -> Result<Clock, String> {
         let seen = progress(&vm.proc.stdout()).len();
-        let t_ms = vm
-            .proc
-            .wait_for(Duration::from_secs(5), "progress line", |o, _| {
-                let p = progress(o);
-                (p.len() > seen).then(|| p[p.len() - 1].0)
-            })?;
-        Ok(Clock {
-            t_ms,
-            at: Instant::now(),
-        })
+        let t_ms = vm.proc.wait_for(Duration::from_secs(5), "progress line", |o, _| {
+            let p = progress(o);
+            (p.len() > seen).then(|| p[p.len() - 1].0)
+        })?;
+        Ok(Clock { t_ms, at: Instant::now() })
     }
 
     fn guest_ms(&self, t: Instant) -> f64 {
@@ -320,16 +255,9 @@ impl Clock {
 /// The progress lines of a guest that moved from the process that wrote `before` to `vm`, once
 /// `vm` has reported past guest time `until`.
 fn moved_progress(vm: &mut Vm, before: &Path, until: f64) -> Result<Vec<(f64, f64)>, String> {
-    vm.proc.wait_for(
-        Duration::from_secs(30),
-        "progress past the window",
-        |o, _| {
-            progress(o)
-                .last()
-                .is_some_and(|p| p.0 >= until)
-                .then_some(())
-        },
-    )?;
+    vm.proc.wait_for(Duration::from_secs(30), "progress past the window", |o, _| {
+        progress(o).last().is_some_and(|p| p.0 >= until).then_some(())
+    })?;
     let mut p = progress(&std::fs::read_to_string(before).unwrap_or_default());
     p.extend(progress(&vm.proc.stdout()));
     Ok(p)
@@ -337,44 +265,21 @@ fn moved_progress(vm: &mut Vm, before: &Path, until: f64) -> Result<Vec<(f64, f6
 
 /// `kumo run --incoming`, prepared (memory faulted in) unless local; ready when it listens.
 fn destination(ctx: &Ctx, addr: &str, e: Engine, mem_mib: u64, api: &Path) -> Result<Proc, String> {
-    let mut args = sv(&[
-        "run",
-        "--incoming",
-        addr,
-        "--timeout",
-        LIFETIME,
-        "--api-socket",
-    ]);
+    let mut args = sv(&["run", "--incoming", addr, "--timeout", LIFETIME, "--api-socket"]);
     args.push(api.display().to_string());
     if e.network() {
         args.extend(sv(&["--memory", &format!("{mem_mib}M")]));
     }
     let mut p = ctx.spawn("dst", &args)?;
-    p.wait_for(
-        Duration::from_secs(60),
-        "\"waiting for a migration\"",
-        |_, err| err.contains("waiting for a migration").then_some(()),
-    )?;
+    p.wait_for(Duration::from_secs(60), "\"waiting for a migration\"", |_, err| {
+        err.contains("waiting for a migration").then_some(())
+    })?;
     Ok(p)
 }
 
 /// `kumo migrate … --json`: the source's report.
-fn migrate(
-    ctx: &Ctx,
-    api: &Path,
-    addr: &str,
-    e: Engine,
-    downtime_ms: Option<u64>,
-) -> Result<Value, String> {
-    let mut args = sv(&[
-        "--api-socket",
-        &api.display().to_string(),
-        "migrate",
-        "--to",
-        addr,
-        "--engine",
-        e.engine,
-    ]);
+fn migrate(ctx: &Ctx, api: &Path, addr: &str, e: Engine, downtime_ms: Option<u64>) -> Result<Value, String> {
+    let mut args = sv(&["--api-socket", &api.display().to_string(), "migrate", "--to", addr, "--engine", e.engine]);
     args.extend(sv(&["--connections", &e.connections.to_string(), "--json"]));
     if let Some(d) = downtime_ms {
         args.extend(sv(&["--downtime-ms", &d.to_string()]));
@@ -385,15 +290,8 @@ fn migrate(
 
 /// From the destination's `kumo: migration received: … receiver CPU X ms` line.
 fn receiver_cpu(stderr: &str) -> Option<f64> {
-    let line = complete(stderr)
-        .lines()
-        .find(|l| l.starts_with("kumo: migration received:"))?;
-    line.split("receiver CPU ")
-        .nth(1)?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
+    let line = complete(stderr).lines().find(|l| l.starts_with("kumo: migration received:"))?;
+    line.split("receiver CPU ").nth(1)?.split_whitespace().next()?.parse().ok()
 }
 
 /// The finished lines of `out`: the guest's serial output reaches the file byte by byte.
@@ -403,19 +301,13 @@ fn complete(out: &str) -> &str {
 
 fn checksum(out: &str, key: &str) -> Option<u64> {
     let prefix = format!("memtouch: {key}=");
-    complete(out)
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+    complete(out).lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
 }
 
 /// memtouch's `progress t_ms=… writes=…` lines.
 fn progress(out: &str) -> Vec<(f64, f64)> {
-    let num = |l: &str, k: &str| {
-        l.split_whitespace()
-            .find_map(|w| w.strip_prefix(k))
-            .and_then(|v| v.parse::<f64>().ok())
-    };
+    let num =
+        |l: &str, k: &str| l.split_whitespace().find_map(|w| w.strip_prefix(k)).and_then(|v| v.parse::<f64>().ok());
     complete(out)
         .lines()
         .filter(|l| l.starts_with("memtouch: progress"))
@@ -486,12 +378,7 @@ impl Mig {
     }
 
     fn round_pages(&self) -> Vec<u64> {
-        self.report["rounds"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|r| r["pages"].as_u64().unwrap_or(0))
-            .collect()
+        self.report["rounds"].as_array().into_iter().flatten().map(|r| r["pages"].as_u64().unwrap_or(0)).collect()
     }
 }
 
@@ -516,35 +403,16 @@ fn prepare(ctx: &Ctx, e: Engine, mem_mib: u64) -> Result<Dest, String> {
 
 /// Migrates `vm` to `dst`. On success `vm` is the destination; a failed migration leaves the VM
 /// running where it was.
-fn hop_to(
-    ctx: &Ctx,
-    vm: &mut Vm,
-    dst: Dest,
-    mem_mib: u64,
-    downtime: Option<u64>,
-    raw: f64,
-) -> Result<Mig, String> {
+fn hop_to(ctx: &Ctx, vm: &mut Vm, dst: Dest, mem_mib: u64, downtime: Option<u64>, raw: f64) -> Result<Mig, String> {
     let e = dst.e;
     let t0 = Instant::now();
     let report = migrate(ctx, &vm.api, &dst.addr, e, downtime)?;
     let window = Some((t0, Instant::now()));
-    let mut old = std::mem::replace(
-        vm,
-        Vm {
-            proc: dst.proc,
-            api: dst.api,
-        },
-    );
-    if old.proc.wait_exit(Duration::from_secs(30))? != 0
-        || !old.proc.stderr().contains("VM migrated to")
-    {
+    let mut old = std::mem::replace(vm, Vm { proc: dst.proc, api: dst.api });
+    if old.proc.wait_exit(Duration::from_secs(30))? != 0 || !old.proc.stderr().contains("VM migrated to") {
         return Err(old.proc.why("did not stop as migrated"));
     }
-    let rx = vm
-        .proc
-        .wait_for(Duration::from_secs(30), "receiver report", |_, err| {
-            receiver_cpu(err)
-        })?;
+    let rx = vm.proc.wait_for(Duration::from_secs(30), "receiver report", |_, err| receiver_cpu(err))?;
     let f = |k: &str| report[k].as_f64().unwrap_or(0.0);
     let effective = (mem_mib << 20) as f64 / 1e6 / (f("total_ms") / 1e3);
     Ok(Mig {
@@ -557,11 +425,7 @@ fn hop_to(
         downtime_ms: f("downtime_ms"),
         mb_per_s: f("mb_per_s"),
         effective_mb_per_s: effective,
-        x_raw_tcp: if e.network() {
-            f("mb_per_s")
-        } else {
-            effective
-        } / raw,
+        x_raw_tcp: if e.network() { f("mb_per_s") } else { effective } / raw,
         rounds: report["rounds"].as_array().map_or(0, Vec::len),
         total_pages: report["total_pages"].as_u64().unwrap_or(0),
         sender_cpu_ms: f("sender_cpu_ms"),
@@ -582,10 +446,7 @@ fn hop(ctx: &Ctx, vm: &mut Vm, e: Engine, mem_mib: u64, downtime: Option<u64>, r
 }
 
 fn shutdown(ctx: &Ctx, vm: &mut Vm) -> Result<(), String> {
-    ctx.kumo_ok(
-        &sv(&["--api-socket", &vm.api.display().to_string(), "shutdown"]),
-        Duration::from_secs(30),
-    )?;
+    ctx.kumo_ok(&sv(&["--api-socket", &vm.api.display().to_string(), "shutdown"]), Duration::from_secs(30))?;
     vm.proc.wait_exit(Duration::from_secs(30)).map(drop)
 }
 
@@ -606,9 +467,7 @@ impl Pending {
         let got = self
             .vm
             .proc
-            .wait_for(limit, "checksum_after_hold", |o, _| {
-                checksum(o, "checksum_after_hold")
-            })
+            .wait_for(limit, "checksum_after_hold", |o, _| checksum(o, "checksum_after_hold"))
             .map_err(|e| format!("{what}: {e}"))?;
         if got == self.want {
             return Ok(());
@@ -619,7 +478,10 @@ impl Pending {
         } else {
             ""
         };
-        Err(format!("{what}: checksum_after_hold={got:x}, before migrating checksum={before}, the model says {:x}{intact}", self.want))
+        Err(format!(
+            "{what}: checksum_after_hold={got:x}, before migrating checksum={before}, the model says {:x}{intact}",
+            self.want
+        ))
     }
 }
 
@@ -658,12 +520,7 @@ fn raw_tcp(ctx: &Ctx) -> Result<RawTcp, String> {
     ctx.bar.inc(1);
     let mut s = runs.clone();
     s.sort_by(f64::total_cmp);
-    Ok(RawTcp {
-        bytes_per_run: BYTES,
-        write_bytes: 4 << 20,
-        runs_mb_per_s: runs,
-        median_mb_per_s: s[1],
-    })
+    Ok(RawTcp { bytes_per_run: BYTES, write_bytes: 4 << 20, runs_mb_per_s: runs, median_mb_per_s: s[1] })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -680,34 +537,19 @@ struct IdleSize {
 }
 
 fn idle_args(seed: u64, hold_ms: u64) -> Vec<String> {
-    sv(&[
-        "pages=1000",
-        "writes=1000",
-        "prefill=1",
-        &format!("hold_ms={hold_ms}"),
-        &format!("seed={seed}"),
-    ])
+    sv(&["pages=1000", "writes=1000", "prefill=1", &format!("hold_ms={hold_ms}"), &format!("seed={seed}")])
 }
 
 /// One idle VM of `mem_mib` hopping through every engine. Its memory check is left pending.
 fn idle_size(ctx: &Ctx, mem_mib: u64, hold_ms: u64, raw: f64) -> (IdleSize, Option<Pending>) {
     let seed = mem_mib;
     let args = idle_args(seed, hold_ms);
-    let mut out = IdleSize {
-        memory_mib: mem_mib,
-        guest: args.join(" "),
-        hold_ms,
-        runs: vec![],
-        memory: None,
-    };
+    let mut out = IdleSize { memory_mib: mem_mib, guest: args.join(" "), hold_ms, runs: vec![], memory: None };
     ctx.step(format!("idle {mem_mib} MiB: starting the guest (prefill)"));
     let mut vm = match source(ctx, mem_mib, &args, "memtouch: checksum=") {
         Ok(vm) => vm,
         Err(e) => {
-            out.runs = ENGINES
-                .iter()
-                .map(|&g| Mig::failed(g, mem_mib, None, e.clone()))
-                .collect();
+            out.runs = ENGINES.iter().map(|&g| Mig::failed(g, mem_mib, None, e.clone())).collect();
             ctx.bar.inc(ENGINES.len() as u64);
             return (out, None);
         }
@@ -719,20 +561,8 @@ fn idle_size(ctx: &Ctx, mem_mib: u64, hold_ms: u64, raw: f64) -> (IdleSize, Opti
         out.runs.push(hop(ctx, &mut vm, e, mem_mib, None, raw));
         ctx.bar.inc(1);
     }
-    let what = format!(
-        "idle {mem_mib} MiB after {} hops",
-        out.runs.iter().filter(|m| m.ok()).count()
-    );
-    (
-        out,
-        Some(Pending {
-            vm,
-            want: expected_checksum(1000, 1000, seed, true),
-            before,
-            until,
-            what,
-        }),
-    )
+    let what = format!("idle {mem_mib} MiB after {} hops", out.runs.iter().filter(|m| m.ok()).count());
+    (out, Some(Pending { vm, want: expected_checksum(1000, 1000, seed, true), before, until, what }))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -770,15 +600,8 @@ struct ModelCheck {
 
 fn model_check(m: &Mig) -> ModelCheck {
     let rounds = m.report["rounds"].as_array().cloned().unwrap_or_default();
-    let measured_pages: u64 = rounds
-        .iter()
-        .map(|r| r["pages"].as_u64().unwrap_or(0))
-        .sum();
-    let measured_secs: f64 = rounds
-        .iter()
-        .map(|r| r["ms"].as_f64().unwrap_or(0.0))
-        .sum::<f64>()
-        / 1e3;
+    let measured_pages: u64 = rounds.iter().map(|r| r["pages"].as_u64().unwrap_or(0)).sum();
+    let measured_secs: f64 = rounds.iter().map(|r| r["ms"].as_f64().unwrap_or(0.0)).sum::<f64>() / 1e3;
     let err = |p: f64, q: f64| if q > 0.0 { (p - q) / q } else { f64::NAN };
     let prediction = |m_: f64, tau: f64, pages: u64, secs: f64, round_pages: Vec<u64>| Prediction {
         m: m_,
@@ -792,12 +615,8 @@ fn model_check(m: &Mig) -> ModelCheck {
     let model = &m.report["model"];
     let (fitted, fitted_note) = match (model["fitted"].as_bool(), &model["predicted"]) {
         (Some(true), p) if p.is_object() => {
-            let pages = p["rounds"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|r| r["pages"].as_u64().unwrap_or(0))
-                .collect();
+            let pages =
+                p["rounds"].as_array().into_iter().flatten().map(|r| r["pages"].as_u64().unwrap_or(0)).collect();
             let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
             (
                 Some(prediction(
@@ -814,10 +633,7 @@ fn model_check(m: &Mig) -> ModelCheck {
             None,
             Some(format!(
                 "not fitted: {}",
-                model["why"]
-                    .as_str()
-                    .or(model["predict_error"].as_str())
-                    .unwrap_or("no model in the report")
+                model["why"].as_str().or(model["predict_error"].as_str()).unwrap_or("no model in the report")
             )),
         ),
     };
@@ -837,18 +653,10 @@ fn model_check(m: &Mig) -> ModelCheck {
             },
         };
         let p = predict(&model, &params).ok()?;
-        Some(prediction(
-            model.m,
-            model.tau,
-            p.total_pages,
-            p.total_secs,
-            p.rounds.iter().map(|r| r.pages).collect(),
-        ))
+        Some(prediction(model.m, model.tau, p.total_pages, p.total_secs, p.rounds.iter().map(|r| r.pages).collect()))
     };
     // β: the share of its work the guest lost while migrating (asked rate vs achieved).
-    let beta = m
-        .guest_rate_during
-        .map(|r| (1.0 - r / LOADED_RATE as f64).clamp(0.0, 1.0));
+    let beta = m.guest_rate_during.map(|r| (1.0 - r / LOADED_RATE as f64).clamp(0.0, 1.0));
     ModelCheck {
         run: label(m),
         measured_pages,
@@ -901,62 +709,34 @@ fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, raw: f64) -> Loaded {
         "duration_ms=3600000",
         "report_ms=100",
     ]);
-    let configs = [
-        (OVERLAP, None),
-        (SERIAL, None),
-        (OVERLAP, None),
-        (OVERLAP, Some(50)),
-        (ZEROCOPY, None),
-    ];
+    let configs = [(OVERLAP, None), (SERIAL, None), (OVERLAP, None), (OVERLAP, Some(50)), (ZEROCOPY, None)];
     let mut runs = Vec::new();
-    ctx.step(format!(
-        "loaded {mem_mib} MiB: starting the guest (prefill)"
-    ));
+    ctx.step(format!("loaded {mem_mib} MiB: starting the guest (prefill)"));
     match source(ctx, mem_mib, &args, "memtouch: prefilled") {
-        Err(e) => {
-            runs = configs
-                .iter()
-                .map(|&(g, d)| Mig::failed(g, mem_mib, d, e.clone()))
-                .collect()
-        }
+        Err(e) => runs = configs.iter().map(|&(g, d)| Mig::failed(g, mem_mib, d, e.clone())).collect(),
         Ok(mut vm) => {
             for (i, (e, d)) in configs.into_iter().enumerate() {
                 ctx.step(format!(
                     "loaded {mem_mib} MiB: {}",
-                    if i == 0 {
-                        "warm-up hop".into()
-                    } else {
-                        config_label(e.label, d)
-                    }
+                    if i == 0 { "warm-up hop".into() } else { config_label(e.label, d) }
                 ));
                 let m = prepare(ctx, e, mem_mib).and_then(|dst| {
                     std::thread::sleep(settle);
                     let clock = Clock::read(&mut vm)?;
-                    let before = rate(
-                        &progress(&vm.proc.stdout()),
-                        clock.t_ms - settle.as_secs_f64() * 800.0,
-                        clock.t_ms,
-                    );
+                    let before =
+                        rate(&progress(&vm.proc.stdout()), clock.t_ms - settle.as_secs_f64() * 800.0, clock.t_ms);
                     let src_out = vm.proc.out.clone();
                     let m = hop_to(ctx, &mut vm, dst, mem_mib, d, raw)?;
                     let (a, b) = m.window.ok_or("no migration window")?;
                     let (a, b) = (clock.guest_ms(a), clock.guest_ms(b));
-                    let during = moved_progress(&mut vm, &src_out, b)
-                        .ok()
-                        .and_then(|p| rate(&p, a, b));
-                    Ok(Mig {
-                        guest_rate_before: before,
-                        guest_rate_during: during,
-                        ..m
-                    })
+                    let during = moved_progress(&mut vm, &src_out, b).ok().and_then(|p| rate(&p, a, b));
+                    Ok(Mig { guest_rate_before: before, guest_rate_during: during, ..m })
                 });
                 runs.push(m.unwrap_or_else(|err| Mig::failed(e, mem_mib, d, err)));
                 ctx.bar.inc(1);
             }
             if let Err(e) = shutdown(ctx, &mut vm) {
-                ctx.note(&format!(
-                    "note: the loaded VM did not shut down cleanly: {e}"
-                ));
+                ctx.note(&format!("note: the loaded VM did not shut down cleanly: {e}"));
             }
         }
     }
@@ -964,19 +744,10 @@ fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, raw: f64) -> Loaded {
     let warmup = Some(runs.remove(0));
     let models = runs.iter().filter(|m| m.ok()).map(model_check).collect();
     let speedup = |i: usize| {
-        (runs[0].ok() && runs[i].ok() && runs[i].total_ms > 0.0)
-            .then(|| runs[0].total_ms / runs[i].total_ms)
+        (runs[0].ok() && runs[i].ok() && runs[i].total_ms > 0.0).then(|| runs[0].total_ms / runs[i].total_ms)
     };
     let (overlap_speedup, zerocopy_speedup) = (speedup(1), speedup(3));
-    Loaded {
-        memory_mib: mem_mib,
-        guest: args.join(" "),
-        warmup,
-        runs,
-        models,
-        overlap_speedup,
-        zerocopy_speedup,
-    }
+    Loaded { memory_mib: mem_mib, guest: args.join(" "), warmup, runs, models, overlap_speedup, zerocopy_speedup }
 }
 
 #[derive(Serialize)]
@@ -996,13 +767,7 @@ struct GuestRate {
 }
 
 /// memtouch without a rate limit, migrated (overlap) in the middle, then the same without.
-fn guest_rate(
-    ctx: &Ctx,
-    mem_mib: u64,
-    lead: Duration,
-    tail: f64,
-    raw: f64,
-) -> Result<GuestRate, String> {
+fn guest_rate(ctx: &Ctx, mem_mib: u64, lead: Duration, tail: f64, raw: f64) -> Result<GuestRate, String> {
     let guest = |d: u64| {
         sv(&[
             &format!("pages={LOADED_PAGES}"),
@@ -1012,9 +777,7 @@ fn guest_rate(
             &format!("duration_ms={d}"),
         ])
     };
-    ctx.step(format!(
-        "guest rate {mem_mib} MiB: starting the guest (prefill)"
-    ));
+    ctx.step(format!("guest rate {mem_mib} MiB: starting the guest (prefill)"));
     let mut vm = source(ctx, mem_mib, &guest(3_600_000), "memtouch: progress")?;
     // The destination is prepared first: faulting its memory in would otherwise take CPU from
     // the guest in the window before the migration.
@@ -1031,32 +794,15 @@ fn guest_rate(
     let p = moved_progress(&mut vm, &src_out, stop)?;
     shutdown(ctx, &mut vm)?;
     let first = clock.t_ms;
-    let windows = |p: &[(f64, f64)]| {
-        [
-            rate(p, first, start),
-            rate(p, start, end),
-            rate(p, end, stop),
-        ]
-    };
+    let windows = |p: &[(f64, f64)]| [rate(p, first, start), rate(p, start, end), rate(p, end, stop)];
     let migrated = windows(&p);
 
-    ctx.step(format!(
-        "guest rate {mem_mib} MiB: the same run without migration"
-    ));
+    ctx.step(format!("guest rate {mem_mib} MiB: the same run without migration"));
     let base_args = guest(stop.ceil() as u64 + 100);
-    let mut args = sv(&[
-        "run",
-        "--guest",
-        "memtouch",
-        "--memory",
-        &format!("{mem_mib}M"),
-        "--timeout",
-        LIFETIME,
-    ]);
+    let mut args = sv(&["run", "--guest", "memtouch", "--memory", &format!("{mem_mib}M"), "--timeout", LIFETIME]);
     args.extend(base_args);
-    let limit = Duration::from_secs(120)
-        + Duration::from_micros(mem_mib * 256 * 200)
-        + Duration::from_millis(stop as u64);
+    let limit =
+        Duration::from_secs(120) + Duration::from_micros(mem_mib * 256 * 200) + Duration::from_millis(stop as u64);
     let base = ctx.kumo_ok(&args, limit)?;
     ctx.bar.inc(1);
     let not_migrated = windows(&progress(&base));
@@ -1088,23 +834,14 @@ struct Correct {
 /// Idle guests, one migration each, engines in turn; the checks end after the last migration.
 fn correct_idle(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
     let hold_ms = 4000 + 8 * mem_mib;
-    let mut c = Correct {
-        guest: idle_args(0, hold_ms)[..4].join(" "),
-        memory_mib: mem_mib,
-        runs: n,
-        ..Default::default()
-    };
+    let mut c =
+        Correct { guest: idle_args(0, hold_ms)[..4].join(" "), memory_mib: mem_mib, runs: n, ..Default::default() };
     let mut pending = Vec::new();
     for i in 0..n {
         let (e, seed) = (ENGINES[i % ENGINES.len()], 100 + i as u64);
         ctx.step(format!("correctness, idle: {}/{n} ({})", i + 1, e.label));
         let run = || -> Result<Pending, String> {
-            let mut vm = source(
-                ctx,
-                mem_mib,
-                &idle_args(seed, hold_ms),
-                "memtouch: checksum=",
-            )?;
+            let mut vm = source(ctx, mem_mib, &idle_args(seed, hold_ms), "memtouch: checksum=")?;
             let until = Instant::now() + Duration::from_millis(hold_ms);
             let before = checksum(&vm.proc.stdout(), "checksum");
             let m = hop(ctx, &mut vm, e, mem_mib, None, raw);
@@ -1119,9 +856,7 @@ fn correct_idle(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
         };
         match run() {
             Ok(p) => pending.push(p),
-            Err(err) => c
-                .failures
-                .push(format!("idle #{} ({}): {err}", i + 1, e.label)),
+            Err(err) => c.failures.push(format!("idle #{} ({}): {err}", i + 1, e.label)),
         }
         ctx.bar.inc(1);
     }
@@ -1138,19 +873,9 @@ fn correct_idle(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
 fn correct_loaded(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
     let (pages, writes) = (20_000, 300_000);
     let args = |seed: u64| {
-        sv(&[
-            &format!("pages={pages}"),
-            &format!("writes={writes}"),
-            "rate=100000",
-            &format!("seed={seed}"),
-        ])
+        sv(&[&format!("pages={pages}"), &format!("writes={writes}"), "rate=100000", &format!("seed={seed}")])
     };
-    let mut c = Correct {
-        guest: args(0)[..3].join(" "),
-        memory_mib: mem_mib,
-        runs: n,
-        ..Default::default()
-    };
+    let mut c = Correct { guest: args(0)[..3].join(" "), memory_mib: mem_mib, runs: n, ..Default::default() };
     for i in 0..n {
         let (e, seed) = (ENGINES[i % ENGINES.len()], 200 + i as u64);
         ctx.step(format!("correctness, loaded: {}/{n} ({})", i + 1, e.label));
@@ -1159,21 +884,13 @@ fn correct_loaded(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
             std::thread::sleep(Duration::from_millis(500));
             let m = hop(ctx, &mut vm, e, mem_mib, None, raw);
             m.error.map_or(Ok(()), Err)?;
-            let got = vm
-                .proc
-                .wait_for(Duration::from_secs(60), "checksum", |o, _| {
-                    checksum(o, "checksum")
-                })?;
+            let got = vm.proc.wait_for(Duration::from_secs(60), "checksum", |o, _| checksum(o, "checksum"))?;
             let want = expected_checksum(pages, writes, seed, true);
-            (got == want)
-                .then_some(())
-                .ok_or(format!("checksum={got:x}, the model says {want:x}"))
+            (got == want).then_some(()).ok_or(format!("checksum={got:x}, the model says {want:x}"))
         };
         match run() {
             Ok(()) => c.passed += 1,
-            Err(err) => c
-                .failures
-                .push(format!("loaded #{} ({}): {err}", i + 1, e.label)),
+            Err(err) => c.failures.push(format!("loaded #{} ({}): {err}", i + 1, e.label)),
         }
         ctx.bar.inc(1);
     }
@@ -1205,11 +922,7 @@ struct QemuCompare {
 /// with QEMU's default downtime limit and with 50 ms.
 fn qemu_compare(ctx: &Ctx, mem_mib: u64, quick: bool) -> QemuCompare {
     use crate::qemu;
-    let mut c = QemuCompare {
-        memory_mib: mem_mib,
-        skipped: None,
-        runs: vec![],
-    };
+    let mut c = QemuCompare { memory_mib: mem_mib, skipped: None, runs: vec![] };
     if let Err(e) = qemu::qemu_binary().and_then(|_| qemu::kvm_usable()) {
         c.skipped = Some(e);
         return c;
@@ -1219,20 +932,11 @@ fn qemu_compare(ctx: &Ctx, mem_mib: u64, quick: bool) -> QemuCompare {
     // migration, then checksummed again on the destination.
     let seed = 11;
     let hold = if quick { 2_500 } else { 4_000 + 6 * mem_mib };
-    let idle = sv(&[
-        "pages=1000",
-        "writes=1000",
-        "prefill=1",
-        &format!("hold_ms={hold}"),
-        &format!("seed={seed}"),
-    ]);
+    let idle = sv(&["pages=1000", "writes=1000", "prefill=1", &format!("hold_ms={hold}"), &format!("seed={seed}")]);
     ctx.step(format!("QEMU idle {mem_mib} MiB"));
     let r = qemu::migrate_memtouch(mem_mib, &idle, "memtouch: checksum=", None, true, limit);
     c.runs.push(qemu_run("idle", &idle, r, |out| {
-        Ok((
-            expected_checksum(1000, 1000, seed, true),
-            checksum(out, "checksum_after_hold"),
-        ))
+        Ok((expected_checksum(1000, 1000, seed, true), checksum(out, "checksum_after_hold")))
     }));
     ctx.bar.inc(1);
     if quick {
@@ -1254,24 +958,14 @@ fn qemu_compare(ctx: &Ctx, mem_mib: u64, quick: bool) -> QemuCompare {
             Some(d) => format!("loaded, downtime limit {d} ms"),
         };
         ctx.step(format!("QEMU {label}"));
-        let r = qemu::migrate_memtouch(
-            mem_mib,
-            &loaded,
-            "memtouch: progress t_ms=1000",
-            downtime,
-            true,
-            limit,
-        );
+        let r = qemu::migrate_memtouch(mem_mib, &loaded, "memtouch: progress t_ms=1000", downtime, true, limit);
         c.runs.push(qemu_run(&label, &loaded, r, |out| {
             let writes = complete(out)
                 .lines()
                 .find_map(|l| l.strip_prefix("memtouch: done writes="))
                 .and_then(|v| v.split_whitespace().next()?.parse().ok())
                 .ok_or("no `memtouch: done writes=` line on the destination")?;
-            Ok((
-                expected_checksum(LOADED_PAGES, writes, 1, true),
-                checksum(out, "checksum"),
-            ))
+            Ok((expected_checksum(LOADED_PAGES, writes, 1, true), checksum(out, "checksum")))
         }));
         ctx.bar.inc(1);
     }
@@ -1286,33 +980,14 @@ fn qemu_run(
 ) -> QemuRun {
     let guest = args.join(" ");
     match r {
-        Err(e) => QemuRun {
-            label: label.into(),
-            guest,
-            result: Err(e),
-            memory: None,
-        },
+        Err(e) => QemuRun { label: label.into(), guest, result: Err(e), memory: None },
         Ok((m, out)) => {
             let memory = Some(match want(&out) {
-                Ok((w, Some(got))) if got == w => Check {
-                    ok: true,
-                    detail: "matches the model".into(),
-                },
-                Ok((w, got)) => Check {
-                    ok: false,
-                    detail: format!("checksum {got:x?}, the model says {w:x}"),
-                },
-                Err(e) => Check {
-                    ok: false,
-                    detail: e,
-                },
+                Ok((w, Some(got))) if got == w => Check { ok: true, detail: "matches the model".into() },
+                Ok((w, got)) => Check { ok: false, detail: format!("checksum {got:x?}, the model says {w:x}") },
+                Err(e) => Check { ok: false, detail: e },
             });
-            QemuRun {
-                label: label.into(),
-                guest,
-                result: Ok(m),
-                memory,
-            }
+            QemuRun { label: label.into(), guest, result: Ok(m), memory }
         }
     }
 }
@@ -1349,8 +1024,7 @@ struct Report {
 }
 
 fn opt(v: Option<f64>, prec: usize) -> String {
-    v.filter(|x| x.is_finite())
-        .map_or("-".into(), |x| format!("{x:.prec$}"))
+    v.filter(|x| x.is_finite()).map_or("-".into(), |x| format!("{x:.prec$}"))
 }
 
 fn pct(v: f64) -> String {
@@ -1367,11 +1041,7 @@ fn mig_row(name: &str, m: &Mig) {
         None => println!(
             "{name:<24} {:>9.1} {:>8} {:>6.2} {:>9.1} {:>6} {:>9} {:>9.1} {:>9.1}  {}",
             m.total_ms,
-            if m.engine == "local" {
-                format!("{:.0}*", m.effective_mb_per_s)
-            } else {
-                format!("{:.1}", m.mb_per_s)
-            },
+            if m.engine == "local" { format!("{:.0}*", m.effective_mb_per_s) } else { format!("{:.1}", m.mb_per_s) },
             m.x_raw_tcp,
             m.downtime_ms,
             m.rounds,
@@ -1397,22 +1067,15 @@ fn print_all(r: &Report) {
         raw.bytes_per_run >> 20,
         raw.write_bytes >> 20
     );
-    let runs: Vec<String> = raw
-        .runs_mb_per_s
-        .iter()
-        .map(|v| format!("{v:.0}"))
-        .collect();
-    println!(
-        "   median {:.0} MB/s (runs {})",
-        raw.median_mb_per_s,
-        runs.join(", ")
-    );
+    let runs: Vec<String> = raw.runs_mb_per_s.iter().map(|v| format!("{v:.0}")).collect();
+    println!("   median {:.0} MB/s (runs {})", raw.median_mb_per_s, runs.join(", "));
 
-    println!("\n2. Idle VMs: memtouch {} (prefilled, then halted); one VM per size hops through the engines", idle_args(0, 0)[..3].join(" "));
-    println!("   MB/s = bytes sent / total time (10^6 B/s); x raw = MB/s / raw TCP; CPU in ms");
     println!(
-        "   * local hands the memfd over and copies no memory: its MB/s is VM memory / total time"
+        "\n2. Idle VMs: memtouch {} (prefilled, then halted); one VM per size hops through the engines",
+        idle_args(0, 0)[..3].join(" ")
     );
+    println!("   MB/s = bytes sent / total time (10^6 B/s); x raw = MB/s / raw TCP; CPU in ms");
+    println!("   * local hands the memfd over and copies no memory: its MB/s is VM memory / total time");
     mig_header("size / engine");
     for s in &r.idle {
         for m in &s.runs {
@@ -1430,16 +1093,10 @@ fn print_all(r: &Report) {
         "   model a priori: M = {LOADED_PAGES}, tau = M ln2 / rate = {:.2} s. Hops: warm-up (onto a prepared destination), then",
         LOADED_PAGES as f64 * std::f64::consts::LN_2 / LOADED_RATE as f64
     );
-    println!(
-        "   the measured runs, each after {:.1} s of the guest running on its new host",
-        r.settle_s
-    );
+    println!("   the measured runs, each after {:.1} s of the guest running on its new host", r.settle_s);
     mig_header("run");
-    for (name, m) in l
-        .warmup
-        .iter()
-        .map(|m| ("warm-up hop (overlap)".to_string(), m))
-        .chain(l.runs.iter().map(|m| (label(m), m)))
+    for (name, m) in
+        l.warmup.iter().map(|m| ("warm-up hop (overlap)".to_string(), m)).chain(l.runs.iter().map(|m| (label(m), m)))
     {
         mig_row(&name, m);
     }
@@ -1447,29 +1104,15 @@ fn print_all(r: &Report) {
         .warmup
         .iter()
         .chain(&l.runs)
-        .map(|m| {
-            format!(
-                "{}/{}",
-                opt(m.guest_rate_before, 0),
-                opt(m.guest_rate_during, 0)
-            )
-        })
+        .map(|m| format!("{}/{}", opt(m.guest_rate_before, 0), opt(m.guest_rate_during, 0)))
         .collect();
-    println!(
-        "   guest writes/s before/during each hop (asked {LOADED_RATE}): {}",
-        rates.join(", ")
-    );
-    println!(
-        "   overlap vs serial under load: {}x faster",
-        opt(l.overlap_speedup, 2)
-    );
+    println!("   guest writes/s before/during each hop (asked {LOADED_RATE}): {}", rates.join(", "));
+    println!("   overlap vs serial under load: {}x faster", opt(l.overlap_speedup, 2));
     println!(
         "   zerocopy (pipeline + zero-copy sends, the paper's whole design) vs serial: {}x faster",
         opt(l.zerocopy_speedup, 2)
     );
-    println!(
-        "\n   dirty-page model: predicted vs measured total pages and time (sum of the rounds)"
-    );
+    println!("\n   dirty-page model: predicted vs measured total pages and time (sum of the rounds)");
     println!("   workload: M and tau of memtouch's parameters, beta = 1 - guest writes/s during the migration / {LOADED_RATE};");
     println!("   fitted: kumo's own fit to the run's rounds (in-sample: it reuses their bandwidth and times)");
     println!(
@@ -1478,11 +1121,7 @@ fn print_all(r: &Report) {
     );
     for c in &l.models {
         let beta = format!("workload b={}", opt(c.beta, 2));
-        for (name, p) in [
-            (beta.as_str(), &c.workload),
-            ("workload b=0", &c.workload_beta0),
-            ("fitted", &c.fitted),
-        ] {
+        for (name, p) in [(beta.as_str(), &c.workload), ("workload b=0", &c.workload_beta0), ("fitted", &c.fitted)] {
             match p {
                 Some(p) => println!(
                     "   {:<24} {name:<18} {:>9.0} {:>7.2} {:>9} {:>9} {:>8} {:>8.3} {:>8.3} {:>8}",
@@ -1499,11 +1138,7 @@ fn print_all(r: &Report) {
                 None => println!(
                     "   {:<24} {name:<18} {}",
                     c.run,
-                    if name == "fitted" {
-                        c.fitted_note.as_deref().unwrap_or("-")
-                    } else {
-                        "no prediction"
-                    }
+                    if name == "fitted" { c.fitted_note.as_deref().unwrap_or("-") } else { "no prediction" }
                 ),
             }
         }
@@ -1514,10 +1149,7 @@ fn print_all(r: &Report) {
                 "\n   guest writes/s, memtouch {} ({} MiB), overlap migration during guest t = {:.0}..{:.0} ms:",
                 g.guest, g.memory_mib, g.window_ms.0, g.window_ms.1
             );
-            println!(
-                "   {:<10} {:>12} {:>14} {:>7}",
-                "window", "migrated", "not migrated", "ratio"
-            );
+            println!("   {:<10} {:>12} {:>14} {:>7}", "window", "migrated", "not migrated", "ratio");
             for (i, w) in ["before", "during", "after"].iter().enumerate() {
                 let ratio = g.migrated[i].zip(g.not_migrated[i]).map(|(a, b)| a / b);
                 println!(
@@ -1533,10 +1165,7 @@ fn print_all(r: &Report) {
 
     println!("\n4. Correctness: one migration per guest, engines in turn, memory checked against the model");
     for (name, c) in ["idle", "loaded"].iter().zip(&r.correctness) {
-        println!(
-            "   {name:<7} {}/{}  ({} MiB, memtouch {})",
-            c.passed, c.runs, c.memory_mib, c.guest
-        );
+        println!("   {name:<7} {}/{}  ({} MiB, memtouch {})", c.passed, c.runs, c.memory_mib, c.guest);
         for f in &c.failures {
             println!("           failed: {f}");
         }
@@ -1547,29 +1176,23 @@ fn print_all(r: &Report) {
     println!("\nTargets (from the issue)");
     println!("{:<62} {:>12} {:>8}  result", "target", "value", "goal");
     for t in &r.targets {
-        println!(
-            "{:<62} {:>12} {:>8}  {}",
-            t.name,
-            t.value,
-            t.goal,
-            if t.met { "met" } else { "NOT MET" }
-        );
+        println!("{:<62} {:>12} {:>8}  {}", t.name, t.value, t.goal, if t.met { "met" } else { "NOT MET" });
     }
 }
 
 fn print_qemu(r: &Report) {
     let q = &r.qemu;
-    println!("\n5. QEMU 7.2 migrating the same guest (memtouch booted through its PVH entry), {} MiB, loopback TCP,", q.memory_mib);
+    println!(
+        "\n5. QEMU 7.2 migrating the same guest (memtouch booted through its PVH entry), {} MiB, loopback TCP,",
+        q.memory_mib
+    );
     println!("   destination preallocated (-mem-prealloc, like kumo's prepared destination), max-bandwidth unlimited");
     if let Some(why) = &q.skipped {
         println!("   skipped: {why}");
         return;
     }
     println!("   QEMU's figures from query-migrate: time = total-time, MB/s = ram.transferred / total-time, rounds = dirty-sync-count");
-    println!(
-        "{:<48} {:>8} {:>8} {:>8} {:>6} {:>10}  memory",
-        "run", "time ms", "MB/s", "down ms", "rounds", "pages"
-    );
+    println!("{:<48} {:>8} {:>8} {:>8} {:>6} {:>10}  memory", "run", "time ms", "MB/s", "down ms", "rounds", "pages");
     for run in &q.runs {
         let name = format!("QEMU {}", run.label);
         match &run.result {
@@ -1586,25 +1209,11 @@ fn print_qemu(r: &Report) {
         }
     }
     // kumo's runs of the same guests, for comparison.
-    let best_idle = r
-        .idle
-        .iter()
-        .find(|s| s.memory_mib == q.memory_mib)
-        .and_then(|s| {
-            s.runs
-                .iter()
-                .filter(|m| m.ok() && m.engine != "local")
-                .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
-        });
-    let kumo_runs = best_idle
-        .map(|m| {
-            (
-                format!("kumo idle, fastest network engine ({})", m.engine),
-                m,
-            )
-        })
-        .into_iter()
-        .chain(
+    let best_idle = r.idle.iter().find(|s| s.memory_mib == q.memory_mib).and_then(|s| {
+        s.runs.iter().filter(|m| m.ok() && m.engine != "local").min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
+    });
+    let kumo_runs =
+        best_idle.map(|m| (format!("kumo idle, fastest network engine ({})", m.engine), m)).into_iter().chain(
             r.loaded
                 .runs
                 .iter()
@@ -1618,27 +1227,16 @@ fn print_qemu(r: &Report) {
         );
     }
     if let (Some(Ok(qm)), Some(k)) = (q.runs.first().map(|r| &r.result), best_idle) {
-        println!(
-            "   idle: kumo's fastest network engine takes {:.2}x QEMU's time",
-            k.total_ms / qm.total_ms as f64
-        );
+        println!("   idle: kumo's fastest network engine takes {:.2}x QEMU's time", k.total_ms / qm.total_ms as f64);
     }
 }
 
 fn targets(r: &Report) -> Vec<Target> {
     let mut t = Vec::new();
-    let mut push = |name: String,
-                    v: Option<f64>,
-                    fmt: &dyn Fn(f64) -> String,
-                    goal: &'static str,
-                    ok: &dyn Fn(f64) -> bool| {
-        t.push(Target {
-            name,
-            value: v.map_or("failed".into(), fmt),
-            goal,
-            met: v.is_some_and(ok),
-        });
-    };
+    let mut push =
+        |name: String, v: Option<f64>, fmt: &dyn Fn(f64) -> String, goal: &'static str, ok: &dyn Fn(f64) -> bool| {
+            t.push(Target { name, value: v.map_or("failed".into(), fmt), goal, met: v.is_some_and(ok) });
+        };
     let big = r.idle.last().map_or(0, |s| s.memory_mib);
     push(
         format!("idle throughput / raw TCP, best network engine, {big} MiB"),
@@ -1668,17 +1266,10 @@ fn targets(r: &Report) -> Vec<Target> {
         "<= 50 ms",
         &|v| v <= 50.0,
     );
-    for (name, pick) in [
-        ("workload, beta measured", 0),
-        ("workload, beta=0", 1),
-        ("fitted in-sample", 2),
-    ] {
+    for (name, pick) in [("workload, beta measured", 0), ("workload, beta=0", 1), ("fitted in-sample", 2)] {
         for c in r.loaded.models.iter().filter(|c| c.run.contains("Xen")) {
             let p = [&c.workload, &c.workload_beta0, &c.fitted][pick];
-            let err = p
-                .as_ref()
-                .map(|p| p.pages_err.abs().max(p.secs_err.abs()))
-                .filter(|e| e.is_finite());
+            let err = p.as_ref().map(|p| p.pages_err.abs().max(p.secs_err.abs())).filter(|e| e.is_finite());
             push(
                 format!("model error ({name}), {}", c.run),
                 err,
@@ -1688,15 +1279,8 @@ fn targets(r: &Report) -> Vec<Target> {
             );
         }
     }
-    let (passed, runs) = r
-        .correctness
-        .iter()
-        .fold((0, 0), |(p, n), c| (p + c.passed, n + c.runs));
-    let chains = r
-        .idle
-        .iter()
-        .filter(|s| s.memory.as_ref().is_some_and(|c| c.ok))
-        .count();
+    let (passed, runs) = r.correctness.iter().fold((0, 0), |(p, n), c| (p + c.passed, n + c.runs));
+    let chains = r.idle.iter().filter(|s| s.memory.as_ref().is_some_and(|c| c.ok)).count();
     t.push(Target {
         name: "correctness runs (idle + loaded)".into(),
         value: format!("{passed}/{runs}"),
@@ -1717,14 +1301,9 @@ fn targets(r: &Report) -> Vec<Target> {
 
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
-    let font = std::fs::read(FONT)
-        .map_err(|e| format!("no font at {FONT} ({e}); install fonts-dejavu-core"))?;
-    plotters::style::register_font(
-        "sans-serif",
-        FontStyle::Normal,
-        Box::leak(font.into_boxed_slice()),
-    )
-    .map_err(|_| format!("{FONT} is not a usable font"))?;
+    let font = std::fs::read(FONT).map_err(|e| format!("no font at {FONT} ({e}); install fonts-dejavu-core"))?;
+    plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(font.into_boxed_slice()))
+        .map_err(|_| format!("{FONT} is not a usable font"))?;
     fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
         format!("cannot draw: {err}")
     }
@@ -1736,8 +1315,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     // Idle throughput by VM size, per network engine, with the raw TCP line.
     let raw = r.raw_tcp.median_mb_per_s;
     let sizes: Vec<u64> = r.idle.iter().map(|s| s.memory_mib).collect();
-    let at =
-        |mib: u64| SegmentValue::CenterOf(sizes.iter().position(|&s| s == mib).unwrap_or(0) as i32);
+    let at = |mib: u64| SegmentValue::CenterOf(sizes.iter().position(|&s| s == mib).unwrap_or(0) as i32);
     let ymax = r
         .idle
         .iter()
@@ -1747,10 +1325,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .fold(raw, f64::max)
         * 1.15;
     let mut c = ChartBuilder::on(&left)
-        .caption(
-            "Idle VM migration throughput (local engine not shown)",
-            ("sans-serif", 20),
-        )
+        .caption("Idle VM migration throughput (local engine not shown)", ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(65)
@@ -1760,9 +1335,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .x_desc("VM size (MiB)")
         .y_desc("MB/s (10^6 B/s)")
         .x_label_formatter(&|v| match v {
-            SegmentValue::CenterOf(i) => sizes
-                .get(*i as usize)
-                .map_or(String::new(), |s| s.to_string()),
+            SegmentValue::CenterOf(i) => sizes.get(*i as usize).map_or(String::new(), |s| s.to_string()),
             _ => String::new(),
         })
         .y_label_formatter(&|v| format!("{v:.0}"))
@@ -1770,13 +1343,10 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(e)?;
-    c.draw_series(LineSeries::new(
-        [(SegmentValue::Exact(0), raw), (SegmentValue::Last, raw)],
-        BLACK.stroke_width(2),
-    ))
-    .map_err(e)?
-    .label(format!("raw loopback TCP ({raw:.0} MB/s)"))
-    .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+    c.draw_series(LineSeries::new([(SegmentValue::Exact(0), raw), (SegmentValue::Last, raw)], BLACK.stroke_width(2)))
+        .map_err(e)?
+        .label(format!("raw loopback TCP ({raw:.0} MB/s)"))
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
     for (i, eng) in ENGINES.iter().filter(|g| g.network()).enumerate() {
         let col = colors[i % colors.len()];
         let pts: Vec<_> = r
@@ -1790,8 +1360,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
             .map_err(e)?
             .label(eng.label)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], col.stroke_width(2)));
-        c.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, col.filled())))
-            .map_err(e)?;
+        c.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, col.filled()))).map_err(e)?;
     }
     c.configure_series_labels()
         .label_font(("sans-serif", 14))
@@ -1802,31 +1371,17 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .map_err(e)?;
 
     // The loaded overlap run: pages per round, measured vs the model's predictions.
-    let Some(m) = r
-        .loaded
-        .models
-        .iter()
-        .find(|c| c.run.starts_with("overlap ("))
-    else {
+    let Some(m) = r.loaded.models.iter().find(|c| c.run.starts_with("overlap (")) else {
         return root.present().map_err(e);
     };
     let series: Vec<(String, &Vec<u64>, RGBColor)> = [
         Some(("measured".to_string(), &m.measured_round_pages, BLACK)),
-        m.fitted.as_ref().map(|p| {
-            (
-                format!("model, fitted (M={:.0}, tau={:.2} s)", p.m, p.tau_s),
-                &p.round_pages,
-                BLUE,
-            )
-        }),
+        m.fitted
+            .as_ref()
+            .map(|p| (format!("model, fitted (M={:.0}, tau={:.2} s)", p.m, p.tau_s), &p.round_pages, BLUE)),
         m.workload.as_ref().map(|p| {
             (
-                format!(
-                    "model, workload (M={:.0}, tau={:.2} s, beta={})",
-                    p.m,
-                    p.tau_s,
-                    opt(m.beta, 2)
-                ),
+                format!("model, workload (M={:.0}, tau={:.2} s, beta={})", p.m, p.tau_s, opt(m.beta, 2)),
                 &p.round_pages,
                 RED,
             )
@@ -1836,22 +1391,9 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     .flatten()
     .collect();
     let n = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(2);
-    let top = series
-        .iter()
-        .flat_map(|s| s.1.iter())
-        .cloned()
-        .max()
-        .unwrap_or(10)
-        .max(10) as f64
-        * 3.0;
+    let top = series.iter().flat_map(|s| s.1.iter()).cloned().max().unwrap_or(10).max(10) as f64 * 3.0;
     let mut c = ChartBuilder::on(&right)
-        .caption(
-            format!(
-                "Loaded {} MiB VM, overlap: pages per round",
-                r.loaded.memory_mib
-            ),
-            ("sans-serif", 20),
-        )
+        .caption(format!("Loaded {} MiB VM, overlap: pages per round", r.loaded.memory_mib), ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(65)
@@ -1869,17 +1411,12 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .map_err(e)?;
     for (name, pages, col) in series {
         // A round of 0 pages sits on the axis floor of the log scale.
-        let pts: Vec<(f64, f64)> = pages
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| (i as f64, (p as f64).max(1.0)))
-            .collect();
+        let pts: Vec<(f64, f64)> = pages.iter().enumerate().map(|(i, &p)| (i as f64, (p as f64).max(1.0))).collect();
         c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))
             .map_err(e)?
             .label(name)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], col.stroke_width(2)));
-        c.draw_series(pts.iter().map(|&p| Circle::new(p, 4, col.filled())))
-            .map_err(e)?;
+        c.draw_series(pts.iter().map(|&p| Circle::new(p, 4, col.filled()))).map_err(e)?;
     }
     c.configure_series_labels()
         .label_font(("sans-serif", 14))
@@ -1896,27 +1433,17 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
 pub fn run(a: Args) -> Result<i32, String> {
     let kumo = std::env::current_exe().map_err(|e| format!("cannot find the kumo binary: {e}"))?;
     kumo_vm::vm::open_kvm().map_err(|e| format!("kumo bench migrate needs /dev/kvm: {e}"))?;
-    let (sizes, big, n_correct): (&[u64], u64, usize) = if a.quick {
-        (&[512], 512, 2)
-    } else {
-        (&[256, 512, 1024, 2048], 2048, 20)
-    };
+    let (sizes, big, n_correct): (&[u64], u64, usize) =
+        if a.quick { (&[512], 512, 2) } else { (&[256, 512, 1024, 2048], 2048, 20) };
     let dir = std::env::temp_dir().join(format!("kumo-bench-migrate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let steps =
-        1 + sizes.len() * ENGINES.len() + 5 + 2 + 2 * n_correct + if a.quick { 1 } else { 3 };
+    let steps = 1 + sizes.len() * ENGINES.len() + 5 + 2 + 2 * n_correct + if a.quick { 1 } else { 3 };
     let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stderr());
     bar.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let ctx = Ctx {
-        kumo,
-        dir,
-        seq: AtomicU32::new(0),
-        bar,
-        t0: Instant::now(),
-    };
+    let ctx = Ctx { kumo, dir, seq: AtomicU32::new(0), bar, t0: Instant::now() };
 
     let raw_tcp = raw_tcp(&ctx)?;
     let raw = raw_tcp.median_mb_per_s;
@@ -1952,14 +1479,8 @@ pub fn run(a: Args) -> Result<i32, String> {
     ctx.step("checking the idle VMs' memory".into());
     for (s, p) in idle.iter_mut().zip(pending) {
         s.memory = p.map(|p| match p.verify() {
-            Ok(()) => Check {
-                ok: true,
-                detail: "checksum_after_hold matches the model".into(),
-            },
-            Err(e) => Check {
-                ok: false,
-                detail: format!("MISMATCH or missing: {e}"),
-            },
+            Ok(()) => Check { ok: true, detail: "checksum_after_hold matches the model".into() },
+            Err(e) => Check { ok: false, detail: format!("MISMATCH or missing: {e}") },
         });
     }
 
@@ -1970,17 +1491,11 @@ pub fn run(a: Args) -> Result<i32, String> {
             .map(|m| m.x_raw_tcp)
             .reduce(f64::max)
     });
-    let downtime_ms = loaded
-        .runs
-        .iter()
-        .find(|m| m.ok() && m.downtime_rule_ms.is_some())
-        .map(|m| m.downtime_ms);
+    let downtime_ms = loaded.runs.iter().find(|m| m.ok() && m.downtime_rule_ms.is_some()).map(|m| m.downtime_ms);
     let mut report = Report {
         bench: "migrate",
         quick: a.quick,
-        host_cpus: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
+        host_cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         elapsed_s: 0.0,
         raw_tcp,
@@ -2004,22 +1519,20 @@ pub fn run(a: Args) -> Result<i32, String> {
     ctx.bar.finish_and_clear();
     report.elapsed_s = ctx.t0.elapsed().as_secs_f64();
 
-    println!("kumo bench migrate{}: live migration between kumo processes on this host ({} CPUs), {:.0} s", if a.quick { " --quick" } else { "" }, report.host_cpus, report.elapsed_s);
+    println!(
+        "kumo bench migrate{}: live migration between kumo processes on this host ({} CPUs), {:.0} s",
+        if a.quick { " --quick" } else { "" },
+        report.host_cpus,
+        report.elapsed_s
+    );
     print_all(&report);
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     std::fs::write(&a.json, text).map_err(|e| format!("cannot write {}: {e}", a.json.display()))?;
     println!(
         "\nJSON written to {}{}",
         a.json.display(),
-        report
-            .png
-            .as_ref()
-            .map_or(String::new(), |p| format!("; plot written to {p}"))
+        report.png.as_ref().map_or(String::new(), |p| format!("; plot written to {p}"))
     );
-    println!(
-        "throughput_ratio={} downtime_ms={}",
-        opt(report.throughput_ratio, 3),
-        opt(report.downtime_ms, 1)
-    );
+    println!("throughput_ratio={} downtime_ms={}", opt(report.throughput_ratio, 3), opt(report.downtime_ms, 1));
     Ok(0)
 }

@@ -16,11 +16,7 @@ use kumo_vmm::config::IrqchipMode;
 use kumo_vmm::{ConfigFile, Payload, RunningVm, VmConfig};
 
 #[derive(Parser)]
-#[command(
-    name = "kumo",
-    version,
-    about = "kumo: a KVM virtual machine monitor for HPC and enterprise clouds"
-)]
+#[command(name = "kumo", version, about = "kumo: a KVM virtual machine monitor for HPC and enterprise clouds")]
 struct Cli {
     /// Control API socket: served by `run`, used by info/pause/resume/shutdown/ping.
     #[arg(long, global = true, value_name = "PATH")]
@@ -111,24 +107,15 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
         None => ConfigFile::default(),
     };
     let payload = match (&a.kernel, &a.guest) {
-        (Some(k), _) => Payload::Kernel {
-            path: k.clone(),
-            initrd: a.initrd.clone(),
-            cmdline: a.cmdline.clone(),
-        },
-        (None, Some(g)) => Payload::Guest {
-            name: g.clone(),
-            args: a.guest_args.clone(),
-        },
-        (None, None) => file.payload.clone().ok_or(
-            "nothing to boot: give --guest NAME, --kernel PATH or a --config file with a payload",
-        )?,
+        (Some(k), _) => Payload::Kernel { path: k.clone(), initrd: a.initrd.clone(), cmdline: a.cmdline.clone() },
+        (None, Some(g)) => Payload::Guest { name: g.clone(), args: a.guest_args.clone() },
+        (None, None) => file
+            .payload
+            .clone()
+            .ok_or("nothing to boot: give --guest NAME, --kernel PATH or a --config file with a payload")?,
     };
     if !a.guest_args.is_empty() && !matches!(payload, Payload::Guest { .. }) {
-        return Err(format!(
-            "guest arguments ({}) need --guest",
-            a.guest_args.join(" ")
-        ));
+        return Err(format!("guest arguments ({}) need --guest", a.guest_args.join(" ")));
     }
     let irqchip = match a.irqchip.as_deref() {
         Some("split") => IrqchipMode::Split,
@@ -148,19 +135,15 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
         Some(addr) => Arc::new(migrate::incoming(addr, a.memory)?),
         None => {
             let config = build_config(&a)?;
-            Arc::new(
-                RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?,
-            )
+            Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)
         }
     };
     spawn_console_input(Arc::downgrade(&vm));
     let _api = match &api_socket {
-        Some(p) => Some(
-            ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
-                vm.shutdown();
-                e.to_string()
-            })?,
-        ),
+        Some(p) => Some(ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
+            vm.shutdown();
+            e.to_string()
+        })?),
         None => None,
     };
     let report = vm.wait_timeout(a.timeout.map(Duration::from_secs_f64));
@@ -176,10 +159,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     match &report.outcome {
         Reset(why) => eprintln!("kumo: guest reset: {why}"),
         Error(e) => eprintln!("kumo: error: {e}"),
-        TimedOut => eprintln!(
-            "kumo: timed out after {} s; VM stopped",
-            a.timeout.unwrap_or(0.0)
-        ),
+        TimedOut => eprintln!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or(0.0)),
         Migrated(to) => eprintln!("kumo: VM migrated to {to}; this copy stopped"),
         _ => {}
     }
@@ -190,33 +170,31 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
 /// guest. An incoming VM gets it only once it runs here: its console state, pending input
 /// included, arrives with the migration. Input the FIFO cannot take yet waits, never dropped.
 fn spawn_console_input(vm: std::sync::Weak<RunningVm>) {
-    let spawned = std::thread::Builder::new()
-        .name("console-in".into())
-        .spawn(move || {
-            use std::io::Read;
-            let mut stdin = std::io::stdin().lock();
-            let mut buf = [0u8; 64];
-            loop {
-                let n = match stdin.read(&mut buf) {
-                    Ok(0) | Err(_) => return, // EOF (e.g. /dev/null): no console input
-                    Ok(n) => n,
-                };
-                let mut rest = &buf[..n];
-                while !rest.is_empty() {
-                    let Some(vm) = vm.upgrade() else { return };
-                    if vm.is_finished() {
-                        return;
-                    }
-                    let took = vm.serial_input(rest);
-                    rest = &rest[took..];
-                    drop(vm);
-                    if !rest.is_empty() {
-                        // The guest has not read its FIFO yet.
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
+    let spawned = std::thread::Builder::new().name("console-in".into()).spawn(move || {
+        use std::io::Read;
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = [0u8; 64];
+        loop {
+            let n = match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => return, // EOF (e.g. /dev/null): no console input
+                Ok(n) => n,
+            };
+            let mut rest = &buf[..n];
+            while !rest.is_empty() {
+                let Some(vm) = vm.upgrade() else { return };
+                if vm.is_finished() {
+                    return;
+                }
+                let took = vm.serial_input(rest);
+                rest = &rest[took..];
+                drop(vm);
+                if !rest.is_empty() {
+                    // The guest has not read its FIFO yet.
+                    std::thread::sleep(Duration::from_millis(5));
                 }
             }
-        });
+        }
+    });
     if let Err(e) = spawned {
         tracing::warn!("no console input: cannot start its thread: {e}");
     }
@@ -226,26 +204,14 @@ fn guests(json: bool) -> Result<i32, String> {
     let all = kumo_guests::all().map_err(|e| e.to_string())?;
     if json {
         let m: Vec<_> = all.iter().map(|g| &g.manifest).collect();
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&m).map_err(|e| e.to_string())?
-        );
+        println!("{}", serde_json::to_string_pretty(&m).map_err(|e| e.to_string())?);
         return Ok(0);
     }
     for g in all {
         let m = &g.manifest;
-        println!(
-            "{}  ({} vCPUs: {}..={})",
-            m.name, m.summary, m.min_cpus, m.max_cpus
-        );
+        println!("{}  ({} vCPUs: {}..={})", m.name, m.summary, m.min_cpus, m.max_cpus);
         for p in &m.params {
-            println!(
-                "    {:<12} {:<10} default {:<8} {}",
-                p.key,
-                p.kind_str(),
-                p.default,
-                p.help
-            );
+            println!("    {:<12} {:<10} default {:<8} {}", p.key, p.kind_str(), p.default, p.help);
         }
     }
     Ok(0)
@@ -257,10 +223,7 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
     match cmd {
         Cmd::Info => {
             let i = c.info().map_err(|e| e.to_string())?;
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&i).map_err(|e| e.to_string())?
-            );
+            println!("{}", serde_json::to_string_pretty(&i).map_err(|e| e.to_string())?);
         }
         Cmd::Pause => c.pause().map_err(|e| e.to_string())?,
         Cmd::Resume => c.resume().map_err(|e| e.to_string())?,
@@ -282,9 +245,7 @@ fn main() -> ExitCode {
         Cmd::Guests { json } => guests(json),
         Cmd::Bench { which } => bench::run(which),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
-        ref c @ (Cmd::Info | Cmd::Pause | Cmd::Resume | Cmd::Shutdown | Cmd::Ping) => {
-            client_cmd(c, cli.api_socket)
-        }
+        ref c @ (Cmd::Info | Cmd::Pause | Cmd::Resume | Cmd::Shutdown | Cmd::Ping) => client_cmd(c, cli.api_socket),
     };
     match r {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

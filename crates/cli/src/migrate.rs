@@ -69,16 +69,11 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     };
     let bar = ProgressBar::new(0);
     bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} round {prefix:>2} [{bar:30}] {pos}/{len} pages  {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template("{spinner} round {prefix:>2} [{bar:30}] {pos}/{len} pages  {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     if a.dry_run {
-        bar.set_message(format!(
-            "watching the guest dirty memory for {} ms",
-            a.estimate_ms
-        ));
+        bar.set_message(format!("watching the guest dirty memory for {} ms", a.estimate_ms));
     }
     let poller = ApiClient::new(&socket).with_timeout(Duration::from_secs(5));
     let mut seen = 0;
@@ -93,16 +88,11 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
         bar.tick();
         std::thread::sleep(Duration::from_millis(100));
     }
-    let result = worker
-        .join()
-        .map_err(|_| "migration thread panicked".to_string())?;
+    let result = worker.join().map_err(|_| "migration thread panicked".to_string())?;
     bar.finish_and_clear();
     let report = result.map_err(|e| e.to_string())?;
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).unwrap_or_default()
-        );
+        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
     } else {
         print_report(&report);
     }
@@ -125,20 +115,13 @@ fn render(bar: &ProgressBar, e: &Value) {
             bar.set_prefix(format!("{}", e["round"].as_u64().unwrap_or(0) + 1));
             bar.set_length(dirty);
             bar.set_position(0);
-            let dt = e["estimated_downtime_ms"]
-                .as_f64()
-                .map(|d| format!(", est. downtime {d:.1} ms"))
-                .unwrap_or_default();
-            bar.set_message(format!(
-                "{:.0} MB/s, {dirty} pages left{dt}",
-                e["mb_per_s"].as_f64().unwrap_or(0.0)
-            ));
+            let dt =
+                e["estimated_downtime_ms"].as_f64().map(|d| format!(", est. downtime {d:.1} ms")).unwrap_or_default();
+            bar.set_message(format!("{:.0} MB/s, {dirty} pages left{dt}", e["mb_per_s"].as_f64().unwrap_or(0.0)));
         }
-        Some("stop_and_copy") => bar.set_message(format!(
-            "stop-and-copy ({}): {} pages",
-            e["reason"].as_str().unwrap_or(""),
-            e["pages"]
-        )),
+        Some("stop_and_copy") => {
+            bar.set_message(format!("stop-and-copy ({}): {} pages", e["reason"].as_str().unwrap_or(""), e["pages"]))
+        }
         _ => {}
     }
 }
@@ -173,10 +156,7 @@ fn print_report(r: &Value) {
         r["mb_per_s"].as_f64().unwrap_or(0.0),
         r["stop_reason"].as_str().unwrap_or("")
     );
-    println!(
-        "{:>5} {:>10} {:>10} {:>12}",
-        "round", "pages", "ms", "dirty after"
-    );
+    println!("{:>5} {:>10} {:>10} {:>12}", "round", "pages", "ms", "dirty after");
     for x in r["rounds"].as_array().into_iter().flatten() {
         let n = |k: &str| x[k].as_u64().unwrap_or(0);
         println!(
@@ -187,10 +167,7 @@ fn print_report(r: &Value) {
             n("dirty_after")
         );
     }
-    println!(
-        "sender CPU: {:.1} ms",
-        r["sender_cpu_ms"].as_f64().unwrap_or(0.0)
-    );
+    println!("sender CPU: {:.1} ms", r["sender_cpu_ms"].as_f64().unwrap_or(0.0));
     let m = &r["model"];
     if m["fitted"].as_bool() == Some(true) {
         println!(
@@ -200,7 +177,9 @@ fn print_report(r: &Value) {
             m["predicted"]["total_pages"],
             m["predicted"]["total_secs"].as_f64().unwrap_or(0.0),
             r["total_pages"],
-            r["rounds"].as_array().map_or(0.0, |a| a.iter().map(|x| x["ms"].as_f64().unwrap_or(0.0)).sum::<f64>() / 1e3)
+            r["rounds"]
+                .as_array()
+                .map_or(0.0, |a| a.iter().map(|x| x["ms"].as_f64().unwrap_or(0.0)).sum::<f64>() / 1e3)
         );
     }
 }
@@ -218,35 +197,26 @@ pub fn incoming(addr: &str, prepared: Option<u64>) -> Result<RunningVm, String> 
             for (gpa, len) in kumo_vm::layout::ram_regions(size) {
                 kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
             }
-            eprintln!(
-                "kumo: prepared {} MiB of guest memory in {:.0} ms",
-                size >> 20,
-                t.elapsed().as_secs_f64() * 1e3
-            );
+            eprintln!("kumo: prepared {} MiB of guest memory in {:.0} ms", size >> 20, t.elapsed().as_secs_f64() * 1e3);
             Some(m.memfd)
         }
         None => None,
     };
     eprintln!("kumo: waiting for a migration on {}", listener.local_addr());
-    let (vm, rr) = receive(
-        &listener,
-        kumo_migration_engine::PROGRESS_TIMEOUT,
-        |desc, memfd| {
-            let config = config_from_description(desc)?;
-            if let (Some(size), None) = (prepared, &memfd) {
-                if size != config.memory {
-                    return Err(format!(
-                        "this destination is prepared for {size} bytes of memory; the VM has {}",
-                        config.memory
-                    ));
-                }
+    let (vm, rr) = receive(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, |desc, memfd| {
+        let config = config_from_description(desc)?;
+        if let (Some(size), None) = (prepared, &memfd) {
+            if size != config.memory {
+                return Err(format!(
+                    "this destination is prepared for {size} bytes of memory; the VM has {}",
+                    config.memory
+                ));
             }
-            // Memory shared by a local migration wins; otherwise the prepared memory, if any.
-            let memfd = memfd.or_else(|| reserved.take());
-            RunningVm::incoming(config, Box::new(std::io::stdout()), memfd)
-                .map_err(|e| e.to_string())
-        },
-    )
+        }
+        // Memory shared by a local migration wins; otherwise the prepared memory, if any.
+        let memfd = memfd.or_else(|| reserved.take());
+        RunningVm::incoming(config, Box::new(std::io::stdout()), memfd).map_err(|e| e.to_string())
+    })
     .map_err(|e| format!("incoming migration failed: {e}"))?;
     eprintln!(
         "kumo: migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms{}",

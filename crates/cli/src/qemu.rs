@@ -33,20 +33,13 @@ use serde_json::{json, Value};
 pub fn qemu_binary() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("KUMO_QEMU") {
         let p = PathBuf::from(p);
-        return if p.is_file() {
-            Ok(p)
-        } else {
-            Err(format!("KUMO_QEMU={} is not a file", p.display()))
-        };
+        return if p.is_file() { Ok(p) } else { Err(format!("KUMO_QEMU={} is not a file", p.display())) };
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .map(|d| d.join("qemu-system-x86_64"))
         .find(|p| p.is_file())
-        .ok_or_else(|| {
-            "qemu-system-x86_64 not found on PATH (scripts/setup.sh installs qemu-system-x86)"
-                .into()
-        })
+        .ok_or_else(|| "qemu-system-x86_64 not found on PATH (scripts/setup.sh installs qemu-system-x86)".into())
 }
 
 /// Ok if QEMU can use KVM here: kumo's own check, /dev/kvm opens read-write.
@@ -95,13 +88,7 @@ pub struct QemuSpec {
 
 impl QemuSpec {
     pub fn new(guest: &str, mem_mib: u64, guest_args: &[String]) -> QemuSpec {
-        QemuSpec {
-            guest: guest.into(),
-            guest_args: guest_args.to_vec(),
-            mem_mib,
-            cpu: "max".into(),
-            prealloc: false,
-        }
+        QemuSpec { guest: guest.into(), guest_args: guest_args.to_vec(), mem_mib, cpu: "max".into(), prealloc: false }
     }
 }
 
@@ -129,12 +116,13 @@ impl QemuVm {
         let qemu = qemu_binary()?;
         kvm_usable()?;
         if spec.mem_mib < 16 || spec.mem_mib > 3072 {
-            return Err(format!("memory {} MiB: the guests' PVH page tables map 16..=3072 MiB (RAM below the PCI hole)", spec.mem_mib));
+            return Err(format!(
+                "memory {} MiB: the guests' PVH page tables map 16..=3072 MiB (RAM below the PCI hole)",
+                spec.mem_mib
+            ));
         }
         let guest = kumo_guests::find(&spec.guest).map_err(|e| e.to_string())?;
-        let cmdline = guest
-            .command_line(&spec.guest_args)
-            .map_err(|e| e.to_string())?;
+        let cmdline = guest.command_line(&spec.guest_args).map_err(|e| e.to_string())?;
         if cmdline.contains(',') {
             // QEMU's option parser would split -append's value there.
             return Err(format!("guest arguments must not contain ',': {cmdline}"));
@@ -142,54 +130,33 @@ impl QemuVm {
         let dir = TempDir::new(&spec.guest)?;
         let elf = dir.0.join(format!("{}.elf", spec.guest));
         fs::write(&elf, guest.elf).map_err(|e| format!("cannot write {}: {e}", elf.display()))?;
-        let (serial, stderr, sock) = (
-            dir.0.join("serial.log"),
-            dir.0.join("stderr.log"),
-            dir.0.join("qmp.sock"),
-        );
-        fs::File::create(&serial)
-            .map_err(|e| format!("cannot create {}: {e}", serial.display()))?;
+        let (serial, stderr, sock) = (dir.0.join("serial.log"), dir.0.join("stderr.log"), dir.0.join("qmp.sock"));
+        fs::File::create(&serial).map_err(|e| format!("cannot create {}: {e}", serial.display()))?;
         let mut cmd = Command::new(&qemu);
-        cmd.args([
-            "-accel", "kvm", "-machine", "pc", "-cpu", &spec.cpu, "-smp", "1",
-        ])
-        .args([
-            "-m",
-            &spec.mem_mib.to_string(),
-            "-nodefaults",
-            "-display",
-            "none",
-            "-no-reboot",
-        ])
-        .arg("-kernel")
-        .arg(&elf)
-        .args(["-append", &cmdline])
-        .arg("-serial")
-        .arg(format!("file:{}", serial.display()))
-        .args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"])
-        .arg("-qmp")
-        .arg(format!("unix:{},server=on,wait=off", sock.display()));
+        cmd.args(["-accel", "kvm", "-machine", "pc", "-cpu", &spec.cpu, "-smp", "1"])
+            .args(["-m", &spec.mem_mib.to_string(), "-nodefaults", "-display", "none", "-no-reboot"])
+            .arg("-kernel")
+            .arg(&elf)
+            .args(["-append", &cmdline])
+            .arg("-serial")
+            .arg(format!("file:{}", serial.display()))
+            .args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"])
+            .arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", sock.display()));
         if spec.prealloc {
             cmd.arg("-mem-prealloc");
         }
         if let Some(port) = incoming_port {
             cmd.args(["-incoming", &format!("tcp:127.0.0.1:{port}")]);
         }
-        let err_file = fs::File::create(&stderr)
-            .map_err(|e| format!("cannot create {}: {e}", stderr.display()))?;
+        let err_file = fs::File::create(&stderr).map_err(|e| format!("cannot create {}: {e}", stderr.display()))?;
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(err_file)
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", qemu.display()))?;
-        let mut vm = QemuVm {
-            child,
-            qmp: None,
-            _dir: dir,
-            serial,
-            stderr,
-        };
+        let mut vm = QemuVm { child, qmp: None, _dir: dir, serial, stderr };
         vm.qmp = Some(vm.connect_qmp(&sock, Duration::from_secs(30))?);
         Ok(vm)
     }
@@ -210,19 +177,13 @@ impl QemuVm {
 
     /// Everything the guest wrote to its serial port so far.
     pub fn serial(&self) -> String {
-        fs::read(&self.serial)
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default()
+        fs::read(&self.serial).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default()
     }
 
     /// `reason`, with QEMU's stderr and the guest's serial output appended.
     fn why(&self, reason: &str) -> String {
         let err = fs::read_to_string(&self.stderr).unwrap_or_default();
-        format!(
-            "QEMU: {reason}\n--- stderr ---\n{}\n--- serial ---\n{}",
-            err.trim_end(),
-            self.serial().trim_end()
-        )
+        format!("QEMU: {reason}\n--- stderr ---\n{}\n--- serial ---\n{}", err.trim_end(), self.serial().trim_end())
     }
 
     fn check_running(&mut self) -> Result<(), String> {
@@ -238,11 +199,7 @@ impl QemuVm {
         let t = Instant::now();
         loop {
             let out = self.serial();
-            if out
-                .lines()
-                .zip(out.split_inclusive('\n'))
-                .any(|(l, full)| full.ends_with('\n') && l.contains(needle))
-            {
+            if out.lines().zip(out.split_inclusive('\n')).any(|(l, full)| full.ends_with('\n') && l.contains(needle)) {
                 return Ok(out);
             }
             self.check_running()?;
@@ -266,9 +223,7 @@ impl QemuVm {
                         _ => Err(self.why(&format!("exited without a guest exit code ({st})"))),
                     }
                 }
-                Ok(None) if t.elapsed() > limit => {
-                    return Err(self.why(&format!("still running after {limit:?}")))
-                }
+                Ok(None) if t.elapsed() > limit => return Err(self.why(&format!("still running after {limit:?}"))),
                 Ok(None) => std::thread::sleep(Duration::from_millis(10)),
                 Err(e) => return Err(self.why(&format!("cannot wait: {e}"))),
             }
@@ -293,13 +248,9 @@ struct Qmp {
 
 impl Qmp {
     fn handshake(s: UnixStream) -> Result<Qmp, String> {
-        s.set_read_timeout(Some(Duration::from_secs(30)))
-            .map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
         let writer = s.try_clone().map_err(|e| e.to_string())?;
-        let mut q = Qmp {
-            reader: BufReader::new(s),
-            writer,
-        };
+        let mut q = Qmp { reader: BufReader::new(s), writer };
         let greeting = q.read()?;
         if greeting.get("QMP").is_none() {
             return Err(format!("unexpected greeting {greeting}"));
@@ -397,10 +348,7 @@ pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
     let port = free_port()?;
     let mut src = QemuVm::spawn(&m.vm, None)?;
     // Started before the source is ready, so its start-up is not part of the measurement.
-    let dst_spec = QemuSpec {
-        prealloc: m.vm.prealloc || m.prepared_destination,
-        ..m.vm.clone()
-    };
+    let dst_spec = QemuSpec { prealloc: m.vm.prealloc || m.prepared_destination, ..m.vm.clone() };
     let mut dst = QemuVm::spawn(&dst_spec, Some(port))?;
     src.wait_serial(&m.ready_line, m.timeout)?;
 
@@ -416,10 +364,7 @@ pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
         match info["status"].as_str().unwrap_or("") {
             "completed" => break info,
             "failed" | "cancelled" => {
-                let why = info["error-desc"]
-                    .as_str()
-                    .unwrap_or("no reason given")
-                    .to_string();
+                let why = info["error-desc"].as_str().unwrap_or("no reason given").to_string();
                 return Err(format!(
                     "{}\n(destination) {}",
                     src.why(&format!("migration {}: {why}", info["status"])),
@@ -428,10 +373,7 @@ pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
             }
             _ if t0.elapsed() > m.timeout => {
                 let _ = src.qmp("migrate_cancel", Value::Null);
-                return Err(src.why(&format!(
-                    "migration not done within {:?}: {info}",
-                    m.timeout
-                )));
+                return Err(src.why(&format!("migration not done within {:?}: {info}", m.timeout)));
             }
             _ => std::thread::sleep(Duration::from_millis(5)),
         }
@@ -456,14 +398,8 @@ pub fn migrate_memtouch(
     prepared_destination: bool,
     timeout: Duration,
 ) -> Result<(QemuMigration, String), String> {
-    let holds = guest_args
-        .iter()
-        .any(|a| a.starts_with("hold_ms=") && a != "hold_ms=0");
-    let final_line = if holds {
-        "memtouch: checksum_after_hold="
-    } else {
-        "memtouch: checksum="
-    };
+    let holds = guest_args.iter().any(|a| a.starts_with("hold_ms=") && a != "hold_ms=0");
+    let final_line = if holds { "memtouch: checksum_after_hold=" } else { "memtouch: checksum=" };
     migrate(&MigrationSpec {
         vm: QemuSpec::new("memtouch", mem_mib, guest_args),
         ready_line: ready_line.into(),
@@ -476,11 +412,7 @@ pub fn migrate_memtouch(
 
 /// QEMU's `query-migrate` reply for a completed migration → [`QemuMigration`].
 fn parse_migration(info: &Value) -> Result<QemuMigration, String> {
-    let num = |v: &Value, key: &str| {
-        v[key]
-            .as_u64()
-            .ok_or_else(|| format!("query-migrate has no `{key}`: {info}"))
-    };
+    let num = |v: &Value, key: &str| v[key].as_u64().ok_or_else(|| format!("query-migrate has no `{key}`: {info}"));
     let ram = &info["ram"];
     let total_ms = num(info, "total-time")?;
     let transferred = num(ram, "transferred")?;
@@ -493,19 +425,14 @@ fn parse_migration(info: &Value) -> Result<QemuMigration, String> {
         normal_pages: num(ram, "normal")?,
         duplicate_pages: num(ram, "duplicate")?,
         qemu_mbps: ram["mbps"].as_f64().unwrap_or(0.0),
-        mb_per_s: if total_ms > 0 {
-            transferred as f64 / 1000.0 / total_ms as f64
-        } else {
-            0.0
-        },
+        mb_per_s: if total_ms > 0 { transferred as f64 / 1000.0 / total_ms as f64 } else { 0.0 },
         dirty_sync_count: num(ram, "dirty-sync-count")?,
         ..Default::default()
     })
 }
 
 fn free_port() -> Result<u16, String> {
-    let l =
-        TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
     l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
 }
 
@@ -520,20 +447,11 @@ mod tests {
                     "mbps": 4000.5, "dirty-sync-count": 3}});
         let m = parse_migration(&info).unwrap();
         assert_eq!(
-            (
-                m.total_ms,
-                m.downtime_ms,
-                m.setup_ms,
-                m.normal_pages,
-                m.duplicate_pages,
-                m.dirty_sync_count
-            ),
+            (m.total_ms, m.downtime_ms, m.setup_ms, m.normal_pages, m.duplicate_pages, m.dirty_sync_count),
             (2000, 30, 2, 240000, 280000, 3)
         );
         assert_eq!(m.mb_per_s, 500.0);
-        assert!(parse_migration(&json!({"status": "completed"}))
-            .unwrap_err()
-            .contains("total-time"));
+        assert!(parse_migration(&json!({"status": "completed"})).unwrap_err().contains("total-time"));
     }
 
     #[test]
@@ -541,14 +459,8 @@ mod tests {
         if qemu_binary().is_err() || kvm_usable().is_err() {
             return; // spawn reports those first
         }
-        assert!(QemuVm::spawn(&QemuSpec::new("nope", 64, &[]), None)
-            .err()
-            .unwrap()
-            .contains("unknown guest"));
-        assert!(QemuVm::spawn(&QemuSpec::new("hello", 8, &[]), None)
-            .err()
-            .unwrap()
-            .contains("MiB"));
+        assert!(QemuVm::spawn(&QemuSpec::new("nope", 64, &[]), None).err().unwrap().contains("unknown guest"));
+        assert!(QemuVm::spawn(&QemuSpec::new("hello", 8, &[]), None).err().unwrap().contains("MiB"));
         let bad = QemuSpec::new("memtouch", 64, &["pages=x,y".to_string()]);
         assert!(QemuVm::spawn(&bad, None).is_err());
     }

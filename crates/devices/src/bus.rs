@@ -35,21 +35,12 @@ impl PioBus {
         Self::default()
     }
 
-    pub fn insert(
-        &mut self,
-        base: u16,
-        len: u16,
-        dev: Arc<Mutex<dyn PioDevice>>,
-    ) -> Result<(), BusError> {
+    pub fn insert(&mut self, base: u16, len: u16, dev: Arc<Mutex<dyn PioDevice>>) -> Result<(), BusError> {
         if len == 0 {
             return Err(BusError::Empty(base));
         }
         let end = base as u32 + len as u32;
-        if self
-            .entries
-            .iter()
-            .any(|e| (base as u32) < e.base as u32 + e.len as u32 && (e.base as u32) < end)
-        {
+        if self.entries.iter().any(|e| (base as u32) < e.base as u32 + e.len as u32 && (e.base as u32) < end) {
             return Err(BusError::Overlap { base, len });
         }
         self.entries.push(Entry { base, len, dev });
@@ -58,19 +49,14 @@ impl PioBus {
     }
 
     fn find(&self, port: u16) -> Option<&Entry> {
-        self.entries
-            .iter()
-            .find(|e| port >= e.base && (port as u32) < e.base as u32 + e.len as u32)
+        self.entries.iter().find(|e| port >= e.base && (port as u32) < e.base as u32 + e.len as u32)
     }
 
     /// Reads from an unclaimed port return all ones, as on real hardware.
     pub fn read(&self, port: u16, data: &mut [u8]) -> bool {
         match self.find(port) {
             Some(e) => {
-                e.dev
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .read(port - e.base, data);
+                e.dev.lock().unwrap_or_else(|p| p.into_inner()).read(port - e.base, data);
                 true
             }
             None => {
@@ -83,10 +69,7 @@ impl PioBus {
     /// Writes to an unclaimed port are dropped.
     pub fn write(&self, port: u16, data: &[u8]) -> Option<DeviceEvent> {
         let e = self.find(port)?;
-        e.dev
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .write(port - e.base, data)
+        e.dev.lock().unwrap_or_else(|p| p.into_inner()).write(port - e.base, data)
     }
 }
 
@@ -132,18 +115,8 @@ mod tests {
     fn rejects_overlaps_and_empty_ranges() {
         let mut bus = PioBus::new();
         bus.insert(0x3f8, 8, Arc::new(Mutex::new(Reg(0)))).unwrap();
-        assert_eq!(
-            bus.insert(0x3ff, 2, Arc::new(Mutex::new(Reg(0)))),
-            Err(BusError::Overlap {
-                base: 0x3ff,
-                len: 2
-            })
-        );
-        assert_eq!(
-            bus.insert(0x400, 0, Arc::new(Mutex::new(Reg(0)))),
-            Err(BusError::Empty(0x400))
-        );
-        bus.insert(0xfff0, 0x10, Arc::new(Mutex::new(Reg(0))))
-            .unwrap();
+        assert_eq!(bus.insert(0x3ff, 2, Arc::new(Mutex::new(Reg(0)))), Err(BusError::Overlap { base: 0x3ff, len: 2 }));
+        assert_eq!(bus.insert(0x400, 0, Arc::new(Mutex::new(Reg(0)))), Err(BusError::Empty(0x400)));
+        bus.insert(0xfff0, 0x10, Arc::new(Mutex::new(Reg(0)))).unwrap();
     }
 }

@@ -45,14 +45,8 @@ mod tests {
     fn exit_codes_of_each_width() {
         let mut d = DebugPort;
         assert_eq!(d.write(0, &[3]), Some(DeviceEvent::GuestExit(3)));
-        assert_eq!(
-            d.write(0, &[0x34, 0x12]),
-            Some(DeviceEvent::GuestExit(0x1234))
-        );
-        assert_eq!(
-            d.write(0, &1000u32.to_le_bytes()),
-            Some(DeviceEvent::GuestExit(1000))
-        );
+        assert_eq!(d.write(0, &[0x34, 0x12]), Some(DeviceEvent::GuestExit(0x1234)));
+        assert_eq!(d.write(0, &1000u32.to_le_bytes()), Some(DeviceEvent::GuestExit(1000)));
         assert_eq!(d.write(1, &[1]), Some(DeviceEvent::Marker(1)));
         let mut b = [0u8; 1];
         d.read(0, &mut b);

@@ -83,9 +83,7 @@ impl From<&SerialSnapshot> for SerialState {
 impl SerialConsole {
     /// `irq` is signalled when the UART raises its interrupt line.
     pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> Self {
-        Self {
-            uart: Serial::new(EventFdTrigger(irq), out),
-        }
+        Self { uart: Serial::new(EventFdTrigger(irq), out) }
     }
 
     /// Register state and pending input, for saving a VM.
@@ -97,22 +95,11 @@ impl SerialConsole {
     /// output sink. A state vm-superio could not have produced is refused and changes nothing.
     pub fn restore(&mut self, s: &SerialSnapshot) -> Result<(), String> {
         if s.in_buffer.len() > FIFO_SIZE {
-            return Err(format!(
-                "serial state holds {} input bytes, the FIFO {FIFO_SIZE}",
-                s.in_buffer.len()
-            ));
+            return Err(format!("serial state holds {} input bytes, the FIFO {FIFO_SIZE}", s.in_buffer.len()));
         }
-        let irq = self
-            .uart
-            .interrupt_evt()
-            .0
-            .try_clone()
-            .map_err(|e| format!("serial interrupt: {e}"))?;
+        let irq = self.uart.interrupt_evt().0.try_clone().map_err(|e| format!("serial interrupt: {e}"))?;
         let placeholder = Serial::new(
-            EventFdTrigger(
-                irq.try_clone()
-                    .map_err(|e| format!("serial interrupt: {e}"))?,
-            ),
+            EventFdTrigger(irq.try_clone().map_err(|e| format!("serial interrupt: {e}"))?),
             Box::new(std::io::sink()) as Box<dyn Write + Send>,
         );
         let out = std::mem::replace(&mut self.uart, placeholder).into_writer();

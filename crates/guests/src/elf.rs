@@ -25,17 +25,13 @@ pub fn section<'a>(elf: &'a [u8], name: &str) -> Result<&'a [u8], String> {
     let strtab = u64_at(elf, strtab_hdr + 0x18).ok_or_else(bad)?;
     for i in 0..shnum {
         let h = sh(i).ok_or_else(bad)?;
-        let name_off = strtab
-            .checked_add(u32_at(elf, h).ok_or_else(bad)? as usize)
-            .ok_or_else(bad)?;
+        let name_off = strtab.checked_add(u32_at(elf, h).ok_or_else(bad)? as usize).ok_or_else(bad)?;
         let sname = elf.get(name_off..).ok_or_else(bad)?;
         let end = sname.iter().position(|&c| c == 0).ok_or_else(bad)?;
         if &sname[..end] == name.as_bytes() {
             let off = u64_at(elf, h + 0x18).ok_or_else(bad)?;
             let size = u64_at(elf, h + 0x20).ok_or_else(bad)?;
-            return elf
-                .get(off..off.checked_add(size).ok_or_else(bad)?)
-                .ok_or_else(bad);
+            return elf.get(off..off.checked_add(size).ok_or_else(bad)?).ok_or_else(bad);
         }
     }
     Err(format!("no {name} section"))
@@ -47,9 +43,7 @@ mod tests {
 
     #[test]
     fn rejects_non_elf_and_truncated_input() {
-        assert!(section(b"hello", ".x")
-            .unwrap_err()
-            .contains("not a little-endian ELF64"));
+        assert!(section(b"hello", ".x").unwrap_err().contains("not a little-endian ELF64"));
         let mut h = vec![0x7f, b'E', b'L', b'F', 2, 1];
         h.resize(0x40, 0);
         h[0x28] = 0xff; // section headers beyond the end
@@ -60,9 +54,7 @@ mod tests {
     #[test]
     fn finds_sections_of_a_built_guest() {
         let (_, elf) = crate::BUILT[0];
-        assert!(section(elf, ".kumo_manifest")
-            .unwrap()
-            .starts_with(b"name=hello"));
+        assert!(section(elf, ".kumo_manifest").unwrap().starts_with(b"name=hello"));
         assert!(section(elf, ".nope").unwrap_err().contains("no .nope"));
     }
 }
@@ -78,9 +70,7 @@ pub fn image_end(elf: &[u8]) -> Result<u64, String> {
     let phnum = u16_at(elf, 0x38).ok_or_else(bad)? as usize;
     let mut end = 0u64;
     for i in 0..phnum {
-        let h = phoff
-            .checked_add(i.checked_mul(phentsize).ok_or_else(bad)?)
-            .ok_or_else(bad)?;
+        let h = phoff.checked_add(i.checked_mul(phentsize).ok_or_else(bad)?).ok_or_else(bad)?;
         if u32_at(elf, h).ok_or_else(bad)? == 1 {
             let paddr = u64_at(elf, h + 0x18).ok_or_else(bad)? as u64;
             let memsz = u64_at(elf, h + 0x28).ok_or_else(bad)? as u64;

@@ -39,10 +39,9 @@ pub fn all() -> Result<Vec<Guest>, GuestError> {
 pub fn find(name: &str) -> Result<Guest, GuestError> {
     match BUILT.iter().find(|(n, _)| *n == name) {
         Some((n, elf)) => load(n, elf),
-        None => Err(GuestError::Unknown(
-            name.to_string(),
-            BUILT.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
-        )),
+        None => {
+            Err(GuestError::Unknown(name.to_string(), BUILT.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")))
+        }
     }
 }
 
@@ -50,10 +49,7 @@ fn load(name: &str, elf: &'static [u8]) -> Result<Guest, GuestError> {
     let text = elf::section(elf, ".kumo_manifest").map_err(|e| GuestError::Elf(name.into(), e))?;
     let manifest = Manifest::parse(text).map_err(|e| GuestError::Manifest(name.into(), e))?;
     if manifest.name != name {
-        return Err(GuestError::Manifest(
-            name.into(),
-            format!("names itself `{}`", manifest.name),
-        ));
+        return Err(GuestError::Manifest(name.into(), format!("names itself `{}`", manifest.name)));
     }
     Ok(Guest { manifest, elf })
 }
@@ -62,33 +58,18 @@ impl Guest {
     /// Checks `key=value` arguments against the manifest and returns the guest's command line
     /// (defaults are left to the guest, so the line holds only what the user gave).
     pub fn command_line(&self, args: &[String]) -> Result<String, GuestError> {
-        let err = |msg: String| GuestError::Param {
-            guest: self.manifest.name.clone(),
-            msg,
-        };
+        let err = |msg: String| GuestError::Param { guest: self.manifest.name.clone(), msg };
         let mut seen = Vec::new();
         for arg in args {
-            let (key, value) = arg
-                .split_once('=')
-                .ok_or_else(|| err(format!("argument `{arg}` is not key=value")))?;
-            let p = self
-                .manifest
-                .params
-                .iter()
-                .find(|p| p.key == key)
-                .ok_or_else(|| {
-                    let known: Vec<_> = self
-                        .manifest
-                        .params
-                        .iter()
-                        .map(|p| p.key.as_str())
-                        .collect();
-                    err(if known.is_empty() {
-                        format!("takes no parameters, got `{key}`")
-                    } else {
-                        format!("unknown parameter `{key}`; it takes: {}", known.join(", "))
-                    })
-                })?;
+            let (key, value) = arg.split_once('=').ok_or_else(|| err(format!("argument `{arg}` is not key=value")))?;
+            let p = self.manifest.params.iter().find(|p| p.key == key).ok_or_else(|| {
+                let known: Vec<_> = self.manifest.params.iter().map(|p| p.key.as_str()).collect();
+                err(if known.is_empty() {
+                    format!("takes no parameters, got `{key}`")
+                } else {
+                    format!("unknown parameter `{key}`; it takes: {}", known.join(", "))
+                })
+            })?;
             p.check(value).map_err(err)?;
             if seen.contains(&key) {
                 return Err(err(format!("parameter `{key}` given twice")));
@@ -121,22 +102,14 @@ mod tests {
 
     #[test]
     fn the_three_guests_are_built_with_manifests() {
-        let names: Vec<_> = all()
-            .unwrap()
-            .into_iter()
-            .map(|g| g.manifest.name)
-            .collect();
+        let names: Vec<_> = all().unwrap().into_iter().map(|g| g.manifest.name).collect();
         assert_eq!(names, ["hello", "memtouch", "smp"]);
         let m = find("memtouch").unwrap().manifest;
+        assert!(m.params.iter().any(|p| p.key == "pages" && p.default == "1024"));
         assert!(m
             .params
             .iter()
-            .any(|p| p.key == "pages" && p.default == "1024"));
-        assert!(m
-            .params
-            .iter()
-            .any(|p| p.key == "mode"
-                && p.kind == ParamKind::Choice(vec!["random".into(), "seq".into()])));
+            .any(|p| p.key == "mode" && p.kind == ParamKind::Choice(vec!["random".into(), "seq".into()])));
         assert_eq!(find("smp").unwrap().manifest.min_cpus, 2);
     }
 
@@ -152,51 +125,22 @@ mod tests {
     #[test]
     fn unknown_guest_lists_the_built_ones() {
         let e = find("nope").unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "unknown guest `nope`; built guests: hello, memtouch, smp"
-        );
+        assert_eq!(e.to_string(), "unknown guest `nope`; built guests: hello, memtouch, smp");
     }
 
     #[test]
     fn arguments_are_checked_against_the_manifest() {
         let g = find("memtouch").unwrap();
         let a = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(
-            g.command_line(&a(&["pages=10", "mode=seq"])).unwrap(),
-            "pages=10 mode=seq"
-        );
+        assert_eq!(g.command_line(&a(&["pages=10", "mode=seq"])).unwrap(), "pages=10 mode=seq");
         let e = g.command_line(&a(&["pagez=1"])).unwrap_err().to_string();
-        assert!(
-            e.contains("unknown parameter `pagez`") && e.contains("pages, mode"),
-            "{e}"
-        );
-        assert!(g
-            .command_line(&a(&["pages=ten"]))
-            .unwrap_err()
-            .to_string()
-            .contains("number"));
-        assert!(g
-            .command_line(&a(&["mode=zigzag"]))
-            .unwrap_err()
-            .to_string()
-            .contains("random, seq"));
-        assert!(g
-            .command_line(&a(&["pages"]))
-            .unwrap_err()
-            .to_string()
-            .contains("key=value"));
-        assert!(g
-            .command_line(&a(&["pages=1", "pages=2"]))
-            .unwrap_err()
-            .to_string()
-            .contains("twice"));
+        assert!(e.contains("unknown parameter `pagez`") && e.contains("pages, mode"), "{e}");
+        assert!(g.command_line(&a(&["pages=ten"])).unwrap_err().to_string().contains("number"));
+        assert!(g.command_line(&a(&["mode=zigzag"])).unwrap_err().to_string().contains("random, seq"));
+        assert!(g.command_line(&a(&["pages"])).unwrap_err().to_string().contains("key=value"));
+        assert!(g.command_line(&a(&["pages=1", "pages=2"])).unwrap_err().to_string().contains("twice"));
         let h = find("hello").unwrap();
-        assert!(h
-            .command_line(&a(&["x=1"]))
-            .unwrap_err()
-            .to_string()
-            .contains("takes no parameters"));
+        assert!(h.command_line(&a(&["x=1"])).unwrap_err().to_string().contains("takes no parameters"));
         assert!(find("smp").unwrap().check_cpus(1).is_err());
         assert!(find("smp").unwrap().check_cpus(2).is_ok());
         assert!(h.check_cpus(65).is_err());

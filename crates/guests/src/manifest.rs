@@ -28,16 +28,11 @@ pub struct Manifest {
 impl Param {
     pub fn check(&self, value: &str) -> Result<(), String> {
         match &self.kind {
-            ParamKind::U64 => value
-                .parse::<u64>()
-                .map(|_| ())
-                .map_err(|_| format!("`{}` wants a number, got `{value}`", self.key)),
+            ParamKind::U64 => {
+                value.parse::<u64>().map(|_| ()).map_err(|_| format!("`{}` wants a number, got `{value}`", self.key))
+            }
             ParamKind::Choice(c) if c.iter().any(|x| x == value) => Ok(()),
-            ParamKind::Choice(c) => Err(format!(
-                "`{}` is one of {}, got `{value}`",
-                self.key,
-                c.join(", ")
-            )),
+            ParamKind::Choice(c) => Err(format!("`{}` is one of {}, got `{value}`", self.key, c.join(", "))),
         }
     }
 
@@ -54,17 +49,9 @@ impl Manifest {
     pub fn parse(bytes: &[u8]) -> Result<Self, String> {
         let text = std::str::from_utf8(bytes).map_err(|_| "not UTF-8".to_string())?;
         let text = text.trim_end_matches('\0');
-        let mut m = Manifest {
-            name: String::new(),
-            summary: String::new(),
-            min_cpus: 1,
-            max_cpus: 1,
-            params: vec![],
-        };
+        let mut m = Manifest { name: String::new(), summary: String::new(), min_cpus: 1, max_cpus: 1, params: vec![] };
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            let (k, v) = line
-                .split_once('=')
-                .ok_or_else(|| format!("line `{line}` is not key=value"))?;
+            let (k, v) = line.split_once('=').ok_or_else(|| format!("line `{line}` is not key=value"))?;
             match k {
                 "name" => m.name = v.to_string(),
                 "summary" => m.summary = v.to_string(),
@@ -72,8 +59,7 @@ impl Manifest {
                 "max_cpus" => m.max_cpus = v.parse().map_err(|_| format!("bad max_cpus `{v}`"))?,
                 "param" => {
                     let mut f = v.splitn(4, ':');
-                    let (key, kind, default, help) = match (f.next(), f.next(), f.next(), f.next())
-                    {
+                    let (key, kind, default, help) = match (f.next(), f.next(), f.next(), f.next()) {
                         (Some(a), Some(b), Some(c), Some(d)) => (a, b, c, d),
                         _ => return Err(format!("param `{v}` is not KEY:TYPE:DEFAULT:HELP")),
                     };
@@ -82,12 +68,7 @@ impl Manifest {
                     } else {
                         ParamKind::Choice(kind.split('|').map(String::from).collect())
                     };
-                    let p = Param {
-                        key: key.into(),
-                        kind,
-                        default: default.into(),
-                        help: help.into(),
-                    };
+                    let p = Param { key: key.into(), kind, default: default.into(), help: help.into() };
                     p.check(default).map_err(|e| format!("default of {e}"))?;
                     m.params.push(p);
                 }
@@ -110,30 +91,18 @@ mod tests {
 
     #[test]
     fn parses_params_and_defaults() {
-        let m = Manifest::parse(
-            b"name=x\nsummary=s\nmax_cpus=4\nparam=n:u64:3:count\nparam=m:a|b:a:how\0",
-        )
-        .unwrap();
+        let m = Manifest::parse(b"name=x\nsummary=s\nmax_cpus=4\nparam=n:u64:3:count\nparam=m:a|b:a:how\0").unwrap();
         assert_eq!((m.min_cpus, m.max_cpus), (1, 4));
-        assert_eq!(
-            m.params[1].kind,
-            ParamKind::Choice(vec!["a".into(), "b".into()])
-        );
+        assert_eq!(m.params[1].kind, ParamKind::Choice(vec!["a".into(), "b".into()]));
         assert_eq!(m.params[0].help, "count");
     }
 
     #[test]
     fn rejects_malformed_manifests() {
-        assert!(Manifest::parse(b"summary=s")
-            .unwrap_err()
-            .contains("no name"));
+        assert!(Manifest::parse(b"summary=s").unwrap_err().contains("no name"));
         assert!(Manifest::parse(b"name=x\nparam=n:u64").is_err());
-        assert!(Manifest::parse(b"name=x\nparam=n:u64:zz:h")
-            .unwrap_err()
-            .contains("number"));
-        assert!(Manifest::parse(b"name=x\nwhat=1")
-            .unwrap_err()
-            .contains("unknown manifest key"));
+        assert!(Manifest::parse(b"name=x\nparam=n:u64:zz:h").unwrap_err().contains("number"));
+        assert!(Manifest::parse(b"name=x\nwhat=1").unwrap_err().contains("unknown manifest key"));
         assert!(Manifest::parse(&[0xff, 0xfe]).is_err());
     }
 }

@@ -27,9 +27,7 @@ pub fn expected_checksum(pages: u64, writes: u64, seed: u64, random: bool) -> u6
         };
         mem[page as usize * PAGE_WORDS + (n & 511) as usize] = mix64(n ^ (seed << 40));
     }
-    mem.iter().fold(0xcbf2_9ce4_8422_2325u64, |s, w| {
-        (s ^ w).wrapping_mul(0x100_0000_01b3)
-    })
+    mem.iter().fold(0xcbf2_9ce4_8422_2325u64, |s, w| (s ^ w).wrapping_mul(0x100_0000_01b3))
 }
 
 #[cfg(test)]

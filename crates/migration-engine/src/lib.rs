@@ -11,7 +11,7 @@ pub mod transport;
 mod tests;
 
 pub use session::{
-    migrate, receive, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvReport, Report,
-    RoundReport, SourceVm, HANDSHAKE_TIMEOUT, PROGRESS_TIMEOUT,
+    migrate, receive, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvReport, Report, RoundReport,
+    SourceVm, StopPhaseTimes, HANDSHAKE_TIMEOUT, PROGRESS_TIMEOUT,
 };
 pub use transport::{Address, Conn, Listener};

@@ -32,8 +32,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use crate::transport::{Address, Conn, Listener, ZeroCopy};
 use kumo_migration::format::{
-    self, BatchFrame, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader,
-    VmDescription, MAX_BATCH_PAGES,
+    self, BatchFrame, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES,
 };
 use kumo_migration::planner::{Decision, Planner, RoundStats, StopPolicy, StopReason};
 
@@ -57,9 +56,7 @@ impl std::str::FromStr for EngineKind {
             "overlap" => Ok(EngineKind::Overlap),
             "zerocopy" => Ok(EngineKind::Zerocopy),
             "local" => Ok(EngineKind::Local),
-            _ => Err(format!(
-                "unknown engine `{s}`: serial, overlap, zerocopy or local"
-            )),
+            _ => Err(format!("unknown engine `{s}`: serial, overlap, zerocopy or local")),
         }
     }
 }
@@ -172,19 +169,13 @@ pub enum MigrateError {
 
 /// Whether an I/O error is a socket deadline passing.
 fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    )
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
 
 /// The sender's view of an I/O error: a send deadline becomes "no progress".
 fn send_err(e: io::Error, deadline: Duration) -> MigrateError {
     if is_timeout(&e) {
-        MigrateError::NoProgress {
-            what: "the destination took no data",
-            after: deadline,
-        }
+        MigrateError::NoProgress { what: "the destination took no data", after: deadline }
     } else {
         MigrateError::Io(e)
     }
@@ -194,31 +185,11 @@ fn send_err(e: io::Error, deadline: Duration) -> MigrateError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
-    Started {
-        engine: EngineKind,
-        connections: usize,
-        total_pages: u64,
-        touched_pages: u64,
-    },
-    Round {
-        round: u32,
-        pages_sent: u64,
-        ms: f64,
-        dirty_pages: u64,
-        mb_per_s: f64,
-        estimated_downtime_ms: Option<f64>,
-    },
-    StopAndCopy {
-        reason: String,
-        pages: u64,
-    },
-    Completed {
-        total_ms: f64,
-        downtime_ms: f64,
-    },
-    Failed {
-        error: String,
-    },
+    Started { engine: EngineKind, connections: usize, total_pages: u64, touched_pages: u64 },
+    Round { round: u32, pages_sent: u64, ms: f64, dirty_pages: u64, mb_per_s: f64, estimated_downtime_ms: Option<f64> },
+    StopAndCopy { reason: String, pages: u64 },
+    Completed { total_ms: f64, downtime_ms: f64 },
+    Failed { error: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -252,6 +223,29 @@ pub struct Report {
     /// sampled every 50 ms while round 0 ran (empty if the VM cannot be sampled).
     #[serde(default)]
     pub round0_dirty_samples: Vec<(f64, u64)>,
+    /// Where the downtime went.
+    #[serde(default)]
+    pub stop_phase: StopPhaseTimes,
+}
+
+/// The stop phase measured on the source, from the pause request to the destination's
+/// `Resumed`: the parts add up to the downtime.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StopPhaseTimes {
+    /// Pausing the vCPUs (kick, park).
+    pub pause_ms: f64,
+    /// The last dirty-log harvest.
+    pub harvest_ms: f64,
+    /// Pages sent while paused.
+    pub pages: u64,
+    /// Sending them (the senders drained).
+    pub pages_ms: f64,
+    /// vCPU and device state: saving, encoding, sending.
+    pub state_bytes: u64,
+    pub state_ms: f64,
+    /// From the state sent to `Resumed`: the destination's placement, restore and resume, and
+    /// the reply's way back.
+    pub reply_ms: f64,
 }
 
 /// CPU time (user + system) of the calling thread, in ms.
@@ -266,10 +260,7 @@ pub fn thread_cpu_ms() -> f64 {
 
 /// Adds the calling thread's CPU time since `start_ms` to `total` (µs, atomically).
 fn add_cpu(total: &AtomicU64, start_ms: f64) {
-    total.fetch_add(
-        ((thread_cpu_ms() - start_ms) * 1000.0) as u64,
-        Ordering::Relaxed,
-    );
+    total.fetch_add(((thread_cpu_ms() - start_ms) * 1000.0) as u64, Ordering::Relaxed);
 }
 
 /// One batch handed between pipeline stages: its gfns and (for copying engines) their data.
@@ -319,13 +310,8 @@ impl BatchSink for CopySink {
     fn send_batch(&mut self, mut frame: BatchFrame, b: &Batch) -> Result<(), MigrateError> {
         frame.update(&b.data);
         let trailer = frame.trailer()?;
-        let mut bufs = [
-            io::IoSlice::new(frame.head()),
-            io::IoSlice::new(&b.data),
-            io::IoSlice::new(&trailer),
-        ];
-        crate::transport::write_all_vectored(&mut self.0, &mut bufs)
-            .map_err(|e| send_err(e, self.1))
+        let mut bufs = [io::IoSlice::new(frame.head()), io::IoSlice::new(&b.data), io::IoSlice::new(&trailer)];
+        crate::transport::write_all_vectored(&mut self.0, &mut bufs).map_err(|e| send_err(e, self.1))
     }
 
     fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError> {
@@ -348,16 +334,12 @@ impl BatchSink for ZeroCopySink {
         // safe for guest memory (mapped for the VM's life) but not for the short-lived frame
         // head and trailer, sent by ordinary copy.
         let deadline = self.deadline;
-        self.conn
-            .write_all(frame.head())
-            .map_err(|e| send_err(e, deadline))?;
+        self.conn.write_all(frame.head()).map_err(|e| send_err(e, deadline))?;
         // Contiguous pages share one iovec.
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(b.gfns.len());
         for &g in &b.gfns {
-            let a = self
-                .mem
-                .addr(g)
-                .ok_or_else(|| MigrateError::Source(format!("page {g:#x} outside guest memory")))?;
+            let a =
+                self.mem.addr(g).ok_or_else(|| MigrateError::Source(format!("page {g:#x} outside guest memory")))?;
             if b.checksum == Checksum::Full {
                 // SAFETY: `a` maps a whole guest page (checked by `addr`); a full checksum is
                 // only asked for while the VM is paused.
@@ -365,24 +347,15 @@ impl BatchSink for ZeroCopySink {
             }
             match iov.last_mut() {
                 Some(l) if l.iov_base as usize + l.iov_len == a => l.iov_len += PAGE,
-                _ => iov.push(libc::iovec {
-                    iov_base: a as *mut libc::c_void,
-                    iov_len: PAGE,
-                }),
+                _ => iov.push(libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE }),
             }
         }
-        self.zc
-            .send_iovecs(&self.conn, &mut iov)
-            .map_err(|e| send_err(e, deadline))?;
-        self.conn
-            .write_all(&frame.trailer()?)
-            .map_err(|e| send_err(e, deadline))
+        self.zc.send_iovecs(&self.conn, &mut iov).map_err(|e| send_err(e, deadline))?;
+        self.conn.write_all(&frame.trailer()?).map_err(|e| send_err(e, deadline))
     }
 
     fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError> {
-        self.conn
-            .write_all(bytes)
-            .map_err(|e| send_err(e, self.deadline))
+        self.conn.write_all(bytes).map_err(|e| send_err(e, self.deadline))
     }
 
     fn drain(&mut self) -> Result<(u64, u64), MigrateError> {
@@ -435,19 +408,12 @@ unsafe impl Send for SendMem {}
 impl SendMem {
     fn new(mem: &GuestMemory) -> Result<SendMem, String> {
         use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
-        let mut s = SendMem {
-            regions: [(0, 0, 0); 2],
-            n: 0,
-        };
+        let mut s = SendMem { regions: [(0, 0, 0); 2], n: 0 };
         for r in mem.iter() {
             if s.n == 2 {
                 return Err("more than two RAM regions".into());
             }
-            s.regions[s.n] = (
-                r.start_addr().0 / PAGE as u64,
-                r.len() / PAGE as u64,
-                r.as_ptr() as usize,
-            );
+            s.regions[s.n] = (r.start_addr().0 / PAGE as u64, r.len() / PAGE as u64, r.as_ptr() as usize);
             s.n += 1;
         }
         Ok(s)
@@ -461,12 +427,7 @@ impl SendMem {
     }
 }
 
-fn sender_loop(
-    mut sink: Box<dyn BatchSink>,
-    ack: bool,
-    rx: Receiver<Work>,
-    free: SyncSender<Vec<u8>>,
-) -> SenderEnd {
+fn sender_loop(mut sink: Box<dyn BatchSink>, ack: bool, rx: Receiver<Work>, free: SyncSender<Vec<u8>>) -> SenderEnd {
     let mut enc = Encoder::new();
     let mut out = Vec::with_capacity(64);
     let mut round_pages = 0u64;
@@ -521,11 +482,7 @@ impl Collector<'_> {
             gfns.push(g);
             if gfns.len() == MAX_BATCH_PAGES {
                 n += gfns.len() as u64;
-                self.dispatch(
-                    round,
-                    std::mem::replace(&mut gfns, Vec::with_capacity(MAX_BATCH_PAGES)),
-                    checksum,
-                )?;
+                self.dispatch(round, std::mem::replace(&mut gfns, Vec::with_capacity(MAX_BATCH_PAGES)), checksum)?;
             }
         }
         if !gfns.is_empty() {
@@ -533,45 +490,27 @@ impl Collector<'_> {
             self.dispatch(round, gfns, checksum)?;
         }
         for s in self.senders {
-            s.tx.send(Work::RoundEnd(round))
-                .map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+            s.tx.send(Work::RoundEnd(round)).map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
         }
         Ok(n)
     }
 
-    fn dispatch(
-        &mut self,
-        round: u32,
-        gfns: Vec<u64>,
-        checksum: Checksum,
-    ) -> Result<(), MigrateError> {
+    fn dispatch(&mut self, round: u32, gfns: Vec<u64>, checksum: Checksum) -> Result<(), MigrateError> {
         let mut data = Vec::new();
         if self.copy {
             // Reuse a buffer a sender has released, or allocate while the pool fills up.
-            data = self
-                .spare
-                .take()
-                .or_else(|| self.free_rx.try_recv().ok())
-                .unwrap_or_default();
+            data = self.spare.take().or_else(|| self.free_rx.try_recv().ok()).unwrap_or_default();
             data.resize(gfns.len() * PAGE, 0);
             for (i, &g) in gfns.iter().enumerate() {
                 self.mem
-                    .read_slice(
-                        &mut data[i * PAGE..(i + 1) * PAGE],
-                        GuestAddress(g * PAGE as u64),
-                    )
+                    .read_slice(&mut data[i * PAGE..(i + 1) * PAGE], GuestAddress(g * PAGE as u64))
                     .map_err(|e| MigrateError::Source(format!("reading page {g:#x}: {e}")))?;
             }
         }
         let s = &self.senders[self.next % self.senders.len()];
         self.next += 1;
-        s.tx.send(Work::Batch(Batch {
-            round,
-            gfns,
-            data,
-            checksum,
-        }))
-        .map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+        s.tx.send(Work::Batch(Batch { round, gfns, data, checksum }))
+            .map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
         if let Some((replies, timeout)) = &mut self.lockstep {
             // The batch is done when the destination has it in place, as an RDMA write is
             // done at its completion; TCP's send buffer alone would already overlap stages.
@@ -579,15 +518,10 @@ impl Collector<'_> {
                 Reply::Placed(_) => {}
                 Reply::Failed(why) => return Err(MigrateError::Dest(why)),
                 other => {
-                    return Err(MigrateError::Other(format!(
-                        "expected Placed from the destination, got {other:?}"
-                    )))
+                    return Err(MigrateError::Other(format!("expected Placed from the destination, got {other:?}")))
                 }
             }
-            let buf = self
-                .free_rx
-                .recv()
-                .map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+            let buf = self.free_rx.recv().map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
             self.spare = Some(buf);
         }
         Ok(())
@@ -626,14 +560,10 @@ pub fn migrate(
         src.stop_dirty_log();
         if paused.load(Ordering::Acquire) && !matches!(e, MigrateError::Unconfirmed(_)) {
             if let Err(re) = src.resume() {
-                tracing::error!(
-                    "migration failed ({e}) and the source VM could not be resumed: {re}"
-                );
+                tracing::error!("migration failed ({e}) and the source VM could not be resumed: {re}");
             }
         }
-        events(Event::Failed {
-            error: e.to_string(),
-        });
+        events(Event::Failed { error: e.to_string() });
     }
     r
 }
@@ -651,25 +581,18 @@ fn migrate_inner(
     let local = opts.engine == EngineKind::Local;
     if opts.engine == EngineKind::Serial && opts.connections > 1 {
         return Err(MigrateError::Other(
-            "the serial engine sends one batch at a time on one connection: use --connections 1"
-                .into(),
+            "the serial engine sends one batch at a time on one connection: use --connections 1".into(),
         ));
     }
-    let nconn = if local {
-        1
-    } else {
-        opts.connections.clamp(1, format::MAX_CONNECTIONS as usize)
-    };
+    let nconn = if local { 1 } else { opts.connections.clamp(1, format::MAX_CONNECTIONS as usize) };
     let mut desc = src.description();
     desc.connections = nconn as u32;
     desc.shared_memory = local;
     let deadline = opts.progress_timeout;
 
     let connect = || -> Result<Conn, MigrateError> {
-        let c = Conn::connect(to, Duration::from_secs(10)).map_err(|e| MigrateError::Connect {
-            addr: to.to_string(),
-            source: e,
-        })?;
+        let c = Conn::connect(to, Duration::from_secs(10))
+            .map_err(|e| MigrateError::Connect { addr: to.to_string(), source: e })?;
         c.set_write_timeout(Some(deadline))?;
         Ok(c)
     };
@@ -686,23 +609,13 @@ fn migrate_inner(
     let mut replies = Replies(ReplyReader::new(conn0.try_clone()?));
     // The handshake: a kumo destination answers a valid header at once; anything else (no
     // answer, bytes that are not a reply) is not a kumo destination.
-    let not_kumo = |why: String| MigrateError::NotKumo {
-        addr: to.to_string(),
-        why,
-    };
+    let not_kumo = |why: String| MigrateError::NotKumo { addr: to.to_string(), why };
     match replies.wait(opts.handshake_timeout) {
         Ok(Reply::Accepted) => {}
         Ok(Reply::Failed(why)) => return Err(MigrateError::Refused(why)),
-        Ok(other) => {
-            return Err(not_kumo(format!(
-                "it answered {other:?} to the stream header"
-            )))
-        }
+        Ok(other) => return Err(not_kumo(format!("it answered {other:?} to the stream header"))),
         Err(MigrateError::ReplyTimeout(t)) => {
-            return Err(not_kumo(format!(
-                "no answer to the stream header within {} s",
-                t.as_secs_f64()
-            )))
+            return Err(not_kumo(format!("no answer to the stream header within {} s", t.as_secs_f64())))
         }
         Err(MigrateError::Stream(e)) => return Err(not_kumo(e.to_string())),
         Err(e) => return Err(e),
@@ -719,11 +632,7 @@ fn migrate_inner(
     match replies.wait(deadline)? {
         Reply::Ready => {}
         Reply::Failed(why) => return Err(MigrateError::Refused(why)),
-        other => {
-            return Err(MigrateError::Other(format!(
-                "expected Ready from the destination, got {other:?}"
-            )))
-        }
+        other => return Err(MigrateError::Other(format!("expected Ready from the destination, got {other:?}"))),
     }
     let total_pages = desc.total_pages();
     let mem = src.memory();
@@ -737,48 +646,26 @@ fn migrate_inner(
     let pause_at;
     let mut encs: Vec<(Box<dyn BatchSink>, Encoder, u64)> = Vec::new();
     let mut round0_samples = Vec::new();
+    let mut stop = StopPhaseTimes::default();
 
     if local {
-        events(Event::Started {
-            engine: opts.engine,
-            connections: 1,
-            total_pages,
-            touched_pages: 0,
-        });
+        events(Event::Started { engine: opts.engine, connections: 1, total_pages, touched_pages: 0 });
         src.pause().map_err(MigrateError::Source)?;
         paused.store(true, Ordering::Release);
         pause_at = Instant::now();
-        encs.push((
-            Box::new(CopySink(conns.pop().expect("one connection"), deadline)),
-            Encoder::new(),
-            0,
-        ));
+        encs.push((Box::new(CopySink(conns.pop().expect("one connection"), deadline)), Encoder::new(), 0));
     } else {
         src.start_dirty_log().map_err(MigrateError::Source)?;
         let touched = src.touched_pages().map_err(MigrateError::Source)?;
-        events(Event::Started {
-            engine: opts.engine,
-            connections: nconn,
-            total_pages,
-            touched_pages: touched.count(),
-        });
+        events(Event::Started { engine: opts.engine, connections: nconn, total_pages, touched_pages: touched.count() });
 
         let copy = opts.engine != EngineKind::Zerocopy;
-        let send_mem = if copy {
-            None
-        } else {
-            Some(SendMem::new(mem).map_err(MigrateError::Source)?)
-        };
+        let send_mem = if copy { None } else { Some(SendMem::new(mem).map_err(MigrateError::Source)?) };
         let sink = |conn: Conn| -> Box<dyn BatchSink> {
             match send_mem {
                 Some(mem) => {
                     let zc = ZeroCopy::new(&conn);
-                    Box::new(ZeroCopySink {
-                        conn,
-                        mem,
-                        zc,
-                        deadline,
-                    })
+                    Box::new(ZeroCopySink { conn, mem, zc, deadline })
                 }
                 None => Box::new(CopySink(conn, deadline)),
             }
@@ -788,29 +675,15 @@ fn migrate_inner(
         let serial = opts.engine == EngineKind::Serial;
         let depth = if serial { 0 } else { 4 };
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
-        let senders: Vec<Sender> = conns
-            .drain(..)
-            .map(|c| spawn_sender(sink(c), serial, free_tx.clone(), cpu.clone(), depth))
-            .collect();
+        let senders: Vec<Sender> =
+            conns.drain(..).map(|c| spawn_sender(sink(c), serial, free_tx.clone(), cpu.clone(), depth)).collect();
         // Only the senders may hold the pool's sending side: when they all stop, a collector
         // waiting for a buffer must see the channel close instead of waiting forever.
         drop(free_tx);
         let lockstep = serial.then_some((&mut replies, deadline));
-        let mut col = Collector {
-            mem,
-            copy,
-            lockstep,
-            free_rx,
-            senders: &senders,
-            next: 0,
-            spare: None,
-        };
+        let mut col = Collector { mem, copy, lockstep, free_rx, senders: &senders, next: 0, spare: None };
         let mut planner = Planner::new(opts.policy, total_pages);
-        let live_checksum = if copy {
-            Checksum::Full
-        } else {
-            Checksum::MetadataOnly
-        };
+        let live_checksum = if copy { Checksum::Full } else { Checksum::MetadataOnly };
 
         let mut to_send = touched;
         let mut round = 0u32;
@@ -845,29 +718,17 @@ fn migrate_inner(
                 let d = src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
                 let dur = t.elapsed();
                 sent_total += n;
-                let st = RoundStats {
-                    round,
-                    pages_sent: n,
-                    bytes_sent: n * PAGE as u64,
-                    duration: dur,
-                    dirty_pages: d,
-                };
+                let st =
+                    RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
                 let decision = planner.after_round(&st);
-                rounds.push(RoundReport {
-                    round,
-                    pages: n,
-                    ms: dur.as_secs_f64() * 1e3,
-                    dirty_after: d,
-                });
+                rounds.push(RoundReport { round, pages: n, ms: dur.as_secs_f64() * 1e3, dirty_after: d });
                 events(Event::Round {
                     round,
                     pages_sent: n,
                     ms: dur.as_secs_f64() * 1e3,
                     dirty_pages: d,
                     mb_per_s: planner.bandwidth().unwrap_or(0.0) / 1e6,
-                    estimated_downtime_ms: planner
-                        .estimated_downtime(d)
-                        .map(|x| x.as_secs_f64() * 1e3),
+                    estimated_downtime_ms: planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3),
                 });
                 to_send = dirty;
                 round += 1;
@@ -877,28 +738,24 @@ fn migrate_inner(
                 }
             }
         })();
+        // Downtime counts from the pause request: vCPUs stop as they are kicked.
+        pause_at = Instant::now();
         let paused_result = result.and_then(|()| {
             src.pause().map_err(MigrateError::Source)?;
             paused.store(true, Ordering::Release);
             Ok(())
         });
-        pause_at = Instant::now();
+        stop.pause_ms = ms_since(pause_at);
         let final_result = paused_result.and_then(|()| {
-            src.fetch_dirty(&mut to_send)
-                .map_err(MigrateError::Source)?;
-            events(Event::StopAndCopy {
-                reason: stop_reason.clone(),
-                pages: to_send.count(),
-            });
+            let t = Instant::now();
+            src.fetch_dirty(&mut to_send).map_err(MigrateError::Source)?;
+            stop.harvest_ms = ms_since(t);
+            stop.pages = to_send.count();
+            events(Event::StopAndCopy { reason: stop_reason.clone(), pages: to_send.count() });
             let t = Instant::now();
             let n = col.send_round(round, to_send.gfns(), Checksum::Full)?;
             sent_total += n;
-            rounds.push(RoundReport {
-                round,
-                pages: n,
-                ms: t.elapsed().as_secs_f64() * 1e3,
-                dirty_after: 0,
-            });
+            rounds.push(RoundReport { round, pages: n, ms: t.elapsed().as_secs_f64() * 1e3, dirty_after: 0 });
             Ok(())
         });
         drop(col);
@@ -933,11 +790,13 @@ fn migrate_inner(
             }
             return Err(e);
         }
+        stop.pages_ms = ms_since(pause_at) - stop.pause_ms - stop.harvest_ms;
         bytes = sent_total * PAGE as u64;
     }
 
     // Closing records: the state on the first connection, Complete (with the pages each
     // connection carried, which its receiver checks) on all.
+    let t_state = Instant::now();
     let state = src.save_state().map_err(MigrateError::Source)?;
     let mut out = Vec::new();
     for (i, (c, enc, pages)) in encs.iter_mut().enumerate() {
@@ -949,27 +808,24 @@ fn migrate_inner(
         c.send_records(&out)?;
     }
     bytes += state.len() as u64;
+    stop.state_bytes = state.len() as u64;
+    stop.state_ms = ms_since(t_state);
     // Committed: the destination has everything it needs to run the VM. From here on only its
     // explicit Failed gives the VM back to the source.
+    let t_reply = Instant::now();
     let reply = replies.wait(deadline);
+    stop.reply_ms = ms_since(t_reply);
     let downtime = pause_at.elapsed();
     match reply {
         Ok(Reply::Resumed) => {}
         Ok(Reply::Failed(why)) => return Err(MigrateError::Dest(why)),
-        Ok(other) => {
-            return Err(MigrateError::Unconfirmed(format!(
-                "it answered {other:?} instead of Resumed"
-            )))
-        }
+        Ok(other) => return Err(MigrateError::Unconfirmed(format!("it answered {other:?} instead of Resumed"))),
         Err(e) => return Err(MigrateError::Unconfirmed(e.to_string())),
     }
     src.stop_dirty_log();
     add_cpu(&cpu, cpu0);
     let total = t_start.elapsed();
-    events(Event::Completed {
-        total_ms: total.as_secs_f64() * 1e3,
-        downtime_ms: downtime.as_secs_f64() * 1e3,
-    });
+    events(Event::Completed { total_ms: total.as_secs_f64() * 1e3, downtime_ms: downtime.as_secs_f64() * 1e3 });
     Ok(Report {
         engine: opts.engine,
         connections: nconn,
@@ -984,7 +840,12 @@ fn migrate_inner(
         zerocopy_completions: stats_zc.0,
         zerocopy_copied: stats_zc.1,
         round0_dirty_samples: round0_samples,
+        stop_phase: stop,
     })
+}
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
 }
 
 fn reason_text(r: &StopReason) -> String {
@@ -992,10 +853,9 @@ fn reason_text(r: &StopReason) -> String {
         StopReason::FewDirtyPages => "few dirty pages left".into(),
         StopReason::MaxRounds => "round limit".into(),
         StopReason::MaxSent => "sent 3x the VM's pages".into(),
-        StopReason::DowntimeMet { estimated } => format!(
-            "downtime target met (estimated {:.1} ms)",
-            estimated.as_secs_f64() * 1e3
-        ),
+        StopReason::DowntimeMet { estimated } => {
+            format!("downtime target met (estimated {:.1} ms)", estimated.as_secs_f64() * 1e3)
+        }
     }
 }
 
@@ -1008,11 +868,7 @@ struct RoundBarrier {
 
 impl RoundBarrier {
     fn new(n: usize) -> Self {
-        RoundBarrier {
-            state: Mutex::new((0, 0, false)),
-            cv: std::sync::Condvar::new(),
-            n,
-        }
+        RoundBarrier { state: Mutex::new((0, 0, false)), cv: std::sync::Condvar::new(), n }
     }
 
     /// Waits for every connection to finish the round; false if the barrier was broken.
@@ -1081,10 +937,8 @@ impl PagePlacer for MemPlacer<'_> {
                 let (gpa, len) = (gfn * PAGE as u64, n * PAGE);
                 // Best effort: a page not populated is faulted in by the read.
                 let _ = kumo_vm::memory::populate(self.mem, gpa, len as u64);
-                let slice = self
-                    .mem
-                    .get_slice(GuestAddress(gpa), len)
-                    .map_err(|e| format!("pages at {gpa:#x}: {e}"))?;
+                let slice =
+                    self.mem.get_slice(GuestAddress(gpa), len).map_err(|e| format!("pages at {gpa:#x}: {e}"))?;
                 let ptr = slice.ptr_guard_mut().as_ptr();
                 // SAFETY: `get_slice` checked that the `len` bytes at `ptr` are guest memory
                 // mapped for the VM's lifetime, which outlives this borrow of `self.mem`. The
@@ -1092,9 +946,7 @@ impl PagePlacer for MemPlacer<'_> {
                 // reader hands out disjoint runs (strictly increasing gfns), and receiving
                 // threads place different pages (a round sends each page once; rounds are
                 // separated by the barrier).
-                Ok(io::IoSliceMut::new(unsafe {
-                    std::slice::from_raw_parts_mut(ptr, len)
-                }))
+                Ok(io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr, len) }))
             })
             .collect()
     }
@@ -1118,10 +970,7 @@ pub fn receive<V: DestVm>(
     let conn0 = listener.accept()?;
     let t0 = Instant::now();
     conn0.set_read_timeout(Some(idle))?;
-    let mut conn0 = Replier {
-        enc: Encoder::new(),
-        conn: conn0,
-    };
+    let mut conn0 = Replier { enc: Encoder::new(), conn: conn0 };
     // The header is read unbuffered: a local migration's memory file follows it on the socket,
     // and a buffer would swallow the byte that carries it.
     let mut raw0 = conn0.conn.try_clone()?;
@@ -1162,12 +1011,7 @@ pub fn receive<V: DestVm>(
         let mut c = c;
         match format::read_header(&mut c).map(|d| (d, c)) {
             Ok((d, c)) if d == desc => readers.push(Reader::secondary(buffered(c), &desc)),
-            Ok(_) => {
-                return Err(fail(
-                    &mut conn0,
-                    MigrateError::Other(format!("connection {i} describes another VM")),
-                ))
-            }
+            Ok(_) => return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} describes another VM")))),
             Err(e) => return Err(fail(&mut conn0, e.into())),
         }
     }
@@ -1195,10 +1039,7 @@ pub fn receive<V: DestVm>(
                     let c0 = thread_cpu_ms();
                     let mut placer = MemPlacer { mem };
                     let res = (|| -> Result<(), MigrateError> {
-                        while let Some(rec) = r
-                            .next_record_placed(&mut placer)
-                            .map_err(|e| recv_err(e.into(), idle))?
-                        {
+                        while let Some(rec) = r.next_record_placed(&mut placer).map_err(|e| recv_err(e.into(), idle))? {
                             match rec {
                                 Record::MemBatch(b) => {
                                     pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
@@ -1211,26 +1052,19 @@ pub fn receive<V: DestVm>(
                                 // copy on a slower connection.
                                 Record::RoundEnd { .. } if nconn > 1 => {
                                     if !barrier.wait() {
-                                        return Err(MigrateError::Other(
-                                            "another connection failed".into(),
-                                        ));
+                                        return Err(MigrateError::Other("another connection failed".into()));
                                     }
                                 }
                                 Record::RoundEnd { .. } => {}
                                 Record::State(st) if i == 0 => {
-                                    *state.lock().unwrap_or_else(|p| p.into_inner()) =
-                                        Some(st.to_vec());
+                                    *state.lock().unwrap_or_else(|p| p.into_inner()) = Some(st.to_vec());
                                 }
                                 Record::State(_) => {
-                                    return Err(MigrateError::Other(format!(
-                                        "state sent on connection {i}"
-                                    )))
+                                    return Err(MigrateError::Other(format!("state sent on connection {i}")))
                                 }
                                 Record::Complete { .. } => {}
                                 Record::Abort(why) => {
-                                    return Err(MigrateError::Other(format!(
-                                        "the source aborted: {why}"
-                                    )))
+                                    return Err(MigrateError::Other(format!("the source aborted: {why}")))
                                 }
                             }
                         }
@@ -1246,9 +1080,7 @@ pub fn receive<V: DestVm>(
             .collect();
         let mut first = Ok(());
         for h in handles {
-            let r = h
-                .join()
-                .unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into())));
+            let r = h.join().unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into())));
             if first.is_ok() {
                 first = r;
             }
@@ -1287,10 +1119,7 @@ pub fn receive<V: DestVm>(
 fn recv_err(e: MigrateError, idle: Duration) -> MigrateError {
     match e {
         MigrateError::Stream(format::Error::Io(io)) | MigrateError::Io(io) if is_timeout(&io) => {
-            MigrateError::NoProgress {
-                what: "no data from the source",
-                after: idle,
-            }
+            MigrateError::NoProgress { what: "no data from the source", after: idle }
         }
         e => e,
     }

@@ -43,9 +43,7 @@ impl FakeSource {
     fn new(hot: u64) -> Arc<FakeSource> {
         let mem = Arc::new(Memory::new(MEM).unwrap());
         for p in 0..1000u64 {
-            mem.guest
-                .write_obj(p * 31 + 7, GuestAddress(p * 4096 + 8))
-                .unwrap();
+            mem.guest.write_obj(p * 31 + 7, GuestAddress(p * 4096 + 8)).unwrap();
         }
         let s = Arc::new(FakeSource {
             mem,
@@ -56,13 +54,8 @@ impl FakeSource {
             writes: Arc::new(AtomicU64::new(0)),
             resumed: AtomicU64::new(0),
         });
-        let (mem, dirty, running, stop, writes) = (
-            s.mem.clone(),
-            s.dirty.clone(),
-            s.running.clone(),
-            s.stop.clone(),
-            s.writes.clone(),
-        );
+        let (mem, dirty, running, stop, writes) =
+            (s.mem.clone(), s.dirty.clone(), s.running.clone(), s.stop.clone(), s.writes.clone());
         *s.writer.lock().unwrap() = Some(std::thread::spawn(move || {
             let mut x = 0x9e37_79b9_7f4a_7c15u64;
             while !stop.load(Ordering::Acquire) {
@@ -81,9 +74,7 @@ impl FakeSource {
                         std::thread::sleep(Duration::from_micros(200));
                         continue;
                     }
-                    mem.guest
-                        .write_obj(x, GuestAddress(page * 4096 + (x % 512) * 8))
-                        .unwrap();
+                    mem.guest.write_obj(x, GuestAddress(page * 4096 + (x % 512) * 8)).unwrap();
                     if let Some(d) = d.as_mut() {
                         d.set(page);
                     }
@@ -178,11 +169,7 @@ fn make_dest(desc: &VmDescription, memfd: Option<File>) -> Result<FakeDest, Stri
         Some(f) => Memory::from_file(f, desc.memory_bytes).map_err(|e| e.to_string())?,
         None => Memory::new(desc.memory_bytes).map_err(|e| e.to_string())?,
     };
-    Ok(FakeDest {
-        mem,
-        state: Mutex::new(Vec::new()),
-        running: AtomicBool::new(false),
-    })
+    Ok(FakeDest { mem, state: Mutex::new(Vec::new()), running: AtomicBool::new(false) })
 }
 
 fn read_all(m: &GuestMemory) -> Vec<u8> {
@@ -193,9 +180,7 @@ fn read_all(m: &GuestMemory) -> Vec<u8> {
 
 fn listen(unix: bool, tag: &str) -> (Listener, Address) {
     let addr = if unix {
-        Address::Unix(
-            std::env::temp_dir().join(format!("kumo-mig-{}-{tag}.sock", std::process::id())),
-        )
+        Address::Unix(std::env::temp_dir().join(format!("kumo-mig-{}-{tag}.sock", std::process::id())))
     } else {
         Address::Tcp("127.0.0.1:0".into())
     };
@@ -209,53 +194,29 @@ fn run(engine: EngineKind, connections: usize, unix: bool, tag: &str) -> (Report
     std::thread::sleep(Duration::from_millis(20));
     let (l, addr) = listen(unix, tag);
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let opts = MigrateOptions {
-        engine,
-        connections,
-        ..Default::default()
-    };
+    let opts = MigrateOptions { engine, connections, ..Default::default() };
     let mut events = Vec::new();
     let report = migrate(&*src, &addr, &opts, &mut |e| events.push(e)).unwrap();
     let (dvm, rr) = dest.join().unwrap().unwrap();
     // The source stays paused after a successful migration; stop its writer and compare.
     src.stop_writer();
-    assert!(
-        src.writes.load(Ordering::Relaxed) > 0,
-        "the guest wrote during migration"
-    );
+    assert!(src.writes.load(Ordering::Relaxed) > 0, "the guest wrote during migration");
     let (a, b) = (read_all(&src.mem.guest), read_all(&dvm.mem.guest));
     if let Some(off) = a.iter().zip(&b).position(|(x, y)| x != y) {
-        panic!(
-            "{engine} x{connections}: memories differ first at {off:#x} (page {:#x})",
-            off / 4096
-        );
+        panic!("{engine} x{connections}: memories differ first at {off:#x} (page {:#x})", off / 4096);
     }
     assert_eq!(&*dvm.state.lock().unwrap(), b"vcpu state");
     assert!(dvm.running.load(Ordering::Acquire));
-    assert_eq!(
-        src.resumed.load(Ordering::Relaxed),
-        0,
-        "a successful migration leaves the source paused"
-    );
-    assert!(
-        matches!(events.first(), Some(Event::Started { .. })),
-        "{events:?}"
-    );
-    assert!(
-        matches!(events.last(), Some(Event::Completed { .. })),
-        "{events:?}"
-    );
+    assert_eq!(src.resumed.load(Ordering::Relaxed), 0, "a successful migration leaves the source paused");
+    assert!(matches!(events.first(), Some(Event::Started { .. })), "{events:?}");
+    assert!(matches!(events.last(), Some(Event::Completed { .. })), "{events:?}");
     (report, rr)
 }
 
 #[test]
 fn serial_engine_moves_memory_exactly() {
     let (r, rr) = run(EngineKind::Serial, 1, false, "serial");
-    assert!(
-        r.rounds.len() >= 2,
-        "a live round and the final one: {:?}",
-        r.rounds
-    );
+    assert!(r.rounds.len() >= 2, "a live round and the final one: {:?}", r.rounds);
     assert_eq!(r.rounds[0].pages, PAGES, "round 0 sends every touched page");
     assert_eq!(rr.pages, r.total_pages);
 }
@@ -290,16 +251,8 @@ fn local_engine_needs_a_unix_socket() {
     let src = FakeSource::new(10);
     let (l, addr) = listen(false, "local-tcp");
     let _dest = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest));
-    let e = migrate(
-        &*src,
-        &addr,
-        &MigrateOptions {
-            engine: EngineKind::Local,
-            ..Default::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap_err();
+    let e = migrate(&*src, &addr, &MigrateOptions { engine: EngineKind::Local, ..Default::default() }, &mut |_| {})
+        .unwrap_err();
     assert!(e.to_string().contains("unix socket"), "{e}");
     src.stop_writer();
 }
@@ -309,25 +262,9 @@ fn downtime_rule_stops_when_the_rest_fits_the_target() {
     let src = FakeSource::new(20);
     let (l, addr) = listen(false, "downtime");
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let policy = StopPolicy {
-        xen: None,
-        downtime: Some(Duration::from_millis(50)),
-    };
-    let r = migrate(
-        &*src,
-        &addr,
-        &MigrateOptions {
-            policy,
-            ..Default::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
-    assert!(
-        r.stop_reason.contains("downtime target met"),
-        "{}",
-        r.stop_reason
-    );
+    let policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(50)) };
+    let r = migrate(&*src, &addr, &MigrateOptions { policy, ..Default::default() }, &mut |_| {}).unwrap();
+    assert!(r.stop_reason.contains("downtime target met"), "{}", r.stop_reason);
     dest.join().unwrap().unwrap();
     src.stop_writer();
 }
@@ -337,9 +274,7 @@ fn a_destination_that_refuses_leaves_the_source_running() {
     let src = FakeSource::new(100);
     let (l, addr) = listen(false, "refuse");
     let dest = std::thread::spawn(move || {
-        receive(&l, Duration::from_secs(5), |_, _| {
-            Err::<FakeDest, _>("no room here".into())
-        })
+        receive(&l, Duration::from_secs(5), |_, _| Err::<FakeDest, _>("no room here".into()))
     });
     let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("no room here"), "{e}");
@@ -374,21 +309,10 @@ fn a_receiver_dying_mid_stream_leaves_the_source_running() {
         drop(c);
         desc
     });
-    let e = migrate(
-        &*src,
-        &addr,
-        &MigrateOptions {
-            engine: EngineKind::Serial,
-            ..Default::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap_err();
+    let e = migrate(&*src, &addr, &MigrateOptions { engine: EngineKind::Serial, ..Default::default() }, &mut |_| {})
+        .unwrap_err();
     t.join().unwrap();
-    assert!(
-        matches!(e, MigrateError::Io(_) | MigrateError::Stream(_)),
-        "{e}"
-    );
+    assert!(matches!(e, MigrateError::Io(_) | MigrateError::Stream(_)), "{e}");
     assert!(src.running.load(Ordering::Acquire), "source runs on");
     src.stop_writer();
 }
@@ -426,26 +350,9 @@ fn xen_rule_reaches_few_dirty_pages_for_an_idle_guest() {
     src.pause().unwrap(); // an idle guest: nothing dirties memory
     let (l, addr) = listen(false, "idle");
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let policy = StopPolicy {
-        xen: Some(XenRule::default()),
-        downtime: None,
-    };
-    let r = migrate(
-        &*src,
-        &addr,
-        &MigrateOptions {
-            policy,
-            ..Default::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
-    assert_eq!(
-        r.rounds.len(),
-        2,
-        "round 0, then a final round: {:?}",
-        r.rounds
-    );
+    let policy = StopPolicy { xen: Some(XenRule::default()), downtime: None };
+    let r = migrate(&*src, &addr, &MigrateOptions { policy, ..Default::default() }, &mut |_| {}).unwrap();
+    assert_eq!(r.rounds.len(), 2, "round 0, then a final round: {:?}", r.rounds);
     assert_eq!(r.rounds[1].pages, 0);
     dest.join().unwrap().unwrap();
     src.stop_writer();
@@ -460,13 +367,10 @@ fn serial_waits_for_each_batch_to_be_placed() {
     let t = std::thread::spawn(move || {
         let (mut c, desc, _) = accept_and_say_ready(&l);
         let mut r = kumo_migration::format::Reader::new(c.try_clone().unwrap(), &desc);
-        let Some(kumo_migration::format::Record::MemBatch(b)) = r.next_record().unwrap() else {
-            panic!("no batch")
-        };
+        let Some(kumo_migration::format::Record::MemBatch(b)) = r.next_record().unwrap() else { panic!("no batch") };
         let (ack, pages) = (b.ack, b.gfns.len());
         // Nothing more may come until the batch is acknowledged.
-        c.set_read_timeout(Some(Duration::from_millis(300)))
-            .unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
         let more = std::io::Read::read(&mut c, &mut [0u8; 1]);
         // Keep the connection open until the sender has given up.
         let _ = done_rx.recv();
@@ -499,18 +403,12 @@ fn a_peer_that_never_answers_the_header_is_not_kumo() {
         let _ = done_rx.recv();
         drop(c);
     });
-    let opts = MigrateOptions {
-        handshake_timeout: Duration::from_millis(200),
-        ..Default::default()
-    };
+    let opts = MigrateOptions { handshake_timeout: Duration::from_millis(200), ..Default::default() };
     let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
     done_tx.send(()).unwrap();
     t.join().unwrap();
     assert!(matches!(e, MigrateError::NotKumo { .. }), "{e}");
-    assert!(
-        e.to_string().contains("not a kumo migration destination"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("not a kumo migration destination"), "{e}");
     assert!(src.running.load(Ordering::Acquire), "source runs on");
     src.stop_writer();
 }
@@ -522,11 +420,7 @@ fn a_peer_speaking_another_protocol_is_not_kumo() {
     let t = std::thread::spawn(move || {
         let mut c = l.accept().unwrap();
         let _ = std::io::Read::read(&mut c, &mut [0u8; 64]);
-        std::io::Write::write_all(
-            &mut c,
-            b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
-        )
-        .unwrap();
+        std::io::Write::write_all(&mut c, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n").unwrap();
         c
     });
     let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
@@ -537,11 +431,7 @@ fn a_peer_speaking_another_protocol_is_not_kumo() {
 
 #[test]
 fn a_destination_that_stops_reading_fails_the_migration_and_the_source_runs_on() {
-    for engine in [
-        EngineKind::Serial,
-        EngineKind::Overlap,
-        EngineKind::Zerocopy,
-    ] {
+    for engine in [EngineKind::Serial, EngineKind::Overlap, EngineKind::Zerocopy] {
         let src = FakeSource::new(1000);
         let (l, addr) = listen(false, &format!("stalled-{engine}"));
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -551,25 +441,12 @@ fn a_destination_that_stops_reading_fails_the_migration_and_the_source_runs_on()
             let _ = done_rx.recv();
             drop(c);
         });
-        let opts = MigrateOptions {
-            engine,
-            progress_timeout: Duration::from_millis(500),
-            ..Default::default()
-        };
+        let opts = MigrateOptions { engine, progress_timeout: Duration::from_millis(500), ..Default::default() };
         let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
         done_tx.send(()).unwrap();
         t.join().unwrap();
-        assert!(
-            matches!(
-                e,
-                MigrateError::NoProgress { .. } | MigrateError::ReplyTimeout(_)
-            ),
-            "{engine}: {e}"
-        );
-        assert!(
-            src.running.load(Ordering::Acquire),
-            "{engine}: source runs on"
-        );
+        assert!(matches!(e, MigrateError::NoProgress { .. } | MigrateError::ReplyTimeout(_)), "{engine}: {e}");
+        assert!(src.running.load(Ordering::Acquire), "{engine}: source runs on");
         src.stop_writer();
     }
 }
@@ -578,14 +455,8 @@ fn a_destination_that_stops_reading_fails_the_migration_and_the_source_runs_on()
 fn serial_with_several_connections_is_refused_up_front() {
     let src = FakeSource::new(10);
     // Nothing listens there: the refusal must come before any connection is tried.
-    let addr = Address::Unix(
-        std::env::temp_dir().join(format!("kumo-nobody-{}.sock", std::process::id())),
-    );
-    let opts = MigrateOptions {
-        engine: EngineKind::Serial,
-        connections: 2,
-        ..Default::default()
-    };
+    let addr = Address::Unix(std::env::temp_dir().join(format!("kumo-nobody-{}.sock", std::process::id())));
+    let opts = MigrateOptions { engine: EngineKind::Serial, connections: 2, ..Default::default() };
     let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("--connections 1"), "{e}");
     src.stop_writer();
@@ -621,10 +492,7 @@ fn after_the_final_state_only_an_explicit_failure_gives_the_vm_back() {
     t.join().unwrap();
     assert!(matches!(e, MigrateError::Unconfirmed(_)), "{e}");
     assert!(e.to_string().contains("stays paused"), "{e}");
-    assert!(
-        !src.running.load(Ordering::Acquire),
-        "the source must not run the guest again"
-    );
+    assert!(!src.running.load(Ordering::Acquire), "the source must not run the guest again");
     assert_eq!(src.resumed.load(Ordering::Acquire), 0);
     src.stop_writer();
 
@@ -642,8 +510,7 @@ fn after_the_final_state_only_an_explicit_failure_gives_the_vm_back() {
 #[test]
 fn a_silent_source_fails_the_receiver_within_its_deadline() {
     let (l, addr) = listen(false, "silent-src");
-    let t =
-        std::thread::spawn(move || receive(&l, Duration::from_millis(300), make_dest).map(|_| ()));
+    let t = std::thread::spawn(move || receive(&l, Duration::from_millis(300), make_dest).map(|_| ()));
     let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
     let desc = VmDescription::new(1, "kernel", serde_json::json!(null), regions());
     kumo_migration::format::write_header(&mut c, &desc).unwrap();
@@ -655,7 +522,5 @@ fn a_silent_source_fails_the_receiver_within_its_deadline() {
     assert!(matches!(e, MigrateError::NoProgress { .. }), "{e}");
     assert!(e.to_string().contains("no data from the source"), "{e}");
     // The source is told why.
-    assert!(
-        matches!(replies.next_reply().unwrap(), Reply::Failed(why) if why.contains("no data from the source"))
-    );
+    assert!(matches!(replies.next_reply().unwrap(), Reply::Failed(why) if why.contains("no data from the source")));
 }

@@ -21,9 +21,7 @@ impl std::str::FromStr for Address {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         if let Some(rest) = s.strip_prefix("tcp:") {
-            let (host, port) = rest
-                .rsplit_once(':')
-                .ok_or_else(|| format!("`{s}`: want tcp:HOST:PORT"))?;
+            let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("`{s}`: want tcp:HOST:PORT"))?;
             if host.is_empty() || port.parse::<u16>().is_err() {
                 return Err(format!("`{s}`: want tcp:HOST:PORT with a port number"));
             }
@@ -59,9 +57,10 @@ impl Conn {
     pub fn connect(addr: &Address, timeout: Duration) -> io::Result<Conn> {
         let c = match addr {
             Address::Tcp(a) => {
-                let sa = a.to_socket_addrs()?.next().ok_or_else(|| {
-                    io::Error::new(io::ErrorKind::NotFound, format!("{a}: no address"))
-                })?;
+                let sa = a
+                    .to_socket_addrs()?
+                    .next()
+                    .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{a}: no address")))?;
                 let s = TcpStream::connect_timeout(&sa, timeout)?;
                 s.set_nodelay(true)?;
                 Conn::Tcp(s)
@@ -114,10 +113,9 @@ impl Conn {
     fn unix(&self) -> io::Result<&UnixStream> {
         match self {
             Conn::Unix(s) => Ok(s),
-            Conn::Tcp(_) => Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "file descriptors pass only over unix sockets",
-            )),
+            Conn::Tcp(_) => {
+                Err(io::Error::new(io::ErrorKind::Unsupported, "file descriptors pass only over unix sockets"))
+            }
         }
     }
 
@@ -152,23 +150,14 @@ impl Conn {
             return Err(io::Error::last_os_error());
         }
         if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "connection closed before the memory fd arrived",
-            ));
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed before the memory fd arrived"));
         }
         let msg = &msg.hdr;
         // SAFETY: CMSG_FIRSTHDR/CMSG_DATA walk the control buffer recvmsg filled in.
         unsafe {
             let c = libc::CMSG_FIRSTHDR(msg);
-            if c.is_null()
-                || (*c).cmsg_level != libc::SOL_SOCKET
-                || (*c).cmsg_type != libc::SCM_RIGHTS
-            {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "expected a file descriptor (SCM_RIGHTS)",
-                ));
+            if c.is_null() || (*c).cmsg_level != libc::SOL_SOCKET || (*c).cmsg_type != libc::SCM_RIGHTS {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "expected a file descriptor (SCM_RIGHTS)"));
             }
             let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const RawFd);
             Ok(OwnedFd::from_raw_fd(fd))
@@ -186,10 +175,7 @@ struct FdMsg<'a> {
 
 impl<'a> FdMsg<'a> {
     fn new(byte: &'a mut [u8; 1]) -> Self {
-        let mut iov = Box::new(libc::iovec {
-            iov_base: byte.as_mut_ptr() as *mut libc::c_void,
-            iov_len: 1,
-        });
+        let mut iov = Box::new(libc::iovec { iov_base: byte.as_mut_ptr() as *mut libc::c_void, iov_len: 1 });
         // SAFETY: CMSG_SPACE is a pure size computation.
         let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
         let mut cbuf = vec![0u8; space];
@@ -200,12 +186,7 @@ impl<'a> FdMsg<'a> {
         hdr.msg_iovlen = 1;
         hdr.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
         hdr.msg_controllen = space;
-        FdMsg {
-            hdr,
-            _iov: iov,
-            _cbuf: cbuf,
-            _byte: std::marker::PhantomData,
-        }
+        FdMsg { hdr, _iov: iov, _cbuf: cbuf, _byte: std::marker::PhantomData }
     }
 
     fn ptr(&mut self) -> *mut libc::msghdr {
@@ -270,9 +251,7 @@ impl Listener {
 
     pub fn local_addr(&self) -> Address {
         match self {
-            Listener::Tcp(l) => {
-                Address::Tcp(l.local_addr().map(|a| a.to_string()).unwrap_or_default())
-            }
+            Listener::Tcp(l) => Address::Tcp(l.local_addr().map(|a| a.to_string()).unwrap_or_default()),
             Listener::Unix(_, p) => Address::Unix(p.clone()),
         }
     }
@@ -328,9 +307,7 @@ pub fn loopback_tcp_bytes_per_s(total: u64, chunk: usize) -> io::Result<f64> {
         s.write_all(&buf)?;
     }
     drop(s);
-    let n = rx
-        .join()
-        .map_err(|_| io::Error::other("loopback receiver panicked"))??;
+    let n = rx.join().map_err(|_| io::Error::other("loopback receiver panicked"))??;
     Ok(n as f64 / t.elapsed().as_secs_f64())
 }
 
@@ -379,13 +356,7 @@ impl ZeroCopy {
     /// `MSG_ZEROCOPY` on (where the kernel allows it) or off, whatever the peer.
     pub fn with_msg_zerocopy(conn: &Conn, want: bool) -> ZeroCopy {
         if !want {
-            return ZeroCopy {
-                enabled: false,
-                sent_calls: 0,
-                completions: 0,
-                copied: 0,
-                fallbacks: 0,
-            };
+            return ZeroCopy { enabled: false, sent_calls: 0, completions: 0, copied: 0, fallbacks: 0 };
         }
         let one: libc::c_int = 1;
         // SAFETY: setsockopt with a c_int on our own socket.
@@ -398,13 +369,7 @@ impl ZeroCopy {
                 4,
             )
         };
-        ZeroCopy {
-            enabled: r == 0,
-            sent_calls: 0,
-            completions: 0,
-            copied: 0,
-            fallbacks: 0,
-        }
+        ZeroCopy { enabled: r == 0, sent_calls: 0, completions: 0, copied: 0, fallbacks: 0 }
     }
 
     pub fn enabled(&self) -> bool {
@@ -413,13 +378,8 @@ impl ZeroCopy {
 
     /// Sends all of `bufs`, zero-copy where possible.
     pub fn send_all(&mut self, conn: &Conn, bufs: &[IoSlice<'_>]) -> io::Result<()> {
-        let mut iov: Vec<libc::iovec> = bufs
-            .iter()
-            .map(|b| libc::iovec {
-                iov_base: b.as_ptr() as *mut libc::c_void,
-                iov_len: b.len(),
-            })
-            .collect();
+        let mut iov: Vec<libc::iovec> =
+            bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
         self.send_iovecs(conn, &mut iov)
     }
 
@@ -476,12 +436,8 @@ impl ZeroCopy {
     /// for one to arrive.
     pub fn reap(&mut self, fd: RawFd, wait: bool) -> io::Result<()> {
         if wait {
-            let mut p = libc::pollfd {
-                fd,
-                events: 0,
-                revents: 0,
-            }; // POLLERR is always reported
-               // SAFETY: poll on one valid pollfd.
+            let mut p = libc::pollfd { fd, events: 0, revents: 0 }; // POLLERR is always reported
+                                                                    // SAFETY: poll on one valid pollfd.
             unsafe { libc::poll(&mut p, 1, 100) };
         }
         loop {
@@ -503,14 +459,10 @@ impl ZeroCopy {
             unsafe {
                 let mut c = libc::CMSG_FIRSTHDR(&msg);
                 while !c.is_null() {
-                    let is_recverr = ((*c).cmsg_level == libc::SOL_IP
-                        && (*c).cmsg_type == libc::IP_RECVERR)
-                        || ((*c).cmsg_level == libc::SOL_IPV6
-                            && (*c).cmsg_type == libc::IPV6_RECVERR);
+                    let is_recverr = ((*c).cmsg_level == libc::SOL_IP && (*c).cmsg_type == libc::IP_RECVERR)
+                        || ((*c).cmsg_level == libc::SOL_IPV6 && (*c).cmsg_type == libc::IPV6_RECVERR);
                     if is_recverr {
-                        let ee = std::ptr::read_unaligned(
-                            libc::CMSG_DATA(c) as *const libc::sock_extended_err
-                        );
+                        let ee = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::sock_extended_err);
                         if ee.ee_origin == SO_EE_ORIGIN_ZEROCOPY {
                             let n = ee.ee_data.wrapping_sub(ee.ee_info) as u64 + 1;
                             self.completions += n;
@@ -532,14 +484,8 @@ mod tests {
 
     #[test]
     fn addresses() {
-        assert_eq!(
-            "tcp:127.0.0.1:4444".parse::<Address>(),
-            Ok(Address::Tcp("127.0.0.1:4444".into()))
-        );
-        assert_eq!(
-            "unix:/tmp/m.sock".parse::<Address>(),
-            Ok(Address::Unix("/tmp/m.sock".into()))
-        );
+        assert_eq!("tcp:127.0.0.1:4444".parse::<Address>(), Ok(Address::Tcp("127.0.0.1:4444".into())));
+        assert_eq!("unix:/tmp/m.sock".parse::<Address>(), Ok(Address::Unix("/tmp/m.sock".into())));
         assert!("tcp:host".parse::<Address>().is_err());
         assert!("tcp::1".parse::<Address>().is_err());
         assert!("udp:1.2.3.4:5".parse::<Address>().is_err());
@@ -590,14 +536,10 @@ mod tests {
         let a = vec![1u8; 100_000];
         let b = vec![2u8; 50_000];
         write_all_vectored(&mut c, &mut [IoSlice::new(&a), IoSlice::new(&b)]).unwrap();
-        assert!(
-            !ZeroCopy::new(&c).enabled(),
-            "no MSG_ZEROCOPY to a loopback peer"
-        );
+        assert!(!ZeroCopy::new(&c).enabled(), "no MSG_ZEROCOPY to a loopback peer");
         let mut z = ZeroCopy::with_msg_zerocopy(&c, true);
         assert!(z.enabled());
-        z.send_all(&c, &[IoSlice::new(&b), IoSlice::new(&a)])
-            .unwrap();
+        z.send_all(&c, &[IoSlice::new(&b), IoSlice::new(&a)]).unwrap();
         // The kernel reports completion of every zero-copy send (here: copied on delivery).
         let start = std::time::Instant::now();
         while z.completions < z.sent_calls && start.elapsed() < Duration::from_secs(10) {

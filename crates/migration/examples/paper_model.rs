@@ -6,11 +6,7 @@ use kumo_migration::{predict, DirtyModel, PredictParams, StopPolicy};
 fn main() {
     const VM_PAGES: u64 = 524_288; // 2 GB
                                    // (name, first-round seconds, sender CPU share β) from the paper's Tables 9 and 11.
-    let setups = [
-        ("TCP", 9.63, 0.806),
-        ("RDMA", 4.92, 0.423),
-        ("overlap", 2.86, 0.742),
-    ];
+    let setups = [("TCP", 9.63, 0.806), ("RDMA", 4.92, 0.423), ("overlap", 2.86, 0.742)];
     let params = |secs: f64, beta| PredictParams {
         total_pages: VM_PAGES,
         round0_pages: VM_PAGES,
@@ -23,12 +19,7 @@ fn main() {
         println!("M = {m:.3e}, τ = 1.32 s");
         for (name, secs, beta) in setups {
             let p = predict(&model, &params(secs, beta)).expect("valid parameters");
-            let first: Vec<String> = p
-                .rounds
-                .iter()
-                .take(4)
-                .map(|r| format!("{}", r.pages))
-                .collect();
+            let first: Vec<String> = p.rounds.iter().take(4).map(|r| format!("{}", r.pages)).collect();
             println!(
                 "  {name:8} rounds {:>2}  total {:>9} pages  re-sent {:>9}  {:>6.2} s  downtime {:.4} s  {:?}  [{} …]",
                 p.rounds.len(),

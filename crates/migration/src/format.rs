@@ -259,12 +259,7 @@ pub const MAX_CONNECTIONS: u32 = 16;
 impl VmDescription {
     /// A description with the page size set to [`PAGE_SIZE`] and `memory_bytes` set to the
     /// sum of the region lengths.
-    pub fn new(
-        cpus: u32,
-        irqchip: &str,
-        payload: serde_json::Value,
-        regions: Vec<(u64, u64)>,
-    ) -> Self {
+    pub fn new(cpus: u32, irqchip: &str, payload: serde_json::Value, regions: Vec<(u64, u64)>) -> Self {
         let memory_bytes = regions.iter().fold(0u64, |s, r| s.saturating_add(r.1));
         VmDescription {
             cpus,
@@ -286,19 +281,13 @@ impl VmDescription {
             return bad("no vCPUs".into());
         }
         if self.page_size != PAGE_SIZE {
-            return bad(format!(
-                "page size {} (only {PAGE_SIZE} is supported)",
-                self.page_size
-            ));
+            return bad(format!("page size {} (only {PAGE_SIZE} is supported)", self.page_size));
         }
         if self.regions.is_empty() {
             return bad("no memory regions".into());
         }
         if self.connections == 0 || self.connections > MAX_CONNECTIONS {
-            return bad(format!(
-                "{} connections (1 to {MAX_CONNECTIONS})",
-                self.connections
-            ));
+            return bad(format!("{} connections (1 to {MAX_CONNECTIONS})", self.connections));
         }
         let mut sorted = self.regions.clone();
         sorted.sort_unstable();
@@ -306,9 +295,7 @@ impl VmDescription {
         let mut prev_end = 0u64;
         for (i, &(gpa, len)) in sorted.iter().enumerate() {
             if len == 0 || gpa % PAGE as u64 != 0 || len % PAGE as u64 != 0 {
-                return bad(format!(
-                    "region {gpa:#x}+{len:#x} is empty or not page-aligned"
-                ));
+                return bad(format!("region {gpa:#x}+{len:#x} is empty or not page-aligned"));
             }
             let Some(end) = gpa.checked_add(len) else {
                 return bad(format!("region {gpa:#x}+{len:#x} wraps around"));
@@ -320,10 +307,7 @@ impl VmDescription {
             sum = sum.saturating_add(len);
         }
         if sum != self.memory_bytes {
-            return bad(format!(
-                "regions cover {sum} bytes but memory_bytes is {}",
-                self.memory_bytes
-            ));
+            return bad(format!("regions cover {sum} bytes but memory_bytes is {}", self.memory_bytes));
         }
         Ok(())
     }
@@ -336,9 +320,7 @@ impl VmDescription {
     /// Whether guest page frame `gfn` lies in a region.
     pub fn contains_gfn(&self, gfn: u64) -> bool {
         let page = PAGE as u64;
-        self.regions
-            .iter()
-            .any(|&(gpa, len)| gfn >= gpa / page && gfn - gpa / page < len / page)
+        self.regions.iter().any(|&(gpa, len)| gfn >= gpa / page && gfn - gpa / page < len / page)
     }
 }
 
@@ -347,11 +329,7 @@ pub fn encode_header(desc: &VmDescription) -> Result<Vec<u8>> {
     desc.validate()?;
     let json = serde_json::to_vec(desc).map_err(|e| Error::BadDescription(e.to_string()))?;
     if json.len() > MAX_DESC_LEN {
-        return Err(Error::Oversized {
-            what: "VM description",
-            len: json.len() as u64,
-            max: MAX_DESC_LEN as u64,
-        });
+        return Err(Error::Oversized { what: "VM description", len: json.len() as u64, max: MAX_DESC_LEN as u64 });
     }
     let mut out = Vec::with_capacity(HEADER_FIXED_LEN + json.len() + TRAILER_LEN);
     out.extend_from_slice(&MAGIC);
@@ -377,9 +355,7 @@ pub fn read_header<R: Read + ?Sized>(r: &mut R) -> Result<VmDescription> {
     let mut fixed = [0u8; HEADER_FIXED_LEN];
     let n = read_full(r, &mut fixed[..8])?;
     if fixed[..n] != MAGIC[..n] {
-        return Err(Error::BadMagic {
-            found: fixed[..n].to_vec(),
-        });
+        return Err(Error::BadMagic { found: fixed[..n].to_vec() });
     }
     if n < 8 {
         return Err(Error::Truncated { what: WHAT });
@@ -387,18 +363,11 @@ pub fn read_header<R: Read + ?Sized>(r: &mut R) -> Result<VmDescription> {
     read_exact(r, &mut fixed[8..], WHAT)?;
     let version = le_u32(&fixed[8..12]);
     if version != VERSION {
-        return Err(Error::UnsupportedVersion {
-            got: version,
-            supported: VERSION,
-        });
+        return Err(Error::UnsupportedVersion { got: version, supported: VERSION });
     }
     let desc_len = le_u32(&fixed[12..16]) as usize;
     if desc_len > MAX_DESC_LEN {
-        return Err(Error::Oversized {
-            what: "VM description",
-            len: desc_len as u64,
-            max: MAX_DESC_LEN as u64,
-        });
+        return Err(Error::Oversized { what: "VM description", len: desc_len as u64, max: MAX_DESC_LEN as u64 });
     }
     let mut rest = vec![0u8; desc_len + TRAILER_LEN];
     read_exact(r, &mut rest, WHAT)?;
@@ -408,8 +377,8 @@ pub fn read_header<R: Read + ?Sized>(r: &mut R) -> Result<VmDescription> {
     if h.finalize() != le_u32(&rest[desc_len..]) {
         return Err(Error::HeaderChecksumMismatch);
     }
-    let desc: VmDescription = serde_json::from_slice(&rest[..desc_len])
-        .map_err(|e| Error::BadDescription(e.to_string()))?;
+    let desc: VmDescription =
+        serde_json::from_slice(&rest[..desc_len]).map_err(|e| Error::BadDescription(e.to_string()))?;
     desc.validate()?;
     Ok(desc)
 }
@@ -490,34 +459,18 @@ impl Encoder {
     /// those of [`Encoder::mem_batch`].
     ///
     /// With `ack`, the receiver answers with [`Reply::Placed`] once the pages are in place.
-    pub fn batch_frame(
-        &mut self,
-        round: u32,
-        gfns: &[u64],
-        checksum: Checksum,
-        ack: bool,
-    ) -> Result<BatchFrame> {
+    pub fn batch_frame(&mut self, round: u32, gfns: &[u64], checksum: Checksum, ack: bool) -> Result<BatchFrame> {
         let count = gfns.len();
         if count == 0 {
-            return Err(Error::BadRecord {
-                seq: self.seq,
-                reason: "empty page batch".into(),
-            });
+            return Err(Error::BadRecord { seq: self.seq, reason: "empty page batch".into() });
         }
         if count > MAX_BATCH_PAGES {
-            return Err(Error::Oversized {
-                what: "page batch",
-                len: count as u64,
-                max: MAX_BATCH_PAGES as u64,
-            });
+            return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
         }
         if let Some(w) = gfns.windows(2).find(|w| w[0] >= w[1]) {
             return Err(Error::BadRecord {
                 seq: self.seq,
-                reason: format!(
-                    "page frames out of order in a batch ({:#x} before {:#x})",
-                    w[0], w[1]
-                ),
+                reason: format!("page frames out of order in a batch ({:#x} before {:#x})", w[0], w[1]),
             });
         }
         let mut flags = match checksum {
@@ -528,12 +481,7 @@ impl Encoder {
             flags |= FLAG_ACK;
         }
         let mut head = Vec::with_capacity(FRAME_HEADER_LEN + batch_meta_len(count));
-        head.extend_from_slice(&frame_header(
-            Tag::MemBatch,
-            flags,
-            batch_body_len(count),
-            self.seq,
-        ));
+        head.extend_from_slice(&frame_header(Tag::MemBatch, flags, batch_body_len(count), self.seq));
         head.extend_from_slice(&round.to_le_bytes());
         head.extend_from_slice(&(count as u32).to_le_bytes());
         for gfn in gfns {
@@ -541,27 +489,14 @@ impl Encoder {
         }
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&head);
-        let frame = BatchFrame {
-            head,
-            hasher,
-            checksum,
-            seq: self.seq,
-            data_len: count * PAGE,
-            fed: 0,
-        };
+        let frame = BatchFrame { head, hasher, checksum, seq: self.seq, data_len: count * PAGE, fed: 0 };
         self.seq += 1;
         Ok(frame)
     }
 
     /// Appends a fully checked `MemBatch` of pages already copied into `data`
     /// (`gfns.len() * 4096` bytes, in gfn order).
-    pub fn mem_batch(
-        &mut self,
-        out: &mut Vec<u8>,
-        round: u32,
-        gfns: &[u64],
-        data: &[u8],
-    ) -> Result<()> {
+    pub fn mem_batch(&mut self, out: &mut Vec<u8>, round: u32, gfns: &[u64], data: &[u8]) -> Result<()> {
         check_data_len(self.seq, gfns.len(), data.len())?;
         let mut f = self.batch_frame(round, gfns, Checksum::Full, false)?;
         f.update(data);
@@ -573,21 +508,13 @@ impl Encoder {
 
     /// Appends a `RoundEnd`: round `round` is over, having sent `pages` pages.
     pub fn round_end(&mut self, out: &mut Vec<u8>, round: u32, pages: u64) {
-        self.frame(
-            out,
-            Tag::RoundEnd,
-            &[&round.to_le_bytes(), &pages.to_le_bytes()],
-        );
+        self.frame(out, Tag::RoundEnd, &[&round.to_le_bytes(), &pages.to_le_bytes()]);
     }
 
     /// Appends the VM's opaque device/vCPU state (at most [`MAX_STATE_LEN`] bytes).
     pub fn state(&mut self, out: &mut Vec<u8>, state: &[u8]) -> Result<()> {
         if state.len() > MAX_STATE_LEN {
-            return Err(Error::Oversized {
-                what: "VM state",
-                len: state.len() as u64,
-                max: MAX_STATE_LEN as u64,
-            });
+            return Err(Error::Oversized { what: "VM state", len: state.len() as u64, max: MAX_STATE_LEN as u64 });
         }
         self.frame(out, Tag::State, &[state]);
         Ok(())
@@ -620,10 +547,7 @@ fn check_data_len(seq: u64, count: usize, data_len: usize) -> Result<()> {
     if data_len != count * PAGE {
         return Err(Error::BadRecord {
             seq,
-            reason: format!(
-                "{data_len} bytes of page data for {count} pages (need {})",
-                count * PAGE
-            ),
+            reason: format!("{data_len} bytes of page data for {count} pages (need {})", count * PAGE),
         });
     }
     Ok(())
@@ -676,10 +600,7 @@ impl BatchFrame {
         if self.checksum == Checksum::Full && self.fed != self.data_len {
             return Err(Error::BadRecord {
                 seq: self.seq,
-                reason: format!(
-                    "{} bytes of page data fed to the checksum, need {}",
-                    self.fed, self.data_len
-                ),
+                reason: format!("{} bytes of page data fed to the checksum, need {}", self.fed, self.data_len),
             });
         }
         Ok(self.hasher.clone().finalize().to_le_bytes())
@@ -699,11 +620,7 @@ impl<W: Write> Writer<W> {
     /// A writer whose first record gets seq 0. Write the header first ([`write_header`]), or
     /// use [`Writer::start`].
     pub fn new(inner: W) -> Self {
-        Writer {
-            inner,
-            enc: Encoder::new(),
-            buf: Vec::new(),
-        }
+        Writer { inner, enc: Encoder::new(), buf: Vec::new() }
     }
 
     /// Writes the stream header for `desc` and returns a writer for the records.
@@ -724,18 +641,8 @@ impl<W: Write> Writer<W> {
 
     /// Writes a `MemBatch` whose page data lies in `data` slices of any size (e.g. one per
     /// page, pointing into guest memory), `gfns.len() * 4096` bytes in all.
-    pub fn mem_batch_vectored(
-        &mut self,
-        round: u32,
-        gfns: &[u64],
-        data: &[&[u8]],
-        checksum: Checksum,
-    ) -> Result<()> {
-        check_data_len(
-            self.enc.seq(),
-            gfns.len(),
-            data.iter().map(|d| d.len()).sum(),
-        )?;
+    pub fn mem_batch_vectored(&mut self, round: u32, gfns: &[u64], data: &[&[u8]], checksum: Checksum) -> Result<()> {
+        check_data_len(self.enc.seq(), gfns.len(), data.iter().map(|d| d.len()).sum())?;
         let mut f = self.enc.batch_frame(round, gfns, checksum, false)?;
         for d in data {
             f.update(d);
@@ -758,11 +665,7 @@ impl<W: Write> Writer<W> {
     pub fn state(&mut self, state: &[u8]) -> Result<()> {
         // Header and trailer go around the caller's bytes; no copy of a big state.
         if state.len() > MAX_STATE_LEN {
-            return Err(Error::Oversized {
-                what: "VM state",
-                len: state.len() as u64,
-                max: MAX_STATE_LEN as u64,
-            });
+            return Err(Error::Oversized { what: "VM state", len: state.len() as u64, max: MAX_STATE_LEN as u64 });
         }
         let head = frame_header(Tag::State, 0, state.len(), self.enc.seq);
         let mut h = crc32fast::Hasher::new();
@@ -895,20 +798,13 @@ impl FrameReader {
     /// Reads a frame header and checks its tag, length bound, flags and reserved bytes.
     fn read_head<R: Read + ?Sized>(&mut self, r: &mut R, replies: bool) -> Result<Option<Head>> {
         if self.failed {
-            return Err(Error::BadRecord {
-                seq: self.seq,
-                reason: "the stream already failed".into(),
-            });
+            return Err(Error::BadRecord { seq: self.seq, reason: "the stream already failed".into() });
         }
         let mut hdr = [0u8; FRAME_HEADER_LEN];
         match read_full(r, &mut hdr)? {
             0 => return Ok(None),
             FRAME_HEADER_LEN => {}
-            _ => {
-                return Err(Error::Truncated {
-                    what: "record header",
-                })
-            }
+            _ => return Err(Error::Truncated { what: "record header" }),
         }
         let tag = match Tag::from_u8(hdr[0]) {
             Some(t) if t.is_reply() == replies => t,
@@ -916,41 +812,21 @@ impl FrameReader {
         };
         let len = le_u32(&hdr[4..8]) as usize;
         if len > tag.max_body_len() {
-            return Err(Error::Oversized {
-                what: "record body",
-                len: len as u64,
-                max: tag.max_body_len() as u64,
-            });
+            return Err(Error::Oversized { what: "record body", len: len as u64, max: tag.max_body_len() as u64 });
         }
         let (flags, seq) = (hdr[1], self.seq);
         if flags & !tag.allowed_flags() != 0 {
-            return Err(Error::BadRecord {
-                seq,
-                reason: format!("unknown flags {flags:#04x} on {tag}"),
-            });
+            return Err(Error::BadRecord { seq, reason: format!("unknown flags {flags:#04x} on {tag}") });
         }
         if hdr[2..4] != [0, 0] {
-            return Err(Error::BadRecord {
-                seq,
-                reason: "reserved bytes are not zero".into(),
-            });
+            return Err(Error::BadRecord { seq, reason: "reserved bytes are not zero".into() });
         }
-        Ok(Some(Head {
-            hdr,
-            tag,
-            flags,
-            len,
-        }))
+        Ok(Some(Head { hdr, tag, flags, len }))
     }
 
     /// Reads the body and trailer of `head` into `buf` and checks the CRC and seq.
     fn read_body<R: Read + ?Sized>(&mut self, r: &mut R, head: &Head) -> Result<Frame> {
-        let &Head {
-            hdr,
-            tag,
-            flags,
-            len,
-        } = head;
+        let &Head { hdr, tag, flags, len } = head;
         // Reused across records and never shrunk: after the first full batch, reading neither
         // allocates nor zero-fills.
         if self.buf.len() < len + TRAILER_LEN {
@@ -962,24 +838,14 @@ impl FrameReader {
         // that boundary needs the page count, bounded before it is used.
         let covered = if flags & FLAG_DATA_UNCHECKED != 0 {
             if len < 8 {
-                return Err(Error::BadRecord {
-                    seq,
-                    reason: "batch shorter than its metadata".into(),
-                });
+                return Err(Error::BadRecord { seq, reason: "batch shorter than its metadata".into() });
             }
             let count = le_u32(&self.buf[4..8]) as usize;
             if count > MAX_BATCH_PAGES {
-                return Err(Error::Oversized {
-                    what: "page batch",
-                    len: count as u64,
-                    max: MAX_BATCH_PAGES as u64,
-                });
+                return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
             }
             if batch_meta_len(count) > len {
-                return Err(Error::BadRecord {
-                    seq,
-                    reason: format!("batch of {count} pages in a {len}-byte body"),
-                });
+                return Err(Error::BadRecord { seq, reason: format!("batch of {count} pages in a {len}-byte body") });
             }
             batch_meta_len(count)
         } else {
@@ -994,13 +860,7 @@ impl FrameReader {
 
     /// Checks a frame's CRC, then its seq (after the CRC, so corruption reads as corruption
     /// and a bad seq means a record really went missing or came twice), and counts it.
-    fn finish(
-        &mut self,
-        hdr: &[u8; FRAME_HEADER_LEN],
-        tag: Tag,
-        crc: u32,
-        trailer: u32,
-    ) -> Result<()> {
+    fn finish(&mut self, hdr: &[u8; FRAME_HEADER_LEN], tag: Tag, crc: u32, trailer: u32) -> Result<()> {
         let seq = self.seq;
         if crc != trailer {
             return Err(Error::ChecksumMismatch { seq, tag });
@@ -1024,16 +884,10 @@ struct GfnMap {
 impl GfnMap {
     fn new(desc: &VmDescription) -> Self {
         let p = PAGE as u64;
-        let mut ranges: Vec<_> = desc
-            .regions
-            .iter()
-            .map(|&(gpa, len)| (gpa / p, (gpa / p).saturating_add(len / p)))
-            .collect();
+        let mut ranges: Vec<_> =
+            desc.regions.iter().map(|&(gpa, len)| (gpa / p, (gpa / p).saturating_add(len / p))).collect();
         ranges.sort_unstable();
-        GfnMap {
-            ranges,
-            memory_bytes: desc.memory_bytes,
-        }
+        GfnMap { ranges, memory_bytes: desc.memory_bytes }
     }
 
     fn contains(&self, gfn: u64) -> bool {
@@ -1066,10 +920,7 @@ pub trait PagePlacer {
     /// Buffers for the page data of `runs`, each `(first gfn, pages)` of contiguous frames
     /// and `pages * 4096` bytes long, in stream order. The reader has checked that the runs
     /// are disjoint and inside the described memory before it asks.
-    fn buffers(
-        &mut self,
-        runs: &[(u64, usize)],
-    ) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String>;
+    fn buffers(&mut self, runs: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String>;
 }
 
 /// The runs of contiguous gfns in `gfns`, as (first gfn, pages).
@@ -1137,28 +988,11 @@ pub enum Record<'a> {
 
 /// A checked record, before it borrows the reader's buffers.
 enum Parsed {
-    MemBatch {
-        round: u32,
-        count: usize,
-        len: usize,
-        checked: bool,
-        seq: u64,
-        ack: bool,
-        placed: bool,
-    },
-    RoundEnd {
-        round: u32,
-        pages: u64,
-    },
-    State {
-        len: usize,
-    },
-    Complete {
-        total_pages: u64,
-    },
-    Abort {
-        len: usize,
-    },
+    MemBatch { round: u32, count: usize, len: usize, checked: bool, seq: u64, ack: bool, placed: bool },
+    RoundEnd { round: u32, pages: u64 },
+    State { len: usize },
+    Complete { total_pages: u64 },
+    Abort { len: usize },
 }
 
 /// Reads and checks the records of a stream (receiver side).
@@ -1212,10 +1046,7 @@ impl<R: Read> Reader<R> {
 
     /// A reader for an extra connection of a multi-connection stream, which carries no State.
     pub fn secondary(inner: R, desc: &VmDescription) -> Self {
-        Reader {
-            expect_state: false,
-            ..Self::new(inner, desc)
-        }
+        Reader { expect_state: false, ..Self::new(inner, desc) }
     }
 
     /// Reads the header, then returns a reader for the records and the description.
@@ -1233,10 +1064,7 @@ impl<R: Read> Reader<R> {
     /// gives, checked against the CRC there, and the batch's `data` is empty. Page frames are
     /// range-checked before any byte is placed, but the CRC can only be checked after: on an
     /// error, the placed memory may hold bad data (a receiver discards that VM anyway).
-    pub fn next_record_placed(
-        &mut self,
-        placer: &mut dyn PagePlacer,
-    ) -> Result<Option<Record<'_>>> {
+    pub fn next_record_placed(&mut self, placer: &mut dyn PagePlacer) -> Result<Option<Record<'_>>> {
         self.next(Some(placer))
     }
 
@@ -1255,35 +1083,14 @@ impl<R: Read> Reader<R> {
         };
         let buf = &self.frames.buf;
         Ok(Some(match parsed {
-            Parsed::MemBatch {
-                round,
-                count,
-                len,
-                checked,
-                seq,
-                ack,
-                placed,
-            } => {
-                let data = if placed {
-                    &[][..]
-                } else {
-                    &buf[batch_meta_len(count)..len]
-                };
-                Record::MemBatch(Batch {
-                    round,
-                    gfns: &self.gfns,
-                    data,
-                    checked,
-                    seq,
-                    ack,
-                })
+            Parsed::MemBatch { round, count, len, checked, seq, ack, placed } => {
+                let data = if placed { &[][..] } else { &buf[batch_meta_len(count)..len] };
+                Record::MemBatch(Batch { round, gfns: &self.gfns, data, checked, seq, ack })
             }
             Parsed::RoundEnd { round, pages } => Record::RoundEnd { round, pages },
             Parsed::State { len } => Record::State(&buf[..len]),
             Parsed::Complete { total_pages } => Record::Complete { total_pages },
-            Parsed::Abort { len } => {
-                Record::Abort(std::str::from_utf8(&buf[..len]).unwrap_or_default())
-            }
+            Parsed::Abort { len } => Record::Abort(std::str::from_utf8(&buf[..len]).unwrap_or_default()),
         }))
     }
 
@@ -1297,20 +1104,13 @@ impl<R: Read> Reader<R> {
         let round = le_u32(&first8[0..4]);
         let count = le_u32(&first8[4..8]) as usize;
         if count > MAX_BATCH_PAGES {
-            return Err(Error::Oversized {
-                what: "page batch",
-                len: count as u64,
-                max: MAX_BATCH_PAGES as u64,
-            });
+            return Err(Error::Oversized { what: "page batch", len: count as u64, max: MAX_BATCH_PAGES as u64 });
         }
         if count == 0 || len != batch_body_len(count) {
             return bad(format!("batch of {count} pages in a {len}-byte body"));
         }
         if round != self.round {
-            return bad(format!(
-                "batch for round {round} during round {}",
-                self.round
-            ));
+            return bad(format!("batch for round {round} during round {}", self.round));
         }
         if flags & FLAG_ACK != 0 && !self.expect_state {
             return bad("acknowledged batch on an extra connection".into());
@@ -1325,18 +1125,12 @@ impl<R: Read> Reader<R> {
         for g in raw.chunks_exact(8) {
             let gfn = le_u64(g);
             if !map.contains(gfn) {
-                return Err(Error::PageOutOfRange {
-                    gfn,
-                    memory_bytes: map.memory_bytes,
-                });
+                return Err(Error::PageOutOfRange { gfn, memory_bytes: map.memory_bytes });
             }
             if gfns.last().is_some_and(|&l| l >= gfn) {
                 return Err(Error::BadRecord {
                     seq,
-                    reason: format!(
-                        "page frames out of order ({gfn:#x} after {:#x})",
-                        gfns[gfns.len() - 1]
-                    ),
+                    reason: format!("page frames out of order ({gfn:#x} after {:#x})", gfns[gfns.len() - 1]),
                 });
             }
             gfns.push(gfn);
@@ -1345,26 +1139,11 @@ impl<R: Read> Reader<R> {
     }
 
     /// Counts a checked batch into its round.
-    fn commit_batch(
-        &mut self,
-        seq: u64,
-        flags: u8,
-        count: usize,
-        len: usize,
-        placed: bool,
-    ) -> Parsed {
+    fn commit_batch(&mut self, seq: u64, flags: u8, count: usize, len: usize, placed: bool) -> Parsed {
         let checked = flags & FLAG_DATA_UNCHECKED == 0;
         self.round_pages += count as u64;
         self.round_unchecked |= !checked;
-        Parsed::MemBatch {
-            round: self.round,
-            count,
-            len,
-            checked,
-            seq,
-            ack: flags & FLAG_ACK != 0,
-            placed,
-        }
+        Parsed::MemBatch { round: self.round, count, len, checked, seq, ack: flags & FLAG_ACK != 0, placed }
     }
 
     /// Reads a batch whose header is `head`, placing its page data with `placer`.
@@ -1386,17 +1165,11 @@ impl<R: Read> Reader<R> {
         h.update(&buf[..meta_len]);
         let mut bufs = placer.buffers(&runs).map_err(Error::Placement)?;
         if bufs.len() != runs.len() || bufs.iter().zip(&runs).any(|(b, r)| b.len() != r.1 * PAGE) {
-            return Err(Error::Placement(format!(
-                "the placer's buffers do not match the batch's {} runs",
-                runs.len()
-            )));
+            return Err(Error::Placement(format!("the placer's buffers do not match the batch's {} runs", runs.len())));
         }
         {
             // Reborrowed, so the buffers can be read again for the CRC once they are full.
-            let mut work: Vec<io::IoSliceMut<'_>> = bufs
-                .iter_mut()
-                .map(|b| io::IoSliceMut::new(&mut b[..]))
-                .collect();
+            let mut work: Vec<io::IoSliceMut<'_>> = bufs.iter_mut().map(|b| io::IoSliceMut::new(&mut b[..])).collect();
             read_exact_vectored(&mut self.inner, &mut work, "record body")?;
         }
         if head.flags & FLAG_DATA_UNCHECKED == 0 {
@@ -1407,8 +1180,7 @@ impl<R: Read> Reader<R> {
         drop(bufs);
         let mut trailer = [0u8; TRAILER_LEN];
         read_exact(&mut self.inner, &mut trailer, "record body")?;
-        self.frames
-            .finish(&head.hdr, head.tag, h.finalize(), le_u32(&trailer))?;
+        self.frames.finish(&head.hdr, head.tag, h.finalize(), le_u32(&trailer))?;
         Ok(self.commit_batch(seq, head.flags, count, meta_len, true))
     }
 
@@ -1416,9 +1188,7 @@ impl<R: Read> Reader<R> {
     fn advance(&mut self, placer: Option<&mut dyn PagePlacer>) -> Result<Parsed> {
         let seq = self.frames.seq;
         let Some(head) = self.frames.read_head(&mut self.inner, false)? else {
-            return Err(Error::Truncated {
-                what: "stream (it ended before Complete or Abort)",
-            });
+            return Err(Error::Truncated { what: "stream (it ended before Complete or Abort)" });
         };
         if let (Tag::MemBatch, Some(p)) = (head.tag, placer) {
             return self.place_batch(&head, p);
@@ -1429,12 +1199,7 @@ impl<R: Read> Reader<R> {
         match tag {
             Tag::MemBatch => {
                 let count = self.batch_count(seq, flags, len, &body[..8.min(len)])?;
-                Self::load_gfns(
-                    &mut self.gfns,
-                    &self.gfn_map,
-                    seq,
-                    &body[8..batch_meta_len(count)],
-                )?;
+                Self::load_gfns(&mut self.gfns, &self.gfn_map, seq, &body[8..batch_meta_len(count)])?;
                 Ok(self.commit_batch(seq, flags, count, len, false))
             }
             Tag::RoundEnd => {
@@ -1477,10 +1242,7 @@ impl<R: Read> Reader<R> {
                     return bad("Complete before State".into());
                 }
                 if self.round_pages != 0 {
-                    return bad(format!(
-                        "Complete inside round {} (no RoundEnd)",
-                        self.round
-                    ));
+                    return bad(format!("Complete inside round {} (no RoundEnd)", self.round));
                 }
                 if total_pages != self.total_pages {
                     return bad(format!(
@@ -1502,9 +1264,7 @@ impl<R: Read> Reader<R> {
                 Ok(Parsed::Abort { len })
             }
             // FrameReader already rejects replies in a record stream.
-            Tag::Ready | Tag::Resumed | Tag::Failed | Tag::Placed | Tag::Accepted => {
-                Err(Error::UnknownTag(tag as u8))
-            }
+            Tag::Ready | Tag::Resumed | Tag::Failed | Tag::Placed | Tag::Accepted => Err(Error::UnknownTag(tag as u8)),
         }
     }
 
@@ -1586,15 +1346,10 @@ impl<R: Read> ReplyReader<R> {
     pub fn next_reply(&mut self) -> Result<Reply> {
         let seq = self.frames.seq;
         if self.finished {
-            return Err(Error::BadRecord {
-                seq,
-                reason: "no reply follows Resumed or Failed".into(),
-            });
+            return Err(Error::BadRecord { seq, reason: "no reply follows Resumed or Failed".into() });
         }
         let Some(Frame { tag, len, .. }) = self.frames.read(&mut self.inner, true)? else {
-            return Err(Error::Truncated {
-                what: "reply stream",
-            });
+            return Err(Error::Truncated { what: "reply stream" });
         };
         let reply = match tag {
             Tag::Accepted if !self.ready && !self.accepted => {
@@ -1619,18 +1374,12 @@ impl<R: Read> ReplyReader<R> {
                 Ok(s) => Reply::Failed(s.to_string()),
                 Err(_) => {
                     self.frames.failed = true;
-                    return Err(Error::BadRecord {
-                        seq,
-                        reason: "Failed reason is not UTF-8".into(),
-                    });
+                    return Err(Error::BadRecord { seq, reason: "Failed reason is not UTF-8".into() });
                 }
             },
             _ => {
                 self.frames.failed = true;
-                return Err(Error::BadRecord {
-                    seq,
-                    reason: format!("unexpected reply {tag}"),
-                });
+                return Err(Error::BadRecord { seq, reason: format!("unexpected reply {tag}") });
             }
         };
         self.ready = true;

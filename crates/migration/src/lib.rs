@@ -38,8 +38,8 @@ impl TestRng {
 }
 
 pub use format::{
-    read_header, write_header, Batch, BatchFrame, Checksum, Encoder, Error, Reader, Record, Reply,
-    ReplyReader, Tag, VmDescription, Writer,
+    read_header, write_header, Batch, BatchFrame, Checksum, Encoder, Error, Reader, Record, Reply, ReplyReader, Tag,
+    VmDescription, Writer,
 };
 pub use model::{compare, predict, Comparison, DirtyModel, ModelError, PredictParams, Prediction};
 pub use planner::{Decision, Planner, RoundStats, StopPolicy, StopReason, XenRule};

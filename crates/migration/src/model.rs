@@ -20,9 +20,7 @@ use crate::planner::{Decision, Planner, RoundStats, StopPolicy, StopReason};
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ModelError {
     /// Fewer distinct positive durations than the two parameters need.
-    #[error(
-        "too few observations: {distinct} distinct positive durations, need at least {needed}"
-    )]
+    #[error("too few observations: {distinct} distinct positive durations, need at least {needed}")]
     TooFewObservations {
         /// Distinct durations > 0 in the input.
         distinct: usize,
@@ -99,10 +97,7 @@ impl DirtyModel {
         ts.sort_by(f64::total_cmp);
         ts.dedup();
         if ts.len() < 2 {
-            return Err(ModelError::TooFewObservations {
-                distinct: ts.len(),
-                needed: 2,
-            });
+            return Err(ModelError::TooFewObservations { distinct: ts.len(), needed: 2 });
         }
         if obs.iter().all(|o| o.1 == 0.0) {
             return Err(ModelError::Degenerate("no pages dirtied"));
@@ -112,9 +107,7 @@ impl DirtyModel {
         let step = (hi / lo).ln() / (N - 1) as f64;
         let grid: Vec<f64> = (0..N).map(|i| lo.ln() + step * i as f64).collect();
         let sse = |ln_tau: f64| best_m(obs, ln_tau.exp()).1;
-        let best = (0..N)
-            .min_by(|&a, &b| sse(grid[a]).total_cmp(&sse(grid[b])))
-            .unwrap_or(0);
+        let best = (0..N).min_by(|&a, &b| sse(grid[a]).total_cmp(&sse(grid[b]))).unwrap_or(0);
         // Golden section in ln τ between the grid neighbours of the best point.
         let (mut a, mut b) = (grid[best.saturating_sub(1)], grid[(best + 1).min(N - 1)]);
         let r = (5f64.sqrt() - 1.0) / 2.0;
@@ -144,10 +137,7 @@ impl DirtyModel {
         if obs.is_empty() {
             return 0.0;
         }
-        let sse: f64 = obs
-            .iter()
-            .map(|&(t, y)| (y - self.dirtied(t)).powi(2))
-            .sum();
+        let sse: f64 = obs.iter().map(|&(t, y)| (y - self.dirtied(t)).powi(2)).sum();
         (sse / obs.len() as f64).sqrt()
     }
 }
@@ -211,17 +201,13 @@ fn secs_to_duration(secs: f64) -> Duration {
 pub fn predict(model: &DirtyModel, params: &PredictParams) -> Result<Prediction, ModelError> {
     let bw = params.bandwidth_pages_per_s;
     if !(bw.is_finite() && bw > 0.0) {
-        return Err(ModelError::InvalidParams(
-            "bandwidth must be positive and finite",
-        ));
+        return Err(ModelError::InvalidParams("bandwidth must be positive and finite"));
     }
     if !(0.0..=1.0).contains(&params.beta) {
         return Err(ModelError::InvalidParams("beta must be within 0..=1"));
     }
     if !(model.m.is_finite() && model.m >= 0.0 && model.tau.is_finite() && model.tau > 0.0) {
-        return Err(ModelError::InvalidParams(
-            "the model needs M ≥ 0 and τ > 0, both finite",
-        ));
+        return Err(ModelError::InvalidParams("the model needs M ≥ 0 and τ > 0, both finite"));
     }
     let mut planner = Planner::new(params.policy, params.total_pages);
     let mut rounds = Vec::new();
@@ -229,10 +215,7 @@ pub fn predict(model: &DirtyModel, params: &PredictParams) -> Result<Prediction,
     let stop = loop {
         let round = rounds.len() as u32;
         let secs = pages as f64 / bw;
-        let dirty = model
-            .dirtied(secs * (1.0 - params.beta))
-            .min(params.total_pages as f64)
-            .round() as u64;
+        let dirty = model.dirtied(secs * (1.0 - params.beta)).min(params.total_pages as f64).round() as u64;
         rounds.push(RoundPrediction { round, pages, secs });
         let stats = RoundStats {
             round,
@@ -247,11 +230,7 @@ pub fn predict(model: &DirtyModel, params: &PredictParams) -> Result<Prediction,
         }
     };
     let downtime_secs = pages as f64 / bw;
-    rounds.push(RoundPrediction {
-        round: rounds.len() as u32,
-        pages,
-        secs: downtime_secs,
-    });
+    rounds.push(RoundPrediction { round: rounds.len() as u32, pages, secs: downtime_secs });
     Ok(Prediction {
         total_pages: rounds.iter().map(|r| r.pages).sum(),
         total_secs: rounds.iter().map(|r| r.secs).sum(),
@@ -341,9 +320,7 @@ pub fn compare(predicted: &Prediction, measured: &[RoundStats]) -> Comparison {
         measured_rounds: measured.len(),
         total_pages_rel_err: rel_err(predicted.total_pages as f64, m_pages as f64),
         total_secs_rel_err: rel_err(predicted.total_secs, m_secs),
-        downtime_rel_err: measured
-            .last()
-            .and_then(|l| rel_err(predicted.downtime_secs, l.duration.as_secs_f64())),
+        downtime_rel_err: measured.last().and_then(|l| rel_err(predicted.downtime_secs, l.duration.as_secs_f64())),
     }
 }
 

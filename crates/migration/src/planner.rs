@@ -27,11 +27,7 @@ pub struct XenRule {
 
 impl Default for XenRule {
     fn default() -> Self {
-        XenRule {
-            max_dirty_pages: 50,
-            max_rounds: 30,
-            max_sent_factor: 3.0,
-        }
+        XenRule { max_dirty_pages: 50, max_rounds: 30, max_sent_factor: 3.0 }
     }
 }
 
@@ -47,10 +43,7 @@ pub struct StopPolicy {
 impl Default for StopPolicy {
     /// Xen's rule alone.
     fn default() -> Self {
-        StopPolicy {
-            xen: Some(XenRule::default()),
-            downtime: None,
-        }
+        StopPolicy { xen: Some(XenRule::default()), downtime: None }
     }
 }
 
@@ -116,14 +109,7 @@ pub struct Planner {
 impl Planner {
     /// A planner for a VM of `total_pages` pages.
     pub fn new(policy: StopPolicy, total_pages: u64) -> Self {
-        Planner {
-            policy,
-            total_pages,
-            rounds: 0,
-            pages_sent: 0,
-            bytes_sent: 0,
-            ewma: None,
-        }
+        Planner { policy, total_pages, rounds: 0, pages_sent: 0, bytes_sent: 0, ewma: None }
     }
 
     /// Accounts for a finished live round and decides whether to stop. Rounds are counted
@@ -244,9 +230,7 @@ mod tests {
         let mut pages = first;
         for r in 0.. {
             let d = dirty(r);
-            if let Decision::StopAndCopy(reason) =
-                p.after_round(&stats(r, pages, pages as f64 / 100_000.0, d))
-            {
+            if let Decision::StopAndCopy(reason) = p.after_round(&stats(r, pages, pages as f64 / 100_000.0, d)) {
                 return (r, reason);
             }
             pages = d;
@@ -256,33 +240,17 @@ mod tests {
 
     #[test]
     fn xen_defaults() {
-        assert_eq!(
-            XenRule::default(),
-            XenRule {
-                max_dirty_pages: 50,
-                max_rounds: 30,
-                max_sent_factor: 3.0
-            }
-        );
+        assert_eq!(XenRule::default(), XenRule { max_dirty_pages: 50, max_rounds: 30, max_sent_factor: 3.0 });
         assert_eq!(StopPolicy::default().downtime, None);
     }
 
     #[test]
     fn few_dirty_pages_stops_at_50_inclusive() {
         let mut p = Planner::new(StopPolicy::default(), 10_000);
-        assert_eq!(
-            p.after_round(&stats(0, 10_000, 0.1, 51)),
-            Decision::Continue
-        );
-        assert_eq!(
-            p.after_round(&stats(1, 51, 0.001, 50)),
-            Decision::StopAndCopy(StopReason::FewDirtyPages)
-        );
+        assert_eq!(p.after_round(&stats(0, 10_000, 0.1, 51)), Decision::Continue);
+        assert_eq!(p.after_round(&stats(1, 51, 0.001, 50)), Decision::StopAndCopy(StopReason::FewDirtyPages));
         let mut p = Planner::new(StopPolicy::default(), 10_000);
-        assert_eq!(
-            run(&mut p, 10_000, |r| [5000, 800, 120, 40][r as usize]),
-            (3, StopReason::FewDirtyPages)
-        );
+        assert_eq!(run(&mut p, 10_000, |r| [5000, 800, 120, 40][r as usize]), (3, StopReason::FewDirtyPages));
     }
 
     #[test]
@@ -308,16 +276,10 @@ mod tests {
 
     #[test]
     fn downtime_rule() {
-        let policy = StopPolicy {
-            xen: None,
-            downtime: Some(Duration::from_millis(10)),
-        };
+        let policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(10)) };
         let mut p = Planner::new(policy, 100_000);
         // 100,000 pages in 1 s: 100,000 pages/s, so 10 ms is 1,000 pages.
-        assert_eq!(
-            p.after_round(&stats(0, 100_000, 1.0, 5000)),
-            Decision::Continue
-        );
+        assert_eq!(p.after_round(&stats(0, 100_000, 1.0, 5000)), Decision::Continue);
         assert_eq!(p.bandwidth(), Some(100_000.0 * 4096.0));
         assert_eq!(p.estimated_downtime(5000), Some(Duration::from_millis(50)));
         match p.after_round(&stats(1, 5000, 0.05, 900)) {
@@ -330,39 +292,24 @@ mod tests {
 
     #[test]
     fn downtime_alone_still_terminates() {
-        let policy = StopPolicy {
-            xen: None,
-            downtime: Some(Duration::from_micros(1)),
-        };
+        let policy = StopPolicy { xen: None, downtime: Some(Duration::from_micros(1)) };
         let mut p = Planner::new(policy, 1000);
-        assert_eq!(
-            run(&mut p, 1000, |_| 1000),
-            (HARD_MAX_ROUNDS - 2, StopReason::MaxRounds)
-        );
+        assert_eq!(run(&mut p, 1000, |_| 1000), (HARD_MAX_ROUNDS - 2, StopReason::MaxRounds));
     }
 
     #[test]
     fn both_rules_either_stops() {
-        let policy = StopPolicy {
-            xen: Some(XenRule::default()),
-            downtime: Some(Duration::from_millis(10)),
-        };
+        let policy = StopPolicy { xen: Some(XenRule::default()), downtime: Some(Duration::from_millis(10)) };
         // Downtime fires first (900 pages fit in 10 ms, far above 50).
         let mut p = Planner::new(policy, 100_000);
-        assert_eq!(
-            p.after_round(&stats(0, 100_000, 1.0, 5000)),
-            Decision::Continue
-        );
+        assert_eq!(p.after_round(&stats(0, 100_000, 1.0, 5000)), Decision::Continue);
         assert!(matches!(
             p.after_round(&stats(1, 5000, 0.05, 900)),
             Decision::StopAndCopy(StopReason::DowntimeMet { .. })
         ));
         // Xen fires first (a slow link: 40 pages take 40 ms, but 40 ≤ 50).
         let mut p = Planner::new(policy, 100_000);
-        assert_eq!(
-            p.after_round(&stats(0, 1000, 1.0, 40)),
-            Decision::StopAndCopy(StopReason::FewDirtyPages)
-        );
+        assert_eq!(p.after_round(&stats(0, 1000, 1.0, 40)), Decision::StopAndCopy(StopReason::FewDirtyPages));
     }
 
     #[test]

@@ -62,10 +62,7 @@ impl AssistKind {
     }
 
     fn index(self) -> usize {
-        AssistKind::ALL
-            .iter()
-            .position(|k| *k == self)
-            .expect("in ALL")
+        AssistKind::ALL.iter().position(|k| *k == self).expect("in ALL")
     }
 }
 
@@ -238,21 +235,10 @@ pub fn decode_modrm(b: &[u8], p: &Prefixes) -> Option<ModRm> {
     let rex_b = p.rex & 1;
     let reg = reg | rex_r << 3;
     if md == 3 {
-        return Some(ModRm {
-            reg,
-            rm: Rm::Reg(rm | rex_b << 3),
-            len: 1,
-        });
+        return Some(ModRm { reg, rm: Rm::Reg(rm | rex_b << 3), len: 1 });
     }
     let mut len = 1;
-    let mut m = MemOperand {
-        base: None,
-        index: None,
-        disp: 0,
-        rip_relative: false,
-        addr32: p.addr32,
-        seg: p.seg,
-    };
+    let mut m = MemOperand { base: None, index: None, disp: 0, rip_relative: false, addr32: p.addr32, seg: p.seg };
     let mut disp_len = match md {
         1 => 1,
         2 => 4,
@@ -282,20 +268,13 @@ pub fn decode_modrm(b: &[u8], p: &Prefixes) -> Option<ModRm> {
         4 => i32::from_le_bytes([d[0], d[1], d[2], d[3]]),
         _ => 0,
     };
-    Some(ModRm {
-        reg,
-        rm: Rm::Mem(m),
-        len: len + disp_len,
-    })
+    Some(ModRm { reg, rm: Rm::Mem(m), len: len + disp_len })
 }
 
 /// The general registers of `r` indexed by x86 register number (RAX, RCX, RDX, RBX, RSP, RBP,
 /// RSI, RDI, R8 … R15).
 pub fn gprs(r: &kvm_regs) -> [u64; 16] {
-    [
-        r.rax, r.rcx, r.rdx, r.rbx, r.rsp, r.rbp, r.rsi, r.rdi, r.r8, r.r9, r.r10, r.r11, r.r12,
-        r.r13, r.r14, r.r15,
-    ]
+    [r.rax, r.rcx, r.rdx, r.rbx, r.rsp, r.rbp, r.rsi, r.rdi, r.r8, r.r9, r.r10, r.r11, r.r12, r.r13, r.r14, r.r15]
 }
 
 /// Writes general register `n` (numbered as in [`gprs`]).
@@ -424,14 +403,7 @@ pub fn decode(b: &[u8], long_mode: bool) -> Option<(Insn, usize)> {
             } else {
                 4
             };
-            (
-                Insn::Popcnt {
-                    dst: m.reg,
-                    src: m.rm,
-                    size,
-                },
-                2 + m.len,
-            )
+            (Insn::Popcnt { dst: m.reg, src: m.rm, size }, 2 + m.len)
         }
         // 66/f2/f3 0f ae /2,/3 are other instructions (or #UD).
         [0x0f, 0xae, rest @ ..] if !p.opsize && p.rep.is_none() => {
@@ -480,9 +452,7 @@ pub struct Done {
     pub exception: Option<Exception>,
 }
 
-use crate::x86::{
-    CR0_EM, CR0_TS, CR4_OSFXSR, CR4_SMAP, CR4_TSD, RFLAGS_AC, RFLAGS_ARITH, RFLAGS_ZF,
-};
+use crate::x86::{CR0_EM, CR0_TS, CR4_OSFXSR, CR4_SMAP, CR4_TSD, RFLAGS_AC, RFLAGS_ARITH, RFLAGS_ZF};
 
 /// Carries out `insn` (of `len` bytes at `regs.rip`): updates `regs` (RIP and flags) and guest
 /// state through `cpu`. `Ok(None)` declines (the caller reports the emulation failure).
@@ -505,10 +475,7 @@ pub fn execute(
         Insn::Clac | Insn::Stac if sregs.cr4 & CR4_SMAP == 0 => return Ok(None),
         Insn::Clac | Insn::Stac if cpl != 0 => {
             // #UD at the instruction itself (a fault: RIP stays).
-            return Ok(Some(Done {
-                kind: insn.kind(),
-                exception: fault(VEC_UD, None),
-            }));
+            return Ok(Some(Done { kind: insn.kind(), exception: fault(VEC_UD, None) }));
         }
         Insn::Clac => {
             regs.rflags &= !RFLAGS_AC;
@@ -530,11 +497,7 @@ pub fn execute(
                     u64::from_le_bytes(b)
                 }
             };
-            let v = if size == 8 {
-                v
-            } else {
-                v & ((1u64 << (size * 8)) - 1)
-            };
+            let v = if size == 8 { v } else { v & ((1u64 << (size * 8)) - 1) };
             write_gpr_sized(regs, dst, size, v.count_ones() as u64);
             regs.rflags &= !RFLAGS_ARITH;
             if v == 0 {
@@ -544,10 +507,7 @@ pub fn execute(
         }
         Insn::Rdtscp => {
             if sregs.cr4 & CR4_TSD != 0 && cpl != 0 {
-                return Ok(Some(Done {
-                    kind: insn.kind(),
-                    exception: fault(VEC_GP, Some(0)),
-                }));
+                return Ok(Some(Done { kind: insn.kind(), exception: fault(VEC_GP, Some(0)) }));
             }
             let (Some(tsc), Some(aux)) = (cpu.rdmsr(MSR_IA32_TSC)?, cpu.rdmsr(MSR_TSC_AUX)?) else {
                 return Ok(None);
@@ -560,16 +520,10 @@ pub fn execute(
         Insn::Ldmxcsr(m) | Insn::Stmxcsr(m) => {
             // Faults leave RIP at the instruction.
             if sregs.cr0 & CR0_EM != 0 || sregs.cr4 & CR4_OSFXSR == 0 {
-                return Ok(Some(Done {
-                    kind: insn.kind(),
-                    exception: fault(VEC_UD, None),
-                }));
+                return Ok(Some(Done { kind: insn.kind(), exception: fault(VEC_UD, None) }));
             }
             if sregs.cr0 & CR0_TS != 0 {
-                return Ok(Some(Done {
-                    kind: insn.kind(),
-                    exception: fault(VEC_NM, None),
-                }));
+                return Ok(Some(Done { kind: insn.kind(), exception: fault(VEC_NM, None) }));
             }
             let addr = m.address(&gprs(regs), next, sregs.fs.base, sregs.gs.base);
             if let Insn::Ldmxcsr(_) = insn {
@@ -580,10 +534,7 @@ pub fn execute(
                 let v = u32::from_le_bytes(v);
                 let (_, mask) = cpu.mxcsr()?;
                 if v & !mask != 0 {
-                    return Ok(Some(Done {
-                        kind: insn.kind(),
-                        exception: fault(VEC_GP, Some(0)),
-                    }));
+                    return Ok(Some(Done { kind: insn.kind(), exception: fault(VEC_GP, Some(0)) }));
                 }
                 cpu.set_mxcsr(v)?;
             } else {
@@ -596,10 +547,7 @@ pub fn execute(
         }
     };
     regs.rip = next;
-    Ok(Some(Done {
-        kind: insn.kind(),
-        exception,
-    }))
+    Ok(Some(Done { kind: insn.kind(), exception }))
 }
 
 #[cfg(test)]
@@ -623,10 +571,7 @@ mod tests {
         let p = decode_prefixes(&[0x41, 0x67, 0x0f]);
         assert_eq!((p.rex, p.addr32, p.len), (0, true, 2));
         let p = decode_prefixes(&[0xf0, 0xf3, 0x66, 0x2e, 0x0f]);
-        assert_eq!(
-            (p.lock, p.rep, p.opsize, p.seg, p.len),
-            (true, Some(0xf3), true, None, 4)
-        );
+        assert_eq!((p.lock, p.rep, p.opsize, p.seg, p.len), (true, Some(0xf3), true, None, 4));
     }
 
     #[test]
@@ -650,14 +595,7 @@ mod tests {
             }
         );
         // register form: 0xc0 = mod 11 reg 0 rm 0
-        assert_eq!(
-            decode_modrm(&[0xc0], &p).unwrap(),
-            ModRm {
-                reg: 0,
-                rm: Rm::Reg(0),
-                len: 1
-            }
-        );
+        assert_eq!(decode_modrm(&[0xc0], &p).unwrap(), ModRm { reg: 0, rm: Rm::Reg(0), len: 1 });
         // -0x4(%rbp): 0x55 0xfc = mod 01 reg 2 rm 5, disp8 -4
         let m = decode_modrm(&[0x55, 0xfc], &p).unwrap();
         assert_eq!(
@@ -769,15 +707,9 @@ mod tests {
         let m = mem(&[0x42, 0x0f, 0xae, 0x14, 0x60]);
         assert_eq!((m.base, m.index), (Some(0), Some((12, 2))));
         // stmxcsr 0x8(%r15): 41 0f ae 5f 08
-        assert!(matches!(
-            decode(&[0x41, 0x0f, 0xae, 0x5f, 0x08], true),
-            Some((Insn::Stmxcsr(_), 5))
-        ));
+        assert!(matches!(decode(&[0x41, 0x0f, 0xae, 0x5f, 0x08], true), Some((Insn::Stmxcsr(_), 5))));
         // REX.R on an opcode extension: reg & 7 still selects /2.
-        assert!(matches!(
-            decode(&[0x44, 0x0f, 0xae, 0x17], true),
-            Some((Insn::Ldmxcsr(_), 4))
-        ));
+        assert!(matches!(decode(&[0x44, 0x0f, 0xae, 0x17], true), Some((Insn::Ldmxcsr(_), 4))));
     }
 
     #[test]
@@ -793,12 +725,7 @@ mod tests {
         // gs-relative: 65 0f ae 14 25 <disp32>
         let m = mem(&[0x65, 0x0f, 0xae, 0x14, 0x25, 0x40, 0, 0, 0]);
         assert_eq!((m.seg, m.base, m.disp), (Some(Seg::Gs), None, 0x40));
-        assert_eq!(
-            decode(&[0x65, 0x0f, 0xae, 0x14, 0x25, 0x40, 0, 0, 0], true)
-                .unwrap()
-                .1,
-            9
-        );
+        assert_eq!(decode(&[0x65, 0x0f, 0xae, 0x14, 0x25, 0x40, 0, 0, 0], true).unwrap().1, 9);
         // Not ours: register forms (lfence/mfence/sfence), xsave/xrstor, fxsave, prefixed forms,
         // LOCK, memory forms outside 64-bit mode, truncated bytes.
         for b in [
@@ -837,10 +764,7 @@ mod tests {
         let m = mem(&[0x0f, 0xae, 0x54, 0xc8, 0x10]); // 0x10(%rax,%rcx,8)
         assert_eq!(m.address(&g, 0, 0, 0), 0x1000 + 0x80 + 0x10);
         let m = mem(&[0x0f, 0xae, 0x15, 0xf0, 0xff, 0xff, 0xff]); // -0x10(%rip)
-        assert_eq!(
-            m.address(&g, 0xffff_ffff_8100_0007, 0, 0),
-            0xffff_ffff_80ff_fff7
-        );
+        assert_eq!(m.address(&g, 0xffff_ffff_8100_0007, 0, 0), 0xffff_ffff_80ff_fff7);
         let m = mem(&[0x41, 0x0f, 0xae, 0x54, 0x24, 0x20]); // 0x20(%r12): wraps
         assert_eq!(m.address(&g, 0, 0, 0), 0x10);
         let m = mem(&[0x67, 0x41, 0x0f, 0xae, 0x54, 0x24, 0x20]); // addr32: 0x20(%r12d)
@@ -860,11 +784,7 @@ mod tests {
         region[128] = 0x4; // YMM only
         set_xsave_mxcsr(&mut region, 0x1f80);
         assert_eq!(&bytes(&region)[24..28], &0x1f80u32.to_le_bytes());
-        assert_eq!(
-            &bytes(&region)[512..520],
-            &[0x7, 0, 0, 0, 0, 0, 0, 0],
-            "XSTATE_BV gains FP and SSE"
-        );
+        assert_eq!(&bytes(&region)[512..520], &[0x7, 0, 0, 0, 0, 0, 0, 0], "XSTATE_BV gains FP and SSE");
         assert_eq!(xsave_mxcsr(&region), 0x1f80);
         assert_eq!(xsave_mxcsr_mask(&region), MXCSR_MASK_DEFAULT);
         region[7] = 0xffff;
@@ -929,11 +849,7 @@ mod tests {
     }
 
     fn sregs64() -> kvm_sregs {
-        let mut s = kvm_sregs {
-            cr0: 0x8005_0033,
-            cr4: 0x6a0 | CR4_OSFXSR | CR4_SMAP,
-            ..Default::default()
-        };
+        let mut s = kvm_sregs { cr0: 0x8005_0033, cr4: 0x6a0 | CR4_OSFXSR | CR4_SMAP, ..Default::default() };
         s.cs.l = 1;
         s.cs.selector = 0x10;
         s
@@ -946,47 +862,25 @@ mod tests {
 
     #[test]
     fn executes() {
-        let mut cpu = Fake {
-            mem: (0x2000..0x2010).map(|a| (a, 0)).collect(),
-            mxcsr: 0x1f80,
-            mask: 0xffff,
-        };
+        let mut cpu = Fake { mem: (0x2000..0x2010).map(|a| (a, 0)).collect(), mxcsr: 0x1f80, mask: 0xffff };
         cpu.mem.insert(0x2004, 0xa0); // 0x9fa0 at 0x2004 (little endian 0x1fa0 | 0x8000)
         cpu.mem.insert(0x2005, 0x9f);
         let s = sregs64();
-        let mut r = kvm_regs {
-            rip: 0x1000,
-            rdi: 0x2000,
-            rflags: 0x2,
-            ..Default::default()
-        };
+        let mut r = kvm_regs { rip: 0x1000, rdi: 0x2000, rflags: 0x2, ..Default::default() };
 
         // ldmxcsr 4(%rdi)
         let d = run(&mut cpu, &[0x0f, 0xae, 0x57, 0x04], &mut r, &s).unwrap();
-        assert_eq!(
-            (d.kind, d.exception, r.rip, cpu.mxcsr),
-            (AssistKind::Ldmxcsr, None, 0x1004, 0x9fa0)
-        );
+        assert_eq!((d.kind, d.exception, r.rip, cpu.mxcsr), (AssistKind::Ldmxcsr, None, 0x1004, 0x9fa0));
         // stmxcsr 8(%rdi)
         let d = run(&mut cpu, &[0x0f, 0xae, 0x5f, 0x08], &mut r, &s).unwrap();
         assert_eq!((d.kind, r.rip), (AssistKind::Stmxcsr, 0x1008));
-        assert_eq!(
-            (cpu.mem[&0x2008], cpu.mem[&0x2009], cpu.mem[&0x200a]),
-            (0xa0, 0x9f, 0)
-        );
+        assert_eq!((cpu.mem[&0x2008], cpu.mem[&0x2009], cpu.mem[&0x200a]), (0xa0, 0x9f, 0));
         // reserved MXCSR bits: #GP(0), RIP stays
         cpu.mem.insert(0x200e, 0x01); // value 0x0001_0000 at 0x200c
         let d = run(&mut cpu, &[0x0f, 0xae, 0x57, 0x0c], &mut r, &s).unwrap();
         assert_eq!(
             (d.exception, r.rip, cpu.mxcsr),
-            (
-                Some(Exception {
-                    vector: VEC_GP,
-                    error_code: Some(0)
-                }),
-                0x1008,
-                0x9fa0
-            )
+            (Some(Exception { vector: VEC_GP, error_code: Some(0) }), 0x1008, 0x9fa0)
         );
         // unmapped operand: declined, nothing changed
         r.rdi = 0x9000;
@@ -996,44 +890,18 @@ mod tests {
         // CR0.TS: #NM; no OSFXSR: #UD
         let mut ts = s;
         ts.cr0 |= CR0_TS;
-        assert_eq!(
-            run(&mut cpu, &[0x0f, 0xae, 0x57, 0x04], &mut r, &ts)
-                .unwrap()
-                .exception
-                .unwrap()
-                .vector,
-            VEC_NM
-        );
+        assert_eq!(run(&mut cpu, &[0x0f, 0xae, 0x57, 0x04], &mut r, &ts).unwrap().exception.unwrap().vector, VEC_NM);
         let mut nofx = s;
         nofx.cr4 &= !CR4_OSFXSR;
-        assert_eq!(
-            run(&mut cpu, &[0x0f, 0xae, 0x57, 0x04], &mut r, &nofx)
-                .unwrap()
-                .exception
-                .unwrap()
-                .vector,
-            VEC_UD
-        );
+        assert_eq!(run(&mut cpu, &[0x0f, 0xae, 0x57, 0x04], &mut r, &nofx).unwrap().exception.unwrap().vector, VEC_UD);
         assert_eq!(r.rip, 0x1008);
 
         // int3: trap, RIP after it
         let d = run(&mut cpu, &[0xcc], &mut r, &s).unwrap();
-        assert_eq!(
-            (d.exception, r.rip),
-            (
-                Some(Exception {
-                    vector: VEC_BP,
-                    error_code: None
-                }),
-                0x1009
-            )
-        );
+        assert_eq!((d.exception, r.rip), (Some(Exception { vector: VEC_BP, error_code: None }), 0x1009));
         // fwait: skipped
         let d = run(&mut cpu, &[0x9b], &mut r, &s).unwrap();
-        assert_eq!(
-            (d.kind, d.exception, r.rip),
-            (AssistKind::Fwait, None, 0x100a)
-        );
+        assert_eq!((d.kind, d.exception, r.rip), (AssistKind::Fwait, None, 0x100a));
         // stac / clac
         run(&mut cpu, &[0x0f, 0x01, 0xcb], &mut r, &s).unwrap();
         assert_eq!((r.rflags & RFLAGS_AC, r.rip), (RFLAGS_AC, 0x100d));
@@ -1043,10 +911,7 @@ mod tests {
         let mut user = s;
         user.cs.selector = 0x33;
         let d = run(&mut cpu, &[0x0f, 0x01, 0xcb], &mut r, &user).unwrap();
-        assert_eq!(
-            (d.exception.unwrap().vector, r.rflags, r.rip),
-            (VEC_UD, 0x2, 0x1010)
-        );
+        assert_eq!((d.exception.unwrap().vector, r.rflags, r.rip), (VEC_UD, 0x2, 0x1010));
         // ... and declined when the guest did not enable SMAP
         let mut nosmap = s;
         nosmap.cr4 &= !CR4_SMAP;
@@ -1056,32 +921,16 @@ mod tests {
         // rdtscp
         r.rcx = u64::MAX;
         let d = run(&mut cpu, &[0x0f, 0x01, 0xf9], &mut r, &s).unwrap();
-        assert_eq!(
-            (d.kind, r.rax, r.rdx, r.rcx, r.rip),
-            (AssistKind::Rdtscp, 0x9abc_def0, 0x1234_5678, 3, 0x1013)
-        );
+        assert_eq!((d.kind, r.rax, r.rdx, r.rcx, r.rip), (AssistKind::Rdtscp, 0x9abc_def0, 0x1234_5678, 3, 0x1013));
         let mut tsd = user;
         tsd.cr4 |= CR4_TSD;
         let d = run(&mut cpu, &[0x0f, 0x01, 0xf9], &mut r, &tsd).unwrap();
-        assert_eq!(
-            (d.exception, r.rip),
-            (
-                Some(Exception {
-                    vector: VEC_GP,
-                    error_code: Some(0)
-                }),
-                0x1013
-            )
-        );
+        assert_eq!((d.exception, r.rip), (Some(Exception { vector: VEC_GP, error_code: Some(0) }), 0x1013));
     }
 
     #[test]
     fn popcnt() {
-        let mut cpu = Fake {
-            mem: (0x2000..0x2010).map(|a| (a, 0xff)).collect(),
-            mxcsr: 0x1f80,
-            mask: 0xffff,
-        };
+        let mut cpu = Fake { mem: (0x2000..0x2010).map(|a| (a, 0xff)).collect(), mxcsr: 0x1f80, mask: 0xffff };
         let s = sregs64();
         let mut r = kvm_regs {
             rip: 0x1000,
@@ -1093,14 +942,7 @@ mod tests {
         // popcnt %rdi,%rax: f3 48 0f b8 c7 (what Linux's hweight64 is patched to)
         assert_eq!(
             decode(&[0xf3, 0x48, 0x0f, 0xb8, 0xc7], true),
-            Some((
-                Insn::Popcnt {
-                    dst: 0,
-                    src: Rm::Reg(7),
-                    size: 8
-                },
-                5
-            ))
+            Some((Insn::Popcnt { dst: 0, src: Rm::Reg(7), size: 8 }, 5))
         );
         run(&mut cpu, &[0xf3, 0x48, 0x0f, 0xb8, 0xc7], &mut r, &s).unwrap();
         assert_eq!((r.rax, r.rflags, r.rip), (11, 0x2, 0x1005));
@@ -1203,14 +1045,10 @@ mod kvm_tests {
             0x2d, 0x00, 0x00, 0x10, 0x00, // sub $0x100000,%eax
         ]);
         code.extend_from_slice(&EXIT_EAX);
-        let Some((exit, counts)) = run(&code, &[(0x20_0000, &idtr), (0x20_0010 + 3 * 16, &gate)])
-        else {
+        let Some((exit, counts)) = run(&code, &[(0x20_0000, &idtr), (0x20_0010 + 3 * 16, &gate)]) else {
             return;
         };
-        assert_eq!(
-            exit, 16,
-            "the #BP handler must run with the saved RIP just after the INT3"
-        );
+        assert_eq!(exit, 16, "the #BP handler must run with the saved RIP just after the INT3");
         eprintln!("assists: {}", counts.summary());
     }
 

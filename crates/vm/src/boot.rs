@@ -53,14 +53,7 @@ pub fn write_gdt(mem: &GuestMemory, ncpus: u32) -> Result<()> {
     if ncpus == 0 || ncpus > MAX_VCPUS {
         return Err(Error::BadVcpuCount(ncpus, MAX_VCPUS));
     }
-    let mut gdt = vec![
-        0u64,
-        GDT_CODE64,
-        GDT_DATA,
-        GDT_UDATA,
-        GDT_UCODE64,
-        GDT_CODE32,
-    ];
+    let mut gdt = vec![0u64, GDT_CODE64, GDT_DATA, GDT_UDATA, GDT_UCODE64, GDT_CODE32];
     for cpu in 0..ncpus {
         let base = tss_base(cpu);
         let limit = TSS_SIZE - 1;
@@ -75,12 +68,10 @@ pub fn write_gdt(mem: &GuestMemory, ncpus: u32) -> Result<()> {
         let mut tss = [0u8; TSS_SIZE as usize];
         tss[102..104].copy_from_slice(&(TSS_HEADER as u16).to_le_bytes()); // I/O map base
         tss[TSS_SIZE as usize - 1] = 0xff;
-        mem.write_slice(&tss, GuestAddress(base))
-            .map_err(|e| Error::Boot(format!("TSS: {e}")))?;
+        mem.write_slice(&tss, GuestAddress(base)).map_err(|e| Error::Boot(format!("TSS: {e}")))?;
     }
     let bytes: Vec<u8> = gdt.iter().flat_map(|d| d.to_le_bytes()).collect();
-    mem.write_slice(&bytes, GuestAddress(GDT_START))
-        .map_err(|e| Error::Boot(format!("GDT: {e}")))
+    mem.write_slice(&bytes, GuestAddress(GDT_START)).map_err(|e| Error::Boot(format!("GDT: {e}")))
 }
 
 fn gdt_limit(ncpus: u32) -> u16 {
@@ -92,25 +83,18 @@ fn gdt_limit(ncpus: u32) -> u16 {
 pub fn write_page_tables(mem: &GuestMemory, top: u64) -> Result<u64> {
     let gib = top.max(MMIO_GAP_END).div_ceil(1 << 30);
     if gib > MAX_IDENTITY_GIB {
-        return Err(Error::Boot(format!(
-            "boot page tables map at most {MAX_IDENTITY_GIB} GiB, VM needs {gib}"
-        )));
+        return Err(Error::Boot(format!("boot page tables map at most {MAX_IDENTITY_GIB} GiB, VM needs {gib}")));
     }
     const P_RW_US: u64 = 0x7;
     const PS: u64 = 0x80;
-    let w = |v: u64, a: u64| {
-        mem.write_obj(v, GuestAddress(a))
-            .map_err(|e| Error::Boot(format!("page tables: {e}")))
-    };
+    let w = |v: u64, a: u64| mem.write_obj(v, GuestAddress(a)).map_err(|e| Error::Boot(format!("page tables: {e}")));
     w(PDPT_START | P_RW_US, PML4_START)?;
     for g in 0..gib {
         let pd = PD_START + g * 0x1000;
         w(pd | P_RW_US, PDPT_START + g * 8)?;
-        let entries: Vec<u8> = (0..512u64)
-            .flat_map(|i| (((g << 30) | (i << 21)) | P_RW_US | PS).to_le_bytes())
-            .collect();
-        mem.write_slice(&entries, GuestAddress(pd))
-            .map_err(|e| Error::Boot(format!("page tables: {e}")))?;
+        let entries: Vec<u8> =
+            (0..512u64).flat_map(|i| (((g << 30) | (i << 21)) | P_RW_US | PS).to_le_bytes()).collect();
+        mem.write_slice(&entries, GuestAddress(pd)).map_err(|e| Error::Boot(format!("page tables: {e}")))?;
     }
     Ok(gib)
 }
@@ -134,24 +118,13 @@ const BOOT_INFO_CMDLINE_MAX: usize = 3840;
 impl KumoBootInfo {
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         if self.cmdline.len() >= BOOT_INFO_CMDLINE_MAX {
-            return Err(Error::Boot(format!(
-                "guest command line longer than {} bytes",
-                BOOT_INFO_CMDLINE_MAX - 1
-            )));
+            return Err(Error::Boot(format!("guest command line longer than {} bytes", BOOT_INFO_CMDLINE_MAX - 1)));
         }
         let mut b = Vec::with_capacity(BOOT_INFO_CMDLINE_OFFSET + BOOT_INFO_CMDLINE_MAX);
         b.extend_from_slice(&KUMO_BOOT_MAGIC.to_le_bytes());
         b.extend_from_slice(&KUMO_BOOT_VERSION.to_le_bytes());
         b.extend_from_slice(&self.ncpus.to_le_bytes());
-        for v in [
-            self.mem_bytes,
-            self.tsc_khz,
-            self.free_start,
-            self.free_end,
-            TSS_START,
-            TSS_STRIDE,
-            LAPIC_START,
-        ] {
+        for v in [self.mem_bytes, self.tsc_khz, self.free_start, self.free_end, TSS_START, TSS_STRIDE, LAPIC_START] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b.resize(BOOT_INFO_CMDLINE_OFFSET, 0);
@@ -225,10 +198,7 @@ pub fn sregs_for(entry: Entry, cpu: u32, ncpus: u32, mut s: kvm_sregs) -> kvm_sr
 
 /// General registers for `entry` on vCPU `cpu`.
 pub fn regs_for(entry: Entry, cpu: u32) -> kvm_regs {
-    let mut r = kvm_regs {
-        rflags: 0x2,
-        ..Default::default()
-    };
+    let mut r = kvm_regs { rflags: 0x2, ..Default::default() };
     match entry {
         Entry::KumoGuest { rip } => {
             r.rip = rip;
@@ -258,11 +228,7 @@ mod tests {
     fn gdt_has_segments_and_a_busy_tss_per_vcpu() {
         let m = Memory::new(16 << 20).unwrap();
         write_gdt(&m.guest, 3).unwrap();
-        let d = |i: u64| {
-            m.guest
-                .read_obj::<u64>(GuestAddress(GDT_START + i * 8))
-                .unwrap()
-        };
+        let d = |i: u64| m.guest.read_obj::<u64>(GuestAddress(GDT_START + i * 8)).unwrap();
         assert_eq!(d(1), GDT_CODE64);
         assert_eq!(d(4), GDT_UCODE64);
         let tss2 = d(GDT_FIRST_TSS as u64 + 4);
@@ -270,20 +236,11 @@ mod tests {
         assert_eq!(base, TSS_START + 2 * TSS_STRIDE);
         assert_eq!((tss2 >> 40) & 0xff, 0x8b);
         assert_eq!(tss2 & 0xffff, TSS_SIZE - 1);
-        let iomap: u16 = m
-            .guest
-            .read_obj(GuestAddress(TSS_START + 2 * TSS_STRIDE + 102))
-            .unwrap();
+        let iomap: u16 = m.guest.read_obj(GuestAddress(TSS_START + 2 * TSS_STRIDE + 102)).unwrap();
         assert_eq!(iomap as u64, TSS_HEADER);
         assert_eq!(gdt_limit(3) as u64 + 1, (GDT_FIRST_TSS as u64 + 6) * 8);
-        assert!(matches!(
-            write_gdt(&m.guest, 0),
-            Err(Error::BadVcpuCount(0, _))
-        ));
-        assert!(matches!(
-            write_gdt(&m.guest, MAX_VCPUS + 1),
-            Err(Error::BadVcpuCount(..))
-        ));
+        assert!(matches!(write_gdt(&m.guest, 0), Err(Error::BadVcpuCount(0, _))));
+        assert!(matches!(write_gdt(&m.guest, MAX_VCPUS + 1), Err(Error::BadVcpuCount(..))));
     }
 
     #[test]
@@ -293,10 +250,7 @@ mod tests {
         let pml4: u64 = m.guest.read_obj(GuestAddress(PML4_START)).unwrap();
         assert_eq!(pml4, PDPT_START | 7);
         // 0xfee00000 (LAPIC): GiB 3, entry 503.
-        let pde: u64 = m
-            .guest
-            .read_obj(GuestAddress(PD_START + 3 * 0x1000 + 503 * 8))
-            .unwrap();
+        let pde: u64 = m.guest.read_obj(GuestAddress(PD_START + 3 * 0x1000 + 503 * 8)).unwrap();
         assert_eq!(pde & !0xfff, 0xfee0_0000);
         assert_eq!(pde & 0x87, 0x87);
         assert!(write_page_tables(&m.guest, 65 << 30).is_err());
@@ -316,63 +270,24 @@ mod tests {
         assert_eq!(&b[0..8], b"KUMOBOOT");
         assert_eq!(u32::from_le_bytes(b[12..16].try_into().unwrap()), 2);
         assert_eq!(u64::from_le_bytes(b[24..32].try_into().unwrap()), 2_000_000);
-        assert_eq!(
-            u64::from_le_bytes(b[64..72].try_into().unwrap()),
-            LAPIC_START
-        );
+        assert_eq!(u64::from_le_bytes(b[64..72].try_into().unwrap()), LAPIC_START);
         assert_eq!(&b[120..128], b"pages=5\0");
-        let long = KumoBootInfo {
-            cmdline: "x".repeat(4000),
-            ..bi
-        };
+        let long = KumoBootInfo { cmdline: "x".repeat(4000), ..bi };
         assert!(long.to_bytes().is_err());
     }
 
     #[test]
     fn entry_register_state() {
-        let s = sregs_for(
-            Entry::KumoGuest { rip: 0x100000 },
-            1,
-            2,
-            kvm_sregs::default(),
-        );
+        let s = sregs_for(Entry::KumoGuest { rip: 0x100000 }, 1, 2, kvm_sregs::default());
         assert_eq!(s.efer & EFER_LMA, EFER_LMA);
         assert_eq!(s.cs.l, 1);
         assert_eq!(s.tr.selector, tss_selector(1));
         assert_eq!(s.tr.base, TSS_START + TSS_STRIDE);
         let r = regs_for(Entry::KumoGuest { rip: 0x100000 }, 1);
         assert_eq!((r.rip, r.rdi, r.rsi), (0x100000, KUMO_BOOT_INFO, 1));
-        let p = sregs_for(
-            Entry::Pvh {
-                rip: 0x1000000,
-                start_info: PVH_INFO_START,
-            },
-            0,
-            1,
-            kvm_sregs::default(),
-        );
+        let p = sregs_for(Entry::Pvh { rip: 0x1000000, start_info: PVH_INFO_START }, 0, 1, kvm_sregs::default());
         assert_eq!((p.cr0 & CR0_PG, p.efer, p.cs.db, p.cs.l), (0, 0, 1, 0));
-        assert_eq!(
-            regs_for(
-                Entry::Pvh {
-                    rip: 5,
-                    start_info: 6
-                },
-                0
-            )
-            .rbx,
-            6
-        );
-        assert_eq!(
-            regs_for(
-                Entry::Linux64 {
-                    rip: 5,
-                    boot_params: 7
-                },
-                0
-            )
-            .rsi,
-            7
-        );
+        assert_eq!(regs_for(Entry::Pvh { rip: 5, start_info: 6 }, 0).rbx, 6);
+        assert_eq!(regs_for(Entry::Linux64 { rip: 5, boot_params: 7 }, 0).rsi, 7);
     }
 }

@@ -55,23 +55,8 @@ fn filter_entry(e: &mut kvm_cpuid_entry2, id: u32, ncpus: u32) {
 mod tests {
     use super::*;
 
-    fn entry(
-        function: u32,
-        index: u32,
-        eax: u32,
-        ebx: u32,
-        ecx: u32,
-        edx: u32,
-    ) -> kvm_cpuid_entry2 {
-        kvm_cpuid_entry2 {
-            function,
-            index,
-            eax,
-            ebx,
-            ecx,
-            edx,
-            ..Default::default()
-        }
+    fn entry(function: u32, index: u32, eax: u32, ebx: u32, ecx: u32, edx: u32) -> kvm_cpuid_entry2 {
+        kvm_cpuid_entry2 { function, index, eax, ebx, ecx, edx, ..Default::default() }
     }
 
     #[test]
@@ -88,10 +73,7 @@ mod tests {
         filter(&mut c, 3, 4);
         let e = c.as_slice();
         assert_eq!(e.len(), 5, "leaf 0xd dropped");
-        assert_eq!(
-            e[0].ecx & (bits::XSAVE | bits::POPCNT | bits::CX16 | bits::AVX),
-            0
-        );
+        assert_eq!(e[0].ecx & (bits::XSAVE | bits::POPCNT | bits::CX16 | bits::AVX), 0);
         assert_ne!(e[0].ecx & bits::HYPERVISOR, 0);
         assert_eq!(e[0].ebx >> 24, 3);
         assert_eq!((e[0].ebx >> 16) & 0xff, 4);

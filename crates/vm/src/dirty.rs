@@ -10,9 +10,7 @@
 //! emulation assist storing a result, later a device doing DMA) are marked by vm-memory in the
 //! regions' bitmaps ([`crate::GuestMemory`]); `fetch_dirty` merges those in too.
 
-use kvm_bindings::{
-    kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES,
-};
+use kvm_bindings::{kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::ioctl::ioctl_with_ref;
 use vmm_sys_util::ioctl_iowr_nr;
@@ -40,21 +38,14 @@ impl PageBitmap {
             regions: regions
                 .iter()
                 .map(|&(gpa, len)| {
-                    (
-                        gpa / PAGE_SIZE,
-                        len / PAGE_SIZE,
-                        vec![0u64; (len / PAGE_SIZE).div_ceil(64) as usize],
-                    )
+                    (gpa / PAGE_SIZE, len / PAGE_SIZE, vec![0u64; (len / PAGE_SIZE).div_ceil(64) as usize])
                 })
                 .collect(),
         }
     }
 
     pub fn count(&self) -> u64 {
-        self.regions
-            .iter()
-            .map(|(_, _, b)| b.iter().map(|w| w.count_ones() as u64).sum::<u64>())
-            .sum()
+        self.regions.iter().map(|(_, _, b)| b.iter().map(|w| w.count_ones() as u64).sum::<u64>()).sum()
     }
 
     pub fn clear(&mut self) {
@@ -114,19 +105,11 @@ fn vmm_bitmap(
 impl Vm {
     /// Starts tracking guest writes. Returns whether manual re-protection is in use.
     pub fn start_dirty_log(&self) -> Result<bool> {
-        let manual = self
-            .kvm
-            .check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 as _)
-            > 0;
+        let manual = self.kvm.check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 as _) > 0;
         if manual && !self.dirty_manual.load(Ordering::Acquire) {
-            let mut cap = kvm_enable_cap {
-                cap: kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
-                ..Default::default()
-            };
+            let mut cap = kvm_enable_cap { cap: kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, ..Default::default() };
             cap.args[0] = kvm_bindings::KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE as u64;
-            self.fd
-                .enable_cap(&cap)
-                .map_err(|e| Error::Kvm("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
+            self.fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
             self.dirty_manual.store(true, Ordering::Release);
         }
         self.set_slot_flags(KVM_MEM_LOG_DIRTY_PAGES)?;
@@ -153,8 +136,7 @@ impl Vm {
             };
             // SAFETY: the same live mapping the slot already has, owned by `self.memory`; only
             // the flags change.
-            unsafe { self.fd.set_user_memory_region(r) }
-                .map_err(|e| Error::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
+            unsafe { self.fd.set_user_memory_region(r) }.map_err(|e| Error::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
         }
         Ok(())
     }
@@ -171,10 +153,7 @@ impl Vm {
                 .get_dirty_log(slot as u32, region.len() as usize)
                 .map_err(|e| Error::Kvm("KVM_GET_DIRTY_LOG", e))?;
             let (_, _, dst) = &mut into.regions[slot];
-            for (d, (k, v)) in dst
-                .iter_mut()
-                .zip(bits.iter().zip(vmm.iter().chain(std::iter::repeat(&0))))
-            {
+            for (d, (k, v)) in dst.iter_mut().zip(bits.iter().zip(vmm.iter().chain(std::iter::repeat(&0)))) {
                 total += (k | v).count_ones() as u64;
                 *d |= k | v;
             }
@@ -191,13 +170,9 @@ impl Vm {
                 clear.__bindgen_anon_1.dirty_bitmap = bits.as_ptr() as *mut libc::c_void;
                 // SAFETY: `clear` points at `bits`, a bitmap covering the slot's `num_pages`
                 // pages, which outlives the call; KVM only reads it.
-                let ret =
-                    unsafe { ioctl_with_ref(self.fd.as_ref(), KVM_CLEAR_DIRTY_LOG(), &clear) };
+                let ret = unsafe { ioctl_with_ref(self.fd.as_ref(), KVM_CLEAR_DIRTY_LOG(), &clear) };
                 if ret < 0 {
-                    return Err(Error::Kvm(
-                        "KVM_CLEAR_DIRTY_LOG",
-                        vmm_sys_util::errno::Error::last(),
-                    ));
+                    return Err(Error::Kvm("KVM_CLEAR_DIRTY_LOG", vmm_sys_util::errno::Error::last()));
                 }
             }
         }
@@ -225,12 +200,7 @@ impl Vm {
     /// Pages that exist in the memfd: everything the guest or kumo ever touched. Never-touched
     /// pages are holes and read as zeros on both sides, so round 0 skips them.
     pub fn touched_pages(&self) -> Result<PageBitmap> {
-        let regions: Vec<_> = self
-            .memory
-            .guest
-            .iter()
-            .map(|r| (r.start_addr().0, r.len()))
-            .collect();
+        let regions: Vec<_> = self.memory.guest.iter().map(|r| (r.start_addr().0, r.len())).collect();
         let mut bm = PageBitmap::for_regions(&regions);
         let mut vec = Vec::new();
         for (i, region) in self.memory.guest.iter().enumerate() {
@@ -238,18 +208,10 @@ impl Vm {
             vec.resize(pages, 0u8);
             // SAFETY: the region is a live, page-aligned mapping of `region.len()` bytes and
             // `vec` has one byte per page, as mincore requires.
-            let r = unsafe {
-                libc::mincore(
-                    region.as_ptr() as *mut libc::c_void,
-                    region.len() as usize,
-                    vec.as_mut_ptr(),
-                )
-            };
+            let r =
+                unsafe { libc::mincore(region.as_ptr() as *mut libc::c_void, region.len() as usize, vec.as_mut_ptr()) };
             if r != 0 {
-                return Err(Error::Memory(format!(
-                    "mincore: {}",
-                    std::io::Error::last_os_error()
-                )));
+                return Err(Error::Memory(format!("mincore: {}", std::io::Error::last_os_error())));
             }
             let (_, _, bits) = &mut bm.regions[i];
             for (p, v) in vec.iter().enumerate() {
@@ -274,10 +236,7 @@ mod tests {
             assert!(b.set(g));
         }
         assert!(!b.set(130), "outside every region");
-        assert_eq!(
-            b.gfns().collect::<Vec<_>>(),
-            vec![0, 63, 64, 129, (1 << 20) + 5]
-        );
+        assert_eq!(b.gfns().collect::<Vec<_>>(), vec![0, 63, 64, 129, (1 << 20) + 5]);
         assert_eq!(b.count(), 5);
         let mut c = PageBitmap::for_regions(&[(0, 130 * PAGE_SIZE), (1 << 32, 64 * PAGE_SIZE)]);
         c.set(7);
@@ -293,8 +252,7 @@ mod tests {
         let code: &[u8] = &[
             0x48, 0xc7, 0xc0, 0x00, 0x00, 0x80, 0x00, // mov $0x800000, %rax
             0xc7, 0x00, 0x01, 0x00, 0x00, 0x00, // movl $1, (%rax)
-            0xc7, 0x80, 0x08, 0x30, 0x00, 0x00, 0x02, 0x00, 0x00,
-            0x00, // movl $2, 0x3008(%rax)
+            0xc7, 0x80, 0x08, 0x30, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, // movl $2, 0x3008(%rax)
             0x66, 0xba, 0x01, 0x05, 0xb0, 0x00, 0xee, // mov $0x501,%dx; mov $0,%al; out
         ];
         let Some(mut g) = crate::testing::RawGuest::new(code, &[]) else {
@@ -303,37 +261,21 @@ mod tests {
         let vm = &g.vm;
         vm.start_dirty_log().unwrap();
         let touched = vm.touched_pages().unwrap();
-        assert!(
-            touched.count() > 0 && touched.count() < 1000,
-            "only boot structures: {}",
-            touched.count()
-        );
+        assert!(touched.count() > 0 && touched.count() < 1000, "only boot structures: {}", touched.count());
         let mut dirty = PageBitmap::for_regions(&[(0, 32 << 20)]);
         assert!(matches!(g.run().unwrap(), VcpuRun::Device(_)));
         let vm = &g.vm;
         // A write by kumo itself (as an emulation assist makes) at 0x900010: KVM's log does
         // not see it, the region bitmap does.
-        vm_memory::Bytes::write_slice(
-            &vm.memory.guest,
-            &[7u8; 8],
-            vm_memory::GuestAddress(0x90_0010),
-        )
-        .unwrap();
+        vm_memory::Bytes::write_slice(&vm.memory.guest, &[7u8; 8], vm_memory::GuestAddress(0x90_0010)).unwrap();
         if let Some(peeked) = vm.peek_dirty_count().unwrap() {
             assert!(peeked >= 2);
-            assert_eq!(
-                vm.peek_dirty_count().unwrap(),
-                Some(peeked),
-                "peeking does not clear"
-            );
+            assert_eq!(vm.peek_dirty_count().unwrap(), Some(peeked), "peeking does not clear");
         }
         vm.fetch_dirty(&mut dirty).unwrap();
         let gfns: Vec<_> = dirty.gfns().collect();
         assert!(gfns.contains(&0x800) && gfns.contains(&0x803), "{gfns:x?}");
-        assert!(
-            gfns.contains(&0x900),
-            "kumo's own write is missing: {gfns:x?}"
-        );
+        assert!(gfns.contains(&0x900), "kumo's own write is missing: {gfns:x?}");
         // Nothing else the guest wrote but its own stack-less code: at most a few extra pages
         // (the CPU sets accessed/dirty bits in the page tables).
         assert!(gfns.len() <= 8, "{gfns:x?}");

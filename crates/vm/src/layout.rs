@@ -50,10 +50,7 @@ pub fn ram_regions(mem_bytes: u64) -> Vec<(u64, u64)> {
     if mem_bytes <= MMIO_GAP_START {
         vec![(0, mem_bytes)]
     } else {
-        vec![
-            (0, MMIO_GAP_START),
-            (MMIO_GAP_END, mem_bytes - MMIO_GAP_START),
-        ]
+        vec![(0, MMIO_GAP_START), (MMIO_GAP_END, mem_bytes - MMIO_GAP_START)]
     }
 }
 
@@ -88,12 +85,7 @@ mod tests {
         ];
         areas.sort();
         for w in areas.windows(2) {
-            assert!(
-                w[0].0 + w[0].1 <= w[1].0,
-                "{:x?} overlaps {:x?}",
-                w[0],
-                w[1]
-            );
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{:x?} overlaps {:x?}", w[0], w[1]);
         }
         assert!(TSS_START + MAX_VCPUS as u64 * TSS_STRIDE <= EBDA_START);
         assert!((GDT_FIRST_TSS as u64 + 2 * MAX_VCPUS as u64) * 8 <= GDT_SIZE);

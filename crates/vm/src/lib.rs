@@ -42,12 +42,7 @@ pub enum Error {
     #[error("boot setup: {0}")]
     Boot(String),
     #[error("vCPU {cpu}: KVM could not emulate the instruction at RIP {rip:#x} (bytes: {bytes}{what}); this host's nested KVM cannot run it in guest ring 0")]
-    EmulationFailure {
-        cpu: u32,
-        rip: u64,
-        bytes: String,
-        what: String,
-    },
+    EmulationFailure { cpu: u32, rip: u64, bytes: String, what: String },
     #[error("vCPU {cpu}: KVM internal error (suberror {suberror}) at RIP {rip:#x}")]
     InternalError { cpu: u32, suberror: u32, rip: u64 },
     #[error("vCPU {cpu}: KVM failed to enter the guest (hardware reason {reason:#x})")]

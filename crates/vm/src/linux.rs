@@ -28,8 +28,7 @@ use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::bootparam::{
-    boot_e820_entry, boot_params, setup_header, CAN_USE_HEAP, E820_MAX_ENTRIES_ZEROPAGE,
-    LOADED_HIGH, XLF_KERNEL_64,
+    boot_e820_entry, boot_params, setup_header, CAN_USE_HEAP, E820_MAX_ENTRIES_ZEROPAGE, LOADED_HIGH, XLF_KERNEL_64,
 };
 use linux_loader::loader::elf::start_info::{
     hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info, XEN_HVM_START_MAGIC_VALUE,
@@ -39,8 +38,8 @@ use linux_loader::loader::{load_cmdline, BzImage, KernelLoader};
 use vm_memory::{Address, ByteValued, Bytes, GuestAddress};
 
 use crate::layout::{
-    ram_regions, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, MMIO_GAP_START,
-    PVH_INFO_START, ZERO_PAGE_START,
+    ram_regions, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, MMIO_GAP_START, PVH_INFO_START,
+    ZERO_PAGE_START,
 };
 
 /// What to boot.
@@ -89,16 +88,9 @@ pub enum LinuxError {
         "kernel {path} needs guest memory up to {needed:#x}, but RAM below the MMIO gap ends at \
          {available:#x}; give the VM more memory"
     )]
-    KernelTooLarge {
-        path: PathBuf,
-        needed: u64,
-        available: u64,
-    },
+    KernelTooLarge { path: PathBuf, needed: u64, available: u64 },
     #[error("failed to load kernel {path}: {source}")]
-    KernelLoad {
-        path: PathBuf,
-        source: linux_loader::loader::Error,
-    },
+    KernelLoad { path: PathBuf, source: linux_loader::loader::Error },
     #[error("cannot open initrd {path}: {source}")]
     InitrdOpen { path: PathBuf, source: io::Error },
     #[error("cannot read initrd {path}: {source}")]
@@ -107,12 +99,7 @@ pub enum LinuxError {
         "initrd {path} ({size} bytes) does not fit in guest RAM between the kernel end \
          {kernel_end:#x} and {limit:#x}; give the VM more memory"
     )]
-    InitrdDoesNotFit {
-        path: PathBuf,
-        size: u64,
-        kernel_end: u64,
-        limit: u64,
-    },
+    InitrdDoesNotFit { path: PathBuf, size: u64, kernel_end: u64, limit: u64 },
     #[error("kernel command line is {len} bytes long; this kernel accepts at most {max}")]
     CmdlineTooLong { len: usize, max: usize },
     #[error("invalid kernel command line: {0}")]
@@ -171,33 +158,17 @@ pub fn e820_map(mem_bytes: u64) -> Vec<E820Entry> {
         if start < HIMEM_START {
             let low_end = end.min(EBDA_START);
             if low_end > start {
-                map.push(E820Entry {
-                    addr: start,
-                    size: low_end - start,
-                    kind: E820_RAM,
-                });
+                map.push(E820Entry { addr: start, size: low_end - start, kind: E820_RAM });
             }
             if end > EBDA_START {
                 let rsv_end = end.min(HIMEM_START);
-                map.push(E820Entry {
-                    addr: EBDA_START,
-                    size: rsv_end - EBDA_START,
-                    kind: E820_RESERVED,
-                });
+                map.push(E820Entry { addr: EBDA_START, size: rsv_end - EBDA_START, kind: E820_RESERVED });
             }
             if end > HIMEM_START {
-                map.push(E820Entry {
-                    addr: HIMEM_START,
-                    size: end - HIMEM_START,
-                    kind: E820_RAM,
-                });
+                map.push(E820Entry { addr: HIMEM_START, size: end - HIMEM_START, kind: E820_RAM });
             }
         } else {
-            map.push(E820Entry {
-                addr: start,
-                size: len,
-                kind: E820_RAM,
-            });
+            map.push(E820Entry { addr: start, size: len, kind: E820_RAM });
         }
     }
     map
@@ -207,12 +178,7 @@ pub fn e820_map(mem_bytes: u64) -> Vec<E820Entry> {
 /// at or below both the end of low RAM and `initrd_addr_max` (the highest address the kernel
 /// accepts for the initrd's last byte), and starts at or above `kernel_end`.
 /// `None` if it does not fit.
-pub fn initrd_address(
-    mem_bytes: u64,
-    size: u64,
-    kernel_end: u64,
-    initrd_addr_max: u64,
-) -> Option<u64> {
+pub fn initrd_address(mem_bytes: u64, size: u64, kernel_end: u64, initrd_addr_max: u64) -> Option<u64> {
     let limit = low_ram_end(mem_bytes).min(initrd_addr_max.saturating_add(1));
     let start = limit.checked_sub(size)? & !(PAGE_SIZE - 1);
     (start >= align_up(kernel_end, PAGE_SIZE)).then_some(start)
@@ -224,26 +190,11 @@ pub fn initrd_address(
 /// `kernel_alignment`, but at least `LOAD_PHYSICAL_ADDR` = `pref_address`).
 pub fn bzimage_extent(hdr: &setup_header, load_addr: u64, image_bytes: u64) -> u64 {
     let version = hdr.version;
-    let pref = if version >= 0x020a && hdr.pref_address != 0 {
-        hdr.pref_address
-    } else {
-        DEFAULT_KERNEL_PHYS
-    };
-    let align = if hdr.kernel_alignment.is_power_of_two() {
-        u64::from(hdr.kernel_alignment)
-    } else {
-        DEFAULT_KERNEL_PHYS
-    };
-    let output = if hdr.relocatable_kernel != 0 {
-        align_up(load_addr, align).max(pref)
-    } else {
-        pref
-    };
-    let init_size = if version >= 0x020a {
-        u64::from(hdr.init_size)
-    } else {
-        0
-    };
+    let pref = if version >= 0x020a && hdr.pref_address != 0 { hdr.pref_address } else { DEFAULT_KERNEL_PHYS };
+    let align =
+        if hdr.kernel_alignment.is_power_of_two() { u64::from(hdr.kernel_alignment) } else { DEFAULT_KERNEL_PHYS };
+    let output = if hdr.relocatable_kernel != 0 { align_up(load_addr, align).max(pref) } else { pref };
+    let init_size = if version >= 0x020a { u64::from(hdr.init_size) } else { 0 };
     (load_addr + image_bytes).max(output + init_size)
 }
 
@@ -253,24 +204,13 @@ fn align_up(v: u64, align: u64) -> u64 {
 
 /// Loads the kernel (and initrd, command line, boot parameters) described by `cfg` into `mem`,
 /// whose regions must be `ram_regions(cfg.mem_bytes)`, and says how to enter it.
-pub fn load_linux(
-    mem: &crate::GuestMemory,
-    cfg: &LinuxBootConfig,
-) -> Result<LinuxEntry, LinuxError> {
+pub fn load_linux(mem: &crate::GuestMemory, cfg: &LinuxBootConfig) -> Result<LinuxEntry, LinuxError> {
     if cfg.mem_bytes <= HIMEM_START {
-        return Err(LinuxError::MemoryTooSmall {
-            mem_bytes: cfg.mem_bytes,
-        });
+        return Err(LinuxError::MemoryTooSmall { mem_bytes: cfg.mem_bytes });
     }
     let path = cfg.kernel;
-    let mut kernel = File::open(path).map_err(|source| LinuxError::KernelOpen {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let read_err = |source| LinuxError::KernelRead {
-        path: path.to_path_buf(),
-        source,
-    };
+    let mut kernel = File::open(path).map_err(|source| LinuxError::KernelOpen { path: path.to_path_buf(), source })?;
+    let read_err = |source| LinuxError::KernelRead { path: path.to_path_buf(), source };
     let file_len = kernel.metadata().map_err(read_err)?.len();
     let mut head = [0u8; 0x400];
     let n = read_up_to(&mut kernel, &mut head).map_err(read_err)?;
@@ -281,9 +221,7 @@ pub fn load_linux(
     } else if head.len() >= 0x206 && head[0x202..0x206] == *b"HdrS" {
         load_bzimage(mem, cfg, &mut kernel, file_len)
     } else {
-        Err(LinuxError::UnknownFormat {
-            path: path.to_path_buf(),
-        })
+        Err(LinuxError::UnknownFormat { path: path.to_path_buf() })
     }
 }
 
@@ -313,63 +251,28 @@ fn load_bzimage(
     kernel
         .seek(SeekFrom::Start(0x1f1))
         .and_then(|_| kernel.read_exact(hdr.as_mut_slice()))
-        .map_err(|source| LinuxError::KernelRead {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        .map_err(|source| LinuxError::KernelRead { path: path.to_path_buf(), source })?;
     let version = hdr.version;
     if version < 0x020c || hdr.xloadflags & XLF_KERNEL_64 == 0 {
-        return Err(LinuxError::BzImageNot64Bit {
-            path: path.to_path_buf(),
-            version,
-        });
+        return Err(LinuxError::BzImageNot64Bit { path: path.to_path_buf(), version });
     }
-    let setup_bytes = (u64::from(if hdr.setup_sects == 0 {
-        4
-    } else {
-        hdr.setup_sects
-    }) + 1)
-        * 512;
+    let setup_bytes = (u64::from(if hdr.setup_sects == 0 { 4 } else { hdr.setup_sects }) + 1) * 512;
     let image_bytes = file_len.saturating_sub(setup_bytes);
     let kernel_end = bzimage_extent(&hdr, HIMEM_START, image_bytes);
     let available = low_ram_end(cfg.mem_bytes);
     if kernel_end > available {
-        return Err(LinuxError::KernelTooLarge {
-            path: path.to_path_buf(),
-            needed: kernel_end,
-            available,
-        });
+        return Err(LinuxError::KernelTooLarge { path: path.to_path_buf(), needed: kernel_end, available });
     }
     let cmdline = build_cmdline(cfg.cmdline, hdr.cmdline_size as usize)?;
     let initrd_max = u64::from(hdr.initrd_addr_max);
-    let initrd = load_initrd(
-        mem,
-        cfg,
-        kernel_end,
-        if initrd_max == 0 {
-            DEFAULT_INITRD_ADDR_MAX
-        } else {
-            initrd_max
-        },
-    )?;
+    let initrd = load_initrd(mem, cfg, kernel_end, if initrd_max == 0 { DEFAULT_INITRD_ADDR_MAX } else { initrd_max })?;
 
-    let loaded = BzImage::load(
-        mem,
-        Some(GuestAddress(HIMEM_START)),
-        kernel,
-        Some(GuestAddress(HIMEM_START)),
-    )
-    .map_err(|source| LinuxError::KernelLoad {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let loaded = BzImage::load(mem, Some(GuestAddress(HIMEM_START)), kernel, Some(GuestAddress(HIMEM_START)))
+        .map_err(|source| LinuxError::KernelLoad { path: path.to_path_buf(), source })?;
     let hdr = loaded.setup_header.unwrap_or(hdr);
     load_cmdline(mem, GuestAddress(CMDLINE_START), &cmdline).map_err(LinuxError::CmdlineWrite)?;
 
-    let mut params = boot_params {
-        hdr,
-        ..Default::default()
-    };
+    let mut params = boot_params { hdr, ..Default::default() };
     params.hdr.type_of_loader = KERNEL_LOADER_OTHER;
     params.hdr.loadflags |= LOADED_HIGH | CAN_USE_HEAP;
     // Only the 16-bit setup code uses the heap; point its end just below the (unused) real-mode
@@ -390,44 +293,25 @@ fn load_elf(
 ) -> Result<LinuxEntry, LinuxError> {
     let path = cfg.kernel;
     let kernel_end = elf_extent(kernel, head).map_err(|e| match e {
-        ElfProbeError::NotX86_64 => LinuxError::ElfNotX86_64 {
-            path: path.to_path_buf(),
-        },
-        ElfProbeError::Empty => LinuxError::ElfEmpty {
-            path: path.to_path_buf(),
-        },
-        ElfProbeError::Io(source) => LinuxError::KernelRead {
-            path: path.to_path_buf(),
-            source,
-        },
+        ElfProbeError::NotX86_64 => LinuxError::ElfNotX86_64 { path: path.to_path_buf() },
+        ElfProbeError::Empty => LinuxError::ElfEmpty { path: path.to_path_buf() },
+        ElfProbeError::Io(source) => LinuxError::KernelRead { path: path.to_path_buf(), source },
     })?;
     let available = low_ram_end(cfg.mem_bytes);
     if kernel_end > available {
-        return Err(LinuxError::KernelTooLarge {
-            path: path.to_path_buf(),
-            needed: kernel_end,
-            available,
-        });
+        return Err(LinuxError::KernelTooLarge { path: path.to_path_buf(), needed: kernel_end, available });
     }
     let cmdline = build_cmdline(cfg.cmdline, DEFAULT_CMDLINE_MAX)?;
     let initrd = load_initrd(mem, cfg, kernel_end, u64::from(u32::MAX))?;
 
-    let loaded =
-        Elf::load(mem, None, kernel, Some(GuestAddress(HIMEM_START))).map_err(|source| {
-            LinuxError::KernelLoad {
-                path: path.to_path_buf(),
-                source,
-            }
-        })?;
+    let loaded = Elf::load(mem, None, kernel, Some(GuestAddress(HIMEM_START)))
+        .map_err(|source| LinuxError::KernelLoad { path: path.to_path_buf(), source })?;
     load_cmdline(mem, GuestAddress(CMDLINE_START), &cmdline).map_err(LinuxError::CmdlineWrite)?;
 
     match loaded.pvh_boot_cap {
         PvhBootCapability::PvhEntryPresent(entry) => {
             write_pvh_start_info(mem, cfg.mem_bytes, initrd)?;
-            Ok(LinuxEntry::Pvh {
-                entry: entry.raw_value(),
-                start_info: PVH_INFO_START,
-            })
+            Ok(LinuxEntry::Pvh { entry: entry.raw_value(), start_info: PVH_INFO_START })
         }
         _ => {
             // No PVH note: enter startup_64 directly with a minimal zero page.
@@ -437,10 +321,7 @@ fn load_elf(
             params.hdr.kernel_alignment = DEFAULT_KERNEL_PHYS as u32;
             params.hdr.type_of_loader = KERNEL_LOADER_OTHER;
             write_zero_page(mem, params, cfg, cmdline_len(&cmdline), initrd)?;
-            Ok(LinuxEntry::BzImage64 {
-                entry: loaded.kernel_load.raw_value(),
-                boot_params: ZERO_PAGE_START,
-            })
+            Ok(LinuxEntry::BzImage64 { entry: loaded.kernel_load.raw_value(), boot_params: ZERO_PAGE_START })
         }
     }
 }
@@ -459,20 +340,13 @@ fn elf_extent(f: &mut File, head: &[u8]) -> Result<u64, ElfProbeError> {
     let u32_at = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
     let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
     // ELFCLASS64, ELFDATA2LSB, EM_X86_64, 56-byte program headers.
-    if head.len() < 64
-        || head[4] != 2
-        || head[5] != 1
-        || u16_at(head, 0x12) != EM_X86_64
-        || u16_at(head, 0x36) != 56
-    {
+    if head.len() < 64 || head[4] != 2 || head[5] != 1 || u16_at(head, 0x12) != EM_X86_64 || u16_at(head, 0x36) != 56 {
         return Err(ElfProbeError::NotX86_64);
     }
     let phoff = u64_at(head, 0x20);
     let phnum = usize::from(u16_at(head, 0x38));
     let mut phdrs = vec![0u8; phnum * 56];
-    f.seek(SeekFrom::Start(phoff))
-        .and_then(|_| f.read_exact(&mut phdrs))
-        .map_err(ElfProbeError::Io)?;
+    f.seek(SeekFrom::Start(phoff)).and_then(|_| f.read_exact(&mut phdrs)).map_err(ElfProbeError::Io)?;
     let end = phdrs
         .chunks_exact(56)
         .filter(|p| u32_at(p, 0) == PT_LOAD && u64_at(p, 0x20) != 0)
@@ -483,12 +357,7 @@ fn elf_extent(f: &mut File, head: &[u8]) -> Result<u64, ElfProbeError> {
 }
 
 fn build_cmdline(s: &str, kernel_max: usize) -> Result<Cmdline, LinuxError> {
-    let max = if kernel_max == 0 {
-        DEFAULT_CMDLINE_MAX
-    } else {
-        kernel_max
-    }
-    .min(CMDLINE_MAX_SIZE - 1);
+    let max = if kernel_max == 0 { DEFAULT_CMDLINE_MAX } else { kernel_max }.min(CMDLINE_MAX_SIZE - 1);
     if s.len() > max {
         return Err(LinuxError::CmdlineTooLong { len: s.len(), max });
     }
@@ -496,9 +365,7 @@ fn build_cmdline(s: &str, kernel_max: usize) -> Result<Cmdline, LinuxError> {
     if !s.trim().is_empty() {
         // `insert_str` checks for printable ASCII (and keeps " -- " init arguments verbatim).
         cmdline.insert_str(s).map_err(|e| match e {
-            linux_loader::cmdline::Error::TooLarge => {
-                LinuxError::CmdlineTooLong { len: s.len(), max }
-            }
+            linux_loader::cmdline::Error::TooLarge => LinuxError::CmdlineTooLong { len: s.len(), max },
             e => LinuxError::InvalidCmdline(e),
         })?;
     }
@@ -506,9 +373,7 @@ fn build_cmdline(s: &str, kernel_max: usize) -> Result<Cmdline, LinuxError> {
 }
 
 fn cmdline_len(c: &Cmdline) -> u32 {
-    c.as_cstring()
-        .map(|s| s.as_bytes().len() as u32)
-        .unwrap_or(0)
+    c.as_cstring().map(|s| s.as_bytes().len() as u32).unwrap_or(0)
 }
 
 /// An initrd written to guest memory: `(address, size)`.
@@ -523,17 +388,8 @@ fn load_initrd(
     let Some(path) = cfg.initrd else {
         return Ok(None);
     };
-    let mut f = File::open(path).map_err(|source| LinuxError::InitrdOpen {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let size = f
-        .metadata()
-        .map_err(|source| LinuxError::InitrdRead {
-            path: path.to_path_buf(),
-            source,
-        })?
-        .len();
+    let mut f = File::open(path).map_err(|source| LinuxError::InitrdOpen { path: path.to_path_buf(), source })?;
+    let size = f.metadata().map_err(|source| LinuxError::InitrdRead { path: path.to_path_buf(), source })?.len();
     let Some(addr) = initrd_address(cfg.mem_bytes, size, kernel_end, initrd_addr_max) else {
         return Err(LinuxError::InitrdDoesNotFit {
             path: path.to_path_buf(),
@@ -543,10 +399,7 @@ fn load_initrd(
         });
     };
     mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
-        .map_err(|e| LinuxError::InitrdRead {
-            path: path.to_path_buf(),
-            source: io::Error::other(e.to_string()),
-        })?;
+        .map_err(|e| LinuxError::InitrdRead { path: path.to_path_buf(), source: io::Error::other(e.to_string()) })?;
     Ok(Some((addr, size)))
 }
 
@@ -569,43 +422,23 @@ fn write_zero_page(
     let map = e820_map(cfg.mem_bytes);
     debug_assert!(map.len() <= E820_MAX_ENTRIES_ZEROPAGE);
     for (slot, e) in params.e820_table.iter_mut().zip(&map) {
-        *slot = boot_e820_entry {
-            addr: e.addr,
-            size: e.size,
-            r#type: e.kind,
-        };
+        *slot = boot_e820_entry { addr: e.addr, size: e.size, r#type: e.kind };
     }
     params.e820_entries = map.len() as u8;
-    LinuxBootConfigurator::write_bootparams(
-        &BootParams::new(&params, GuestAddress(ZERO_PAGE_START)),
-        mem,
-    )
-    .map_err(LinuxError::BootParams)
+    LinuxBootConfigurator::write_bootparams(&BootParams::new(&params, GuestAddress(ZERO_PAGE_START)), mem)
+        .map_err(LinuxError::BootParams)
 }
 
-fn write_pvh_start_info(
-    mem: &crate::GuestMemory,
-    mem_bytes: u64,
-    initrd: Initrd,
-) -> Result<(), LinuxError> {
+fn write_pvh_start_info(mem: &crate::GuestMemory, mem_bytes: u64, initrd: Initrd) -> Result<(), LinuxError> {
     let memmap: Vec<hvm_memmap_table_entry> = e820_map(mem_bytes)
         .iter()
-        .map(|e| hvm_memmap_table_entry {
-            addr: e.addr,
-            size: e.size,
-            type_: e.kind,
-            reserved: 0,
-        })
+        .map(|e| hvm_memmap_table_entry { addr: e.addr, size: e.size, type_: e.kind, reserved: 0 })
         .collect();
     let info = hvm_start_info {
         magic: XEN_HVM_START_MAGIC_VALUE,
         version: 1,
         nr_modules: u32::from(initrd.is_some()),
-        modlist_paddr: if initrd.is_some() {
-            PVH_MODLIST_START
-        } else {
-            0
-        },
+        modlist_paddr: if initrd.is_some() { PVH_MODLIST_START } else { 0 },
         cmdline_paddr: CMDLINE_START,
         memmap_paddr: PVH_MEMMAP_START,
         memmap_entries: memmap.len() as u32,
@@ -613,12 +446,7 @@ fn write_pvh_start_info(
     };
     let mut params = BootParams::new(&info, GuestAddress(PVH_INFO_START));
     if let Some((paddr, size)) = initrd {
-        let module = hvm_modlist_entry {
-            paddr,
-            size,
-            cmdline_paddr: 0,
-            reserved: 0,
-        };
+        let module = hvm_modlist_entry { paddr, size, cmdline_paddr: 0, reserved: 0 };
         params.set_modules(&[module], GuestAddress(PVH_MODLIST_START));
     }
     params.set_sections(&memmap, GuestAddress(PVH_MEMMAP_START));
@@ -636,10 +464,8 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn guest_mem(mem_bytes: u64) -> crate::GuestMemory {
-        let ranges: Vec<(GuestAddress, usize)> = ram_regions(mem_bytes)
-            .into_iter()
-            .map(|(s, l)| (GuestAddress(s), l as usize))
-            .collect();
+        let ranges: Vec<(GuestAddress, usize)> =
+            ram_regions(mem_bytes).into_iter().map(|(s, l)| (GuestAddress(s), l as usize)).collect();
         crate::GuestMemory::from_ranges(&ranges).unwrap()
     }
 
@@ -673,21 +499,9 @@ mod tests {
         assert_eq!(
             m,
             vec![
-                E820Entry {
-                    addr: 0,
-                    size: EBDA_START,
-                    kind: E820_RAM
-                },
-                E820Entry {
-                    addr: EBDA_START,
-                    size: HIMEM_START - EBDA_START,
-                    kind: E820_RESERVED
-                },
-                E820Entry {
-                    addr: HIMEM_START,
-                    size: 512 * MIB - HIMEM_START,
-                    kind: E820_RAM
-                },
+                E820Entry { addr: 0, size: EBDA_START, kind: E820_RAM },
+                E820Entry { addr: EBDA_START, size: HIMEM_START - EBDA_START, kind: E820_RESERVED },
+                E820Entry { addr: HIMEM_START, size: 512 * MIB - HIMEM_START, kind: E820_RAM },
             ]
         );
     }
@@ -696,27 +510,9 @@ mod tests {
     fn e820_large_vm_skips_mmio_gap() {
         let m = e820_map(6 * GIB);
         assert_eq!(m.len(), 4);
-        assert_eq!(
-            m[2],
-            E820Entry {
-                addr: HIMEM_START,
-                size: MMIO_GAP_START - HIMEM_START,
-                kind: E820_RAM
-            }
-        );
-        assert_eq!(
-            m[3],
-            E820Entry {
-                addr: MMIO_GAP_END,
-                size: 3 * GIB,
-                kind: E820_RAM
-            }
-        );
-        let ram: u64 = m
-            .iter()
-            .filter(|e| e.kind == E820_RAM)
-            .map(|e| e.size)
-            .sum();
+        assert_eq!(m[2], E820Entry { addr: HIMEM_START, size: MMIO_GAP_START - HIMEM_START, kind: E820_RAM });
+        assert_eq!(m[3], E820Entry { addr: MMIO_GAP_END, size: 3 * GIB, kind: E820_RAM });
+        let ram: u64 = m.iter().filter(|e| e.kind == E820_RAM).map(|e| e.size).sum();
         assert_eq!(ram, 6 * GIB - (HIMEM_START - EBDA_START));
     }
 
@@ -746,16 +542,10 @@ mod tests {
 
     #[test]
     fn initrd_that_does_not_fit() {
-        assert_eq!(
-            initrd_address(128 * MIB, 100 * MIB, 64 * MIB, 0x7fff_ffff),
-            None
-        );
+        assert_eq!(initrd_address(128 * MIB, 100 * MIB, 64 * MIB, 0x7fff_ffff), None);
         assert_eq!(initrd_address(128 * MIB, 200 * MIB, 0, 0x7fff_ffff), None);
         // Just fits.
-        assert_eq!(
-            initrd_address(128 * MIB, 64 * MIB, 64 * MIB, 0x7fff_ffff),
-            Some(64 * MIB)
-        );
+        assert_eq!(initrd_address(128 * MIB, 64 * MIB, 64 * MIB, 0x7fff_ffff), Some(64 * MIB));
     }
 
     #[test]
@@ -770,10 +560,7 @@ mod tests {
         };
         assert_eq!(bzimage_extent(&hdr, HIMEM_START, 10 * MIB), 0x400_0000);
         // A huge compressed image dominates.
-        assert_eq!(
-            bzimage_extent(&hdr, HIMEM_START, 100 * MIB),
-            HIMEM_START + 100 * MIB
-        );
+        assert_eq!(bzimage_extent(&hdr, HIMEM_START, 100 * MIB), HIMEM_START + 100 * MIB);
     }
 
     #[test]
@@ -781,23 +568,11 @@ mod tests {
         assert!(build_cmdline("console=ttyS0 panic=-1", 2047).is_ok());
         assert!(build_cmdline("", 2047).is_ok());
         let long = "a".repeat(300);
-        assert!(matches!(
-            build_cmdline(&long, 255),
-            Err(LinuxError::CmdlineTooLong { len: 300, max: 255 })
-        ));
-        assert!(matches!(
-            build_cmdline("caf\u{e9}", 255),
-            Err(LinuxError::InvalidCmdline(_))
-        ));
-        assert!(matches!(
-            build_cmdline("a\0b", 255),
-            Err(LinuxError::InvalidCmdline(_))
-        ));
+        assert!(matches!(build_cmdline(&long, 255), Err(LinuxError::CmdlineTooLong { len: 300, max: 255 })));
+        assert!(matches!(build_cmdline("caf\u{e9}", 255), Err(LinuxError::InvalidCmdline(_))));
+        assert!(matches!(build_cmdline("a\0b", 255), Err(LinuxError::InvalidCmdline(_))));
         let c = build_cmdline("  root=/dev/vda -- init-arg  ", 255).unwrap();
-        assert_eq!(
-            c.as_cstring().unwrap().to_str().unwrap(),
-            "root=/dev/vda -- init-arg"
-        );
+        assert_eq!(c.as_cstring().unwrap().to_str().unwrap(), "root=/dev/vda -- init-arg");
     }
 
     // ---- fake images ----
@@ -839,20 +614,9 @@ mod tests {
         let rd = TempFile::new("bz-initrd", &initrd_bytes);
         let mem_bytes = 64 * MIB;
         let mem = guest_mem(mem_bytes);
-        let cfg = LinuxBootConfig {
-            kernel: &k.0,
-            initrd: Some(&rd.0),
-            cmdline: "console=ttyS0 panic=-1",
-            mem_bytes,
-        };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: Some(&rd.0), cmdline: "console=ttyS0 panic=-1", mem_bytes };
         let entry = load_linux(&mem, &cfg).unwrap();
-        assert_eq!(
-            entry,
-            LinuxEntry::BzImage64 {
-                entry: HIMEM_START + 0x200,
-                boot_params: ZERO_PAGE_START
-            }
-        );
+        assert_eq!(entry, LinuxEntry::BzImage64 { entry: HIMEM_START + 0x200, boot_params: ZERO_PAGE_START });
 
         // Payload at 1 MiB.
         let setup = (usize::from(FAKE_SETUP_SECTS) + 1) * 512;
@@ -864,21 +628,14 @@ mod tests {
         assert_eq!({ bp.hdr.header }, KERNEL_HDR_MAGIC);
         assert_eq!({ bp.hdr.boot_flag }, KERNEL_BOOT_FLAG_MAGIC);
         assert_eq!({ bp.hdr.type_of_loader }, 0xff);
-        assert_eq!(
-            bp.hdr.loadflags & (LOADED_HIGH | CAN_USE_HEAP),
-            LOADED_HIGH | CAN_USE_HEAP
-        );
+        assert_eq!(bp.hdr.loadflags & (LOADED_HIGH | CAN_USE_HEAP), LOADED_HIGH | CAN_USE_HEAP);
         assert_eq!({ bp.hdr.code32_start }, HIMEM_START as u32);
         assert_eq!({ bp.hdr.cmd_line_ptr }, CMDLINE_START as u32);
-        assert_eq!(
-            { bp.hdr.cmdline_size },
-            "console=ttyS0 panic=-1".len() as u32
-        );
+        assert_eq!({ bp.hdr.cmdline_size }, "console=ttyS0 panic=-1".len() as u32);
         assert_eq!(read_cstr(&mem, CMDLINE_START), "console=ttyS0 panic=-1");
 
         // Initrd: page aligned, at the top of RAM, contents intact.
-        let (ri, rs) = ({ bp.hdr.ramdisk_image } as u64, { bp.hdr.ramdisk_size }
-            as u64);
+        let (ri, rs) = ({ bp.hdr.ramdisk_image } as u64, { bp.hdr.ramdisk_size } as u64);
         assert_eq!(rs, 5000);
         assert_eq!(ri % PAGE_SIZE, 0);
         assert_eq!(ri, (mem_bytes - 5000) & !(PAGE_SIZE - 1));
@@ -890,14 +647,8 @@ mod tests {
         let n = bp.e820_entries as usize;
         assert_eq!(n, 3);
         let table = { bp.e820_table };
-        let got: Vec<E820Entry> = table[..n]
-            .iter()
-            .map(|e| E820Entry {
-                addr: e.addr,
-                size: e.size,
-                kind: e.r#type,
-            })
-            .collect();
+        let got: Vec<E820Entry> =
+            table[..n].iter().map(|e| E820Entry { addr: e.addr, size: e.size, kind: e.r#type }).collect();
         assert_eq!(got, e820_map(mem_bytes));
     }
 
@@ -906,23 +657,9 @@ mod tests {
         let k = TempFile::new("bz-big", &fake_bzimage());
         // init_size 8 MiB from 16 MiB does not fit into 16 MiB of RAM.
         let mem = guest_mem(16 * MIB);
-        let cfg = LinuxBootConfig {
-            kernel: &k.0,
-            initrd: None,
-            cmdline: "",
-            mem_bytes: 16 * MIB,
-        };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", mem_bytes: 16 * MIB };
         let err = load_linux(&mem, &cfg).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                LinuxError::KernelTooLarge {
-                    needed: 0x180_0000,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, LinuxError::KernelTooLarge { needed: 0x180_0000, .. }), "{err}");
     }
 
     #[test]
@@ -930,12 +667,7 @@ mod tests {
         let k = TempFile::new("bz-rd", &fake_bzimage());
         let rd = TempFile::new("bz-rd-initrd", &vec![1u8; 9 << 20]);
         let mem = guest_mem(32 * MIB);
-        let cfg = LinuxBootConfig {
-            kernel: &k.0,
-            initrd: Some(&rd.0),
-            cmdline: "",
-            mem_bytes: 32 * MIB,
-        };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: Some(&rd.0), cmdline: "", mem_bytes: 32 * MIB };
         let err = load_linux(&mem, &cfg).unwrap_err();
         assert!(matches!(err, LinuxError::InitrdDoesNotFit { .. }), "{err}");
         assert!(err.to_string().contains("does not fit"));
@@ -947,50 +679,23 @@ mod tests {
         img[0x206] = 0x0b; // protocol 2.11
         let k = TempFile::new("bz-old", &img);
         let mem = guest_mem(64 * MIB);
-        let cfg = LinuxBootConfig {
-            kernel: &k.0,
-            initrd: None,
-            cmdline: "",
-            mem_bytes: 64 * MIB,
-        };
-        assert!(matches!(
-            load_linux(&mem, &cfg),
-            Err(LinuxError::BzImageNot64Bit {
-                version: 0x020b,
-                ..
-            })
-        ));
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", mem_bytes: 64 * MIB };
+        assert!(matches!(load_linux(&mem, &cfg), Err(LinuxError::BzImageNot64Bit { version: 0x020b, .. })));
     }
 
     #[test]
     fn bad_inputs_give_clear_errors() {
         let mem = guest_mem(64 * MIB);
         let missing = Path::new("/nonexistent/kumo/vmlinuz");
-        let cfg = LinuxBootConfig {
-            kernel: missing,
-            initrd: None,
-            cmdline: "",
-            mem_bytes: 64 * MIB,
-        };
+        let cfg = LinuxBootConfig { kernel: missing, initrd: None, cmdline: "", mem_bytes: 64 * MIB };
         let err = load_linux(&mem, &cfg).unwrap_err();
         assert!(matches!(err, LinuxError::KernelOpen { .. }));
-        assert!(
-            err.to_string().contains("/nonexistent/kumo/vmlinuz"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("/nonexistent/kumo/vmlinuz"), "{err}");
 
         let junk = TempFile::new("junk", &[0x55u8; 4096]);
-        let cfg = LinuxBootConfig {
-            kernel: &junk.0,
-            initrd: None,
-            cmdline: "",
-            mem_bytes: 64 * MIB,
-        };
+        let cfg = LinuxBootConfig { kernel: &junk.0, initrd: None, cmdline: "", mem_bytes: 64 * MIB };
         let err = load_linux(&mem, &cfg).unwrap_err();
-        assert!(
-            err.to_string().contains("neither a bzImage nor an ELF"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("neither a bzImage nor an ELF"), "{err}");
 
         let k = TempFile::new("bz-noinitrd", &fake_bzimage());
         let cfg = LinuxBootConfig {
@@ -999,22 +704,11 @@ mod tests {
             cmdline: "",
             mem_bytes: 64 * MIB,
         };
-        assert!(matches!(
-            load_linux(&mem, &cfg),
-            Err(LinuxError::InitrdOpen { .. })
-        ));
+        assert!(matches!(load_linux(&mem, &cfg), Err(LinuxError::InitrdOpen { .. })));
 
         let small = guest_mem(MIB);
-        let cfg = LinuxBootConfig {
-            kernel: &k.0,
-            initrd: None,
-            cmdline: "",
-            mem_bytes: MIB,
-        };
-        assert!(matches!(
-            load_linux(&small, &cfg),
-            Err(LinuxError::MemoryTooSmall { .. })
-        ));
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", mem_bytes: MIB };
+        assert!(matches!(load_linux(&small, &cfg), Err(LinuxError::MemoryTooSmall { .. })));
     }
 
     /// A minimal x86-64 ELF: one PT_LOAD of `FAKE_ELF_CODE` at 16 MiB, optionally a PT_NOTE with
@@ -1070,23 +764,11 @@ mod tests {
         let rd = TempFile::new("elf-pvh-initrd", &[7u8; 100]);
         let mem_bytes = 64 * MIB;
         let mem = guest_mem(mem_bytes);
-        let cfg = LinuxBootConfig {
-            kernel: &k.0,
-            initrd: Some(&rd.0),
-            cmdline: "console=ttyS0",
-            mem_bytes,
-        };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: Some(&rd.0), cmdline: "console=ttyS0", mem_bytes };
         let entry = load_linux(&mem, &cfg).unwrap();
-        assert_eq!(
-            entry,
-            LinuxEntry::Pvh {
-                entry: u64::from(FAKE_PVH_ENTRY),
-                start_info: PVH_INFO_START
-            }
-        );
+        assert_eq!(entry, LinuxEntry::Pvh { entry: u64::from(FAKE_PVH_ENTRY), start_info: PVH_INFO_START });
         let mut code = vec![0u8; FAKE_ELF_CODE];
-        mem.read_slice(&mut code, GuestAddress(FAKE_ELF_PADDR))
-            .unwrap();
+        mem.read_slice(&mut code, GuestAddress(FAKE_ELF_PADDR)).unwrap();
         assert_eq!(code, img[0x200..]);
 
         let si: hvm_start_info = mem.read_obj(GuestAddress(PVH_INFO_START)).unwrap();
@@ -1098,16 +780,11 @@ mod tests {
         let module: hvm_modlist_entry = mem.read_obj(GuestAddress(si.modlist_paddr)).unwrap();
         assert_eq!(module.size, 100);
         assert_eq!(module.paddr, (mem_bytes - 100) & !(PAGE_SIZE - 1));
-        assert_eq!(
-            mem.read_obj::<u8>(GuestAddress(module.paddr + 99)).unwrap(),
-            7
-        );
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(module.paddr + 99)).unwrap(), 7);
         let map = e820_map(mem_bytes);
         assert_eq!(si.memmap_entries as usize, map.len());
         for (i, e) in map.iter().enumerate() {
-            let m: hvm_memmap_table_entry = mem
-                .read_obj(GuestAddress(si.memmap_paddr + 24 * i as u64))
-                .unwrap();
+            let m: hvm_memmap_table_entry = mem.read_obj(GuestAddress(si.memmap_paddr + 24 * i as u64)).unwrap();
             assert_eq!((m.addr, m.size, m.type_), (e.addr, e.size, e.kind));
         }
         // Everything stays inside the PVH info page.
@@ -1118,20 +795,9 @@ mod tests {
     fn elf_without_pvh_note_uses_64bit_entry() {
         let k = TempFile::new("elf-64", &fake_elf(false));
         let mem = guest_mem(64 * MIB);
-        let cfg = LinuxBootConfig {
-            kernel: &k.0,
-            initrd: None,
-            cmdline: "quiet",
-            mem_bytes: 64 * MIB,
-        };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "quiet", mem_bytes: 64 * MIB };
         let entry = load_linux(&mem, &cfg).unwrap();
-        assert_eq!(
-            entry,
-            LinuxEntry::BzImage64 {
-                entry: FAKE_ELF_PADDR,
-                boot_params: ZERO_PAGE_START
-            }
-        );
+        assert_eq!(entry, LinuxEntry::BzImage64 { entry: FAKE_ELF_PADDR, boot_params: ZERO_PAGE_START });
         let bp: boot_params = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
         assert_eq!({ bp.hdr.header }, KERNEL_HDR_MAGIC);
         assert_eq!({ bp.hdr.cmd_line_ptr }, CMDLINE_START as u32);
@@ -1142,16 +808,8 @@ mod tests {
     fn elf_too_large_for_memory() {
         let k = TempFile::new("elf-big", &fake_elf(true));
         let mem = guest_mem(16 * MIB);
-        let cfg = LinuxBootConfig {
-            kernel: &k.0,
-            initrd: None,
-            cmdline: "",
-            mem_bytes: 16 * MIB,
-        };
-        assert!(matches!(
-            load_linux(&mem, &cfg),
-            Err(LinuxError::KernelTooLarge { .. })
-        ));
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", mem_bytes: 16 * MIB };
+        assert!(matches!(load_linux(&mem, &cfg), Err(LinuxError::KernelTooLarge { .. })));
     }
 
     // ---- the real Debian kernel (scripts/fetch-linux-kernel.sh) ----
@@ -1159,17 +817,12 @@ mod tests {
     fn cached(name: &str) -> Option<PathBuf> {
         let p = match std::env::var_os("KUMO_LINUX_CACHE") {
             Some(d) => PathBuf::from(d).join(name),
-            None => Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../.cache/linux")
-                .join(name),
+            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/linux").join(name),
         };
         if p.exists() {
             Some(p)
         } else {
-            println!(
-                "skipping: {} not found (run scripts/fetch-linux-kernel.sh)",
-                p.display()
-            );
+            println!("skipping: {} not found (run scripts/fetch-linux-kernel.sh)", p.display());
             None
         }
     }
@@ -1180,20 +833,9 @@ mod tests {
         let mem_bytes = 512 * MIB;
         let mem = guest_mem(mem_bytes);
         let cmdline = "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1";
-        let cfg = LinuxBootConfig {
-            kernel: &k,
-            initrd: Some(&k),
-            cmdline,
-            mem_bytes,
-        };
+        let cfg = LinuxBootConfig { kernel: &k, initrd: Some(&k), cmdline, mem_bytes };
         let entry = load_linux(&mem, &cfg).unwrap();
-        assert_eq!(
-            entry,
-            LinuxEntry::BzImage64 {
-                entry: HIMEM_START + 0x200,
-                boot_params: ZERO_PAGE_START
-            }
-        );
+        assert_eq!(entry, LinuxEntry::BzImage64 { entry: HIMEM_START + 0x200, boot_params: ZERO_PAGE_START });
         let bp: boot_params = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
         assert_eq!({ bp.hdr.header }, KERNEL_HDR_MAGIC);
         assert!(bp.hdr.xloadflags & XLF_KERNEL_64 != 0);
@@ -1212,12 +854,7 @@ mod tests {
         let Some(k) = cached("vmlinux") else { return };
         let mem_bytes = 512 * MIB;
         let mem = guest_mem(mem_bytes);
-        let cfg = LinuxBootConfig {
-            kernel: &k,
-            initrd: None,
-            cmdline: "console=ttyS0",
-            mem_bytes,
-        };
+        let cfg = LinuxBootConfig { kernel: &k, initrd: None, cmdline: "console=ttyS0", mem_bytes };
         match load_linux(&mem, &cfg).unwrap() {
             LinuxEntry::Pvh { entry, start_info } => {
                 assert_eq!(start_info, PVH_INFO_START);

@@ -33,16 +33,11 @@ impl Memory {
         // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
         let fd = unsafe { libc::memfd_create(c"kumo-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(Error::Memory(format!(
-                "memfd_create: {}",
-                std::io::Error::last_os_error()
-            )));
+            return Err(Error::Memory(format!("memfd_create: {}", std::io::Error::last_os_error())));
         }
         // SAFETY: fd is a fresh descriptor we own.
         let memfd = unsafe { File::from_raw_fd(fd) };
-        memfd
-            .set_len(size)
-            .map_err(|e| Error::Memory(format!("cannot size guest RAM to {size} bytes: {e}")))?;
+        memfd.set_len(size).map_err(|e| Error::Memory(format!("cannot size guest RAM to {size} bytes: {e}")))?;
         Self::map(memfd, size)
     }
 
@@ -52,14 +47,9 @@ impl Memory {
         if size < MIN_MEMORY || !size.is_multiple_of(4096) {
             return Err(Error::BadMemorySize(size));
         }
-        let len = memfd
-            .metadata()
-            .map_err(|e| Error::Memory(format!("memory file: {e}")))?
-            .len();
+        let len = memfd.metadata().map_err(|e| Error::Memory(format!("memory file: {e}")))?.len();
         if len != size {
-            return Err(Error::Memory(format!(
-                "memory file holds {len} bytes, the VM needs {size}"
-            )));
+            return Err(Error::Memory(format!("memory file holds {len} bytes, the VM needs {size}")));
         }
         Self::map(memfd, size)
     }
@@ -68,12 +58,7 @@ impl Memory {
         let mut regions = Vec::new();
         let mut offset = 0u64;
         for (start, len) in ram_regions(size) {
-            let fo = FileOffset::new(
-                memfd
-                    .try_clone()
-                    .map_err(|e| Error::Memory(e.to_string()))?,
-                offset,
-            );
+            let fo = FileOffset::new(memfd.try_clone().map_err(|e| Error::Memory(e.to_string()))?, offset);
             let len_usize = usize::try_from(len).map_err(|_| Error::BadMemorySize(size))?;
             let mmap = MmapRegion::<AtomicBitmap>::from_file(fo, len_usize)
                 .map_err(|e| Error::Memory(format!("mmap: {e}")))?;
@@ -83,8 +68,7 @@ impl Memory {
             );
             offset += len;
         }
-        let guest =
-            GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
+        let guest = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
         Ok(Memory { guest, memfd, size })
     }
 }
@@ -103,18 +87,13 @@ pub fn populate(mem: &GuestMemory, gpa: u64, len: u64) -> Result<()> {
         .get_host_address(vm_memory::GuestAddress(gpa + len - 1))
         .map_err(|e| Error::Memory(format!("populate {gpa:#x}+{len:#x}: {e}")))?;
     if last as usize != host as usize + len as usize - 1 {
-        return Err(Error::Memory(format!(
-            "populate {gpa:#x}+{len:#x} spans two regions"
-        )));
+        return Err(Error::Memory(format!("populate {gpa:#x}+{len:#x} spans two regions")));
     }
     // SAFETY: the range lies within one live mapping of guest memory (checked above);
     // MADV_POPULATE_WRITE only faults pages in, it does not change their contents.
     let r = unsafe { libc::madvise(host as *mut libc::c_void, len as usize, MADV_POPULATE_WRITE) };
     if r != 0 {
-        return Err(Error::Memory(format!(
-            "madvise(POPULATE_WRITE): {}",
-            std::io::Error::last_os_error()
-        )));
+        return Err(Error::Memory(format!("madvise(POPULATE_WRITE): {}", std::io::Error::last_os_error())));
     }
     Ok(())
 }
@@ -124,9 +103,7 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size (e.g. 512M, 2G)"))?;
+    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 512M, 2G)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -135,8 +112,7 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
         "t" | "tb" | "tib" => 1 << 40,
         _ => return Err(format!("`{s}` has an unknown unit (use K, M, G or T)")),
     };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("`{s}` is too large"))
+    n.checked_mul(mult).ok_or_else(|| format!("`{s}` is too large"))
 }
 
 #[cfg(test)]
@@ -152,64 +128,39 @@ mod tests {
         assert_eq!(parse_size("4096"), Ok(4096));
         assert!(parse_size("12X").unwrap_err().contains("unit"));
         assert!(parse_size("lots").is_err());
-        assert!(parse_size("99999999999T")
-            .unwrap_err()
-            .contains("too large"));
+        assert!(parse_size("99999999999T").unwrap_err().contains("too large"));
     }
 
     #[test]
     fn memory_is_memfd_backed_and_split_around_the_hole() {
         let m = Memory::new(16 << 20).unwrap();
         assert_eq!(m.guest.num_regions(), 1);
-        m.guest
-            .write_obj(0xdeadbeefu32, GuestAddress(0x1000))
-            .unwrap();
+        m.guest.write_obj(0xdeadbeefu32, GuestAddress(0x1000)).unwrap();
         let mut b = [0u8; 4];
         std::os::unix::fs::FileExt::read_at(&m.memfd, &mut b, 0x1000).unwrap();
         assert_eq!(u32::from_le_bytes(b), 0xdeadbeef);
         assert!(matches!(Memory::new(1 << 20), Err(Error::BadMemorySize(_))));
-        assert!(matches!(
-            Memory::new((16 << 20) + 1),
-            Err(Error::BadMemorySize(_))
-        ));
+        assert!(matches!(Memory::new((16 << 20) + 1), Err(Error::BadMemorySize(_))));
     }
 
     #[test]
     fn a_second_mapping_of_the_same_memfd_shares_pages() {
         let a = Memory::new(16 << 20).unwrap();
-        a.guest
-            .write_obj(0x1234_5678u32, GuestAddress(0x20_0000))
-            .unwrap();
+        a.guest.write_obj(0x1234_5678u32, GuestAddress(0x20_0000)).unwrap();
         let b = Memory::from_file(a.memfd.try_clone().unwrap(), 16 << 20).unwrap();
-        assert_eq!(
-            b.guest.read_obj::<u32>(GuestAddress(0x20_0000)).unwrap(),
-            0x1234_5678
-        );
+        assert_eq!(b.guest.read_obj::<u32>(GuestAddress(0x20_0000)).unwrap(), 0x1234_5678);
         b.guest.write_obj(7u32, GuestAddress(0x30_0000)).unwrap();
         assert_eq!(a.guest.read_obj::<u32>(GuestAddress(0x30_0000)).unwrap(), 7);
-        let e = Memory::from_file(a.memfd.try_clone().unwrap(), 32 << 20)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("holds 16777216 bytes, the VM needs 33554432"),
-            "{e}"
-        );
+        let e = Memory::from_file(a.memfd.try_clone().unwrap(), 32 << 20).err().unwrap().to_string();
+        assert!(e.contains("holds 16777216 bytes, the VM needs 33554432"), "{e}");
     }
 
     #[test]
     fn populate_faults_in_a_run_and_rejects_runs_across_regions() {
         let m = Memory::new(16 << 20).unwrap();
         populate(&m.guest, 0x10_0000, 0x40_0000).unwrap();
-        assert_eq!(
-            m.guest.read_obj::<u64>(GuestAddress(0x10_0000)).unwrap(),
-            0,
-            "contents unchanged"
-        );
-        assert!(
-            populate(&m.guest, 0xff_f000, 0x2000).is_err(),
-            "past the end of memory"
-        );
+        assert_eq!(m.guest.read_obj::<u64>(GuestAddress(0x10_0000)).unwrap(), 0, "contents unchanged");
+        assert!(populate(&m.guest, 0xff_f000, 0x2000).is_err(), "past the end of memory");
     }
 
     #[test]

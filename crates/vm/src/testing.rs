@@ -30,22 +30,14 @@ impl RawGuest {
         let vm = Vm::new(1, MEM, IrqchipMode::Kernel).unwrap();
         write_gdt(&vm.memory.guest, 1).unwrap();
         write_page_tables(&vm.memory.guest, MEM).unwrap();
-        vm.memory
-            .guest
-            .write_slice(code, GuestAddress(CODE))
-            .unwrap();
+        vm.memory.guest.write_slice(code, GuestAddress(CODE)).unwrap();
         for (addr, bytes) in data {
-            vm.memory
-                .guest
-                .write_slice(bytes, GuestAddress(*addr))
-                .unwrap();
+            vm.memory.guest.write_slice(bytes, GuestAddress(*addr)).unwrap();
         }
         let vcpu = vm.create_vcpu(0).unwrap();
-        vcpu.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: CODE }))
-            .unwrap();
+        vcpu.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: CODE })).unwrap();
         let mut bus = PioBus::new();
-        bus.insert(kumo_devices::EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort)))
-            .unwrap();
+        bus.insert(kumo_devices::EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).unwrap();
         Some(RawGuest { vm, vcpu, bus })
     }
 

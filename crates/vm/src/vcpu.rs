@@ -4,9 +4,7 @@
 use std::sync::Arc;
 
 use kumo_devices::{DeviceEvent, PioBus};
-use kvm_bindings::{
-    kvm_mp_state, kvm_msr_entry, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_RUNNABLE,
-};
+use kvm_bindings::{kvm_mp_state, kvm_msr_entry, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_RUNNABLE};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -51,21 +49,8 @@ pub struct Vcpu {
 }
 
 impl Vcpu {
-    pub(crate) fn new(
-        id: u32,
-        fd: VcpuFd,
-        mem: crate::GuestMemory,
-        msr_list: Arc<Vec<u32>>,
-        has_lapic: bool,
-    ) -> Self {
-        Vcpu {
-            id,
-            fd,
-            mem,
-            msr_list,
-            has_lapic,
-            assists: AssistCounts::default(),
-        }
+    pub(crate) fn new(id: u32, fd: VcpuFd, mem: crate::GuestMemory, msr_list: Arc<Vec<u32>>, has_lapic: bool) -> Self {
+        Vcpu { id, fd, mem, msr_list, has_lapic, assists: AssistCounts::default() }
     }
 
     /// How many instructions of each kind kumo carried out for this vCPU after KVM failed to
@@ -77,13 +62,10 @@ impl Vcpu {
     /// Sets CPUID, MSRs, LAPIC LINT pins and, if `entry` is given, the boot register state.
     /// vCPUs without an entry stay in KVM's reset state (an AP waiting for INIT/SIPI).
     pub fn configure(&self, kvm: &Kvm, ncpus: u32, entry: Option<Entry>) -> Result<()> {
-        let mut c = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|e| Error::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
+        let mut c =
+            kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(|e| Error::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
         cpuid::filter(&mut c, self.id, ncpus);
-        self.fd
-            .set_cpuid2(&c)
-            .map_err(|e| Error::Kvm("KVM_SET_CPUID2", e))?;
+        self.fd.set_cpuid2(&c).map_err(|e| Error::Kvm("KVM_SET_CPUID2", e))?;
 
         let msrs = Msrs::from_entries(&[kvm_msr_entry {
             index: MSR_IA32_MISC_ENABLE,
@@ -91,48 +73,26 @@ impl Vcpu {
             ..Default::default()
         }])
         .expect("one MSR");
-        self.fd
-            .set_msrs(&msrs)
-            .map_err(|e| Error::Kvm("KVM_SET_MSRS", e))?;
+        self.fd.set_msrs(&msrs).map_err(|e| Error::Kvm("KVM_SET_MSRS", e))?;
 
         if self.has_lapic {
-            let mut lapic = self
-                .fd
-                .get_lapic()
-                .map_err(|e| Error::Kvm("KVM_GET_LAPIC", e))?;
+            let mut lapic = self.fd.get_lapic().map_err(|e| Error::Kvm("KVM_GET_LAPIC", e))?;
             set_lapic_reg(&mut lapic.regs, APIC_LVT_LINT0, APIC_MODE_EXTINT);
             set_lapic_reg(&mut lapic.regs, APIC_LVT_LINT1, APIC_MODE_NMI);
-            self.fd
-                .set_lapic(&lapic)
-                .map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?;
+            self.fd.set_lapic(&lapic).map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?;
         }
 
         if let Some(entry) = entry {
-            let sregs = self
-                .fd
-                .get_sregs()
-                .map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?;
-            self.fd
-                .set_sregs(&sregs_for(entry, self.id, ncpus, sregs))
-                .map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
-            self.fd
-                .set_regs(&regs_for(entry, self.id))
-                .map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
-            let fpu = kvm_bindings::kvm_fpu {
-                fcw: 0x37f,
-                mxcsr: 0x1f80,
-                ..Default::default()
-            };
-            self.fd
-                .set_fpu(&fpu)
-                .map_err(|e| Error::Kvm("KVM_SET_FPU", e))?;
+            let sregs = self.fd.get_sregs().map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?;
+            self.fd.set_sregs(&sregs_for(entry, self.id, ncpus, sregs)).map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
+            self.fd.set_regs(&regs_for(entry, self.id)).map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
+            let fpu = kvm_bindings::kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() };
+            self.fd.set_fpu(&fpu).map_err(|e| Error::Kvm("KVM_SET_FPU", e))?;
             if self.id != 0 {
                 // An AP with an in-kernel LAPIC waits for INIT/SIPI; kumo guests start all vCPUs
                 // at the entry point instead (documented in guests/include/kumo.h).
                 self.fd
-                    .set_mp_state(kvm_mp_state {
-                        mp_state: KVM_MP_STATE_RUNNABLE,
-                    })
+                    .set_mp_state(kvm_mp_state { mp_state: KVM_MP_STATE_RUNNABLE })
                     .map_err(|e| Error::Kvm("KVM_SET_MP_STATE", e))?;
             }
         }
@@ -140,24 +100,16 @@ impl Vcpu {
     }
 
     pub fn regs(&self) -> Result<kvm_bindings::kvm_regs> {
-        self.fd
-            .get_regs()
-            .map_err(|e| Error::Kvm("KVM_GET_REGS", e))
+        self.fd.get_regs().map_err(|e| Error::Kvm("KVM_GET_REGS", e))
     }
 
     pub fn set_regs(&self, regs: &kvm_bindings::kvm_regs) -> Result<()> {
-        self.fd
-            .set_regs(regs)
-            .map_err(|e| Error::Kvm("KVM_SET_REGS", e))
+        self.fd.set_regs(regs).map_err(|e| Error::Kvm("KVM_SET_REGS", e))
     }
 
     /// TSC frequency of this vCPU in kHz, if KVM reports one.
     pub fn tsc_khz(&self) -> Option<u64> {
-        self.fd
-            .get_tsc_khz()
-            .ok()
-            .map(|k| k as u64)
-            .filter(|k| *k > 0)
+        self.fd.get_tsc_khz().ok().map(|k| k as u64).filter(|k| *k > 0)
     }
 
     /// Asks the next `KVM_RUN` to return at once (or clears the request).
@@ -169,9 +121,7 @@ impl Vcpu {
     pub fn run(&mut self, bus: &PioBus) -> Result<VcpuRun> {
         let id = self.id;
         match self.fd.run() {
-            Ok(VcpuExit::IoOut(port, data)) => Ok(bus
-                .write(port, data)
-                .map_or(VcpuRun::Continue, VcpuRun::Device)),
+            Ok(VcpuExit::IoOut(port, data)) => Ok(bus.write(port, data).map_or(VcpuRun::Continue, VcpuRun::Device)),
             Ok(VcpuExit::IoIn(port, data)) => {
                 bus.read(port, data);
                 Ok(VcpuRun::Continue)
@@ -182,23 +132,16 @@ impl Vcpu {
             }
             Ok(VcpuExit::MmioWrite(..)) => Ok(VcpuRun::Continue),
             Ok(VcpuExit::Hlt) => Ok(VcpuRun::Halted),
-            Ok(VcpuExit::Shutdown) => Ok(VcpuRun::Reset(format!(
-                "vCPU {id} triple-faulted (shutdown exit)"
-            ))),
+            Ok(VcpuExit::Shutdown) => Ok(VcpuRun::Reset(format!("vCPU {id} triple-faulted (shutdown exit)"))),
             Ok(VcpuExit::SystemEvent(t, _)) => match t {
                 kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => Ok(VcpuRun::PowerOff),
-                _ => Ok(VcpuRun::Reset(format!(
-                    "vCPU {id} requested a system reset (event {t})"
-                ))),
+                _ => Ok(VcpuRun::Reset(format!("vCPU {id} requested a system reset (event {t})"))),
             },
             Ok(VcpuExit::InternalError) => self.internal_error(),
             Ok(VcpuExit::FailEntry(reason, _)) => Err(Error::FailEntry { cpu: id, reason }),
             Ok(VcpuExit::Intr) => Ok(VcpuRun::Interrupted),
             Ok(VcpuExit::IrqWindowOpen) => Ok(VcpuRun::Continue),
-            Ok(other) => Err(Error::UnexpectedExit {
-                cpu: id,
-                exit: format!("{other:?}"),
-            }),
+            Ok(other) => Err(Error::UnexpectedExit { cpu: id, exit: format!("{other:?}") }),
             Err(e) if e.errno() == libc::EINTR => Ok(VcpuRun::Interrupted),
             // An AP whose INIT/SIPI has not completed yet (seen on nested KVM): just retry.
             Err(e) if e.errno() == libc::EAGAIN => Ok(VcpuRun::Continue),
@@ -213,24 +156,13 @@ impl Vcpu {
         // SAFETY: reading the `internal` member of the kvm_run union is valid right after
         // KVM_RUN returned KVM_EXIT_INTERNAL_ERROR, which is the only caller.
         let suberror = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
-        let mut regs = self
-            .fd
-            .get_regs()
-            .map_err(|e| Error::Kvm("KVM_GET_REGS", e))?;
+        let mut regs = self.fd.get_regs().map_err(|e| Error::Kvm("KVM_GET_REGS", e))?;
         let rip = regs.rip;
         if suberror != kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
-            return Err(Error::InternalError {
-                cpu: self.id,
-                suberror,
-                rip,
-            });
+            return Err(Error::InternalError { cpu: self.id, suberror, rip });
         }
         let mut bytes = [0u8; 15];
-        let n = VcpuMem {
-            fd: &self.fd,
-            mem: &self.mem,
-        }
-        .read_prefix(rip, &mut bytes);
+        let n = VcpuMem { fd: &self.fd, mem: &self.mem }.read_prefix(rip, &mut bytes);
         let bytes = &bytes[..n];
         if let Some(kind) = self.assist(bytes, &mut regs)? {
             self.assists.add(kind);
@@ -244,52 +176,27 @@ impl Vcpu {
             return Ok(VcpuRun::Continue);
         }
         let (bytes, what) = if n > 0 {
-            (
-                insn::hex(&bytes[..n.min(8)]),
-                insn::describe(bytes)
-                    .map(|n| format!(": {n}"))
-                    .unwrap_or_default(),
-            )
+            (insn::hex(&bytes[..n.min(8)]), insn::describe(bytes).map(|n| format!(": {n}")).unwrap_or_default())
         } else {
             ("unreadable".to_string(), String::new())
         };
-        Err(Error::EmulationFailure {
-            cpu: self.id,
-            rip,
-            bytes,
-            what,
-        })
+        Err(Error::EmulationFailure { cpu: self.id, rip, bytes, what })
     }
 
     /// Carries out the instruction in `bytes` (at `regs.rip`) if kumo knows how; `None` if not.
-    fn assist(
-        &mut self,
-        bytes: &[u8],
-        regs: &mut kvm_bindings::kvm_regs,
-    ) -> Result<Option<assist::AssistKind>> {
-        let sregs = self
-            .fd
-            .get_sregs()
-            .map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?;
+    fn assist(&mut self, bytes: &[u8], regs: &mut kvm_bindings::kvm_regs) -> Result<Option<assist::AssistKind>> {
+        let sregs = self.fd.get_sregs().map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?;
         let Some((insn, len)) = assist::decode(bytes, sregs.cs.l == 1) else {
             return Ok(None);
         };
-        let mut cpu = VcpuMem {
-            fd: &self.fd,
-            mem: &self.mem,
-        };
+        let mut cpu = VcpuMem { fd: &self.fd, mem: &self.mem };
         let Some(done) = assist::execute(&mut cpu, insn, len, regs, &sregs)? else {
             return Ok(None);
         };
         // Registers first: KVM_SET_REGS drops a pending exception.
-        self.fd
-            .set_regs(regs)
-            .map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
+        self.fd.set_regs(regs).map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
         if let Some(ex) = done.exception {
-            let mut ev = self
-                .fd
-                .get_vcpu_events()
-                .map_err(|e| Error::Kvm("KVM_GET_VCPU_EVENTS", e))?;
+            let mut ev = self.fd.get_vcpu_events().map_err(|e| Error::Kvm("KVM_GET_VCPU_EVENTS", e))?;
             ev.exception.injected = 1;
             ev.exception.pending = 0;
             ev.exception.nr = ex.vector;
@@ -297,9 +204,7 @@ impl Vcpu {
             ev.exception.error_code = ex.error_code.unwrap_or(0);
             ev.exception_has_payload = 0;
             ev.exception_payload = 0;
-            self.fd
-                .set_vcpu_events(&ev)
-                .map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
+            self.fd.set_vcpu_events(&ev).map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
         }
         Ok(Some(done.kind))
     }
@@ -308,9 +213,7 @@ impl Vcpu {
     pub fn save_state(&self) -> Result<VcpuState> {
         let fd = &self.fd;
         // MP state first: KVM_GET_MP_STATE may flush pending events into the state read next.
-        let mp_state = fd
-            .get_mp_state()
-            .map_err(|e| Error::Kvm("KVM_GET_MP_STATE", e))?;
+        let mp_state = fd.get_mp_state().map_err(|e| Error::Kvm("KVM_GET_MP_STATE", e))?;
         Ok(VcpuState {
             id: self.id,
             mp_state,
@@ -324,12 +227,8 @@ impl Vcpu {
                 None
             },
             msrs: self.read_msrs()?,
-            events: fd
-                .get_vcpu_events()
-                .map_err(|e| Error::Kvm("KVM_GET_VCPU_EVENTS", e))?,
-            debugregs: fd
-                .get_debug_regs()
-                .map_err(|e| Error::Kvm("KVM_GET_DEBUGREGS", e))?,
+            events: fd.get_vcpu_events().map_err(|e| Error::Kvm("KVM_GET_VCPU_EVENTS", e))?,
+            debugregs: fd.get_debug_regs().map_err(|e| Error::Kvm("KVM_GET_DEBUGREGS", e))?,
         })
     }
 
@@ -339,19 +238,9 @@ impl Vcpu {
         let mut out = Vec::with_capacity(self.msr_list.len());
         let mut rest: &[u32] = &self.msr_list;
         while !rest.is_empty() {
-            let entries: Vec<_> = rest
-                .iter()
-                .map(|&index| kvm_msr_entry {
-                    index,
-                    ..Default::default()
-                })
-                .collect();
-            let mut msrs = Msrs::from_entries(&entries)
-                .map_err(|e| Error::Restore(format!("MSR list: {e:?}")))?;
-            let n = self
-                .fd
-                .get_msrs(&mut msrs)
-                .map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
+            let entries: Vec<_> = rest.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
+            let mut msrs = Msrs::from_entries(&entries).map_err(|e| Error::Restore(format!("MSR list: {e:?}")))?;
+            let n = self.fd.get_msrs(&mut msrs).map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
             out.extend_from_slice(&msrs.as_slice()[..n]);
             rest = &rest[(n + 1).min(rest.len())..];
         }
@@ -362,41 +251,25 @@ impl Vcpu {
     /// (APIC base) before the LAPIC, MSRs after, pending events last.
     pub fn restore_state(&self, s: &VcpuState) -> Result<()> {
         if s.id != self.id {
-            return Err(Error::Restore(format!(
-                "state of vCPU {} given to vCPU {}",
-                s.id, self.id
-            )));
+            return Err(Error::Restore(format!("state of vCPU {} given to vCPU {}", s.id, self.id)));
         }
         let fd = &self.fd;
-        fd.set_mp_state(s.mp_state)
-            .map_err(|e| Error::Kvm("KVM_SET_MP_STATE", e))?;
-        fd.set_sregs(&s.sregs)
-            .map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
-        fd.set_regs(&s.regs)
-            .map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
+        fd.set_mp_state(s.mp_state).map_err(|e| Error::Kvm("KVM_SET_MP_STATE", e))?;
+        fd.set_sregs(&s.sregs).map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
+        fd.set_regs(&s.regs).map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
         // SAFETY: `s.xsave` is a whole kvm_xsave read by KVM_GET_XSAVE on a vCPU of the same
         // kind; KVM validates its contents.
         unsafe { fd.set_xsave(&s.xsave) }.map_err(|e| Error::Kvm("KVM_SET_XSAVE", e))?;
-        fd.set_xcrs(&s.xcrs)
-            .map_err(|e| Error::Kvm("KVM_SET_XCRS", e))?;
+        fd.set_xcrs(&s.xcrs).map_err(|e| Error::Kvm("KVM_SET_XCRS", e))?;
         match (&s.lapic, self.has_lapic) {
-            (Some(l), true) => fd
-                .set_lapic(l)
-                .map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?,
+            (Some(l), true) => fd.set_lapic(l).map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?,
             (None, false) => {}
-            _ => {
-                return Err(Error::Restore(
-                    "LAPIC state does not match the irqchip mode".into(),
-                ))
-            }
+            _ => return Err(Error::Restore("LAPIC state does not match the irqchip mode".into())),
         }
         let mut rest: &[kvm_msr_entry] = &s.msrs;
         while !rest.is_empty() {
-            let msrs =
-                Msrs::from_entries(rest).map_err(|e| Error::Restore(format!("MSRs: {e:?}")))?;
-            let n = fd
-                .set_msrs(&msrs)
-                .map_err(|e| Error::Kvm("KVM_SET_MSRS", e))?;
+            let msrs = Msrs::from_entries(rest).map_err(|e| Error::Restore(format!("MSRs: {e:?}")))?;
+            let n = fd.set_msrs(&msrs).map_err(|e| Error::Kvm("KVM_SET_MSRS", e))?;
             if n < rest.len() {
                 tracing::debug!(
                     cpu = self.id,
@@ -406,10 +279,8 @@ impl Vcpu {
             }
             rest = &rest[(n + 1).min(rest.len())..];
         }
-        fd.set_debug_regs(&s.debugregs)
-            .map_err(|e| Error::Kvm("KVM_SET_DEBUGREGS", e))?;
-        fd.set_vcpu_events(&s.events)
-            .map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
+        fd.set_debug_regs(&s.debugregs).map_err(|e| Error::Kvm("KVM_SET_DEBUGREGS", e))?;
+        fd.set_vcpu_events(&s.events).map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
         Ok(())
     }
 }
@@ -452,9 +323,7 @@ impl VcpuMem<'_> {
     /// a mapping); returns the count.
     fn read_prefix(&self, gva: u64, buf: &mut [u8]) -> usize {
         let len = buf.len();
-        self.pieces(gva, len, false, |gpa, r| {
-            self.mem.read_slice(&mut buf[r], GuestAddress(gpa)).is_ok()
-        })
+        self.pieces(gva, len, false, |gpa, r| self.mem.read_slice(&mut buf[r], GuestAddress(gpa)).is_ok())
     }
 }
 
@@ -468,41 +337,24 @@ impl AssistCpu for VcpuMem<'_> {
         if self.pieces(gva, buf.len(), true, |_, _| true) != buf.len() {
             return false;
         }
-        self.pieces(gva, buf.len(), true, |gpa, r| {
-            self.mem.write_slice(&buf[r], GuestAddress(gpa)).is_ok()
-        }) == buf.len()
+        self.pieces(gva, buf.len(), true, |gpa, r| self.mem.write_slice(&buf[r], GuestAddress(gpa)).is_ok())
+            == buf.len()
     }
 
     fn mxcsr(&mut self) -> Result<(u32, u32)> {
-        let x = self
-            .fd
-            .get_xsave()
-            .map_err(|e| Error::Kvm("KVM_GET_XSAVE", e))?;
-        Ok((
-            assist::xsave_mxcsr(&x.region),
-            assist::xsave_mxcsr_mask(&x.region),
-        ))
+        let x = self.fd.get_xsave().map_err(|e| Error::Kvm("KVM_GET_XSAVE", e))?;
+        Ok((assist::xsave_mxcsr(&x.region), assist::xsave_mxcsr_mask(&x.region)))
     }
 
     fn rdmsr(&mut self, index: u32) -> Result<Option<u64>> {
-        let mut msrs = Msrs::from_entries(&[kvm_msr_entry {
-            index,
-            ..Default::default()
-        }])
-        .expect("one MSR");
-        let n = self
-            .fd
-            .get_msrs(&mut msrs)
-            .map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
+        let mut msrs = Msrs::from_entries(&[kvm_msr_entry { index, ..Default::default() }]).expect("one MSR");
+        let n = self.fd.get_msrs(&mut msrs).map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
         Ok((n == 1).then(|| msrs.as_slice()[0].data))
     }
 
     fn set_mxcsr(&mut self, mxcsr: u32) -> Result<()> {
         // KVM_SET_FPU does not change MXCSR on this host; KVM_SET_XSAVE does.
-        let mut x = self
-            .fd
-            .get_xsave()
-            .map_err(|e| Error::Kvm("KVM_GET_XSAVE", e))?;
+        let mut x = self.fd.get_xsave().map_err(|e| Error::Kvm("KVM_GET_XSAVE", e))?;
         assist::set_xsave_mxcsr(&mut x.region, mxcsr);
         // SAFETY: `x` is the whole kvm_xsave KVM_GET_XSAVE just returned for this vCPU, with only
         // the MXCSR word changed; KVM validates the contents.

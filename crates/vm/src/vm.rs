@@ -5,9 +5,8 @@ use std::os::fd::{FromRawFd, IntoRawFd};
 use std::sync::Arc;
 
 use kvm_bindings::{
-    kvm_enable_cap, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region,
-    KVM_CAP_SPLIT_IRQCHIP, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
-    KVM_PIT_SPEAKER_DUMMY,
+    kvm_enable_cap, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region, KVM_CAP_SPLIT_IRQCHIP,
+    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Cap, Kvm, VmFd};
 use serde::{Deserialize, Serialize};
@@ -53,11 +52,7 @@ pub struct Vm {
 
 /// Opens /dev/kvm with a clear error when it is absent or not accessible.
 pub fn open_kvm() -> Result<Kvm> {
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .map_err(Error::NoKvm)?;
+    let f = OpenOptions::new().read(true).write(true).open("/dev/kvm").map_err(Error::NoKvm)?;
     // SAFETY: the descriptor was just opened on /dev/kvm and ownership moves into Kvm.
     Ok(unsafe { Kvm::from_raw_fd(f.into_raw_fd()) })
 }
@@ -106,30 +101,18 @@ impl Vm {
     }
 
     fn build(kvm: Kvm, ncpus: u32, memory: Memory, irqchip: IrqchipMode) -> Result<Self> {
-        let fd = kvm
-            .create_vm()
-            .map_err(|e| Error::Kvm("KVM_CREATE_VM", e))?;
-        fd.set_tss_address(KVM_TSS_ADDRESS as usize)
-            .map_err(|e| Error::Kvm("KVM_SET_TSS_ADDR", e))?;
+        let fd = kvm.create_vm().map_err(|e| Error::Kvm("KVM_CREATE_VM", e))?;
+        fd.set_tss_address(KVM_TSS_ADDRESS as usize).map_err(|e| Error::Kvm("KVM_SET_TSS_ADDR", e))?;
         match irqchip {
             IrqchipMode::Kernel => {
-                fd.create_irq_chip()
-                    .map_err(|e| Error::Kvm("KVM_CREATE_IRQCHIP", e))?;
-                let pit = kvm_pit_config {
-                    flags: KVM_PIT_SPEAKER_DUMMY,
-                    ..Default::default()
-                };
-                fd.create_pit2(pit)
-                    .map_err(|e| Error::Kvm("KVM_CREATE_PIT2", e))?;
+                fd.create_irq_chip().map_err(|e| Error::Kvm("KVM_CREATE_IRQCHIP", e))?;
+                let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+                fd.create_pit2(pit).map_err(|e| Error::Kvm("KVM_CREATE_PIT2", e))?;
             }
             IrqchipMode::Split => {
-                let mut cap = kvm_enable_cap {
-                    cap: KVM_CAP_SPLIT_IRQCHIP,
-                    ..Default::default()
-                };
+                let mut cap = kvm_enable_cap { cap: KVM_CAP_SPLIT_IRQCHIP, ..Default::default() };
                 cap.args[0] = 24; // IOAPIC pins routed by userspace
-                fd.enable_cap(&cap)
-                    .map_err(|e| Error::Kvm("KVM_ENABLE_CAP(SPLIT_IRQCHIP)", e))?;
+                fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(SPLIT_IRQCHIP)", e))?;
             }
         }
         for (slot, region) in memory.guest.iter().enumerate() {
@@ -142,12 +125,9 @@ impl Vm {
             };
             // SAFETY: the region is a live mapping owned by `memory`, which the Vm keeps for as
             // long as the VM fd exists, and regions do not overlap.
-            unsafe { fd.set_user_memory_region(r) }
-                .map_err(|e| Error::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
+            unsafe { fd.set_user_memory_region(r) }.map_err(|e| Error::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
         }
-        let msr_list = kvm
-            .get_msr_index_list()
-            .map_err(|e| Error::Kvm("KVM_GET_MSR_INDEX_LIST", e))?;
+        let msr_list = kvm.get_msr_index_list().map_err(|e| Error::Kvm("KVM_GET_MSR_INDEX_LIST", e))?;
         Ok(Vm {
             kvm,
             fd: Arc::new(fd),
@@ -160,17 +140,8 @@ impl Vm {
     }
 
     pub fn create_vcpu(&self, id: u32) -> Result<Vcpu> {
-        let fd = self
-            .fd
-            .create_vcpu(id as u64)
-            .map_err(|e| Error::Kvm("KVM_CREATE_VCPU", e))?;
-        Ok(Vcpu::new(
-            id,
-            fd,
-            self.memory.guest.clone(),
-            self.msr_list.clone(),
-            true,
-        ))
+        let fd = self.fd.create_vcpu(id as u64).map_err(|e| Error::Kvm("KVM_CREATE_VCPU", e))?;
+        Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), true))
     }
 
     /// Routes an eventfd to a GSI of the in-kernel irqchip (no-op for a split irqchip, which has
@@ -179,9 +150,7 @@ impl Vm {
         if self.irqchip == IrqchipMode::Split {
             return Ok(false);
         }
-        self.fd
-            .register_irqfd(evt, gsi)
-            .map_err(|e| Error::Kvm("KVM_IRQFD", e))?;
+        self.fd.register_irqfd(evt, gsi).map_err(|e| Error::Kvm("KVM_IRQFD", e))?;
         Ok(true)
     }
 
@@ -190,63 +159,31 @@ impl Vm {
         let mut irqchips = Vec::new();
         let mut pit = None;
         if self.irqchip == IrqchipMode::Kernel {
-            for chip_id in [
-                KVM_IRQCHIP_PIC_MASTER,
-                KVM_IRQCHIP_PIC_SLAVE,
-                KVM_IRQCHIP_IOAPIC,
-            ] {
-                let mut c = kvm_irqchip {
-                    chip_id,
-                    ..Default::default()
-                };
-                self.fd
-                    .get_irqchip(&mut c)
-                    .map_err(|e| Error::Kvm("KVM_GET_IRQCHIP", e))?;
+            for chip_id in [KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_IRQCHIP_IOAPIC] {
+                let mut c = kvm_irqchip { chip_id, ..Default::default() };
+                self.fd.get_irqchip(&mut c).map_err(|e| Error::Kvm("KVM_GET_IRQCHIP", e))?;
                 irqchips.push(c);
             }
-            pit = Some(
-                self.fd
-                    .get_pit2()
-                    .map_err(|e| Error::Kvm("KVM_GET_PIT2", e))?,
-            );
+            pit = Some(self.fd.get_pit2().map_err(|e| Error::Kvm("KVM_GET_PIT2", e))?);
         }
-        let clock = self
-            .fd
-            .get_clock()
-            .map_err(|e| Error::Kvm("KVM_GET_CLOCK", e))?;
-        Ok(VmState {
-            irqchips,
-            pit,
-            clock,
-        })
+        let clock = self.fd.get_clock().map_err(|e| Error::Kvm("KVM_GET_CLOCK", e))?;
+        Ok(VmState { irqchips, pit, clock })
     }
 
     pub fn restore_state(&self, s: &VmState) -> Result<()> {
         let kernel = self.irqchip == IrqchipMode::Kernel;
         if kernel != (s.irqchips.len() == 3 && s.pit.is_some()) {
-            return Err(Error::Restore(format!(
-                "saved irqchip state does not fit a {} irqchip",
-                self.irqchip
-            )));
+            return Err(Error::Restore(format!("saved irqchip state does not fit a {} irqchip", self.irqchip)));
         }
         for c in &s.irqchips {
-            self.fd
-                .set_irqchip(c)
-                .map_err(|e| Error::Kvm("KVM_SET_IRQCHIP", e))?;
+            self.fd.set_irqchip(c).map_err(|e| Error::Kvm("KVM_SET_IRQCHIP", e))?;
         }
         if let Some(p) = &s.pit {
-            self.fd
-                .set_pit2(p)
-                .map_err(|e| Error::Kvm("KVM_SET_PIT2", e))?;
+            self.fd.set_pit2(p).map_err(|e| Error::Kvm("KVM_SET_PIT2", e))?;
         }
         // Only the clock value is restored; KVM rejects flags it set itself on GET.
-        let clock = kvm_bindings::kvm_clock_data {
-            clock: s.clock.clock,
-            ..Default::default()
-        };
-        self.fd
-            .set_clock(&clock)
-            .map_err(|e| Error::Kvm("KVM_SET_CLOCK", e))?;
+        let clock = kvm_bindings::kvm_clock_data { clock: s.clock.clock, ..Default::default() };
+        self.fd.set_clock(&clock).map_err(|e| Error::Kvm("KVM_SET_CLOCK", e))?;
         Ok(())
     }
 }
@@ -280,26 +217,12 @@ mod tests {
             return;
         };
         match r {
-            Err(Error::EmulationFailure {
-                cpu,
-                rip,
-                bytes,
-                what,
-            }) => {
+            Err(Error::EmulationFailure { cpu, rip, bytes, what }) => {
                 assert_eq!((cpu, rip), (0, 0x100001));
                 assert!(bytes.starts_with("0f 01 cb"), "{bytes}");
                 assert_eq!(what, ": STAC");
-                let msg = Error::EmulationFailure {
-                    cpu,
-                    rip,
-                    bytes,
-                    what,
-                }
-                .to_string();
-                assert!(
-                    msg.contains("RIP 0x100001") && msg.contains("STAC"),
-                    "{msg}"
-                );
+                let msg = Error::EmulationFailure { cpu, rip, bytes, what }.to_string();
+                assert!(msg.contains("RIP 0x100001") && msg.contains("STAC"), "{msg}");
                 eprintln!("reported: {msg}");
             }
             Ok(VcpuRun::Reset(why)) => assert!(why.contains("triple"), "{why}"),

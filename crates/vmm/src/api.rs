@@ -16,10 +16,7 @@ pub struct VmApi {
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
-        Arc::new(VmApi {
-            vm: Arc::downgrade(vm),
-            migration: MigrationJob::default(),
-        })
+        Arc::new(VmApi { vm: Arc::downgrade(vm), migration: MigrationJob::default() })
     }
 }
 
@@ -52,14 +49,9 @@ fn to_api(e: Error) -> ApiError {
 
 impl ApiHandler for VmApi {
     fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
-        let vm = self
-            .vm
-            .upgrade()
-            .ok_or_else(|| ApiError::unavailable("the VM has ended"))?;
+        let vm = self.vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?;
         match req {
-            ApiRequest::Ping => Ok(ApiResponse::Pong {
-                kumo_version: KUMO_VERSION.to_string(),
-            }),
+            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
             ApiRequest::Info => Ok(ApiResponse::Info(info(&vm))),
             ApiRequest::Pause => vm.pause().map(|_| ApiResponse::Ok).map_err(to_api),
             ApiRequest::Resume => vm.resume().map(|_| ApiResponse::Ok).map_err(to_api),
@@ -74,9 +66,7 @@ impl ApiHandler for VmApi {
                 Ok(v) => Ok(ApiResponse::Json(v)),
                 Err(JobError::BadRequest(e)) => Err(ApiError::bad_request(e)),
                 Err(JobError::Busy) => Err(ApiError::conflict("a migration is already running")),
-                Err(JobError::Conflict(e)) => {
-                    Err(ApiError::conflict(format!("cannot migrate: {e}")))
-                }
+                Err(JobError::Conflict(e)) => Err(ApiError::conflict(format!("cannot migrate: {e}"))),
                 Err(e @ JobError::Failed(_)) => Err(ApiError::internal(e.to_string())),
             },
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(self.migration.status())),

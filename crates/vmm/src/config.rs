@@ -96,8 +96,8 @@ fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error>
 impl ConfigFile {
     /// Reads a `.json` or `.toml` file (by extension; otherwise JSON is tried, then TOML).
     pub fn load(path: &Path) -> Result<Self, Error> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         let json = || serde_json::from_str::<ConfigFile>(&text).map_err(|e| e.to_string());
         let toml = || toml::from_str::<ConfigFile>(&text).map_err(|e| e.to_string());
@@ -143,8 +143,8 @@ impl VmConfig {
                 g.command_line(args)?;
             }
             Payload::Kernel { path, initrd, .. } => {
-                for (what, p) in std::iter::once(("kernel", Some(path)))
-                    .chain(std::iter::once(("initrd", initrd.as_ref())))
+                for (what, p) in
+                    std::iter::once(("kernel", Some(path))).chain(std::iter::once(("initrd", initrd.as_ref())))
                 {
                     if let Some(p) = p {
                         if !p.is_file() {
@@ -183,16 +183,14 @@ mod tests {
 
     #[test]
     fn toml_and_json_files() {
-        let t = ConfigFile::load(&write("a.toml", "cpus = 2\nmemory = \"512M\"\n[payload.guest]\nname = \"memtouch\"\nargs = [\"pages=10\"]\n")).unwrap();
+        let t = ConfigFile::load(&write(
+            "a.toml",
+            "cpus = 2\nmemory = \"512M\"\n[payload.guest]\nname = \"memtouch\"\nargs = [\"pages=10\"]\n",
+        ))
+        .unwrap();
         assert_eq!(t.cpus, Some(2));
         assert_eq!(t.memory, Some(512 << 20));
-        assert_eq!(
-            t.payload,
-            Some(Payload::Guest {
-                name: "memtouch".into(),
-                args: vec!["pages=10".into()]
-            })
-        );
+        assert_eq!(t.payload, Some(Payload::Guest { name: "memtouch".into(), args: vec!["pages=10".into()] }));
         let j = ConfigFile::load(&write(
             "b.json",
             r#"{"memory": 67108864, "irqchip": "split", "payload": {"kernel": {"path": "/k"}}}"#,
@@ -205,21 +203,13 @@ mod tests {
 
     #[test]
     fn bad_files_give_clear_errors() {
-        let e = ConfigFile::load(&write("c.toml", "cpus = \"many\"\n"))
-            .unwrap_err()
-            .to_string();
+        let e = ConfigFile::load(&write("c.toml", "cpus = \"many\"\n")).unwrap_err().to_string();
         assert!(e.contains("c.toml"), "{e}");
-        let e = ConfigFile::load(&write("d.json", r#"{"cpu": 1}"#))
-            .unwrap_err()
-            .to_string();
+        let e = ConfigFile::load(&write("d.json", r#"{"cpu": 1}"#)).unwrap_err().to_string();
         assert!(e.contains("unknown field"), "{e}");
-        let e = ConfigFile::load(&write("e.json", r#"{"memory": "lots"}"#))
-            .unwrap_err()
-            .to_string();
+        let e = ConfigFile::load(&write("e.json", r#"{"memory": "lots"}"#)).unwrap_err().to_string();
         assert!(e.contains("not a size"), "{e}");
-        let e = ConfigFile::load(Path::new("/nonexistent/kumo.toml"))
-            .unwrap_err()
-            .to_string();
+        let e = ConfigFile::load(Path::new("/nonexistent/kumo.toml")).unwrap_err().to_string();
         assert!(e.contains("cannot read /nonexistent/kumo.toml"), "{e}");
     }
 
@@ -229,64 +219,23 @@ mod tests {
             name: name.into(),
             args: args.iter().map(|s| s.to_string()).collect(),
         };
-        let ok = VmConfig {
-            cpus: 1,
-            memory: 64 << 20,
-            irqchip: IrqchipMode::Kernel,
-            payload: guest("hello", &[]),
-        };
+        let ok = VmConfig { cpus: 1, memory: 64 << 20, irqchip: IrqchipMode::Kernel, payload: guest("hello", &[]) };
         ok.validate().unwrap();
-        assert!(VmConfig {
-            cpus: 0,
-            ..ok.clone()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string()
-        .contains("at least 1"));
-        assert!(VmConfig {
-            cpus: 9999,
-            ..ok.clone()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string()
-        .contains("limit"));
-        assert!(VmConfig {
-            memory: 1000,
-            ..ok.clone()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string()
-        .contains("4 KiB"));
-        assert!(VmConfig {
-            payload: guest("nope", &[]),
-            ..ok.clone()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string()
-        .contains("unknown guest"));
-        assert!(VmConfig {
-            payload: guest("smp", &[]),
-            ..ok.clone()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string()
-        .contains("vCPUs"));
-        assert!(VmConfig {
-            payload: guest("memtouch", &["pages=x"]),
-            ..ok.clone()
-        }
-        .validate()
-        .is_err());
-        let k = Payload::Kernel {
-            path: "/no/such/bzImage".into(),
-            initrd: None,
-            cmdline: None,
-        };
+        assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
+        assert!(VmConfig { cpus: 9999, ..ok.clone() }.validate().unwrap_err().to_string().contains("limit"));
+        assert!(VmConfig { memory: 1000, ..ok.clone() }.validate().unwrap_err().to_string().contains("4 KiB"));
+        assert!(VmConfig { payload: guest("nope", &[]), ..ok.clone() }
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("unknown guest"));
+        assert!(VmConfig { payload: guest("smp", &[]), ..ok.clone() }
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("vCPUs"));
+        assert!(VmConfig { payload: guest("memtouch", &["pages=x"]), ..ok.clone() }.validate().is_err());
+        let k = Payload::Kernel { path: "/no/such/bzImage".into(), initrd: None, cmdline: None };
         assert!(VmConfig { payload: k, ..ok }
             .validate()
             .unwrap_err()

@@ -8,9 +8,7 @@ use kumo_api::MigrateRequest;
 use kumo_migration::format::VmDescription;
 use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
-use kumo_migration_engine::{
-    migrate, Address, DestVm, EngineKind, Event, MigrateOptions, Report, SourceVm,
-};
+use kumo_migration_engine::{migrate, Address, DestVm, EngineKind, Event, MigrateOptions, Report, SourceVm};
 use kumo_vm::dirty::PageBitmap;
 use kumo_vm::layout::ram_regions;
 use kumo_vm::GuestMemory;
@@ -23,12 +21,7 @@ impl SourceVm for RunningVm {
     fn description(&self) -> VmDescription {
         let c = self.config();
         let payload = serde_json::to_value(c).unwrap_or(Value::Null);
-        VmDescription::new(
-            c.cpus,
-            &c.irqchip.to_string(),
-            payload,
-            ram_regions(c.memory),
-        )
+        VmDescription::new(c.cpus, &c.irqchip.to_string(), payload, ram_regions(c.memory))
     }
     fn memory(&self) -> &GuestMemory {
         RunningVm::memory(self)
@@ -37,10 +30,7 @@ impl SourceVm for RunningVm {
         RunningVm::memfd(self).as_fd()
     }
     fn start_dirty_log(&self) -> Result<(), String> {
-        self.vm()
-            .start_dirty_log()
-            .map(drop)
-            .map_err(|e| e.to_string())
+        self.vm().start_dirty_log().map(drop).map_err(|e| e.to_string())
     }
     fn stop_dirty_log(&self) {
         if let Err(e) = self.vm().stop_dirty_log() {
@@ -76,8 +66,7 @@ impl DestVm for RunningVm {
         RunningVm::memory(self)
     }
     fn restore_state(&self, state: &[u8]) -> Result<(), String> {
-        let s: Snapshot =
-            serde_json::from_slice(state).map_err(|e| format!("bad VM state: {e}"))?;
+        let s: Snapshot = serde_json::from_slice(state).map_err(|e| format!("bad VM state: {e}"))?;
         RunningVm::restore_state(self, &s).map_err(|e| e.to_string())
     }
     fn resume(&self) -> Result<(), String> {
@@ -87,8 +76,8 @@ impl DestVm for RunningVm {
 
 /// The VM config an incoming stream describes, checked against the stream's own shape.
 pub fn config_from_description(d: &VmDescription) -> Result<VmConfig, String> {
-    let c: VmConfig = serde_json::from_value(d.payload.clone())
-        .map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
+    let c: VmConfig =
+        serde_json::from_value(d.payload.clone()).map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
     if c.cpus != d.cpus || c.memory != d.memory_bytes || ram_regions(c.memory) != d.regions {
         return Err("the stream's VM config contradicts its description".into());
     }
@@ -111,28 +100,16 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
         return Err(format!("connections must be 1..={max}, not {connections}"));
     }
     if engine == EngineKind::Serial && connections > 1 {
-        return Err(
-            "the serial engine sends one batch at a time on one connection: use connections 1"
-                .into(),
-        );
+        return Err("the serial engine sends one batch at a time on one connection: use connections 1".into());
     }
-    let mut opts = MigrateOptions {
-        engine,
-        connections,
-        ..Default::default()
-    };
+    let mut opts = MigrateOptions { engine, connections, ..Default::default() };
     if let Some(ms) = req.progress_timeout_ms {
         if !(100..=3_600_000).contains(&ms) {
-            return Err(format!(
-                "progress_timeout_ms must be 100..=3600000, not {ms}"
-            ));
+            return Err(format!("progress_timeout_ms must be 100..=3600000, not {ms}"));
         }
         opts.progress_timeout = Duration::from_millis(ms);
     }
-    opts.policy = StopPolicy {
-        xen: xen.then(XenRule::default),
-        downtime,
-    };
+    opts.policy = StopPolicy { xen: xen.then(XenRule::default), downtime };
     Ok((to, opts))
 }
 
@@ -142,24 +119,12 @@ pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
     // Prefer D(t) sampled during round 0: a direct measurement of the curve, so the rounds
     // after it are predicted out of sample. Otherwise fit the rounds' (length, pages dirtied).
     let (obs, source): (Vec<(f64, f64)>, &str) = if r.round0_dirty_samples.len() >= 3 {
-        (
-            r.round0_dirty_samples
-                .iter()
-                .map(|&(t, d)| (t, d as f64))
-                .collect(),
-            "round 0, sampled every 50 ms",
-        )
+        (r.round0_dirty_samples.iter().map(|&(t, d)| (t, d as f64)).collect(), "round 0, sampled every 50 ms")
     } else {
-        let live: Vec<_> = r
-            .rounds
-            .iter()
-            .filter(|x| x.dirty_after > 0 || x.round + 1 < r.rounds.len() as u32)
-            .collect();
+        let live: Vec<_> =
+            r.rounds.iter().filter(|x| x.dirty_after > 0 || x.round + 1 < r.rounds.len() as u32).collect();
         (
-            live.iter()
-                .take(live.len().saturating_sub(1).max(2))
-                .map(|x| (x.ms / 1e3, x.dirty_after as f64))
-                .collect(),
+            live.iter().take(live.len().saturating_sub(1).max(2)).map(|x| (x.ms / 1e3, x.dirty_after as f64)).collect(),
             "rounds",
         )
     };
@@ -212,9 +177,7 @@ pub fn estimate(
     let regions = ram_regions(vm.config().memory);
     let r = (|| {
         let mut scratch = PageBitmap::for_regions(&regions);
-        vm.vm()
-            .fetch_dirty(&mut scratch)
-            .map_err(|e| e.to_string())?;
+        vm.vm().fetch_dirty(&mut scratch).map_err(|e| e.to_string())?;
         // Windows of growing length: the model's curve is only determined by several t.
         let mut obs = Vec::new();
         let mut t = (window.as_secs_f64() / 31.0).max(0.005);
@@ -231,18 +194,10 @@ pub fn estimate(
         let model = DirtyModel::fit(&obs)
             .map_err(|e| format!("cannot fit the dirty-page model: {e} (observations {obs:?})"))?;
         let total_pages = vm.config().memory / 4096;
-        let params = PredictParams {
-            total_pages,
-            round0_pages: touched,
-            bandwidth_pages_per_s,
-            beta: 0.0,
-            policy,
-        };
+        let params = PredictParams { total_pages, round0_pages: touched, bandwidth_pages_per_s, beta: 0.0, policy };
         let p = predict(&model, &params).map_err(|e| e.to_string())?;
-        Ok(
-            json!({"dry_run": true, "m": model.m, "tau_s": model.tau, "observations": obs, "touched_pages": touched,
-                  "bandwidth_pages_per_s": bandwidth_pages_per_s, "predicted": p}),
-        )
+        Ok(json!({"dry_run": true, "m": model.m, "tau_s": model.tau, "observations": obs, "touched_pages": touched,
+                  "bandwidth_pages_per_s": bandwidth_pages_per_s, "predicted": p}))
     })();
     let _ = vm.vm().stop_dirty_log();
     r
@@ -282,19 +237,11 @@ impl MigrationJob {
             if s.running {
                 return Err(JobError::Busy);
             }
-            *s = JobState {
-                running: true,
-                ..Default::default()
-            };
+            *s = JobState { running: true, ..Default::default() };
         }
         let result = if req.dry_run {
             let bw = loopback_pages_per_s();
-            estimate(
-                vm,
-                Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000)),
-                bw,
-                opts.policy,
-            )
+            estimate(vm, Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000)), bw, opts.policy)
         } else if let Err(e) = vm.begin_migration() {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             s.running = false;
@@ -303,11 +250,7 @@ impl MigrationJob {
             let total_pages = vm.config().memory / 4096;
             let r = migrate(&**vm, &to, &opts, &mut |e| {
                 tracing::info!(?e, "migration");
-                self.state
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .events
-                    .push(e);
+                self.state.lock().unwrap_or_else(|p| p.into_inner()).events.push(e);
             })
             .map(|r| {
                 let mut v = serde_json::to_value(&r).unwrap_or(Value::Null);

@@ -25,10 +25,7 @@ use crate::{Error, Result};
 
 /// CLOCK_MONOTONIC in nanoseconds: comparable across processes, for start-up timings.
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: clock_gettime writes into the timespec we pass.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -180,9 +177,7 @@ impl Shared {
 
     fn mark(&self, marker: u8) {
         if marker == 1 {
-            lock(&self.timings)
-                .guest_entry_ns
-                .get_or_insert_with(monotonic_ns);
+            lock(&self.timings).guest_entry_ns.get_or_insert_with(monotonic_ns);
         }
     }
 }
@@ -199,9 +194,7 @@ impl Write for TimedSink {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if !self.seen && !buf.is_empty() {
             self.seen = true;
-            lock(&self.shared.timings)
-                .first_output_ns
-                .get_or_insert_with(monotonic_ns);
+            lock(&self.shared.timings).first_output_ns.get_or_insert_with(monotonic_ns);
         }
         self.line.extend_from_slice(buf);
         if self.line.len() >= 256 || buf.contains(&b'\n') {
@@ -244,13 +237,8 @@ mod linux_loader_shim {
 
     /// Loads `elf` and returns (entry point, end of the loaded image).
     pub fn load_elf(mem: &kumo_vm::GuestMemory, elf: &[u8]) -> Result<(u64, u64)> {
-        let r = Elf::load(
-            mem,
-            None,
-            &mut Cursor::new(elf),
-            Some(GuestAddress(HIMEM_START)),
-        )
-        .map_err(|e| Error::Load(e.to_string()))?;
+        let r = Elf::load(mem, None, &mut Cursor::new(elf), Some(GuestAddress(HIMEM_START)))
+            .map_err(|e| Error::Load(e.to_string()))?;
         let end = kumo_guests::image_end(elf).map_err(Error::Load)?;
         Ok((r.kernel_load.0, end.max(r.kernel_end)))
     }
@@ -286,18 +274,11 @@ impl RunningVm {
             config.validate()?;
         }
         let vm = match memfd {
-            Some(f) => Vm::with_memory(
-                config.cpus,
-                kumo_vm::Memory::from_file(f, config.memory)?,
-                config.irqchip,
-            )?,
+            Some(f) => Vm::with_memory(config.cpus, kumo_vm::Memory::from_file(f, config.memory)?, config.irqchip)?,
             None => Vm::new(config.cpus, config.memory, config.irqchip)?,
         };
         let mem = &vm.memory.guest;
-        let top = ram_regions(config.memory)
-            .last()
-            .map(|(s, l)| s + l)
-            .unwrap_or(0);
+        let top = ram_regions(config.memory).last().map(|(s, l)| s + l).unwrap_or(0);
         // An incoming VM's memory comes from the source (for a local migration it *is* the
         // source's memory): writing boot structures would clobber the guest.
         if !incoming {
@@ -320,15 +301,10 @@ impl RunningVm {
                 stay_paused: false,
             }),
             cv: Condvar::new(),
-            timings: Mutex::new(Timings {
-                start_ns,
-                ..Default::default()
-            }),
+            timings: Mutex::new(Timings { start_ns, ..Default::default() }),
         });
 
-        let vcpus: Vec<Vcpu> = (0..config.cpus)
-            .map(|i| vm.create_vcpu(i))
-            .collect::<kumo_vm::Result<_>>()?;
+        let vcpus: Vec<Vcpu> = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;
         let entries: Vec<Option<Entry>> = match &config.payload {
             // Memory and registers arrive with the migration stream.
             _ if incoming => vec![None; config.cpus as usize],
@@ -346,19 +322,12 @@ impl RunningVm {
                     cmdline,
                 };
                 if info.free_start >= free_end {
-                    return Err(Error::Load(format!(
-                        "guest {name} does not fit in {} bytes of memory",
-                        config.memory
-                    )));
+                    return Err(Error::Load(format!("guest {name} does not fit in {} bytes of memory", config.memory)));
                 }
                 info.write(mem)?;
                 vec![Some(Entry::KumoGuest { rip }); config.cpus as usize]
             }
-            Payload::Kernel {
-                path,
-                initrd,
-                cmdline,
-            } => {
+            Payload::Kernel { path, initrd, cmdline } => {
                 let cfg = LinuxBootConfig {
                     kernel: path,
                     initrd: initrd.as_deref(),
@@ -366,20 +335,11 @@ impl RunningVm {
                     mem_bytes: config.memory,
                 };
                 let entry = match load_linux(mem, &cfg).map_err(kumo_vm::Error::from)? {
-                    LinuxEntry::BzImage64 { entry, boot_params } => Entry::Linux64 {
-                        rip: entry,
-                        boot_params,
-                    },
-                    LinuxEntry::Pvh { entry, start_info } => Entry::Pvh {
-                        rip: entry,
-                        start_info,
-                    },
+                    LinuxEntry::BzImage64 { entry, boot_params } => Entry::Linux64 { rip: entry, boot_params },
+                    LinuxEntry::Pvh { entry, start_info } => Entry::Pvh { rip: entry, start_info },
                 };
                 // APs wait for the kernel's INIT/SIPI.
-                std::iter::once(Some(entry))
-                    .chain(std::iter::repeat(None))
-                    .take(config.cpus as usize)
-                    .collect()
+                std::iter::once(Some(entry)).chain(std::iter::repeat(None)).take(config.cpus as usize).collect()
             }
         };
         for (v, e) in vcpus.iter().zip(&entries) {
@@ -388,18 +348,11 @@ impl RunningVm {
 
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::Devices(e.to_string()))?;
         vm.register_irqfd(&irq, COM1_IRQ)?;
-        let sink = TimedSink {
-            out: serial,
-            shared: shared.clone(),
-            seen: false,
-            line: Vec::new(),
-        };
+        let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
         let serial = Arc::new(Mutex::new(SerialConsole::new(irq, Box::new(sink))));
         let mut bus = PioBus::new();
-        bus.insert(COM1_PORT, 8, serial.clone())
-            .map_err(|e| Error::Devices(e.to_string()))?;
-        bus.insert(EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort)))
-            .map_err(|e| Error::Devices(e.to_string()))?;
+        bus.insert(COM1_PORT, 8, serial.clone()).map_err(|e| Error::Devices(e.to_string()))?;
+        bus.insert(EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).map_err(|e| Error::Devices(e.to_string()))?;
         let bus = Arc::new(bus);
 
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
@@ -418,27 +371,13 @@ impl RunningVm {
                 Err(e) => {
                     lock(&shared.ctl).live -= 1;
                     shared.finish(Outcome::Error(e.to_string()));
-                    let vm = RunningVm {
-                        vm,
-                        config,
-                        vcpus,
-                        shared,
-                        serial,
-                        started: Instant::now(),
-                    };
+                    let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now() };
                     vm.stop_threads();
                     return Err(e);
                 }
             }
         }
-        Ok(RunningVm {
-            vm,
-            config,
-            vcpus,
-            shared,
-            serial,
-            started: Instant::now(),
-        })
+        Ok(RunningVm { vm, config, vcpus, shared, serial, started: Instant::now() })
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -497,25 +436,21 @@ impl RunningVm {
             return;
         }
         let shared = self.shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name("vcpu-throttle".into())
-            .spawn(move || {
-                loop {
-                    let p = shared.throttle.load(Ordering::Acquire);
-                    if p == 0 || shared.request.load(Ordering::Acquire) == STOP {
-                        shared.throttler.store(false, Ordering::Release);
-                        // A throttle set again just now must not be left without its thread.
-                        if shared.throttle.load(Ordering::Acquire) == 0
-                            || shared.throttler.swap(true, Ordering::AcqRel)
-                        {
-                            return;
-                        }
-                        continue;
+        let spawned = std::thread::Builder::new().name("vcpu-throttle".into()).spawn(move || {
+            loop {
+                let p = shared.throttle.load(Ordering::Acquire);
+                if p == 0 || shared.request.load(Ordering::Acquire) == STOP {
+                    shared.throttler.store(false, Ordering::Release);
+                    // A throttle set again just now must not be left without its thread.
+                    if shared.throttle.load(Ordering::Acquire) == 0 || shared.throttler.swap(true, Ordering::AcqRel) {
+                        return;
                     }
-                    std::thread::sleep(THROTTLE_PERIOD * (100 - p) / 100);
-                    shared.kick_all();
+                    continue;
                 }
-            });
+                std::thread::sleep(THROTTLE_PERIOD * (100 - p) / 100);
+                shared.kick_all();
+            }
+        });
         if let Err(e) = spawned {
             self.shared.throttler.store(false, Ordering::Release);
             tracing::warn!("cannot throttle the vCPUs: {e}");
@@ -540,9 +475,7 @@ impl RunningVm {
                 return Err(Error::State("shutting down"));
             }
             if c.migrating && !migration {
-                return Err(Error::State(
-                    "migrating (pause and resume wait until it ends)",
-                ));
+                return Err(Error::State("migrating (pause and resume wait until it ends)"));
             }
             if c.paused {
                 return Err(Error::State("already paused"));
@@ -552,11 +485,8 @@ impl RunningVm {
         loop {
             self.kick_all();
             let c = lock(&self.shared.ctl);
-            let (mut c, _) = self
-                .shared
-                .cv
-                .wait_timeout(c, Duration::from_millis(2))
-                .unwrap_or_else(|p| p.into_inner());
+            let (mut c, _) =
+                self.shared.cv.wait_timeout(c, Duration::from_millis(2)).unwrap_or_else(|p| p.into_inner());
             if c.outcome.is_some() {
                 return Err(Error::State("shutting down"));
             }
@@ -578,9 +508,7 @@ impl RunningVm {
             return Err(Error::State("shutting down"));
         }
         if c.migrating && !migration {
-            return Err(Error::State(
-                "migrating (pause and resume wait until it ends)",
-            ));
+            return Err(Error::State("migrating (pause and resume wait until it ends)"));
         }
         if c.stay_paused {
             // Restored from a user-paused VM: the first resume (the migration's) is not the
@@ -658,18 +586,9 @@ impl RunningVm {
     /// Reads the state of every vCPU and of the VM. The VM must be paused.
     pub fn save_state(&self) -> Result<Snapshot> {
         self.require_paused()?;
-        let vcpus = self
-            .vcpus
-            .iter()
-            .map(|v| lock(v).save_state())
-            .collect::<kumo_vm::Result<Vec<_>>>()?;
+        let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
         let paused = lock(&self.shared.ctl).user_paused;
-        Ok(Snapshot {
-            vm: self.vm.save_state()?,
-            vcpus,
-            serial: Some(lock(&self.serial).state()),
-            paused,
-        })
+        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(&self.serial).state()), paused })
     }
 
     /// Puts back a state from `save_state`. The VM must be paused.
@@ -684,9 +603,7 @@ impl RunningVm {
             .into());
         }
         if let Some(serial) = &s.serial {
-            lock(&self.serial)
-                .restore(serial)
-                .map_err(kumo_vm::Error::Restore)?;
+            lock(&self.serial).restore(serial).map_err(kumo_vm::Error::Restore)?;
         }
         self.vm.restore_state(&s.vm)?;
         for (v, st) in self.vcpus.iter().zip(&s.vcpus) {
@@ -699,10 +616,7 @@ impl RunningVm {
     /// Runs `f` on a paused vCPU (for debugging and tests).
     pub fn with_vcpu<R>(&self, id: usize, f: impl FnOnce(&Vcpu) -> R) -> Result<R> {
         self.require_paused()?;
-        let v = self
-            .vcpus
-            .get(id)
-            .ok_or(Error::State("without that vCPU"))?;
+        let v = self.vcpus.get(id).ok_or(Error::State("without that vCPU"))?;
         Ok(f(&lock(v)))
     }
 
@@ -731,31 +645,19 @@ impl RunningVm {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut c = lock(&self.shared.ctl);
         while c.outcome.is_none() {
-            let step = deadline
-                .map(|d| d.saturating_duration_since(Instant::now()))
-                .unwrap_or(Duration::from_secs(3600));
+            let step =
+                deadline.map(|d| d.saturating_duration_since(Instant::now())).unwrap_or(Duration::from_secs(3600));
             if step.is_zero() {
                 c.outcome = Some(Outcome::TimedOut);
                 break;
             }
-            c = self
-                .shared
-                .cv
-                .wait_timeout(c, step)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            c = self.shared.cv.wait_timeout(c, step).unwrap_or_else(|p| p.into_inner()).0;
         }
         drop(c);
         self.stop_threads();
         let _ = lock(&self.serial).flush_output();
-        let outcome = lock(&self.shared.ctl)
-            .outcome
-            .clone()
-            .unwrap_or(Outcome::Shutdown);
-        RunReport {
-            outcome,
-            timings: self.timings(),
-        }
+        let outcome = lock(&self.shared.ctl).outcome.clone().unwrap_or(Outcome::Shutdown);
+        RunReport { outcome, timings: self.timings() }
     }
 
     pub fn wait(&self) -> RunReport {
@@ -799,9 +701,7 @@ fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<PioBus>, shared: Arc<Shared>) {
                     std::thread::sleep(THROTTLE_PERIOD * p / 100);
                 }
             }
-            Ok(VcpuRun::Device(DeviceEvent::GuestExit(code))) => {
-                shared.finish(Outcome::GuestExit(code))
-            }
+            Ok(VcpuRun::Device(DeviceEvent::GuestExit(code))) => shared.finish(Outcome::GuestExit(code)),
             Ok(VcpuRun::Device(DeviceEvent::Marker(m))) => shared.mark(m),
             // With KVM's LAPIC, HLT only exits here if KVM chose not to park the vCPU itself.
             Ok(VcpuRun::Halted) => std::thread::sleep(Duration::from_micros(100)),

@@ -11,13 +11,7 @@ fn desc() -> VmDescription {
 }
 
 fn page(gfn: u64, round: u32) -> Vec<u8> {
-    (0..PAGE)
-        .map(|i| {
-            (gfn as usize)
-                .wrapping_mul(7)
-                .wrapping_add(i * 13 + round as usize * 29) as u8
-        })
-        .collect()
+    (0..PAGE).map(|i| (gfn as usize).wrapping_mul(7).wrapping_add(i * 13 + round as usize * 29) as u8).collect()
 }
 
 fn pages(gfns: &[u64], round: u32) -> Vec<u8> {
@@ -27,12 +21,7 @@ fn pages(gfns: &[u64], round: u32) -> Vec<u8> {
 /// A record with its data copied out of the reader.
 #[derive(Debug, Clone, PartialEq)]
 enum Owned {
-    Batch {
-        round: u32,
-        gfns: Vec<u64>,
-        data: Vec<u8>,
-        checked: bool,
-    },
+    Batch { round: u32, gfns: Vec<u64>, data: Vec<u8>, checked: bool },
     RoundEnd(u32, u64),
     State(Vec<u8>),
     Complete(u64),
@@ -41,12 +30,9 @@ enum Owned {
 
 fn own(r: Record<'_>) -> Owned {
     match r {
-        Record::MemBatch(b) => Owned::Batch {
-            round: b.round,
-            gfns: b.gfns.to_vec(),
-            data: b.data.to_vec(),
-            checked: b.checked,
-        },
+        Record::MemBatch(b) => {
+            Owned::Batch { round: b.round, gfns: b.gfns.to_vec(), data: b.data.to_vec(), checked: b.checked }
+        }
         Record::RoundEnd { round, pages } => Owned::RoundEnd(round, pages),
         Record::State(s) => Owned::State(s.to_vec()),
         Record::Complete { total_pages } => Owned::Complete(total_pages),
@@ -89,14 +75,8 @@ fn build_stream(rounds: &[(&[&[u64]], Checksum)]) -> (Vec<u8>, Vec<Owned>) {
         for gfns in batches.iter() {
             let data = pages(gfns, round);
             let slices: Vec<&[u8]> = data.chunks(PAGE).collect();
-            w.mem_batch_vectored(round, gfns, &slices, *checksum)
-                .unwrap();
-            expect.push(Owned::Batch {
-                round,
-                gfns: gfns.to_vec(),
-                data,
-                checked: *checksum == Checksum::Full,
-            });
+            w.mem_batch_vectored(round, gfns, &slices, *checksum).unwrap();
+            expect.push(Owned::Batch { round, gfns: gfns.to_vec(), data, checked: *checksum == Checksum::Full });
             n += gfns.len() as u64;
         }
         w.round_end(round, n).unwrap();
@@ -189,13 +169,9 @@ fn frame_layout() {
     assert_eq!(le_u32(&out[28..]), crc32fast::hash(&out[..28]));
     // MemBatch: round, count, gfns, then the pages.
     out.clear();
-    e.mem_batch(&mut out, 3, &[5, 9], &pages(&[5, 9], 3))
-        .unwrap();
+    e.mem_batch(&mut out, 3, &[5, 9], &pages(&[5, 9], 3)).unwrap();
     assert_eq!(out.len(), 16 + batch_body_len(2) + 4);
-    assert_eq!(
-        (out[0], out[1], le_u32(&out[4..8]) as usize),
-        (1, 0, batch_body_len(2))
-    );
+    assert_eq!((out[0], out[1], le_u32(&out[4..8]) as usize), (1, 0, batch_body_len(2)));
     assert_eq!((le_u32(&out[16..20]), le_u32(&out[20..24])), (3, 2));
     assert_eq!((le_u64(&out[24..32]), le_u64(&out[32..40])), (5, 9));
     assert_eq!(&out[40..40 + PAGE], page(5, 3).as_slice());
@@ -218,12 +194,7 @@ fn every_record_kind_round_trips() {
     assert_eq!(got[1], Owned::Abort("source VM failed: ü".into()));
     // Empty state and a maximum batch.
     let gfns: Vec<u64> = (0..MAX_BATCH_PAGES as u64).collect();
-    let big = VmDescription::new(
-        1,
-        "split",
-        serde_json::Value::Null,
-        vec![(0, MAX_BATCH_PAGES as u64 * 4096)],
-    );
+    let big = VmDescription::new(1, "split", serde_json::Value::Null, vec![(0, MAX_BATCH_PAGES as u64 * 4096)]);
     let mut w = Writer::start(Vec::new(), &big).unwrap();
     let data = pages(&gfns, 0);
     w.mem_batch(0, &gfns, &data).unwrap();
@@ -231,15 +202,7 @@ fn every_record_kind_round_trips() {
     w.state(&[]).unwrap();
     w.complete(1024).unwrap();
     let (_, got) = read_all(&w.into_inner()).unwrap();
-    assert_eq!(
-        got[0],
-        Owned::Batch {
-            round: 0,
-            gfns,
-            data,
-            checked: true
-        }
-    );
+    assert_eq!(got[0], Owned::Batch { round: 0, gfns, data, checked: true });
     assert_eq!(got[2], Owned::State(vec![]));
 }
 
@@ -247,9 +210,7 @@ fn every_record_kind_round_trips() {
 fn batch_pages_iterator() {
     let (bytes, _) = sample_stream(Checksum::Full);
     let (mut rd, _) = Reader::open(bytes.as_slice()).unwrap();
-    let Some(Record::MemBatch(b)) = rd.next_record().unwrap() else {
-        panic!()
-    };
+    let Some(Record::MemBatch(b)) = rd.next_record().unwrap() else { panic!() };
     let v: Vec<(u64, Vec<u8>)> = b.pages().map(|(g, p)| (g, p.to_vec())).collect();
     assert_eq!(v.len(), 8);
     assert_eq!(v[3], (3, page(3, 0)));
@@ -284,19 +245,10 @@ fn replies_round_trip() {
     // Resumed before Ready, EOF, and a record tag among replies.
     let mut w = Writer::new(Vec::new());
     w.reply(&Reply::Resumed).unwrap();
-    assert!(matches!(
-        ReplyReader::new(w.into_inner().as_slice()).next_reply(),
-        Err(Error::BadRecord { .. })
-    ));
-    assert!(matches!(
-        ReplyReader::new(&[][..]).next_reply(),
-        Err(Error::Truncated { .. })
-    ));
+    assert!(matches!(ReplyReader::new(w.into_inner().as_slice()).next_reply(), Err(Error::BadRecord { .. })));
+    assert!(matches!(ReplyReader::new(&[][..]).next_reply(), Err(Error::Truncated { .. })));
     let f = raw_frame(Tag::Complete as u8, 0, 0, &0u64.to_le_bytes());
-    assert!(matches!(
-        ReplyReader::new(f.as_slice()).next_reply(),
-        Err(Error::UnknownTag(4))
-    ));
+    assert!(matches!(ReplyReader::new(f.as_slice()).next_reply(), Err(Error::UnknownTag(4))));
 }
 
 #[test]
@@ -328,10 +280,7 @@ fn zero_copy_frames_match_the_buffered_encoder() {
         let mut out = Vec::new();
         e.round_end(&mut out, 0, 0);
         let mut f = e.batch_frame(2, &gfns, checksum, false).unwrap();
-        assert_eq!(
-            (f.seq(), f.data_len(), f.checksum()),
-            (1, 3 * PAGE, checksum)
-        );
+        assert_eq!((f.seq(), f.data_len(), f.checksum()), (1, 3 * PAGE, checksum));
         for p in data.chunks(PAGE) {
             f.update(p);
         }
@@ -348,27 +297,18 @@ fn zero_copy_frames_match_the_buffered_encoder() {
     let (unchecked, f) = assemble(Checksum::MetadataOnly);
     assert_eq!(unchecked.len(), buffered.len());
     let frame_start = 16 + 12 + 4;
-    let diff: Vec<usize> = (0..buffered.len())
-        .filter(|&i| buffered[i] != unchecked[i])
-        .collect();
+    let diff: Vec<usize> = (0..buffered.len()).filter(|&i| buffered[i] != unchecked[i]).collect();
     assert_eq!(diff[0], frame_start + 1);
     assert_eq!(unchecked[frame_start + 1], FLAG_DATA_UNCHECKED);
     assert!(diff[1..].iter().all(|&i| i >= buffered.len() - 4));
-    assert_eq!(
-        f.head(),
-        &unchecked[frame_start..frame_start + 16 + batch_meta_len(3)]
-    );
-    assert_eq!(
-        f.trailer().unwrap(),
-        crc32fast::hash(f.head()).to_le_bytes()
-    );
+    assert_eq!(f.head(), &unchecked[frame_start..frame_start + 16 + batch_meta_len(3)]);
+    assert_eq!(f.trailer().unwrap(), crc32fast::hash(f.head()).to_le_bytes());
 
     // The Writer's vectored path writes the same bytes.
     let mut w = Writer::new(Vec::new());
     w.round_end(0, 0).unwrap();
     let slices: Vec<&[u8]> = data.chunks(PAGE).collect();
-    w.mem_batch_vectored(2, &gfns, &slices, Checksum::Full)
-        .unwrap();
+    w.mem_batch_vectored(2, &gfns, &slices, Checksum::Full).unwrap();
     assert_eq!(w.get_ref(), &buffered);
 }
 
@@ -376,22 +316,12 @@ fn zero_copy_frames_match_the_buffered_encoder() {
 fn encoder_rejects_bad_batches_without_using_a_seq() {
     let mut e = Encoder::new();
     let mut out = Vec::new();
-    assert!(matches!(
-        e.mem_batch(&mut out, 0, &[1, 2], &[0; PAGE]),
-        Err(Error::BadRecord { seq: 0, .. })
-    ));
-    assert!(matches!(
-        e.batch_frame(0, &[], Checksum::Full, false),
-        Err(Error::BadRecord { .. })
-    ));
+    assert!(matches!(e.mem_batch(&mut out, 0, &[1, 2], &[0; PAGE]), Err(Error::BadRecord { seq: 0, .. })));
+    assert!(matches!(e.batch_frame(0, &[], Checksum::Full, false), Err(Error::BadRecord { .. })));
     let many = vec![0u64; MAX_BATCH_PAGES + 1];
     assert!(matches!(
         e.batch_frame(0, &many, Checksum::Full, false),
-        Err(Error::Oversized {
-            len: 1025,
-            max: 1024,
-            ..
-        })
+        Err(Error::Oversized { len: 1025, max: 1024, .. })
     ));
     let mut f = e.batch_frame(0, &[1], Checksum::Full, false).unwrap();
     f.update(&[0; 100]);
@@ -399,14 +329,8 @@ fn encoder_rejects_bad_batches_without_using_a_seq() {
     assert_eq!(e.seq(), 1);
     assert!(out.is_empty());
     let huge = vec![0u8; MAX_STATE_LEN + 1];
-    assert!(matches!(
-        e.state(&mut out, &huge),
-        Err(Error::Oversized { .. })
-    ));
-    assert!(matches!(
-        Writer::new(Vec::new()).state(&huge),
-        Err(Error::Oversized { .. })
-    ));
+    assert!(matches!(e.state(&mut out, &huge), Err(Error::Oversized { .. })));
+    assert!(matches!(Writer::new(Vec::new()).state(&huge), Err(Error::Oversized { .. })));
 }
 
 #[test]
@@ -418,51 +342,28 @@ fn unchecked_data_is_the_documented_exception() {
     let mut b = bytes.clone();
     b[data_at] ^= 0xff;
     let (_, got) = read_all(&b).unwrap();
-    let Owned::Batch {
-        data,
-        checked: false,
-        ..
-    } = &got[0]
-    else {
-        panic!()
-    };
+    let Owned::Batch { data, checked: false, .. } = &got[0] else { panic!() };
     assert_eq!(data[0], page(0, 0)[0] ^ 0xff);
     // Its gfns are covered.
     let mut b = bytes.clone();
     b[h + 16 + 8] ^= 1;
-    assert!(matches!(
-        first_error(&b),
-        Error::ChecksumMismatch {
-            seq: 0,
-            tag: Tag::MemBatch
-        }
-    ));
+    assert!(matches!(first_error(&b), Error::ChecksumMismatch { seq: 0, tag: Tag::MemBatch }));
     // The same flip in a checked stream is caught.
     let (bytes, _) = sample_stream(Checksum::Full);
     let mut b = bytes.clone();
     b[data_at] ^= 0xff;
-    assert!(matches!(
-        first_error(&b),
-        Error::ChecksumMismatch {
-            seq: 0,
-            tag: Tag::MemBatch
-        }
-    ));
+    assert!(matches!(first_error(&b), Error::ChecksumMismatch { seq: 0, tag: Tag::MemBatch }));
 }
 
 #[test]
 fn the_final_round_must_be_checked() {
     let mut w = Writer::start(Vec::new(), &desc()).unwrap();
-    w.mem_batch_vectored(0, &[1], &[&page(1, 0)], Checksum::MetadataOnly)
-        .unwrap();
+    w.mem_batch_vectored(0, &[1], &[&page(1, 0)], Checksum::MetadataOnly).unwrap();
     w.round_end(0, 1).unwrap();
     w.state(b"s").unwrap();
     w.complete(1).unwrap();
     let e = first_error(&w.into_inner());
-    assert!(
-        matches!(&e, Error::BadRecord { seq: 3, reason } if reason.contains("unchecked")),
-        "{e}"
-    );
+    assert!(matches!(&e, Error::BadRecord { seq: 3, reason } if reason.contains("unchecked")), "{e}");
 }
 
 // --- errors from crafted input --------------------------------------------------------------
@@ -475,57 +376,29 @@ fn header_errors() {
     let mut b = good.clone();
     b[0] = b'X';
     assert!(matches!(read(&b), Error::BadMagic { .. }));
-    assert!(matches!(
-        read(b"GET / HTTP/1.1\r\n"),
-        Error::BadMagic { .. }
-    ));
-    assert!(matches!(
-        read(b"KUMO"),
-        Error::Truncated {
-            what: "stream header"
-        }
-    ));
+    assert!(matches!(read(b"GET / HTTP/1.1\r\n"), Error::BadMagic { .. }));
+    assert!(matches!(read(b"KUMO"), Error::Truncated { what: "stream header" }));
     assert!(matches!(read(b"KUMX"), Error::BadMagic { .. }));
     assert!(matches!(read(b""), Error::Truncated { .. }));
 
     // Version is checked before the description is even read.
     let mut b = good.clone();
     b[8..12].copy_from_slice(&1u32.to_le_bytes());
-    assert!(matches!(
-        read(&b[..16]),
-        Error::UnsupportedVersion {
-            got: 1,
-            supported: 3
-        }
-    ));
-    assert!(matches!(
-        read(&raw_header(0, b"{}")),
-        Error::UnsupportedVersion { got: 0, .. }
-    ));
+    assert!(matches!(read(&b[..16]), Error::UnsupportedVersion { got: 1, supported: 3 }));
+    assert!(matches!(read(&raw_header(0, b"{}")), Error::UnsupportedVersion { got: 0, .. }));
 
     let mut b = good[..16].to_vec();
     b[12..16].copy_from_slice(&(MAX_DESC_LEN as u32 + 1).to_le_bytes());
-    assert!(matches!(
-        read(&b),
-        Error::Oversized {
-            len: 1_048_577,
-            max: 1_048_576,
-            ..
-        }
-    ));
+    assert!(matches!(read(&b), Error::Oversized { len: 1_048_577, max: 1_048_576, .. }));
 
     let mut b = good.clone();
     let last = b.len() - 1;
     b[last] ^= 1;
     assert!(matches!(read(&b), Error::HeaderChecksumMismatch));
 
-    let bad_desc =
-        |json: serde_json::Value| read(&raw_header(VERSION, json.to_string().as_bytes()));
+    let bad_desc = |json: serde_json::Value| read(&raw_header(VERSION, json.to_string().as_bytes()));
     let mut j = serde_json::to_value(desc()).unwrap();
-    assert!(matches!(
-        read(&raw_header(VERSION, b"{not json")),
-        Error::BadDescription(_)
-    ));
+    assert!(matches!(read(&raw_header(VERSION, b"{not json")), Error::BadDescription(_)));
     j["page_size"] = 8192.into();
     assert!(matches!(bad_desc(j.clone()), Error::BadDescription(m) if m.contains("page size")));
     j["page_size"] = 4096.into();
@@ -536,9 +409,7 @@ fn header_errors() {
     assert!(matches!(bad_desc(j.clone()), Error::BadDescription(m) if m.contains("overlap")));
     j["regions"] = serde_json::json!([[0, 131072]]);
     assert_eq!(
-        read_header(&mut raw_header(VERSION, j.to_string().as_bytes()).as_slice())
-            .unwrap()
-            .regions,
+        read_header(&mut raw_header(VERSION, j.to_string().as_bytes()).as_slice()).unwrap().regions,
         vec![(0, 131072)]
     );
     j["extra"] = 1.into();
@@ -549,28 +420,14 @@ fn header_errors() {
 fn descriptions_are_validated_before_writing() {
     let mut d = desc();
     d.page_size = 2 << 20;
-    assert!(matches!(
-        write_header(&mut Vec::new(), &d),
-        Err(Error::BadDescription(_))
-    ));
-    for regions in [
-        vec![],
-        vec![(0, 100)],
-        vec![(1, 4096)],
-        vec![(u64::MAX - 4095, 8192)],
-    ] {
+    assert!(matches!(write_header(&mut Vec::new(), &d), Err(Error::BadDescription(_))));
+    for regions in [vec![], vec![(0, 100)], vec![(1, 4096)], vec![(u64::MAX - 4095, 8192)]] {
         let d = VmDescription::new(1, "kernel", serde_json::Value::Null, regions);
-        assert!(
-            matches!(d.validate(), Err(Error::BadDescription(_))),
-            "{d:?}"
-        );
+        assert!(matches!(d.validate(), Err(Error::BadDescription(_))), "{d:?}");
     }
     let mut d = desc();
     d.cpus = 0;
-    assert!(matches!(
-        Writer::start(Vec::new(), &d),
-        Err(Error::BadDescription(_))
-    ));
+    assert!(matches!(Writer::start(Vec::new(), &d), Err(Error::BadDescription(_))));
 }
 
 #[test]
@@ -578,14 +435,11 @@ fn record_errors() {
     let batch = |round: u32, gfns: &[u64]| {
         let mut b = round.to_le_bytes().to_vec();
         b.extend_from_slice(&(gfns.len() as u32).to_le_bytes());
-        gfns.iter()
-            .for_each(|g| b.extend_from_slice(&g.to_le_bytes()));
+        gfns.iter().for_each(|g| b.extend_from_slice(&g.to_le_bytes()));
         b.extend_from_slice(&pages(gfns, round));
         b
     };
-    let end = |round: u32, pages: u64| {
-        [round.to_le_bytes().to_vec(), pages.to_le_bytes().to_vec()].concat()
-    };
+    let end = |round: u32, pages: u64| [round.to_le_bytes().to_vec(), pages.to_le_bytes().to_vec()].concat();
     let err = |frames: &[Vec<u8>]| first_error(&with_header(frames));
 
     // ChecksumMismatch names the record.
@@ -593,92 +447,44 @@ fn record_errors() {
     f[20] ^= 1;
     assert!(matches!(
         err(&[raw_frame(1, 0, 0, &batch(0, &[1])), f]),
-        Error::ChecksumMismatch {
-            seq: 1,
-            tag: Tag::RoundEnd
-        }
+        Error::ChecksumMismatch { seq: 1, tag: Tag::RoundEnd }
     ));
 
     // A valid frame with the wrong seq: lost or repeated record.
     assert!(matches!(
-        err(&[
-            raw_frame(1, 0, 0, &batch(0, &[1])),
-            raw_frame(1, 0, 0, &batch(0, &[2]))
-        ]),
-        Error::BadSequence {
-            expected: 1,
-            got: 0
-        }
+        err(&[raw_frame(1, 0, 0, &batch(0, &[1])), raw_frame(1, 0, 0, &batch(0, &[2]))]),
+        Error::BadSequence { expected: 1, got: 0 }
     ));
-    assert!(matches!(
-        err(&[raw_frame(2, 0, 5, &end(0, 0))]),
-        Error::BadSequence {
-            expected: 0,
-            got: 5
-        }
-    ));
+    assert!(matches!(err(&[raw_frame(2, 0, 5, &end(0, 0))]), Error::BadSequence { expected: 0, got: 5 }));
 
     // Tags: unknown, and replies in a record stream.
-    assert!(matches!(
-        err(&[raw_frame(9, 0, 0, b"")]),
-        Error::UnknownTag(9)
-    ));
-    assert!(matches!(
-        err(&[raw_frame(0x81, 0, 0, b"")]),
-        Error::UnknownTag(0x81)
-    ));
-    assert!(matches!(
-        err(&[raw_frame(0, 0, 0, b"")]),
-        Error::UnknownTag(0)
-    ));
+    assert!(matches!(err(&[raw_frame(9, 0, 0, b"")]), Error::UnknownTag(9)));
+    assert!(matches!(err(&[raw_frame(0x81, 0, 0, b"")]), Error::UnknownTag(0x81)));
+    assert!(matches!(err(&[raw_frame(0, 0, 0, b"")]), Error::UnknownTag(0)));
 
     // Oversized lengths are refused before anything is read or allocated.
     let mut hdr = raw_frame(3, 0, 0, b"")[..16].to_vec();
     hdr[4..8].copy_from_slice(&(MAX_STATE_LEN as u32 + 1).to_le_bytes());
-    assert!(
-        matches!(err(&[hdr]), Error::Oversized { what: "record body", max, .. } if max == MAX_STATE_LEN as u64)
-    );
+    assert!(matches!(err(&[hdr]), Error::Oversized { what: "record body", max, .. } if max == MAX_STATE_LEN as u64));
     let mut hdr = raw_frame(1, 0, 0, b"")[..16].to_vec();
     hdr[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
     assert!(matches!(err(&[hdr]), Error::Oversized { .. }));
     let mut b = batch(0, &[1]);
     b[4..8].copy_from_slice(&5000u32.to_le_bytes());
-    assert!(matches!(
-        err(&[raw_frame(1, 0, 0, &b)]),
-        Error::Oversized {
-            what: "page batch",
-            len: 5000,
-            ..
-        }
-    ));
-    assert!(matches!(
-        err(&[raw_frame(1, FLAG_DATA_UNCHECKED, 0, &b)]),
-        Error::Oversized {
-            what: "page batch",
-            ..
-        }
-    ));
-    assert!(matches!(
-        err(&[raw_frame(2, 0, 0, &[0; 13])]),
-        Error::Oversized { .. }
-    ));
+    assert!(matches!(err(&[raw_frame(1, 0, 0, &b)]), Error::Oversized { what: "page batch", len: 5000, .. }));
+    assert!(matches!(err(&[raw_frame(1, FLAG_DATA_UNCHECKED, 0, &b)]), Error::Oversized { what: "page batch", .. }));
+    assert!(matches!(err(&[raw_frame(2, 0, 0, &[0; 13])]), Error::Oversized { .. }));
 
     // Pages outside memory: in the hole, past the end, and absurd.
     for gfn in [16, 255, 272, u64::MAX] {
         let e = err(&[raw_frame(1, 0, 0, &batch(0, &[1, gfn]))]);
-        assert!(
-            matches!(e, Error::PageOutOfRange { gfn: g, memory_bytes: 131072 } if g == gfn),
-            "{e}"
-        );
+        assert!(matches!(e, Error::PageOutOfRange { gfn: g, memory_bytes: 131072 } if g == gfn), "{e}");
     }
 
     // Malformed bodies and flags.
     let bad = |frames: &[Vec<u8>], what: &str| {
         let e = err(frames);
-        assert!(
-            matches!(&e, Error::BadRecord { reason, .. } if reason.contains(what)),
-            "{what}: {e}"
-        );
+        assert!(matches!(&e, Error::BadRecord { reason, .. } if reason.contains(what)), "{what}: {e}");
     };
     bad(&[raw_frame(1, 0, 0, &batch(0, &[1])[..100])], "pages in a");
     bad(&[raw_frame(1, 0, 0, &batch(0, &[]))], "0 pages");
@@ -699,39 +505,13 @@ fn record_errors() {
 
     // Grammar.
     let state = || raw_frame(3, 0, 2, b"s");
-    bad(
-        &[raw_frame(1, 0, 0, &batch(1, &[1]))],
-        "round 1 during round 0",
-    );
-    bad(
-        &[
-            raw_frame(1, 0, 0, &batch(0, &[1])),
-            raw_frame(2, 0, 1, &end(0, 2)),
-        ],
-        "carried 1 pages",
-    );
+    bad(&[raw_frame(1, 0, 0, &batch(1, &[1]))], "round 1 during round 0");
+    bad(&[raw_frame(1, 0, 0, &batch(0, &[1])), raw_frame(2, 0, 1, &end(0, 2))], "carried 1 pages");
     bad(&[raw_frame(2, 0, 0, &end(1, 0))], "round 0 carried");
+    bad(&[raw_frame(2, 0, 0, &end(0, 0)), raw_frame(4, 0, 1, &0u64.to_le_bytes())], "before State");
+    bad(&[raw_frame(2, 0, 0, &end(0, 0)), raw_frame(3, 0, 1, b""), raw_frame(3, 0, 2, b"")], "second State");
     bad(
-        &[
-            raw_frame(2, 0, 0, &end(0, 0)),
-            raw_frame(4, 0, 1, &0u64.to_le_bytes()),
-        ],
-        "before State",
-    );
-    bad(
-        &[
-            raw_frame(2, 0, 0, &end(0, 0)),
-            raw_frame(3, 0, 1, b""),
-            raw_frame(3, 0, 2, b""),
-        ],
-        "second State",
-    );
-    bad(
-        &[
-            raw_frame(1, 0, 0, &batch(0, &[1])),
-            raw_frame(3, 0, 1, b""),
-            raw_frame(4, 0, 2, &1u64.to_le_bytes()),
-        ],
+        &[raw_frame(1, 0, 0, &batch(0, &[1])), raw_frame(3, 0, 1, b""), raw_frame(4, 0, 2, &1u64.to_le_bytes())],
         "no RoundEnd",
     );
     bad(
@@ -767,9 +547,7 @@ fn reading_stops_after_complete_and_after_errors() {
     let b = with_header(&[raw_frame(9, 0, 0, b""), raw_frame(5, 0, 0, b"x")]);
     let (mut rd, _) = Reader::open(b.as_slice()).unwrap();
     assert!(matches!(rd.next_record(), Err(Error::UnknownTag(9))));
-    assert!(
-        matches!(rd.next_record(), Err(Error::BadRecord { reason, .. }) if reason.contains("already failed"))
-    );
+    assert!(matches!(rd.next_record(), Err(Error::BadRecord { reason, .. }) if reason.contains("already failed")));
 }
 
 #[test]
@@ -780,13 +558,8 @@ fn io_errors_pass_through() {
             Err(io::Error::new(io::ErrorKind::ConnectionReset, "reset"))
         }
     }
-    assert!(
-        matches!(read_header(&mut Failing), Err(Error::Io(e)) if e.kind() == io::ErrorKind::ConnectionReset)
-    );
-    assert!(matches!(
-        Reader::new(Failing, &desc()).next_record(),
-        Err(Error::Io(_))
-    ));
+    assert!(matches!(read_header(&mut Failing), Err(Error::Io(e)) if e.kind() == io::ErrorKind::ConnectionReset));
+    assert!(matches!(Reader::new(Failing, &desc()).next_record(), Err(Error::Io(_))));
     // Interrupted reads are retried, one byte at a time here.
     struct Trickle<'a>(&'a [u8], bool);
     impl Read for Trickle<'_> {
@@ -834,10 +607,7 @@ fn flipping_any_byte_is_detected() {
     for mask in [0x01u8, 0x80, 0xff] {
         for i in 0..bytes.len() {
             bytes[i] ^= mask;
-            assert!(
-                read_all(&bytes).is_err(),
-                "flip {mask:#x} at {i} went unnoticed"
-            );
+            assert!(read_all(&bytes).is_err(), "flip {mask:#x} at {i} went unnoticed");
             bytes[i] ^= mask;
         }
     }
@@ -958,11 +728,7 @@ fn an_extra_connection_carries_no_state() {
     let mut out = Vec::new();
     enc.state(&mut out, b"s").unwrap();
     let mut r = Reader::secondary(&out[..], &d);
-    assert!(r
-        .next_record()
-        .unwrap_err()
-        .to_string()
-        .contains("extra connection"));
+    assert!(r.next_record().unwrap_err().to_string().contains("extra connection"));
 }
 
 // --- reading in place -----------------------------------------------------------------------
@@ -978,10 +744,7 @@ fn mem_offset(gfn: u64) -> usize {
 }
 
 impl PagePlacer for VecPlacer {
-    fn buffers(
-        &mut self,
-        runs: &[(u64, usize)],
-    ) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String> {
+    fn buffers(&mut self, runs: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String> {
         self.calls += 1;
         let mut rest: &mut [u8] = &mut self.mem;
         let mut base = 0;
@@ -989,10 +752,8 @@ impl PagePlacer for VecPlacer {
         for &(gfn, n) in runs {
             let off = mem_offset(gfn);
             let tail = std::mem::take(&mut rest);
-            let (run, tail) = tail
-                .split_at_mut(off.checked_sub(base).ok_or("runs out of order")?)
-                .1
-                .split_at_mut(n * PAGE);
+            let (run, tail) =
+                tail.split_at_mut(off.checked_sub(base).ok_or("runs out of order")?).1.split_at_mut(n * PAGE);
             out.push(io::IoSliceMut::new(run));
             rest = tail;
             base = off + n * PAGE;
@@ -1022,10 +783,7 @@ type Placed = (Vec<u64>, u64, bool);
 /// Reads a stream placing pages; returns the memory and the batches.
 fn read_placed<R: Read>(inner: R) -> Result<(VecPlacer, Vec<Placed>)> {
     let (mut rd, _) = Reader::open(inner)?;
-    let mut p = VecPlacer {
-        mem: vec![0; 32 * PAGE],
-        calls: 0,
-    };
+    let mut p = VecPlacer { mem: vec![0; 32 * PAGE], calls: 0 };
     let mut batches = Vec::new();
     while let Some(r) = rd.next_record_placed(&mut p)? {
         if let Record::MemBatch(b) = r {
@@ -1049,11 +807,7 @@ fn placed_reading_puts_every_page_where_it_belongs() {
             }
         }
         for chunk in [usize::MAX, 1000, 4096, 7] {
-            let (p, batches) = read_placed(Dribble {
-                bytes: &bytes,
-                chunk,
-            })
-            .unwrap();
+            let (p, batches) = read_placed(Dribble { bytes: &bytes, chunk }).unwrap();
             assert!(p.mem == want, "{live:?}, chunk {chunk}: memory differs");
             assert_eq!(batches.len(), 4);
             assert_eq!(batches[0].0, vec![0, 1, 2, 3, 4, 5, 6, 7]);
@@ -1067,55 +821,29 @@ fn placed_reading_checks_like_buffered_reading() {
     let (mut bytes, _) = sample_stream(Checksum::Full);
     let at = header_len(&bytes) + FRAME_HEADER_LEN + batch_meta_len(8) + 100;
     bytes[at] ^= 1;
-    assert!(matches!(
-        read_placed(&bytes[..]),
-        Err(Error::ChecksumMismatch {
-            seq: 0,
-            tag: Tag::MemBatch
-        })
-    ));
+    assert!(matches!(read_placed(&bytes[..]), Err(Error::ChecksumMismatch { seq: 0, tag: Tag::MemBatch })));
     // A page outside memory is refused before anything is placed.
     let body = [0u32.to_le_bytes(), 2u32.to_le_bytes()].concat();
-    let body = [
-        body,
-        1u64.to_le_bytes().to_vec(),
-        300u64.to_le_bytes().to_vec(),
-        pages(&[1, 300], 0),
-    ]
-    .concat();
+    let body = [body, 1u64.to_le_bytes().to_vec(), 300u64.to_le_bytes().to_vec(), pages(&[1, 300], 0)].concat();
     let bytes = with_header(&[raw_frame(1, 0, 0, &body)]);
     let (mut rd, _) = Reader::open(&bytes[..]).unwrap();
-    let mut p = VecPlacer {
-        mem: vec![0; 32 * PAGE],
-        calls: 0,
-    };
-    assert!(matches!(
-        rd.next_record_placed(&mut p),
-        Err(Error::PageOutOfRange { gfn: 300, .. })
-    ));
+    let mut p = VecPlacer { mem: vec![0; 32 * PAGE], calls: 0 };
+    assert!(matches!(rd.next_record_placed(&mut p), Err(Error::PageOutOfRange { gfn: 300, .. })));
     assert_eq!(p.calls, 0);
     // Truncation anywhere.
     let bytes = tiny_stream();
     for cut in 0..bytes.len() {
-        assert!(
-            matches!(read_placed(&bytes[..cut]), Err(Error::Truncated { .. })),
-            "cut at {cut}"
-        );
+        assert!(matches!(read_placed(&bytes[..cut]), Err(Error::Truncated { .. })), "cut at {cut}");
     }
     // A placer that cannot place fails the read with its reason.
     struct Refuse;
     impl PagePlacer for Refuse {
-        fn buffers(
-            &mut self,
-            _: &[(u64, usize)],
-        ) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String> {
+        fn buffers(&mut self, _: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String> {
             Err("no such memory".into())
         }
     }
     let (mut rd, _) = Reader::open(&bytes[..]).unwrap();
-    assert!(
-        matches!(rd.next_record_placed(&mut Refuse), Err(Error::Placement(m)) if m == "no such memory")
-    );
+    assert!(matches!(rd.next_record_placed(&mut Refuse), Err(Error::Placement(m)) if m == "no such memory"));
 }
 
 #[test]
@@ -1132,70 +860,37 @@ fn acknowledged_batches_carry_their_seq_and_only_on_the_first_connection() {
     out.extend_from_slice(&f.trailer().unwrap());
     // (The stream ends here: the batches read before the truncation are what counts.)
     let (mut rd, _) = Reader::open(&out[..]).unwrap();
-    let mut p = VecPlacer {
-        mem: vec![0; 32 * PAGE],
-        calls: 0,
-    };
+    let mut p = VecPlacer { mem: vec![0; 32 * PAGE], calls: 0 };
     rd.next_record_placed(&mut p).unwrap();
-    let Some(Record::MemBatch(b)) = rd.next_record_placed(&mut p).unwrap() else {
-        panic!("no batch")
-    };
-    assert_eq!(
-        (b.gfns, b.seq, b.ack, b.data.len()),
-        (&[2u64, 3][..], 1, true, 0)
-    );
+    let Some(Record::MemBatch(b)) = rd.next_record_placed(&mut p).unwrap() else { panic!("no batch") };
+    assert_eq!((b.gfns, b.seq, b.ack, b.data.len()), (&[2u64, 3][..], 1, true, 0));
     assert!(p.mem[2 * PAGE..4 * PAGE] == data[..]);
-    assert!(matches!(
-        rd.next_record_placed(&mut p),
-        Err(Error::Truncated { .. })
-    ));
+    assert!(matches!(rd.next_record_placed(&mut p), Err(Error::Truncated { .. })));
     let (mut rd, _) = Reader::open(&out[..]).unwrap();
     rd.next_record().unwrap();
-    let Some(Record::MemBatch(b)) = rd.next_record().unwrap() else {
-        panic!("no batch")
-    };
+    let Some(Record::MemBatch(b)) = rd.next_record().unwrap() else { panic!("no batch") };
     assert_eq!((b.seq, b.ack, b.data.len()), (1, true, 2 * PAGE));
     // An extra connection has no reply channel of its own.
     let frames = &out[header_len(&out)..];
     let mut r = Reader::secondary(frames, &d);
     r.next_record().unwrap();
-    assert!(r
-        .next_record()
-        .unwrap_err()
-        .to_string()
-        .contains("extra connection"));
+    assert!(r.next_record().unwrap_err().to_string().contains("extra connection"));
     // The encoder refuses out-of-order gfns, which would alias placed buffers.
-    assert!(matches!(
-        enc.batch_frame(1, &[3, 2], Checksum::Full, false),
-        Err(Error::BadRecord { .. })
-    ));
+    assert!(matches!(enc.batch_frame(1, &[3, 2], Checksum::Full, false), Err(Error::BadRecord { .. })));
 }
 
 #[test]
 fn placed_replies_follow_ready_in_order() {
     let mut w = Writer::new(Vec::new());
-    for r in [
-        Reply::Ready,
-        Reply::Placed(3),
-        Reply::Placed(5),
-        Reply::Resumed,
-    ] {
+    for r in [Reply::Ready, Reply::Placed(3), Reply::Placed(5), Reply::Resumed] {
         w.reply(&r).unwrap();
     }
     let bytes = w.into_inner();
     let mut r = ReplyReader::new(bytes.as_slice());
-    for want in [
-        Reply::Ready,
-        Reply::Placed(3),
-        Reply::Placed(5),
-        Reply::Resumed,
-    ] {
+    for want in [Reply::Ready, Reply::Placed(3), Reply::Placed(5), Reply::Resumed] {
         assert_eq!(r.next_reply().unwrap(), want);
     }
-    for bad in [
-        vec![Reply::Placed(1)],
-        vec![Reply::Ready, Reply::Placed(4), Reply::Placed(4)],
-    ] {
+    for bad in [vec![Reply::Placed(1)], vec![Reply::Ready, Reply::Placed(4), Reply::Placed(4)]] {
         let mut w = Writer::new(Vec::new());
         for r in &bad {
             w.reply(r).unwrap();
@@ -1225,10 +920,7 @@ fn accepted_comes_first_and_once() {
     for want in [Reply::Accepted, Reply::Ready, Reply::Resumed] {
         assert_eq!(r.next_reply().unwrap(), want);
     }
-    for bad in [
-        vec![Reply::Accepted, Reply::Accepted],
-        vec![Reply::Ready, Reply::Accepted],
-    ] {
+    for bad in [vec![Reply::Accepted, Reply::Accepted], vec![Reply::Ready, Reply::Accepted]] {
         let mut w = Writer::new(Vec::new());
         for r in &bad {
             w.reply(r).unwrap();

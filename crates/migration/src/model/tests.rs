@@ -1,10 +1,7 @@
 use super::*;
 use crate::planner::XenRule;
 
-const PAPER: DirtyModel = DirtyModel {
-    m: 100_000.0,
-    tau: 1.32,
-};
+const PAPER: DirtyModel = DirtyModel { m: 100_000.0, tau: 1.32 };
 /// A 2 GB VM.
 const VM_PAGES: u64 = 524_288;
 
@@ -13,9 +10,7 @@ fn close(got: f64, want: f64, rel: f64) -> bool {
 }
 
 fn times() -> Vec<f64> {
-    vec![
-        0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0,
-    ]
+    vec![0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]
 }
 
 use crate::TestRng as Rng;
@@ -28,11 +23,7 @@ fn dirtied_shape() {
     assert!(close(PAPER.dirtied(2.64), 75_000.0, 1e-12));
     assert!(close(PAPER.dirtied(1e6), 100_000.0, 1e-12));
     // Short intervals: the initial rate is M·ln2/τ.
-    assert!(close(
-        PAPER.dirtied(1e-9) / 1e-9,
-        1e5 * std::f64::consts::LN_2 / 1.32,
-        1e-6
-    ));
+    assert!(close(PAPER.dirtied(1e-9) / 1e-9, 1e5 * std::f64::consts::LN_2 / 1.32, 1e-6));
 }
 
 #[test]
@@ -63,10 +54,7 @@ fn fit_recovers_parameters_from_noisy_data() {
 fn fit_of_a_workload_touching_a_fixed_set_once() {
     // 100,000 pages written once each, sequentially, at 50,000 pages/s, then nothing: the
     // curve saturates at the set's size, and so does the fitted M.
-    let obs: Vec<(f64, f64)> = (1..=60)
-        .map(|i| i as f64 * 0.25)
-        .map(|t| (t, (50_000.0 * t).min(100_000.0)))
-        .collect();
+    let obs: Vec<(f64, f64)> = (1..=60).map(|i| i as f64 * 0.25).map(|t| (t, (50_000.0 * t).min(100_000.0))).collect();
     let m = DirtyModel::fit(&obs).unwrap();
     assert!(close(m.m, 100_000.0, 0.05), "{m:?}");
     assert!(m.dirtied(100.0) <= 100_000.0 * 1.05);
@@ -76,74 +64,32 @@ fn fit_of_a_workload_touching_a_fixed_set_once() {
 fn fit_of_an_unsaturated_workload_keeps_the_rate() {
     // A steady 20,000 pages/s never saturates: τ goes to the top of the search range and
     // M·ln2/τ is the rate.
-    let obs: Vec<(f64, f64)> = [0.1, 0.5, 1.0, 2.0]
-        .iter()
-        .map(|&t| (t, 20_000.0 * t))
-        .collect();
+    let obs: Vec<(f64, f64)> = [0.1, 0.5, 1.0, 2.0].iter().map(|&t| (t, 20_000.0 * t)).collect();
     let m = DirtyModel::fit(&obs).unwrap();
     assert!(m.tau > 100.0, "{m:?}");
-    assert!(
-        close(m.m * std::f64::consts::LN_2 / m.tau, 20_000.0, 0.01),
-        "{m:?}"
-    );
+    assert!(close(m.m * std::f64::consts::LN_2 / m.tau, 20_000.0, 0.01), "{m:?}");
     assert!(close(m.dirtied(1.5), 30_000.0, 0.01));
 }
 
 #[test]
 fn fit_edge_cases() {
     use ModelError::*;
-    assert_eq!(
-        DirtyModel::fit(&[]),
-        Err(TooFewObservations {
-            distinct: 0,
-            needed: 2
-        })
-    );
-    assert_eq!(
-        DirtyModel::fit(&[(1.0, 5.0)]),
-        Err(TooFewObservations {
-            distinct: 1,
-            needed: 2
-        })
-    );
+    assert_eq!(DirtyModel::fit(&[]), Err(TooFewObservations { distinct: 0, needed: 2 }));
+    assert_eq!(DirtyModel::fit(&[(1.0, 5.0)]), Err(TooFewObservations { distinct: 1, needed: 2 }));
     assert_eq!(
         DirtyModel::fit(&[(1.0, 5.0), (1.0, 6.0), (0.0, 0.0)]),
-        Err(TooFewObservations {
-            distinct: 1,
-            needed: 2
-        })
+        Err(TooFewObservations { distinct: 1, needed: 2 })
     );
-    assert!(matches!(
-        DirtyModel::fit(&[(1.0, 5.0), (f64::NAN, 1.0)]),
-        Err(InvalidObservation { index: 1, .. })
-    ));
-    assert!(matches!(
-        DirtyModel::fit(&[(1.0, 5.0), (2.0, -1.0)]),
-        Err(InvalidObservation { index: 1, .. })
-    ));
-    assert!(matches!(
-        DirtyModel::fit(&[(-1.0, 5.0), (2.0, 1.0)]),
-        Err(InvalidObservation { index: 0, .. })
-    ));
-    assert!(matches!(
-        DirtyModel::fit(&[(1.0, f64::INFINITY), (2.0, 1.0)]),
-        Err(InvalidObservation { .. })
-    ));
-    assert_eq!(
-        DirtyModel::fit(&[(1.0, 0.0), (2.0, 0.0)]),
-        Err(Degenerate("no pages dirtied"))
-    );
+    assert!(matches!(DirtyModel::fit(&[(1.0, 5.0), (f64::NAN, 1.0)]), Err(InvalidObservation { index: 1, .. })));
+    assert!(matches!(DirtyModel::fit(&[(1.0, 5.0), (2.0, -1.0)]), Err(InvalidObservation { index: 1, .. })));
+    assert!(matches!(DirtyModel::fit(&[(-1.0, 5.0), (2.0, 1.0)]), Err(InvalidObservation { index: 0, .. })));
+    assert!(matches!(DirtyModel::fit(&[(1.0, f64::INFINITY), (2.0, 1.0)]), Err(InvalidObservation { .. })));
+    assert_eq!(DirtyModel::fit(&[(1.0, 0.0), (2.0, 0.0)]), Err(Degenerate("no pages dirtied")));
     // A t = 0 point is fine (it only says D(0) = 0), and tiny or huge scales work.
     let m = DirtyModel::fit(&[(0.0, 0.0), (1e-6, 0.5), (2e-6, 0.75), (4e-6, 0.9375)]).unwrap();
     assert!(close(m.m, 1.0, 1e-6) && close(m.tau, 1e-6, 1e-6), "{m:?}");
-    let big = DirtyModel {
-        m: 4e9,
-        tau: 3600.0,
-    };
-    let obs: Vec<(f64, f64)> = [600.0, 3600.0, 7200.0]
-        .iter()
-        .map(|&t| (t, big.dirtied(t)))
-        .collect();
+    let big = DirtyModel { m: 4e9, tau: 3600.0 };
+    let obs: Vec<(f64, f64)> = [600.0, 3600.0, 7200.0].iter().map(|&t| (t, big.dirtied(t))).collect();
     let m = DirtyModel::fit(&obs).unwrap();
     assert!(close(m.m, 4e9, 1e-6) && close(m.tau, 3600.0, 1e-6), "{m:?}");
 }
@@ -168,11 +114,7 @@ fn first_round_matches_the_papers_table_14() {
     for ((secs, beta), dirtied) in [(TCP, 62_680.0), (RDMA, 77_686.0), (OVERLAP, 32_148.0)] {
         let p = predict(&PAPER, &setup(secs, beta)).unwrap();
         assert!(close(p.rounds[0].secs, secs, 1e-9));
-        assert!(
-            close(p.rounds[1].pages as f64, dirtied, 0.01),
-            "{secs}: {:?}",
-            p.rounds[1]
-        );
+        assert!(close(p.rounds[1].pages as f64, dirtied, 0.01), "{secs}: {:?}", p.rounds[1]);
     }
 }
 
@@ -203,11 +145,7 @@ fn larger_m_resends_more_and_takes_longer() {
     // At 4.02×10^5 the RDMA setup no longer converges (the guest dirties faster than the
     // rounds shrink), so Xen's give-up rules end it, as in the paper's Table 16.
     let p = last.unwrap();
-    assert!(
-        matches!(p.stop, StopReason::MaxSent | StopReason::MaxRounds),
-        "{:?}",
-        p.stop
-    );
+    assert!(matches!(p.stop, StopReason::MaxSent | StopReason::MaxRounds), "{:?}", p.stop);
     assert!(p.total_pages > 3 * VM_PAGES);
 }
 
@@ -222,10 +160,7 @@ fn the_overlap_advantage_grows_with_m() {
         assert_eq!(overlap.stop, StopReason::FewDirtyPages);
         let time_cut = 1.0 - overlap.total_secs / rdma.total_secs;
         let resent_cut = 1.0 - overlap.resent_pages() as f64 / rdma.resent_pages() as f64;
-        assert!(
-            time_cut > last.0 && resent_cut > last.1,
-            "M = {m}: {time_cut} {resent_cut}"
-        );
+        assert!(time_cut > last.0 && resent_cut > last.1, "M = {m}: {time_cut} {resent_cut}");
         last = (time_cut, resent_cut);
     }
     // The paper's 86.9 % / 93.6 % used measured per-round overheads; a pure bandwidth model
@@ -236,14 +171,7 @@ fn the_overlap_advantage_grows_with_m() {
 #[test]
 fn small_m_converges_in_few_rounds() {
     // M ≪ bandwidth·τ: the first round's dirt is sent almost instantly.
-    let p = predict(
-        &DirtyModel {
-            m: 1000.0,
-            tau: 1.32,
-        },
-        &setup(5.0, 0.0),
-    )
-    .unwrap();
+    let p = predict(&DirtyModel { m: 1000.0, tau: 1.32 }, &setup(5.0, 0.0)).unwrap();
     assert_eq!(p.stop, StopReason::FewDirtyPages);
     assert!(p.rounds.len() <= 3, "{:?}", p.rounds);
     assert!(p.downtime_secs < 50.0 / (VM_PAGES as f64 / 5.0) + 1e-12);
@@ -251,10 +179,7 @@ fn small_m_converges_in_few_rounds() {
     // An idle guest: round 0, then an empty stop-and-copy round.
     let p = predict(&DirtyModel { m: 0.0, tau: 1.0 }, &setup(5.0, 0.0)).unwrap();
     assert_eq!(p.rounds.len(), 2);
-    assert_eq!(
-        (p.rounds[1].pages, p.downtime_secs, p.resent_pages()),
-        (0, 0.0, 0)
-    );
+    assert_eq!((p.rounds[1].pages, p.downtime_secs, p.resent_pages()), (0, 0.0, 0));
 }
 
 #[test]
@@ -263,20 +188,13 @@ fn prediction_follows_the_policy() {
     let model = DirtyModel { m: 4e5, tau: 0.5 };
     let mut params = setup(RDMA.0, 0.0);
     params.policy = StopPolicy {
-        xen: Some(XenRule {
-            max_dirty_pages: 50,
-            max_rounds: 5,
-            max_sent_factor: 100.0,
-        }),
+        xen: Some(XenRule { max_dirty_pages: 50, max_rounds: 5, max_sent_factor: 100.0 }),
         downtime: None,
     };
     let p = predict(&model, &params).unwrap();
     assert_eq!((p.rounds.len(), p.stop), (5, StopReason::MaxRounds));
     // A downtime target: the final round fits in it.
-    params.policy = StopPolicy {
-        xen: None,
-        downtime: Some(Duration::from_millis(100)),
-    };
+    params.policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(100)) };
     let p = predict(&DirtyModel { m: 1e5, tau: 1.32 }, &params).unwrap();
     assert!(matches!(p.stop, StopReason::DowntimeMet { .. }));
     assert!(p.downtime_secs <= 0.1 + 1e-9);
@@ -291,49 +209,25 @@ fn prediction_follows_the_policy() {
 fn prediction_rejects_bad_parameters() {
     let good = setup(RDMA.0, RDMA.1);
     for (model, params) in [
-        (
-            PAPER,
-            PredictParams {
-                bandwidth_pages_per_s: 0.0,
-                ..good
-            },
-        ),
-        (
-            PAPER,
-            PredictParams {
-                bandwidth_pages_per_s: f64::NAN,
-                ..good
-            },
-        ),
+        (PAPER, PredictParams { bandwidth_pages_per_s: 0.0, ..good }),
+        (PAPER, PredictParams { bandwidth_pages_per_s: f64::NAN, ..good }),
         (PAPER, PredictParams { beta: 1.5, ..good }),
         (PAPER, PredictParams { beta: -0.1, ..good }),
         (DirtyModel { m: -1.0, tau: 1.0 }, good),
         (DirtyModel { m: 1.0, tau: 0.0 }, good),
     ] {
-        assert!(matches!(
-            predict(&model, &params),
-            Err(ModelError::InvalidParams(_))
-        ));
+        assert!(matches!(predict(&model, &params), Err(ModelError::InvalidParams(_))));
     }
 }
 
 #[test]
 fn fit_then_predict() {
     let mut rng = Rng(7);
-    let obs: Vec<(f64, f64)> = times()
-        .into_iter()
-        .map(|t| (t, PAPER.dirtied(t) * (1.0 + 0.02 * rng.unit())))
-        .collect();
+    let obs: Vec<(f64, f64)> = times().into_iter().map(|t| (t, PAPER.dirtied(t) * (1.0 + 0.02 * rng.unit()))).collect();
     let fitted = DirtyModel::fit(&obs).unwrap();
     let params = setup(OVERLAP.0, OVERLAP.1);
-    let (a, b) = (
-        predict(&PAPER, &params).unwrap(),
-        predict(&fitted, &params).unwrap(),
-    );
-    assert!(
-        close(b.total_secs, a.total_secs, 0.02)
-            && close(b.total_pages as f64, a.total_pages as f64, 0.02)
-    );
+    let (a, b) = (predict(&PAPER, &params).unwrap(), predict(&fitted, &params).unwrap());
+    assert!(close(b.total_secs, a.total_secs, 0.02) && close(b.total_pages as f64, a.total_pages as f64, 0.02));
 }
 
 fn measured_from(p: &Prediction) -> Vec<RoundStats> {
@@ -354,10 +248,7 @@ fn measured_from(p: &Prediction) -> Vec<RoundStats> {
 fn comparison() {
     let p = predict(&PAPER, &setup(OVERLAP.0, OVERLAP.1)).unwrap();
     let same = compare(&p, &measured_from(&p));
-    assert_eq!(
-        (same.predicted_rounds, same.measured_rounds),
-        (p.rounds.len(), p.rounds.len())
-    );
+    assert_eq!((same.predicted_rounds, same.measured_rounds), (p.rounds.len(), p.rounds.len()));
     for r in &same.rounds {
         assert_eq!(r.pages_rel_err, Some(0.0));
         // Durations are whole nanoseconds.
@@ -380,31 +271,14 @@ fn comparison() {
     assert!((c.rounds[1].pages_rel_err.unwrap() + 0.2).abs() < 1e-3);
     assert!((c.rounds[1].secs_rel_err.unwrap() + 0.5).abs() < 1e-6);
     let extra = c.rounds.last().unwrap();
-    assert_eq!(
-        (
-            extra.predicted_pages,
-            extra.measured_pages,
-            extra.pages_rel_err
-        ),
-        (None, Some(10), None)
-    );
+    assert_eq!((extra.predicted_pages, extra.measured_pages, extra.pages_rel_err), (None, Some(10), None));
     assert!((c.downtime_rel_err.unwrap() - (p.downtime_secs / 0.001 - 1.0)).abs() < 1e-9);
     assert!(c.total_pages_rel_err.unwrap() < 0.0);
     let table = c.to_string();
-    assert!(
-        table.contains("round") && table.lines().count() == c.rounds.len() + 2,
-        "{table}"
-    );
+    assert!(table.contains("round") && table.lines().count() == c.rounds.len() + 2, "{table}");
 
     // Nothing measured: no totals to compare against.
     let empty = compare(&p, &[]);
-    assert_eq!(
-        (
-            empty.measured_rounds,
-            empty.total_pages_rel_err,
-            empty.downtime_rel_err
-        ),
-        (0, None, None)
-    );
+    assert_eq!((empty.measured_rounds, empty.total_pages_rel_err, empty.downtime_rel_err), (0, None, None));
     assert!(serde_json::to_string(&c).is_ok());
 }
