@@ -113,13 +113,16 @@ impl ApiClient {
     /// Runs a migration (blocks until it ends: give the client a long timeout) and returns
     /// its report.
     pub fn migrate(&self, req: &crate::MigrateRequest) -> Result<Value, ClientError> {
-        let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
-        self.call("PUT", paths::MIGRATE, Some(&body))?.ok_or_else(|| self.bad("empty vm.migrate answer"))
+        let body = serde_json::to_value(req)
+            .map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
+        self.call("PUT", paths::MIGRATE, Some(&body))?
+            .ok_or_else(|| self.bad("empty vm.migrate answer"))
     }
 
     /// Progress events and result of the current or last migration.
     pub fn migration_status(&self) -> Result<Value, ClientError> {
-        self.call("GET", paths::MIGRATION, None)?.ok_or_else(|| self.bad("empty vm.migration answer"))
+        self.call("GET", paths::MIGRATION, None)?
+            .ok_or_else(|| self.bad("empty vm.migration answer"))
     }
 
     /// Like [`request`](Self::request), but a non-2xx status is an error
@@ -230,7 +233,7 @@ impl ApiClient {
                 timeout: self.timeout,
             },
             ReadError::Closed { .. } => self.bad("connection closed before a complete answer"),
-            ReadError::TooLarge => self.bad("answer too large"),
+            ReadError::TooLarge { .. } => self.bad("answer too large"),
             ReadError::Io(e) => self.io(e),
         }
     }
