@@ -34,7 +34,7 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time for writing a whole response.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a connection closed after an error answer is drained, so that
+/// How long a connection closed after its answer is drained, so that
 /// unread request bytes do not turn the close into a reset.
 const LINGER: Duration = Duration::from_secs(1);
 /// Requests handled at once; one more complete request is answered 503.
@@ -219,7 +219,7 @@ fn socket_id(path: &Path) -> Option<(u64, u64)> {
 /// Where a connection is; the order is the eviction preference.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Phase {
-    /// Answered with an error and being drained before the close.
+    /// Answered, and being drained before the close.
     Closing,
     /// Keep-alive, waiting for the next request.
     Idle,
