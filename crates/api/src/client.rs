@@ -200,7 +200,7 @@ impl ApiClient {
         match e {
             ReadError::TimedOut { .. } => ClientError::Timeout { path: self.path.clone(), timeout: self.timeout },
             ReadError::Closed { .. } => self.bad("connection closed before a complete answer"),
-            ReadError::TooLarge => self.bad("answer too large"),
+            ReadError::TooLarge { .. } => self.bad("answer too large"),
             ReadError::Io(e) => self.io(e),
         }
     }

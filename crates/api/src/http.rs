@@ -5,7 +5,8 @@
 
 use crate::ApiError;
 use serde_json::Value;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
+use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
@@ -13,6 +14,8 @@ use std::time::Instant;
 pub(crate) const MAX_HEAD: usize = 16 * 1024;
 /// Largest body accepted.
 pub(crate) const MAX_BODY: usize = 1024 * 1024;
+/// Most bytes [`Conn::linger`] throws away before giving up on a clean close.
+const MAX_LINGER_BYTES: usize = 4 * MAX_BODY;
 
 #[derive(Debug)]
 pub(crate) enum ReadError {
@@ -23,7 +26,11 @@ pub(crate) enum ReadError {
     TimedOut {
         partial: bool,
     },
-    TooLarge,
+    /// Over the size limit; `line` when the start line alone is (no line end
+    /// within MAX_HEAD bytes).
+    TooLarge {
+        line: bool,
+    },
     Io(io::Error),
 }
 
@@ -65,23 +72,44 @@ impl Conn {
         }
     }
 
-    /// Reads one message head, up to and including its blank line.
+    /// Reads one message head, up to and including its blank line, all by
+    /// `deadline`.
     pub fn read_head(&mut self, deadline: Instant) -> Result<Vec<u8>, ReadError> {
+        self.read_head_from(deadline, || deadline)
+    }
+
+    /// Reads one message head: waits until `idle_until` for its first byte,
+    /// then calls `started`, whose answer is the deadline for the whole head
+    /// (so trickling bytes cannot stretch it).
+    pub fn read_head_from(
+        &mut self,
+        idle_until: Instant,
+        mut started: impl FnMut() -> Instant,
+    ) -> Result<Vec<u8>, ReadError> {
+        let mut deadline = None;
         loop {
             // Stray blank lines between messages are to be ignored (RFC 9112 §2.2).
             let skip = self.buf.iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
             self.buf.drain(..skip);
+            if !self.buf.is_empty() && deadline.is_none() {
+                deadline = Some(started());
+            }
             if let Some(end) = head_end(&self.buf) {
                 if end > MAX_HEAD {
-                    return Err(ReadError::TooLarge);
+                    return Err(self.too_large());
                 }
                 return Ok(self.buf.drain(..end).collect());
             }
             if self.buf.len() > MAX_HEAD {
-                return Err(ReadError::TooLarge);
+                return Err(self.too_large());
             }
-            self.fill(deadline)?;
+            self.fill(deadline.unwrap_or(idle_until))?;
         }
+    }
+
+    fn too_large(&self) -> ReadError {
+        let line = !self.buf[..MAX_HEAD.min(self.buf.len())].contains(&b'\n');
+        ReadError::TooLarge { line }
     }
 
     /// Reads exactly `len` body bytes (callers cap `len` at MAX_BODY).
@@ -96,12 +124,47 @@ impl Conn {
     pub fn read_to_end(&mut self, deadline: Instant) -> Result<Vec<u8>, ReadError> {
         loop {
             if self.buf.len() > MAX_BODY {
-                return Err(ReadError::TooLarge);
+                return Err(ReadError::TooLarge { line: false });
             }
             match self.fill(deadline) {
                 Ok(()) => {}
                 Err(ReadError::Closed { .. }) => return Ok(std::mem::take(&mut self.buf)),
                 Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Writes all of `bytes` by `deadline` (not per write: a peer that reads
+    /// slowly cannot stretch it).
+    pub fn write_all_by(&mut self, bytes: &[u8], deadline: Instant) -> io::Result<()> {
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            self.stream.set_write_timeout(Some(left))?;
+            match self.stream.write(rest) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => rest = &rest[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends our side and reads (and drops) what the peer still sends until it
+    /// closes or `deadline`: closing a unix socket with unread data makes the
+    /// peer see a reset instead of the answer it was sent.
+    pub fn linger(&mut self, deadline: Instant) {
+        let _ = self.stream.shutdown(Shutdown::Write);
+        let mut drained = 0;
+        while drained <= MAX_LINGER_BYTES {
+            drained += self.buf.len();
+            self.buf.clear();
+            if self.fill(deadline).is_err() {
+                return;
             }
         }
     }
@@ -229,6 +292,7 @@ pub(crate) fn reason(status: u16) -> &'static str {
         408 => "Request Timeout",
         409 => "Conflict",
         413 => "Content Too Large",
+        414 => "URI Too Long",
         431 => "Request Header Fields Too Large",
         500 => "Internal Server Error",
         501 => "Not Implemented",
@@ -349,5 +413,66 @@ mod tests {
             "HTTP/1.1 405 Method Not Allowed\r\nAllow: GET\r\nConnection: close\r\n\
              Content-Type: application/json\r\nContent-Length: 16\r\n\r\n{\"error\":\"nope\"}"
         );
+    }
+
+    fn pair() -> (Conn, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        (Conn::new(a), b)
+    }
+
+    #[test]
+    fn trickled_head_still_times_out() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        use std::time::Duration;
+        let (mut conn, mut peer) = pair();
+        let stop = Arc::new(AtomicBool::new(false));
+        let trickle = {
+            let stop = stop.clone();
+            // A byte every 5 ms, each well inside the head deadline: only a
+            // deadline for the whole head ends this (bounded for safety).
+            std::thread::spawn(move || {
+                peer.write_all(b"GET / HTTP/1.1\r\nX: ").unwrap();
+                for _ in 0..10_000 {
+                    if stop.load(Ordering::SeqCst) || peer.write_all(b"a").is_err() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            })
+        };
+        let far = Instant::now() + Duration::from_secs(60);
+        let r = conn.read_head_from(far, || Instant::now() + Duration::from_millis(100));
+        stop.store(true, Ordering::SeqCst);
+        assert!(matches!(r, Err(ReadError::TimedOut { partial: true })), "{r:?}");
+        trickle.join().unwrap();
+    }
+
+    #[test]
+    fn silence_is_an_idle_timeout() {
+        let (mut conn, _peer) = pair();
+        let mut started = false;
+        let r = conn.read_head_from(Instant::now(), || {
+            started = true;
+            Instant::now()
+        });
+        assert!(matches!(r, Err(ReadError::TimedOut { partial: false })), "{r:?}");
+        assert!(!started);
+    }
+
+    #[test]
+    fn oversized_line_and_head_are_told_apart() {
+        let far = || Instant::now() + std::time::Duration::from_secs(30);
+        let (mut conn, mut peer) = pair();
+        peer.write_all(&vec![b'a'; MAX_HEAD + 10]).unwrap();
+        let r = conn.read_head(far());
+        assert!(matches!(r, Err(ReadError::TooLarge { line: true })), "{r:?}");
+
+        let (mut conn, mut peer) = pair();
+        let mut head = b"GET / HTTP/1.1\r\nX: ".to_vec();
+        head.resize(MAX_HEAD + 10, b'a');
+        peer.write_all(&head).unwrap();
+        let r = conn.read_head(far());
+        assert!(matches!(r, Err(ReadError::TooLarge { line: false })), "{r:?}");
     }
 }

@@ -1,12 +1,19 @@
 //! The API server: an accept thread plus one thread per connection, each
 //! decoding requests through the route table and calling the [`ApiHandler`].
+//!
+//! Slow or idle clients cannot starve prompt ones: a connection waiting for
+//! (or receiving) a request sits in a bounded waiting set under deadlines
+//! that trickled bytes do not extend, and the oldest idle or slowest one is
+//! closed when a new client arrives and the set is full. A connection takes
+//! one of the few serving slots only once its whole request has arrived, and
+//! keeps it while the handler runs, however long (a migration takes minutes).
 
 use crate::http::{self, Conn, ReadError, MAX_BODY, MAX_HEAD};
 use crate::{paths, ApiError, ApiRequest, ApiResponse};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::fs::{self, Permissions};
-use std::io::{self, Write};
+use std::io;
 use std::net::Shutdown;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -18,12 +25,23 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
-/// Time a client gets to send a whole request, and how long an idle
-/// keep-alive connection is kept. Also bounds each response write.
-const IO_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections served at once; more are answered 503 so a runaway client
-/// cannot exhaust threads.
-const MAX_CONNECTIONS: usize = 32;
+/// How long a connection may sit without starting a request (after
+/// connecting or after its previous answer).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time for a whole request head, from its first byte.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time for a whole body, from the end of its head.
+const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time for writing a whole response.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connection closed after its answer is drained, so that
+/// unread request bytes do not turn the close into a reset.
+const LINGER: Duration = Duration::from_secs(1);
+/// Requests handled at once; one more complete request is answered 503.
+const MAX_SERVING: usize = 32;
+/// Connections idle or sending a request; a new one beyond this closes the
+/// oldest idle, else the slowest, so thread count stays bounded.
+const MAX_WAITING: usize = 128;
 /// How long shutdown waits for the accept thread before leaving it behind.
 const STOP_WAIT: Duration = Duration::from_secs(2);
 
@@ -148,20 +166,115 @@ fn socket_id(path: &Path) -> Option<(u64, u64)> {
     fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
+/// Where a connection is; the order is the eviction preference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Phase {
+    /// Answered, and being drained before the close.
+    Closing,
+    /// Keep-alive, waiting for the next request.
+    Idle,
+    /// Connected and not yet sent a whole request.
+    Reading,
+    /// Its request is with the handler or its answer being written: never evicted.
+    Serving,
+}
+
+struct Entry {
+    /// A clone, so eviction and shutdown can wake the connection's reader.
+    stream: UnixStream,
+    phase: Phase,
+    /// When it entered its phase (connected, for a new connection).
+    since: Instant,
+}
+
+/// Live connections by id; a connection missing from it was evicted.
+type Conns = HashMap<u64, Entry>;
+
+/// How a complete request fares when it asks for a serving slot.
+enum Slot {
+    Granted,
+    Busy,
+    Evicted,
+}
+
 #[derive(Default)]
 struct Shared {
     stop: AtomicBool,
-    /// Clones of the live connections, so shutdown can wake their readers.
-    conns: Mutex<HashMap<u64, UnixStream>>,
+    conns: Mutex<Conns>,
 }
 
 impl Shared {
     fn stopping(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
     }
-    fn conns(&self) -> MutexGuard<'_, HashMap<u64, UnixStream>> {
+    fn conns(&self) -> MutexGuard<'_, Conns> {
         // A poisoned map is still a valid map.
         self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn evicted(&self, id: u64) -> bool {
+        !self.conns().contains_key(&id)
+    }
+
+    /// A keep-alive connection began its next request: it now counts as slow
+    /// from here, not as idle.
+    fn request_started(&self, id: u64) {
+        if let Some(e) = self.conns().get_mut(&id) {
+            if e.phase == Phase::Idle {
+                e.phase = Phase::Reading;
+                e.since = Instant::now();
+            }
+        }
+    }
+
+    fn start_serving(&self, id: u64) -> Slot {
+        let mut conns = self.conns();
+        let serving = conns.values().filter(|e| e.phase == Phase::Serving).count();
+        match conns.get_mut(&id) {
+            None => Slot::Evicted,
+            Some(_) if serving >= MAX_SERVING => Slot::Busy,
+            Some(e) => {
+                e.phase = Phase::Serving;
+                e.since = Instant::now();
+                Slot::Granted
+            }
+        }
+    }
+
+    /// Moves the connection to `phase` (Idle or Closing), making room in the
+    /// waiting set if it leaves a serving slot. False if it was evicted.
+    fn wait_as(&self, id: u64, phase: Phase) -> bool {
+        let mut conns = self.conns();
+        let Some(e) = conns.get_mut(&id) else {
+            return false;
+        };
+        e.phase = phase;
+        e.since = Instant::now();
+        evict_until(&mut conns, MAX_WAITING, Some(id));
+        true
+    }
+}
+
+/// Closes waiting connections, Closing then Idle then Reading, oldest first,
+/// until at most `max` wait. Never blocks: eviction is a shutdown(2) that
+/// wakes the connection's thread, which answers 503 if it was mid-request.
+fn evict_until(conns: &mut Conns, max: usize, except: Option<u64>) {
+    loop {
+        let waiting = conns.values().filter(|e| e.phase != Phase::Serving).count();
+        if waiting <= max {
+            return;
+        }
+        let victim = conns
+            .iter()
+            .filter(|(id, e)| e.phase != Phase::Serving && Some(**id) != except)
+            .min_by_key(|(_, e)| (e.phase, e.since))
+            .map(|(id, _)| *id);
+        let Some(entry) = victim.and_then(|id| conns.remove(&id)) else {
+            return;
+        };
+        debug!(phase = ?entry.phase, "API connection evicted");
+        // Read side only: the thread can still write its 503.
+        let _ = entry.stream.shutdown(Shutdown::Read);
     }
 }
 
@@ -205,7 +318,7 @@ impl ApiServerHandle {
         // for them: a handler that ends the VM (shutdown, a finished migration) must get its
         // answer out before the process exits.
         for conn in self.shared.conns().values() {
-            let _ = conn.shutdown(Shutdown::Read);
+            let _ = conn.stream.shutdown(Shutdown::Read);
         }
         let until = Instant::now() + STOP_WAIT;
         while !self.shared.conns().is_empty() && Instant::now() < until {
@@ -238,20 +351,18 @@ fn accept_loop(listener: UnixListener, shared: &Arc<Shared>, handler: Arc<dyn Ap
                 continue;
             }
         };
-        {
-            let mut conns = shared.conns();
-            if conns.len() >= MAX_CONNECTIONS {
-                drop(conns);
-                reject_busy(stream);
+        let clone = match stream.try_clone() {
+            Ok(clone) => clone,
+            Err(e) => {
+                warn!("API connection dropped: {e}");
                 continue;
             }
-            match stream.try_clone() {
-                Ok(clone) => conns.insert(id, clone),
-                Err(e) => {
-                    warn!("API connection dropped: {e}");
-                    continue;
-                }
-            };
+        };
+        {
+            let mut conns = shared.conns();
+            evict_until(&mut conns, MAX_WAITING - 1, None);
+            let entry = Entry { stream: clone, phase: Phase::Reading, since: Instant::now() };
+            conns.insert(id, entry);
         }
         let (shared2, handler) = (shared.clone(), handler.clone());
         let spawned = thread::Builder::new().name("kumo-api-conn".into()).spawn(move || {
@@ -263,19 +374,13 @@ fn accept_loop(listener: UnixListener, shared: &Arc<Shared>, handler: Arc<dyn Ap
                 }
             }
             let guard = Deregister(shared2, id);
-            serve_connection(stream, &*handler, &guard.0);
+            serve_connection(stream, &*handler, &guard.0, id);
         });
         if let Err(e) = spawned {
             warn!("cannot spawn API connection thread: {e}");
             shared.conns().remove(&id);
         }
     }
-}
-
-fn reject_busy(mut stream: UnixStream) {
-    let e = ApiError::unavailable("too many API connections");
-    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-    let _ = stream.write_all(&http::response_bytes(e.status, Some(&e.body()), &[], true));
 }
 
 /// What to send back for one request.
@@ -295,14 +400,33 @@ impl Reply {
     }
 }
 
-fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Shared) {
-    if stream.set_write_timeout(Some(IO_TIMEOUT)).is_err() {
-        return;
-    }
+/// What reading a request came to.
+enum Next {
+    /// Close without answering (the peer left, or was idle too long).
+    Close,
+    /// Answer without calling the handler.
+    Reply(Reply),
+    /// A whole, valid request for the handler.
+    Call { req: ApiRequest, keep_alive: bool },
+}
+
+fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Shared, id: u64) {
     let mut conn = Conn::new(stream);
     while !shared.stopping() {
-        let Some(reply) = next_reply(&mut conn, handler) else {
-            break;
+        let reply = match next_request(&mut conn, shared, id) {
+            Next::Close => break,
+            Next::Reply(reply) => reply,
+            Next::Call { req, keep_alive } => match shared.start_serving(id) {
+                Slot::Granted => match call(handler, req).and_then(ApiResponse::into_http) {
+                    Ok((status, body)) => Reply { status, body, allow: None, close: !keep_alive },
+                    Err(e) => Reply::error(e, !keep_alive),
+                },
+                Slot::Busy => Reply::error(
+                    ApiError::unavailable(format!("too many API requests in progress (at most {MAX_SERVING})")),
+                    true,
+                ),
+                Slot::Evicted => Reply::error(evicted(), true),
+            },
         };
         let close = reply.close || shared.stopping();
         let allow: Vec<(&str, &str)> = reply.allow.iter().map(|a| ("Allow", a.as_str())).collect();
@@ -310,72 +434,90 @@ fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Share
             debug!(status = reply.status, body = ?reply.body, "API error reply");
         }
         let bytes = http::response_bytes(reply.status, reply.body.as_ref(), &allow, close);
-        if conn.stream.write_all(&bytes).is_err() || close {
+        if conn.write_all_by(&bytes, Instant::now() + WRITE_TIMEOUT).is_err() {
+            break;
+        }
+        if close {
+            shared.wait_as(id, Phase::Closing);
+            conn.linger(Instant::now() + LINGER);
+            break;
+        }
+        if !shared.wait_as(id, Phase::Idle) {
             break;
         }
     }
 }
 
-/// Reads and answers one request; `None` means close without answering.
-fn next_reply(conn: &mut Conn, handler: &dyn ApiHandler) -> Option<Reply> {
-    let deadline = Instant::now() + IO_TIMEOUT;
-    let head = match conn.read_head(deadline) {
+fn evicted() -> ApiError {
+    ApiError::unavailable("too many API connections; this slow or idle one was closed")
+}
+
+/// Reads one request, under the idle, head and body deadlines.
+fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
+    let idle_until = Instant::now() + IDLE_TIMEOUT;
+    let head = conn.read_head_from(idle_until, || {
+        shared.request_started(id);
+        Instant::now() + HEAD_TIMEOUT
+    });
+    let head = match head {
         Ok(head) => head,
-        Err(e) => return read_failure(e, false),
+        Err(e) => return read_failure(e, false, shared.evicted(id)),
     };
     // From here on, any error that leaves the byte stream out of sync (bad
     // head, unread body) must close the connection.
     let req = match http::parse_request_head(&head) {
         Ok(req) => req,
-        Err(e) => return Some(Reply::error(e, true)),
+        Err(e) => return Next::Reply(Reply::error(e, true)),
     };
     if req.headers.get("transfer-encoding").is_some() {
         let e = ApiError::new(501, "Transfer-Encoding is not supported; send Content-Length");
-        return Some(Reply::error(e, true));
+        return Next::Reply(Reply::error(e, true));
     }
     let len = match req.headers.content_length() {
         Ok(len) => len.unwrap_or(0),
-        Err(msg) => return Some(Reply::error(ApiError::bad_request(msg), true)),
+        Err(msg) => return Next::Reply(Reply::error(ApiError::bad_request(msg), true)),
     };
     if len > MAX_BODY as u64 {
         let e = ApiError::payload_too_large(format!("request body is over {MAX_BODY} bytes"));
-        return Some(Reply::error(e, true));
+        return Next::Reply(Reply::error(e, true));
     }
     let len = len as usize;
     let route = match resolve(&req.method, &req.path) {
         Ok(route) => route,
         Err((e, allow)) => {
-            return Some(Reply { allow, ..Reply::error(e, !req.keep_alive || len > 0) });
+            return Next::Reply(Reply { allow, ..Reply::error(e, !req.keep_alive || len > 0) });
         }
     };
+    let deadline = Instant::now() + BODY_TIMEOUT;
     if len > 0 && req.headers.has_token("expect", "100-continue") {
         // curl waits for this (up to a second) before sending a body.
-        if conn.stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").is_err() {
-            return None;
+        if conn.write_all_by(b"HTTP/1.1 100 Continue\r\n\r\n", deadline).is_err() {
+            return Next::Close;
         }
     }
     let body = match conn.read_body(len, deadline) {
         Ok(body) => body,
-        Err(e) => return read_failure(e, true),
+        Err(e) => return read_failure(e, true, shared.evicted(id)),
     };
-    let result = (route.build)(&body).and_then(|r| call(handler, r)).and_then(ApiResponse::into_http);
-    Some(match result {
-        Ok((status, body)) => Reply { status, body, allow: None, close: !req.keep_alive },
-        Err(e) => Reply::error(e, !req.keep_alive),
-    })
+    match (route.build)(&body) {
+        Ok(req2) => Next::Call { req: req2, keep_alive: req.keep_alive },
+        Err(e) => Next::Reply(Reply::error(e, !req.keep_alive)),
+    }
 }
 
-fn read_failure(e: ReadError, mid_request: bool) -> Option<Reply> {
+fn read_failure(e: ReadError, mid_request: bool, evicted: bool) -> Next {
     let e = match e {
         ReadError::Closed { partial } | ReadError::TimedOut { partial } if !partial && !mid_request => {
-            return None; // idle connection closed or timed out between requests
+            return Next::Close; // idle connection closed, timed out or evicted between requests
         }
-        ReadError::Io(_) => return None,
+        _ if evicted => self::evicted(),
+        ReadError::Io(_) => return Next::Close,
         ReadError::Closed { .. } => ApiError::bad_request("incomplete request"),
         ReadError::TimedOut { .. } => ApiError::new(408, "request not received in time"),
-        ReadError::TooLarge => ApiError::new(431, format!("request head is over {MAX_HEAD} bytes")),
+        ReadError::TooLarge { line: true } => ApiError::new(414, format!("request line is over {MAX_HEAD} bytes")),
+        ReadError::TooLarge { line: false } => ApiError::new(431, format!("request head is over {MAX_HEAD} bytes")),
     };
-    Some(Reply::error(e, true))
+    Next::Reply(Reply::error(e, true))
 }
 
 fn call(handler: &dyn ApiHandler, req: ApiRequest) -> Result<ApiResponse, ApiError> {
@@ -391,6 +533,7 @@ mod tests {
     use crate::http::{parse_response_head, Headers};
     use crate::{ApiClient, ClientError, VmInfo, VmState, KUMO_VERSION};
     use serde_json::json;
+    use std::io::Write;
     use std::sync::atomic::AtomicUsize;
 
     fn temp_sock() -> PathBuf {
@@ -805,20 +948,214 @@ mod tests {
         }
     }
 
+    /// Pings answer at once; migrations block until the test opens the gate.
+    #[derive(Default)]
+    struct Gate {
+        entered: AtomicUsize,
+        open: Mutex<bool>,
+        opened: std::sync::Condvar,
+    }
+
+    impl Gate {
+        fn open(&self) {
+            *self.open.lock().unwrap() = true;
+            self.opened.notify_all();
+        }
+        /// Polls the state (no timing assumption) until `n` calls block.
+        fn wait_entered(&self, n: usize) {
+            while self.entered.load(Ordering::SeqCst) < n {
+                thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    impl ApiHandler for Gate {
+        fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+            match req {
+                ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.into() }),
+                ApiRequest::Migrate(_) => {
+                    self.entered.fetch_add(1, Ordering::SeqCst);
+                    let mut open = self.open.lock().unwrap();
+                    while !*open {
+                        open = self.opened.wait(open).unwrap();
+                    }
+                    Ok(ApiResponse::Json(json!({"done": true})))
+                }
+                _ => Err(ApiError::conflict("not in this test")),
+            }
+        }
+    }
+
+    fn migrate_req() -> crate::MigrateRequest {
+        crate::MigrateRequest {
+            to: "unix:/nowhere".into(),
+            engine: None,
+            downtime_ms: None,
+            xen: None,
+            connections: None,
+            dry_run: false,
+            estimate_ms: None,
+        }
+    }
+
+    /// `n` migrations that block in the handler until the gate opens.
+    fn blocked_calls(path: &Path, gate: &Arc<Gate>, n: usize) -> Vec<JoinHandle<()>> {
+        let calls = (0..n)
+            .map(|_| {
+                let client = ApiClient::new(path);
+                thread::spawn(move || {
+                    assert_eq!(client.migrate(&migrate_req()).unwrap()["done"], true);
+                })
+            })
+            .collect();
+        gate.wait_entered(n);
+        calls
+    }
+
     #[test]
-    fn busy_server_answers_503() {
+    fn long_calls_do_not_stop_pings() {
+        let path = temp_sock();
+        let gate = Arc::new(Gate::default());
+        let _server = ApiServer::start(&path, gate.clone()).unwrap();
+        let calls = blocked_calls(&path, &gate, 3);
+        let client = ApiClient::new(&path);
+        for _ in 0..20 {
+            assert_eq!(client.ping().unwrap(), KUMO_VERSION);
+        }
+        gate.open();
+        for c in calls {
+            c.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn all_slots_busy_answers_503_not_reset() {
+        let path = temp_sock();
+        let gate = Arc::new(Gate::default());
+        let _server = ApiServer::start(&path, gate.clone()).unwrap();
+        let calls = blocked_calls(&path, &gate, MAX_SERVING);
+        // A raw client that writes its whole request before reading: the
+        // server must have read it (no reset) and answer a JSON 503.
+        let (status, headers, body, mut conn) = raw(&path, b"GET /api/v1/vmm.ping HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert_eq!((status, headers.get("connection")), (503, Some("close")));
+        assert!(error_of(body).contains("in progress"));
+        assert_closed(&mut conn);
+        let e = ApiClient::new(&path).ping().unwrap_err();
+        assert_eq!(e.status(), Some(503), "{e:?}");
+        gate.open();
+        for c in calls {
+            c.join().unwrap();
+        }
+        assert_eq!(ApiClient::new(&path).ping().unwrap(), KUMO_VERSION);
+    }
+
+    #[test]
+    fn slow_clients_do_not_starve_pings() {
+        const SLOW: usize = 40;
         let f = start();
-        let conns: Vec<Conn> = (0..MAX_CONNECTIONS).map(|_| connect(f.server.path())).collect();
-        // Wait until the server has registered them all (no timing assumption: poll the state).
-        while f.server.shared.conns().len() < MAX_CONNECTIONS {
+        let path = f.server.path().to_path_buf();
+        let stop = Arc::new(AtomicBool::new(false));
+        let slow: Vec<_> = (0..SLOW)
+            .map(|_| {
+                let (path, stop) = (path.clone(), stop.clone());
+                thread::spawn(move || {
+                    let head = b"GET /api/v1/vmm.ping HTTP/1.1\r\nX-Slow: ";
+                    // Bounded: each connection lives at most HEAD_TIMEOUT, reconnects are counted.
+                    for _ in 0..50 {
+                        let Ok(mut s) = UnixStream::connect(&path) else {
+                            return;
+                        };
+                        for &b in head.iter().chain(std::iter::repeat_n(&b'a', 1000)) {
+                            if stop.load(Ordering::SeqCst) {
+                                return;
+                            }
+                            if s.write_all(&[b]).is_err() {
+                                break; // dropped by the server: come back
+                            }
+                            thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                })
+            })
+            .collect();
+        // Start pinging once the slow connections hold their places.
+        while f.server.shared.conns().len() < SLOW {
             thread::sleep(Duration::from_millis(1));
         }
-        let e = f.client.ping().unwrap_err();
-        assert_eq!(e.status(), Some(503));
-        drop(conns);
-        while f.server.shared.conns().len() >= MAX_CONNECTIONS {
-            thread::sleep(Duration::from_millis(1));
+        for _ in 0..50 {
+            assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
         }
+        stop.store(true, Ordering::SeqCst);
+        for t in slow {
+            t.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn many_idle_connections_never_cause_a_reset() {
+        let f = start();
+        let idle: Vec<Conn> = (0..500).map(|_| connect(f.server.path())).collect();
+        // A new client that writes its request first: the write must not
+        // fail and it gets an answer, served (an idle one made room) or 503.
+        let mut conn = connect(f.server.path());
+        conn.stream.write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\nConnection: close\r\n\r\n").unwrap();
+        let (status, _, body) = read_one(&mut conn);
+        assert!(status == 200 || status == 503, "{status} {body:?}");
         assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
+        // The oldest idle connection was closed cleanly, without an answer.
+        let mut oldest = idle.into_iter().next().unwrap();
+        assert_closed(&mut oldest);
+    }
+
+    #[test]
+    fn huge_request_line_is_414_not_reset() {
+        let f = start();
+        let mut conn = connect(f.server.path());
+        let mut writer = conn.stream.try_clone().unwrap();
+        // The client writes all of it before reading; the server drains it.
+        let w = thread::spawn(move || {
+            let mut line = b"GET /".to_vec();
+            line.resize(1 << 20, b'a');
+            line.extend_from_slice(b" HTTP/1.1\r\n\r\n");
+            let _ = writer.write_all(&line);
+        });
+        let (status, headers, body) = read_one(&mut conn);
+        assert_eq!((status, headers.get("connection")), (414, Some("close")));
+        assert!(error_of(body).contains("request line"));
+        w.join().unwrap();
+        assert!(f.vm.calls().is_empty());
+    }
+
+    #[test]
+    fn idle_connections_are_evicted_oldest_first() {
+        let mut conns = Conns::new();
+        let t0 = Instant::now();
+        let mut peers = Vec::new();
+        for (id, phase, age) in [
+            (0, Phase::Reading, 9),
+            (1, Phase::Serving, 10),
+            (2, Phase::Idle, 1),
+            (3, Phase::Idle, 5),
+            (4, Phase::Closing, 0),
+        ] {
+            let (a, b) = UnixStream::pair().unwrap();
+            peers.push(b);
+            let since = t0.checked_sub(Duration::from_secs(age)).unwrap_or(t0);
+            conns.insert(id, Entry { stream: a, phase, since });
+        }
+        let left = |c: &Conns| {
+            let mut ids: Vec<u64> = c.keys().copied().collect();
+            ids.sort();
+            ids
+        };
+        evict_until(&mut conns, 3, None);
+        assert_eq!(left(&conns), [0, 1, 2, 3]);
+        evict_until(&mut conns, 2, None);
+        assert_eq!(left(&conns), [0, 1, 2]);
+        evict_until(&mut conns, 1, Some(2));
+        assert_eq!(left(&conns), [1, 2]);
+        // Serving connections are never evicted.
+        evict_until(&mut conns, 0, Some(2));
+        assert_eq!(left(&conns), [1, 2]);
     }
 }
