@@ -995,6 +995,7 @@ mod tests {
             connections: None,
             dry_run: false,
             estimate_ms: None,
+            progress_timeout_ms: None,
         }
     }
 
