@@ -3,7 +3,9 @@
 //!
 //! - [`format`](mod@format): the versioned, checksummed migration stream (docs/migration-format.md),
 //!   with encoders for both copying and zero-copy senders.
-//! - [`planner`]: pre-copy stop rules (Xen's and a downtime target) and bandwidth estimation.
+//! - [`planner`]: pre-copy stop rules (Xen's and a downtime target), bandwidth estimation, the
+//!   stop phase's cost model and the non-convergence policy (throttling, strict targets).
+//! - [`stop_phase`]: the stop phase's fixed overhead, learned from measured stop phases.
 //! - [`model`]: the dirty-page model `D(t) = M − M·(1/2)^(t/τ)` of the RDMA-migration paper
 //!   (SEEDS §004): fitting it to measurements and predicting a whole pre-copy migration.
 #![forbid(unsafe_code)]
@@ -12,6 +14,7 @@
 pub mod format;
 pub mod model;
 pub mod planner;
+pub mod stop_phase;
 
 /// xorshift64*: a deterministic random source for the tests, with no crate.
 #[cfg(test)]
@@ -42,4 +45,7 @@ pub use format::{
     VmDescription, Writer,
 };
 pub use model::{compare, predict, Comparison, DirtyModel, ModelError, PredictParams, Prediction};
-pub use planner::{Decision, Planner, RoundStats, StopPolicy, StopReason, XenRule};
+pub use planner::{
+    Converge, Decision, DowntimeEstimate, GiveUpReason, Planner, RoundExtras, RoundStats, StopPolicy, StopReason, XenRule,
+};
+pub use stop_phase::{StopPhaseModel, StopPhaseSample};

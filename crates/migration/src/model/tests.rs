@@ -190,11 +190,12 @@ fn prediction_follows_the_policy() {
     params.policy = StopPolicy {
         xen: Some(XenRule { max_dirty_pages: 50, max_rounds: 5, max_sent_factor: 100.0 }),
         downtime: None,
+        ..Default::default()
     };
     let p = predict(&model, &params).unwrap();
     assert_eq!((p.rounds.len(), p.stop), (5, StopReason::MaxRounds));
     // A downtime target: the final round fits in it.
-    params.policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(100)) };
+    params.policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(100)), ..Default::default() };
     let p = predict(&DirtyModel { m: 1e5, tau: 1.32 }, &params).unwrap();
     assert!(matches!(p.stop, StopReason::DowntimeMet { .. }));
     assert!(p.downtime_secs <= 0.1 + 1e-9);
