@@ -99,6 +99,11 @@ pub struct MigrateRequest {
     /// the source then runs on. Default 15,000.
     #[serde(default)]
     pub progress_timeout_ms: Option<u64>,
+    /// Make `downtime_ms` a promise: fail the migration (the VM runs on here) rather than
+    /// exceed it. Without it, a guest that does not converge is throttled and then stopped
+    /// anyway, with the overshoot reported.
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 /// What the handler answers on success.

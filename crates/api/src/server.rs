@@ -608,6 +608,7 @@ mod tests {
             dry_run: false,
             estimate_ms: None,
             progress_timeout_ms: None,
+            strict: None,
         };
         let v = f.client.migrate(&req).unwrap();
         assert_eq!(v["to"], "tcp:127.0.0.1:1");
@@ -996,6 +997,7 @@ mod tests {
             dry_run: false,
             estimate_ms: None,
             progress_timeout_ms: None,
+            strict: None,
         }
     }
 

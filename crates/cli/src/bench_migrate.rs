@@ -650,6 +650,7 @@ fn model_check(m: &Mig) -> ModelCheck {
             policy: StopPolicy {
                 xen: Some(XenRule::default()),
                 downtime: m.downtime_rule_ms.map(Duration::from_millis),
+                ..Default::default()
             },
         };
         let p = predict(&model, &params).ok()?;

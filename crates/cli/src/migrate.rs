@@ -33,6 +33,9 @@ pub struct MigrateArgs {
     /// How long the dry run watches (ms).
     #[arg(long, default_value_t = 2000)]
     estimate_ms: u64,
+    /// Make --downtime-ms a promise: fail (the VM runs on here) rather than exceed it.
+    #[arg(long, requires = "downtime_ms")]
+    strict: bool,
     /// Give up when the destination takes no data or does not answer for this long (ms); the
     /// VM then runs on here.
     #[arg(long, value_name = "MS")]
@@ -58,6 +61,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
         dry_run: a.dry_run,
         estimate_ms: Some(a.estimate_ms),
         progress_timeout_ms: a.progress_timeout_ms,
+        strict: a.strict.then_some(true),
     };
     // The migration call blocks until the end; progress comes from polling its status.
     let client = ApiClient::new(&socket).with_timeout(Duration::from_secs(24 * 3600));
@@ -119,6 +123,14 @@ fn render(bar: &ProgressBar, e: &Value) {
                 e["estimated_downtime_ms"].as_f64().map(|d| format!(", est. downtime {d:.1} ms")).unwrap_or_default();
             bar.set_message(format!("{:.0} MB/s, {dirty} pages left{dt}", e["mb_per_s"].as_f64().unwrap_or(0.0)));
         }
+        Some("not_converging") => {
+            let target = e["target_ms"].as_f64().map(|t| format!(" (target {t:.0} ms)")).unwrap_or_default();
+            bar.println(format!(
+                "not converging: the guest dirties memory faster than it is sent; estimated downtime {:.1} ms{target}; vCPUs throttled {}%",
+                e["estimated_downtime_ms"].as_f64().unwrap_or(0.0),
+                e["throttle_percent"]
+            ));
+        }
         Some("stop_and_copy") => {
             bar.set_message(format!("stop-and-copy ({}): {} pages", e["reason"].as_str().unwrap_or(""), e["pages"]))
         }
@@ -156,6 +168,20 @@ fn print_report(r: &Value) {
         r["mb_per_s"].as_f64().unwrap_or(0.0),
         r["stop_reason"].as_str().unwrap_or("")
     );
+    let est = r["estimated_downtime_ms"].as_f64().map(|e| format!("{e:.1} ms")).unwrap_or_else(|| "none".into());
+    let sp = &r["stop_phase"];
+    println!(
+        "downtime {:.1} ms, estimated {est}: pause {:.1} ms, {} pages {:.1} ms, state {:.1} ms, destination reply {:.1} ms",
+        r["downtime_ms"].as_f64().unwrap_or(0.0),
+        sp["pause_ms"].as_f64().unwrap_or(0.0),
+        sp["pages"],
+        sp["pages_ms"].as_f64().unwrap_or(0.0),
+        sp["state_ms"].as_f64().unwrap_or(0.0),
+        sp["reply_ms"].as_f64().unwrap_or(0.0)
+    );
+    if let Some(t) = r["max_throttle_percent"].as_u64().filter(|&t| t > 0) {
+        println!("vCPUs were throttled up to {t}% to converge");
+    }
     println!("{:>5} {:>10} {:>10} {:>12}", "round", "pages", "ms", "dirty after");
     for x in r["rounds"].as_array().into_iter().flatten() {
         let n = |k: &str| x[k].as_u64().unwrap_or(0);

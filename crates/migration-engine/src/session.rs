@@ -34,7 +34,8 @@ use crate::transport::{Address, Conn, Listener, ZeroCopy};
 use kumo_migration::format::{
     self, BatchFrame, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES,
 };
-use kumo_migration::planner::{Decision, Planner, RoundStats, StopPolicy, StopReason};
+use kumo_migration::planner::{Decision, Planner, RoundExtras, RoundStats, StopPolicy};
+use kumo_migration::{StopPhaseModel, StopPhaseSample};
 
 const PAGE: usize = 4096;
 
@@ -163,6 +164,9 @@ pub enum MigrateError {
         "the destination did not confirm that it runs the VM ({0}); it may be running it, so this copy stays paused: check the destination, then resume or shut down this copy"
     )]
     Unconfirmed(String),
+    /// A strict downtime target cannot be met; the VM runs on at the source.
+    #[error("{0}; the VM runs on here")]
+    GaveUp(String),
     #[error("{0}")]
     Other(String),
 }
@@ -186,7 +190,20 @@ fn send_err(e: io::Error, deadline: Duration) -> MigrateError {
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Started { engine: EngineKind, connections: usize, total_pages: u64, touched_pages: u64 },
-    Round { round: u32, pages_sent: u64, ms: f64, dirty_pages: u64, mb_per_s: f64, estimated_downtime_ms: Option<f64> },
+    Round {
+        round: u32,
+        pages_sent: u64,
+        ms: f64,
+        dirty_pages: u64,
+        mb_per_s: f64,
+        estimated_downtime_ms: Option<f64>,
+        /// vCPU throttle in force, percent (0: none).
+        #[serde(default)]
+        throttle_percent: u8,
+    },
+    /// The guest dirties memory faster than the migration sends it: the downtime target is not
+    /// in reach, and the vCPUs are throttled by `throttle_percent` from now on.
+    NotConverging { round: u32, estimated_downtime_ms: f64, target_ms: Option<f64>, throttle_percent: u8 },
     StopAndCopy { reason: String, pages: u64 },
     Completed { total_ms: f64, downtime_ms: f64 },
     Failed { error: String },
@@ -226,6 +243,17 @@ pub struct Report {
     /// Where the downtime went.
     #[serde(default)]
     pub stop_phase: StopPhaseTimes,
+    /// The planner's downtime estimate when it stopped pre-copy (none for `local`, or when no
+    /// bandwidth had been measured).
+    #[serde(default)]
+    pub estimated_downtime_ms: Option<f64>,
+    /// The highest vCPU throttle the migration applied, percent.
+    #[serde(default)]
+    pub max_throttle_percent: u8,
+    /// The stop phase's cost, learned from this migration's measurement and those before:
+    /// what the next migration of this VM starts from.
+    #[serde(default)]
+    pub stop_phase_model: StopPhaseModel,
 }
 
 /// The stop phase measured on the source, from the pause request to the destination's
@@ -606,6 +634,7 @@ fn migrate_inner(
         format::Error::Io(io) => send_err(io, opts.handshake_timeout),
         e => e.into(),
     })?;
+    let t_hello = Instant::now();
     let mut replies = Replies(ReplyReader::new(conn0.try_clone()?));
     // The handshake: a kumo destination answers a valid header at once; anything else (no
     // answer, bytes that are not a reply) is not a kumo destination.
@@ -620,6 +649,8 @@ fn migrate_inner(
         Err(MigrateError::Stream(e)) => return Err(not_kumo(e.to_string())),
         Err(e) => return Err(e),
     }
+    // A round trip to the destination, for the downtime estimate (its final reply).
+    let rtt = t_hello.elapsed();
     if local {
         conn0.send_fd(src.memfd())?;
     }
@@ -647,6 +678,9 @@ fn migrate_inner(
     let mut encs: Vec<(Box<dyn BatchSink>, Encoder, u64)> = Vec::new();
     let mut round0_samples = Vec::new();
     let mut stop = StopPhaseTimes::default();
+    let mut max_throttle = 0u8;
+    let mut estimated_downtime = None;
+    let mut learned: Option<Planner> = None;
 
     if local {
         events(Event::Started { engine: opts.engine, connections: 1, total_pages, touched_pages: 0 });
@@ -715,13 +749,20 @@ fn migrate_inner(
                     col.send_round(round, to_send.gfns(), live_checksum)?
                 };
                 let mut dirty = PageBitmap::for_regions(&regions);
+                let th = Instant::now();
                 let d = src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
+                let harvest = th.elapsed();
                 let dur = t.elapsed();
                 sent_total += n;
                 let st =
                     RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
-                let decision = planner.after_round(&st);
+                let decision = planner.after_round_with(&st, &RoundExtras { harvest: Some(harvest), rtt: Some(rtt) });
                 rounds.push(RoundReport { round, pages: n, ms: dur.as_secs_f64() * 1e3, dirty_after: d });
+                // A throttle stays in force until the planner changes it (it never lowers it
+                // within a migration); it ends with the migration.
+                let throttle = planner.throttle_percent();
+                src.set_throttle(throttle.into());
+                max_throttle = max_throttle.max(throttle);
                 events(Event::Round {
                     round,
                     pages_sent: n,
@@ -729,12 +770,24 @@ fn migrate_inner(
                     dirty_pages: d,
                     mb_per_s: planner.bandwidth().unwrap_or(0.0) / 1e6,
                     estimated_downtime_ms: planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3),
+                    throttle_percent: throttle,
                 });
                 to_send = dirty;
                 round += 1;
-                if let Decision::StopAndCopy(reason) = decision {
-                    stop_reason = reason_text(&reason);
-                    return Ok(());
+                match decision {
+                    Decision::Continue => {}
+                    Decision::NotConverging { estimated, throttle_percent } => events(Event::NotConverging {
+                        round: round - 1,
+                        estimated_downtime_ms: estimated.as_secs_f64() * 1e3,
+                        target_ms: opts.policy.downtime.map(|t| t.as_secs_f64() * 1e3),
+                        throttle_percent,
+                    }),
+                    Decision::StopAndCopy(reason) => {
+                        stop_reason = planner.describe_stop(&reason);
+                        estimated_downtime = planner.last_estimate();
+                        return Ok(());
+                    }
+                    Decision::GiveUp(why) => return Err(MigrateError::GaveUp(why.to_string())),
                 }
             }
         })();
@@ -792,6 +845,7 @@ fn migrate_inner(
         }
         stop.pages_ms = ms_since(pause_at) - stop.pause_ms - stop.harvest_ms;
         bytes = sent_total * PAGE as u64;
+        learned = Some(planner);
     }
 
     // Closing records: the state on the first connection, Complete (with the pages each
@@ -824,6 +878,19 @@ fn migrate_inner(
     }
     src.stop_dirty_log();
     add_cpu(&cpu, cpu0);
+    // Learn this stop phase's cost for the next migration's estimates.
+    let stop_phase_model = match learned.as_mut() {
+        Some(p) => {
+            p.observe_stop_phase(&StopPhaseSample {
+                pages: stop.pages,
+                state_bytes: stop.state_bytes,
+                measured_downtime: downtime,
+                harvest: Some(Duration::from_secs_f64(stop.harvest_ms / 1e3)),
+            });
+            p.stop_phase_model()
+        }
+        None => opts.policy.stop_phase,
+    };
     let total = t_start.elapsed();
     events(Event::Completed { total_ms: total.as_secs_f64() * 1e3, downtime_ms: downtime.as_secs_f64() * 1e3 });
     Ok(Report {
@@ -841,22 +908,14 @@ fn migrate_inner(
         zerocopy_copied: stats_zc.1,
         round0_dirty_samples: round0_samples,
         stop_phase: stop,
+        estimated_downtime_ms: estimated_downtime.map(|d| d.as_secs_f64() * 1e3),
+        max_throttle_percent: max_throttle,
+        stop_phase_model,
     })
 }
 
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
-}
-
-fn reason_text(r: &StopReason) -> String {
-    match r {
-        StopReason::FewDirtyPages => "few dirty pages left".into(),
-        StopReason::MaxRounds => "round limit".into(),
-        StopReason::MaxSent => "sent 3x the VM's pages".into(),
-        StopReason::DowntimeMet { estimated } => {
-            format!("downtime target met (estimated {:.1} ms)", estimated.as_secs_f64() * 1e3)
-        }
-    }
 }
 
 /// A barrier that a failing thread can break, so the others stop waiting instead of hanging.

@@ -262,7 +262,7 @@ fn downtime_rule_stops_when_the_rest_fits_the_target() {
     let src = FakeSource::new(20);
     let (l, addr) = listen(false, "downtime");
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(50)) };
+    let policy = StopPolicy { xen: None, downtime: Some(Duration::from_millis(50)), ..Default::default() };
     let r = migrate(&*src, &addr, &MigrateOptions { policy, ..Default::default() }, &mut |_| {}).unwrap();
     assert!(r.stop_reason.contains("downtime target met"), "{}", r.stop_reason);
     dest.join().unwrap().unwrap();
@@ -350,7 +350,7 @@ fn xen_rule_reaches_few_dirty_pages_for_an_idle_guest() {
     src.pause().unwrap(); // an idle guest: nothing dirties memory
     let (l, addr) = listen(false, "idle");
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let policy = StopPolicy { xen: Some(XenRule::default()), downtime: None };
+    let policy = StopPolicy { xen: Some(XenRule::default()), downtime: None, ..Default::default() };
     let r = migrate(&*src, &addr, &MigrateOptions { policy, ..Default::default() }, &mut |_| {}).unwrap();
     assert_eq!(r.rounds.len(), 2, "round 0, then a final round: {:?}", r.rounds);
     assert_eq!(r.rounds[1].pages, 0);

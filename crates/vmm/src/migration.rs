@@ -109,7 +109,11 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
         }
         opts.progress_timeout = Duration::from_millis(ms);
     }
-    opts.policy = StopPolicy { xen: xen.then(XenRule::default), downtime };
+    let strict = req.strict.unwrap_or(false);
+    if strict && downtime.is_none() {
+        return Err("strict needs downtime_ms: it makes the downtime target a promise".into());
+    }
+    opts.policy = StopPolicy { xen: xen.then(XenRule::default), downtime, strict, ..Default::default() };
     Ok((to, opts))
 }
 
@@ -248,11 +252,18 @@ impl MigrationJob {
             return Err(JobError::Conflict(e.to_string()));
         } else {
             let total_pages = vm.config().memory / 4096;
+            let mut opts = opts;
+            // What earlier migrations of this VM (here or on the hosts before) learned about
+            // the stop phase's cost.
+            if let Some(m) = vm.learned_stop_phase() {
+                opts.policy.stop_phase = m;
+            }
             let r = migrate(&**vm, &to, &opts, &mut |e| {
                 tracing::info!(?e, "migration");
                 self.state.lock().unwrap_or_else(|p| p.into_inner()).events.push(e);
             })
             .map(|r| {
+                vm.set_learned_stop_phase(r.stop_phase_model);
                 let mut v = serde_json::to_value(&r).unwrap_or(Value::Null);
                 v["model"] = model_report(&r, opts.policy, total_pages);
                 v["to"] = json!(to.to_string());

@@ -92,6 +92,10 @@ pub struct Snapshot {
     /// The user had paused the VM: a migrated VM arrives paused, as it left.
     #[serde(default)]
     pub paused: bool,
+    /// What the VM's earlier migrations learned about the stop phase's cost: it travels with
+    /// the VM, so each hop's downtime estimate starts from the hops before.
+    #[serde(default)]
+    pub stop_phase: Option<kumo_migration::StopPhaseModel>,
 }
 
 /// The vCPU throttle's period: a throttled vCPU sleeps its share of each.
@@ -225,6 +229,7 @@ pub struct RunningVm {
     config: VmConfig,
     vcpus: Vec<Arc<Mutex<Vcpu>>>,
     shared: Arc<Shared>,
+    learned_stop_phase: Mutex<Option<kumo_migration::StopPhaseModel>>,
     serial: Arc<Mutex<SerialConsole>>,
     started: Instant,
 }
@@ -371,13 +376,13 @@ impl RunningVm {
                 Err(e) => {
                     lock(&shared.ctl).live -= 1;
                     shared.finish(Outcome::Error(e.to_string()));
-                    let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now() };
+                    let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now(), learned_stop_phase: Mutex::new(None) };
                     vm.stop_threads();
                     return Err(e);
                 }
             }
         }
-        Ok(RunningVm { vm, config, vcpus, shared, serial, started: Instant::now() })
+        Ok(RunningVm { vm, config, vcpus, shared, serial, started: Instant::now(), learned_stop_phase: Mutex::new(None) })
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -565,6 +570,15 @@ impl RunningVm {
         self.resume_as(true)
     }
 
+    /// The stop-phase cost learned by this VM's migrations so far.
+    pub fn learned_stop_phase(&self) -> Option<kumo_migration::StopPhaseModel> {
+        *lock(&self.learned_stop_phase)
+    }
+
+    pub fn set_learned_stop_phase(&self, m: kumo_migration::StopPhaseModel) {
+        *lock(&self.learned_stop_phase) = Some(m);
+    }
+
     /// Whether the user had paused the VM before the running migration began.
     pub fn paused_by_user(&self) -> bool {
         lock(&self.shared.ctl).user_paused
@@ -588,7 +602,13 @@ impl RunningVm {
         self.require_paused()?;
         let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
         let paused = lock(&self.shared.ctl).user_paused;
-        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(&self.serial).state()), paused })
+        Ok(Snapshot {
+            vm: self.vm.save_state()?,
+            vcpus,
+            serial: Some(lock(&self.serial).state()),
+            paused,
+            stop_phase: *lock(&self.learned_stop_phase),
+        })
     }
 
     /// Puts back a state from `save_state`. The VM must be paused.
@@ -610,6 +630,9 @@ impl RunningVm {
             lock(v).restore_state(st)?;
         }
         lock(&self.shared.ctl).stay_paused = s.paused;
+        if s.stop_phase.is_some() {
+            *lock(&self.learned_stop_phase) = s.stop_phase;
+        }
         Ok(())
     }
 
