@@ -227,6 +227,34 @@ mod tests {
         }
     }
 
+    /// Stream headers go through the same check (`config_from_description`), whose error the
+    /// receiver sends back as a Failed reply.
+    #[test]
+    fn stream_descriptions_are_shape_checked() {
+        use kumo_migration::format::VmDescription;
+        let desc = |cpus: u32, memory: u64, guest: &str| {
+            let c = VmConfig { cpus, memory, irqchip: IrqchipMode::Kernel, payload: Payload::Guest { name: guest.into(), args: vec![] } };
+            VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
+        };
+        let from = |d: &VmDescription| crate::migration::config_from_description(d);
+        assert_eq!(from(&desc(2, 64 << 20, "memtouch")).unwrap().cpus, 2);
+        for (d, want) in [
+            (desc(1, 1 << 50, "memtouch"), "memory 1 PiB is more than this host can back"),
+            (desc(1, 1000 << 40, "memtouch"), "memory 1000 TiB is more than this host can back"),
+            (desc(65, 64 << 20, "memtouch"), "runs on 1..=64 vCPUs, not 65"),
+            (desc(200, 64 << 20, "memtouch"), "vCPUs"),
+            (desc(241, 64 << 20, "memtouch"), "kumo's limit"),
+            (desc(1, 64 << 20, "smp"), "runs on 2..=64 vCPUs, not 1"),
+            (desc(1, 64 << 20, "nope"), "unknown guest"),
+        ] {
+            let e = from(&d).unwrap_err();
+            assert!(e.contains(want) && !e.contains('\n'), "want `{want}` in `{e}`");
+        }
+        let mut d = desc(2, 64 << 20, "memtouch");
+        d.cpus = 3;
+        assert!(from(&d).unwrap_err().contains("contradicts"));
+    }
+
     #[test]
     fn absurd_sizes_in_files_are_refused() {
         let e = ConfigFile::load(&write("f.toml", "memory = \"99999999999T\"\n")).unwrap_err().to_string();
