@@ -78,7 +78,8 @@ struct RunArgs {
     /// Number of vCPUs [default: 1].
     #[arg(long)]
     cpus: Option<u32>,
-    /// Memory size, e.g. 256M, 2G [default: 256M].
+    /// Memory size, e.g. 256M, 1.5G [default: 256M]: a multiple of 4 KiB, at least 8M, at most
+    /// this host's MemTotal less max(512 MiB, 5 %).
     #[arg(long, value_parser = parse_size)]
     memory: Option<u64>,
     /// Interrupt controller placement: kernel (PIC/IOAPIC/PIT in KVM) or split.

@@ -194,7 +194,7 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let n: u128 = digits.parse().map_err(|_| not_a_size())?;
     let scaled = n * mult;
     let den = 10u128.pow(frac.len() as u32);
-    if scaled % den != 0 {
+    if !scaled.is_multiple_of(den) {
         return Err(format!("`{s}` is not a whole number of bytes"));
     }
     u64::try_from(scaled / den).map_err(|_| too_large())
@@ -283,7 +283,7 @@ mod tests {
         assert!(msg((64 << 20) + 1).contains("multiple of 4 KiB"));
         assert_eq!(msg(1000 << 40), "memory 1000 TiB is more than this host can back (22.8 GiB usable of 24 GiB)");
         assert!(msg(host.usable() + 4096).contains("more than this host can back"));
-        assert!(msg(u64::MAX & !4095).contains("more than this host can back"));
+        assert!(msg(!4095u64).contains("more than this host can back"));
         assert!(matches!(check_size(1 << 50, &HostMemory { total: 0 }), Err(Error::MemoryTooLarge { .. })));
     }
 

@@ -436,7 +436,7 @@ fn absurd_descriptions_are_refused() {
         (with(1, vec![(0, MAX_GPA + 4096)]), "52-bit"),
         (with(1, vec![(0, 1 << 30), (MAX_GPA - 4096, 8192)]), "52-bit"),
         (with(1, vec![(1 << 60, 4096)]), "52-bit"),
-        (with(1, vec![(4096, u64::MAX & !4095)]), "wraps around"),
+        (with(1, vec![(4096, !4095u64)]), "wraps around"),
         (with(1, (0..65).map(|i| (i << 20, 4096)).collect()), "65 memory regions"),
         (with(MAX_CPUS + 1, vec![(0, 1 << 20)]), "4097 vCPUs"),
         (with(u32::MAX, vec![(0, 1 << 20)]), "vCPUs"),
