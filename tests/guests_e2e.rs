@@ -219,3 +219,124 @@ fn too_many_vcpus_for_kvm_is_an_error() {
     assert!(!o.status.success());
     assert!(err.contains("vCPUs"), "{err}");
 }
+
+/// Sizes no host can back, and sizes that do not parse: one line on stderr, status 1 (clap's
+/// own usage errors: 2), never an abort or a backtrace. No VM is started, so no KVM is needed.
+#[test]
+fn absurd_sizes_are_refused_before_anything_is_allocated() {
+    let huge = temp_path("huge.toml");
+    std::fs::write(&huge, "memory = \"1000T\"\n[payload.guest]\nname = \"hello\"\n").unwrap();
+    let overflow = temp_path("overflow.json");
+    std::fs::write(&overflow, r#"{"memory": "99999999999T", "payload": {"guest": {"name": "hello"}}}"#).unwrap();
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["run", "--guest", "hello", "--memory", "1000T"], 1, "memory 1000 TiB is more than this host can back"),
+        (&["run", "--guest", "hello", "--memory", "1P"], 1, "memory 1 PiB is more than this host can back"),
+        (
+            &["run", "--incoming", "tcp:127.0.0.1:0", "--memory", "1000T"],
+            1,
+            "memory 1000 TiB is more than this host can back",
+        ),
+        (&["run", "--incoming", "tcp:127.0.0.1:0", "--memory", "1M"], 1, "at least 8 MiB"),
+        (&["run", "--incoming", "tcp:127.0.0.1:0", "--cpus", "0"], 1, "cpus must be at least 1"),
+        (&["run", "--incoming", "tcp:127.0.0.1:0", "--cpus", "1000"], 1, "exceeds kumo's limit of 240"),
+        (&["run", "--config", huge.to_str().unwrap()], 1, "memory 1000 TiB is more than this host can back"),
+        (&["run", "--config", overflow.to_str().unwrap()], 1, "is too large"),
+        (&["run", "--guest", "hello", "--memory", "99999999999T"], 2, "is too large"),
+        (&["run", "--guest", "hello", "--memory", "1.3B"], 2, "not a whole number of bytes"),
+    ];
+    for (args, status, want) in cases {
+        let o = kumo(args);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(*status), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: want `{want}` in:\n{err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("backtrace") && !err.contains("memory allocation"),
+            "{args:?}:\n{err}"
+        );
+        if *status == 1 {
+            assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line, got:\n{err}");
+        }
+    }
+    // 1 TiB exceeds this host unless it is a very large one.
+    if kumo_vm::memory::HostMemory::read().unwrap().usable() < 1 << 40 {
+        let o = kumo(&["run", "--incoming", "tcp:127.0.0.1:0", "--memory", "1T"]);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("memory 1 TiB is more than this host can back") && err.trim_end().lines().count() == 1,
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn decimal_memory_sizes_parse() {
+    if !kvm_or_skip("decimal_memory_sizes_parse") {
+        return;
+    }
+    let (code, out, err) =
+        Kid::spawn(&["run", "--guest", "hello", "--memory", "1.5G", "--timeout", "60"]).finish(LIMIT);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("memory_mib=1536"), "{out}");
+}
+
+/// A `kumo run --incoming` destination, stderr in a file, listening on a free port.
+fn destination(tag: &str, extra: &[&str]) -> (Kid, std::path::PathBuf, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let err = temp_path(&format!("{tag}.err"));
+    let addr = format!("tcp:127.0.0.1:{port}");
+    let kid = Kid(std::process::Command::new(kumo_bin())
+        .args(["run", "--incoming", &addr, "--timeout", "60"])
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap());
+    eventually(Duration::from_secs(20), || {
+        std::fs::read_to_string(&err).unwrap_or_default().contains("waiting for a migration").then_some(())
+    });
+    (kid, err, port)
+}
+
+/// Stream headers describing VMs this destination cannot or will not hold get a Failed reply
+/// naming why, and the destination exits 1 without allocating (no abort, no backtrace). These
+/// fail before any VM is built, so they need no KVM.
+#[test]
+fn crafted_headers_get_a_failed_reply() {
+    use kumo_migration::format::{write_header, Reply, ReplyReader, VmDescription};
+    use kumo_vmm::{config::IrqchipMode, Payload, VmConfig};
+    let header = |cpus: u32, memory: u64| {
+        let c = VmConfig {
+            cpus,
+            memory,
+            irqchip: IrqchipMode::Kernel,
+            payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
+        };
+        VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
+    };
+    let mut cases: Vec<(&str, &[&str], VmDescription, &str)> = vec![
+        ("pib", &[], header(1, 1 << 50), "memory 1 PiB is more than this host can back"),
+        ("cpus65", &[], header(65, 64 << 20), "runs on 1..=64 vCPUs, not 65"),
+        ("cpus200", &[], header(200, 64 << 20), "vCPUs"),
+        ("want-cpus", &["--cpus", "2"], header(1, 64 << 20), "prepared for 2 vCPUs; the VM has 1"),
+        ("want-mem", &["--memory", "64M"], header(1, 128 << 20), "prepared for 64 MiB of memory; the VM has 128 MiB"),
+    ];
+    if kumo_vm::memory::HostMemory::read().unwrap().usable() < 1 << 40 {
+        cases.push(("tib", &[], header(1, 1 << 40), "memory 1 TiB is more than this host can back"));
+    }
+    for (tag, extra, desc, want) in cases {
+        let (mut kid, err_path, port) = destination(&format!("hdr-{tag}"), extra);
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        write_header(&mut s, &desc).unwrap();
+        match ReplyReader::new(&mut s).next_reply() {
+            Ok(Reply::Failed(why)) => assert!(why.contains(want), "{tag}: want `{want}` in `{why}`"),
+            other => panic!("{tag}: expected a Failed reply, got {other:?}"),
+        }
+        let status = eventually(LIMIT, || kid.0.try_wait().unwrap());
+        let err = std::fs::read_to_string(&err_path).unwrap_or_default();
+        assert_eq!(status.code(), Some(1), "{tag}: {err}");
+        assert!(err.contains("incoming migration failed") && err.contains(want), "{tag}: {err}");
+        assert!(!err.contains("panicked") && !err.contains("memory allocation"), "{tag}: {err}");
+    }
+}

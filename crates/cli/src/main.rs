@@ -61,9 +61,10 @@ struct RunArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "guest")]
     kernel: Option<PathBuf>,
     /// Receive a migrating VM on tcp:HOST:PORT or unix:PATH instead of booting one; its shape
-    /// comes from the stream. With --memory, that much memory is reserved and faulted in before
-    /// the migration starts (a prepared destination) and only a VM of that size is accepted.
-    #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config"])]
+    /// comes from the stream. With --memory and/or --cpus only a VM of that shape is accepted
+    /// (a prepared destination), and --memory is reserved and faulted in before the migration
+    /// starts. The irqchip comes from the stream too.
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args"])]
     incoming: Option<String>,
     /// Initial ramdisk for --kernel.
     #[arg(long, value_name = "PATH", requires = "kernel")]
@@ -77,7 +78,8 @@ struct RunArgs {
     /// Number of vCPUs [default: 1].
     #[arg(long)]
     cpus: Option<u32>,
-    /// Memory size, e.g. 256M, 2G [default: 256M].
+    /// Memory size, e.g. 256M, 1.5G [default: 256M]: a multiple of 4 KiB, at least 8M, at most
+    /// this host's MemTotal less max(512 MiB, 5 %).
     #[arg(long, value_parser = parse_size)]
     memory: Option<u64>,
     /// Interrupt controller placement: kernel (PIC/IOAPIC/PIT in KVM) or split.
@@ -132,7 +134,7 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
 
 fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     let vm = match &a.incoming {
-        Some(addr) => Arc::new(migrate::incoming(addr, a.memory)?),
+        Some(addr) => Arc::new(migrate::incoming(addr, a.memory, a.cpus)?),
         None => {
             let config = build_config(&a)?;
             Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)

@@ -210,13 +210,20 @@ fn print_report(r: &Value) {
     }
 }
 
-/// Waits for one incoming migration on `addr` and returns the VM, running. With `prepared`,
-/// guest memory of that size is allocated and faulted in first, so the transfer does not pay
-/// for first-touch page faults (expensive on nested hosts).
-pub fn incoming(addr: &str, prepared: Option<u64>) -> Result<RunningVm, String> {
+/// Waits for one incoming migration on `addr` and returns the VM, running. With `memory` or
+/// `cpus` the destination is prepared: it accepts only a VM of that shape, and guest memory of
+/// that size is allocated and faulted in first, so the transfer does not pay for first-touch
+/// page faults (expensive on nested hosts). Both are checked against this host before that.
+pub fn incoming(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<RunningVm, String> {
     let addr: Address = addr.parse()?;
-    let listener = Listener::bind(&addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    let mut reserved = match prepared {
+    let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
+    if let Some(n) = cpus {
+        kumo_vm::layout::check_vcpus(n, host.kvm_max_vcpus).map_err(|e| e.to_string())?;
+    }
+    if let Some(size) = memory {
+        kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;
+    }
+    let mut reserved = match memory {
         Some(size) => {
             let t = std::time::Instant::now();
             let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
@@ -228,16 +235,22 @@ pub fn incoming(addr: &str, prepared: Option<u64>) -> Result<RunningVm, String> 
         }
         None => None,
     };
+    // Listen only once the memory is ready: a source that connected earlier would wait for
+    // the handshake while memory is faulted in, and give up.
+    let listener = Listener::bind(&addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     eprintln!("kumo: waiting for a migration on {}", listener.local_addr());
     let (vm, rr) = receive(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, |desc, memfd| {
         let config = config_from_description(desc)?;
-        if let (Some(size), None) = (prepared, &memfd) {
-            if size != config.memory {
-                return Err(format!(
-                    "this destination is prepared for {size} bytes of memory; the VM has {}",
-                    config.memory
-                ));
-            }
+        let human = kumo_vm::memory::human_size;
+        if let Some(size) = memory.filter(|&m| m != config.memory) {
+            return Err(format!(
+                "this destination is prepared for {} of memory; the VM has {}",
+                human(size),
+                human(config.memory)
+            ));
+        }
+        if let Some(n) = cpus.filter(|&n| n != config.cpus) {
+            return Err(format!("this destination is prepared for {n} vCPUs; the VM has {}", config.cpus));
         }
         // Memory shared by a local migration wins; otherwise the prepared memory, if any.
         let memfd = memfd.or_else(|| reserved.take());

@@ -189,7 +189,12 @@ fn send_err(e: io::Error, deadline: Duration) -> MigrateError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
-    Started { engine: EngineKind, connections: usize, total_pages: u64, touched_pages: u64 },
+    Started {
+        engine: EngineKind,
+        connections: usize,
+        total_pages: u64,
+        touched_pages: u64,
+    },
     Round {
         round: u32,
         pages_sent: u64,
@@ -203,10 +208,23 @@ pub enum Event {
     },
     /// The guest dirties memory faster than the migration sends it: the downtime target is not
     /// in reach, and the vCPUs are throttled by `throttle_percent` from now on.
-    NotConverging { round: u32, estimated_downtime_ms: f64, target_ms: Option<f64>, throttle_percent: u8 },
-    StopAndCopy { reason: String, pages: u64 },
-    Completed { total_ms: f64, downtime_ms: f64 },
-    Failed { error: String },
+    NotConverging {
+        round: u32,
+        estimated_downtime_ms: f64,
+        target_ms: Option<f64>,
+        throttle_percent: u8,
+    },
+    StopAndCopy {
+        reason: String,
+        pages: u64,
+    },
+    Completed {
+        total_ms: f64,
+        downtime_ms: f64,
+    },
+    Failed {
+        error: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -255,6 +255,13 @@ fn one() -> u32 {
 
 /// Most connections a stream may be spread over.
 pub const MAX_CONNECTIONS: u32 = 16;
+/// Most vCPUs a description may have (above any KVM's limit; the receiver checks its own).
+pub const MAX_CPUS: u32 = 4096;
+/// Most RAM regions a description may have.
+pub const MAX_REGIONS: usize = 64;
+/// Guest physical addresses end below 2^52 (x86-64's widest physical address space): no
+/// region, and so no memory size, may reach past it.
+pub const MAX_GPA: u64 = 1 << 52;
 
 impl VmDescription {
     /// A description with the page size set to [`PAGE_SIZE`] and `memory_bytes` set to the
@@ -273,12 +280,19 @@ impl VmDescription {
         }
     }
 
-    /// Checks what a receiver relies on: page size, alignment, disjoint regions that add up
-    /// to `memory_bytes`.
+    /// Checks what a receiver relies on: page size, alignment, disjoint regions below
+    /// [`MAX_GPA`] that add up to `memory_bytes`, and vCPUs and regions within bounds. Whether
+    /// this host can hold the VM is the receiver's own check, made before it allocates.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::BadDescription(m));
         if self.cpus == 0 {
             return bad("no vCPUs".into());
+        }
+        if self.cpus > MAX_CPUS {
+            return bad(format!("{} vCPUs (at most {MAX_CPUS})", self.cpus));
+        }
+        if self.regions.len() > MAX_REGIONS {
+            return bad(format!("{} memory regions (at most {MAX_REGIONS})", self.regions.len()));
         }
         if self.page_size != PAGE_SIZE {
             return bad(format!("page size {} (only {PAGE_SIZE} is supported)", self.page_size));
@@ -300,6 +314,9 @@ impl VmDescription {
             let Some(end) = gpa.checked_add(len) else {
                 return bad(format!("region {gpa:#x}+{len:#x} wraps around"));
             };
+            if end > MAX_GPA {
+                return bad(format!("region {gpa:#x}+{len:#x} ends beyond the 52-bit physical address space"));
+            }
             if i > 0 && gpa < prev_end {
                 return bad(format!("region {gpa:#x}+{len:#x} overlaps the one before"));
             }

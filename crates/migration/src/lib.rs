@@ -46,6 +46,7 @@ pub use format::{
 };
 pub use model::{compare, predict, Comparison, DirtyModel, ModelError, PredictParams, Prediction};
 pub use planner::{
-    Converge, Decision, DowntimeEstimate, GiveUpReason, Planner, RoundExtras, RoundStats, StopPolicy, StopReason, XenRule,
+    Converge, Decision, DowntimeEstimate, GiveUpReason, Planner, RoundExtras, RoundStats, StopPolicy, StopReason,
+    XenRule,
 };
 pub use stop_phase::{StopPhaseModel, StopPhaseSample};

@@ -33,10 +33,18 @@ pub enum Error {
     MissingCap(&'static str),
     #[error("{0}: {1}")]
     Kvm(&'static str, vmm_sys_util::errno::Error),
-    #[error("memory size {0} bytes is not supported: give a multiple of 4 KiB, at least 8 MiB")]
+    #[error("memory {human} ({0} bytes) is not supported: give a multiple of 4 KiB, at least 8 MiB", human = memory::human_size(*.0))]
     BadMemorySize(u64),
+    #[error("memory {} is more than this host can back ({} usable of {})", memory::human_size(*size), memory::human_size(*usable), memory::human_size(*total))]
+    MemoryTooLarge { size: u64, usable: u64, total: u64 },
     #[error("{0} vCPUs requested; this host supports 1 to {1}")]
     BadVcpuCount(u32, u32),
+    #[error("cpus must be at least 1")]
+    NoVcpus,
+    #[error("cpus {0} exceeds kumo's limit of {max}", max = layout::MAX_VCPUS)]
+    AboveKumoVcpuLimit(u32),
+    #[error("cpus {0} exceeds this host's KVM limit of {1} vCPUs (KVM_CAP_MAX_VCPUS)")]
+    AboveKvmVcpuLimit(u32, u32),
     #[error("guest memory: {0}")]
     Memory(String),
     #[error("boot setup: {0}")]

@@ -25,11 +25,84 @@ pub struct Memory {
 /// Smallest VM kumo builds: room for the boot structures below 1 MiB and a small guest above.
 pub const MIN_MEMORY: u64 = 8 << 20;
 
+/// Host memory kept back from any one guest: max(512 MiB, 5 % of MemTotal), for the host
+/// kernel, kumo itself (page tables, per-page dirty bitmaps, buffers) and other processes.
+pub fn host_reserve(total: u64) -> u64 {
+    (512u64 << 20).max(total / 20)
+}
+
+/// This host's RAM, from `/proc/meminfo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostMemory {
+    /// MemTotal in bytes.
+    pub total: u64,
+}
+
+impl HostMemory {
+    pub fn read() -> Result<HostMemory> {
+        let text = std::fs::read_to_string("/proc/meminfo")
+            .map_err(|e| Error::Memory(format!("cannot read /proc/meminfo: {e}")))?;
+        let total =
+            parse_meminfo_total(&text).ok_or_else(|| Error::Memory("/proc/meminfo has no MemTotal line".into()))?;
+        Ok(HostMemory { total })
+    }
+
+    /// The most guest memory one VM may have here: MemTotal minus [`host_reserve`], in whole
+    /// 4 KiB pages.
+    pub fn usable(&self) -> u64 {
+        self.total.saturating_sub(host_reserve(self.total)) & !4095
+    }
+}
+
+/// MemTotal in bytes from the text of `/proc/meminfo` (`MemTotal:   24567890 kB`).
+pub fn parse_meminfo_total(text: &str) -> Option<u64> {
+    let line = text.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+    let mut words = line.split_whitespace();
+    let n: u64 = words.next()?.parse().ok()?;
+    let mult = match words.next() {
+        None => 1,
+        Some(u) if u.eq_ignore_ascii_case("kb") => 1024,
+        Some(_) => return None,
+    };
+    n.checked_mul(mult)
+}
+
+/// The one check of a guest memory size, before anything is allocated: a multiple of 4 KiB,
+/// at least [`MIN_MEMORY`], and at most what `host` can back ([`HostMemory::usable`]).
+pub fn check_size(size: u64, host: &HostMemory) -> Result<()> {
+    if size < MIN_MEMORY || !size.is_multiple_of(4096) {
+        return Err(Error::BadMemorySize(size));
+    }
+    if size > host.usable() {
+        return Err(Error::MemoryTooLarge { size, usable: host.usable(), total: host.total });
+    }
+    Ok(())
+}
+
+/// A byte count in binary units for messages: `1000 TiB`, `23.1 GiB`, `4 KiB`, `100 B`.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let (mut unit, mut scale) = (0, 1024u64);
+    while unit + 1 < UNITS.len() && bytes / scale >= 1024 {
+        unit += 1;
+        scale <<= 10;
+    }
+    if bytes.is_multiple_of(scale) {
+        format!("{} {}", bytes / scale, UNITS[unit])
+    } else {
+        let v = format!("{:.1}", bytes as f64 / scale as f64);
+        format!("{} {}", v.strip_suffix(".0").unwrap_or(&v), UNITS[unit])
+    }
+}
+
 impl Memory {
+    /// Fresh guest RAM of `size` bytes, checked first ([`check_size`]): vm-memory allocates a
+    /// dirty bitmap per page at once, so an unchecked size could abort the process.
     pub fn new(size: u64) -> Result<Self> {
-        if size < MIN_MEMORY || !size.is_multiple_of(4096) {
-            return Err(Error::BadMemorySize(size));
-        }
+        check_size(size, &HostMemory::read()?)?;
         // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
         let fd = unsafe { libc::memfd_create(c"kumo-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
@@ -44,9 +117,7 @@ impl Memory {
     /// Guest RAM backed by an existing memory file of exactly `size` bytes, e.g. the memfd of a
     /// VM migrating on the same host: both processes then share the same pages.
     pub fn from_file(memfd: File, size: u64) -> Result<Self> {
-        if size < MIN_MEMORY || !size.is_multiple_of(4096) {
-            return Err(Error::BadMemorySize(size));
-        }
+        check_size(size, &HostMemory::read()?)?;
         let len = memfd.metadata().map_err(|e| Error::Memory(format!("memory file: {e}")))?.len();
         if len != size {
             return Err(Error::Memory(format!("memory file holds {len} bytes, the VM needs {size}")));
@@ -98,21 +169,39 @@ pub fn populate(mem: &GuestMemory, gpa: u64, len: u64) -> Result<()> {
     Ok(())
 }
 
-/// Parses sizes like `512M`, `2G`, `1048576`, `64KiB`.
+/// Parses sizes like `512M`, `2G`, `1.5G`, `1048576`, `64KiB` (binary units up to P). A
+/// decimal must come to whole bytes; sizes past 16 EiB are refused, never wrapped.
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 512M, 2G)"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let not_a_size = || format!("`{s}` is not a size (e.g. 512M, 1.5G)");
+    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+    if int.is_empty() || (num.contains('.') && frac.is_empty()) || frac.contains('.') {
+        return Err(not_a_size());
+    }
+    let mult: u128 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        _ => return Err(format!("`{s}` has an unknown unit (use K, M, G or T)")),
+        "p" | "pb" | "pib" => 1 << 50,
+        _ => return Err(format!("`{s}` has an unknown unit (use K, M, G, T or P)")),
     };
-    n.checked_mul(mult).ok_or_else(|| format!("`{s}` is too large"))
+    let too_large = || format!("`{s}` is too large (sizes stop at 16 EiB)");
+    // Digits as an exact u128 fraction num / 10^k; 25 digits keep num * mult below 2^128.
+    let digits = format!("{int}{frac}");
+    if digits.trim_start_matches('0').len() > 25 || frac.len() > 25 {
+        return Err(too_large());
+    }
+    let n: u128 = digits.parse().map_err(|_| not_a_size())?;
+    let scaled = n * mult;
+    let den = 10u128.pow(frac.len() as u32);
+    if !scaled.is_multiple_of(den) {
+        return Err(format!("`{s}` is not a whole number of bytes"));
+    }
+    u64::try_from(scaled / den).map_err(|_| too_large())
 }
 
 #[cfg(test)]
@@ -129,6 +218,87 @@ mod tests {
         assert!(parse_size("12X").unwrap_err().contains("unit"));
         assert!(parse_size("lots").is_err());
         assert!(parse_size("99999999999T").unwrap_err().contains("too large"));
+    }
+
+    #[test]
+    fn sizes_table() {
+        let ok: &[(&str, u64)] = &[
+            ("0", 0),
+            (" 8M ", 8 << 20),
+            ("1.5G", 3 << 29),
+            ("1.5 GiB", 3 << 29),
+            ("0.5k", 512),
+            ("1P", 1 << 50),
+            ("0.25M", 256 << 10),
+            ("18446744073709551615", u64::MAX),
+            ("000000000000000000000000000001G", 1 << 30),
+        ];
+        for (s, want) in ok {
+            assert_eq!(parse_size(s), Ok(*want), "{s}");
+        }
+        let bad: &[(&str, &str)] = &[
+            ("", "not a size"),
+            ("G", "not a size"),
+            ("-1G", "not a size"),
+            ("1.G", "not a size"),
+            (".5G", "not a size"),
+            ("1.2.3G", "not a size"),
+            ("1.3B", "whole number of bytes"),
+            ("0.1K", "whole number of bytes"),
+            ("18446744073709551616", "too large"),
+            ("16384P", "too large"),
+            ("99999999999T", "too large"),
+            ("99999999999999999999999999999999999999999T", "too large"),
+            ("1E", "unknown unit"),
+        ];
+        for (s, want) in bad {
+            let e = parse_size(s).unwrap_err();
+            assert!(e.contains(want) && !e.contains('\n'), "{s}: {e}");
+        }
+    }
+
+    #[test]
+    fn meminfo_total() {
+        let sample = "MemTotal:       24567892 kB\nMemFree:         1234567 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(parse_meminfo_total(sample), Some(24_567_892 * 1024));
+        assert_eq!(parse_meminfo_total("MemFree: 1 kB\nMemTotal: 2048 kB\n"), Some(2 << 20));
+        assert_eq!(parse_meminfo_total("MemTotal: 4096\n"), Some(4096));
+        assert_eq!(parse_meminfo_total("MemFree: 1 kB\n"), None);
+        assert_eq!(parse_meminfo_total("MemTotal: lots kB\n"), None);
+        assert_eq!(parse_meminfo_total("MemTotal: 1 MB\n"), None);
+        assert_eq!(parse_meminfo_total("MemTotal: 99999999999999999999 kB\n"), None);
+        assert!(HostMemory::read().unwrap().total > 0);
+    }
+
+    #[test]
+    fn host_reserve_and_memory_checks() {
+        // Small hosts keep 512 MiB back, large ones 5 %.
+        assert_eq!(HostMemory { total: 4 << 30 }.usable(), (4 << 30) - (512 << 20));
+        assert_eq!(HostMemory { total: 100 << 30 }.usable(), 95 << 30);
+        assert_eq!(HostMemory { total: (24 << 30) + 4096 }.usable() % 4096, 0);
+        assert_eq!(HostMemory { total: 256 << 20 }.usable(), 0);
+        let host = HostMemory { total: 24 << 30 };
+        for ok in [MIN_MEMORY, 256 << 20, 20 << 30, host.usable()] {
+            check_size(ok, &host).unwrap();
+        }
+        let msg = |size| check_size(size, &host).unwrap_err().to_string();
+        assert!(msg(0).contains("at least 8 MiB"));
+        assert!(msg(MIN_MEMORY - 4096).contains("at least 8 MiB"));
+        assert!(msg((64 << 20) + 1).contains("multiple of 4 KiB"));
+        assert_eq!(msg(1000 << 40), "memory 1000 TiB is more than this host can back (22.8 GiB usable of 24 GiB)");
+        assert!(msg(host.usable() + 4096).contains("more than this host can back"));
+        assert!(msg(!4095u64).contains("more than this host can back"));
+        assert!(matches!(check_size(1 << 50, &HostMemory { total: 0 }), Err(Error::MemoryTooLarge { .. })));
+    }
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human_size(100), "100 B");
+        assert_eq!(human_size(4096), "4 KiB");
+        assert_eq!(human_size(1000 << 40), "1000 TiB");
+        assert_eq!(human_size(24 << 30), "24 GiB");
+        assert_eq!(human_size((23 << 30) + (1 << 27)), "23.1 GiB");
+        assert_eq!(human_size(u64::MAX), "16 EiB");
     }
 
     #[test]
@@ -165,6 +335,10 @@ mod tests {
 
     #[test]
     fn large_memory_has_two_regions() {
+        if HostMemory::read().unwrap().usable() < 4 << 30 {
+            eprintln!("skipping large_memory_has_two_regions: this host cannot back 4 GiB");
+            return;
+        }
         // Sparse memfd: nothing is touched, so this costs no RAM.
         let m = Memory::new(4 << 30).unwrap();
         assert_eq!(m.guest.num_regions(), 2);

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::layout::{KVM_TSS_ADDRESS, MAX_VCPUS};
+use crate::layout::KVM_TSS_ADDRESS;
 use crate::memory::Memory;
 use crate::state::VmState;
 use crate::vcpu::Vcpu;
@@ -57,6 +57,11 @@ pub fn open_kvm() -> Result<Kvm> {
     Ok(unsafe { Kvm::from_raw_fd(f.into_raw_fd()) })
 }
 
+/// KVM_CAP_MAX_VCPUS of this host, or `None` if /dev/kvm cannot be opened.
+pub fn kvm_max_vcpus() -> Option<u32> {
+    open_kvm().ok().map(|k| u32::try_from(k.get_max_vcpus()).unwrap_or(u32::MAX))
+}
+
 /// True if /dev/kvm can be opened: tests that need KVM skip when it cannot.
 pub fn kvm_available() -> bool {
     open_kvm().is_ok()
@@ -88,10 +93,7 @@ impl Vm {
         if irqchip == IrqchipMode::Split && !kvm.check_extension(Cap::SplitIrqchip) {
             return Err(Error::MissingCap("KVM_CAP_SPLIT_IRQCHIP"));
         }
-        let max = (kvm.get_max_vcpus() as u32).min(MAX_VCPUS);
-        if ncpus == 0 || ncpus > max {
-            return Err(Error::BadVcpuCount(ncpus, max));
-        }
+        crate::layout::check_vcpus(ncpus, Some(u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX)))?;
         Ok(kvm)
     }
 

@@ -111,24 +111,18 @@ impl ConfigFile {
 }
 
 impl VmConfig {
-    /// Checks the VM's shape: vCPUs and memory.
+    /// Checks the VM's shape before anything is allocated: vCPUs and memory against kumo's and
+    /// this host's limits (`kumo_vm::layout::check_shape`), and a kumo guest's own vCPU range.
+    /// Every path that builds a VM comes through here, incoming migrations included.
     pub fn validate_shape(&self) -> Result<(), Error> {
-        if self.cpus == 0 {
-            return Err(Error::Config("cpus must be at least 1".into()));
-        }
-        if self.cpus > kumo_vm::layout::MAX_VCPUS {
-            return Err(Error::Config(format!(
-                "cpus {} exceeds kumo's limit of {}",
-                self.cpus,
-                kumo_vm::layout::MAX_VCPUS
-            )));
-        }
-        if self.memory < kumo_vm::memory::MIN_MEMORY || !self.memory.is_multiple_of(4096) {
-            return Err(Error::Config(format!(
-                "memory {} bytes: give a multiple of 4 KiB, at least {} MiB",
-                self.memory,
-                kumo_vm::memory::MIN_MEMORY >> 20
-            )));
+        self.validate_shape_on(&kumo_vm::layout::HostLimits::probe()?)
+    }
+
+    /// [`Self::validate_shape`] against given host limits.
+    pub fn validate_shape_on(&self, host: &kumo_vm::layout::HostLimits) -> Result<(), Error> {
+        kumo_vm::layout::check_shape(self.cpus, self.memory, host)?;
+        if let Payload::Guest { name, .. } = &self.payload {
+            kumo_guests::find(name)?.check_cpus(self.cpus)?;
         }
         Ok(())
     }
@@ -138,9 +132,7 @@ impl VmConfig {
         self.validate_shape()?;
         match &self.payload {
             Payload::Guest { name, args } => {
-                let g = kumo_guests::find(name)?;
-                g.check_cpus(self.cpus)?;
-                g.command_line(args)?;
+                kumo_guests::find(name)?.command_line(args)?;
             }
             Payload::Kernel { path, initrd, .. } => {
                 for (what, p) in
@@ -222,7 +214,7 @@ mod tests {
         let ok = VmConfig { cpus: 1, memory: 64 << 20, irqchip: IrqchipMode::Kernel, payload: guest("hello", &[]) };
         ok.validate().unwrap();
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
-        assert!(VmConfig { cpus: 9999, ..ok.clone() }.validate().unwrap_err().to_string().contains("limit"));
+        assert!(VmConfig { cpus: 9999, ..ok.clone() }.validate().unwrap_err().to_string().contains("kumo's limit"));
         assert!(VmConfig { memory: 1000, ..ok.clone() }.validate().unwrap_err().to_string().contains("4 KiB"));
         assert!(VmConfig { payload: guest("nope", &[]), ..ok.clone() }
             .validate()
@@ -236,10 +228,89 @@ mod tests {
             .contains("vCPUs"));
         assert!(VmConfig { payload: guest("memtouch", &["pages=x"]), ..ok.clone() }.validate().is_err());
         let k = Payload::Kernel { path: "/no/such/bzImage".into(), initrd: None, cmdline: None };
-        assert!(VmConfig { payload: k, ..ok }
+        assert!(VmConfig { payload: k, ..ok.clone() }
             .validate()
             .unwrap_err()
             .to_string()
             .contains("/no/such/bzImage does not exist"));
+        let e = VmConfig { memory: 1000 << 40, ..ok }.validate().unwrap_err().to_string();
+        assert!(e.contains("memory 1000 TiB is more than this host can back"), "{e}");
+    }
+
+    #[test]
+    fn shape_table() {
+        use kumo_vm::layout::HostLimits;
+        use kumo_vm::memory::HostMemory;
+        let host = HostLimits { memory: HostMemory { total: 24 << 30 }, kvm_max_vcpus: Some(128) };
+        let guest = |name: &str| Payload::Guest { name: name.into(), args: vec![] };
+        let kernel = Payload::Kernel { path: "/k".into(), initrd: None, cmdline: None };
+        let vm = |cpus, memory, payload: Payload| VmConfig { cpus, memory, irqchip: IrqchipMode::Kernel, payload };
+        for ok in [
+            vm(1, 8 << 20, guest("hello")),
+            vm(64, 1 << 30, guest("memtouch")),
+            vm(2, 256 << 20, guest("smp")),
+            vm(128, 20 << 30, kernel.clone()),
+        ] {
+            ok.validate_shape_on(&host).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+        }
+        let bad = [
+            (vm(0, 256 << 20, guest("hello")), "cpus must be at least 1"),
+            (vm(65, 256 << 20, guest("memtouch")), "runs on 1..=64 vCPUs, not 65"),
+            (vm(200, 256 << 20, guest("memtouch")), "KVM limit of 128"),
+            (vm(241, 256 << 20, kernel.clone()), "exceeds kumo's limit of 240"),
+            (vm(1, 256 << 20, guest("smp")), "runs on 2..=64 vCPUs, not 1"),
+            (vm(1, 4 << 20, guest("hello")), "at least 8 MiB"),
+            (vm(1, (8 << 20) + 1, guest("hello")), "multiple of 4 KiB"),
+            (
+                vm(1, 1 << 40, kernel.clone()),
+                "memory 1 TiB is more than this host can back (22.8 GiB usable of 24 GiB)",
+            ),
+            (vm(1, 1 << 50, guest("memtouch")), "memory 1 PiB is more than this host can back"),
+            (vm(1, 256 << 20, guest("nope")), "unknown guest `nope`"),
+        ];
+        for (c, want) in bad {
+            let e = c.validate_shape_on(&host).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{c:?}: want `{want}` in `{e}`");
+        }
+    }
+
+    /// Stream headers go through the same check (`config_from_description`), whose error the
+    /// receiver sends back as a Failed reply.
+    #[test]
+    fn stream_descriptions_are_shape_checked() {
+        use kumo_migration::format::VmDescription;
+        let desc = |cpus: u32, memory: u64, guest: &str| {
+            let c = VmConfig {
+                cpus,
+                memory,
+                irqchip: IrqchipMode::Kernel,
+                payload: Payload::Guest { name: guest.into(), args: vec![] },
+            };
+            VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
+        };
+        let from = |d: &VmDescription| crate::migration::config_from_description(d);
+        assert_eq!(from(&desc(2, 64 << 20, "memtouch")).unwrap().cpus, 2);
+        for (d, want) in [
+            (desc(1, 1 << 50, "memtouch"), "memory 1 PiB is more than this host can back"),
+            (desc(1, 1000 << 40, "memtouch"), "memory 1000 TiB is more than this host can back"),
+            (desc(65, 64 << 20, "memtouch"), "runs on 1..=64 vCPUs, not 65"),
+            (desc(200, 64 << 20, "memtouch"), "vCPUs"),
+            (desc(241, 64 << 20, "memtouch"), "kumo's limit"),
+            (desc(1, 64 << 20, "smp"), "runs on 2..=64 vCPUs, not 1"),
+            (desc(1, 64 << 20, "nope"), "unknown guest"),
+        ] {
+            let e = from(&d).unwrap_err();
+            assert!(e.contains(want) && !e.contains('\n'), "want `{want}` in `{e}`");
+        }
+        let mut d = desc(2, 64 << 20, "memtouch");
+        d.cpus = 3;
+        assert!(from(&d).unwrap_err().contains("contradicts"));
+    }
+
+    #[test]
+    fn absurd_sizes_in_files_are_refused() {
+        let e = ConfigFile::load(&write("f.toml", "memory = \"99999999999T\"\n")).unwrap_err().to_string();
+        assert!(e.contains("too large"), "{e}");
+        assert_eq!(ConfigFile::load(&write("g.toml", "memory = \"1.5G\"\n")).unwrap().memory, Some(3 << 29));
     }
 }

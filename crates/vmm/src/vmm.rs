@@ -376,13 +376,29 @@ impl RunningVm {
                 Err(e) => {
                     lock(&shared.ctl).live -= 1;
                     shared.finish(Outcome::Error(e.to_string()));
-                    let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now(), learned_stop_phase: Mutex::new(None) };
+                    let vm = RunningVm {
+                        vm,
+                        config,
+                        vcpus,
+                        shared,
+                        serial,
+                        started: Instant::now(),
+                        learned_stop_phase: Mutex::new(None),
+                    };
                     vm.stop_threads();
                     return Err(e);
                 }
             }
         }
-        Ok(RunningVm { vm, config, vcpus, shared, serial, started: Instant::now(), learned_stop_phase: Mutex::new(None) })
+        Ok(RunningVm {
+            vm,
+            config,
+            vcpus,
+            shared,
+            serial,
+            started: Instant::now(),
+            learned_stop_phase: Mutex::new(None),
+        })
     }
 
     pub fn config(&self) -> &VmConfig {

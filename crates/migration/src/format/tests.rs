@@ -430,6 +430,44 @@ fn descriptions_are_validated_before_writing() {
     assert!(matches!(Writer::start(Vec::new(), &d), Err(Error::BadDescription(_))));
 }
 
+/// Headers a receiver must refuse before it builds anything: none can make it allocate in
+/// proportion to what they describe.
+#[test]
+fn absurd_descriptions_are_refused() {
+    let with =
+        |cpus: u32, regions: Vec<(u64, u64)>| VmDescription::new(cpus, "kernel", serde_json::Value::Null, regions);
+    let bad = [
+        (with(1, vec![(0, MAX_GPA + 4096)]), "52-bit"),
+        (with(1, vec![(0, 1 << 30), (MAX_GPA - 4096, 8192)]), "52-bit"),
+        (with(1, vec![(1 << 60, 4096)]), "52-bit"),
+        (with(1, vec![(4096, !4095u64)]), "wraps around"),
+        (with(1, (0..65).map(|i| (i << 20, 4096)).collect()), "65 memory regions"),
+        (with(MAX_CPUS + 1, vec![(0, 1 << 20)]), "4097 vCPUs"),
+        (with(u32::MAX, vec![(0, 1 << 20)]), "vCPUs"),
+    ];
+    for (d, want) in bad {
+        match d.validate() {
+            Err(Error::BadDescription(m)) => assert!(m.contains(want), "want `{want}` in `{m}`"),
+            other => panic!("{:?} regions, {} cpus: {other:?}", d.regions.len(), d.cpus),
+        }
+    }
+    // The same refusals on the wire: a raw header carrying them fails read_header.
+    let mut j = serde_json::to_value(desc()).unwrap();
+    j["regions"] = serde_json::json!([[4096, MAX_GPA]]);
+    j["memory_bytes"] = MAX_GPA.into();
+    let e = read_header(&mut raw_header(VERSION, j.to_string().as_bytes()).as_slice()).unwrap_err();
+    assert!(matches!(&e, Error::BadDescription(m) if m.contains("52-bit")), "{e}");
+    // memory_bytes that the regions do not add up to, however large.
+    j["regions"] = serde_json::json!([[0, 1 << 20]]);
+    j["memory_bytes"] = u64::MAX.into();
+    let e = read_header(&mut raw_header(VERSION, j.to_string().as_bytes()).as_slice()).unwrap_err();
+    assert!(matches!(&e, Error::BadDescription(m) if m.contains("cover")), "{e}");
+    // Huge but addressable shapes pass the format: the receiver's own host check refuses them.
+    with(MAX_CPUS, vec![(0, 3 << 30), (4 << 30, (1 << 50) - (3 << 30))]).validate().unwrap();
+    with(1, vec![(0, MAX_GPA)]).validate().unwrap();
+    with(1, (0..MAX_REGIONS as u64).map(|i| (i << 20, 4096)).collect()).validate().unwrap();
+}
+
 #[test]
 fn record_errors() {
     let batch = |round: u32, gfns: &[u64]| {
