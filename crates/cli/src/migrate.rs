@@ -258,11 +258,12 @@ pub fn incoming(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<Ru
     })
     .map_err(|e| format!("incoming migration failed: {e}"))?;
     eprintln!(
-        "kumo: migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms{}",
+        "kumo: migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms{}",
         rr.pages,
         rr.connections,
         rr.total_ms,
         rr.receiver_cpu_ms,
+        rr.restore_ms,
         if rr.shared_memory { " (memory shared, not copied)" } else { "" }
     );
     Ok(vm)

@@ -12,6 +12,6 @@ mod tests;
 
 pub use session::{
     migrate, receive, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvReport, Report, RoundReport,
-    SourceVm, StopPhaseTimes, HANDSHAKE_TIMEOUT, PROGRESS_TIMEOUT,
+    SourceVm, StopPhaseTimes, HANDSHAKE_TIMEOUT, PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
 };
 pub use transport::{Address, Conn, Listener};

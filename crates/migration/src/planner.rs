@@ -104,6 +104,14 @@ pub struct StopPolicy {
     /// The stop phase's overhead learned by earlier migrations (or the prior).
     #[serde(default)]
     pub stop_phase: StopPhaseModel,
+    /// The stop phase's pages are estimated to move this many times slower than the live
+    /// rounds' measured bandwidth (1: as fast). See [`TRANSFER_MARGIN`].
+    #[serde(default = "one")]
+    pub transfer_margin: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 impl Default for StopPolicy {
@@ -115,6 +123,7 @@ impl Default for StopPolicy {
             strict: false,
             converge: Converge::default(),
             stop_phase: StopPhaseModel::default(),
+            transfer_margin: 1.0,
         }
     }
 }
@@ -280,6 +289,11 @@ pub enum Decision {
     /// Strict target: end the migration as failed, the VM running on the source.
     GiveUp(GiveUpReason),
 }
+
+/// A margin for [`StopPolicy::transfer_margin`]: measured against the live rounds' bandwidth,
+/// the stop phases of a guest writing flat out took up to ~20 % longer per page on this
+/// project's hosts (the destination places the last pages and replies on a busy host).
+pub const TRANSFER_MARGIN: f64 = 1.2;
 
 /// A downtime estimate, part by part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -578,6 +592,16 @@ impl Planner {
         Duration::try_from_secs_f64((pages as f64 * self.bytes_per_page() + state_bytes as f64) / bw).ok()
     }
 
+    /// The transfer margin in force: at least 1, whatever a deserialized policy says.
+    fn margin(&self) -> f64 {
+        let m = self.policy.transfer_margin;
+        if m.is_finite() {
+            m.clamp(1.0, 10.0)
+        } else {
+            1.0
+        }
+    }
+
     /// The part of the downtime that does not depend on the pages left: learned overhead,
     /// harvest and round trip.
     pub fn fixed_cost(&self) -> Duration {
@@ -603,7 +627,7 @@ impl Planner {
             let room = self.total_pages.saturating_sub(dirty_pages) as f64;
             // Float to integer casts saturate; a NaN rate counts as none.
             let pages = dirty_pages.saturating_add(before_pause.min(room) as u64);
-            (pages, self.transfer_time(pages, self.model.state_bytes)?)
+            (pages, self.transfer_time(pages, self.model.state_bytes)?.mul_f64(self.margin()))
         };
         Some(DowntimeEstimate { total: fixed.saturating_add(transfer), overhead, harvest, rtt, pages, transfer })
     }
@@ -906,6 +930,22 @@ mod tests {
         let mut p = Planner::new(target(Duration::from_millis(1)), 1000);
         p.after_round(&stats(0, 1000, 0.01, 0));
         assert!(p.estimated_downtime(0).unwrap() >= PRIOR);
+    }
+
+    #[test]
+    fn the_transfer_margin_scales_only_the_transfer() {
+        let with = |margin: f64| {
+            let mut p =
+                Planner::new(StopPolicy { transfer_margin: margin, ..target(Duration::from_millis(100)) }, 1_000_000);
+            p.after_round(&stats(0, 100_000, 1.0, 0));
+            p.estimate(10_000).unwrap()
+        };
+        let (plain, wide) = (with(1.0), with(1.2));
+        assert_eq!(plain.fixed(), wide.fixed());
+        assert!(close(wide.transfer, plain.transfer.mul_f64(1.2)), "{plain:?} {wide:?}");
+        // Nonsense from a deserialized policy is not believed.
+        assert_eq!(with(f64::NAN).transfer, plain.transfer);
+        assert_eq!(with(0.5).transfer, plain.transfer);
     }
 
     #[test]

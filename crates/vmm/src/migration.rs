@@ -8,6 +8,7 @@ use kumo_api::MigrateRequest;
 use kumo_migration::format::VmDescription;
 use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
+use kumo_migration::StopPhaseModel;
 use kumo_migration_engine::{migrate, Address, DestVm, EngineKind, Event, MigrateOptions, Report, SourceVm};
 use kumo_vm::dirty::PageBitmap;
 use kumo_vm::layout::ram_regions;
@@ -113,7 +114,13 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
     if strict && downtime.is_none() {
         return Err("strict needs downtime_ms: it makes the downtime target a promise".into());
     }
-    opts.policy = StopPolicy { xen: xen.then(XenRule::default), downtime, strict, ..Default::default() };
+    opts.policy = StopPolicy {
+        xen: xen.then(XenRule::default),
+        downtime,
+        strict,
+        transfer_margin: kumo_migration::planner::TRANSFER_MARGIN,
+        ..Default::default()
+    };
     Ok((to, opts))
 }
 
@@ -255,9 +262,9 @@ impl MigrationJob {
             let mut opts = opts;
             // What earlier migrations of this VM (here or on the hosts before) learned about
             // the stop phase's cost.
-            if let Some(m) = vm.learned_stop_phase() {
-                opts.policy.stop_phase = m;
-            }
+            opts.policy.stop_phase = vm
+                .learned_stop_phase()
+                .unwrap_or_else(|| StopPhaseModel::with_prior(kumo_migration_engine::STOP_PHASE_PRIOR));
             let r = migrate(&**vm, &to, &opts, &mut |e| {
                 tracing::info!(?e, "migration");
                 self.state.lock().unwrap_or_else(|p| p.into_inner()).events.push(e);
