@@ -40,6 +40,19 @@ fn checksum(out: &str, key: &str) -> u64 {
 }
 
 #[test]
+fn the_cpu_probe_finds_a_model_that_boots() {
+    if !qemu_or_skip("the_cpu_probe_finds_a_model_that_boots") {
+        return;
+    }
+    // The harness and `kumo bench migrate` use this model for every VM (QemuSpec's default).
+    let cpu = qemu::cpu_model().unwrap();
+    eprintln!("QEMU CPU model: {cpu}");
+    assert!(qemu::CPU_CANDIDATES.contains(&cpu.as_str()), "{cpu}");
+    qemu::probe_cpu(&cpu).unwrap();
+    assert!(qemu::probe_cpu("no-such-cpu-model").is_err());
+}
+
+#[test]
 fn hello_boots_under_qemu_and_exits_zero() {
     if !qemu_or_skip("hello_boots_under_qemu_and_exits_zero") {
         return;
