@@ -572,6 +572,26 @@ fn prepare(ctx: &Ctx, e: Engine, mem_mib: u64) -> Result<Dest, String> {
     Ok(Dest { proc, addr, api, e })
 }
 
+/// Destinations for `es`, prepared side by side (faulting in their memory is most of a hop's
+/// set-up time here; idle destinations cost nothing while the earlier hops run).
+fn prepare_all(ctx: &Ctx, es: &[Engine], mem_mib: u64) -> Vec<Result<Dest, String>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = es
+            .iter()
+            .map(|&e| s.spawn(move || prepare(ctx, e, mem_mib)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("preparing a destination panicked".into()))
+            })
+            .collect()
+    })
+}
+
+/// At most this many destinations are prepared at once (memory: this many VMs' worth).
+const BATCH: usize = 3;
+
 /// Migrates `vm` to `dst`. On success `vm` is the destination; a failed migration leaves the VM
 /// running where it was.
 fn hop_to(
@@ -780,10 +800,18 @@ fn idle_size(
     };
     let until = Instant::now() + Duration::from_millis(hold_ms);
     let before = checksum(&vm.proc.stdout(), "checksum");
-    for e in ENGINES {
-        ctx.step(format!("idle {mem_mib} MiB: {}", e.label));
-        out.runs.push(hop(ctx, &mut vm, e, mem_mib, None, raw));
-        ctx.bar.inc(1);
+    for batch in ENGINES.chunks(BATCH) {
+        ctx.step(format!(
+            "idle {mem_mib} MiB: preparing {} destinations",
+            batch.len()
+        ));
+        for (&e, d) in batch.iter().zip(prepare_all(ctx, batch, mem_mib)) {
+            ctx.step(format!("idle {mem_mib} MiB: {}", e.label));
+            let m = d.and_then(|d| hop_to(ctx, &mut vm, d, mem_mib, None, raw));
+            out.runs
+                .push(m.unwrap_or_else(|err| Mig::failed(e, mem_mib, None, err)));
+            ctx.bar.inc(1);
+        }
     }
     let best = out
         .runs
@@ -794,13 +822,18 @@ fn idle_size(
         .and_then(|m| ENGINES.iter().find(|g| g.label == m.engine))
         .copied()
     {
-        for i in 0..extra {
+        for (i, d) in prepare_all(ctx, &vec![e; extra], mem_mib)
+            .into_iter()
+            .enumerate()
+        {
             ctx.step(format!(
                 "idle {mem_mib} MiB: {} again ({}/{extra})",
                 e.label,
                 i + 1
             ));
-            out.runs.push(hop(ctx, &mut vm, e, mem_mib, None, raw));
+            let m = d.and_then(|d| hop_to(ctx, &mut vm, d, mem_mib, None, raw));
+            out.runs
+                .push(m.unwrap_or_else(|err| Mig::failed(e, mem_mib, None, err)));
         }
     }
     ctx.bar.inc(1);
@@ -977,7 +1010,7 @@ struct Loaded {
 /// The loaded guest hops: warm-up, serial, overlap, overlap with the downtime rule, zerocopy. Before each
 /// hop the destination is prepared, then the guest runs for `settle` (its write rate is taken
 /// from that window).
-fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, raw: f64) -> Loaded {
+fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, with_downtime_rule: bool, raw: f64) -> Loaded {
     let args = sv(&[
         &format!("pages={LOADED_PAGES}"),
         "mode=random",
@@ -986,13 +1019,17 @@ fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, raw: f64) -> Loaded {
         "duration_ms=3600000",
         "report_ms=100",
     ]);
-    let configs = [
+    // --quick leaves out the downtime-rule run: section 6 measures downtime by target.
+    let configs: Vec<(Engine, Option<u64>)> = [
         (OVERLAP, None),
         (SERIAL, None),
         (OVERLAP, None),
         (OVERLAP, Some(50)),
         (ZEROCOPY, None),
-    ];
+    ]
+    .into_iter()
+    .filter(|c| with_downtime_rule || c.1.is_none())
+    .collect();
     let mut runs = Vec::new();
     ctx.step(format!(
         "loaded {mem_mib} MiB: starting the guest (prefill)"
@@ -1052,7 +1089,8 @@ fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, raw: f64) -> Loaded {
         (runs[0].ok() && runs[i].ok() && runs[i].total_ms > 0.0)
             .then(|| runs[0].total_ms / runs[i].total_ms)
     };
-    let (overlap_speedup, zerocopy_speedup) = (speedup(1), speedup(3));
+    // serial, overlap, [overlap with the downtime rule,] zerocopy.
+    let (overlap_speedup, zerocopy_speedup) = (speedup(1), speedup(runs.len() - 1));
     Loaded {
         memory_mib: mem_mib,
         guest: args.join(" "),
@@ -1464,7 +1502,19 @@ fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration) ->
             .flat_map(|l| l.lock().map(|v| v.clone()).unwrap_or_default())
             .collect::<Vec<_>>()
     };
+    let mut ready = std::collections::VecDeque::new();
     for (i, &(target, measure)) in steps.iter().enumerate() {
+        if ready.is_empty() {
+            ctx.step(format!("kumo, {} {mem} MiB: preparing destinations", w.key));
+            ready.extend(prepare_all(
+                ctx,
+                &vec![OVERLAP; (steps.len() - i).min(BATCH)],
+                mem,
+            ));
+        }
+        let dst = ready
+            .pop_front()
+            .unwrap_or_else(|| Err("no destination".into()));
         ctx.step(format!(
             "kumo, {} {mem} MiB: hop {}/{} ({})",
             w.key,
@@ -1476,7 +1526,7 @@ fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration) ->
             target_ms: target,
             ..Default::default()
         };
-        let r = prepare(ctx, OVERLAP, mem).and_then(|dst| {
+        let r = dst.and_then(|dst| {
             if measure {
                 std::thread::sleep(win);
             }
@@ -1500,6 +1550,10 @@ fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration) ->
     }
     let out = vm.proc.out.clone();
     let mut send = || vm.proc.send_input(b"q");
+    ctx.step(format!(
+        "kumo, {} {mem} MiB: stopping the guest, checking its memory",
+        w.key
+    ));
     c.memory = Some(finish_guest(w, &mut send, &|| {
         std::fs::read_to_string(&out).unwrap_or_default()
     }));
@@ -1535,7 +1589,34 @@ fn qemu_chain(
         }
     };
     let mut history: Vec<(Instant, String)> = Vec::new();
+    let dst_spec = QemuSpec {
+        prealloc: true,
+        ..spec.clone()
+    };
+    let spawn = |port: u16| QemuVm::spawn(&dst_spec, Some(port)).map(|vm| (vm, port));
+    let mut ready = std::collections::VecDeque::new();
     for (i, &(target, measure)) in steps.iter().enumerate() {
+        if ready.is_empty() {
+            ctx.step(format!("QEMU, {} {mem} MiB: starting destinations", w.key));
+            let ports: Vec<Result<u16, String>> = (0..(steps.len() - i).min(BATCH))
+                .map(|_| qemu::free_port())
+                .collect();
+            ready.extend(std::thread::scope(|s| {
+                let hs: Vec<_> = ports
+                    .into_iter()
+                    .map(|p| s.spawn(|| p.and_then(spawn)))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err("starting a QEMU destination panicked".into()))
+                    })
+                    .collect::<Vec<_>>()
+            }));
+        }
+        let dst = ready
+            .pop_front()
+            .unwrap_or_else(|| Err("no destination".into()));
         ctx.step(format!(
             "QEMU, {} {mem} MiB: hop {}/{} ({})",
             w.key,
@@ -1547,18 +1628,6 @@ fn qemu_chain(
             target_ms: target,
             ..Default::default()
         };
-        let dst = qemu::free_port().and_then(|port| {
-            Ok((
-                QemuVm::spawn(
-                    &QemuSpec {
-                        prealloc: true,
-                        ..spec.clone()
-                    },
-                    Some(port),
-                )?,
-                port,
-            ))
-        });
         let (dst, port) = match dst {
             Ok(d) => d,
             Err(e) => {
@@ -1606,6 +1675,10 @@ fn qemu_chain(
     // The serial log, read without borrowing `src` (typed at meanwhile).
     let serial = src.serial_path();
     let mut send = || src.send_input(b"q");
+    ctx.step(format!(
+        "QEMU, {} {mem} MiB: stopping the guest, checking its memory",
+        w.key
+    ));
     let check = finish_guest(w, &mut send, &|| {
         std::fs::read(&serial)
             .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -1757,6 +1830,8 @@ struct Compare {
     qemu_cpu: String,
     /// Migrations per guest with the default rules (section 5); per target (section 6).
     runs: usize,
+    /// The same for the rows other than the flat-out guest (fewer in --quick).
+    other_runs: usize,
     runs_per_target: usize,
     /// Seconds of guest progress measured before and after each migration.
     window_s: f64,
@@ -1766,13 +1841,12 @@ struct Compare {
 }
 
 /// Sections 5 and 6: every workload under kumo and under QEMU at each size, `runs` default-rule
-/// hops each; at `dist_mib`, the flat-out and paper guests then hop `n` times per target.
+/// hops for the flat-out guest and `other_runs` for the others; at `dist_mib`, the flat-out and paper guests then hop `n` times per target.
 fn compare(
     ctx: &Ctx,
     sizes: &[u64],
     dist_mib: u64,
-    runs: usize,
-    n: usize,
+    (runs, other_runs, n): (usize, usize, usize),
     win: Duration,
     qemu_cpu: String,
 ) -> Compare {
@@ -1781,7 +1855,9 @@ fn compare(
     let (mut sbs, mut downtime) = (Vec::new(), Vec::new());
     for &mem in sizes {
         for w in WORKLOADS {
-            let mut steps: Steps = vec![(None, true); runs];
+            // The flat-out guest gives the headline's median; in --quick the other rows run once.
+            let rows = if w.key == "flat" { runs } else { other_runs };
+            let mut steps: Steps = vec![(None, true); rows];
             if mem == dist_mib && matches!(w.key, "flat" | "paper") {
                 steps.extend((0..n).flat_map(|_| TARGETS.map(|t| (Some(t), false))));
             }
@@ -1790,7 +1866,7 @@ fn compare(
             let q = qemu_chain(ctx, mem, w, &steps, win, converge);
             ctx.bar.inc(1);
             sbs.push(side_by_side(w, &k, &q));
-            if steps.len() > runs {
+            if steps.len() > rows {
                 for c in [&k, &q] {
                     downtime.extend(TARGETS.map(|t| dist(c, t)));
                 }
@@ -1802,6 +1878,7 @@ fn compare(
     Compare {
         qemu_cpu,
         runs,
+        other_runs,
         runs_per_target: n,
         window_s: win.as_secs_f64(),
         chains,
@@ -1812,7 +1889,12 @@ fn compare(
 
 fn print_compare(c: &Compare) {
     println!("\n5. kumo and QEMU 7.2 on the same guests (memtouch, prefilled; QEMU boots it through its PVH entry, -cpu {})", c.qemu_cpu);
-    println!("   {} migrations per row with each VMM's default rules (kumo: overlap, Xen rule; QEMU: downtime limit 300 ms), medians;", c.runs);
+    let runs = if c.runs == c.other_runs {
+        format!("{}", c.runs)
+    } else {
+        format!("{} (flat out) or {}", c.runs, c.other_runs)
+    };
+    println!("   {runs} migrations per row with each VMM's default rules (kumo: overlap, Xen rule; QEMU: downtime limit 300 ms), medians;");
     println!("   both over loopback TCP to a prepared destination (kumo --incoming --memory; QEMU -mem-prealloc), QEMU's max-bandwidth unlimited.");
     println!("   writes/s from the guest's progress lines as the host received them: {:.1} s before, during, {:.1} s after; kept = during / before", c.window_s, c.window_s);
     println!("   goal: kumo keeps >= QEMU's share, in <= QEMU's total time, with <= 1/5 of QEMU's downtime");
@@ -2122,7 +2204,16 @@ fn print_all(r: &Report) {
         }
     }
     println!("\n4. Correctness: one migration per guest, engines in turn, memory checked against the model");
-    for (name, c) in ["idle", "loaded"].iter().zip(&r.correctness) {
+    if r.correctness.iter().all(|c| c.runs == 0) {
+        println!(
+            "   skipped in --quick: sections 2 and 5 check every guest's memory after its hops"
+        );
+    }
+    for (name, c) in ["idle", "loaded"]
+        .iter()
+        .zip(&r.correctness)
+        .filter(|(_, c)| c.runs > 0)
+    {
         println!(
             "   {name:<7} {}/{}  ({} MiB, memtouch {})",
             c.passed, c.runs, c.memory_mib, c.guest
@@ -2445,13 +2536,13 @@ pub fn run(a: Args) -> Result<i32, String> {
         })?;
     println!("QEMU CPU model: {qemu_cpu}");
     let (sizes, big, n_correct): (&[u64], u64, usize) = if a.quick {
-        (&[512], 512, 2)
+        (&[512], 512, 0)
     } else {
         (&[256, 512, 1024, 2048], 2048, 20)
     };
     // Sections 5 and 6: sizes, runs per row, runs per downtime target, the rate windows.
     let (side_sizes, side_runs, n_target, win): (&[u64], usize, usize, Duration) = if a.quick {
-        (&[512], 3, 3, Duration::from_millis(600))
+        (&[512], 3, 3, Duration::from_millis(400))
     } else {
         (&[512, 2048], 3, 20, Duration::from_millis(1000))
     };
@@ -2491,8 +2582,8 @@ pub fn run(a: Args) -> Result<i32, String> {
         idle.push(s);
         pending.push(p);
     }
-    let settle = Duration::from_millis(if a.quick { 700 } else { 3000 });
-    let loaded = loaded(&ctx, big, settle, raw);
+    let settle = Duration::from_millis(if a.quick { 500 } else { 3000 });
+    let loaded = loaded(&ctx, big, settle, !a.quick, raw);
     let correctness = std::thread::scope(|s| {
         let idle = s.spawn(|| correct_idle(&ctx, n_correct, 256, raw));
         let loaded = correct_loaded(&ctx, n_correct, 256, raw);
@@ -2503,7 +2594,15 @@ pub fn run(a: Args) -> Result<i32, String> {
         });
         [idle, loaded]
     });
-    let compare = compare(&ctx, side_sizes, 512, side_runs, n_target, win, qemu_cpu);
+    let other_runs = if a.quick { 1 } else { side_runs };
+    let compare = compare(
+        &ctx,
+        side_sizes,
+        512,
+        (side_runs, other_runs, n_target),
+        win,
+        qemu_cpu,
+    );
     ctx.step("checking the idle VMs' memory".into());
     for (s, p) in idle.iter_mut().zip(pending) {
         s.memory = p.map(|p| match p.verify() {
