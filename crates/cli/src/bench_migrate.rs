@@ -1483,7 +1483,16 @@ fn target_label(t: Option<u64>) -> String {
 }
 
 /// The guest under kumo: each hop onto a prepared destination (overlap, kumo's default engine).
-fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration) -> Chain {
+/// `quiet` runs once the destinations of the first hops are ready, before anything is
+/// measured (the QEMU guest booting meanwhile is paused there).
+fn kumo_chain(
+    ctx: &Ctx,
+    mem: u64,
+    w: Workload,
+    steps: &Steps,
+    win: Duration,
+    quiet: &mut dyn FnMut(),
+) -> Chain {
     let mut c = Chain::new("kumo", w, mem);
     ctx.step(format!(
         "kumo, {} {mem} MiB: starting the guest (prefill)",
@@ -1511,6 +1520,9 @@ fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration) ->
                 &vec![OVERLAP; (steps.len() - i).min(BATCH)],
                 mem,
             ));
+            if i == 0 {
+                quiet();
+            }
         }
         let dst = ready
             .pop_front()
@@ -1570,18 +1582,22 @@ fn qemu_chain(
     steps: &Steps,
     win: Duration,
     converge: Duration,
+    booted: Option<Result<crate::qemu::QemuVm, String>>,
 ) -> Chain {
     use crate::qemu::{self, QemuSpec, QemuVm};
     let mut c = Chain::new("qemu", w, mem);
-    ctx.step(format!(
-        "QEMU, {} {mem} MiB: starting the guest (prefill)",
-        w.key
-    ));
     let spec = QemuSpec::new("memtouch", mem, &w.args());
-    let boot = Duration::from_secs(60) + Duration::from_micros(mem * 256 * 200);
-    let mut src = match QemuVm::spawn(&spec, None)
-        .and_then(|mut vm| vm.wait_serial(w.ready(), boot).map(|_| vm))
-    {
+    let src = match booted {
+        Some(vm) => vm.and_then(|mut vm| vm.qmp("cont", Value::Null).map(|_| vm)),
+        None => {
+            ctx.step(format!(
+                "QEMU, {} {mem} MiB: starting the guest (prefill)",
+                w.key
+            ));
+            qemu_source(mem, w, false)
+        }
+    };
+    let mut src = match src {
         Ok(vm) => vm,
         Err(e) => {
             c.error = Some(e);
@@ -1687,6 +1703,18 @@ fn qemu_chain(
     c.memory = Some(check);
     let _ = src.wait_exit(Duration::from_secs(30));
     c
+}
+
+/// The workload's guest booted in QEMU until ready; with `stop`, then paused (QMP `stop`).
+fn qemu_source(mem: u64, w: Workload, stop: bool) -> Result<crate::qemu::QemuVm, String> {
+    let spec = crate::qemu::QemuSpec::new("memtouch", mem, &w.args());
+    let boot = Duration::from_secs(60) + Duration::from_micros(mem * 256 * 200);
+    let mut vm = crate::qemu::QemuVm::spawn(&spec, None)?;
+    vm.wait_serial(w.ready(), boot)?;
+    if stop {
+        vm.qmp("stop", Value::Null)?;
+    }
+    Ok(vm)
 }
 
 fn h_running(vm: &mut crate::qemu::QemuVm) -> bool {
@@ -1861,9 +1889,25 @@ fn compare(
             if mem == dist_mib && matches!(w.key, "flat" | "paper") {
                 steps.extend((0..n).flat_map(|_| TARGETS.map(|t| (Some(t), false))));
             }
-            let k = kumo_chain(ctx, mem, w, &steps, win);
+            // QEMU's guest boots (~5 s here, its PVH start-up runs emulated) while kumo's
+            // guest boots and its first destinations are prepared, then waits paused. Not for
+            // a rate-limited guest: paused, it would fall behind its schedule and catch up
+            // flat out once resumed.
+            let mut pre =
+                (w.rate == 0).then(|| std::thread::spawn(move || qemu_source(mem, w, true)));
+            let mut booted = None;
+            let mut quiet = || {
+                if let Some(h) = pre.take() {
+                    booted = Some(
+                        h.join()
+                            .unwrap_or_else(|_| Err("booting QEMU panicked".into())),
+                    );
+                }
+            };
+            let k = kumo_chain(ctx, mem, w, &steps, win, &mut quiet);
+            quiet();
             ctx.bar.inc(1);
-            let q = qemu_chain(ctx, mem, w, &steps, win, converge);
+            let q = qemu_chain(ctx, mem, w, &steps, win, converge, booted);
             ctx.bar.inc(1);
             sbs.push(side_by_side(w, &k, &q));
             if steps.len() > rows {
