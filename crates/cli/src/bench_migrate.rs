@@ -4,14 +4,24 @@
 //!
 //! 1. Raw TCP: a plain socket, 4 MiB writes, the baseline of every throughput ratio.
 //! 2. Idle VMs by size and engine. One VM per size hops through every engine in turn (prefilling
-//!    a 2 GiB guest takes ~20 s on this nested host: too long to repeat per engine).
+//!    a 2 GiB guest takes ~20 s on this nested host: too long to repeat per engine), then twice
+//!    more with the fastest network engine (the headline takes its median).
 //! 3. A loaded VM (the paper's dirty-page workload) hopping once to warm up, then serial →
-//!    overlap → overlap with the downtime rule; the dirty-page model (M and τ from the workload's
-//!    parameters, β from the guest's own write rate during each migration) against the
-//!    measurement; memtouch's unthrottled write rate while migrated against a run without.
-//! 4. Correctness: single migrations, engines in turn, each guest checked against the model.
+//!    overlap → overlap with the downtime rule (not in --quick) → zerocopy; the dirty-page model
+//!    (M and τ from the workload's parameters, β from the guest's own write rate during each
+//!    migration) against the measurement.
+//! 4. Correctness: single migrations, engines in turn, each guest checked against the model
+//!    (not in --quick: sections 2 and 5 check every guest they migrate).
+//! 5. kumo and QEMU on the same four guests, the guest's writes/s before, during and after each
+//!    migration from host-stamped progress lines; the goal check per guest.
+//! 6. Downtime by target (10, 30, 50 ms) for both VMMs, paper and flat-out guests.
 //!
-//! Memory is checked against `kumo_guests::memtouch::expected_checksum`. An idle guest writes,
+//! The last line is the headline: `throughput_ratio= downtime_ms= guest_kept= qemu_guest_kept=`.
+//! Destinations are prepared [`BATCH`] at a time before their hops (that is most of a hop's
+//! set-up time), so that nothing is being prepared while something is measured.
+//!
+//! Memory is checked against `kumo_guests::memtouch::expected_checksum`. Sections 5-6's guests
+//! run until typed at (`until_input`/`hold_input`, [`finish_guest`]). Section 2's idle guest writes,
 //! prints `checksum=`, halts for `hold_ms` and prints `checksum_after_hold=` wherever it runs by
 //! then. The hold must outlast the hops, so it is generous, and the wait for its end is deferred
 //! ([`Pending`]): the halted VM uses no CPU while the next measurements run.
@@ -33,7 +43,7 @@ use serde_json::Value;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A short run (512 MiB VMs, 2 correctness runs each): under a minute.
+    /// A short run (512 MiB VMs, 3 runs for each headline figure): about 3 minutes.
     #[arg(long)]
     quick: bool,
     /// Where to write the JSON results.
