@@ -39,6 +39,44 @@ fn checksum(out: &str, key: &str) -> u64 {
 }
 
 #[test]
+fn the_cpu_probe_finds_a_model_that_boots() {
+    if !qemu_or_skip("the_cpu_probe_finds_a_model_that_boots") {
+        return;
+    }
+    // The harness and `kumo bench migrate` use this model for every VM (QemuSpec's default).
+    let cpu = qemu::cpu_model().unwrap();
+    eprintln!("QEMU CPU model: {cpu}");
+    assert!(qemu::CPU_CANDIDATES.contains(&cpu.as_str()), "{cpu}");
+    qemu::probe_cpu(&cpu).unwrap();
+    assert!(qemu::probe_cpu("no-such-cpu-model").is_err());
+}
+
+#[test]
+fn a_paused_and_resumed_qemu_guest_stops_when_typed_at() {
+    if !qemu_or_skip("a_paused_and_resumed_qemu_guest_stops_when_typed_at") {
+        return;
+    }
+    // What `kumo bench migrate` does with QEMU's guests: boot, pause (QMP stop), resume, read
+    // the host-stamped progress lines, and end the guest from its console (until_input).
+    let args = sv(&["pages=2000", "seed=3", "until_input=1", "report_ms=50"]);
+    let mut vm = QemuVm::spawn(&QemuSpec::new("memtouch", 64, &args), None).unwrap();
+    vm.wait_serial("memtouch: progress", LIMIT).unwrap();
+    vm.qmp("stop", serde_json::Value::Null).unwrap();
+    vm.qmp("cont", serde_json::Value::Null).unwrap();
+    let seen = vm.lines().len();
+    vm.wait_serial("writes=", LIMIT).unwrap();
+    let stamps: Vec<std::time::Instant> = vm.lines().iter().map(|l| l.0).collect();
+    assert!(stamps.windows(2).all(|w| w[0] <= w[1]), "host stamps in arrival order");
+    assert!(seen >= 1);
+    vm.send_input(b"q").unwrap();
+    assert_eq!(vm.wait_exit(LIMIT).unwrap(), 0, "{}", vm.serial());
+    let out = vm.serial();
+    let writes: u64 = field(&out, "memtouch: done", "writes").and_then(|w| w.parse().ok()).expect("done line");
+    assert_eq!(checksum(&out, "checksum"), kumo_guests::memtouch::expected_checksum(2000, writes, 3, true), "{out}");
+    assert!(vm.lines().iter().any(|(_, l)| l.starts_with("memtouch: checksum=")));
+}
+
+#[test]
 fn hello_boots_under_qemu_and_exits_zero() {
     if !qemu_or_skip("hello_boots_under_qemu_and_exits_zero") {
         return;

@@ -7,10 +7,14 @@
 //! leaf 0x40000010 if the CPU model exposes it, else from a PIT calibration in the guest.
 //!
 //! Command line used for every VM (the destination adds `-incoming tcp:127.0.0.1:PORT`):
-//! `qemu-system-x86_64 -accel kvm -machine pc -cpu max -m MiB -smp 1 -nodefaults -display none
-//!  -kernel ELF -append ARGS -serial file:SERIAL -device isa-debug-exit,iobase=0x501,iosize=1
-//!  -qmp unix:SOCK,server=on,wait=off -no-reboot`.
-//! (`-cpu host` fails on this machine's nested KVM, on MSR 0x10a.) isa-debug-exit makes QEMU
+//! `qemu-system-x86_64 -accel kvm -machine pc -cpu CPU -m MiB -smp 1 -nodefaults -display none
+//!  -kernel ELF -append ARGS -chardev stdio,id=con,signal=off -serial chardev:con
+//!  -device isa-debug-exit,iobase=0x501,iosize=1 -qmp unix:SOCK,server=on,wait=off -no-reboot`.
+//! CPU is the first model of [`CPU_CANDIDATES`] that boots `hello` on this host ([`cpu_model`]):
+//! QEMU 7.2 aborts with `-cpu host` and, on some instances of this nested host, `-cpu max`
+//! ("failed to set MSR 0x10a"). The serial console is QEMU's stdio: a reader thread stamps
+//! each line with the host time it arrived ([`QemuVm::lines`]) and stdin is the guest's console
+//! input ([`QemuVm::send_input`]). isa-debug-exit makes QEMU
 //! exit with status `(code << 1) | 1` when the guest writes its exit code to port 0x501; the
 //! size is 1 so that the guest's start marker at 0x502 is not taken for an exit.
 //!
@@ -22,7 +26,9 @@ use std::net::TcpListener;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::process::{ChildStdin, ChildStdout};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -77,24 +83,34 @@ pub struct QemuSpec {
     /// Its `key=value` parameters, checked against the guest's manifest.
     pub guest_args: Vec<String>,
     pub mem_mib: u64,
-    /// `-cpu` value. The default, `max`, gives the guest what it needs (TSC-deadline LAPIC
-    /// timer); `max,+invtsc,vmware-cpuid-freq=on,tsc-frequency=HZ` also gives it the TSC
-    /// frequency through CPUID (migratable only with tsc-frequency set).
+    /// `-cpu` value; empty (the default): the model [`cpu_model`] found working on this host.
     pub cpu: String,
     /// `-mem-prealloc`: fault in all guest memory at start (matters for a destination here:
     /// first touch of host memory is slow on this nested KVM).
     pub prealloc: bool,
+    /// `-S`: the vCPU does not start (the CPU model probe).
+    pub paused: bool,
 }
 
 impl QemuSpec {
     pub fn new(guest: &str, mem_mib: u64, guest_args: &[String]) -> QemuSpec {
-        QemuSpec { guest: guest.into(), guest_args: guest_args.to_vec(), mem_mib, cpu: "max".into(), prealloc: false }
+        QemuSpec {
+            guest: guest.into(),
+            guest_args: guest_args.to_vec(),
+            mem_mib,
+            cpu: String::new(),
+            prealloc: false,
+            paused: false,
+        }
     }
 }
 
 /// A QEMU process running a kumo guest; killed (and its files removed) on drop.
 pub struct QemuVm {
     child: Child,
+    stdin: Option<ChildStdin>,
+    /// Complete serial lines with the host time each arrived.
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
     qmp: Option<Qmp>,
     /// Held for its `Drop`: removes the guest ELF, sockets and logs.
     _dir: TempDir,
@@ -115,6 +131,7 @@ impl QemuVm {
     pub fn spawn(spec: &QemuSpec, incoming_port: Option<u16>) -> Result<QemuVm, String> {
         let qemu = qemu_binary()?;
         kvm_usable()?;
+        let cpu = if spec.cpu.is_empty() { cpu_model()? } else { spec.cpu.clone() };
         if spec.mem_mib < 16 || spec.mem_mib > 3072 {
             return Err(format!(
                 "memory {} MiB: the guests' PVH page tables map 16..=3072 MiB (RAM below the PCI hole)",
@@ -133,32 +150,63 @@ impl QemuVm {
         let (serial, stderr, sock) = (dir.0.join("serial.log"), dir.0.join("stderr.log"), dir.0.join("qmp.sock"));
         fs::File::create(&serial).map_err(|e| format!("cannot create {}: {e}", serial.display()))?;
         let mut cmd = Command::new(&qemu);
-        cmd.args(["-accel", "kvm", "-machine", "pc", "-cpu", &spec.cpu, "-smp", "1"])
+        cmd.args(["-accel", "kvm", "-machine", "pc", "-cpu", &cpu, "-smp", "1"])
             .args(["-m", &spec.mem_mib.to_string(), "-nodefaults", "-display", "none", "-no-reboot"])
             .arg("-kernel")
             .arg(&elf)
             .args(["-append", &cmdline])
-            .arg("-serial")
-            .arg(format!("file:{}", serial.display()))
+            .args(["-chardev", "stdio,id=con,signal=off", "-serial", "chardev:con"])
             .args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"])
             .arg("-qmp")
             .arg(format!("unix:{},server=on,wait=off", sock.display()));
         if spec.prealloc {
             cmd.arg("-mem-prealloc");
         }
+        if spec.paused {
+            cmd.arg("-S");
+        }
         if let Some(port) = incoming_port {
             cmd.args(["-incoming", &format!("tcp:127.0.0.1:{port}")]);
         }
         let err_file = fs::File::create(&stderr).map_err(|e| format!("cannot create {}: {e}", stderr.display()))?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
             .stderr(err_file)
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", qemu.display()))?;
-        let mut vm = QemuVm { child, qmp: None, _dir: dir, serial, stderr };
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stdin = child.stdin.take();
+        if let Some(out) = child.stdout.take() {
+            let file = fs::OpenOptions::new()
+                .append(true)
+                .open(&serial)
+                .map_err(|e| format!("cannot open {}: {e}", serial.display()))?;
+            let lines = lines.clone();
+            std::thread::spawn(move || stamp_lines(out, file, &lines));
+        }
+        let mut vm = QemuVm { child, stdin, lines, qmp: None, _dir: dir, serial, stderr };
         vm.qmp = Some(vm.connect_qmp(&sock, Duration::from_secs(30))?);
         Ok(vm)
+    }
+
+    /// The file the guest's serial output goes to.
+    pub fn serial_path(&self) -> PathBuf {
+        self.serial.clone()
+    }
+
+    /// The complete serial lines so far, each with the host time it arrived.
+    pub fn lines(&self) -> Vec<(Instant, String)> {
+        self.lines.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Types `bytes` on the guest's serial console.
+    pub fn send_input(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let r = match self.stdin.as_mut() {
+            Some(s) => s.write_all(bytes).and_then(|_| s.flush()).map_err(|e| e.to_string()),
+            None => Err("no console input".into()),
+        };
+        r.map_err(|e| self.why(&format!("console input: {e}")))
     }
 
     fn connect_qmp(&mut self, sock: &Path, limit: Duration) -> Result<Qmp, String> {
@@ -212,7 +260,6 @@ impl QemuVm {
 
     /// Waits for QEMU to exit and returns the guest's exit code (isa-debug-exit status
     /// `(code << 1) | 1`), or an Err if QEMU exited otherwise or not within `limit`.
-    #[allow(dead_code)] // the kumo binary only migrates; tests/qemu_e2e.rs waits for exits
     pub fn wait_exit(&mut self, limit: Duration) -> Result<u32, String> {
         let t = Instant::now();
         loop {
@@ -238,6 +285,72 @@ impl QemuVm {
         };
         r.map_err(|e| self.why(&format!("QMP {execute}: {e}")))
     }
+}
+
+/// Copies QEMU's stdout (the guest's serial console) to `file` and stamps each complete line
+/// with the host time it arrived: guest time stops while a VM is paused, host time does not.
+fn stamp_lines(out: ChildStdout, mut file: fs::File, lines: &Mutex<Vec<(Instant, String)>>) {
+    let mut r = BufReader::new(out);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match r.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let at = Instant::now();
+        let _ = file.write_all(&buf);
+        if buf.ends_with(b"\n") {
+            if let Ok(mut l) = lines.lock() {
+                l.push((at, String::from_utf8_lossy(&buf).trim_end().to_string()));
+            }
+        }
+    }
+}
+
+/// `-cpu` models to try, best first: `host` and `max` abort on some instances of this nested
+/// host (MSR 0x10a, IA32_ARCH_CAPABILITIES); `qemu64` lacks what the guests' timer wants on
+/// some hosts but boots.
+pub const CPU_CANDIDATES: [&str; 4] = ["host", "max", "max,-arch-capabilities", "qemu64"];
+
+/// The first of [`CPU_CANDIDATES`] QEMU starts a VM with here ([`probe_cpu`]), found once per
+/// process; an Err lists why each failed.
+pub fn cpu_model() -> Result<String, String> {
+    static MODEL: OnceLock<Result<String, String>> = OnceLock::new();
+    MODEL
+        .get_or_init(|| {
+            let mut why = Vec::new();
+            for cpu in CPU_CANDIDATES {
+                match probe_cpu(cpu) {
+                    Ok(()) => return Ok(cpu.to_string()),
+                    Err(e) => why.push(format!("-cpu {cpu}: {}", first_error_line(&e))),
+                }
+            }
+            Err(format!("QEMU boots kumo's hello guest with none of the CPU models tried ({})", why.join("; ")))
+        })
+        .clone()
+}
+
+/// Starts QEMU with `-cpu cpu` and `-S` (the guest `hello` loaded, its vCPU not started):
+/// a model this host's KVM rejects aborts QEMU while it sets the vCPU's registers at reset,
+/// before QMP answers (`failed to set MSR 0x10a`). Then asks QMP for the status and quits.
+pub fn probe_cpu(cpu: &str) -> Result<(), String> {
+    let spec = QemuSpec { cpu: cpu.into(), paused: true, ..QemuSpec::new("hello", 64, &[]) };
+    let mut vm = QemuVm::spawn(&spec, None)?;
+    let status = vm.qmp("query-status", Value::Null)?;
+    if status["status"].as_str() != Some("prelaunch") {
+        return Err(format!("unexpected status {status}"));
+    }
+    vm.check_running()?;
+    let _ = vm.qmp("quit", Value::Null);
+    Ok(())
+}
+
+/// The first line of QEMU's stderr quoted in a [`QemuVm`] error that says something, else the
+/// error's first line.
+fn first_error_line(e: &str) -> String {
+    let stderr = e.split("--- stderr ---").nth(1).and_then(|r| r.split("--- serial ---").next()).unwrap_or("");
+    stderr.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or_else(|| e.lines().next().unwrap_or("")).to_string()
 }
 
 /// A minimal QMP client: one JSON object per line; asynchronous events are skipped.
@@ -322,6 +435,7 @@ pub struct QemuMigration {
 
 /// A migration to run: `spec` on a source, the same on a destination.
 #[derive(Debug, Clone)]
+#[allow(dead_code)] // used by tests/qemu_e2e.rs; the bench chains migrate_to itself
 pub struct MigrationSpec {
     pub vm: QemuSpec,
     /// Start migrating once the source's serial has a line containing this.
@@ -344,6 +458,7 @@ const UNLIMITED_BANDWIDTH: u64 = 100_000_000_000;
 /// Runs `m.vm` in a source QEMU until `m.ready_line`, live-migrates it over loopback TCP to a
 /// destination QEMU, and waits for the destination to print `m.final_line`. Returns QEMU's
 /// figures and the destination's serial output (what the guest printed after the switch-over).
+#[allow(dead_code)] // used by tests/qemu_e2e.rs; the bench chains migrate_to itself
 pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
     let port = free_port()?;
     let mut src = QemuVm::spawn(&m.vm, None)?;
@@ -352,8 +467,24 @@ pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
     let mut dst = QemuVm::spawn(&dst_spec, Some(port))?;
     src.wait_serial(&m.ready_line, m.timeout)?;
 
+    let mut r = migrate_to(&mut src, &dst, port, m.downtime_limit_ms, m.timeout)?;
+    r.mem_mib = m.vm.mem_mib;
+    let out = dst.wait_serial(&m.final_line, m.timeout)?;
+    Ok((r, out))
+}
+
+/// Live-migrates `src` to `dst`, a QEMU started with `-incoming` on 127.0.0.1:`port`, and
+/// waits until QEMU reports the migration completed (polled every 5 ms). `src` stays behind,
+/// stopped; `dst` runs the guest.
+pub fn migrate_to(
+    src: &mut QemuVm,
+    dst: &QemuVm,
+    port: u16,
+    downtime_limit_ms: Option<u64>,
+    timeout: Duration,
+) -> Result<QemuMigration, String> {
     let mut params = json!({ "max-bandwidth": UNLIMITED_BANDWIDTH });
-    if let Some(d) = m.downtime_limit_ms {
+    if let Some(d) = downtime_limit_ms {
         params["downtime-limit"] = json!(d);
     }
     src.qmp("migrate-set-parameters", params)?;
@@ -371,9 +502,9 @@ pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
                     dst.why("")
                 ));
             }
-            _ if t0.elapsed() > m.timeout => {
+            _ if t0.elapsed() > timeout => {
                 let _ = src.qmp("migrate_cancel", Value::Null);
-                return Err(src.why(&format!("migration not done within {:?}: {info}", m.timeout)));
+                return Err(src.why(&format!("migration not done within {timeout:?}: {info}")));
             }
             _ => std::thread::sleep(Duration::from_millis(5)),
         }
@@ -381,15 +512,14 @@ pub fn migrate(m: &MigrationSpec) -> Result<(QemuMigration, String), String> {
     let wall_ms = t0.elapsed().as_millis() as u64;
     let mut r = parse_migration(&info)?;
     r.wall_ms = wall_ms;
-    r.mem_mib = m.vm.mem_mib;
-    r.downtime_limit_ms = m.downtime_limit_ms;
-    let out = dst.wait_serial(&m.final_line, m.timeout)?;
-    Ok((r, out))
+    r.downtime_limit_ms = downtime_limit_ms;
+    Ok(r)
 }
 
 /// [`migrate`] for the memtouch guest: `mem_mib` of RAM, `guest_args` for memtouch, migrate
 /// when the source prints `ready_line`, done when the destination prints its checksum
 /// (`memtouch: checksum=`; with `hold_ms`, `memtouch: checksum_after_hold=`).
+#[allow(dead_code)] // used by tests/qemu_e2e.rs; the bench chains migrate_to itself
 pub fn migrate_memtouch(
     mem_mib: u64,
     guest_args: &[String],
@@ -431,7 +561,7 @@ fn parse_migration(info: &Value) -> Result<QemuMigration, String> {
     })
 }
 
-fn free_port() -> Result<u16, String> {
+pub fn free_port() -> Result<u16, String> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
     l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
 }

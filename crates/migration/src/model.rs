@@ -59,13 +59,14 @@ fn g(t: f64, tau: f64) -> f64 {
     -(-(t / tau) * std::f64::consts::LN_2).exp_m1()
 }
 
-/// For fixed τ, the least-squares `M` and the sum of squared residuals.
-fn best_m(obs: &[(f64, f64)], tau: f64) -> (f64, f64) {
+/// For fixed τ, the least-squares `M` within `0..=max_m` and the sum of squared residuals.
+/// The residual is a convex quadratic in `M`, so clamping the free optimum is the bounded one.
+fn best_m(obs: &[(f64, f64)], tau: f64, max_m: f64) -> (f64, f64) {
     let (sy, sg) = obs.iter().fold((0.0, 0.0), |(sy, sg), &(t, y)| {
         let gi = g(t, tau);
         (sy + y * gi, sg + gi * gi)
     });
-    let m = if sg > 0.0 { sy / sg } else { 0.0 };
+    let m = if sg > 0.0 { (sy / sg).clamp(0.0, max_m) } else { 0.0 };
     let sse = obs.iter().map(|&(t, y)| (y - m * g(t, tau)).powi(2)).sum();
     (m, sse)
 }
@@ -80,14 +81,26 @@ impl DirtyModel {
         }
     }
 
-    /// Least-squares fit to `(seconds, distinct pages dirtied in that interval)`.
-    ///
-    /// For a fixed τ the best `M` is closed-form (`M = Σ y·g / Σ g²`, `g = 1 − 2^(−t/τ)`),
-    /// so only τ is searched: a log grid from 1/1000 of the shortest interval to 1000× the
-    /// longest, then golden-section refinement around the best grid point. Data that never
-    /// saturates (a steady rate) puts τ at the top of that range, where `D` is linear and
-    /// `M·ln2/τ` is the rate: still right within the observed range.
+    /// Least-squares fit to `(seconds, distinct pages dirtied in that interval)`, with no
+    /// bound on `M`: [`fit_bounded`](DirtyModel::fit_bounded) with `max_m = ∞`.
     pub fn fit(obs: &[(f64, f64)]) -> Result<DirtyModel, ModelError> {
+        Self::fit_bounded(obs, f64::INFINITY)
+    }
+
+    /// Least-squares fit to `(seconds, distinct pages dirtied in that interval)` with
+    /// `0 ≤ M ≤ max_m` (a VM cannot dirty more pages than it has: pass its page count).
+    ///
+    /// For a fixed τ the best `M` is closed-form (`M = Σ y·g / Σ g²`, `g = 1 − 2^(−t/τ)`,
+    /// clamped to the bound), so only τ is searched: a log grid from 1/1000 of the shortest
+    /// interval to 1000× the longest, then golden-section refinement around the best grid
+    /// point. Data that never saturates (a steady rate) fits best with `M` at its bound and
+    /// `M·ln2/τ` the rate. If the best τ is still the top of the range (no bound, or a rate so
+    /// low that even the bound does not saturate it), the data cannot determine the model: that
+    /// is an error, never a huge `M` or τ.
+    pub fn fit_bounded(obs: &[(f64, f64)], max_m: f64) -> Result<DirtyModel, ModelError> {
+        if max_m.is_nan() || max_m <= 0.0 {
+            return Err(ModelError::InvalidParams("the bound on M must be positive"));
+        }
         for (index, &(t, pages)) in obs.iter().enumerate() {
             if !(t.is_finite() && pages.is_finite() && t >= 0.0 && pages >= 0.0) {
                 return Err(ModelError::InvalidObservation { index, t, pages });
@@ -106,7 +119,7 @@ impl DirtyModel {
         const N: usize = 241;
         let step = (hi / lo).ln() / (N - 1) as f64;
         let grid: Vec<f64> = (0..N).map(|i| lo.ln() + step * i as f64).collect();
-        let sse = |ln_tau: f64| best_m(obs, ln_tau.exp()).1;
+        let sse = |ln_tau: f64| best_m(obs, ln_tau.exp(), max_m).1;
         let best = (0..N).min_by(|&a, &b| sse(grid[a]).total_cmp(&sse(grid[b]))).unwrap_or(0);
         // Golden section in ln τ between the grid neighbours of the best point.
         let (mut a, mut b) = (grid[best.saturating_sub(1)], grid[(best + 1).min(N - 1)]);
@@ -127,8 +140,16 @@ impl DirtyModel {
                 fd = sse(d);
             }
         }
+        if best == N - 1 {
+            return Err(ModelError::Degenerate(
+                "the pages dirtied never level off within the bound on M: M and τ are undetermined",
+            ));
+        }
         let tau = ((a + b) / 2.0).exp();
-        let (m, _) = best_m(obs, tau);
+        let (m, _) = best_m(obs, tau, max_m);
+        if !(m.is_finite() && m > 0.0 && tau.is_finite() && tau > 0.0) {
+            return Err(ModelError::Degenerate("no finite positive M and τ fit"));
+        }
         Ok(DirtyModel { m, tau })
     }
 

@@ -139,7 +139,7 @@ pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
             "rounds",
         )
     };
-    let model = match DirtyModel::fit(&obs) {
+    let model = match DirtyModel::fit_bounded(&obs, total_pages as f64) {
         Ok(m) => m,
         Err(e) => return json!({"fitted": false, "why": e.to_string(), "observations": obs}),
     };

@@ -61,14 +61,50 @@ fn fit_of_a_workload_touching_a_fixed_set_once() {
 }
 
 #[test]
-fn fit_of_an_unsaturated_workload_keeps_the_rate() {
-    // A steady 20,000 pages/s never saturates: τ goes to the top of the search range and
-    // M·ln2/τ is the rate.
+fn fit_of_an_unsaturated_workload_keeps_the_rate_within_the_bound() {
+    // A steady 20,000 pages/s never saturates: M goes to its bound (the VM's pages) and
+    // M·ln2/τ is the rate (within a few %: the bounded curve bends slightly over 2 s).
     let obs: Vec<(f64, f64)> = [0.1, 0.5, 1.0, 2.0].iter().map(|&t| (t, 20_000.0 * t)).collect();
-    let m = DirtyModel::fit(&obs).unwrap();
-    assert!(m.tau > 100.0, "{m:?}");
-    assert!(close(m.m * std::f64::consts::LN_2 / m.tau, 20_000.0, 0.01), "{m:?}");
-    assert!(close(m.dirtied(1.5), 30_000.0, 0.01));
+    let m = DirtyModel::fit_bounded(&obs, VM_PAGES as f64).unwrap();
+    assert!(m.m <= VM_PAGES as f64 && close(m.m, VM_PAGES as f64, 1e-9), "{m:?}");
+    assert!(m.tau.is_finite() && m.tau > 0.0, "{m:?}");
+    assert!(close(m.m * std::f64::consts::LN_2 / m.tau, 20_000.0, 0.05), "{m:?}");
+    assert!(close(m.dirtied(1.5), 30_000.0, 0.05), "{m:?}");
+}
+
+#[test]
+fn an_undetermined_fit_is_an_error_not_a_huge_m() {
+    // The same steady rate without a bound: nothing determines M, so no model.
+    let obs: Vec<(f64, f64)> = [0.1, 0.5, 1.0, 2.0].iter().map(|&t| (t, 20_000.0 * t)).collect();
+    assert!(matches!(DirtyModel::fit(&obs), Err(ModelError::Degenerate(_))));
+    // A rate so low that even a 512-page bound is far from saturating within the data.
+    let slow: Vec<(f64, f64)> = [0.1, 0.2, 0.4].iter().map(|&t| (t, 0.001 * t)).collect();
+    assert!(matches!(DirtyModel::fit_bounded(&slow, 512.0), Err(ModelError::Degenerate(_))));
+    // A bound must be positive.
+    for bad in [0.0, -1.0, f64::NAN] {
+        assert!(matches!(DirtyModel::fit_bounded(&obs, bad), Err(ModelError::InvalidParams(_))));
+    }
+}
+
+#[test]
+fn bounded_fits_never_exceed_the_vm() {
+    // Noisy, nearly linear round data like a loaded 2 GiB VM's (what once fitted to
+    // M = 65,887,728 and τ = 1,512 s): M stays within the VM's pages, τ finite.
+    let mut rng = Rng(7);
+    let obs: Vec<(f64, f64)> = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35]
+        .iter()
+        .map(|&t| (t, 30_000.0 * t * (1.0 + 0.03 * rng.unit())))
+        .collect();
+    let m = DirtyModel::fit_bounded(&obs, VM_PAGES as f64).unwrap();
+    assert!(m.m > 0.0 && m.m <= VM_PAGES as f64, "{m:?}");
+    assert!(m.tau.is_finite() && m.tau > 0.0, "{m:?}");
+    // A saturating workload well inside the bound fits as without it.
+    let sat: Vec<(f64, f64)> = times().into_iter().map(|t| (t, PAPER.dirtied(t))).collect();
+    let b = DirtyModel::fit_bounded(&sat, VM_PAGES as f64).unwrap();
+    assert!(close(b.m, 1e5, 1e-6) && close(b.tau, 1.32, 1e-6), "{b:?}");
+    // A bound below the true M holds, and the fit is the best one at the bound.
+    let low = DirtyModel::fit_bounded(&sat, 60_000.0).unwrap();
+    assert!(low.m <= 60_000.0 && close(low.m, 60_000.0, 1e-9), "{low:?}");
 }
 
 #[test]
