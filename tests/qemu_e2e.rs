@@ -9,7 +9,8 @@ mod qemu;
 use qemu::{QemuSpec, QemuVm};
 use std::time::Duration;
 
-const LIMIT: Duration = Duration::from_secs(30);
+/// A safety net against hangs only: far above what anything takes, even on a busy machine.
+const LIMIT: Duration = Duration::from_secs(300);
 
 fn qemu_or_skip(test: &str) -> bool {
     match qemu::qemu_binary().and_then(|_| qemu::kvm_usable()) {
@@ -100,11 +101,13 @@ fn memtouch_under_qemu_matches_the_reference_model() {
     assert_eq!(vm.wait_exit(LIMIT).unwrap(), 0, "{}", vm.serial());
     let out = vm.serial();
     assert_eq!(checksum(&out, "checksum"), kumo_guests::memtouch::expected_checksum(3000, 20000, 7, true), "{out}");
-    // rate=40000 for 20000 writes: about 0.5 s of guest time if the guest knows its TSC rate.
+    // rate=40000 for 20000 writes: at least 0.5 s of guest time if the guest knows its TSC rate.
     let tsc_khz: u64 = field(&out, "kumo-pvh:", "tsc_khz").and_then(|v| v.parse().ok()).expect("tsc_khz line");
     assert!(tsc_khz > 100_000, "{out}");
     let us: u64 = field(&out, "memtouch: done", "elapsed_us").and_then(|v| v.parse().ok()).expect("done line");
-    assert!((450_000..2_000_000).contains(&us), "rate-limited run took {us} us:\n{out}");
+    // The rate limit holds the guest back by its own clock; how much longer it takes depends
+    // on the machine, so only the lower bound is checked.
+    assert!(us >= 450_000, "rate-limited run took {us} us:\n{out}");
 }
 
 #[test]
@@ -112,21 +115,28 @@ fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
     if !qemu_or_skip("qemu_live_migration_of_a_writing_memtouch_keeps_its_memory") {
         return;
     }
-    // ~3 s of random writes over 80 MiB at 20,000 pages/s; migrated after 1 s, when about 63%
-    // of the working set (1 - 1/e) has been written.
-    let (pages, writes, seed) = (20_000, 60_000, 11);
-    let args = sv(&["pages=20000", "writes=60000", "seed=11", "rate=20000", "report_ms=500"]);
-    let (m, out) = qemu::migrate_memtouch(256, &args, "memtouch: progress t_ms=1000", Some(100), false, LIMIT).unwrap();
+    // Random writes over 80 MiB at 20,000 pages/s until the test types at the guest, which it
+    // does only once the guest has moved: whatever the machine's speed, it moves while writing.
+    let (pages, seed) = (20_000, 11);
+    let args = sv(&["pages=20000", "seed=11", "rate=20000", "report_ms=500", "until_input=1"]);
+    let spec = QemuSpec::new("memtouch", 256, &args);
+    let port = qemu::free_port().unwrap();
+    let mut src = QemuVm::spawn(&spec, None).unwrap();
+    let mut dst = QemuVm::spawn(&spec, Some(port)).unwrap();
+    src.wait_serial("memtouch: progress", LIMIT).unwrap();
+    let m = qemu::migrate_to(&mut src, &dst, port, Some(100), LIMIT).unwrap();
     eprintln!("{}", serde_json::to_string(&m).unwrap());
-    // The workload was still running when it moved: it finished on the destination.
-    assert!(out.contains("memtouch: done writes=60000"), "{out}");
+    dst.send_input(b"q").unwrap();
+    let out = dst.wait_serial("memtouch: checksum=", LIMIT).unwrap();
+    let writes: u64 = field(&out, "memtouch: done", "writes").and_then(|v| v.parse().ok()).expect("done line");
+    assert!(writes > 0, "{out}");
     assert_eq!(
         checksum(&out, "checksum"),
         kumo_guests::memtouch::expected_checksum(pages, writes, seed, true),
         "{out}"
     );
     assert!(m.total_ms > 0 && m.transferred_bytes > 0 && m.dirty_sync_count >= 1, "{m:?}");
-    assert!(m.normal_pages >= pages / 2, "the written part of the working set must have been sent: {m:?}");
+    assert!(m.normal_pages > 0, "the written pages must have been sent: {m:?}");
     assert!(m.duplicate_pages > 0, "untouched memory goes as zero pages: {m:?}");
 }
 

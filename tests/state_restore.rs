@@ -56,7 +56,7 @@ fn pause_save_restore_resume_keeps_the_guest_going() {
     .unwrap();
     let t = Instant::now();
     while !console.text().contains("memtouch: pages=") {
-        assert!(t.elapsed() < Duration::from_secs(30), "guest did not start: {}", console.text());
+        assert!(t.elapsed() < Duration::from_secs(300), "guest did not start: {}", console.text());
         std::thread::sleep(Duration::from_millis(10));
     }
 
