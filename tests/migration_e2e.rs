@@ -248,10 +248,12 @@ fn the_source_runs_on_when_the_receiver_dies() {
     if !kvm_or_skip("the_source_runs_on_when_the_receiver_dies") {
         return;
     }
-    // The receiver takes 4 MiB of the stream, then its process "dies" (the connection drops).
+    // The receiver takes the first bytes of the stream, whatever they are (round 0 may be a
+    // single batch smaller than any fixed amount), then its process "dies": the connection
+    // drops with data unread.
     let (addr, fake) = fake_destination(|mut c, _| {
-        let mut buf = vec![0u8; 4 << 20];
-        c.read_exact(&mut buf).unwrap();
+        let mut buf = vec![0u8; 64 << 10];
+        assert!(c.read(&mut buf).unwrap() > 0, "the source sent nothing after Ready");
     });
     let (mut src, sock) = source("die-src", "256M", &["pages=20000", "rate=500000", "seed=8", "until_input=1"]);
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "serial"]);
