@@ -33,6 +33,29 @@ impl Console {
     }
 }
 
+/// Waits (bounded only as a safety net) until the console shows `needle` `n` times.
+fn wait_for(console: &Console, needle: &str, n: usize) {
+    let t = Instant::now();
+    while console.text().matches(needle).count() < n {
+        assert!(t.elapsed() < Duration::from_secs(300), "no `{needle}` x{n} from the guest: {}", console.text());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The writes a stopped memtouch reports, after checking its checksum against the model.
+fn check_memtouch(out: &str, pages: u64, seed: u64) -> u64 {
+    let writes: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("memtouch: done writes="))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|w| w.parse().ok())
+        .expect(out);
+    let sum = out.lines().find_map(|l| l.strip_prefix("memtouch: checksum=")).expect(out);
+    let want = kumo_guests::memtouch::expected_checksum(pages, writes, seed, true);
+    assert_eq!(u64::from_str_radix(sum.trim(), 16).unwrap(), want, "{out}");
+    writes
+}
+
 fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
     VmConfig {
         cpus,
@@ -54,11 +77,7 @@ fn pause_save_restore_resume_keeps_the_guest_going() {
         Box::new(console.clone()),
     )
     .unwrap();
-    let t = Instant::now();
-    while !console.text().contains("memtouch: pages=") {
-        assert!(t.elapsed() < Duration::from_secs(300), "guest did not start: {}", console.text());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for(&console, "memtouch: pages=", 1);
 
     assert!(matches!(vm.save_state(), Err(kumo_vmm::Error::State(_))), "save needs a paused VM");
     vm.pause().unwrap();
@@ -91,15 +110,7 @@ fn pause_save_restore_resume_keeps_the_guest_going() {
     let out = console.text();
     assert_eq!(report.outcome, Outcome::GuestExit(0), "{out}");
     assert_eq!(out.matches("memtouch: pages=").count(), 1, "the guest must not restart: {out}");
-    let sum = out.lines().find_map(|l| l.strip_prefix("memtouch: checksum=")).expect(&out);
-    let writes: u64 = out
-        .lines()
-        .find_map(|l| l.strip_prefix("memtouch: done writes="))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|w| w.parse().ok())
-        .expect(&out);
-    let want = kumo_guests::memtouch::expected_checksum(4000, writes, 3, true);
-    assert_eq!(u64::from_str_radix(sum.trim(), 16).unwrap(), want, "{out}");
+    check_memtouch(&out, 4000, 3);
 }
 
 #[test]
@@ -132,19 +143,12 @@ fn a_throttled_guest_runs_on_and_keeps_its_memory() {
         Box::new(console.clone()),
     )
     .unwrap();
-    let t = Instant::now();
-    while !console.text().contains("memtouch: progress") {
-        assert!(t.elapsed() < Duration::from_secs(300), "guest did not start: {}", console.text());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for(&console, "memtouch: progress", 1);
     vm.set_throttle(90);
     assert_eq!(vm.throttle(), 90);
     // Throttled, the guest still makes progress: more progress lines arrive.
     let seen = console.text().matches("memtouch: progress").count();
-    while console.text().matches("memtouch: progress").count() < seen + 3 {
-        assert!(t.elapsed() < Duration::from_secs(300), "a throttled guest must still run: {}", console.text());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for(&console, "memtouch: progress", seen + 3);
     // Pause and resume work while throttled.
     vm.pause().unwrap();
     vm.resume().unwrap();
@@ -154,15 +158,5 @@ fn a_throttled_guest_runs_on_and_keeps_its_memory() {
     let report = vm.wait_timeout(Some(Duration::from_secs(600)));
     let out = console.text();
     assert_eq!(report.outcome, Outcome::GuestExit(0), "{out}");
-    let writes: u64 = out
-        .lines()
-        .find_map(|l| l.strip_prefix("memtouch: done writes="))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|w| w.parse().ok())
-        .expect(&out);
-    let sum = out.lines().find_map(|l| l.strip_prefix("memtouch: checksum=")).expect(&out);
-    assert_eq!(
-        u64::from_str_radix(sum.trim(), 16).unwrap(),
-        kumo_guests::memtouch::expected_checksum(2000, writes, 5, true)
-    );
+    check_memtouch(&out, 2000, 5);
 }

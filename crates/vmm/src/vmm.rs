@@ -361,36 +361,7 @@ impl RunningVm {
         let bus = Arc::new(bus);
 
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        kick_signal(); // the handler must exist before any vCPU thread can be kicked
-        lock(&shared.timings).vcpus_started_ns = Some(monotonic_ns());
-        for v in &vcpus {
-            let (v, bus, sh) = (v.clone(), bus.clone(), shared.clone());
-            let id = lock(&v).id;
-            lock(&shared.ctl).live += 1;
-            let t = std::thread::Builder::new()
-                .name(format!("vcpu{id}"))
-                .spawn(move || vcpu_thread(v, bus, sh))
-                .map_err(Error::Thread);
-            match t {
-                Ok(t) => lock(&shared.threads).push(t),
-                Err(e) => {
-                    lock(&shared.ctl).live -= 1;
-                    shared.finish(Outcome::Error(e.to_string()));
-                    let vm = RunningVm {
-                        vm,
-                        config,
-                        vcpus,
-                        shared,
-                        serial,
-                        started: Instant::now(),
-                        learned_stop_phase: Mutex::new(None),
-                    };
-                    vm.stop_threads();
-                    return Err(e);
-                }
-            }
-        }
-        Ok(RunningVm {
+        let vm = RunningVm {
             vm,
             config,
             vcpus,
@@ -398,7 +369,28 @@ impl RunningVm {
             serial,
             started: Instant::now(),
             learned_stop_phase: Mutex::new(None),
-        })
+        };
+        kick_signal(); // the handler must exist before any vCPU thread can be kicked
+        lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
+        for v in &vm.vcpus {
+            let (v, bus, sh) = (v.clone(), bus.clone(), vm.shared.clone());
+            let id = lock(&v).id;
+            lock(&vm.shared.ctl).live += 1;
+            let t = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || vcpu_thread(v, bus, sh))
+                .map_err(Error::Thread);
+            match t {
+                Ok(t) => lock(&vm.shared.threads).push(t),
+                Err(e) => {
+                    lock(&vm.shared.ctl).live -= 1;
+                    vm.shared.finish(Outcome::Error(e.to_string()));
+                    vm.stop_threads();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(vm)
     }
 
     pub fn config(&self) -> &VmConfig {
