@@ -90,7 +90,7 @@ pub struct MigrateOptions {
 /// The stop phase's fixed cost assumed before a VM's migrations have measured any: this
 /// engine drains its pipeline before the pause, and its stop phases with few pages measured
 /// 4–8 ms on this project's nested-KVM hosts (pause, state, the destination's restore and
-/// reply). Each migration then learns the real value, and it travels with the VM.
+/// reply). Each migration's report carries the model updated with its own measurement.
 pub const STOP_PHASE_PRIOR: Duration = Duration::from_millis(6);
 
 /// Default progress deadline, both sides.

@@ -260,17 +260,14 @@ impl MigrationJob {
         } else {
             let total_pages = vm.config().memory / 4096;
             let mut opts = opts;
-            // What earlier migrations of this VM (here or on the hosts before) learned about
-            // the stop phase's cost.
-            opts.policy.stop_phase = vm
-                .learned_stop_phase()
-                .unwrap_or_else(|| StopPhaseModel::with_prior(kumo_migration_engine::STOP_PHASE_PRIOR));
+            // The stop phase's cost is measured only after the VM's state has gone out, so no
+            // migration can hand its measurement on yet: each starts from the engine's prior.
+            opts.policy.stop_phase = StopPhaseModel::with_prior(kumo_migration_engine::STOP_PHASE_PRIOR);
             let r = migrate(&**vm, &to, &opts, &mut |e| {
                 tracing::info!(?e, "migration");
                 self.state.lock().unwrap_or_else(|p| p.into_inner()).events.push(e);
             })
             .map(|r| {
-                vm.set_learned_stop_phase(r.stop_phase_model);
                 let mut v = serde_json::to_value(&r).unwrap_or(Value::Null);
                 v["model"] = model_report(&r, opts.policy, total_pages);
                 v["to"] = json!(to.to_string());

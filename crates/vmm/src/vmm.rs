@@ -92,10 +92,6 @@ pub struct Snapshot {
     /// The user had paused the VM: a migrated VM arrives paused, as it left.
     #[serde(default)]
     pub paused: bool,
-    /// What the VM's earlier migrations learned about the stop phase's cost: it travels with
-    /// the VM, so each hop's downtime estimate starts from the hops before.
-    #[serde(default)]
-    pub stop_phase: Option<kumo_migration::StopPhaseModel>,
 }
 
 /// The vCPU throttle's period: a throttled vCPU sleeps its share of each.
@@ -229,7 +225,6 @@ pub struct RunningVm {
     config: VmConfig,
     vcpus: Vec<Arc<Mutex<Vcpu>>>,
     shared: Arc<Shared>,
-    learned_stop_phase: Mutex<Option<kumo_migration::StopPhaseModel>>,
     serial: Arc<Mutex<SerialConsole>>,
     started: Instant,
 }
@@ -361,15 +356,7 @@ impl RunningVm {
         let bus = Arc::new(bus);
 
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        let vm = RunningVm {
-            vm,
-            config,
-            vcpus,
-            shared,
-            serial,
-            started: Instant::now(),
-            learned_stop_phase: Mutex::new(None),
-        };
+        let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now() };
         kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
         for v in &vm.vcpus {
@@ -578,15 +565,6 @@ impl RunningVm {
         self.resume_as(true)
     }
 
-    /// The stop-phase cost learned by this VM's migrations so far.
-    pub fn learned_stop_phase(&self) -> Option<kumo_migration::StopPhaseModel> {
-        *lock(&self.learned_stop_phase)
-    }
-
-    pub fn set_learned_stop_phase(&self, m: kumo_migration::StopPhaseModel) {
-        *lock(&self.learned_stop_phase) = Some(m);
-    }
-
     /// Whether the user had paused the VM before the running migration began.
     pub fn paused_by_user(&self) -> bool {
         lock(&self.shared.ctl).user_paused
@@ -610,13 +588,7 @@ impl RunningVm {
         self.require_paused()?;
         let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
         let paused = lock(&self.shared.ctl).user_paused;
-        Ok(Snapshot {
-            vm: self.vm.save_state()?,
-            vcpus,
-            serial: Some(lock(&self.serial).state()),
-            paused,
-            stop_phase: *lock(&self.learned_stop_phase),
-        })
+        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(&self.serial).state()), paused })
     }
 
     /// Puts back a state from `save_state`. The VM must be paused.
@@ -638,9 +610,6 @@ impl RunningVm {
             lock(v).restore_state(st)?;
         }
         lock(&self.shared.ctl).stay_paused = s.paused;
-        if s.stop_phase.is_some() {
-            *lock(&self.learned_stop_phase) = s.stop_phase;
-        }
         Ok(())
     }
 
