@@ -599,17 +599,8 @@ mod tests {
     #[test]
     fn migrate_routes_carry_their_json_body() {
         let f = start();
-        let req = crate::MigrateRequest {
-            to: "tcp:127.0.0.1:1".into(),
-            engine: Some("serial".into()),
-            downtime_ms: None,
-            xen: None,
-            connections: None,
-            dry_run: false,
-            estimate_ms: None,
-            progress_timeout_ms: None,
-            strict: None,
-        };
+        let req =
+            crate::MigrateRequest { to: "tcp:127.0.0.1:1".into(), engine: Some("serial".into()), ..migrate_req() };
         let v = f.client.migrate(&req).unwrap();
         assert_eq!(v["to"], "tcp:127.0.0.1:1");
         assert_eq!(v["engine"], "serial");

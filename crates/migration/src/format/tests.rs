@@ -917,27 +917,34 @@ fn acknowledged_batches_carry_their_seq_and_only_on_the_first_connection() {
     assert!(matches!(enc.batch_frame(1, &[3, 2], Checksum::Full, false), Err(Error::BadRecord { .. })));
 }
 
-#[test]
-fn placed_replies_follow_ready_in_order() {
-    let mut w = Writer::new(Vec::new());
-    for r in [Reply::Ready, Reply::Placed(3), Reply::Placed(5), Reply::Resumed] {
-        w.reply(&r).unwrap();
-    }
-    let bytes = w.into_inner();
-    let mut r = ReplyReader::new(bytes.as_slice());
-    for want in [Reply::Ready, Reply::Placed(3), Reply::Placed(5), Reply::Resumed] {
-        assert_eq!(r.next_reply().unwrap(), want);
-    }
-    for bad in [vec![Reply::Placed(1)], vec![Reply::Ready, Reply::Placed(4), Reply::Placed(4)]] {
+/// `good` reads back reply by reply; each of `bad` fails with `BadRecord` at some reply.
+fn check_reply_grammar(good: &[Reply], bad: &[Vec<Reply>]) {
+    let encode = |replies: &[Reply]| {
         let mut w = Writer::new(Vec::new());
-        for r in &bad {
+        for r in replies {
             w.reply(r).unwrap();
         }
-        let bytes = w.into_inner();
-        let mut r = ReplyReader::new(bytes.as_slice());
-        let e = (0..bad.len()).map(|_| r.next_reply()).find_map(|x| x.err());
-        assert!(matches!(e, Some(Error::BadRecord { .. })), "{bad:?}: {e:?}");
+        w.into_inner()
+    };
+    let bytes = encode(good);
+    let mut r = ReplyReader::new(bytes.as_slice());
+    for want in good {
+        assert_eq!(&r.next_reply().unwrap(), want);
     }
+    for b in bad {
+        let bytes = encode(b);
+        let mut r = ReplyReader::new(bytes.as_slice());
+        let e = (0..b.len()).map(|_| r.next_reply()).find_map(|x| x.err());
+        assert!(matches!(e, Some(Error::BadRecord { .. })), "{b:?}: {e:?}");
+    }
+}
+
+#[test]
+fn placed_replies_follow_ready_in_order() {
+    check_reply_grammar(
+        &[Reply::Ready, Reply::Placed(3), Reply::Placed(5), Reply::Resumed],
+        &[vec![Reply::Placed(1)], vec![Reply::Ready, Reply::Placed(4), Reply::Placed(4)]],
+    );
 }
 
 #[test]
@@ -949,23 +956,8 @@ fn contiguous_gfns_form_runs() {
 
 #[test]
 fn accepted_comes_first_and_once() {
-    let mut w = Writer::new(Vec::new());
-    for r in [Reply::Accepted, Reply::Ready, Reply::Resumed] {
-        w.reply(&r).unwrap();
-    }
-    let bytes = w.into_inner();
-    let mut r = ReplyReader::new(bytes.as_slice());
-    for want in [Reply::Accepted, Reply::Ready, Reply::Resumed] {
-        assert_eq!(r.next_reply().unwrap(), want);
-    }
-    for bad in [vec![Reply::Accepted, Reply::Accepted], vec![Reply::Ready, Reply::Accepted]] {
-        let mut w = Writer::new(Vec::new());
-        for r in &bad {
-            w.reply(r).unwrap();
-        }
-        let bytes = w.into_inner();
-        let mut r = ReplyReader::new(bytes.as_slice());
-        let e = (0..bad.len()).map(|_| r.next_reply()).find_map(|x| x.err());
-        assert!(matches!(e, Some(Error::BadRecord { .. })), "{bad:?}: {e:?}");
-    }
+    check_reply_grammar(
+        &[Reply::Accepted, Reply::Ready, Reply::Resumed],
+        &[vec![Reply::Accepted, Reply::Accepted], vec![Reply::Ready, Reply::Accepted]],
+    );
 }
