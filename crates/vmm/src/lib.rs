@@ -3,7 +3,10 @@
 
 pub mod api;
 pub mod config;
+pub mod counters;
+pub mod event_monitor;
 pub mod migration;
+pub mod snapshot;
 pub mod vmm;
 
 pub use config::{ConfigFile, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
