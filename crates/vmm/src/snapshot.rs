@@ -314,11 +314,12 @@ pub fn restore_from_file(path: &Path, serial: Box<dyn Write + Send>) -> Result<R
     let snap: Snapshot = serde_json::from_slice(&loaded.state)
         .map_err(|e| SnapshotError::Read(format!("{name}: the VM state in it is not kumo's: {e}")))?;
     vm.restore_state(&snap).map_err(|e| SnapshotError::Vm(format!("cannot restore the VM of {name}: {e}")))?;
-    vm.resume_incoming().map_err(|e| SnapshotError::Vm(format!("cannot run the VM of {name}: {e}")))?;
     event_monitor::vm_event(
         "restored",
         json!({"path": path, "pages": loaded.pages, "paused": snap.paused, "ms": t.elapsed().as_secs_f64() * 1e3}),
     );
+    // Runs it, unless it was saved paused (then the user resumes it).
+    vm.resume_incoming().map_err(|e| SnapshotError::Vm(format!("cannot run the VM of {name}: {e}")))?;
     Ok(vm)
 }
 
