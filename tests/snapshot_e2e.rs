@@ -263,3 +263,44 @@ fn bad_snapshot_requests_and_files_are_refused() {
     let o = kumo(&["snapshot", "--to", "x.snap"]);
     assert!(text(&o).1.contains("needs --api-socket"));
 }
+
+#[test]
+fn a_snapshot_owns_the_run_state_until_it_ends_and_a_failed_one_leaves_the_vm_running() {
+    if !kvm_or_skip("a_snapshot_owns_the_run_state_until_it_ends_and_a_failed_one_leaves_the_vm_running") {
+        return;
+    }
+    let (mut vm, sock, _) = memtouch("own", &["pages=500", "rate=20000", "seed=4", "until_input=1"]);
+    // The snapshot's temporary file is a FIFO: the snapshot blocks in it until the test reads,
+    // so the test controls when it ends without any timing. fsync of a FIFO fails (EINVAL), so
+    // the snapshot then fails: the failure path, with the whole stream read from the FIFO.
+    let file = temp_path("own.snap");
+    let fifo = temp_path("own.snap.tmp");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let snap = {
+        let (sock, file) = (sock.clone(), file.clone());
+        std::thread::spawn(move || api(&sock, &["snapshot", "--to", file.to_str().unwrap()]))
+    };
+    // Nothing else pauses this VM: "paused" means the snapshot holds it.
+    eventually(PATIENCE, || (vm_state(&sock).as_deref() == Some("paused")).then_some(()));
+    let (ok, _, err) = api(&sock, &["resume"]);
+    assert!(!ok && err.contains("pause and resume wait until it ends"), "{err}");
+    let (ok, _, err) = api(&sock, &["pause"]);
+    assert!(!ok, "{err}");
+    let (ok, _, err) = api(&sock, &["snapshot", "--to", file.to_str().unwrap()]);
+    assert!(!ok && err.contains("cannot snapshot"), "one at a time: {err}");
+    let mut stream = Vec::new();
+    std::io::Read::read_to_end(&mut std::fs::File::open(&fifo).unwrap(), &mut stream).unwrap();
+    assert!(stream.starts_with(b"KUMOMIG\0"), "a migration stream went into the FIFO");
+    let (ok, out, err) = snap.join().unwrap();
+    assert!(!ok && err.contains("cannot write snapshot"), "{out}\n{err}");
+    assert!(!file.exists() && !fifo.exists(), "a failed snapshot leaves no file behind");
+
+    // The VM runs on, and its run state is the user's again.
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
+    assert!(api(&sock, &["pause"]).0);
+    assert!(api(&sock, &["resume"]).0);
+    vm.kid.input(b"q");
+    let (code, out, err) = vm.wait();
+    assert_eq!(code, Some(0), "{err}");
+    check_memtouch(&out, 500, 4);
+}
