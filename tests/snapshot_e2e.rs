@@ -243,7 +243,7 @@ fn counters_and_the_event_monitor_follow_a_running_vm() {
     let ev = events(&ev_path);
     assert_eq!(names(&ev), ["booted", "paused", "resumed", "shutdown"], "{ev:?}");
     assert_eq!(ev[1].1["by"], "user");
-    assert_eq!(ev[3].1["exit_code"], 0);
+    assert_eq!((&ev[3].1["outcome"], &ev[3].1["exit_code"]), (&"guest-exit".into(), &0.into()));
 }
 
 #[test]

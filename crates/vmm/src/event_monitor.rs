@@ -14,6 +14,7 @@ use std::io::Write;
 use std::sync::{Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use serde::Serialize;
 use serde_json::{json, Value};
 
 static MONITOR: OnceLock<Mutex<File>> = OnceLock::new();
@@ -42,10 +43,39 @@ pub fn enabled() -> bool {
     MONITOR.get().is_some()
 }
 
+/// A line's fields, in the order they are written.
+#[derive(Serialize)]
+struct Line<'a> {
+    timestamp_ms: u64,
+    source: &'a str,
+    event: &'a str,
+    properties: Value,
+}
+
 /// One event as its JSON line (without the newline).
 pub fn line(timestamp_ms: u64, source: &str, event: &str, properties: Value) -> String {
     let properties = if properties.is_null() { json!({}) } else { properties };
-    json!({"timestamp_ms": timestamp_ms, "source": source, "event": event, "properties": properties}).to_string()
+    let l = Line { timestamp_ms, source, event, properties };
+    serde_json::to_string(&l).unwrap_or_else(|e| format!("{{\"event\":\"{event}\",\"error\":\"{e}\"}}"))
+}
+
+/// The `shutdown` event's properties: how the VM ended, in words, and kumo's exit status.
+pub fn outcome(o: &crate::Outcome) -> Value {
+    use crate::Outcome::*;
+    let (what, detail) = match o {
+        GuestExit(c) => ("guest-exit", Some(c.to_string())),
+        Shutdown => ("shutdown", None),
+        PowerOff => ("power-off", None),
+        Reset(why) => ("reset", Some(why.clone())),
+        Error(e) => ("error", Some(e.clone())),
+        TimedOut => ("timed-out", None),
+        Migrated(to) => ("migrated", Some(to.clone())),
+    };
+    let mut v = json!({"outcome": what, "exit_code": o.exit_code()});
+    if let Some(d) = detail {
+        v["detail"] = json!(d);
+    }
+    v
 }
 
 /// Writes an event from `source` ("vm", "vmm", "migration", …). A failed write is logged,
@@ -78,6 +108,10 @@ mod tests {
         assert_eq!(v, json!({"timestamp_ms": 42, "source": "vm", "event": "paused", "properties": {"by": "user"}}));
         let v: Value = serde_json::from_str(&line(1, "vm", "booted", Value::Null)).unwrap();
         assert_eq!(v["properties"], json!({}), "no properties is an empty object");
+        assert!(l.starts_with(r#"{"timestamp_ms":42,"source":"vm","event":"paused","#), "{l}");
+        let o = outcome(&crate::Outcome::GuestExit(3));
+        assert_eq!(o, json!({"outcome": "guest-exit", "exit_code": 3, "detail": "3"}));
+        assert_eq!(outcome(&crate::Outcome::Shutdown), json!({"outcome": "shutdown", "exit_code": 0}));
     }
 
     #[test]

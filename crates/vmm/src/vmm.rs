@@ -683,10 +683,7 @@ impl RunningVm {
         self.stop_threads();
         let _ = lock(&self.serial).flush_output();
         let outcome = lock(&self.shared.ctl).outcome.clone().unwrap_or(Outcome::Shutdown);
-        crate::event_monitor::vm_event(
-            "shutdown",
-            serde_json::json!({"outcome": format!("{outcome:?}"), "exit_code": outcome.exit_code()}),
-        );
+        crate::event_monitor::vm_event("shutdown", crate::event_monitor::outcome(&outcome));
         RunReport { outcome, timings: self.timings() }
     }
 
