@@ -113,6 +113,17 @@ impl ApiClient {
         self.call("GET", paths::MIGRATION, None)?.ok_or_else(|| self.bad("empty vm.migration answer"))
     }
 
+    /// Writes the VM to the file `path` (absolute) and returns what was written.
+    pub fn snapshot(&self, path: &str) -> Result<Value, ClientError> {
+        let body = serde_json::json!({ "path": path });
+        self.call("PUT", paths::SNAPSHOT, Some(&body))?.ok_or_else(|| self.bad("empty vm.snapshot answer"))
+    }
+
+    /// The VM's counters (vCPU exits by reason, assists, interrupts, migration bytes).
+    pub fn counters(&self) -> Result<Value, ClientError> {
+        self.call("GET", paths::COUNTERS, None)?.ok_or_else(|| self.bad("empty vm.counters answer"))
+    }
+
     /// Like [`request`](Self::request), but a non-2xx status is an error
     /// ([`ClientError::Http`], carrying the server's message).
     pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Option<Value>, ClientError> {

@@ -28,6 +28,8 @@ pub mod paths {
     pub const SHUTDOWN: &str = "/api/v1/vm.shutdown";
     pub const MIGRATE: &str = "/api/v1/vm.migrate";
     pub const MIGRATION: &str = "/api/v1/vm.migration";
+    pub const SNAPSHOT: &str = "/api/v1/vm.snapshot";
+    pub const COUNTERS: &str = "/api/v1/vm.counters";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -69,6 +71,18 @@ pub enum ApiRequest {
     Migrate(MigrateRequest),
     /// Progress events and result of the current or last migration.
     MigrationStatus,
+    /// Write the VM to a file (paused meanwhile).
+    Snapshot(SnapshotRequest),
+    /// vCPU exits, assists, interrupts and migration bytes so far.
+    Counters,
+}
+
+/// Body of `PUT /api/v1/vm.snapshot`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotRequest {
+    /// Absolute path of the file to write (replaced if it exists).
+    pub path: String,
 }
 
 /// Body of `PUT /api/v1/vm.migrate`.

@@ -68,6 +68,8 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::SHUTDOWN, build: |_| Ok(ApiRequest::Shutdown) },
     Route { method: "PUT", path: paths::MIGRATE, build: |b| Ok(ApiRequest::Migrate(json_body(b)?)) },
     Route { method: "GET", path: paths::MIGRATION, build: |_| Ok(ApiRequest::MigrationStatus) },
+    Route { method: "PUT", path: paths::SNAPSHOT, build: |b| Ok(ApiRequest::Snapshot(json_body(b)?)) },
+    Route { method: "GET", path: paths::COUNTERS, build: |_| Ok(ApiRequest::Counters) },
 ];
 
 /// Decodes the JSON body of a route that takes one.
@@ -592,6 +594,8 @@ mod tests {
                 ApiRequest::Migrate(m) if m.to.is_empty() => Err(ApiError::bad_request("no destination")),
                 ApiRequest::Migrate(m) => Ok(ApiResponse::Json(serde_json::json!({"to": m.to, "engine": m.engine}))),
                 ApiRequest::MigrationStatus => Ok(ApiResponse::Json(serde_json::json!({"state": "none"}))),
+                ApiRequest::Snapshot(s) => Ok(ApiResponse::Json(serde_json::json!({"path": s.path}))),
+                ApiRequest::Counters => Ok(ApiResponse::Json(serde_json::json!({"exits": {}}))),
             }
         }
     }

@@ -48,6 +48,16 @@ enum Cmd {
     Ping,
     /// Migrate a running VM (needs --api-socket) to a `kumo run --incoming`.
     Migrate(migrate::MigrateArgs),
+    /// Write a running VM to a file (needs --api-socket); `kumo run --restore FILE` runs it
+    /// again. The VM pauses while it is written, then runs on (a paused VM stays paused).
+    Snapshot {
+        /// The snapshot file (replaced if it exists).
+        #[arg(long, value_name = "FILE")]
+        to: PathBuf,
+    },
+    /// Show a running VM's counters as JSON: vCPU exits by reason, emulation assists,
+    /// interrupts, migration bytes (needs --api-socket).
+    Counters,
     /// Benchmarks: print a table and write JSON.
     Bench {
         #[command(subcommand)]
@@ -66,6 +76,14 @@ struct RunArgs {
     /// starts. The irqchip comes from the stream too.
     #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args"])]
     incoming: Option<String>,
+    /// Run the VM saved in a snapshot file (`kumo snapshot`) instead of booting one: its shape,
+    /// memory and state come from the file; it starts paused if it was paused.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args", "incoming", "cpus", "memory"])]
+    restore: Option<PathBuf>,
+    /// Write VM lifecycle events (booted, paused, resumed, snapshot, restored, migration-…,
+    /// shutdown) as JSON lines to this file, or to an inherited descriptor with fd:N.
+    #[arg(long, value_name = "PATH")]
+    event_monitor: Option<String>,
     /// Initial ramdisk for --kernel.
     #[arg(long, value_name = "PATH", requires = "kernel")]
     initrd: Option<PathBuf>,
@@ -133,9 +151,15 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
 }
 
 fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
-    let vm = match &a.incoming {
-        Some(addr) => Arc::new(migrate::incoming(addr, a.memory, a.cpus)?),
-        None => {
+    if let Some(m) = &a.event_monitor {
+        kumo_vmm::event_monitor::init(m)?;
+    }
+    let vm = match (&a.incoming, &a.restore) {
+        (Some(addr), _) => Arc::new(migrate::incoming(addr, a.memory, a.cpus)?),
+        (None, Some(file)) => Arc::new(
+            kumo_vmm::snapshot::restore_from_file(file, Box::new(std::io::stdout())).map_err(|e| e.to_string())?,
+        ),
+        (None, None) => {
             let config = build_config(&a)?;
             Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)
         }
@@ -231,6 +255,17 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
         Cmd::Resume => c.resume().map_err(|e| e.to_string())?,
         Cmd::Shutdown => c.shutdown().map_err(|e| e.to_string())?,
         Cmd::Ping => println!("kumo {}", c.ping().map_err(|e| e.to_string())?),
+        Cmd::Snapshot { to } => {
+            // The VM's process resolves the path: make it absolute here.
+            let to = std::path::absolute(to).map_err(|e| format!("snapshot path {}: {e}", to.display()))?;
+            let to = to.to_str().ok_or_else(|| format!("snapshot path {} is not UTF-8", to.display()))?;
+            let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).snapshot(to).map_err(|e| e.to_string())?;
+            println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
+        }
+        Cmd::Counters => {
+            let v = c.counters().map_err(|e| e.to_string())?;
+            println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
+        }
         _ => unreachable!("not a client command"),
     }
     Ok(0)
@@ -247,7 +282,13 @@ fn main() -> ExitCode {
         Cmd::Guests { json } => guests(json),
         Cmd::Bench { which } => bench::run(which),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
-        ref c @ (Cmd::Info | Cmd::Pause | Cmd::Resume | Cmd::Shutdown | Cmd::Ping) => client_cmd(c, cli.api_socket),
+        ref c @ (Cmd::Info
+        | Cmd::Pause
+        | Cmd::Resume
+        | Cmd::Shutdown
+        | Cmd::Ping
+        | Cmd::Snapshot { .. }
+        | Cmd::Counters) => client_cmd(c, cli.api_socket),
     };
     match r {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

@@ -2,6 +2,8 @@
 //! route it to any GSI through an irqfd and change that route later.
 
 use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use vm_superio::serial::{NoEvents, SerialState};
@@ -15,11 +17,13 @@ pub const COM1_PORT: u16 = 0x3f8;
 pub const COM1_IRQ: u32 = 4;
 
 /// Raises the serial interrupt by signalling an eventfd (an irqfd in KVM).
-pub struct EventFdTrigger(EventFd);
+/// Also counts the interrupts it raised (the API's `vm.counters`).
+pub struct EventFdTrigger(EventFd, Arc<AtomicU64>);
 
 impl Trigger for EventFdTrigger {
     type E = std::io::Error;
     fn trigger(&self) -> std::io::Result<()> {
+        self.1.fetch_add(1, Ordering::Relaxed);
         self.0.write(1)
     }
 }
@@ -83,7 +87,7 @@ impl From<&SerialSnapshot> for SerialState {
 impl SerialConsole {
     /// `irq` is signalled when the UART raises its interrupt line.
     pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> Self {
-        Self { uart: Serial::new(EventFdTrigger(irq), out) }
+        Self { uart: Serial::new(EventFdTrigger(irq, Arc::default()), out) }
     }
 
     /// Register state and pending input, for saving a VM.
@@ -98,16 +102,22 @@ impl SerialConsole {
             return Err(format!("serial state holds {} input bytes, the FIFO {FIFO_SIZE}", s.in_buffer.len()));
         }
         let irq = self.uart.interrupt_evt().0.try_clone().map_err(|e| format!("serial interrupt: {e}"))?;
+        let raised = self.uart.interrupt_evt().1.clone();
         let placeholder = Serial::new(
-            EventFdTrigger(irq.try_clone().map_err(|e| format!("serial interrupt: {e}"))?),
+            EventFdTrigger(irq.try_clone().map_err(|e| format!("serial interrupt: {e}"))?, raised.clone()),
             Box::new(std::io::sink()) as Box<dyn Write + Send>,
         );
         let out = std::mem::replace(&mut self.uart, placeholder).into_writer();
         // Cannot fail: the only check, the FIFO size, was made above. A pending interrupt is
         // raised again on the (new) irqfd, which is what the guest expects after a restore.
-        self.uart = Serial::from_state(&SerialState::from(s), EventFdTrigger(irq), NoEvents, out)
+        self.uart = Serial::from_state(&SerialState::from(s), EventFdTrigger(irq, raised), NoEvents, out)
             .map_err(|e| format!("serial state: {e:?}"))?;
         Ok(())
+    }
+
+    /// Interrupts raised so far (signals of its irqfd).
+    pub fn interrupts_raised(&self) -> u64 {
+        self.uart.interrupt_evt().1.load(Ordering::Relaxed)
     }
 
     /// Pushes buffered console output to the sink.

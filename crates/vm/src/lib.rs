@@ -22,7 +22,7 @@ mod testing;
 pub use boot::{Entry, KumoBootInfo};
 pub use memory::{parse_size, GuestMemory, Memory};
 pub use state::{VcpuState, VmState};
-pub use vcpu::{Vcpu, VcpuRun};
+pub use vcpu::{ExitCounters, Vcpu, VcpuRun};
 pub use vm::{IrqchipMode, Vm};
 
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,7 @@
 //! One vCPU: configuration for each entry kind, the exit handling of `KVM_RUN`, and state
 //! save/restore. A `Vcpu` is `Send` and lives in its own thread.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kumo_devices::{DeviceEvent, PioBus};
@@ -37,6 +38,25 @@ pub enum VcpuRun {
     PowerOff,
 }
 
+/// A vCPU's exits by reason and its emulation assists, readable while it runs (the API's
+/// `vm.counters`), so nothing waits for a vCPU inside KVM_RUN.
+#[derive(Debug, Default)]
+pub struct ExitCounters {
+    pub io: AtomicU64,
+    pub mmio: AtomicU64,
+    pub hlt: AtomicU64,
+    pub shutdown: AtomicU64,
+    /// KVM_RUN interrupted by a signal (a kick: pause, stop, throttle).
+    pub intr: AtomicU64,
+    pub other: AtomicU64,
+    /// Assists by kind, in [`assist::AssistKind::ALL`]'s order.
+    pub assists: [AtomicU64; assist::AssistKind::ALL.len()],
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
 pub struct Vcpu {
     pub id: u32,
     fd: VcpuFd,
@@ -46,11 +66,17 @@ pub struct Vcpu {
     has_lapic: bool,
     /// Emulation assists performed so far (see `crate::assist`).
     assists: AssistCounts,
+    exits: Arc<ExitCounters>,
 }
 
 impl Vcpu {
     pub(crate) fn new(id: u32, fd: VcpuFd, mem: crate::GuestMemory, msr_list: Arc<Vec<u32>>, has_lapic: bool) -> Self {
-        Vcpu { id, fd, mem, msr_list, has_lapic, assists: AssistCounts::default() }
+        Vcpu { id, fd, mem, msr_list, has_lapic, assists: AssistCounts::default(), exits: Default::default() }
+    }
+
+    /// This vCPU's exit counters, shared with whoever reads them while it runs.
+    pub fn exit_counters(&self) -> Arc<ExitCounters> {
+        self.exits.clone()
     }
 
     /// How many instructions of each kind kumo carried out for this vCPU after KVM failed to
@@ -120,7 +146,18 @@ impl Vcpu {
     /// Runs the vCPU until its next exit and handles it.
     pub fn run(&mut self, bus: &PioBus) -> Result<VcpuRun> {
         let id = self.id;
-        match self.fd.run() {
+        let run = self.fd.run();
+        let e = &self.exits;
+        bump(match &run {
+            Ok(VcpuExit::IoOut(..) | VcpuExit::IoIn(..)) => &e.io,
+            Ok(VcpuExit::MmioRead(..) | VcpuExit::MmioWrite(..)) => &e.mmio,
+            Ok(VcpuExit::Hlt) => &e.hlt,
+            Ok(VcpuExit::Shutdown) => &e.shutdown,
+            Ok(VcpuExit::Intr) => &e.intr,
+            Err(err) if err.errno() == libc::EINTR => &e.intr,
+            _ => &e.other,
+        });
+        match run {
             Ok(VcpuExit::IoOut(port, data)) => Ok(bus.write(port, data).map_or(VcpuRun::Continue, VcpuRun::Device)),
             Ok(VcpuExit::IoIn(port, data)) => {
                 bus.read(port, data);
@@ -166,6 +203,9 @@ impl Vcpu {
         let bytes = &bytes[..n];
         if let Some(kind) = self.assist(bytes, &mut regs)? {
             self.assists.add(kind);
+            if let Some(i) = assist::AssistKind::ALL.iter().position(|k| *k == kind) {
+                bump(&self.exits.assists[i]);
+            }
             tracing::debug!(
                 cpu = self.id,
                 rip = format_args!("{rip:#x}"),

@@ -47,6 +47,22 @@ fn to_api(e: Error) -> ApiError {
     }
 }
 
+impl VmApi {
+    /// Runs a migration job, with its start and end on the event monitor.
+    fn migrate(&self, vm: &Arc<RunningVm>, req: &kumo_api::MigrateRequest) -> Result<serde_json::Value, JobError> {
+        use crate::event_monitor::emit;
+        use serde_json::json;
+        let kind = if req.dry_run { "migration-estimate" } else { "migration" };
+        emit("vm", &format!("{kind}-started"), json!({"to": req.to}));
+        let r = self.migration.run(vm, req);
+        match &r {
+            Ok(_) => emit("vm", &format!("{kind}-completed"), json!({"to": req.to})),
+            Err(e) => emit("vm", &format!("{kind}-failed"), json!({"to": req.to, "error": e.to_string()})),
+        }
+        r
+    }
+}
+
 impl ApiHandler for VmApi {
     fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
         let vm = self.vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?;
@@ -62,7 +78,7 @@ impl ApiHandler for VmApi {
                 vm.shutdown();
                 Ok(ApiResponse::Ok)
             }
-            ApiRequest::Migrate(req) => match self.migration.run(&vm, &req) {
+            ApiRequest::Migrate(req) => match self.migrate(&vm, &req) {
                 Ok(v) => Ok(ApiResponse::Json(v)),
                 Err(JobError::BadRequest(e)) => Err(ApiError::bad_request(e)),
                 Err(JobError::Busy) => Err(ApiError::conflict("a migration is already running")),
@@ -70,6 +86,23 @@ impl ApiHandler for VmApi {
                 Err(e @ JobError::Failed(_)) => Err(ApiError::internal(e.to_string())),
             },
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(self.migration.status())),
+            ApiRequest::Snapshot(req) => {
+                use crate::snapshot::{snapshot_to_file, SnapshotError as E};
+                match snapshot_to_file(&vm, std::path::Path::new(&req.path)) {
+                    Ok(r) => serde_json::to_value(r)
+                        .map(ApiResponse::Json)
+                        .map_err(|e| ApiError::internal(format!("cannot encode the snapshot report: {e}"))),
+                    Err(e @ E::BadRequest(_)) => Err(ApiError::bad_request(e.to_string())),
+                    Err(e @ E::Conflict(_)) => Err(ApiError::conflict(e.to_string())),
+                    Err(e) => Err(ApiError::internal(e.to_string())),
+                }
+            }
+            ApiRequest::Counters => {
+                let c = crate::counters::collect(&vm, Some(&self.migration.status()));
+                serde_json::to_value(c)
+                    .map(ApiResponse::Json)
+                    .map_err(|e| ApiError::internal(format!("cannot encode the counters: {e}")))
+            }
         }
     }
 }

@@ -1,9 +1,14 @@
 //! kumo-vmm: builds a VM from a `VmConfig`, runs one thread per vCPU, and controls it: pause,
-//! resume, save and restore state, shut down. The control API and the CLI sit on top.
+//! resume, save and restore state, shut down; snapshots to and restores from files
+//! (`snapshot`), its counters (`counters`) and the lifecycle event monitor (`event_monitor`).
+//! The control API and the CLI sit on top.
 
 pub mod api;
 pub mod config;
+pub mod counters;
+pub mod event_monitor;
 pub mod migration;
+pub mod snapshot;
 pub mod vmm;
 
 pub use config::{ConfigFile, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};

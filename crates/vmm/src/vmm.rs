@@ -227,6 +227,8 @@ pub struct RunningVm {
     shared: Arc<Shared>,
     serial: Arc<Mutex<SerialConsole>>,
     started: Instant,
+    /// Each vCPU's exit counters, read without waiting for the vCPU (`crate::counters`).
+    exits: Vec<Arc<kumo_vm::ExitCounters>>,
 }
 
 mod linux_loader_shim {
@@ -355,8 +357,9 @@ impl RunningVm {
         bus.insert(EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).map_err(|e| Error::Devices(e.to_string()))?;
         let bus = Arc::new(bus);
 
+        let exits = vcpus.iter().map(|v| v.exit_counters()).collect();
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now() };
+        let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now(), exits };
         kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
         for v in &vm.vcpus {
@@ -376,6 +379,12 @@ impl RunningVm {
                     return Err(e);
                 }
             }
+        }
+        if !incoming {
+            crate::event_monitor::vm_event(
+                "booted",
+                serde_json::json!({"cpus": vm.config.cpus, "memory_bytes": vm.config.memory}),
+            );
         }
         Ok(vm)
     }
@@ -492,6 +501,11 @@ impl RunningVm {
             }
             if c.parked == c.live {
                 c.paused = true;
+                drop(c);
+                crate::event_monitor::vm_event(
+                    "paused",
+                    serde_json::json!({"by": if migration { "vmm" } else { "user" }}),
+                );
                 return Ok(());
             }
         }
@@ -524,6 +538,8 @@ impl RunningVm {
         c.paused = false;
         self.shared.request.store(RUN, Ordering::Release);
         self.shared.cv.notify_all();
+        drop(c);
+        crate::event_monitor::vm_event("resumed", serde_json::json!({"by": if migration { "vmm" } else { "user" }}));
         Ok(())
     }
 
@@ -630,6 +646,16 @@ impl RunningVm {
         c
     }
 
+    /// Each vCPU's exit counters (readable while the vCPUs run).
+    pub fn exit_counters(&self) -> &[Arc<kumo_vm::ExitCounters>] {
+        &self.exits
+    }
+
+    /// Interrupts COM1 raised so far.
+    pub fn serial_interrupts(&self) -> u64 {
+        lock(&self.serial).interrupts_raised()
+    }
+
     /// Asks the VM to stop; `wait` then returns `Outcome::Shutdown`.
     pub fn shutdown(&self) {
         self.shared.finish(Outcome::Shutdown);
@@ -657,6 +683,7 @@ impl RunningVm {
         self.stop_threads();
         let _ = lock(&self.serial).flush_output();
         let outcome = lock(&self.shared.ctl).outcome.clone().unwrap_or(Outcome::Shutdown);
+        crate::event_monitor::vm_event("shutdown", crate::event_monitor::outcome(&outcome));
         RunReport { outcome, timings: self.timings() }
     }
 
