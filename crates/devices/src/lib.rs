@@ -1,4 +1,5 @@
-//! kumo-devices: the emulated devices of a kumo VM and the port I/O bus that dispatches to them.
+//! kumo-devices: the emulated devices of a kumo VM and the buses (port I/O, MMIO) that dispatch
+//! vCPU exits to them.
 //!
 //! Devices know nothing of KVM or migration: they see port reads and writes, and report events
 //! (a guest asking to exit, a timing marker) to whoever runs the vCPU.
@@ -7,7 +8,7 @@ pub mod bus;
 pub mod debug_port;
 pub mod serial;
 
-pub use bus::{BusError, PioBus, PioDevice};
+pub use bus::{Bus, BusDevice, BusError, BusKind, Buses, SharedDevice};
 pub use debug_port::{DebugPort, EXIT_PORT, MARKER_PORT};
 pub use serial::{SerialConsole, SerialSnapshot, COM1_IRQ, COM1_PORT};
 

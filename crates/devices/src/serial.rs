@@ -8,7 +8,7 @@ use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::bus::PioDevice;
+use crate::bus::BusDevice;
 use crate::DeviceEvent;
 
 pub const COM1_PORT: u16 = 0x3f8;
@@ -121,8 +121,8 @@ impl SerialConsole {
     }
 }
 
-impl PioDevice for SerialConsole {
-    fn read(&mut self, offset: u16, data: &mut [u8]) {
+impl BusDevice for SerialConsole {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
         if data.len() == 1 && offset < 8 {
             data[0] = self.uart.read(offset as u8);
         } else {
@@ -130,7 +130,7 @@ impl PioDevice for SerialConsole {
         }
     }
 
-    fn write(&mut self, offset: u16, data: &[u8]) -> Option<DeviceEvent> {
+    fn write(&mut self, offset: u64, data: &[u8]) -> Option<DeviceEvent> {
         if data.len() == 1 && offset < 8 {
             // A failed write to the console sink or the irqfd must not stop the guest.
             let _ = self.uart.write(offset as u8, data[0]);

@@ -211,6 +211,32 @@ mod tests {
     }
 
     #[test]
+    fn mmio_reaches_the_device_on_the_mmio_bus() {
+        struct Latch(u32);
+        impl kumo_devices::BusDevice for Latch {
+            fn read(&mut self, offset: u64, data: &mut [u8]) {
+                let v = if offset == 4 { self.0 + 1 } else { 0 };
+                data.copy_from_slice(&v.to_le_bytes()[..data.len()]);
+            }
+            fn write(&mut self, offset: u64, data: &[u8]) -> Option<DeviceEvent> {
+                if offset == 0 && data.len() == 4 {
+                    self.0 = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+                }
+                None
+            }
+        }
+        // mov $0xd0000000, %eax; movl $42, (%rax); mov 4(%rax), %ebx; mov $0x501, %dx;
+        // mov %ebx, %eax; out %eax, (%dx)
+        let code =
+            [0xb8, 0, 0, 0, 0xd0, 0xc7, 0x00, 42, 0, 0, 0, 0x8b, 0x58, 0x04, 0x66, 0xba, 0x01, 0x05, 0x89, 0xd8, 0xef];
+        let Some(mut g) = crate::testing::RawGuest::new(&code, &[]) else {
+            return;
+        };
+        g.buses.mmio.insert(0xd000_0000, 0x1000, std::sync::Arc::new(std::sync::Mutex::new(Latch(0)))).unwrap();
+        assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(43)));
+    }
+
+    #[test]
     fn unemulatable_instruction_is_reported_with_rip_and_bytes() {
         // nop; stac — KVM on this project's nested hosts cannot emulate STAC in ring 0. Where a
         // host runs it natively instead, it raises #UD (SMAP is masked), and with no IDT the

@@ -11,7 +11,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kumo_devices::{DebugPort, DeviceEvent, PioBus, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT};
+use kumo_devices::{Buses, DebugPort, DeviceEvent, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT};
 use kumo_vm::boot::{write_gdt, write_page_tables, Entry, KumoBootInfo};
 use kumo_vm::layout::{ram_regions, HIMEM_START, MMIO_GAP_START};
 use kumo_vm::linux::{load_linux, LinuxBootConfig, LinuxEntry};
@@ -350,9 +350,11 @@ impl RunningVm {
         vm.register_irqfd(&irq, COM1_IRQ)?;
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
         let serial = Arc::new(Mutex::new(SerialConsole::new(irq, Box::new(sink))));
-        let mut bus = PioBus::new();
-        bus.insert(COM1_PORT, 8, serial.clone()).map_err(|e| Error::Devices(e.to_string()))?;
-        bus.insert(EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).map_err(|e| Error::Devices(e.to_string()))?;
+        let mut bus = Buses::default();
+        bus.pio.insert(COM1_PORT.into(), 8, serial.clone()).map_err(|e| Error::Devices(e.to_string()))?;
+        bus.pio
+            .insert(EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort)))
+            .map_err(|e| Error::Devices(e.to_string()))?;
         let bus = Arc::new(bus);
 
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
@@ -689,7 +691,7 @@ impl Drop for RunningVm {
     }
 }
 
-fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<PioBus>, shared: Arc<Shared>) {
+fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: Arc<Shared>) {
     while shared.wait_runnable() {
         let r = lock(&vcpu).run(&bus);
         match r {
