@@ -8,6 +8,7 @@ pub mod boot;
 pub mod cpuid;
 pub mod dirty;
 pub mod insn;
+pub mod interrupts;
 pub mod layout;
 pub mod linux;
 pub mod memory;
@@ -61,6 +62,8 @@ pub enum Error {
     Restore(String),
     #[error(transparent)]
     Linux(#[from] linux::LinuxError),
+    #[error("interrupts: {0}")]
+    Irq(#[from] interrupts::IrqError),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -11,8 +11,8 @@ use kvm_bindings::{
 use kvm_ioctls::{Cap, Kvm, VmFd};
 use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
-use vmm_sys_util::eventfd::EventFd;
 
+use crate::interrupts::Interrupts;
 use crate::layout::KVM_TSS_ADDRESS;
 use crate::memory::Memory;
 use crate::state::VmState;
@@ -44,6 +44,8 @@ pub struct Vm {
     pub fd: Arc<VmFd>,
     pub memory: Memory,
     pub irqchip: IrqchipMode,
+    /// GSI routing, irqfds and ioeventfds: the only way devices' interrupts reach KVM.
+    pub interrupts: Interrupts,
     pub ncpus: u32,
     msr_list: Arc<Vec<u32>>,
     /// Whether KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 is enabled (see `dirty`).
@@ -130,9 +132,11 @@ impl Vm {
             unsafe { fd.set_user_memory_region(r) }.map_err(|e| Error::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
         }
         let msr_list = kvm.get_msr_index_list().map_err(|e| Error::Kvm("KVM_GET_MSR_INDEX_LIST", e))?;
+        let fd = Arc::new(fd);
         Ok(Vm {
             kvm,
-            fd: Arc::new(fd),
+            interrupts: Interrupts::new(fd.clone(), irqchip),
+            fd,
             memory,
             irqchip,
             ncpus,
@@ -144,16 +148,6 @@ impl Vm {
     pub fn create_vcpu(&self, id: u32) -> Result<Vcpu> {
         let fd = self.fd.create_vcpu(id as u64).map_err(|e| Error::Kvm("KVM_CREATE_VCPU", e))?;
         Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), true))
-    }
-
-    /// Routes an eventfd to a GSI of the in-kernel irqchip (no-op for a split irqchip, which has
-    /// no in-kernel IOAPIC pins to route to).
-    pub fn register_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<bool> {
-        if self.irqchip == IrqchipMode::Split {
-            return Ok(false);
-        }
-        self.fd.register_irqfd(evt, gsi).map_err(|e| Error::Kvm("KVM_IRQFD", e))?;
-        Ok(true)
     }
 
     /// VM-wide state. vCPUs must be paused.

@@ -347,7 +347,7 @@ impl RunningVm {
         }
 
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::Devices(e.to_string()))?;
-        vm.register_irqfd(&irq, COM1_IRQ)?;
+        vm.interrupts.register_irqfd(&irq, COM1_IRQ).map_err(kumo_vm::Error::from)?;
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
         let serial = Arc::new(Mutex::new(SerialConsole::new(irq, Box::new(sink))));
         let mut bus = Buses::default();
