@@ -3,6 +3,8 @@
 
 pub mod api;
 pub mod config;
+pub mod device_manager;
+pub mod event_loop;
 pub mod migration;
 pub mod vmm;
 

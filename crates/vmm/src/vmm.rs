@@ -11,16 +11,16 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kumo_devices::{Buses, DebugPort, DeviceEvent, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT};
+use kumo_devices::{Buses, DeviceEvent};
 use kumo_vm::boot::{write_gdt, write_page_tables, Entry, KumoBootInfo};
 use kumo_vm::layout::{ram_regions, HIMEM_START, MMIO_GAP_START};
 use kumo_vm::linux::{load_linux, LinuxBootConfig, LinuxEntry};
 use kumo_vm::{Vcpu, VcpuRun, VcpuState, Vm, VmState};
 use linux_loader_shim::load_elf;
-use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::config::{Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
+use crate::device_manager::DeviceManager;
 use crate::{Error, Result};
 
 /// CLOCK_MONOTONIC in nanoseconds: comparable across processes, for start-up timings.
@@ -225,7 +225,7 @@ pub struct RunningVm {
     config: VmConfig,
     vcpus: Vec<Arc<Mutex<Vcpu>>>,
     shared: Arc<Shared>,
-    serial: Arc<Mutex<SerialConsole>>,
+    devices: DeviceManager,
     started: Instant,
 }
 
@@ -346,23 +346,15 @@ impl RunningVm {
             v.configure(&vm.kvm, config.cpus, *e)?;
         }
 
-        let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::Devices(e.to_string()))?;
-        vm.interrupts.register_irqfd(&irq, COM1_IRQ).map_err(kumo_vm::Error::from)?;
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
-        let serial = Arc::new(Mutex::new(SerialConsole::new(irq, Box::new(sink))));
-        let mut bus = Buses::default();
-        bus.pio.insert(COM1_PORT.into(), 8, serial.clone()).map_err(|e| Error::Devices(e.to_string()))?;
-        bus.pio
-            .insert(EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort)))
-            .map_err(|e| Error::Devices(e.to_string()))?;
-        let bus = Arc::new(bus);
+        let devices = DeviceManager::new(&vm, Box::new(sink))?;
 
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now() };
+        let vm = RunningVm { vm, config, vcpus, shared, devices, started: Instant::now() };
         kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
         for v in &vm.vcpus {
-            let (v, bus, sh) = (v.clone(), bus.clone(), vm.shared.clone());
+            let (v, bus, sh) = (v.clone(), vm.devices.buses().clone(), vm.shared.clone());
             let id = lock(&v).id;
             lock(&vm.shared.ctl).live += 1;
             let t = std::thread::Builder::new()
@@ -590,7 +582,7 @@ impl RunningVm {
         self.require_paused()?;
         let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
         let paused = lock(&self.shared.ctl).user_paused;
-        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(&self.serial).state()), paused })
+        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(self.devices.serial()).state()), paused })
     }
 
     /// Puts back a state from `save_state`. The VM must be paused.
@@ -605,7 +597,7 @@ impl RunningVm {
             .into());
         }
         if let Some(serial) = &s.serial {
-            lock(&self.serial).restore(serial).map_err(kumo_vm::Error::Restore)?;
+            lock(self.devices.serial()).restore(serial).map_err(kumo_vm::Error::Restore)?;
         }
         self.vm.restore_state(&s.vm)?;
         for (v, st) in self.vcpus.iter().zip(&s.vcpus) {
@@ -637,9 +629,17 @@ impl RunningVm {
         self.shared.finish(Outcome::Shutdown);
     }
 
-    /// Feeds bytes to the guest's serial console.
+    /// Feeds bytes to the guest's serial console; returns how many its receive FIFO took.
     pub fn serial_input(&self, bytes: &[u8]) -> usize {
-        lock(&self.serial).enqueue_input(bytes)
+        self.devices.serial_input(bytes)
+    }
+
+    /// Feeds everything that arrives on `input` (a terminal, pipe or socket) to the guest's
+    /// serial console from the device event loop, waiting while its FIFO is full. Refused for a
+    /// descriptor epoll cannot watch (a regular file, /dev/null): read those yourself and call
+    /// [`RunningVm::serial_input`].
+    pub fn attach_console_input(&self, input: std::os::fd::OwnedFd) -> Result<()> {
+        self.devices.attach_console_input(input)
     }
 
     /// Waits until the VM ends (or `timeout` passes), stops all vCPU threads and reports.
@@ -657,7 +657,7 @@ impl RunningVm {
         }
         drop(c);
         self.stop_threads();
-        let _ = lock(&self.serial).flush_output();
+        self.devices.flush_console();
         let outcome = lock(&self.shared.ctl).outcome.clone().unwrap_or(Outcome::Shutdown);
         RunReport { outcome, timings: self.timings() }
     }
