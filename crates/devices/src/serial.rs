@@ -11,6 +11,7 @@ use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::BusDevice;
+use crate::persist::{Persist, PersistError};
 use crate::DeviceEvent;
 
 pub const COM1_PORT: u16 = 0x3f8;
@@ -150,6 +151,22 @@ impl SerialConsole {
     /// Feeds console input to the guest.
     pub fn enqueue_input(&mut self, bytes: &[u8]) -> usize {
         self.uart.enqueue_raw_bytes(bytes).unwrap_or(0)
+    }
+}
+
+/// COM1's id in snapshots.
+pub const COM1_ID: &str = "com1";
+
+impl Persist for SerialConsole {
+    type State = SerialSnapshot;
+    fn id(&self) -> String {
+        COM1_ID.into()
+    }
+    fn save(&self) -> Result<SerialSnapshot, PersistError> {
+        Ok(self.state())
+    }
+    fn restore(&mut self, state: &SerialSnapshot) -> Result<(), PersistError> {
+        SerialConsole::restore(self, state).map_err(|e| PersistError::component(COM1_ID, e))
     }
 }
 

@@ -4,6 +4,7 @@ use std::fs::OpenOptions;
 use std::os::fd::{FromRawFd, IntoRawFd};
 use std::sync::Arc;
 
+use kumo_devices::{Persist, PersistError};
 use kvm_bindings::{
     kvm_enable_cap, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region, KVM_CAP_SPLIT_IRQCHIP,
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
@@ -152,6 +153,31 @@ impl Vm {
 
     /// VM-wide state. vCPUs must be paused.
     pub fn save_state(&self) -> Result<VmState> {
+        self.persist().read()
+    }
+
+    pub fn restore_state(&self, s: &VmState) -> Result<()> {
+        self.persist().write(s)
+    }
+
+    /// The VM-wide KVM state (irqchips, PIT, clock) as a persistable component.
+    pub fn persist(&self) -> VmPersist {
+        VmPersist { fd: self.fd.clone(), irqchip: self.irqchip }
+    }
+}
+
+/// The VM-wide KVM state as a component of the persist pattern (`kumo_devices::persist`): the
+/// in-kernel PIC, IOAPIC and PIT (absent with a split irqchip) and the KVM clock.
+pub struct VmPersist {
+    fd: Arc<VmFd>,
+    irqchip: IrqchipMode,
+}
+
+/// The VM-wide state's id in snapshots.
+pub const VM_ID: &str = "vm";
+
+impl VmPersist {
+    fn read(&self) -> Result<VmState> {
         let mut irqchips = Vec::new();
         let mut pit = None;
         if self.irqchip == IrqchipMode::Kernel {
@@ -166,7 +192,7 @@ impl Vm {
         Ok(VmState { irqchips, pit, clock })
     }
 
-    pub fn restore_state(&self, s: &VmState) -> Result<()> {
+    fn write(&self, s: &VmState) -> Result<()> {
         let kernel = self.irqchip == IrqchipMode::Kernel;
         if kernel != (s.irqchips.len() == 3 && s.pit.is_some()) {
             return Err(Error::Restore(format!("saved irqchip state does not fit a {} irqchip", self.irqchip)));
@@ -181,6 +207,19 @@ impl Vm {
         let clock = kvm_bindings::kvm_clock_data { clock: s.clock.clock, ..Default::default() };
         self.fd.set_clock(&clock).map_err(|e| Error::Kvm("KVM_SET_CLOCK", e))?;
         Ok(())
+    }
+}
+
+impl Persist for VmPersist {
+    type State = VmState;
+    fn id(&self) -> String {
+        VM_ID.into()
+    }
+    fn save(&self) -> std::result::Result<VmState, PersistError> {
+        self.read().map_err(|e| PersistError::component(VM_ID, e))
+    }
+    fn restore(&mut self, s: &VmState) -> std::result::Result<(), PersistError> {
+        self.write(s).map_err(|e| PersistError::component(VM_ID, e))
     }
 }
 

@@ -12,7 +12,10 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kumo_devices::{Buses, DebugPort, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT};
+use kumo_devices::persist::check_ids;
+use kumo_devices::{
+    Buses, DebugPort, DeviceStates, PersistDyn, PersistError, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT,
+};
 use kumo_vm::Vm;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
@@ -35,6 +38,8 @@ pub struct DeviceManager {
     /// Signalled when the guest empties COM1's receive FIFO (see `ConsoleInput`).
     serial_drained: EventFd,
     console_attached: AtomicBool,
+    /// The devices whose state snapshots carry (the debug port has none).
+    persist: Vec<Arc<Mutex<dyn PersistDyn>>>,
     events: EventLoop,
 }
 
@@ -56,6 +61,7 @@ impl DeviceManager {
         let events = EventLoop::start("devices").map_err(dev_err("device event loop"))?;
         Ok(DeviceManager {
             buses: Arc::new(buses),
+            persist: vec![serial.clone()],
             serial,
             serial_drained: drained,
             console_attached: AtomicBool::new(false),
@@ -80,6 +86,33 @@ impl DeviceManager {
     /// Pushes buffered console output out.
     pub fn flush_console(&self) {
         let _ = lock(&self.serial).flush_output();
+    }
+
+    /// Every device's state, by component id. The VM must be paused.
+    pub fn save_states(&self) -> std::result::Result<DeviceStates, PersistError> {
+        self.persist
+            .iter()
+            .map(|d| {
+                let d = lock(d);
+                Ok((d.id(), d.save_value()?))
+            })
+            .collect()
+    }
+
+    /// Checks that `states` has a state for each device and none for a device this VM lacks.
+    pub fn check_states(&self, states: &DeviceStates) -> std::result::Result<(), PersistError> {
+        check_ids(states, self.persist.iter().map(|d| lock(d).id()))
+    }
+
+    /// Restores every device from `states` (checked first, see [`DeviceManager::check_states`]).
+    pub fn restore_states(&self, states: &DeviceStates) -> std::result::Result<(), PersistError> {
+        self.check_states(states)?;
+        for d in &self.persist {
+            let mut d = lock(d);
+            let id = d.id();
+            d.restore_value(states[&id].clone())?;
+        }
+        Ok(())
     }
 
     /// Makes the event loop feed what arrives on `input` (a terminal, pipe or socket) to COM1,
@@ -198,6 +231,35 @@ mod tests {
         user.write_all(&sent).unwrap();
         assert_eq!(guest_reads(dm.buses(), sent.len()), sent);
         drop(user);
+    }
+
+    #[test]
+    fn device_states_are_saved_by_id_and_restored_into_another_vm() {
+        if !kumo_vm::vm::kvm_available() {
+            eprintln!("skipping device_states_are_saved_by_id_and_restored_into_another_vm: /dev/kvm not available");
+            return;
+        }
+        let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let a = DeviceManager::new(&vm, Box::new(std::io::sink())).unwrap();
+        a.buses().pio.write(u64::from(COM1_PORT) + 7, &[0x5a]); // scratch register
+        a.serial_input(b"hi");
+        let states: DeviceStates =
+            serde_json::from_str(&serde_json::to_string(&a.save_states().unwrap()).unwrap()).unwrap();
+        assert_eq!(states.keys().collect::<Vec<_>>(), ["com1"]);
+
+        let vm_b = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let b = DeviceManager::new(&vm_b, Box::new(std::io::sink())).unwrap();
+        let mut extra = states.clone();
+        extra.insert("net0".into(), serde_json::json!({}));
+        let e = b.restore_states(&extra).unwrap_err().to_string();
+        assert_eq!(e, "the snapshot has state for net0, which this VM lacks");
+        let e = b.restore_states(&DeviceStates::new()).unwrap_err().to_string();
+        assert_eq!(e, "the snapshot has no state for com1");
+        b.restore_states(&states).unwrap();
+        let mut r = [0u8];
+        b.buses().pio.read(u64::from(COM1_PORT) + 7, &mut r);
+        assert_eq!(r[0], 0x5a);
+        assert_eq!(guest_reads(b.buses(), 2), b"hi", "pending input moves with the state");
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod config;
 pub mod device_manager;
 pub mod event_loop;
 pub mod migration;
+pub mod persist;
 pub mod vmm;
 
 pub use config::{ConfigFile, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
@@ -27,6 +28,8 @@ pub enum Error {
     Thread(std::io::Error),
     #[error("devices: {0}")]
     Devices(String),
+    #[error("state: {0}")]
+    Persist(#[from] kumo_devices::PersistError),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -11,16 +11,18 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kumo_devices::Persist;
 use kumo_devices::{Buses, DeviceEvent};
 use kumo_vm::boot::{write_gdt, write_page_tables, Entry, KumoBootInfo};
 use kumo_vm::layout::{ram_regions, HIMEM_START, MMIO_GAP_START};
 use kumo_vm::linux::{load_linux, LinuxBootConfig, LinuxEntry};
-use kumo_vm::{Vcpu, VcpuRun, VcpuState, Vm, VmState};
+use kumo_vm::{Vcpu, VcpuRun, Vm};
 use linux_loader_shim::load_elf;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::config::{Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
 use crate::device_manager::DeviceManager;
+pub use crate::persist::Snapshot;
 use crate::{Error, Result};
 
 /// CLOCK_MONOTONIC in nanoseconds: comparable across processes, for start-up timings.
@@ -79,19 +81,6 @@ pub struct Timings {
 pub struct RunReport {
     pub outcome: Outcome,
     pub timings: Timings,
-}
-
-/// Everything needed to put a paused VM back where it was (memory stays in place).
-#[derive(serde::Serialize, serde::Deserialize)]
-pub struct Snapshot {
-    pub vm: VmState,
-    pub vcpus: Vec<VcpuState>,
-    /// COM1's registers and pending input (absent in snapshots from before it was saved).
-    #[serde(default)]
-    pub serial: Option<kumo_devices::SerialSnapshot>,
-    /// The user had paused the VM: a migrated VM arrives paused, as it left.
-    #[serde(default)]
-    pub paused: bool,
 }
 
 /// The vCPU throttle's period: a throttled vCPU sleeps its share of each.
@@ -577,15 +566,17 @@ impl RunningVm {
         }
     }
 
-    /// Reads the state of every vCPU and of the VM. The VM must be paused.
+    /// Reads the state of every component: the VM-wide KVM state, each vCPU, each device. The
+    /// VM must be paused.
     pub fn save_state(&self) -> Result<Snapshot> {
         self.require_paused()?;
-        let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
+        let vcpus = self.vcpus.iter().map(|v| lock(v).save()).collect::<std::result::Result<Vec<_>, _>>()?;
         let paused = lock(&self.shared.ctl).user_paused;
-        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(self.devices.serial()).state()), paused })
+        Ok(Snapshot { vm: self.vm.persist().save()?, vcpus, devices: self.devices.save_states()?, paused })
     }
 
-    /// Puts back a state from `save_state`. The VM must be paused.
+    /// Puts back a state from `save_state`. The VM must be paused. A snapshot of another shape
+    /// (vCPU count, devices) is refused before anything changes.
     pub fn restore_state(&self, s: &Snapshot) -> Result<()> {
         self.require_paused()?;
         if s.vcpus.len() != self.vcpus.len() {
@@ -596,12 +587,11 @@ impl RunningVm {
             ))
             .into());
         }
-        if let Some(serial) = &s.serial {
-            lock(self.devices.serial()).restore(serial).map_err(kumo_vm::Error::Restore)?;
-        }
-        self.vm.restore_state(&s.vm)?;
+        self.devices.check_states(&s.devices)?;
+        self.devices.restore_states(&s.devices)?;
+        self.vm.persist().restore(&s.vm)?;
         for (v, st) in self.vcpus.iter().zip(&s.vcpus) {
-            lock(v).restore_state(st)?;
+            lock(v).restore(st)?;
         }
         lock(&self.shared.ctl).stay_paused = s.paused;
         Ok(())
