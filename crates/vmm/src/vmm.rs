@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kumo_devices::Persist;
 use kumo_devices::{Buses, DeviceEvent};
 use kumo_vm::boot::{write_gdt, write_page_tables, Entry, KumoBootInfo};
-use kumo_vm::layout::{ram_regions, HIMEM_START, MMIO_GAP_START};
+use kumo_vm::layout::HIMEM_START;
 use kumo_vm::linux::{load_linux, LinuxBootConfig, LinuxEntry};
 use kumo_vm::{Vcpu, VcpuRun, Vm};
 use linux_loader_shim::load_elf;
@@ -267,12 +267,12 @@ impl RunningVm {
             None => Vm::new(config.cpus, config.memory, config.irqchip)?,
         };
         let mem = &vm.memory.guest;
-        let top = ram_regions(config.memory).last().map(|(s, l)| s + l).unwrap_or(0);
+        let layout = &vm.memory.layout;
         // An incoming VM's memory comes from the source (for a local migration it *is* the
         // source's memory): writing boot structures would clobber the guest.
         if !incoming {
             write_gdt(mem, config.cpus)?;
-            write_page_tables(mem, top)?;
+            write_page_tables(mem, layout.ram_end())?;
         }
 
         let shared = Arc::new(Shared {
@@ -301,7 +301,7 @@ impl RunningVm {
                 let guest = kumo_guests::find(name)?;
                 let cmdline = guest.command_line(args)?;
                 let (rip, end) = load_elf(mem, guest.elf)?;
-                let free_end = config.memory.min(MMIO_GAP_START);
+                let free_end = layout.low_ram_end();
                 let info = KumoBootInfo {
                     ncpus: config.cpus,
                     mem_bytes: config.memory,
@@ -321,7 +321,7 @@ impl RunningVm {
                     kernel: path,
                     initrd: initrd.as_deref(),
                     cmdline: cmdline.as_deref().unwrap_or(DEFAULT_LINUX_CMDLINE),
-                    mem_bytes: config.memory,
+                    layout,
                 };
                 let entry = match load_linux(mem, &cfg).map_err(kumo_vm::Error::from)? {
                     LinuxEntry::BzImage64 { entry, boot_params } => Entry::Linux64 { rip: entry, boot_params },
