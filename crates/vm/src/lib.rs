@@ -3,14 +3,12 @@
 //! what pause/save/restore and, later, migration build on. Almost all of kumo's `unsafe` lives
 //! here, at the KVM and memory boundary.
 
-pub mod assist;
 pub mod boot;
 pub mod cpuid;
 pub mod dirty;
-pub mod insn;
+pub mod emulate;
 pub mod interrupts;
 pub mod layout;
-pub mod linux;
 pub mod memory;
 pub mod state;
 pub mod vcpu;
@@ -20,7 +18,7 @@ pub mod x86;
 #[cfg(test)]
 mod testing;
 
-pub use boot::{Entry, KumoBootInfo};
+pub use boot::{linux, Entry, KumoBootInfo};
 pub use memory::{parse_size, GuestMemory, Memory};
 pub use state::{VcpuState, VmState};
 pub use vcpu::{Vcpu, VcpuRun};

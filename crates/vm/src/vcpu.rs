@@ -8,10 +8,11 @@ use kvm_bindings::{kvm_mp_state, kvm_msr_entry, Msrs, KVM_MAX_CPUID_ENTRIES, KVM
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::assist::{self, AssistCounts, AssistCpu};
 use crate::boot::{regs_for, sregs_for, Entry};
+use crate::emulate::assist::{self, AssistCounts, AssistCpu};
+use crate::emulate::decode as insn;
 use crate::state::VcpuState;
-use crate::{cpuid, insn, Error, Result};
+use crate::{cpuid, Error, Result};
 
 const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
 const MISC_ENABLE_FAST_STRING: u64 = 1;
@@ -44,7 +45,7 @@ pub struct Vcpu {
     /// MSRs to save, from KVM_GET_MSR_INDEX_LIST.
     msr_list: Arc<Vec<u32>>,
     has_lapic: bool,
-    /// Emulation assists performed so far (see `crate::assist`).
+    /// Emulation assists performed so far (see `crate::emulate`).
     assists: AssistCounts,
 }
 

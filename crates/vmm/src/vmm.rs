@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use kumo_devices::Persist;
 use kumo_devices::{Buses, DeviceEvent};
+use kumo_vm::boot::linux::{load_linux, LinuxBootConfig, LinuxEntry};
 use kumo_vm::boot::{write_gdt, write_page_tables, Entry, KumoBootInfo};
 use kumo_vm::layout::HIMEM_START;
-use kumo_vm::linux::{load_linux, LinuxBootConfig, LinuxEntry};
 use kumo_vm::{Vcpu, VcpuRun, Vm};
 use linux_loader_shim::load_elf;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
@@ -606,8 +606,8 @@ impl RunningVm {
 
     /// Emulation assists (instructions KVM could not emulate that kumo carried out), summed over
     /// the vCPUs. Waits for vCPUs inside KVM_RUN, so call it on a paused or finished VM.
-    pub fn assist_counts(&self) -> kumo_vm::assist::AssistCounts {
-        let mut c = kumo_vm::assist::AssistCounts::default();
+    pub fn assist_counts(&self) -> kumo_vm::emulate::AssistCounts {
+        let mut c = kumo_vm::emulate::AssistCounts::default();
         for v in &self.vcpus {
             c.merge(&lock(v).assist_counts());
         }
