@@ -1,5 +1,10 @@
 //! kumo-vmm: builds a VM from a `VmConfig`, runs one thread per vCPU, and controls it: pause,
 //! resume, save and restore state, shut down. The control API and the CLI sit on top.
+//! - `vmm`: `RunningVm`, its vCPU threads and run-state control;
+//! - `device_manager`: the devices, their buses and interrupt wiring; `event_loop`: the device
+//!   event thread;
+//! - `persist`: the `Snapshot` every component saves into;
+//! - `config`, `api` (the control API's handler), `migration` (source and destination sides).
 
 pub mod api;
 pub mod config;

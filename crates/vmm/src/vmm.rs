@@ -1,4 +1,5 @@
-//! A running VM: vCPU threads and their control.
+//! A running VM: vCPU threads and their control. Devices are the device manager's
+//! (`device_manager`); this module builds the VM, loads its payload and runs the vCPUs.
 //!
 //! Each vCPU thread loops on KVM_RUN. Control requests (pause, stop) are published in an atomic
 //! and a mutex-protected record; a thread parks on a condition variable when it sees one. To get
