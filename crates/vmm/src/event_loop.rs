@@ -82,7 +82,8 @@ impl EventLoop {
     }
 
     /// Registers `handler` for `fds` (descriptor, events to watch; at most 256). The handler must
-    /// keep the descriptors open for as long as it is registered.
+    /// keep the descriptors open for as long as it is registered. Not to be called from inside a
+    /// handler (the loop holds its handler table while one runs).
     pub fn add(&self, fds: &[(RawFd, EventSet)], handler: Box<dyn EventHandler>) -> std::io::Result<()> {
         if fds.is_empty() || fds.len() as u64 > SOURCES_PER_HANDLER {
             return Err(std::io::Error::new(
