@@ -11,7 +11,7 @@
 //! (`KUMO_LINUX_BOOT_TIMEOUT` seconds to override).
 //!
 //! There, the kernel also hits instructions KVM cannot emulate (INT3, CLAC, POPCNT, FWAIT…)
-//! that kumo carries out itself (`kumo_vm::assist`); `pvh_vmlinux_boots_past_emulation_failures`
+//! that kumo carries out itself (`kumo_vm::emulate`); `pvh_vmlinux_boots_past_emulation_failures`
 //! checks that the kernel gets well past the point where it used to stop.
 
 use std::io::{BufRead, BufReader, Read};

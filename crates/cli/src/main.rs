@@ -164,7 +164,12 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
             Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)
         }
     };
-    spawn_console_input(Arc::downgrade(&vm));
+    // stdin goes to COM1 through the VM's device event loop; what epoll cannot watch (a file,
+    // /dev/null) is read by a thread instead.
+    let stdin = std::os::fd::AsFd::as_fd(&std::io::stdin()).try_clone_to_owned();
+    if !stdin.is_ok_and(|fd| vm.attach_console_input(fd).is_ok()) {
+        spawn_console_input(Arc::downgrade(&vm));
+    }
     let _api = match &api_socket {
         Some(p) => Some(ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
             vm.shutdown();

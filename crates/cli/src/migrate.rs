@@ -227,7 +227,7 @@ pub fn incoming(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<Ru
         Some(size) => {
             let t = std::time::Instant::now();
             let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
-            for (gpa, len) in kumo_vm::layout::ram_regions(size) {
+            for &(gpa, len) in m.layout.ram() {
                 kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
             }
             eprintln!("kumo: prepared {} MiB of guest memory in {:.0} ms", size >> 20, t.elapsed().as_secs_f64() * 1e3);

@@ -6,7 +6,7 @@
 //!
 //! Reads return a signature so a guest can tell it runs under kumo: `'k'` from 0x501.
 
-use crate::bus::PioDevice;
+use crate::bus::BusDevice;
 use crate::DeviceEvent;
 
 pub const EXIT_PORT: u16 = 0x501;
@@ -16,15 +16,15 @@ pub const MARKER_PORT: u16 = 0x502;
 #[derive(Default)]
 pub struct DebugPort;
 
-impl PioDevice for DebugPort {
-    fn read(&mut self, offset: u16, data: &mut [u8]) {
+impl BusDevice for DebugPort {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
         data.fill(0);
         if offset == 0 {
             data[0] = b'k';
         }
     }
 
-    fn write(&mut self, offset: u16, data: &[u8]) -> Option<DeviceEvent> {
+    fn write(&mut self, offset: u64, data: &[u8]) -> Option<DeviceEvent> {
         let mut v = [0u8; 4];
         let n = data.len().min(4);
         v[..n].copy_from_slice(&data[..n]);

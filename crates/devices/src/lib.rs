@@ -1,14 +1,19 @@
-//! kumo-devices: the emulated devices of a kumo VM and the port I/O bus that dispatches to them.
+//! kumo-devices: the emulated devices of a kumo VM and the buses (port I/O, MMIO) that dispatch
+//! vCPU exits to them.
 //!
-//! Devices know nothing of KVM or migration: they see port reads and writes, and report events
-//! (a guest asking to exit, a timing marker) to whoever runs the vCPU.
+//! Devices know nothing of KVM or migration: they see bus reads and writes, raise interrupts
+//! through eventfds, report events (a guest asking to exit, a timing marker) to whoever runs the
+//! vCPU, and save their state through the one persist pattern (`persist`), which the vCPUs and
+//! the VM-wide state in `kumo-vm` use as well.
 
 pub mod bus;
 pub mod debug_port;
+pub mod persist;
 pub mod serial;
 
-pub use bus::{BusError, PioBus, PioDevice};
+pub use bus::{Bus, BusDevice, BusError, BusKind, Buses, SharedDevice};
 pub use debug_port::{DebugPort, EXIT_PORT, MARKER_PORT};
+pub use persist::{DeviceStates, Persist, PersistDyn, PersistError};
 pub use serial::{SerialConsole, SerialSnapshot, COM1_IRQ, COM1_PORT};
 
 /// Something a device write asks the VMM to act on.

@@ -1,16 +1,19 @@
 //! COM1: a 16550A-compatible UART (vm-superio's) whose interrupt is an eventfd, so the VMM can
-//! route it to any GSI through an irqfd and change that route later.
+//! route it to any GSI through an irqfd and change that route later. A second eventfd, if
+//! given, says when the guest has emptied the receive FIFO: whoever feeds console input waits
+//! on it while the FIFO is full, instead of polling.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use vm_superio::serial::{NoEvents, SerialState};
+use vm_superio::serial::{SerialEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::bus::PioDevice;
+use crate::bus::BusDevice;
+use crate::persist::{Persist, PersistError};
 use crate::DeviceEvent;
 
 pub const COM1_PORT: u16 = 0x3f8;
@@ -28,8 +31,30 @@ impl Trigger for EventFdTrigger {
     }
 }
 
+/// Signals its eventfd when the guest has read the last byte of the receive FIFO.
+pub struct InputDrained(Option<EventFd>);
+
+impl SerialEvents for InputDrained {
+    fn buffer_read(&self) {}
+    fn out_byte(&self) {}
+    fn tx_lost_byte(&self) {}
+    fn in_buffer_empty(&self) {
+        if let Some(e) = &self.0 {
+            let _ = e.write(1);
+        }
+    }
+}
+
+impl InputDrained {
+    fn try_clone(&self) -> std::io::Result<Self> {
+        Ok(InputDrained(self.0.as_ref().map(EventFd::try_clone).transpose()?))
+    }
+}
+
+type Uart = Serial<EventFdTrigger, InputDrained, Box<dyn Write + Send>>;
+
 pub struct SerialConsole {
-    uart: Serial<EventFdTrigger, NoEvents, Box<dyn Write + Send>>,
+    uart: Uart,
 }
 
 /// vm-superio's FIFO size: a saved state holding more input than this is not one it made.
@@ -87,7 +112,13 @@ impl From<&SerialSnapshot> for SerialState {
 impl SerialConsole {
     /// `irq` is signalled when the UART raises its interrupt line.
     pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> Self {
-        Self { uart: Serial::new(EventFdTrigger(irq, Arc::default()), out) }
+        Self { uart: Serial::with_events(EventFdTrigger(irq, Arc::default()), InputDrained(None), out) }
+    }
+
+    /// Like [`SerialConsole::new`], and signals `drained` each time the guest empties the
+    /// receive FIFO.
+    pub fn with_input_drained(irq: EventFd, drained: EventFd, out: Box<dyn Write + Send>) -> Self {
+        Self { uart: Serial::with_events(EventFdTrigger(irq, Arc::default()), InputDrained(Some(drained)), out) }
     }
 
     /// Register state and pending input, for saving a VM.
@@ -103,14 +134,16 @@ impl SerialConsole {
         }
         let irq = self.uart.interrupt_evt().0.try_clone().map_err(|e| format!("serial interrupt: {e}"))?;
         let raised = self.uart.interrupt_evt().1.clone();
-        let placeholder = Serial::new(
+        let events = self.uart.events().try_clone().map_err(|e| format!("serial input event: {e}"))?;
+        let placeholder = Serial::with_events(
             EventFdTrigger(irq.try_clone().map_err(|e| format!("serial interrupt: {e}"))?, raised.clone()),
+            InputDrained(None),
             Box::new(std::io::sink()) as Box<dyn Write + Send>,
         );
         let out = std::mem::replace(&mut self.uart, placeholder).into_writer();
         // Cannot fail: the only check, the FIFO size, was made above. A pending interrupt is
         // raised again on the (new) irqfd, which is what the guest expects after a restore.
-        self.uart = Serial::from_state(&SerialState::from(s), EventFdTrigger(irq, raised), NoEvents, out)
+        self.uart = Serial::from_state(&SerialState::from(s), EventFdTrigger(irq, raised), events, out)
             .map_err(|e| format!("serial state: {e:?}"))?;
         Ok(())
     }
@@ -131,8 +164,24 @@ impl SerialConsole {
     }
 }
 
-impl PioDevice for SerialConsole {
-    fn read(&mut self, offset: u16, data: &mut [u8]) {
+/// COM1's id in snapshots.
+pub const COM1_ID: &str = "com1";
+
+impl Persist for SerialConsole {
+    type State = SerialSnapshot;
+    fn id(&self) -> String {
+        COM1_ID.into()
+    }
+    fn save(&self) -> Result<SerialSnapshot, PersistError> {
+        Ok(self.state())
+    }
+    fn restore(&mut self, state: &SerialSnapshot) -> Result<(), PersistError> {
+        SerialConsole::restore(self, state).map_err(|e| PersistError::component(COM1_ID, e))
+    }
+}
+
+impl BusDevice for SerialConsole {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
         if data.len() == 1 && offset < 8 {
             data[0] = self.uart.read(offset as u8);
         } else {
@@ -140,7 +189,7 @@ impl PioDevice for SerialConsole {
         }
     }
 
-    fn write(&mut self, offset: u16, data: &[u8]) -> Option<DeviceEvent> {
+    fn write(&mut self, offset: u64, data: &[u8]) -> Option<DeviceEvent> {
         if data.len() == 1 && offset < 8 {
             // A failed write to the console sink or the irqfd must not stop the guest.
             let _ = self.uart.write(offset as u8, data[0]);
@@ -212,6 +261,30 @@ mod tests {
         bad.in_buffer = vec![0; 65];
         assert!(b.restore(&bad).is_err());
         assert_eq!(b.state().scratch, 0x5a, "a refused state changes nothing");
+    }
+
+    #[test]
+    fn emptying_the_fifo_signals_input_drained() {
+        let drained = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut s = SerialConsole::with_input_drained(
+            EventFd::new(0).unwrap(),
+            drained.try_clone().unwrap(),
+            Box::new(std::io::sink()),
+        );
+        assert_eq!(s.enqueue_input(&[b'a'; 100]), FIFO_SIZE, "the FIFO takes 64");
+        assert_eq!(s.enqueue_input(b"b"), 0, "full");
+        let mut b = [0u8];
+        for _ in 0..FIFO_SIZE - 1 {
+            s.read(0, &mut b);
+        }
+        assert!(drained.read().is_err(), "not empty yet");
+        s.read(0, &mut b);
+        assert_eq!(drained.read().unwrap(), 1);
+        // It survives a restore.
+        s.restore(&s.state()).unwrap();
+        s.enqueue_input(b"c");
+        s.read(0, &mut b);
+        assert_eq!(drained.read().unwrap(), 1);
     }
 
     #[test]

@@ -16,8 +16,9 @@ use serde::{Deserialize, Serialize};
 
 /// First 8 bytes of every stream.
 pub const MAGIC: [u8; 8] = *b"KUMOMIG\0";
-/// The stream version this code writes and the only one it reads.
-pub const VERSION: u32 = 3;
+/// The stream version this code writes and the only one it reads. Version 4: the `State`
+/// record's snapshot keeps device states by component id (docs/migration-format.md).
+pub const VERSION: u32 = 4;
 /// Guest page size; the only one this version allows.
 pub const PAGE_SIZE: u32 = 4096;
 const PAGE: usize = PAGE_SIZE as usize;

@@ -1,8 +1,10 @@
 //! Guest physical memory layout used by kumo on x86_64.
 //!
 //! Everything the VMM writes before the first instruction lives below 1 MiB; kernels and kumo's
-//! own guest programs are loaded at 1 MiB. The window [3 GiB, 4 GiB) is left for MMIO (LAPIC,
-//! IOAPIC); RAM beyond 3 GiB continues at 4 GiB.
+//! own guest programs are loaded at 1 MiB. The window [3 GiB, 4 GiB) is left for MMIO (device
+//! MMIO, then the IOAPIC, LAPIC and KVM's pages); RAM beyond 3 GiB continues at 4 GiB.
+//! [`MemoryLayout`] is a VM's map, built once from its RAM size; the constants are the fixed
+//! addresses of boot structures. This module also owns the shape checks (vCPUs, memory).
 
 /// Global descriptor table (shared by all vCPUs; one TSS descriptor per vCPU).
 pub const GDT_START: u64 = 0x1000;
@@ -83,13 +85,88 @@ pub fn check_shape(cpus: u32, memory: u64, host: &HostLimits) -> crate::Result<(
     crate::memory::check_size(memory, &host.memory)
 }
 
-/// RAM regions `(start, len)` for a VM with `mem_bytes` of memory, splitting around the MMIO hole.
-pub fn ram_regions(mem_bytes: u64) -> Vec<(u64, u64)> {
-    if mem_bytes <= MMIO_GAP_START {
-        vec![(0, mem_bytes)]
-    } else {
-        vec![(0, MMIO_GAP_START), (MMIO_GAP_END, mem_bytes - MMIO_GAP_START)]
+/// A range of guest-physical addresses something other than RAM or free MMIO space occupies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reserved {
+    pub name: &'static str,
+    pub start: u64,
+    pub len: u64,
+}
+
+/// What sits inside the MMIO gap at fixed addresses: device MMIO must stay clear of these.
+pub const RESERVED: [Reserved; 3] = [
+    Reserved { name: "IOAPIC", start: IOAPIC_START, len: 0x1000 },
+    Reserved { name: "LAPIC", start: LAPIC_START, len: 0x1000 },
+    // KVM's EPT identity-map page (its default, one page below) and the three TSS pages.
+    Reserved { name: "KVM identity map and TSS", start: KVM_TSS_ADDRESS - 0x1000, len: 0x4000 },
+];
+
+/// A VM's guest-physical memory map, built once from its RAM size and passed to whatever needs
+/// it (guest memory, boot page tables, the Linux e820 map, kumo's boot info, migration): RAM
+/// regions split around the MMIO gap, the gap, and the fixed ranges inside it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryLayout {
+    size: u64,
+    ram: Vec<(u64, u64)>,
+}
+
+impl MemoryLayout {
+    /// The layout of `size` bytes of RAM: one region below the MMIO gap, and the rest, if any,
+    /// from 4 GiB.
+    pub fn new(size: u64) -> MemoryLayout {
+        let ram = if size <= MMIO_GAP_START {
+            vec![(0, size)]
+        } else {
+            vec![(0, MMIO_GAP_START), (MMIO_GAP_END, size - MMIO_GAP_START)]
+        };
+        MemoryLayout { size, ram }
     }
+
+    /// RAM bytes in all.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// RAM regions `(start, len)`, in address order.
+    pub fn ram(&self) -> &[(u64, u64)] {
+        &self.ram
+    }
+
+    /// End (exclusive) of the highest RAM region: what boot page tables must map.
+    pub fn ram_end(&self) -> u64 {
+        self.ram.last().map_or(0, |&(s, l)| s + l)
+    }
+
+    /// End (exclusive) of the RAM below the MMIO gap, where boot data and initrds must fit.
+    pub fn low_ram_end(&self) -> u64 {
+        self.size.min(MMIO_GAP_START)
+    }
+
+    /// The MMIO gap below 4 GiB.
+    pub fn mmio_gap(&self) -> std::ops::Range<u64> {
+        MMIO_GAP_START..MMIO_GAP_END
+    }
+
+    /// Where device MMIO (PCI BARs) can go below 4 GiB: the gap up to the first reserved range.
+    pub fn mmio32(&self) -> std::ops::Range<u64> {
+        MMIO_GAP_START..RESERVED.iter().map(|r| r.start).min().unwrap_or(MMIO_GAP_END)
+    }
+
+    /// The fixed ranges inside the MMIO gap.
+    pub fn reserved(&self) -> &'static [Reserved] {
+        &RESERVED
+    }
+
+    /// Whether `gpa` is guest RAM.
+    pub fn is_ram(&self, gpa: u64) -> bool {
+        self.ram.iter().any(|&(s, l)| gpa >= s && gpa - s < l)
+    }
+}
+
+/// RAM regions `(start, len)` for a VM with `mem_bytes` of memory: [`MemoryLayout::ram`] for
+/// callers that only have a size (a migration stream's description).
+pub fn ram_regions(mem_bytes: u64) -> Vec<(u64, u64)> {
+    MemoryLayout::new(mem_bytes).ram().to_vec()
 }
 
 #[cfg(test)]
@@ -106,6 +183,32 @@ mod tests {
         let r = ram_regions(4 << 30);
         assert_eq!(r, vec![(0, 3 << 30), (4 << 30, 1 << 30)]);
         assert_eq!(r.iter().map(|x| x.1).sum::<u64>(), 4 << 30);
+    }
+
+    #[test]
+    fn layout_of_a_large_vm() {
+        let l = MemoryLayout::new(5 << 30);
+        assert_eq!(l.ram(), [(0, 3 << 30), (4 << 30, 2 << 30)]);
+        assert_eq!((l.size(), l.ram_end(), l.low_ram_end()), (5 << 30, 6 << 30, 3 << 30));
+        assert!(l.is_ram(0) && l.is_ram((3 << 30) - 1) && !l.is_ram(3 << 30) && l.is_ram(4 << 30));
+        assert!(!l.is_ram(6 << 30));
+        let small = MemoryLayout::new(256 << 20);
+        assert_eq!((small.ram_end(), small.low_ram_end()), (256 << 20, 256 << 20));
+    }
+
+    #[test]
+    fn reserved_ranges_lie_in_the_gap_above_device_mmio() {
+        let l = MemoryLayout::new(1 << 30);
+        let (gap, mmio) = (l.mmio_gap(), l.mmio32());
+        assert_eq!(mmio, MMIO_GAP_START..IOAPIC_START);
+        let mut r = l.reserved().to_vec();
+        r.sort_by_key(|r| r.start);
+        for w in r.windows(2) {
+            assert!(w[0].start + w[0].len <= w[1].start, "{w:x?}");
+        }
+        for x in &r {
+            assert!(gap.start <= x.start && x.start + x.len <= gap.end && x.start >= mmio.end, "{x:x?}");
+        }
     }
 
     #[test]

@@ -1,15 +1,21 @@
-//! kumo-vm: the KVM edge of kumo. A `Vm` owns guest memory and the KVM VM file descriptor;
-//! each `Vcpu` is moved into its own thread. State can be saved and restored (`state`), which is
-//! what pause/save/restore and, later, migration build on. Almost all of kumo's `unsafe` lives
-//! here, at the KVM and memory boundary.
+//! kumo-vm: the KVM edge of kumo. Almost all of kumo's `unsafe` lives here, at the KVM and
+//! memory boundary. By concern:
+//! - the VM and its vCPUs: `vm` (VM fd, irqchip, VM-wide state), `vcpu` (exit handling, which
+//!   dispatches port I/O and MMIO to `kumo_devices::Buses`), `cpuid`, `state` (saved state,
+//!   through the persist pattern of `kumo_devices::persist`);
+//! - interrupts: `interrupts` (GSI allocation, GSI routes with MSI, irqfd, ioeventfd);
+//! - memory: `memory` (memfd-backed guest RAM), `layout` (the `MemoryLayout` and fixed boot
+//!   addresses), `dirty` (dirty logging for migration);
+//! - boot: `boot` (GDT, TSS, page tables, entry registers) and its Linux loader `boot::linux`;
+//! - emulation assists: `emulate` (the one x86 decoder and what kumo carries out when nested KVM
+//!   cannot).
 
-pub mod assist;
 pub mod boot;
 pub mod cpuid;
 pub mod dirty;
-pub mod insn;
+pub mod emulate;
+pub mod interrupts;
 pub mod layout;
-pub mod linux;
 pub mod memory;
 pub mod state;
 pub mod vcpu;
@@ -19,7 +25,7 @@ pub mod x86;
 #[cfg(test)]
 mod testing;
 
-pub use boot::{Entry, KumoBootInfo};
+pub use boot::{linux, Entry, KumoBootInfo};
 pub use memory::{parse_size, GuestMemory, Memory};
 pub use state::{VcpuState, VmState};
 pub use vcpu::{ExitCounters, Vcpu, VcpuRun};
@@ -61,6 +67,8 @@ pub enum Error {
     Restore(String),
     #[error(transparent)]
     Linux(#[from] linux::LinuxError),
+    #[error("interrupts: {0}")]
+    Irq(#[from] interrupts::IrqError),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

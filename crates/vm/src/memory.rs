@@ -7,7 +7,7 @@ use std::os::fd::FromRawFd;
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
-use crate::layout::ram_regions;
+use crate::layout::MemoryLayout;
 use crate::{Error, Result};
 
 /// Guest memory. Each region carries a dirty bitmap that vm-memory sets on every write made
@@ -20,6 +20,8 @@ pub struct Memory {
     pub guest: GuestMemory,
     pub memfd: File,
     pub size: u64,
+    /// The map the regions of `guest` follow.
+    pub layout: MemoryLayout,
 }
 
 /// Smallest VM kumo builds: room for the boot structures below 1 MiB and a small guest above.
@@ -126,9 +128,10 @@ impl Memory {
     }
 
     fn map(memfd: File, size: u64) -> Result<Self> {
+        let layout = MemoryLayout::new(size);
         let mut regions = Vec::new();
         let mut offset = 0u64;
-        for (start, len) in ram_regions(size) {
+        for &(start, len) in layout.ram() {
             let fo = FileOffset::new(memfd.try_clone().map_err(|e| Error::Memory(e.to_string()))?, offset);
             let len_usize = usize::try_from(len).map_err(|_| Error::BadMemorySize(size))?;
             let mmap = MmapRegion::<AtomicBitmap>::from_file(fo, len_usize)
@@ -140,7 +143,7 @@ impl Memory {
             offset += len;
         }
         let guest = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
-        Ok(Memory { guest, memfd, size })
+        Ok(Memory { guest, memfd, size, layout })
     }
 }
 

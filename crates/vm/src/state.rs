@@ -1,5 +1,6 @@
-//! Saved VM state: everything KVM holds for a VM besides memory. Serializable so migration can
-//! put it on the wire later.
+//! Saved VM state: everything KVM holds for a VM besides memory, serializable for snapshots and
+//! migration. The vCPUs and the VM-wide state (`vm::VmPersist`) save and restore it through the
+//! persist pattern of `kumo_devices::persist`, as devices do.
 
 use kvm_bindings::{
     kvm_clock_data, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_pit_state2, kvm_regs,
@@ -49,5 +50,23 @@ impl std::fmt::Debug for VmState {
             .field("pit", &self.pit.is_some())
             .field("clock_ns", &self.clock.clock)
             .finish()
+    }
+}
+
+/// A vCPU's id in snapshots: `vcpu0`, `vcpu1`, …
+pub fn vcpu_id(id: u32) -> String {
+    format!("vcpu{id}")
+}
+
+impl kumo_devices::Persist for crate::Vcpu {
+    type State = VcpuState;
+    fn id(&self) -> String {
+        vcpu_id(self.id)
+    }
+    fn save(&self) -> Result<VcpuState, kumo_devices::PersistError> {
+        self.save_state().map_err(|e| kumo_devices::PersistError::component(vcpu_id(self.id), e))
+    }
+    fn restore(&mut self, s: &VcpuState) -> Result<(), kumo_devices::PersistError> {
+        self.restore_state(s).map_err(|e| kumo_devices::PersistError::component(vcpu_id(self.id), e))
     }
 }

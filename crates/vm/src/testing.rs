@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use kumo_devices::{DebugPort, PioBus};
+use kumo_devices::{Buses, DebugPort};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::boot::{write_gdt, write_page_tables, Entry};
@@ -17,7 +17,7 @@ const MEM: u64 = 32 << 20;
 pub struct RawGuest {
     pub vm: Vm,
     pub vcpu: Vcpu,
-    pub bus: PioBus,
+    pub buses: Buses,
 }
 
 impl RawGuest {
@@ -36,15 +36,15 @@ impl RawGuest {
         }
         let vcpu = vm.create_vcpu(0).unwrap();
         vcpu.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: CODE })).unwrap();
-        let mut bus = PioBus::new();
-        bus.insert(kumo_devices::EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).unwrap();
-        Some(RawGuest { vm, vcpu, bus })
+        let mut buses = Buses::default();
+        buses.pio.insert(kumo_devices::EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort))).unwrap();
+        Some(RawGuest { vm, vcpu, buses })
     }
 
     /// Runs until something other than a handled exit happens.
     pub fn run(&mut self) -> Result<VcpuRun> {
         for _ in 0..1000 {
-            match self.vcpu.run(&self.bus) {
+            match self.vcpu.run(&self.buses) {
                 Ok(VcpuRun::Continue) => continue,
                 other => return other,
             }

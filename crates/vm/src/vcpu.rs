@@ -4,15 +4,16 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use kumo_devices::{DeviceEvent, PioBus};
+use kumo_devices::{Buses, DeviceEvent};
 use kvm_bindings::{kvm_mp_state, kvm_msr_entry, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MP_STATE_RUNNABLE};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::assist::{self, AssistCounts, AssistCpu};
 use crate::boot::{regs_for, sregs_for, Entry};
+use crate::emulate::assist::{self, AssistCounts, AssistCpu};
+use crate::emulate::decode as insn;
 use crate::state::VcpuState;
-use crate::{cpuid, insn, Error, Result};
+use crate::{cpuid, Error, Result};
 
 const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
 const MISC_ENABLE_FAST_STRING: u64 = 1;
@@ -64,7 +65,7 @@ pub struct Vcpu {
     /// MSRs to save, from KVM_GET_MSR_INDEX_LIST.
     msr_list: Arc<Vec<u32>>,
     has_lapic: bool,
-    /// Emulation assists performed so far (see `crate::assist`).
+    /// Emulation assists performed so far (see `crate::emulate`).
     assists: AssistCounts,
     exits: Arc<ExitCounters>,
 }
@@ -143,8 +144,8 @@ impl Vcpu {
         self.fd.set_kvm_immediate_exit(on as u8);
     }
 
-    /// Runs the vCPU until its next exit and handles it.
-    pub fn run(&mut self, bus: &PioBus) -> Result<VcpuRun> {
+    /// Runs the vCPU until its next exit and handles it: port I/O and MMIO go to `buses`.
+    pub fn run(&mut self, buses: &Buses) -> Result<VcpuRun> {
         let id = self.id;
         let run = self.fd.run();
         let e = &self.exits;
@@ -158,16 +159,20 @@ impl Vcpu {
             _ => &e.other,
         });
         match run {
-            Ok(VcpuExit::IoOut(port, data)) => Ok(bus.write(port, data).map_or(VcpuRun::Continue, VcpuRun::Device)),
+            Ok(VcpuExit::IoOut(port, data)) => {
+                Ok(buses.pio.write(port.into(), data).map_or(VcpuRun::Continue, VcpuRun::Device))
+            }
             Ok(VcpuExit::IoIn(port, data)) => {
-                bus.read(port, data);
+                buses.pio.read(port.into(), data);
                 Ok(VcpuRun::Continue)
             }
-            Ok(VcpuExit::MmioRead(_, data)) => {
-                data.fill(0xff);
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                buses.mmio.read(addr, data);
                 Ok(VcpuRun::Continue)
             }
-            Ok(VcpuExit::MmioWrite(..)) => Ok(VcpuRun::Continue),
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                Ok(buses.mmio.write(addr, data).map_or(VcpuRun::Continue, VcpuRun::Device))
+            }
             Ok(VcpuExit::Hlt) => Ok(VcpuRun::Halted),
             Ok(VcpuExit::Shutdown) => Ok(VcpuRun::Reset(format!("vCPU {id} triple-faulted (shutdown exit)"))),
             Ok(VcpuExit::SystemEvent(t, _)) => match t {

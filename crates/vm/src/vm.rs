@@ -4,6 +4,7 @@ use std::fs::OpenOptions;
 use std::os::fd::{FromRawFd, IntoRawFd};
 use std::sync::Arc;
 
+use kumo_devices::{Persist, PersistError};
 use kvm_bindings::{
     kvm_enable_cap, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region, KVM_CAP_SPLIT_IRQCHIP,
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
@@ -11,8 +12,8 @@ use kvm_bindings::{
 use kvm_ioctls::{Cap, Kvm, VmFd};
 use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
-use vmm_sys_util::eventfd::EventFd;
 
+use crate::interrupts::Interrupts;
 use crate::layout::KVM_TSS_ADDRESS;
 use crate::memory::Memory;
 use crate::state::VmState;
@@ -44,6 +45,8 @@ pub struct Vm {
     pub fd: Arc<VmFd>,
     pub memory: Memory,
     pub irqchip: IrqchipMode,
+    /// GSI routing, irqfds and ioeventfds: the only way devices' interrupts reach KVM.
+    pub interrupts: Interrupts,
     pub ncpus: u32,
     msr_list: Arc<Vec<u32>>,
     /// Whether KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 is enabled (see `dirty`).
@@ -130,9 +133,11 @@ impl Vm {
             unsafe { fd.set_user_memory_region(r) }.map_err(|e| Error::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
         }
         let msr_list = kvm.get_msr_index_list().map_err(|e| Error::Kvm("KVM_GET_MSR_INDEX_LIST", e))?;
+        let fd = Arc::new(fd);
         Ok(Vm {
             kvm,
-            fd: Arc::new(fd),
+            interrupts: Interrupts::new(fd.clone(), irqchip),
+            fd,
             memory,
             irqchip,
             ncpus,
@@ -146,18 +151,33 @@ impl Vm {
         Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), true))
     }
 
-    /// Routes an eventfd to a GSI of the in-kernel irqchip (no-op for a split irqchip, which has
-    /// no in-kernel IOAPIC pins to route to).
-    pub fn register_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<bool> {
-        if self.irqchip == IrqchipMode::Split {
-            return Ok(false);
-        }
-        self.fd.register_irqfd(evt, gsi).map_err(|e| Error::Kvm("KVM_IRQFD", e))?;
-        Ok(true)
-    }
-
     /// VM-wide state. vCPUs must be paused.
     pub fn save_state(&self) -> Result<VmState> {
+        self.persist().read()
+    }
+
+    pub fn restore_state(&self, s: &VmState) -> Result<()> {
+        self.persist().write(s)
+    }
+
+    /// The VM-wide KVM state (irqchips, PIT, clock) as a persistable component.
+    pub fn persist(&self) -> VmPersist {
+        VmPersist { fd: self.fd.clone(), irqchip: self.irqchip }
+    }
+}
+
+/// The VM-wide KVM state as a component of the persist pattern (`kumo_devices::persist`): the
+/// in-kernel PIC, IOAPIC and PIT (absent with a split irqchip) and the KVM clock.
+pub struct VmPersist {
+    fd: Arc<VmFd>,
+    irqchip: IrqchipMode,
+}
+
+/// The VM-wide state's id in snapshots.
+pub const VM_ID: &str = "vm";
+
+impl VmPersist {
+    fn read(&self) -> Result<VmState> {
         let mut irqchips = Vec::new();
         let mut pit = None;
         if self.irqchip == IrqchipMode::Kernel {
@@ -172,7 +192,7 @@ impl Vm {
         Ok(VmState { irqchips, pit, clock })
     }
 
-    pub fn restore_state(&self, s: &VmState) -> Result<()> {
+    fn write(&self, s: &VmState) -> Result<()> {
         let kernel = self.irqchip == IrqchipMode::Kernel;
         if kernel != (s.irqchips.len() == 3 && s.pit.is_some()) {
             return Err(Error::Restore(format!("saved irqchip state does not fit a {} irqchip", self.irqchip)));
@@ -187,6 +207,19 @@ impl Vm {
         let clock = kvm_bindings::kvm_clock_data { clock: s.clock.clock, ..Default::default() };
         self.fd.set_clock(&clock).map_err(|e| Error::Kvm("KVM_SET_CLOCK", e))?;
         Ok(())
+    }
+}
+
+impl Persist for VmPersist {
+    type State = VmState;
+    fn id(&self) -> String {
+        VM_ID.into()
+    }
+    fn save(&self) -> std::result::Result<VmState, PersistError> {
+        self.read().map_err(|e| PersistError::component(VM_ID, e))
+    }
+    fn restore(&mut self, s: &VmState) -> std::result::Result<(), PersistError> {
+        self.write(s).map_err(|e| PersistError::component(VM_ID, e))
     }
 }
 
@@ -208,6 +241,32 @@ mod tests {
             return;
         };
         assert_eq!(r.unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(42)));
+    }
+
+    #[test]
+    fn mmio_reaches_the_device_on_the_mmio_bus() {
+        struct Latch(u32);
+        impl kumo_devices::BusDevice for Latch {
+            fn read(&mut self, offset: u64, data: &mut [u8]) {
+                let v = if offset == 4 { self.0 + 1 } else { 0 };
+                data.copy_from_slice(&v.to_le_bytes()[..data.len()]);
+            }
+            fn write(&mut self, offset: u64, data: &[u8]) -> Option<DeviceEvent> {
+                if offset == 0 && data.len() == 4 {
+                    self.0 = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+                }
+                None
+            }
+        }
+        // mov $0xd0000000, %eax; movl $42, (%rax); mov 4(%rax), %ebx; mov $0x501, %dx;
+        // mov %ebx, %eax; out %eax, (%dx)
+        let code =
+            [0xb8, 0, 0, 0, 0xd0, 0xc7, 0x00, 42, 0, 0, 0, 0x8b, 0x58, 0x04, 0x66, 0xba, 0x01, 0x05, 0x89, 0xd8, 0xef];
+        let Some(mut g) = crate::testing::RawGuest::new(&code, &[]) else {
+            return;
+        };
+        g.buses.mmio.insert(0xd000_0000, 0x1000, std::sync::Arc::new(std::sync::Mutex::new(Latch(0)))).unwrap();
+        assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(43)));
     }
 
     #[test]

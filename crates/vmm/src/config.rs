@@ -41,7 +41,7 @@ pub enum Payload {
 ///   module-signing certificate times out (60 s) waiting for them.
 ///
 /// The other leaked features seen so far (SMAP's CLAC/STAC, POPCNT) and INT3 from text patching
-/// are handled by kumo's emulation assists (`kumo_vm::assist`), so they need nothing here.
+/// are handled by kumo's emulation assists (`kumo_vm::emulate`), so they need nothing here.
 pub const DEFAULT_LINUX_CMDLINE: &str =
     "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k panic=-1 noapic nomodule noxsave clearcpuid=ssse3 cryptomgr.notests";
 

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
-use kumo_vm::assist::AssistKind;
+use kumo_vm::emulate::AssistKind;
 use kumo_vm::ExitCounters;
 use serde::Serialize;
 use serde_json::Value;

@@ -1,13 +1,21 @@
 //! kumo-vmm: builds a VM from a `VmConfig`, runs one thread per vCPU, and controls it: pause,
-//! resume, save and restore state, shut down; snapshots to and restores from files
-//! (`snapshot`), its counters (`counters`) and the lifecycle event monitor (`event_monitor`).
-//! The control API and the CLI sit on top.
+//! resume, save and restore state, shut down. The control API and the CLI sit on top.
+//! - `vmm`: `RunningVm`, its vCPU threads and run-state control;
+//! - `device_manager`: the devices, their buses and interrupt wiring; `event_loop`: the device
+//!   event thread;
+//! - `persist`: the `Snapshot` every component saves into;
+//! - `snapshot`: snapshots to and restores from files; `counters`: the VM's counters;
+//!   `event_monitor`: the lifecycle event monitor;
+//! - `config`, `api` (the control API's handler), `migration` (source and destination sides).
 
 pub mod api;
 pub mod config;
 pub mod counters;
+pub mod device_manager;
+pub mod event_loop;
 pub mod event_monitor;
 pub mod migration;
+pub mod persist;
 pub mod snapshot;
 pub mod vmm;
 
@@ -30,6 +38,8 @@ pub enum Error {
     Thread(std::io::Error),
     #[error("devices: {0}")]
     Devices(String),
+    #[error("state: {0}")]
+    Persist(#[from] kumo_devices::PersistError),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

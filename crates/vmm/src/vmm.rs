@@ -1,4 +1,5 @@
-//! A running VM: vCPU threads and their control.
+//! A running VM: vCPU threads and their control. Devices are the device manager's
+//! (`device_manager`); this module builds the VM, loads its payload and runs the vCPUs.
 //!
 //! Each vCPU thread loops on KVM_RUN. Control requests (pause, stop) are published in an atomic
 //! and a mutex-protected record; a thread parks on a condition variable when it sees one. To get
@@ -11,16 +12,18 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kumo_devices::{DebugPort, DeviceEvent, PioBus, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT};
+use kumo_devices::Persist;
+use kumo_devices::{Buses, DeviceEvent};
+use kumo_vm::boot::linux::{load_linux, LinuxBootConfig, LinuxEntry};
 use kumo_vm::boot::{write_gdt, write_page_tables, Entry, KumoBootInfo};
-use kumo_vm::layout::{ram_regions, HIMEM_START, MMIO_GAP_START};
-use kumo_vm::linux::{load_linux, LinuxBootConfig, LinuxEntry};
-use kumo_vm::{Vcpu, VcpuRun, VcpuState, Vm, VmState};
+use kumo_vm::layout::HIMEM_START;
+use kumo_vm::{Vcpu, VcpuRun, Vm};
 use linux_loader_shim::load_elf;
-use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::config::{Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
+use crate::device_manager::DeviceManager;
+pub use crate::persist::Snapshot;
 use crate::{Error, Result};
 
 /// CLOCK_MONOTONIC in nanoseconds: comparable across processes, for start-up timings.
@@ -79,19 +82,6 @@ pub struct Timings {
 pub struct RunReport {
     pub outcome: Outcome,
     pub timings: Timings,
-}
-
-/// Everything needed to put a paused VM back where it was (memory stays in place).
-#[derive(serde::Serialize, serde::Deserialize)]
-pub struct Snapshot {
-    pub vm: VmState,
-    pub vcpus: Vec<VcpuState>,
-    /// COM1's registers and pending input (absent in snapshots from before it was saved).
-    #[serde(default)]
-    pub serial: Option<kumo_devices::SerialSnapshot>,
-    /// The user had paused the VM: a migrated VM arrives paused, as it left.
-    #[serde(default)]
-    pub paused: bool,
 }
 
 /// The vCPU throttle's period: a throttled vCPU sleeps its share of each.
@@ -225,7 +215,7 @@ pub struct RunningVm {
     config: VmConfig,
     vcpus: Vec<Arc<Mutex<Vcpu>>>,
     shared: Arc<Shared>,
-    serial: Arc<Mutex<SerialConsole>>,
+    devices: DeviceManager,
     started: Instant,
     /// Each vCPU's exit counters, read without waiting for the vCPU (`crate::counters`).
     exits: Vec<Arc<kumo_vm::ExitCounters>>,
@@ -280,12 +270,12 @@ impl RunningVm {
             None => Vm::new(config.cpus, config.memory, config.irqchip)?,
         };
         let mem = &vm.memory.guest;
-        let top = ram_regions(config.memory).last().map(|(s, l)| s + l).unwrap_or(0);
+        let layout = &vm.memory.layout;
         // An incoming VM's memory comes from the source (for a local migration it *is* the
         // source's memory): writing boot structures would clobber the guest.
         if !incoming {
             write_gdt(mem, config.cpus)?;
-            write_page_tables(mem, top)?;
+            write_page_tables(mem, layout.ram_end())?;
         }
 
         let shared = Arc::new(Shared {
@@ -314,7 +304,7 @@ impl RunningVm {
                 let guest = kumo_guests::find(name)?;
                 let cmdline = guest.command_line(args)?;
                 let (rip, end) = load_elf(mem, guest.elf)?;
-                let free_end = config.memory.min(MMIO_GAP_START);
+                let free_end = layout.low_ram_end();
                 let info = KumoBootInfo {
                     ncpus: config.cpus,
                     mem_bytes: config.memory,
@@ -334,7 +324,7 @@ impl RunningVm {
                     kernel: path,
                     initrd: initrd.as_deref(),
                     cmdline: cmdline.as_deref().unwrap_or(DEFAULT_LINUX_CMDLINE),
-                    mem_bytes: config.memory,
+                    layout,
                 };
                 let entry = match load_linux(mem, &cfg).map_err(kumo_vm::Error::from)? {
                     LinuxEntry::BzImage64 { entry, boot_params } => Entry::Linux64 { rip: entry, boot_params },
@@ -348,22 +338,16 @@ impl RunningVm {
             v.configure(&vm.kvm, config.cpus, *e)?;
         }
 
-        let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::Devices(e.to_string()))?;
-        vm.register_irqfd(&irq, COM1_IRQ)?;
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
-        let serial = Arc::new(Mutex::new(SerialConsole::new(irq, Box::new(sink))));
-        let mut bus = PioBus::new();
-        bus.insert(COM1_PORT, 8, serial.clone()).map_err(|e| Error::Devices(e.to_string()))?;
-        bus.insert(EXIT_PORT, 2, Arc::new(Mutex::new(DebugPort))).map_err(|e| Error::Devices(e.to_string()))?;
-        let bus = Arc::new(bus);
+        let devices = DeviceManager::new(&vm, Box::new(sink))?;
 
         let exits = vcpus.iter().map(|v| v.exit_counters()).collect();
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        let vm = RunningVm { vm, config, vcpus, shared, serial, started: Instant::now(), exits };
+        let vm = RunningVm { vm, config, vcpus, shared, devices, started: Instant::now(), exits };
         kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
         for v in &vm.vcpus {
-            let (v, bus, sh) = (v.clone(), bus.clone(), vm.shared.clone());
+            let (v, bus, sh) = (v.clone(), vm.devices.buses().clone(), vm.shared.clone());
             let id = lock(&v).id;
             lock(&vm.shared.ctl).live += 1;
             let t = std::thread::Builder::new()
@@ -599,15 +583,17 @@ impl RunningVm {
         }
     }
 
-    /// Reads the state of every vCPU and of the VM. The VM must be paused.
+    /// Reads the state of every component: the VM-wide KVM state, each vCPU, each device. The
+    /// VM must be paused.
     pub fn save_state(&self) -> Result<Snapshot> {
         self.require_paused()?;
-        let vcpus = self.vcpus.iter().map(|v| lock(v).save_state()).collect::<kumo_vm::Result<Vec<_>>>()?;
+        let vcpus = self.vcpus.iter().map(|v| lock(v).save()).collect::<std::result::Result<Vec<_>, _>>()?;
         let paused = lock(&self.shared.ctl).user_paused;
-        Ok(Snapshot { vm: self.vm.save_state()?, vcpus, serial: Some(lock(&self.serial).state()), paused })
+        Ok(Snapshot { vm: self.vm.persist().save()?, vcpus, devices: self.devices.save_states()?, paused })
     }
 
-    /// Puts back a state from `save_state`. The VM must be paused.
+    /// Puts back a state from `save_state`. The VM must be paused. A snapshot of another shape
+    /// (vCPU count, devices) is refused before anything changes.
     pub fn restore_state(&self, s: &Snapshot) -> Result<()> {
         self.require_paused()?;
         if s.vcpus.len() != self.vcpus.len() {
@@ -618,12 +604,11 @@ impl RunningVm {
             ))
             .into());
         }
-        if let Some(serial) = &s.serial {
-            lock(&self.serial).restore(serial).map_err(kumo_vm::Error::Restore)?;
-        }
-        self.vm.restore_state(&s.vm)?;
+        self.devices.check_states(&s.devices)?;
+        self.devices.restore_states(&s.devices)?;
+        self.vm.persist().restore(&s.vm)?;
         for (v, st) in self.vcpus.iter().zip(&s.vcpus) {
-            lock(v).restore_state(st)?;
+            lock(v).restore(st)?;
         }
         lock(&self.shared.ctl).stay_paused = s.paused;
         Ok(())
@@ -638,8 +623,8 @@ impl RunningVm {
 
     /// Emulation assists (instructions KVM could not emulate that kumo carried out), summed over
     /// the vCPUs. Waits for vCPUs inside KVM_RUN, so call it on a paused or finished VM.
-    pub fn assist_counts(&self) -> kumo_vm::assist::AssistCounts {
-        let mut c = kumo_vm::assist::AssistCounts::default();
+    pub fn assist_counts(&self) -> kumo_vm::emulate::AssistCounts {
+        let mut c = kumo_vm::emulate::AssistCounts::default();
         for v in &self.vcpus {
             c.merge(&lock(v).assist_counts());
         }
@@ -653,7 +638,7 @@ impl RunningVm {
 
     /// Interrupts COM1 raised so far.
     pub fn serial_interrupts(&self) -> u64 {
-        lock(&self.serial).interrupts_raised()
+        lock(self.devices.serial()).interrupts_raised()
     }
 
     /// Asks the VM to stop; `wait` then returns `Outcome::Shutdown`.
@@ -661,9 +646,17 @@ impl RunningVm {
         self.shared.finish(Outcome::Shutdown);
     }
 
-    /// Feeds bytes to the guest's serial console.
+    /// Feeds bytes to the guest's serial console; returns how many its receive FIFO took.
     pub fn serial_input(&self, bytes: &[u8]) -> usize {
-        lock(&self.serial).enqueue_input(bytes)
+        self.devices.serial_input(bytes)
+    }
+
+    /// Feeds everything that arrives on `input` (a terminal, pipe or socket) to the guest's
+    /// serial console from the device event loop, waiting while its FIFO is full. Refused for a
+    /// descriptor epoll cannot watch (a regular file, /dev/null): read those yourself and call
+    /// [`RunningVm::serial_input`].
+    pub fn attach_console_input(&self, input: std::os::fd::OwnedFd) -> Result<()> {
+        self.devices.attach_console_input(input)
     }
 
     /// Waits until the VM ends (or `timeout` passes), stops all vCPU threads and reports.
@@ -681,7 +674,7 @@ impl RunningVm {
         }
         drop(c);
         self.stop_threads();
-        let _ = lock(&self.serial).flush_output();
+        self.devices.flush_console();
         let outcome = lock(&self.shared.ctl).outcome.clone().unwrap_or(Outcome::Shutdown);
         crate::event_monitor::vm_event("shutdown", crate::event_monitor::outcome(&outcome));
         RunReport { outcome, timings: self.timings() }
@@ -716,7 +709,7 @@ impl Drop for RunningVm {
     }
 }
 
-fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<PioBus>, shared: Arc<Shared>) {
+fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: Arc<Shared>) {
     while shared.wait_runnable() {
         let r = lock(&vcpu).run(&bus);
         match r {

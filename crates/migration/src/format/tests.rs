@@ -384,7 +384,7 @@ fn header_errors() {
     // Version is checked before the description is even read.
     let mut b = good.clone();
     b[8..12].copy_from_slice(&1u32.to_le_bytes());
-    assert!(matches!(read(&b[..16]), Error::UnsupportedVersion { got: 1, supported: 3 }));
+    assert!(matches!(read(&b[..16]), Error::UnsupportedVersion { got: 1, supported: VERSION }));
     assert!(matches!(read(&raw_header(0, b"{}")), Error::UnsupportedVersion { got: 0, .. }));
 
     let mut b = good[..16].to_vec();

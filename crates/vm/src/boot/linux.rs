@@ -14,7 +14,7 @@
 //!
 //! The kernel command line goes to [`CMDLINE_START`]; an initrd is placed page-aligned at the top
 //! of the RAM below the MMIO gap. The memory map handed to the kernel (e820 / PVH memmap) is
-//! derived from [`ram_regions`]: see [`e820_map`].
+//! derived from the VM's [`MemoryLayout`]: see [`e820_map`].
 //!
 //! Loading only writes guest memory; setting up the vCPU (registers, page tables, GDT, CPUID)
 //! is the caller's job, according to the returned [`LinuxEntry`].
@@ -38,8 +38,7 @@ use linux_loader::loader::{load_cmdline, BzImage, KernelLoader};
 use vm_memory::{Address, ByteValued, Bytes, GuestAddress};
 
 use crate::layout::{
-    ram_regions, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, MMIO_GAP_START, PVH_INFO_START,
-    ZERO_PAGE_START,
+    MemoryLayout, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, PVH_INFO_START, ZERO_PAGE_START,
 };
 
 /// What to boot.
@@ -51,8 +50,8 @@ pub struct LinuxBootConfig<'a> {
     pub initrd: Option<&'a Path>,
     /// Kernel command line (printable ASCII).
     pub cmdline: &'a str,
-    /// Guest RAM size; the guest memory must consist of exactly `ram_regions(mem_bytes)`.
-    pub mem_bytes: u64,
+    /// The VM's memory map; the guest memory must consist of exactly its RAM regions.
+    pub layout: &'a MemoryLayout,
 }
 
 /// How vCPU 0 must start the loaded kernel.
@@ -142,18 +141,12 @@ pub struct E820Entry {
     pub kind: u32,
 }
 
-/// End of the RAM below the MMIO gap (exclusive).
-pub fn low_ram_end(mem_bytes: u64) -> u64 {
-    mem_bytes.min(MMIO_GAP_START)
-}
-
-/// The memory map handed to Linux for a VM with `mem_bytes` of RAM laid out as
-/// [`ram_regions`]: RAM `[0, EBDA_START)`, reserved `[EBDA_START, 1 MiB)` (EBDA, VGA hole,
+/// The memory map handed to Linux for a VM laid out as `layout`: RAM `[0, EBDA_START)`, reserved `[EBDA_START, 1 MiB)` (EBDA, VGA hole,
 /// BIOS area), RAM from 1 MiB to the end of low RAM and RAM above 4 GiB. The MMIO gap is left
 /// out. Memory below 1 MiB that does not exist is not listed.
-pub fn e820_map(mem_bytes: u64) -> Vec<E820Entry> {
+pub fn e820_map(layout: &MemoryLayout) -> Vec<E820Entry> {
     let mut map = Vec::new();
-    for (start, len) in ram_regions(mem_bytes) {
+    for &(start, len) in layout.ram() {
         let end = start + len;
         if start < HIMEM_START {
             let low_end = end.min(EBDA_START);
@@ -178,8 +171,8 @@ pub fn e820_map(mem_bytes: u64) -> Vec<E820Entry> {
 /// at or below both the end of low RAM and `initrd_addr_max` (the highest address the kernel
 /// accepts for the initrd's last byte), and starts at or above `kernel_end`.
 /// `None` if it does not fit.
-pub fn initrd_address(mem_bytes: u64, size: u64, kernel_end: u64, initrd_addr_max: u64) -> Option<u64> {
-    let limit = low_ram_end(mem_bytes).min(initrd_addr_max.saturating_add(1));
+pub fn initrd_address(layout: &MemoryLayout, size: u64, kernel_end: u64, initrd_addr_max: u64) -> Option<u64> {
+    let limit = layout.low_ram_end().min(initrd_addr_max.saturating_add(1));
     let start = limit.checked_sub(size)? & !(PAGE_SIZE - 1);
     (start >= align_up(kernel_end, PAGE_SIZE)).then_some(start)
 }
@@ -203,10 +196,10 @@ fn align_up(v: u64, align: u64) -> u64 {
 }
 
 /// Loads the kernel (and initrd, command line, boot parameters) described by `cfg` into `mem`,
-/// whose regions must be `ram_regions(cfg.mem_bytes)`, and says how to enter it.
+/// whose regions must be `cfg.layout`'s, and says how to enter it.
 pub fn load_linux(mem: &crate::GuestMemory, cfg: &LinuxBootConfig) -> Result<LinuxEntry, LinuxError> {
-    if cfg.mem_bytes <= HIMEM_START {
-        return Err(LinuxError::MemoryTooSmall { mem_bytes: cfg.mem_bytes });
+    if cfg.layout.size() <= HIMEM_START {
+        return Err(LinuxError::MemoryTooSmall { mem_bytes: cfg.layout.size() });
     }
     let path = cfg.kernel;
     let mut kernel = File::open(path).map_err(|source| LinuxError::KernelOpen { path: path.to_path_buf(), source })?;
@@ -259,7 +252,7 @@ fn load_bzimage(
     let setup_bytes = (u64::from(if hdr.setup_sects == 0 { 4 } else { hdr.setup_sects }) + 1) * 512;
     let image_bytes = file_len.saturating_sub(setup_bytes);
     let kernel_end = bzimage_extent(&hdr, HIMEM_START, image_bytes);
-    let available = low_ram_end(cfg.mem_bytes);
+    let available = cfg.layout.low_ram_end();
     if kernel_end > available {
         return Err(LinuxError::KernelTooLarge { path: path.to_path_buf(), needed: kernel_end, available });
     }
@@ -297,7 +290,7 @@ fn load_elf(
         ElfProbeError::Empty => LinuxError::ElfEmpty { path: path.to_path_buf() },
         ElfProbeError::Io(source) => LinuxError::KernelRead { path: path.to_path_buf(), source },
     })?;
-    let available = low_ram_end(cfg.mem_bytes);
+    let available = cfg.layout.low_ram_end();
     if kernel_end > available {
         return Err(LinuxError::KernelTooLarge { path: path.to_path_buf(), needed: kernel_end, available });
     }
@@ -310,7 +303,7 @@ fn load_elf(
 
     match loaded.pvh_boot_cap {
         PvhBootCapability::PvhEntryPresent(entry) => {
-            write_pvh_start_info(mem, cfg.mem_bytes, initrd)?;
+            write_pvh_start_info(mem, cfg.layout, initrd)?;
             Ok(LinuxEntry::Pvh { entry: entry.raw_value(), start_info: PVH_INFO_START })
         }
         _ => {
@@ -390,12 +383,12 @@ fn load_initrd(
     };
     let mut f = File::open(path).map_err(|source| LinuxError::InitrdOpen { path: path.to_path_buf(), source })?;
     let size = f.metadata().map_err(|source| LinuxError::InitrdRead { path: path.to_path_buf(), source })?.len();
-    let Some(addr) = initrd_address(cfg.mem_bytes, size, kernel_end, initrd_addr_max) else {
+    let Some(addr) = initrd_address(cfg.layout, size, kernel_end, initrd_addr_max) else {
         return Err(LinuxError::InitrdDoesNotFit {
             path: path.to_path_buf(),
             size,
             kernel_end,
-            limit: low_ram_end(cfg.mem_bytes).min(initrd_addr_max.saturating_add(1)),
+            limit: cfg.layout.low_ram_end().min(initrd_addr_max.saturating_add(1)),
         });
     };
     mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
@@ -419,7 +412,7 @@ fn write_zero_page(
         params.hdr.ramdisk_size = size as u32;
         params.ext_ramdisk_size = (size >> 32) as u32;
     }
-    let map = e820_map(cfg.mem_bytes);
+    let map = e820_map(cfg.layout);
     debug_assert!(map.len() <= E820_MAX_ENTRIES_ZEROPAGE);
     for (slot, e) in params.e820_table.iter_mut().zip(&map) {
         *slot = boot_e820_entry { addr: e.addr, size: e.size, r#type: e.kind };
@@ -429,8 +422,8 @@ fn write_zero_page(
         .map_err(LinuxError::BootParams)
 }
 
-fn write_pvh_start_info(mem: &crate::GuestMemory, mem_bytes: u64, initrd: Initrd) -> Result<(), LinuxError> {
-    let memmap: Vec<hvm_memmap_table_entry> = e820_map(mem_bytes)
+fn write_pvh_start_info(mem: &crate::GuestMemory, layout: &MemoryLayout, initrd: Initrd) -> Result<(), LinuxError> {
+    let memmap: Vec<hvm_memmap_table_entry> = e820_map(layout)
         .iter()
         .map(|e| hvm_memmap_table_entry { addr: e.addr, size: e.size, type_: e.kind, reserved: 0 })
         .collect();
@@ -456,7 +449,7 @@ fn write_pvh_start_info(mem: &crate::GuestMemory, mem_bytes: u64, initrd: Initrd
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::MMIO_GAP_END;
+    use crate::layout::{MMIO_GAP_END, MMIO_GAP_START};
     use std::io::Write;
     use vm_memory::GuestAddress;
 
@@ -465,7 +458,7 @@ mod tests {
 
     fn guest_mem(mem_bytes: u64) -> crate::GuestMemory {
         let ranges: Vec<(GuestAddress, usize)> =
-            ram_regions(mem_bytes).into_iter().map(|(s, l)| (GuestAddress(s), l as usize)).collect();
+            MemoryLayout::new(mem_bytes).ram().iter().map(|&(s, l)| (GuestAddress(s), l as usize)).collect();
         crate::GuestMemory::from_ranges(&ranges).unwrap()
     }
 
@@ -495,7 +488,7 @@ mod tests {
 
     #[test]
     fn e820_small_vm() {
-        let m = e820_map(512 * MIB);
+        let m = e820_map(&MemoryLayout::new(512 * MIB));
         assert_eq!(
             m,
             vec![
@@ -508,7 +501,7 @@ mod tests {
 
     #[test]
     fn e820_large_vm_skips_mmio_gap() {
-        let m = e820_map(6 * GIB);
+        let m = e820_map(&MemoryLayout::new(6 * GIB));
         assert_eq!(m.len(), 4);
         assert_eq!(m[2], E820Entry { addr: HIMEM_START, size: MMIO_GAP_START - HIMEM_START, kind: E820_RAM });
         assert_eq!(m[3], E820Entry { addr: MMIO_GAP_END, size: 3 * GIB, kind: E820_RAM });
@@ -518,34 +511,34 @@ mod tests {
 
     #[test]
     fn e820_exactly_gap_start() {
-        let m = e820_map(MMIO_GAP_START);
+        let m = e820_map(&MemoryLayout::new(MMIO_GAP_START));
         assert_eq!(m.len(), 3);
         assert_eq!(m[2].addr + m[2].size, MMIO_GAP_START);
     }
 
     #[test]
     fn initrd_goes_to_top_of_low_ram() {
-        let a = initrd_address(512 * MIB, 10 * MIB + 123, 64 * MIB, 0x7fff_ffff).unwrap();
+        let a = initrd_address(&MemoryLayout::new(512 * MIB), 10 * MIB + 123, 64 * MIB, 0x7fff_ffff).unwrap();
         assert_eq!(a % PAGE_SIZE, 0);
         assert!(a + 10 * MIB + 123 <= 512 * MIB);
         assert!(512 * MIB - (a + 10 * MIB + 123) < PAGE_SIZE);
         // Large VM: stays below the MMIO gap.
-        let a = initrd_address(8 * GIB, 5 * MIB, 64 * MIB, u64::from(u32::MAX)).unwrap();
+        let a = initrd_address(&MemoryLayout::new(8 * GIB), 5 * MIB, 64 * MIB, u64::from(u32::MAX)).unwrap();
         assert_eq!(a, MMIO_GAP_START - 5 * MIB);
     }
 
     #[test]
     fn initrd_respects_initrd_addr_max() {
-        let a = initrd_address(2 * GIB, 4 * MIB, 64 * MIB, 0x37ff_ffff).unwrap();
+        let a = initrd_address(&MemoryLayout::new(2 * GIB), 4 * MIB, 64 * MIB, 0x37ff_ffff).unwrap();
         assert_eq!(a, 0x3800_0000 - 4 * MIB);
     }
 
     #[test]
     fn initrd_that_does_not_fit() {
-        assert_eq!(initrd_address(128 * MIB, 100 * MIB, 64 * MIB, 0x7fff_ffff), None);
-        assert_eq!(initrd_address(128 * MIB, 200 * MIB, 0, 0x7fff_ffff), None);
+        assert_eq!(initrd_address(&MemoryLayout::new(128 * MIB), 100 * MIB, 64 * MIB, 0x7fff_ffff), None);
+        assert_eq!(initrd_address(&MemoryLayout::new(128 * MIB), 200 * MIB, 0, 0x7fff_ffff), None);
         // Just fits.
-        assert_eq!(initrd_address(128 * MIB, 64 * MIB, 64 * MIB, 0x7fff_ffff), Some(64 * MIB));
+        assert_eq!(initrd_address(&MemoryLayout::new(128 * MIB), 64 * MIB, 64 * MIB, 0x7fff_ffff), Some(64 * MIB));
     }
 
     #[test]
@@ -614,7 +607,12 @@ mod tests {
         let rd = TempFile::new("bz-initrd", &initrd_bytes);
         let mem_bytes = 64 * MIB;
         let mem = guest_mem(mem_bytes);
-        let cfg = LinuxBootConfig { kernel: &k.0, initrd: Some(&rd.0), cmdline: "console=ttyS0 panic=-1", mem_bytes };
+        let cfg = LinuxBootConfig {
+            kernel: &k.0,
+            initrd: Some(&rd.0),
+            cmdline: "console=ttyS0 panic=-1",
+            layout: &MemoryLayout::new(mem_bytes),
+        };
         let entry = load_linux(&mem, &cfg).unwrap();
         assert_eq!(entry, LinuxEntry::BzImage64 { entry: HIMEM_START + 0x200, boot_params: ZERO_PAGE_START });
 
@@ -649,7 +647,7 @@ mod tests {
         let table = { bp.e820_table };
         let got: Vec<E820Entry> =
             table[..n].iter().map(|e| E820Entry { addr: e.addr, size: e.size, kind: e.r#type }).collect();
-        assert_eq!(got, e820_map(mem_bytes));
+        assert_eq!(got, e820_map(&MemoryLayout::new(mem_bytes)));
     }
 
     #[test]
@@ -657,7 +655,7 @@ mod tests {
         let k = TempFile::new("bz-big", &fake_bzimage());
         // init_size 8 MiB from 16 MiB does not fit into 16 MiB of RAM.
         let mem = guest_mem(16 * MIB);
-        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", mem_bytes: 16 * MIB };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", layout: &MemoryLayout::new(16 * MIB) };
         let err = load_linux(&mem, &cfg).unwrap_err();
         assert!(matches!(err, LinuxError::KernelTooLarge { needed: 0x180_0000, .. }), "{err}");
     }
@@ -667,7 +665,8 @@ mod tests {
         let k = TempFile::new("bz-rd", &fake_bzimage());
         let rd = TempFile::new("bz-rd-initrd", &vec![1u8; 9 << 20]);
         let mem = guest_mem(32 * MIB);
-        let cfg = LinuxBootConfig { kernel: &k.0, initrd: Some(&rd.0), cmdline: "", mem_bytes: 32 * MIB };
+        let cfg =
+            LinuxBootConfig { kernel: &k.0, initrd: Some(&rd.0), cmdline: "", layout: &MemoryLayout::new(32 * MIB) };
         let err = load_linux(&mem, &cfg).unwrap_err();
         assert!(matches!(err, LinuxError::InitrdDoesNotFit { .. }), "{err}");
         assert!(err.to_string().contains("does not fit"));
@@ -679,7 +678,7 @@ mod tests {
         img[0x206] = 0x0b; // protocol 2.11
         let k = TempFile::new("bz-old", &img);
         let mem = guest_mem(64 * MIB);
-        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", mem_bytes: 64 * MIB };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", layout: &MemoryLayout::new(64 * MIB) };
         assert!(matches!(load_linux(&mem, &cfg), Err(LinuxError::BzImageNot64Bit { version: 0x020b, .. })));
     }
 
@@ -687,13 +686,13 @@ mod tests {
     fn bad_inputs_give_clear_errors() {
         let mem = guest_mem(64 * MIB);
         let missing = Path::new("/nonexistent/kumo/vmlinuz");
-        let cfg = LinuxBootConfig { kernel: missing, initrd: None, cmdline: "", mem_bytes: 64 * MIB };
+        let cfg = LinuxBootConfig { kernel: missing, initrd: None, cmdline: "", layout: &MemoryLayout::new(64 * MIB) };
         let err = load_linux(&mem, &cfg).unwrap_err();
         assert!(matches!(err, LinuxError::KernelOpen { .. }));
         assert!(err.to_string().contains("/nonexistent/kumo/vmlinuz"), "{err}");
 
         let junk = TempFile::new("junk", &[0x55u8; 4096]);
-        let cfg = LinuxBootConfig { kernel: &junk.0, initrd: None, cmdline: "", mem_bytes: 64 * MIB };
+        let cfg = LinuxBootConfig { kernel: &junk.0, initrd: None, cmdline: "", layout: &MemoryLayout::new(64 * MIB) };
         let err = load_linux(&mem, &cfg).unwrap_err();
         assert!(err.to_string().contains("neither a bzImage nor an ELF"), "{err}");
 
@@ -702,12 +701,12 @@ mod tests {
             kernel: &k.0,
             initrd: Some(Path::new("/nonexistent/initrd")),
             cmdline: "",
-            mem_bytes: 64 * MIB,
+            layout: &MemoryLayout::new(64 * MIB),
         };
         assert!(matches!(load_linux(&mem, &cfg), Err(LinuxError::InitrdOpen { .. })));
 
         let small = guest_mem(MIB);
-        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", mem_bytes: MIB };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", layout: &MemoryLayout::new(MIB) };
         assert!(matches!(load_linux(&small, &cfg), Err(LinuxError::MemoryTooSmall { .. })));
     }
 
@@ -764,7 +763,12 @@ mod tests {
         let rd = TempFile::new("elf-pvh-initrd", &[7u8; 100]);
         let mem_bytes = 64 * MIB;
         let mem = guest_mem(mem_bytes);
-        let cfg = LinuxBootConfig { kernel: &k.0, initrd: Some(&rd.0), cmdline: "console=ttyS0", mem_bytes };
+        let cfg = LinuxBootConfig {
+            kernel: &k.0,
+            initrd: Some(&rd.0),
+            cmdline: "console=ttyS0",
+            layout: &MemoryLayout::new(mem_bytes),
+        };
         let entry = load_linux(&mem, &cfg).unwrap();
         assert_eq!(entry, LinuxEntry::Pvh { entry: u64::from(FAKE_PVH_ENTRY), start_info: PVH_INFO_START });
         let mut code = vec![0u8; FAKE_ELF_CODE];
@@ -781,7 +785,7 @@ mod tests {
         assert_eq!(module.size, 100);
         assert_eq!(module.paddr, (mem_bytes - 100) & !(PAGE_SIZE - 1));
         assert_eq!(mem.read_obj::<u8>(GuestAddress(module.paddr + 99)).unwrap(), 7);
-        let map = e820_map(mem_bytes);
+        let map = e820_map(&MemoryLayout::new(mem_bytes));
         assert_eq!(si.memmap_entries as usize, map.len());
         for (i, e) in map.iter().enumerate() {
             let m: hvm_memmap_table_entry = mem.read_obj(GuestAddress(si.memmap_paddr + 24 * i as u64)).unwrap();
@@ -795,7 +799,8 @@ mod tests {
     fn elf_without_pvh_note_uses_64bit_entry() {
         let k = TempFile::new("elf-64", &fake_elf(false));
         let mem = guest_mem(64 * MIB);
-        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "quiet", mem_bytes: 64 * MIB };
+        let cfg =
+            LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "quiet", layout: &MemoryLayout::new(64 * MIB) };
         let entry = load_linux(&mem, &cfg).unwrap();
         assert_eq!(entry, LinuxEntry::BzImage64 { entry: FAKE_ELF_PADDR, boot_params: ZERO_PAGE_START });
         let bp: boot_params = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
@@ -808,7 +813,7 @@ mod tests {
     fn elf_too_large_for_memory() {
         let k = TempFile::new("elf-big", &fake_elf(true));
         let mem = guest_mem(16 * MIB);
-        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", mem_bytes: 16 * MIB };
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", layout: &MemoryLayout::new(16 * MIB) };
         assert!(matches!(load_linux(&mem, &cfg), Err(LinuxError::KernelTooLarge { .. })));
     }
 
@@ -833,7 +838,7 @@ mod tests {
         let mem_bytes = 512 * MIB;
         let mem = guest_mem(mem_bytes);
         let cmdline = "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1";
-        let cfg = LinuxBootConfig { kernel: &k, initrd: Some(&k), cmdline, mem_bytes };
+        let cfg = LinuxBootConfig { kernel: &k, initrd: Some(&k), cmdline, layout: &MemoryLayout::new(mem_bytes) };
         let entry = load_linux(&mem, &cfg).unwrap();
         assert_eq!(entry, LinuxEntry::BzImage64 { entry: HIMEM_START + 0x200, boot_params: ZERO_PAGE_START });
         let bp: boot_params = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
@@ -854,7 +859,12 @@ mod tests {
         let Some(k) = cached("vmlinux") else { return };
         let mem_bytes = 512 * MIB;
         let mem = guest_mem(mem_bytes);
-        let cfg = LinuxBootConfig { kernel: &k, initrd: None, cmdline: "console=ttyS0", mem_bytes };
+        let cfg = LinuxBootConfig {
+            kernel: &k,
+            initrd: None,
+            cmdline: "console=ttyS0",
+            layout: &MemoryLayout::new(mem_bytes),
+        };
         match load_linux(&mem, &cfg).unwrap() {
             LinuxEntry::Pvh { entry, start_info } => {
                 assert_eq!(start_info, PVH_INFO_START);

@@ -1,6 +1,9 @@
-//! What the VMM writes into guest memory and vCPU registers before the first instruction:
+//! Boot: what the VMM writes into guest memory and vCPU registers before the first instruction:
 //! GDT, per-vCPU TSS, identity-mapped page tables, kumo's boot info, and the entry register state
-//! for each way a guest can start (kumo guest, Linux 64-bit boot protocol, PVH).
+//! for each way a guest can start (kumo guest, Linux 64-bit boot protocol, PVH). The Linux
+//! loader (bzImage, ELF vmlinux, PVH; initrd, command line, e820) is `linux`.
+
+pub mod linux;
 
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 use vm_memory::{Bytes, GuestAddress};

@@ -1,0 +1,407 @@
+//! Interrupt routing at the KVM edge: the one place that allocates GSIs, keeps the GSI routing
+//! table (irqchip pins and MSI messages), and registers irqfds and ioeventfds with KVM.
+//!
+//! Devices never talk to KVM: they signal an eventfd (an irqfd) to raise an interrupt and see
+//! guest doorbell writes as a readable eventfd (an ioeventfd). Which GSI an irqfd raises, and
+//! where that GSI goes (an IOAPIC pin, or an MSI address/data pair a guest programmed into an
+//! MSI-X table), is decided here. `KVM_SET_GSI_ROUTING` replaces KVM's whole table, so the table
+//! is kept in full on this side ([`RouteTable`]) and re-sent on each change: re-targeting one MSI
+//! vector leaves every other route as it was.
+//!
+//! GSIs `0..24` are the IOAPIC's (and, below 16, the PIC's) pins, routed as KVM routes them by
+//! default; MSI GSIs are allocated from 24 up ([`GsiAllocator`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use kvm_bindings::{
+    kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI, KVM_MAX_IRQ_ROUTES,
+};
+use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::vm::IrqchipMode;
+
+/// IOAPIC input pins; also the first GSI handed out for MSIs.
+pub const IOAPIC_PINS: u32 = 24;
+/// Legacy PIC pins (two cascaded 8259s).
+pub const PIC_PINS: u32 = 16;
+/// Routes KVM takes in one table (4096 on x86).
+const MAX_ROUTES: u32 = KVM_MAX_IRQ_ROUTES as u32;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IrqError {
+    #[error("no free GSI for an MSI route (all {0} are in use)")]
+    GsiExhausted(u32),
+    #[error("GSI {0} is not an allocated MSI GSI")]
+    NotAllocated(u32),
+    #[error("{op} failed: {errno}")]
+    Kvm { op: &'static str, errno: vmm_sys_util::errno::Error },
+}
+
+pub type Result<T> = std::result::Result<T, IrqError>;
+
+fn kvm(op: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error) -> IrqError {
+    move |errno| IrqError::Kvm { op, errno }
+}
+
+/// An MSI message as a guest writes it into an MSI capability or an MSI-X table entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct MsiMessage {
+    pub address: u64,
+    pub data: u32,
+}
+
+/// Where one GSI goes. A GSI may have several (legacy GSIs below 16 go to the PIC and the IOAPIC).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    Irqchip { chip: u32, pin: u32 },
+    Msi(MsiMessage),
+}
+
+/// Hands out MSI GSIs: `IOAPIC_PINS..end`, lowest free first, reusing released ones.
+#[derive(Debug)]
+pub struct GsiAllocator {
+    next: u32,
+    end: u32,
+    free: BTreeSet<u32>,
+    used: BTreeSet<u32>,
+}
+
+impl GsiAllocator {
+    /// MSI GSIs below `end` (KVM allows `KVM_MAX_IRQ_ROUTES` routes in all).
+    pub fn new(end: u32) -> Self {
+        GsiAllocator { next: IOAPIC_PINS, end, free: BTreeSet::new(), used: BTreeSet::new() }
+    }
+
+    pub fn allocate(&mut self) -> Result<u32> {
+        let gsi = match self.free.pop_first() {
+            Some(g) => g,
+            None if self.next < self.end => {
+                self.next += 1;
+                self.next - 1
+            }
+            None => return Err(IrqError::GsiExhausted(self.end - IOAPIC_PINS)),
+        };
+        self.used.insert(gsi);
+        Ok(gsi)
+    }
+
+    pub fn release(&mut self, gsi: u32) -> Result<()> {
+        if !self.used.remove(&gsi) {
+            return Err(IrqError::NotAllocated(gsi));
+        }
+        self.free.insert(gsi);
+        Ok(())
+    }
+
+    pub fn is_allocated(&self, gsi: u32) -> bool {
+        self.used.contains(&gsi)
+    }
+}
+
+impl Default for GsiAllocator {
+    fn default() -> Self {
+        GsiAllocator::new(MAX_ROUTES)
+    }
+}
+
+/// The whole GSI routing table, as `KVM_SET_GSI_ROUTING` takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteTable {
+    routes: BTreeMap<u32, Vec<Route>>,
+}
+
+impl RouteTable {
+    /// KVM's own default table for this irqchip mode (`kvm_setup_default_irq_routing`): GSIs
+    /// below 16 to the PIC pin and the IOAPIC pin of the same number, 16..24 to the IOAPIC. A
+    /// split irqchip has neither in the kernel, so its table starts empty.
+    pub fn new(mode: IrqchipMode) -> Self {
+        let mut routes = BTreeMap::new();
+        if mode == IrqchipMode::Kernel {
+            for gsi in 0..IOAPIC_PINS {
+                let mut r = Vec::with_capacity(2);
+                if gsi < PIC_PINS {
+                    let (chip, pin) =
+                        if gsi < 8 { (KVM_IRQCHIP_PIC_MASTER, gsi) } else { (KVM_IRQCHIP_PIC_SLAVE, gsi - 8) };
+                    r.push(Route::Irqchip { chip, pin });
+                }
+                r.push(Route::Irqchip { chip: KVM_IRQCHIP_IOAPIC, pin: gsi });
+                routes.insert(gsi, r);
+            }
+        }
+        RouteTable { routes }
+    }
+
+    /// Sends `gsi` to `msg`, replacing whatever it routed to before.
+    pub fn set_msi(&mut self, gsi: u32, msg: MsiMessage) {
+        self.routes.insert(gsi, vec![Route::Msi(msg)]);
+    }
+
+    pub fn remove(&mut self, gsi: u32) -> Option<Vec<Route>> {
+        self.routes.remove(&gsi)
+    }
+
+    pub fn get(&self, gsi: u32) -> Option<&[Route]> {
+        self.routes.get(&gsi).map(Vec::as_slice)
+    }
+
+    /// The table as KVM's routing entries.
+    pub fn entries(&self) -> Vec<kvm_irq_routing_entry> {
+        let mut out = Vec::new();
+        for (&gsi, routes) in &self.routes {
+            for r in routes {
+                let mut e = kvm_irq_routing_entry { gsi, ..Default::default() };
+                match *r {
+                    Route::Irqchip { chip, pin } => {
+                        e.type_ = KVM_IRQ_ROUTING_IRQCHIP;
+                        e.u.irqchip.irqchip = chip;
+                        e.u.irqchip.pin = pin;
+                    }
+                    Route::Msi(m) => {
+                        e.type_ = KVM_IRQ_ROUTING_MSI;
+                        e.u.msi.address_lo = m.address as u32;
+                        e.u.msi.address_hi = (m.address >> 32) as u32;
+                        e.u.msi.data = m.data;
+                    }
+                }
+                out.push(e);
+            }
+        }
+        out
+    }
+}
+
+/// What an ioeventfd fires on: any write to its address, or only a write of this value and width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Datamatch {
+    /// Any write to the address (KVM then ignores the access length).
+    Any,
+    U8(u8),
+    U16(u16),
+    U32(u32),
+    U64(u64),
+}
+
+/// Where an ioeventfd listens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoAddress {
+    Pio(u16),
+    Mmio(u64),
+}
+
+impl From<IoAddress> for IoEventAddress {
+    fn from(a: IoAddress) -> Self {
+        match a {
+            IoAddress::Pio(p) => IoEventAddress::Pio(p.into()),
+            IoAddress::Mmio(m) => IoEventAddress::Mmio(m),
+        }
+    }
+}
+
+struct Inner {
+    gsis: GsiAllocator,
+    table: RouteTable,
+}
+
+/// A VM's interrupt routing and its irqfds and ioeventfds.
+pub struct Interrupts {
+    fd: Arc<VmFd>,
+    mode: IrqchipMode,
+    inner: Mutex<Inner>,
+}
+
+impl Interrupts {
+    pub fn new(fd: Arc<VmFd>, mode: IrqchipMode) -> Self {
+        let inner = Inner { gsis: GsiAllocator::default(), table: RouteTable::new(mode) };
+        Interrupts { fd, mode, inner: Mutex::new(inner) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn commit(&self, table: &RouteTable) -> Result<()> {
+        let entries = table.entries();
+        let routing =
+            KvmIrqRouting::from_entries(&entries).map_err(|_| IrqError::GsiExhausted(MAX_ROUTES - IOAPIC_PINS))?;
+        self.fd.set_gsi_routing(&routing).map_err(kvm("KVM_SET_GSI_ROUTING"))
+    }
+
+    /// A new GSI routed to `msg`, for an MSI or MSI-X vector.
+    pub fn allocate_msi(&self, msg: MsiMessage) -> Result<u32> {
+        let mut i = self.lock();
+        let gsi = i.gsis.allocate()?;
+        let mut table = i.table.clone();
+        table.set_msi(gsi, msg);
+        if let Err(e) = self.commit(&table) {
+            let _ = i.gsis.release(gsi);
+            return Err(e);
+        }
+        i.table = table;
+        Ok(gsi)
+    }
+
+    /// Re-targets one MSI GSI (the guest rewrote its vector); other routes are unchanged.
+    pub fn update_msi(&self, gsi: u32, msg: MsiMessage) -> Result<()> {
+        let mut i = self.lock();
+        if !i.gsis.is_allocated(gsi) {
+            return Err(IrqError::NotAllocated(gsi));
+        }
+        let mut table = i.table.clone();
+        table.set_msi(gsi, msg);
+        self.commit(&table)?;
+        i.table = table;
+        Ok(())
+    }
+
+    /// Drops an MSI GSI's route and frees the GSI. Unregister its irqfd first.
+    pub fn release_msi(&self, gsi: u32) -> Result<()> {
+        let mut i = self.lock();
+        if !i.gsis.is_allocated(gsi) {
+            return Err(IrqError::NotAllocated(gsi));
+        }
+        let mut table = i.table.clone();
+        table.remove(gsi);
+        self.commit(&table)?;
+        i.table = table;
+        i.gsis.release(gsi)
+    }
+
+    /// Whether `gsi` has somewhere to go: legacy pins only exist with the in-kernel irqchip.
+    fn routable(&self, gsi: u32) -> bool {
+        gsi >= IOAPIC_PINS || self.mode == IrqchipMode::Kernel
+    }
+
+    /// Makes a signal on `evt` raise `gsi`. Returns false (and registers nothing) for a legacy
+    /// pin with a split irqchip, which has no in-kernel IOAPIC: that device then runs polled.
+    pub fn register_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<bool> {
+        if !self.routable(gsi) {
+            return Ok(false);
+        }
+        self.fd.register_irqfd(evt, gsi).map_err(kvm("KVM_IRQFD"))?;
+        Ok(true)
+    }
+
+    pub fn unregister_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<()> {
+        if !self.routable(gsi) {
+            return Ok(());
+        }
+        self.fd.unregister_irqfd(evt, gsi).map_err(kvm("KVM_IRQFD(DEASSIGN)"))
+    }
+
+    /// Makes a guest write to `addr` (matching `datamatch`) signal `evt` inside KVM, without an
+    /// exit to the VMM: a virtqueue's doorbell.
+    pub fn register_ioeventfd(&self, evt: &EventFd, addr: IoAddress, datamatch: Datamatch) -> Result<()> {
+        let a = addr.into();
+        let r = match datamatch {
+            Datamatch::Any => self.fd.register_ioevent(evt, &a, NoDatamatch),
+            Datamatch::U8(v) => self.fd.register_ioevent(evt, &a, v),
+            Datamatch::U16(v) => self.fd.register_ioevent(evt, &a, v),
+            Datamatch::U32(v) => self.fd.register_ioevent(evt, &a, v),
+            Datamatch::U64(v) => self.fd.register_ioevent(evt, &a, v),
+        };
+        r.map_err(kvm("KVM_IOEVENTFD"))
+    }
+
+    pub fn unregister_ioeventfd(&self, evt: &EventFd, addr: IoAddress, datamatch: Datamatch) -> Result<()> {
+        let a = addr.into();
+        let r = match datamatch {
+            Datamatch::Any => self.fd.unregister_ioevent(evt, &a, NoDatamatch),
+            Datamatch::U8(v) => self.fd.unregister_ioevent(evt, &a, v),
+            Datamatch::U16(v) => self.fd.unregister_ioevent(evt, &a, v),
+            Datamatch::U32(v) => self.fd.unregister_ioevent(evt, &a, v),
+            Datamatch::U64(v) => self.fd.unregister_ioevent(evt, &a, v),
+        };
+        r.map_err(kvm("KVM_IOEVENTFD(DEASSIGN)"))
+    }
+
+    /// The current routes of `gsi` (for tests and diagnostics).
+    pub fn routes(&self, gsi: u32) -> Vec<Route> {
+        self.lock().table.get(gsi).map(<[Route]>::to_vec).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vm::{kvm_available, Vm};
+
+    #[test]
+    fn allocator_hands_out_msi_gsis_above_the_ioapic_and_reuses_released_ones() {
+        let mut a = GsiAllocator::new(IOAPIC_PINS + 3);
+        assert_eq!(a.allocate(), Ok(24));
+        assert_eq!(a.allocate(), Ok(25));
+        assert_eq!(a.allocate(), Ok(26));
+        assert_eq!(a.allocate(), Err(IrqError::GsiExhausted(3)));
+        a.release(25).unwrap();
+        assert_eq!(a.release(25), Err(IrqError::NotAllocated(25)), "released twice");
+        assert_eq!(a.release(4), Err(IrqError::NotAllocated(4)), "a legacy pin is not the allocator's");
+        assert_eq!(a.allocate(), Ok(25));
+        assert!(a.is_allocated(24) && !a.is_allocated(27));
+    }
+
+    #[test]
+    fn kernel_table_matches_kvms_defaults() {
+        let t = RouteTable::new(IrqchipMode::Kernel);
+        let e = t.entries();
+        assert_eq!(e.len(), 16 * 2 + 8, "PIC + IOAPIC below 16, IOAPIC only above");
+        assert_eq!(
+            t.get(4).unwrap(),
+            [
+                Route::Irqchip { chip: KVM_IRQCHIP_PIC_MASTER, pin: 4 },
+                Route::Irqchip { chip: KVM_IRQCHIP_IOAPIC, pin: 4 }
+            ]
+        );
+        assert_eq!(t.get(10).unwrap()[0], Route::Irqchip { chip: KVM_IRQCHIP_PIC_SLAVE, pin: 2 });
+        assert_eq!(t.get(20).unwrap(), [Route::Irqchip { chip: KVM_IRQCHIP_IOAPIC, pin: 20 }]);
+        assert!(RouteTable::new(IrqchipMode::Split).entries().is_empty());
+    }
+
+    #[test]
+    fn msi_routes_are_set_retargeted_and_removed_without_touching_others() {
+        let mut t = RouteTable::new(IrqchipMode::Kernel);
+        let before = t.clone();
+        let m = MsiMessage { address: 0x1_fee0_0000, data: 0x41 };
+        t.set_msi(30, m);
+        let e = t.entries().into_iter().find(|e| e.gsi == 30).unwrap();
+        assert_eq!(e.type_, KVM_IRQ_ROUTING_MSI);
+        // SAFETY: an MSI entry's union holds `msi`.
+        let msi = unsafe { e.u.msi };
+        assert_eq!((msi.address_lo, msi.address_hi, msi.data), (0xfee0_0000, 1, 0x41));
+        t.set_msi(30, MsiMessage { data: 0x42, ..m });
+        assert_eq!(t.get(30).unwrap(), [Route::Msi(MsiMessage { address: 0x1_fee0_0000, data: 0x42 })]);
+        t.remove(30);
+        assert_eq!(t, before);
+    }
+
+    #[test]
+    fn msi_route_and_irqfd_register_with_kvm() {
+        if !kvm_available() {
+            eprintln!("skipping msi_route_and_irqfd_register_with_kvm: /dev/kvm not available");
+            return;
+        }
+        for mode in [IrqchipMode::Kernel, IrqchipMode::Split] {
+            let vm = Vm::new(1, 16 << 20, mode).unwrap();
+            let irq = &vm.interrupts;
+            let gsi = irq.allocate_msi(MsiMessage { address: 0xfee0_0000, data: 0x30 }).unwrap();
+            assert_eq!(gsi, IOAPIC_PINS);
+            let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+            assert!(irq.register_irqfd(&evt, gsi).unwrap());
+            irq.update_msi(gsi, MsiMessage { address: 0xfee0_0000, data: 0x31 }).unwrap();
+            evt.write(1).unwrap();
+            irq.unregister_irqfd(&evt, gsi).unwrap();
+            irq.release_msi(gsi).unwrap();
+            assert!(irq.routes(gsi).is_empty());
+            // The legacy pin: routed with the in-kernel IOAPIC, polled with a split irqchip.
+            let legacy = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+            assert_eq!(irq.register_irqfd(&legacy, 4).unwrap(), mode == IrqchipMode::Kernel, "{mode}");
+
+            let door = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+            irq.register_ioeventfd(&door, IoAddress::Mmio(0xd000_0000), Datamatch::U16(3)).unwrap();
+            irq.register_ioeventfd(&door, IoAddress::Pio(0x600), Datamatch::Any).unwrap();
+            irq.unregister_ioeventfd(&door, IoAddress::Mmio(0xd000_0000), Datamatch::U16(3)).unwrap();
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! The device manager: creates a VM's devices, puts them on the port I/O and MMIO buses, wires
+//! their interrupts through `kumo_vm::interrupts` (never KVM directly), and registers their
+//! descriptors with the device event loop (`event_loop`). It also lists the devices whose state
+//! snapshots carry (`persist`). A new device (virtio-net over PCI, a userspace APIC) is added
+//! here and in nothing else in `RunningVm`.
+//!
+//! Today's devices: COM1 (8250 UART on port 0x3f8, IRQ 4 through an irqfd) and the debug port
+//! (guest exit and timing markers, ports 0x501–0x502).
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kumo_devices::persist::check_ids;
+use kumo_devices::{
+    Buses, DebugPort, DeviceStates, PersistDyn, PersistError, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT,
+};
+use kumo_vm::Vm;
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::event_loop::{EventHandler, EventLoop, Interest};
+use crate::{Error, Result};
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn dev_err(what: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |e| Error::Devices(format!("{what}: {e}"))
+}
+
+/// A VM's devices, their buses and their event loop.
+pub struct DeviceManager {
+    buses: Arc<Buses>,
+    serial: Arc<Mutex<SerialConsole>>,
+    /// Signalled when the guest empties COM1's receive FIFO (see `ConsoleInput`).
+    serial_drained: EventFd,
+    console_attached: AtomicBool,
+    /// The devices whose state snapshots carry (the debug port has none).
+    persist: Vec<Arc<Mutex<dyn PersistDyn>>>,
+    events: EventLoop,
+}
+
+impl DeviceManager {
+    /// Creates the devices of `vm`, with COM1's output going to `console`.
+    pub fn new(vm: &Vm, console: Box<dyn Write + Send>) -> Result<DeviceManager> {
+        let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("serial interrupt"))?;
+        // With a split irqchip there is no in-kernel IOAPIC pin: the serial then runs polled.
+        vm.interrupts.register_irqfd(&irq, COM1_IRQ).map_err(kumo_vm::Error::from)?;
+        let drained = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("serial input event"))?;
+        let serial = SerialConsole::with_input_drained(irq, drained.try_clone().map_err(dev_err("eventfd"))?, console);
+        let serial = Arc::new(Mutex::new(serial));
+
+        let mut buses = Buses::default();
+        let bus_err = |e: kumo_devices::BusError| Error::Devices(e.to_string());
+        buses.pio.insert(COM1_PORT.into(), 8, serial.clone()).map_err(bus_err)?;
+        buses.pio.insert(EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort))).map_err(bus_err)?;
+
+        let events = EventLoop::start("devices").map_err(dev_err("device event loop"))?;
+        Ok(DeviceManager {
+            buses: Arc::new(buses),
+            persist: vec![serial.clone()],
+            serial,
+            serial_drained: drained,
+            console_attached: AtomicBool::new(false),
+            events,
+        })
+    }
+
+    /// The buses the vCPU threads dispatch to.
+    pub fn buses(&self) -> &Arc<Buses> {
+        &self.buses
+    }
+
+    pub fn serial(&self) -> &Arc<Mutex<SerialConsole>> {
+        &self.serial
+    }
+
+    /// Feeds bytes to COM1 now; returns how many its receive FIFO took.
+    pub fn serial_input(&self, bytes: &[u8]) -> usize {
+        lock(&self.serial).enqueue_input(bytes)
+    }
+
+    /// Pushes buffered console output out.
+    pub fn flush_console(&self) {
+        let _ = lock(&self.serial).flush_output();
+    }
+
+    /// Every device's state, by component id. The VM must be paused.
+    pub fn save_states(&self) -> std::result::Result<DeviceStates, PersistError> {
+        self.persist
+            .iter()
+            .map(|d| {
+                let d = lock(d);
+                Ok((d.id(), d.save_value()?))
+            })
+            .collect()
+    }
+
+    /// Checks that `states` has a state for each device and none for a device this VM lacks.
+    pub fn check_states(&self, states: &DeviceStates) -> std::result::Result<(), PersistError> {
+        check_ids(states, self.persist.iter().map(|d| lock(d).id()))
+    }
+
+    /// Restores every device from `states` (checked first, see [`DeviceManager::check_states`]).
+    pub fn restore_states(&self, states: &DeviceStates) -> std::result::Result<(), PersistError> {
+        self.check_states(states)?;
+        for d in &self.persist {
+            let mut d = lock(d);
+            let id = d.id();
+            d.restore_value(states[&id].clone())?;
+        }
+        Ok(())
+    }
+
+    /// Makes the event loop feed what arrives on `input` (a terminal, pipe or socket) to COM1,
+    /// holding back what the FIFO cannot take until the guest has read it: nothing is dropped.
+    /// Refused for a descriptor epoll cannot watch (a regular file, /dev/null) and for a second
+    /// input.
+    pub fn attach_console_input(&self, input: OwnedFd) -> Result<()> {
+        if self.console_attached.swap(true, Ordering::AcqRel) {
+            return Err(Error::Devices("COM1 already has a console input".into()));
+        }
+        let drained = self.serial_drained.try_clone().map_err(dev_err("eventfd"))?;
+        let fds = [(input.as_raw_fd(), EventSet::IN), (drained.as_raw_fd(), EventSet::IN)];
+        let handler = ConsoleInput {
+            input: std::fs::File::from(input),
+            drained,
+            serial: self.serial.clone(),
+            pending: Vec::new(),
+            eof: false,
+        };
+        self.events.add(&fds, Box::new(handler)).map_err(|e| {
+            self.console_attached.store(false, Ordering::Release);
+            Error::Devices(format!("console input cannot be watched: {e}"))
+        })
+    }
+}
+
+/// Console input → COM1, on the event loop. While the FIFO is full the input is not watched
+/// (so it backs up in the pipe or socket, not in kumo); the FIFO's drained event resumes it.
+struct ConsoleInput {
+    input: std::fs::File,
+    drained: EventFd,
+    serial: Arc<Mutex<SerialConsole>>,
+    pending: Vec<u8>,
+    eof: bool,
+}
+
+const INPUT: usize = 0;
+const DRAINED: usize = 1;
+
+impl ConsoleInput {
+    fn feed(&mut self, interest: &mut Interest) {
+        if !self.pending.is_empty() {
+            let took = lock(&self.serial).enqueue_input(&self.pending);
+            self.pending.drain(..took);
+        }
+        match (self.pending.is_empty(), self.eof) {
+            (true, true) => interest.remove(),
+            (true, false) => interest.set(INPUT, EventSet::IN),
+            (false, _) => interest.set(INPUT, EventSet::empty()),
+        }
+    }
+}
+
+impl EventHandler for ConsoleInput {
+    fn handle(&mut self, source: usize, _events: EventSet, interest: &mut Interest) {
+        if source == DRAINED {
+            let _ = self.drained.read();
+            return self.feed(interest);
+        }
+        let mut buf = [0u8; 256];
+        match self.input.read(&mut buf) {
+            Ok(0) => self.eof = true,
+            Ok(n) => self.pending.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock) => return,
+            Err(e) => {
+                tracing::warn!("console input stops: {e}");
+                self.eof = true;
+            }
+        }
+        self.feed(interest);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+    use std::time::{Duration, Instant};
+
+    /// Reads COM1's receive buffer as a guest would, until `n` bytes came (bounded only as a
+    /// safety net).
+    fn guest_reads(buses: &Buses, n: usize) -> Vec<u8> {
+        let port = u64::from(COM1_PORT);
+        let mut got = Vec::new();
+        let t = Instant::now();
+        while got.len() < n {
+            let mut lsr = [0u8];
+            buses.pio.read(port + 5, &mut lsr);
+            if lsr[0] & 1 != 0 {
+                let mut b = [0u8];
+                buses.pio.read(port, &mut b);
+                got.push(b[0]);
+            } else {
+                assert!(t.elapsed() < Duration::from_secs(60), "input stalled after {} bytes", got.len());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        got
+    }
+
+    #[test]
+    fn console_input_reaches_com1_in_order_past_a_full_fifo() {
+        if !kumo_vm::vm::kvm_available() {
+            eprintln!("skipping console_input_reaches_com1_in_order_past_a_full_fifo: /dev/kvm not available");
+            return;
+        }
+        let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let dm = DeviceManager::new(&vm, Box::new(std::io::sink())).unwrap();
+        let (mut user, end) = UnixStream::pair().unwrap();
+        dm.attach_console_input(end.into()).unwrap();
+        let (other, _keep) = UnixStream::pair().unwrap();
+        assert!(dm.attach_console_input(other.into()).is_err(), "one console input");
+
+        // 300 bytes: more than the 64-byte FIFO takes at once.
+        let sent: Vec<u8> = (0..300u32).map(|i| b'a' + (i % 26) as u8).collect();
+        user.write_all(&sent).unwrap();
+        assert_eq!(guest_reads(dm.buses(), sent.len()), sent);
+        drop(user);
+    }
+
+    #[test]
+    fn device_states_are_saved_by_id_and_restored_into_another_vm() {
+        if !kumo_vm::vm::kvm_available() {
+            eprintln!("skipping device_states_are_saved_by_id_and_restored_into_another_vm: /dev/kvm not available");
+            return;
+        }
+        let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let a = DeviceManager::new(&vm, Box::new(std::io::sink())).unwrap();
+        a.buses().pio.write(u64::from(COM1_PORT) + 7, &[0x5a]); // scratch register
+        a.serial_input(b"hi");
+        let states: DeviceStates =
+            serde_json::from_str(&serde_json::to_string(&a.save_states().unwrap()).unwrap()).unwrap();
+        assert_eq!(states.keys().collect::<Vec<_>>(), ["com1"]);
+
+        let vm_b = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let b = DeviceManager::new(&vm_b, Box::new(std::io::sink())).unwrap();
+        let mut extra = states.clone();
+        extra.insert("net0".into(), serde_json::json!({}));
+        let e = b.restore_states(&extra).unwrap_err().to_string();
+        assert_eq!(e, "the snapshot has state for net0, which this VM lacks");
+        let e = b.restore_states(&DeviceStates::new()).unwrap_err().to_string();
+        assert_eq!(e, "the snapshot has no state for com1");
+        b.restore_states(&states).unwrap();
+        let mut r = [0u8];
+        b.buses().pio.read(u64::from(COM1_PORT) + 7, &mut r);
+        assert_eq!(r[0], 0x5a);
+        assert_eq!(guest_reads(b.buses(), 2), b"hi", "pending input moves with the state");
+    }
+
+    #[test]
+    fn a_regular_file_is_refused_as_console_input() {
+        if !kumo_vm::vm::kvm_available() {
+            eprintln!("skipping a_regular_file_is_refused_as_console_input: /dev/kvm not available");
+            return;
+        }
+        let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let dm = DeviceManager::new(&vm, Box::new(std::io::sink())).unwrap();
+        let f = vmm_sys_util::tempfile::TempFile::new().unwrap();
+        let fd: OwnedFd = f.into_file().into();
+        let e = dm.attach_console_input(fd).unwrap_err().to_string();
+        assert!(e.contains("cannot be watched"), "{e}");
+        // Refused, so another input may still be attached.
+        let (_user, end) = UnixStream::pair().unwrap();
+        dm.attach_console_input(end.into()).unwrap();
+    }
+}
