@@ -31,7 +31,7 @@ $K --api-socket "$sock" shutdown && echo "shutdown requested"
 wait $vm; echo "VM exit code: $?"
 
 step "kumo bench boot --runs 10"
-$K bench boot --runs 10 --json target/bench-boot.json
+$K bench boot --runs 10 --out target/kumo-bench
 
 if [ -e /dev/kvm ] && scripts/fetch-linux-kernel.sh >/dev/null 2>&1; then
     step "Linux (PVH vmlinux, Debian kernel): first console lines, 30 s of guest time"

@@ -1,9 +1,7 @@
-//! `kumo`: run VMs, list guest programs, talk to a running VM's control API, benchmark.
+//! `kumo`: run VMs, list guest programs, talk to a running VM's control API; `kumo bench` runs
+//! the separate `kumo-bench` binary (crates/bench), so no benchmark code is linked in here.
 
-mod bench;
-mod bench_migrate;
 mod migrate;
-mod qemu;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -48,10 +46,14 @@ enum Cmd {
     Ping,
     /// Migrate a running VM (needs --api-socket) to a `kumo run --incoming`.
     Migrate(migrate::MigrateArgs),
-    /// Benchmarks: print a table and write JSON.
+    /// Benchmarks (boot, migrate): runs the `kumo-bench` binary next to kumo with these
+    /// arguments; `kumo bench --help` lists them. Results go to --out DIR [default:
+    /// target/kumo-bench].
+    #[command(disable_help_flag = true)]
     Bench {
-        #[command(subcommand)]
-        which: bench::BenchCmd,
+        /// Arguments for kumo-bench, e.g. `boot --runs 10` or `migrate --quick --out DIR`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "ARGS")]
+        args: Vec<std::ffi::OsString>,
     },
 }
 
@@ -202,6 +204,22 @@ fn spawn_console_input(vm: std::sync::Weak<RunningVm>) {
     }
 }
 
+/// Replaces this process with `kumo-bench ARGS`, found next to this executable, telling it
+/// which kumo to measure.
+fn bench(args: Vec<std::ffi::OsString>) -> Result<i32, String> {
+    use std::os::unix::process::CommandExt;
+    let me = std::env::current_exe().map_err(|e| format!("cannot find the kumo binary: {e}"))?;
+    let bench = me.with_file_name("kumo-bench");
+    if !bench.is_file() {
+        return Err(format!(
+            "kumo bench needs the kumo-bench binary at {} (build it: cargo build --release -p kumo-bench)",
+            bench.display()
+        ));
+    }
+    let e = std::process::Command::new(&bench).args(args).env("KUMO_BIN", &me).exec();
+    Err(format!("cannot run {}: {e}", bench.display()))
+}
+
 fn guests(json: bool) -> Result<i32, String> {
     let all = kumo_guests::all().map_err(|e| e.to_string())?;
     if json {
@@ -245,7 +263,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Run(a) => run(a, cli.api_socket),
         Cmd::Guests { json } => guests(json),
-        Cmd::Bench { which } => bench::run(which),
+        Cmd::Bench { args } => bench(args),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
         ref c @ (Cmd::Info | Cmd::Pause | Cmd::Resume | Cmd::Shutdown | Cmd::Ping) => client_cmd(c, cli.api_socket),
     };

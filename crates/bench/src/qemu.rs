@@ -18,7 +18,7 @@
 //! exit with status `(code << 1) | 1` when the guest writes its exit code to port 0x501; the
 //! size is 1 so that the guest's start marker at 0x502 is not taken for an exit.
 //!
-//! `kumo bench migrate` uses it for its QEMU comparison; tests/qemu_e2e.rs includes it by path.
+//! `kumo bench migrate` uses it for its QEMU comparison; tests/qemu_e2e.rs tests it.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
