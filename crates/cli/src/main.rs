@@ -13,12 +13,29 @@ use kumo_api::{ApiClient, ApiServer};
 use kumo_vmm::config::IrqchipMode;
 use kumo_vmm::{ConfigFile, Payload, RunningVm, VmConfig};
 
+const LOG_HELP: &str = "\
+Logging: warnings and errors go to stderr. -v adds info, -vv debug; without -v the KUMO_LOG
+environment variable sets the filter (tracing's syntax, e.g. KUMO_LOG=debug or
+KUMO_LOG=kumo_vmm=debug,warn). --log-file PATH appends the log to PATH instead of stderr.
+Colour only when the log goes to a terminal (and NO_COLOR is unset).";
+
 #[derive(Parser)]
-#[command(name = "kumo", version, about = "kumo: a KVM virtual machine monitor for HPC and enterprise clouds")]
+#[command(
+    name = "kumo",
+    version,
+    about = "kumo: a KVM virtual machine monitor for HPC and enterprise clouds",
+    after_help = LOG_HELP
+)]
 struct Cli {
-    /// Control API socket: served by `run`, used by info/pause/resume/shutdown/ping.
+    /// Control API socket: served by `run`, used by info/pause/resume/shutdown/ping/migrate.
     #[arg(long, global = true, value_name = "PATH")]
     api_socket: Option<PathBuf>,
+    /// More log output: -v info, -vv debug (overrides KUMO_LOG).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// Append the log to this file instead of stderr.
+    #[arg(long, global = true, value_name = "PATH")]
+    log_file: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -142,6 +159,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
             Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)
         }
     };
+    tracing::info!(vcpus = vm.config().cpus, memory = vm.config().memory, "VM running");
     spawn_console_input(Arc::downgrade(&vm));
     let _api = match &api_socket {
         Some(p) => Some(ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
@@ -254,12 +272,43 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
     Ok(0)
 }
 
+/// Sets up tracing: the level from -v, else KUMO_LOG, else warn; to --log-file or stderr, in
+/// colour only on a terminal.
+fn init_logging(verbose: u8, log_file: Option<&std::path::Path>) -> Result<(), String> {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = match (verbose, std::env::var("KUMO_LOG")) {
+        (0, Ok(v)) if !v.trim().is_empty() => EnvFilter::try_new(&v).map_err(|e| format!("KUMO_LOG={v}: {e}"))?,
+        (0, _) => EnvFilter::new("warn"),
+        (1, _) => EnvFilter::new("info"),
+        _ => EnvFilter::new("debug"),
+    };
+    let colour_ok = std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match log_file {
+        Some(p) => {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("cannot open log file {}: {e}", p.display()))?;
+            let ansi = colour_ok && f.is_terminal();
+            builder.with_ansi(ansi).with_writer(std::sync::Mutex::new(f)).init();
+        }
+        None => {
+            let ansi = colour_ok && std::io::stderr().is_terminal();
+            builder.with_ansi(ansi).with_writer(std::io::stderr).init();
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("KUMO_LOG"))
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    if let Err(e) = init_logging(cli.verbose, cli.log_file.as_deref()) {
+        eprintln!("kumo: error: {e}");
+        return ExitCode::from(1);
+    }
     let r = match cli.cmd {
         Cmd::Run(a) => run(a, cli.api_socket),
         Cmd::Guests { json } => guests(json),
