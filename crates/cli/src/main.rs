@@ -85,11 +85,11 @@ struct RunArgs {
     /// starts. The irqchip comes from the stream too.
     #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args"])]
     incoming: Option<String>,
-    /// Initial ramdisk for --kernel.
-    #[arg(long, value_name = "PATH", requires = "kernel")]
+    /// Initial ramdisk for a Linux kernel (--kernel, or a config file's kernel payload).
+    #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
-    /// Kernel command line for --kernel.
-    #[arg(long, requires = "kernel")]
+    /// Kernel command line for a Linux kernel (--kernel, or a config file's kernel payload).
+    #[arg(long)]
     cmdline: Option<String>,
     /// A built guest program (see `kumo guests`); its key=value arguments follow.
     #[arg(long, value_name = "NAME")]
@@ -107,9 +107,9 @@ struct RunArgs {
     /// VM config file (JSON or TOML); flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Stop the VM after this many seconds (exit status 124).
-    #[arg(long, value_name = "SECS")]
-    timeout: Option<f64>,
+    /// Stop the VM after this many seconds (exit status 124); 0 means no timeout.
+    #[arg(long, value_name = "SECS", value_parser = parse_timeout)]
+    timeout: Option<Duration>,
     /// Write start-up timings (CLOCK_MONOTONIC ns) as JSON to this file when the VM ends.
     #[arg(long, value_name = "FILE")]
     timings_json: Option<PathBuf>,
@@ -122,12 +122,18 @@ fn parse_size(s: &str) -> Result<u64, String> {
     kumo_vmm::config::parse_size(s)
 }
 
+/// Seconds, fractions allowed; 0 is no timeout (None).
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("`{s}` is not a usable number of seconds"))
+}
+
 fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
     let file = match &a.config {
         Some(p) => ConfigFile::load(p).map_err(|e| e.to_string())?,
         None => ConfigFile::default(),
     };
-    let payload = match (&a.kernel, &a.guest) {
+    let mut payload = match (&a.kernel, &a.guest) {
         (Some(k), _) => Payload::Kernel { path: k.clone(), initrd: a.initrd.clone(), cmdline: a.cmdline.clone() },
         (None, Some(g)) => Payload::Guest { name: g.clone(), args: a.guest_args.clone() },
         (None, None) => file
@@ -135,6 +141,24 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
             .clone()
             .ok_or("nothing to boot: give --guest NAME, --kernel PATH or a --config file with a payload")?,
     };
+    // --initrd and --cmdline apply to a kernel only (and override a config file's).
+    match &mut payload {
+        Payload::Kernel { initrd, cmdline, .. } => {
+            if a.initrd.is_some() {
+                initrd.clone_from(&a.initrd);
+            }
+            if a.cmdline.is_some() {
+                cmdline.clone_from(&a.cmdline);
+            }
+        }
+        Payload::Guest { name, .. } => {
+            for (flag, given) in [("--initrd", a.initrd.is_some()), ("--cmdline", a.cmdline.is_some())] {
+                if given {
+                    return Err(format!("{flag} applies to a Linux kernel (--kernel), not to guest program {name}"));
+                }
+            }
+        }
+    }
     if !a.guest_args.is_empty() && !matches!(payload, Payload::Guest { .. }) {
         return Err(format!("guest arguments ({}) need --guest", a.guest_args.join(" ")));
     }
@@ -168,7 +192,8 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
         })?),
         None => None,
     };
-    let report = vm.wait_timeout(a.timeout.map(Duration::from_secs_f64));
+    let _signals = shutdown_on_signals(Arc::downgrade(&vm))?;
+    let report = vm.wait_timeout(a.timeout.filter(|t| !t.is_zero()));
     if let Some(p) = &a.timings_json {
         let j = serde_json::to_string_pretty(&report.timings).unwrap_or_default();
         std::fs::write(p, j).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
@@ -181,11 +206,46 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     match &report.outcome {
         Reset(why) => eprintln!("kumo: guest reset: {why}"),
         Error(e) => eprintln!("kumo: error: {e}"),
-        TimedOut => eprintln!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or(0.0)),
+        TimedOut => eprintln!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or_default().as_secs_f64()),
         Migrated(to) => eprintln!("kumo: VM migrated to {to}; this copy stopped"),
         _ => {}
     }
     Ok(report.outcome.exit_code())
+}
+
+/// SIGTERM and SIGINT (Ctrl-C) shut the VM down as `kumo shutdown` would: `run` then returns,
+/// and dropping the API server removes its socket. A second signal exits at once. Dropping the
+/// guard restores the default handling.
+fn shutdown_on_signals(vm: std::sync::Weak<RunningVm>) -> Result<SignalGuard, String> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).map_err(|e| format!("cannot handle signals: {e}"))?;
+    let handle = signals.handle();
+    let spawned = std::thread::Builder::new().name("signals".into()).spawn(move || {
+        let mut seen = false;
+        for sig in signals.forever() {
+            if seen {
+                std::process::exit(128 + sig);
+            }
+            seen = true;
+            let name = if sig == SIGTERM { "SIGTERM" } else { "SIGINT" };
+            eprintln!("kumo: {name}: shutting the VM down");
+            match vm.upgrade() {
+                Some(vm) => vm.shutdown(),
+                None => return,
+            }
+        }
+    });
+    spawned.map_err(|e| format!("cannot start the signal thread: {e}"))?;
+    Ok(SignalGuard(handle))
+}
+
+struct SignalGuard(signal_hook::iterator::Handle);
+
+impl Drop for SignalGuard {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }
 
 /// Feeds kumo's stdin to the guest's serial console (COM1), so a user or a test can talk to the
@@ -308,6 +368,11 @@ fn main() -> ExitCode {
     if let Err(e) = init_logging(cli.verbose, cli.log_file.as_deref()) {
         eprintln!("kumo: error: {e}");
         return ExitCode::from(1);
+    }
+    if cli.api_socket.is_some() && matches!(cli.cmd, Cmd::Guests { .. } | Cmd::Bench { .. }) {
+        let which = if matches!(cli.cmd, Cmd::Bench { .. }) { "bench" } else { "guests" };
+        eprintln!("kumo: error: --api-socket does not apply to `kumo {which}`");
+        return ExitCode::from(2);
     }
     let r = match cli.cmd {
         Cmd::Run(a) => run(a, cli.api_socket),
