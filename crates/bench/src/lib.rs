@@ -30,3 +30,9 @@ pub fn out_file(dir: &Path, name: &str) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     Ok(dir.join(name))
 }
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (for a destination about to listen).
+pub fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+}

@@ -28,7 +28,6 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -189,22 +188,16 @@ impl Proc {
 /// The run's context: the kumo binary, a private temp dir (removed at the end), progress.
 struct Ctx {
     kumo: PathBuf,
-    dir: PathBuf,
+    dir: vmm_sys_util::tempdir::TempDir,
     seq: AtomicU32,
     bar: ProgressBar,
     t0: Instant,
 }
 
-impl Drop for Ctx {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 impl Ctx {
     /// A unique path in the temp dir (socket paths stay far below the 108-byte limit).
     fn path(&self, tag: &str) -> PathBuf {
-        self.dir.join(format!("{:03}-{tag}", self.seq.fetch_add(1, Ordering::Relaxed)))
+        self.dir.as_path().join(format!("{:03}-{tag}", self.seq.fetch_add(1, Ordering::Relaxed)))
     }
 
     fn spawn(&self, tag: &str, args: &[String]) -> Result<Proc, String> {
@@ -267,10 +260,7 @@ fn sv(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
-fn free_port() -> Result<u16, String> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
-}
+use crate::free_port;
 
 /// A running VM: the kumo process that holds it and its API socket.
 struct Vm {
@@ -2055,8 +2045,8 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     } else {
         (&[512, 2048], 3, 20, Duration::from_millis(1000))
     };
-    let dir = std::env::temp_dir().join(format!("kumo-bench-migrate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-bench-migrate-"))
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
     let steps = 1 + sizes.len() * (ENGINES.len() + 1) + 5 + 2 * n_correct + 2 * WORKLOADS.len() * side_sizes.len();
     let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stderr());
     bar.set_style(
