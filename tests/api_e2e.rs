@@ -136,6 +136,7 @@ fn flags_that_do_not_apply_are_refused() {
     for (args, want) in [
         (&["--api-socket", "/tmp/x.sock", "guests"][..], "--api-socket does not apply to `kumo guests`"),
         (&["--api-socket", "/tmp/x.sock", "bench", "boot"][..], "--api-socket does not apply to `kumo bench`"),
+        (&["-v", "bench", "boot"][..], "-v does not apply to `kumo bench`"),
         (&["run", "--guest", "hello", "--initrd", "/tmp/initrd"][..], "--initrd applies to a Linux kernel"),
         (&["run", "--guest", "hello", "--cmdline", "quiet"][..], "--cmdline applies to a Linux kernel"),
         (&["run", "--guest", "hello", "--timeout=-1"][..], "not a usable number of seconds"),

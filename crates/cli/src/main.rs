@@ -184,6 +184,8 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
         }
     };
     tracing::info!(vcpus = vm.config().cpus, memory = vm.config().memory, "VM running");
+    // Before the API server, so that a signal's shutdown still drops it (removing its socket).
+    let _signals = shutdown_on_signals(Arc::downgrade(&vm))?;
     spawn_console_input(Arc::downgrade(&vm));
     let _api = match &api_socket {
         Some(p) => Some(ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
@@ -192,7 +194,6 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
         })?),
         None => None,
     };
-    let _signals = shutdown_on_signals(Arc::downgrade(&vm))?;
     let report = vm.wait_timeout(a.timeout.filter(|t| !t.is_zero()));
     if let Some(p) = &a.timings_json {
         let j = serde_json::to_string_pretty(&report.timings).unwrap_or_default();
@@ -369,9 +370,15 @@ fn main() -> ExitCode {
         eprintln!("kumo: error: {e}");
         return ExitCode::from(1);
     }
-    if cli.api_socket.is_some() && matches!(cli.cmd, Cmd::Guests { .. } | Cmd::Bench { .. }) {
-        let which = if matches!(cli.cmd, Cmd::Bench { .. }) { "bench" } else { "guests" };
-        eprintln!("kumo: error: --api-socket does not apply to `kumo {which}`");
+    let not_applying = match cli.cmd {
+        Cmd::Guests { .. } if cli.api_socket.is_some() => Some(("--api-socket", "guests")),
+        Cmd::Bench { .. } if cli.api_socket.is_some() => Some(("--api-socket", "bench")),
+        Cmd::Bench { .. } if cli.verbose > 0 => Some(("-v", "bench")),
+        Cmd::Bench { .. } if cli.log_file.is_some() => Some(("--log-file", "bench")),
+        _ => None,
+    };
+    if let Some((flag, cmd)) = not_applying {
+        eprintln!("kumo: error: {flag} does not apply to `kumo {cmd}`");
         return ExitCode::from(2);
     }
     let r = match cli.cmd {
