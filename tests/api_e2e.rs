@@ -172,3 +172,27 @@ fn sizes_take_decimals_and_errors_use_human_units() {
     assert!(!o.status.success());
     assert!(err.contains("PiB") && err.contains("GiB"), "{err}");
 }
+
+#[test]
+fn kumo_bench_without_its_binary_says_what_is_missing() {
+    // A kumo alone in a directory: no kumo-bench next to it.
+    let dir = TestDir::new();
+    let lone = dir.path("kumo");
+    std::fs::copy(kumo_bin(), &lone).unwrap();
+    let o = Command::new(&lone).args(["bench", "boot"]).output().unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("needs the kumo-bench binary") && err.contains("cargo build"), "{err}");
+}
+
+#[test]
+fn kumo_bench_runs_kumo_bench() {
+    if !kumo_bin().with_file_name("kumo-bench").is_file() {
+        eprintln!("skipping kumo_bench_runs_kumo_bench: kumo-bench not built (cargo build -p kumo-bench)");
+        return;
+    }
+    let o = kumo(&["bench", "boot", "--help"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("--runs") && out.contains("--out"), "{out}");
+}
