@@ -8,7 +8,11 @@ scripts/setup.sh
 [ "${1:-}" = "--debug" ] || cargo build --release --workspace
 K=target/release/kumo
 [ "${1:-}" = "--debug" ] && K=target/debug/kumo  # after `cargo build --workspace`
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+if [ -t 1 ]; then
+    step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+else
+    step() { printf '\n== %s\n' "$*"; }
+fi
 
 step "built guest programs"
 $K guests
