@@ -125,7 +125,11 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     if runs == 0 {
         return Err("--runs must be at least 1".into());
     }
-    let tmp = std::env::temp_dir().join(format!("kumo-bench-{}.json", std::process::id()));
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // Each run's --timings-json; removed with the directory.
+    let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-bench-boot-"))
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
+    let tmp = dir.as_path().join("timings.json");
     // Interleave baseline and measurement so drifting host load hits both alike.
     let (mut exec, mut built, mut entry, mut first, mut exit) = (vec![], vec![], vec![], vec![], vec![]);
     for i in 0..runs {
@@ -135,10 +139,13 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         entry.push(e);
         first.push(f);
         exit.push(x);
-        eprint!("\rboot: run {}/{runs}", i + 1);
+        if tty {
+            eprint!("\rboot: run {}/{runs}", i + 1);
+        } else if i + 1 == runs {
+            eprint!("boot: {runs} runs done");
+        }
     }
     eprintln!();
-    let _ = std::fs::remove_file(&tmp);
     let boot = BootResult {
         first_output_over_exec: 0.0,
         exec_ms: stat(exec),
