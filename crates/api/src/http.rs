@@ -263,10 +263,11 @@ pub(crate) fn parse_request_head(head: &[u8]) -> Result<RequestHead, ApiError> {
         Err(httparse::Error::TooManyHeaders) => {
             return Err(ApiError::new(431, format!("request has over {MAX_HEADERS} header lines")))
         }
-        Err(httparse::Error::Version) if other_http_version(head) => {
-            let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
-            let v = String::from_utf8_lossy(line.rsplit(|&b| b == b' ').next().unwrap_or_default());
-            return Err(ApiError::new(505, format!("unsupported HTTP version {}", v.trim_end())));
+        Err(httparse::Error::Version) => {
+            return Err(match other_http_version(head) {
+                Some(v) => ApiError::new(505, format!("unsupported HTTP version {v}")),
+                None => ApiError::bad_request(parse_error(httparse::Error::Version)),
+            })
         }
         Err(e) => return Err(ApiError::bad_request(parse_error(e))),
     }
@@ -285,16 +286,14 @@ pub(crate) fn parse_request_head(head: &[u8]) -> Result<RequestHead, ApiError> {
     Ok(RequestHead { method: method.to_string(), path, keep_alive, headers })
 }
 
-/// Whether a request line is well formed but for its version, which names another HTTP
-/// (`GET / HTTP/2.0`, `GET / HTTP/3`): that is a 505, not a 400.
-fn other_http_version(head: &[u8]) -> bool {
-    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let parts: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
-    match parts[..] {
-        [_, _, v] => v.starts_with(b"HTTP/") && v.len() > 5 && v[5..].iter().all(|b| b.is_ascii_digit() || *b == b'.'),
-        _ => false,
-    }
+/// The version of a request line that is well formed but for its version, which names another
+/// HTTP (`GET / HTTP/2.0`, `GET / HTTP/3`): that is a 505, not a 400.
+fn other_http_version(head: &[u8]) -> Option<&str> {
+    let line = head.split(|&b| b == b'\n').next()?;
+    let line = std::str::from_utf8(line.strip_suffix(b"\r").unwrap_or(line)).ok()?;
+    let [_, _, v] = line.split(' ').collect::<Vec<_>>()[..] else { return None };
+    let number = v.strip_prefix("HTTP/")?;
+    (!number.is_empty() && number.bytes().all(|b| b.is_ascii_digit() || b == b'.')).then_some(v)
 }
 
 pub(crate) fn parse_response_head(head: &[u8]) -> Result<(u16, Headers), &'static str> {
