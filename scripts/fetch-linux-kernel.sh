@@ -131,10 +131,14 @@ if ls "$CACHE"/"${PKG}"_*.deb >/dev/null 2>&1; then
     esac
 fi
 if [ -z "$DEB" ]; then
-    log "downloading $PKG=$VERSION"
-    if ! (cd "$WORK" && apt-get download -q "$PKG=$VERSION" >&2); then
+    SIZE="$(apt-cache show "$PKG=$VERSION" 2>/dev/null | sed -n 's/^Size: //p' | head -n1)"
+    log "downloading $PKG=$VERSION${SIZE:+ ($((SIZE / 1000000)) MB)}"
+    # apt's progress display on a terminal; quiet (one line per file) otherwise.
+    QUIET=(-q)
+    if [ -t 2 ]; then QUIET=(); fi
+    if ! (cd "$WORK" && apt-get download "${QUIET[@]}" "$PKG=$VERSION" >&2); then
         apt_update
-        (cd "$WORK" && apt-get download -q "$PKG=$VERSION" >&2) || die "apt-get download $PKG failed"
+        (cd "$WORK" && apt-get download "${QUIET[@]}" "$PKG=$VERSION" >&2) || die "apt-get download $PKG failed"
     fi
     rm -f "$CACHE"/linux-image-*.deb
     DEB="$(ls "$WORK"/*.deb | head -n1)"

@@ -1,7 +1,9 @@
-//! End to end: a VM's control API through `kumo --api-socket PATH info|pause|resume|shutdown`.
+//! End to end: a VM's control API through `kumo --api-socket PATH info|pause|resume|shutdown`,
+//! signals, logging and the CLI's refusals.
 
 mod common;
 use common::*;
+use std::process::Command;
 use std::time::Duration;
 
 #[test]
@@ -9,7 +11,8 @@ fn info_pause_resume_shutdown_through_the_cli() {
     if !kvm_or_skip("info_pause_resume_shutdown_through_the_cli") {
         return;
     }
-    let sock = temp_path("api.sock");
+    let dir = TestDir::new();
+    let sock = dir.path("api.sock");
     let s = sock.to_str().unwrap();
     // A guest that would run for 10 minutes: only shutdown ends it.
     let vm = Kid::spawn(&["run", "--guest", "memtouch", "pages=64", "until_input=1", "--cpus", "2", "--api-socket", s]);
@@ -31,6 +34,7 @@ fn info_pause_resume_shutdown_through_the_cli() {
     let o = kumo(&["--api-socket", s, "pause"]);
     assert!(!o.status.success());
     assert!(text(&o).1.contains("already paused"), "{}", text(&o).1);
+    assert!(!text(&o).1.contains("(HTTP"), "the status is not for users: {}", text(&o).1);
 
     assert!(kumo(&["--api-socket", s, "resume"]).status.success());
     assert!(info("running").is_some());
@@ -47,12 +51,26 @@ fn a_paused_guest_makes_no_progress() {
     if !kvm_or_skip("a_paused_guest_makes_no_progress") {
         return;
     }
-    let sock = temp_path("pause.sock");
+    let dir = TestDir::new();
+    let sock = dir.path("pause.sock");
     let s = sock.to_str().unwrap();
     // Writes at 10,000/s until told to stop, paused for 2 s in the middle: the guest's own
     // clock (TSC) keeps running, so a real pause shows as elapsed time ≥ the pause, and the
     // checksum still matches the writes the guest reports.
-    let vm = Kid::spawn(&["run", "--guest", "memtouch", "pages=64", "until_input=1", "rate=10000", "--api-socket", s]);
+    let vm = Kid::spawn(&[
+        "run",
+        "--guest",
+        "memtouch",
+        "pages=64",
+        "until_input=1",
+        "rate=10000",
+        "report_ms=100",
+        "--api-socket",
+        s,
+    ]);
+    // Pause only once the guest's clock runs (a progress line: its start line comes before the
+    // clock starts), or the pause is not measured.
+    vm.wait_stdout("memtouch: progress", PATIENCE);
     eventually(PATIENCE, || kumo(&["--api-socket", s, "pause"]).status.success().then_some(()));
     std::thread::sleep(Duration::from_secs(2));
     assert!(kumo(&["--api-socket", s, "resume"]).status.success());
@@ -65,4 +83,127 @@ fn a_paused_guest_makes_no_progress() {
     assert!(us >= 2_000_000, "the guest's clock ran through the 2 s pause: {us} us");
     let sum = u64::from_str_radix(&field(&out, "memtouch: checksum", "checksum").unwrap(), 16).unwrap();
     assert_eq!(sum, kumo_guests::memtouch::expected_checksum(64, writes, 1, true));
+}
+
+#[test]
+fn sigterm_and_sigint_shut_the_vm_down_and_remove_the_socket() {
+    if !kvm_or_skip("sigterm_and_sigint_shut_the_vm_down_and_remove_the_socket") {
+        return;
+    }
+    let dir = TestDir::new();
+    for sig in ["TERM", "INT"] {
+        let sock = dir.path(&format!("{sig}.sock"));
+        let s = sock.to_str().unwrap();
+        // Runs until typed at: only the signal ends it.
+        let vm = Kid::spawn(&["run", "--guest", "memtouch", "pages=64", "until_input=1", "--api-socket", s]);
+        vm.wait_stdout("memtouch: pages=", PATIENCE);
+        eventually(PATIENCE, || kumo(&["--api-socket", s, "ping"]).status.success().then_some(()));
+        vm.signal(sig);
+        let (code, _, err) = vm.finish(PATIENCE);
+        assert_eq!(code, Some(0), "SIG{sig}: {err}");
+        assert!(err.contains(&format!("SIG{sig}: shutting the VM down")), "{err}");
+        assert!(!sock.exists(), "SIG{sig}: the API socket is removed");
+    }
+}
+
+#[test]
+fn logs_have_no_colour_when_not_on_a_terminal() {
+    let dir = TestDir::new();
+    let log = dir.path("kumo.log");
+    if kvm_or_skip("logs_have_no_colour_when_not_on_a_terminal (VM part)") {
+        // stderr is a pipe here.
+        let o = kumo(&["-vv", "run", "--guest", "hello"]);
+        let (_, err) = text(&o);
+        assert!(o.status.success(), "{err}");
+        assert!(err.contains("INFO"), "-vv logs: {err}");
+        assert!(!o.stderr.contains(&0x1b), "no ANSI escapes: {err:?}");
+
+        let o = kumo(&["-v", "--log-file", log.to_str().unwrap(), "run", "--guest", "hello"]);
+        assert!(o.status.success());
+        assert!(!text(&o).1.contains("INFO"), "the log went to the file: {}", text(&o).1);
+        let file = std::fs::read(&log).unwrap();
+        assert!(String::from_utf8_lossy(&file).contains("INFO"), "{}", String::from_utf8_lossy(&file));
+        assert!(!file.contains(&0x1b), "no ANSI escapes in the log file");
+    }
+    // Without KVM too: an error run with debug logging on.
+    let o = kumo(&["-vv", "--api-socket", dir.arg("nobody.sock").as_str(), "ping"]);
+    assert!(!o.status.success());
+    assert!(!o.stderr.contains(&0x1b), "{:?}", text(&o).1);
+    let o = Command::new(kumo_bin()).args(["guests"]).env("KUMO_LOG", "not a [filter").output().unwrap();
+    assert!(!o.status.success(), "a bad KUMO_LOG is refused");
+    assert!(text(&o).1.contains("KUMO_LOG"), "{}", text(&o).1);
+}
+
+#[test]
+fn help_documents_logging() {
+    let (out, _) = text(&kumo(&["--help"]));
+    for want in ["KUMO_LOG", "-v", "--log-file"] {
+        assert!(out.contains(want), "--help lacks {want}: {out}");
+    }
+}
+
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    for (args, want) in [
+        (&["--api-socket", "/tmp/x.sock", "guests"][..], "--api-socket does not apply to `kumo guests`"),
+        (&["--api-socket", "/tmp/x.sock", "bench", "boot"][..], "--api-socket does not apply to `kumo bench`"),
+        (&["-v", "bench", "boot"][..], "-v does not apply to `kumo bench`"),
+        (&["run", "--guest", "hello", "--initrd", "/tmp/initrd"][..], "--initrd applies to a Linux kernel"),
+        (&["run", "--guest", "hello", "--cmdline", "quiet"][..], "--cmdline applies to a Linux kernel"),
+        (&["run", "--guest", "hello", "--timeout=-1"][..], "not a usable number of seconds"),
+        (&["run", "--guest", "hello", "--timeout", "soon"][..], "not a number of seconds"),
+    ] {
+        let o = kumo(args);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "{args:?} must fail");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn timeout_zero_means_no_timeout() {
+    if !kvm_or_skip("timeout_zero_means_no_timeout") {
+        return;
+    }
+    let o = kumo(&["run", "--guest", "hello", "--timeout", "0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o).1);
+    assert!(text(&o).0.contains("Hello"), "{}", text(&o).0);
+}
+
+#[test]
+fn sizes_take_decimals_and_errors_use_human_units() {
+    if !kvm_or_skip("sizes_take_decimals_and_errors_use_human_units") {
+        return;
+    }
+    let o = kumo(&["run", "--guest", "hello", "--memory", "1.5G"]);
+    assert!(o.status.success(), "{}", text(&o).1);
+    assert!(text(&o).0.contains("memory_mib=1536"), "{}", text(&o).0);
+    let o = kumo(&["run", "--guest", "hello", "--memory", "9999T"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("PiB") && err.contains("GiB"), "{err}");
+}
+
+#[test]
+fn kumo_bench_without_its_binary_says_what_is_missing() {
+    // A kumo alone in a directory: no kumo-bench next to it.
+    let dir = TestDir::new();
+    let lone = dir.path("kumo");
+    std::fs::copy(kumo_bin(), &lone).unwrap();
+    let o = Command::new(&lone).args(["bench", "boot"]).output().unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("needs the kumo-bench binary") && err.contains("cargo build"), "{err}");
+}
+
+#[test]
+fn kumo_bench_runs_kumo_bench() {
+    if !kumo_bin().with_file_name("kumo-bench").is_file() {
+        eprintln!("skipping kumo_bench_runs_kumo_bench: kumo-bench not built (cargo build -p kumo-bench)");
+        return;
+    }
+    let o = kumo(&["bench", "boot", "--help"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("--runs") && out.contains("--out"), "{out}");
 }

@@ -285,13 +285,15 @@ fn destination(tag: &str, extra: &[&str]) -> (Kid, std::path::PathBuf, u16) {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let err = temp_path(&format!("{tag}.err"));
     let addr = format!("tcp:127.0.0.1:{port}");
-    let kid = Kid(std::process::Command::new(kumo_bin())
-        .args(["run", "--incoming", &addr, "--timeout", "60"])
-        .args(extra)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&err).unwrap())
-        .spawn()
-        .unwrap());
+    let kid = Kid::from_child(
+        std::process::Command::new(kumo_bin())
+            .args(["run", "--incoming", &addr, "--timeout", "60"])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap(),
+    );
     eventually(Duration::from_secs(20), || {
         std::fs::read_to_string(&err).unwrap_or_default().contains("waiting for a migration").then_some(())
     });
@@ -339,7 +341,7 @@ fn crafted_headers_get_a_failed_reply() {
             Ok(Reply::Failed(why)) => assert!(why.contains(want), "{tag}: want `{want}` in `{why}`"),
             other => panic!("{tag}: expected a Failed reply, got {other:?}"),
         }
-        let status = eventually(LIMIT, || kid.0.try_wait().unwrap());
+        let status = eventually(LIMIT, || kid.child.try_wait().unwrap());
         let err = std::fs::read_to_string(&err_path).unwrap_or_default();
         assert_eq!(status.code(), Some(1), "{tag}: {err}");
         assert!(err.contains("incoming migration failed") && err.contains(want), "{tag}: {err}");

@@ -48,7 +48,7 @@ fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Vmp {
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    Vmp { kid: Kid(child), err, out }
+    Vmp { kid: Kid::from_child(child), err, out }
 }
 
 impl Vmp {
@@ -75,7 +75,7 @@ impl Vmp {
     fn wait(mut self) -> (Option<i32>, String, String) {
         let t = Instant::now();
         loop {
-            if let Some(st) = self.kid.0.try_wait().unwrap() {
+            if let Some(st) = self.kid.child.try_wait().unwrap() {
                 return (st.code(), self.stdout(), self.stderr());
             }
             assert!(t.elapsed() < PATIENCE, "kumo did not exit; stderr:\n{}", self.stderr());
@@ -304,7 +304,7 @@ fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
     // A kumo destination that is stopped (SIGSTOP): the kernel still accepts the connection.
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let dest = Vmp::incoming(&addr, "peer-stopped", None);
-    let pid = dest.kid.0.id() as libc::pid_t;
+    let pid = dest.kid.id() as libc::pid_t;
     // SAFETY: signalling our own child process.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     let (ok, _, err) = migrate(&sock, &["--to", &addr]);

@@ -1,12 +1,8 @@
 //! End to end under QEMU: kumo's guests boot through their PVH entry, and a QEMU→QEMU live
 //! migration of memtouch keeps its memory (checked against the reference model). Skips, saying
-//! why, when QEMU or /dev/kvm is missing. The harness is the kumo binary's `qemu` module.
+//! why, when QEMU or /dev/kvm is missing. The harness is kumo-bench's `qemu` module.
 
-#[path = "../crates/cli/src/qemu.rs"]
-#[allow(dead_code)] // the bench uses parts the tests do not
-mod qemu;
-
-use qemu::{QemuSpec, QemuVm};
+use kumo_bench::qemu::{self, QemuSpec, QemuVm};
 use std::time::Duration;
 
 /// A safety net against hangs only: far above what anything takes, even on a busy machine.

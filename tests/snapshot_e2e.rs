@@ -34,7 +34,7 @@ impl Vmp {
             .stderr(std::fs::File::create(&err).unwrap())
             .spawn()
             .unwrap();
-        Vmp { kid: Kid(child), out, err }
+        Vmp { kid: Kid::from_child(child), out, err }
     }
     fn stdout(&self) -> String {
         std::fs::read_to_string(&self.out).unwrap_or_default()
@@ -45,7 +45,7 @@ impl Vmp {
     fn wait(mut self) -> (Option<i32>, String, String) {
         let t = Instant::now();
         loop {
-            if let Some(st) = self.kid.0.try_wait().unwrap() {
+            if let Some(st) = self.kid.child.try_wait().unwrap() {
                 return (st.code(), self.stdout(), self.stderr());
             }
             assert!(t.elapsed() < PATIENCE, "kumo did not exit; stderr:\n{}", self.stderr());
@@ -109,7 +109,7 @@ fn restore(file: &Path, tag: &str) -> (Vmp, String, PathBuf) {
         tag,
     );
     eventually(PATIENCE, || {
-        if let Some(st) = vm.kid.0.try_wait().unwrap() {
+        if let Some(st) = vm.kid.child.try_wait().unwrap() {
             panic!("the restore exited ({st}): {}", vm.stderr());
         }
         vm_state(&sock)

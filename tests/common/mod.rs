@@ -4,6 +4,7 @@
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// True if /dev/kvm can be opened. KVM tests print why they skip and return when it cannot.
@@ -29,33 +30,90 @@ pub fn text(o: &Output) -> (String, String) {
     (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
-/// A kumo child process that is killed if the test ends early.
-pub struct Kid(pub Child);
+/// A child process (kumo, or any command) that is killed if the test ends early. Its stdout
+/// and stderr are collected by threads as they arrive, so a test can wait for a line while it
+/// runs ([`Kid::wait_stdout`]).
+pub struct Kid {
+    pub child: Child,
+    out: Arc<Mutex<Vec<u8>>>,
+    err: Arc<Mutex<Vec<u8>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
 
 impl Drop for Kid {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
+}
+
+fn collect(mut from: impl Read + Send + 'static, into: Arc<Mutex<Vec<u8>>>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = from.read(&mut buf) {
+            into.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    })
 }
 
 impl Kid {
     /// Spawns `kumo ARGS` with piped stdin (the guest's console input), stdout and stderr.
     pub fn spawn(args: &[&str]) -> Kid {
-        Kid(Command::new(kumo_bin())
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kumo"))
+        Kid::spawn_cmd(Command::new(kumo_bin()).args(args))
+    }
+
+    /// Spawns any command the same way (another program, extra environment, ...).
+    pub fn spawn_cmd(cmd: &mut Command) -> Kid {
+        Kid::from_child(cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn"))
+    }
+
+    /// Wraps a child spawned elsewhere; its piped stdout and stderr (if any) are collected.
+    pub fn from_child(mut child: Child) -> Kid {
+        let (out, err) = (Arc::default(), Arc::default());
+        let mut readers = Vec::new();
+        if let Some(s) = child.stdout.take() {
+            readers.push(collect(s, Arc::clone(&out)));
+        }
+        if let Some(s) = child.stderr.take() {
+            readers.push(collect(s, Arc::clone(&err)));
+        }
+        Kid { child, out, err, readers }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal (e.g. "TERM", "INT") with kill(1).
+    pub fn signal(&self, sig: &str) {
+        let st = Command::new("kill").arg(format!("-{sig}")).arg(self.id().to_string()).status().expect("run kill");
+        assert!(st.success(), "kill -{sig} failed");
+    }
+
+    /// stdout so far.
+    pub fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.out.lock().unwrap()).into_owned()
+    }
+
+    /// stderr so far.
+    pub fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.err.lock().unwrap()).into_owned()
+    }
+
+    /// Waits (bounded) until stdout contains `what`.
+    pub fn wait_stdout(&self, what: &str, limit: Duration) {
+        let t = Instant::now();
+        while !self.stdout().contains(what) {
+            assert!(t.elapsed() < limit, "no `{what}` on stdout within {limit:?}; stderr: {}", self.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Types `bytes` on the guest's serial console (kumo's stdin). memtouch with `until_input=1`
     /// or `hold_input=1` stops at the first byte: tests end guests this way, never by a timer.
     pub fn input(&mut self, bytes: &[u8]) {
         use std::io::Write;
-        let stdin = self.0.stdin.as_mut().expect("kumo's stdin is piped");
+        let stdin = self.child.stdin.as_mut().expect("kumo's stdin is piped");
         stdin.write_all(bytes).and_then(|()| stdin.flush()).expect("write to kumo's stdin");
     }
 
@@ -63,23 +121,51 @@ impl Kid {
     pub fn finish(mut self, limit: Duration) -> (Option<i32>, String, String) {
         let t = Instant::now();
         loop {
-            if let Some(st) = self.0.try_wait().unwrap() {
-                let mut out = String::new();
-                let mut err = String::new();
-                self.0.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-                self.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-                return (st.code(), out, err);
+            if let Some(st) = self.child.try_wait().unwrap() {
+                for r in self.readers.drain(..) {
+                    let _ = r.join();
+                }
+                return (st.code(), self.stdout(), self.stderr());
             }
-            assert!(t.elapsed() < limit, "kumo did not exit within {limit:?}");
+            assert!(t.elapsed() < limit, "the child did not exit within {limit:?}");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
 
+/// A private temporary directory (vmm-sys-util's), removed with its contents when dropped.
+pub struct TestDir(vmm_sys_util::tempdir::TempDir);
+
+impl TestDir {
+    pub fn new() -> TestDir {
+        // Short: unix socket paths must stay under 108 bytes.
+        let prefix = std::env::temp_dir().join("kumo-test-");
+        TestDir(vmm_sys_util::tempdir::TempDir::new_with_prefix(prefix).expect("create a temp dir"))
+    }
+
+    /// `name` inside the directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.as_path().join(name)
+    }
+
+    /// The same, as a string for a command line.
+    pub fn arg(&self, name: &str) -> String {
+        self.path(name).to_str().expect("temp paths are UTF-8").to_string()
+    }
+}
+
+/// A path in a per-process directory that is never removed: prefer [`TestDir`].
 pub fn temp_path(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kumo-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (the listener is closed before it is
+/// returned, so another process could take it; tests use it at once).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local address").port()
 }
 
 /// How long tests wait for something that normally takes a moment (a VM to start, a socket to

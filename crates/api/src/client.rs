@@ -17,8 +17,9 @@ pub enum ClientError {
     /// Nothing (or no longer anything) listens on the socket.
     #[error("no kumo VM is listening on {}: {}", .path.display(), os_message(.source))]
     Connect { path: PathBuf, source: io::Error },
-    /// The server answered with an error status; `message` is its `error`.
-    #[error("{message} (HTTP {status})")]
+    /// The server answered with an error status; `message` is its `error` (the status is
+    /// for programs, [`ClientError::status`]; users get the message alone).
+    #[error("{message}")]
     Http { status: u16, message: String },
     /// No complete answer within the client's timeout.
     #[error("kumo VM on {} did not answer within {}s", .path.display(), .timeout.as_secs_f64())]

@@ -1,7 +1,8 @@
 //! Just enough HTTP/1.1 for a local control socket, shared by server and
 //! client: one message head plus a Content-Length body at a time, every read
 //! bounded in size and by a deadline so a silent or slow peer cannot hold a
-//! thread forever.
+//! thread forever. Heads are parsed by the `httparse` crate; this module
+//! frames them, bounds them and turns its verdicts into status codes.
 
 use crate::ApiError;
 use serde_json::Value;
@@ -215,26 +216,31 @@ impl Headers {
     }
 }
 
-/// RFC 9110 token characters, for method and header names.
-fn is_tchar(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+/// Most header lines a message head may carry; more is a 431.
+pub(crate) const MAX_HEADERS: usize = 64;
+
+/// Copies httparse's borrowed headers into owned ones; values must be UTF-8 (httparse allows
+/// obs-text) and lose surrounding blanks.
+fn own_headers(parsed: &[httparse::Header<'_>]) -> Result<Headers, &'static str> {
+    let mut headers = Vec::with_capacity(parsed.len());
+    for h in parsed {
+        let value = std::str::from_utf8(h.value).map_err(|_| "header value is not valid UTF-8")?;
+        headers.push((h.name.to_string(), value.trim_matches([' ', '\t']).to_string()));
+    }
+    Ok(Headers(headers))
 }
 
-/// Splits a head into its start line and headers.
-fn split_head(head: &[u8]) -> Result<(&str, Headers), &'static str> {
-    let text = std::str::from_utf8(head).map_err(|_| "message head is not valid UTF-8")?;
-    let mut lines = text.split('\n').map(|l| l.strip_suffix('\r').unwrap_or(l));
-    let start = lines.next().unwrap_or_default();
-    let mut headers = Vec::new();
-    for line in lines.filter(|l| !l.is_empty()) {
-        let (name, value) = line.split_once(':').ok_or("malformed header line")?;
-        // Also rejects obsolete line folding (a line starting with whitespace).
-        if name.is_empty() || !name.bytes().all(is_tchar) {
-            return Err("malformed header name");
-        }
-        headers.push((name.to_string(), value.trim_matches([' ', '\t']).to_string()));
+/// What an httparse error means to a client.
+fn parse_error(e: httparse::Error) -> &'static str {
+    match e {
+        httparse::Error::HeaderName => "malformed header name",
+        httparse::Error::HeaderValue => "malformed header value",
+        httparse::Error::NewLine => "malformed line ending",
+        httparse::Error::Status => "malformed status code",
+        httparse::Error::Token => "malformed request method or target",
+        httparse::Error::TooManyHeaders => "too many header lines",
+        httparse::Error::Version => "malformed HTTP version",
     }
-    Ok((start, Headers(headers)))
 }
 
 #[derive(Debug)]
@@ -246,39 +252,61 @@ pub(crate) struct RequestHead {
     pub headers: Headers,
 }
 
+/// Parses a request head (as framed by [`Conn::read_head`]) with httparse. Errors are 400,
+/// except an HTTP version other than 1.0 and 1.1 (505) and too many header lines (431).
 pub(crate) fn parse_request_head(head: &[u8]) -> Result<RequestHead, ApiError> {
-    let (start, headers) = split_head(head).map_err(ApiError::bad_request)?;
-    let mut parts = start.split(' ');
-    let (Some(method), Some(target), Some(version), None) = (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut slots);
+    match req.parse(head) {
+        Ok(httparse::Status::Complete(_)) => {}
+        Ok(httparse::Status::Partial) => return Err(ApiError::bad_request("incomplete request head")),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(ApiError::new(431, format!("request has over {MAX_HEADERS} header lines")))
+        }
+        Err(httparse::Error::Version) => {
+            return Err(match other_http_version(head) {
+                Some(v) => ApiError::new(505, format!("unsupported HTTP version {v}")),
+                None => ApiError::bad_request(parse_error(httparse::Error::Version)),
+            })
+        }
+        Err(e) => return Err(ApiError::bad_request(parse_error(e))),
+    }
+    let (Some(method), Some(target), Some(minor)) = (req.method, req.path, req.version) else {
         return Err(ApiError::bad_request("malformed request line"));
     };
-    if method.is_empty() || !method.bytes().all(is_tchar) {
-        return Err(ApiError::bad_request("malformed request method"));
-    }
     if !target.starts_with('/') {
         return Err(ApiError::bad_request("request target must be an absolute path"));
     }
-    let keep_alive = match version {
-        "HTTP/1.1" => !headers.has_token("connection", "close"),
-        "HTTP/1.0" => headers.has_token("connection", "keep-alive"),
-        v if v.starts_with("HTTP/") => return Err(ApiError::new(505, format!("unsupported HTTP version {v}"))),
-        _ => return Err(ApiError::bad_request("malformed request line")),
+    let headers = own_headers(req.headers).map_err(ApiError::bad_request)?;
+    let keep_alive = match minor {
+        1 => !headers.has_token("connection", "close"),
+        _ => headers.has_token("connection", "keep-alive"),
     };
     let path = target.split(['?', '#']).next().unwrap_or_default().to_string();
     Ok(RequestHead { method: method.to_string(), path, keep_alive, headers })
 }
 
+/// The version of a request line that is well formed but for its version, which names another
+/// HTTP (`GET / HTTP/2.0`, `GET / HTTP/3`): that is a 505, not a 400.
+fn other_http_version(head: &[u8]) -> Option<&str> {
+    let line = head.split(|&b| b == b'\n').next()?;
+    let line = std::str::from_utf8(line.strip_suffix(b"\r").unwrap_or(line)).ok()?;
+    let [_, _, v] = line.split(' ').collect::<Vec<_>>()[..] else { return None };
+    let number = v.strip_prefix("HTTP/")?;
+    (!number.is_empty() && number.bytes().all(|b| b.is_ascii_digit() || b == b'.')).then_some(v)
+}
+
 pub(crate) fn parse_response_head(head: &[u8]) -> Result<(u16, Headers), &'static str> {
-    let (start, headers) = split_head(head)?;
-    let mut parts = start.splitn(3, ' ');
-    let version = parts.next().unwrap_or_default();
-    let status = parts.next().unwrap_or_default();
-    if !version.starts_with("HTTP/1.") || status.len() != 3 {
-        return Err("malformed status line");
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut slots);
+    match resp.parse(head) {
+        Ok(httparse::Status::Complete(_)) => {}
+        Ok(httparse::Status::Partial) => return Err("incomplete response head"),
+        Err(httparse::Error::Version | httparse::Error::Status) => return Err("malformed status line"),
+        Err(e) => return Err(parse_error(e)),
     }
-    let status = status.parse::<u16>().map_err(|_| "malformed status code")?;
-    Ok((status, headers))
+    let status = resp.code.ok_or("malformed status line")?;
+    Ok((status, own_headers(resp.headers)?))
 }
 
 pub(crate) fn reason(status: u16) -> &'static str {
@@ -291,6 +319,7 @@ pub(crate) fn reason(status: u16) -> &'static str {
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         409 => "Conflict",
+        411 => "Length Required",
         413 => "Content Too Large",
         414 => "URI Too Long",
         431 => "Request Header Fields Too Large",
@@ -329,9 +358,151 @@ pub(crate) fn response_bytes(
     out.into_bytes()
 }
 
+/// Seeded request mutation for the parser's randomized tests (here and in server.rs).
+#[cfg(test)]
+pub(crate) mod fuzz {
+    /// splitmix64: deterministic, so a failing case reproduces from its index.
+    pub struct Rng(pub u64);
+
+    impl Rng {
+        pub fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        pub fn below(&mut self, n: usize) -> usize {
+            (self.next() % n.max(1) as u64) as usize
+        }
+    }
+
+    /// Valid requests of every shape the server sees.
+    const SEEDS: &[&[u8]] = &[
+        b"GET /api/v1/vmm.ping HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        b"GET /api/v1/vm.info HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+        b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+        b"PUT /api/v1/vm.migrate HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"destination\":\"x\"}",
+        b"PUT /api/v1/vm.resume?x=1 HTTP/1.1\nExpect: 100-continue\nContent-Length: 2\n\n{}",
+        b"DELETE /api/v1/vm.info HTTP/1.1\r\nConnection: close\r\n\r\n",
+    ];
+
+    /// Pieces that parsers trip on.
+    const NASTY: &[&[u8]] = &[
+        b"\r\n",
+        b"\n",
+        b"\r",
+        b" ",
+        b"\t",
+        b":",
+        b"\0",
+        b"\xff",
+        b"\xc3\x28",
+        b"HTTP/1.1",
+        b"HTTP/9.9",
+        b"Content-Length: ",
+        b"Content-Length: 99999999999999999999\r\n",
+        b"Content-Length: -1\r\n",
+        b"Transfer-Encoding: chunked\r\n",
+        b"Connection: close\r\n",
+        b"Expect: 100-continue\r\n",
+        b"\r\n\r\n",
+        b"?",
+        b"#",
+        b"%00",
+        b"/",
+        b"..",
+    ];
+
+    /// A seed request with one to four mutations.
+    pub fn mutated_request(rng: &mut Rng) -> Vec<u8> {
+        let mut v = SEEDS[rng.below(SEEDS.len())].to_vec();
+        for _ in 0..1 + rng.below(4) {
+            let at = rng.below(v.len() + 1);
+            match rng.below(8) {
+                0 if !v.is_empty() => {
+                    let i = rng.below(v.len());
+                    v[i] ^= 1 << rng.below(8);
+                }
+                1 if !v.is_empty() => {
+                    let i = rng.below(v.len());
+                    v[i] = rng.next() as u8;
+                }
+                2 => {
+                    let end = (at + 1 + rng.below(16)).min(v.len());
+                    v.drain(at.min(end)..end);
+                }
+                3 => {
+                    let piece = NASTY[rng.below(NASTY.len())];
+                    v.splice(at..at, piece.iter().copied());
+                }
+                4 => v.truncate(at),
+                5 => {
+                    // Repeat a slice: duplicated headers, long lines.
+                    let start = rng.below(v.len() + 1);
+                    let end = (start + rng.below(64)).min(v.len());
+                    let piece = v[start..end].repeat(1 + rng.below(300));
+                    v.splice(at..at, piece);
+                }
+                6 => {
+                    let n = rng.below(32);
+                    let junk: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                    v.splice(at..at, junk);
+                }
+                _ => {
+                    let extra = format!("X-{}: {}\r\n", rng.below(1000), "v".repeat(rng.below(100)));
+                    let line_end = v.iter().position(|&b| b == b'\n').map_or(v.len(), |p| p + 1);
+                    v.splice(line_end..line_end, extra.into_bytes());
+                }
+            }
+        }
+        v
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Many thousands of mutated heads through the parser: no panic, and every verdict is a
+    /// request the server can route or a status it is meant to send.
+    #[test]
+    fn mutated_heads_parse_or_get_a_valid_status() {
+        let mut rng = fuzz::Rng(8);
+        let (mut ok, mut refused) = (0, 0);
+        for i in 0..50_000 {
+            let bytes = fuzz::mutated_request(&mut rng);
+            // Frame as the server does: only up to the end of the head.
+            let Some(end) = head_end(&bytes) else { continue };
+            match parse_request_head(&bytes[..end]) {
+                Ok(h) => {
+                    assert!(h.path.starts_with('/'), "case {i}: {:?}", h.path);
+                    assert!(!h.method.is_empty(), "case {i}");
+                    let _ = h.headers.content_length();
+                    ok += 1;
+                }
+                Err(e) => {
+                    assert!([400, 431, 505].contains(&e.status), "case {i}: {} {}", e.status, e.message);
+                    assert!(!e.message.is_empty());
+                    refused += 1;
+                }
+            }
+            let _ = parse_response_head(&bytes[..end]);
+        }
+        // The mutations must exercise both sides, or this test tests nothing.
+        assert!(ok > 1000 && refused > 1000, "ok={ok} refused={refused}");
+    }
+
+    #[test]
+    fn too_many_headers_is_431() {
+        let mut head = b"GET / HTTP/1.1\r\n".to_vec();
+        for i in 0..=MAX_HEADERS {
+            head.extend_from_slice(format!("X-{i}: a\r\n").as_bytes());
+        }
+        head.extend_from_slice(b"\r\n");
+        assert_eq!(parse_request_head(&head).unwrap_err().status, 431);
+    }
 
     #[test]
     fn head_end_handles_crlf_and_lf() {

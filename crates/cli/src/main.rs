@@ -1,9 +1,7 @@
-//! `kumo`: run VMs, list guest programs, talk to a running VM's control API, benchmark.
+//! `kumo`: run VMs, list guest programs, talk to a running VM's control API; `kumo bench` runs
+//! the separate `kumo-bench` binary (crates/bench), so no benchmark code is linked in here.
 
-mod bench;
-mod bench_migrate;
 mod migrate;
-mod qemu;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,12 +13,29 @@ use kumo_api::{ApiClient, ApiServer};
 use kumo_vmm::config::IrqchipMode;
 use kumo_vmm::{ConfigFile, Payload, RunningVm, VmConfig};
 
+const LOG_HELP: &str = "\
+Logging: warnings and errors go to stderr. -v adds info, -vv debug; without -v the KUMO_LOG
+environment variable sets the filter (tracing's syntax, e.g. KUMO_LOG=debug or
+KUMO_LOG=kumo_vmm=debug,warn). --log-file PATH appends the log to PATH instead of stderr.
+Colour only when the log goes to a terminal (and NO_COLOR is unset).";
+
 #[derive(Parser)]
-#[command(name = "kumo", version, about = "kumo: a KVM virtual machine monitor for HPC and enterprise clouds")]
+#[command(
+    name = "kumo",
+    version,
+    about = "kumo: a KVM virtual machine monitor for HPC and enterprise clouds",
+    after_help = LOG_HELP
+)]
 struct Cli {
-    /// Control API socket: served by `run`, used by info/pause/resume/shutdown/ping.
+    /// Control API socket: served by `run`, used by info/pause/resume/shutdown/ping/migrate.
     #[arg(long, global = true, value_name = "PATH")]
     api_socket: Option<PathBuf>,
+    /// More log output: -v info, -vv debug (overrides KUMO_LOG).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// Append the log to this file instead of stderr.
+    #[arg(long, global = true, value_name = "PATH")]
+    log_file: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -58,10 +73,14 @@ enum Cmd {
     /// Show a running VM's counters as JSON: vCPU exits by reason, emulation assists,
     /// interrupts, migration bytes (needs --api-socket).
     Counters,
-    /// Benchmarks: print a table and write JSON.
+    /// Benchmarks (boot, migrate): runs the `kumo-bench` binary next to kumo with these
+    /// arguments; `kumo bench --help` lists them. Results go to --out DIR [default:
+    /// target/kumo-bench].
+    #[command(disable_help_flag = true)]
     Bench {
-        #[command(subcommand)]
-        which: bench::BenchCmd,
+        /// Arguments for kumo-bench, e.g. `boot --runs 10` or `migrate --quick --out DIR`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "ARGS")]
+        args: Vec<std::ffi::OsString>,
     },
 }
 
@@ -84,11 +103,11 @@ struct RunArgs {
     /// shutdown) as JSON lines to this file, or to an inherited descriptor with fd:N.
     #[arg(long, value_name = "PATH")]
     event_monitor: Option<String>,
-    /// Initial ramdisk for --kernel.
-    #[arg(long, value_name = "PATH", requires = "kernel")]
+    /// Initial ramdisk for a Linux kernel (--kernel, or a config file's kernel payload).
+    #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
-    /// Kernel command line for --kernel.
-    #[arg(long, requires = "kernel")]
+    /// Kernel command line for a Linux kernel (--kernel, or a config file's kernel payload).
+    #[arg(long)]
     cmdline: Option<String>,
     /// A built guest program (see `kumo guests`); its key=value arguments follow.
     #[arg(long, value_name = "NAME")]
@@ -106,9 +125,9 @@ struct RunArgs {
     /// VM config file (JSON or TOML); flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Stop the VM after this many seconds (exit status 124).
-    #[arg(long, value_name = "SECS")]
-    timeout: Option<f64>,
+    /// Stop the VM after this many seconds (exit status 124); 0 means no timeout.
+    #[arg(long, value_name = "SECS", value_parser = parse_timeout)]
+    timeout: Option<Duration>,
     /// Write start-up timings (CLOCK_MONOTONIC ns) as JSON to this file when the VM ends.
     #[arg(long, value_name = "FILE")]
     timings_json: Option<PathBuf>,
@@ -121,12 +140,18 @@ fn parse_size(s: &str) -> Result<u64, String> {
     kumo_vmm::config::parse_size(s)
 }
 
+/// Seconds, fractions allowed; 0 is no timeout (None).
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("`{s}` is not a usable number of seconds"))
+}
+
 fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
     let file = match &a.config {
         Some(p) => ConfigFile::load(p).map_err(|e| e.to_string())?,
         None => ConfigFile::default(),
     };
-    let payload = match (&a.kernel, &a.guest) {
+    let mut payload = match (&a.kernel, &a.guest) {
         (Some(k), _) => Payload::Kernel { path: k.clone(), initrd: a.initrd.clone(), cmdline: a.cmdline.clone() },
         (None, Some(g)) => Payload::Guest { name: g.clone(), args: a.guest_args.clone() },
         (None, None) => file
@@ -134,6 +159,24 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
             .clone()
             .ok_or("nothing to boot: give --guest NAME, --kernel PATH or a --config file with a payload")?,
     };
+    // --initrd and --cmdline apply to a kernel only (and override a config file's).
+    match &mut payload {
+        Payload::Kernel { initrd, cmdline, .. } => {
+            if a.initrd.is_some() {
+                initrd.clone_from(&a.initrd);
+            }
+            if a.cmdline.is_some() {
+                cmdline.clone_from(&a.cmdline);
+            }
+        }
+        Payload::Guest { name, .. } => {
+            for (flag, given) in [("--initrd", a.initrd.is_some()), ("--cmdline", a.cmdline.is_some())] {
+                if given {
+                    return Err(format!("{flag} applies to a Linux kernel (--kernel), not to guest program {name}"));
+                }
+            }
+        }
+    }
     if !a.guest_args.is_empty() && !matches!(payload, Payload::Guest { .. }) {
         return Err(format!("guest arguments ({}) need --guest", a.guest_args.join(" ")));
     }
@@ -164,6 +207,9 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
             Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)
         }
     };
+    tracing::info!(vcpus = vm.config().cpus, memory = vm.config().memory, "VM running");
+    // Before the API server, so that a signal's shutdown still drops it (removing its socket).
+    let _signals = shutdown_on_signals(Arc::downgrade(&vm))?;
     // stdin goes to COM1 through the VM's device event loop; what epoll cannot watch (a file,
     // /dev/null) is read by a thread instead.
     let stdin = std::os::fd::AsFd::as_fd(&std::io::stdin()).try_clone_to_owned();
@@ -177,7 +223,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
         })?),
         None => None,
     };
-    let report = vm.wait_timeout(a.timeout.map(Duration::from_secs_f64));
+    let report = vm.wait_timeout(a.timeout.filter(|t| !t.is_zero()));
     if let Some(p) = &a.timings_json {
         let j = serde_json::to_string_pretty(&report.timings).unwrap_or_default();
         std::fs::write(p, j).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
@@ -190,11 +236,46 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     match &report.outcome {
         Reset(why) => eprintln!("kumo: guest reset: {why}"),
         Error(e) => eprintln!("kumo: error: {e}"),
-        TimedOut => eprintln!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or(0.0)),
+        TimedOut => eprintln!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or_default().as_secs_f64()),
         Migrated(to) => eprintln!("kumo: VM migrated to {to}; this copy stopped"),
         _ => {}
     }
     Ok(report.outcome.exit_code())
+}
+
+/// SIGTERM and SIGINT (Ctrl-C) shut the VM down as `kumo shutdown` would: `run` then returns,
+/// and dropping the API server removes its socket. A second signal exits at once. Dropping the
+/// guard restores the default handling.
+fn shutdown_on_signals(vm: std::sync::Weak<RunningVm>) -> Result<SignalGuard, String> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).map_err(|e| format!("cannot handle signals: {e}"))?;
+    let handle = signals.handle();
+    let spawned = std::thread::Builder::new().name("signals".into()).spawn(move || {
+        let mut seen = false;
+        for sig in signals.forever() {
+            if seen {
+                std::process::exit(128 + sig);
+            }
+            seen = true;
+            let name = if sig == SIGTERM { "SIGTERM" } else { "SIGINT" };
+            eprintln!("kumo: {name}: shutting the VM down");
+            match vm.upgrade() {
+                Some(vm) => vm.shutdown(),
+                None => return,
+            }
+        }
+    });
+    spawned.map_err(|e| format!("cannot start the signal thread: {e}"))?;
+    Ok(SignalGuard(handle))
+}
+
+struct SignalGuard(signal_hook::iterator::Handle);
+
+impl Drop for SignalGuard {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }
 
 /// Feeds kumo's stdin to the guest's serial console (COM1), so a user or a test can talk to the
@@ -229,6 +310,22 @@ fn spawn_console_input(vm: std::sync::Weak<RunningVm>) {
     if let Err(e) = spawned {
         tracing::warn!("no console input: cannot start its thread: {e}");
     }
+}
+
+/// Replaces this process with `kumo-bench ARGS`, found next to this executable, telling it
+/// which kumo to measure.
+fn bench(args: Vec<std::ffi::OsString>) -> Result<i32, String> {
+    use std::os::unix::process::CommandExt;
+    let me = std::env::current_exe().map_err(|e| format!("cannot find the kumo binary: {e}"))?;
+    let bench = me.with_file_name("kumo-bench");
+    if !bench.is_file() {
+        return Err(format!(
+            "kumo bench needs the kumo-bench binary at {} (build it: cargo build --release -p kumo-bench)",
+            bench.display()
+        ));
+    }
+    let e = std::process::Command::new(&bench).args(args).env("KUMO_BIN", &me).exec();
+    Err(format!("cannot run {}: {e}", bench.display()))
 }
 
 fn guests(json: bool) -> Result<i32, String> {
@@ -276,16 +373,58 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
     Ok(0)
 }
 
+/// Sets up tracing: the level from -v, else KUMO_LOG, else warn; to --log-file or stderr, in
+/// colour only on a terminal.
+fn init_logging(verbose: u8, log_file: Option<&std::path::Path>) -> Result<(), String> {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = match (verbose, std::env::var("KUMO_LOG")) {
+        (0, Ok(v)) if !v.trim().is_empty() => EnvFilter::try_new(&v).map_err(|e| format!("KUMO_LOG={v}: {e}"))?,
+        (0, _) => EnvFilter::new("warn"),
+        (1, _) => EnvFilter::new("info"),
+        _ => EnvFilter::new("debug"),
+    };
+    let colour_ok = std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match log_file {
+        Some(p) => {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("cannot open log file {}: {e}", p.display()))?;
+            let ansi = colour_ok && f.is_terminal();
+            builder.with_ansi(ansi).with_writer(std::sync::Mutex::new(f)).init();
+        }
+        None => {
+            let ansi = colour_ok && std::io::stderr().is_terminal();
+            builder.with_ansi(ansi).with_writer(std::io::stderr).init();
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("KUMO_LOG"))
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    if let Err(e) = init_logging(cli.verbose, cli.log_file.as_deref()) {
+        eprintln!("kumo: error: {e}");
+        return ExitCode::from(1);
+    }
+    let not_applying = match cli.cmd {
+        Cmd::Guests { .. } if cli.api_socket.is_some() => Some(("--api-socket", "guests")),
+        Cmd::Bench { .. } if cli.api_socket.is_some() => Some(("--api-socket", "bench")),
+        Cmd::Bench { .. } if cli.verbose > 0 => Some(("-v", "bench")),
+        Cmd::Bench { .. } if cli.log_file.is_some() => Some(("--log-file", "bench")),
+        _ => None,
+    };
+    if let Some((flag, cmd)) = not_applying {
+        eprintln!("kumo: error: {flag} does not apply to `kumo {cmd}`");
+        return ExitCode::from(2);
+    }
     let r = match cli.cmd {
         Cmd::Run(a) => run(a, cli.api_socket),
         Cmd::Guests { json } => guests(json),
-        Cmd::Bench { which } => bench::run(which),
+        Cmd::Bench { args } => bench(args),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
         ref c @ (Cmd::Info
         | Cmd::Pause

@@ -28,7 +28,6 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -46,12 +45,6 @@ pub struct Args {
     /// A short run (512 MiB VMs, 3 runs for each headline figure): about 3 minutes.
     #[arg(long)]
     quick: bool,
-    /// Where to write the JSON results.
-    #[arg(long, default_value = "kumo-bench-migrate.json")]
-    json: PathBuf,
-    /// Where to draw the plot (PNG).
-    #[arg(long, default_value = "kumo-bench-migrate.png")]
-    png: PathBuf,
 }
 
 /// The paper's workload: 52,500 random writes/s over M = 100,000 pages, τ = M·ln2/rate ≈ 1.32 s.
@@ -195,22 +188,16 @@ impl Proc {
 /// The run's context: the kumo binary, a private temp dir (removed at the end), progress.
 struct Ctx {
     kumo: PathBuf,
-    dir: PathBuf,
+    dir: vmm_sys_util::tempdir::TempDir,
     seq: AtomicU32,
     bar: ProgressBar,
     t0: Instant,
 }
 
-impl Drop for Ctx {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 impl Ctx {
     /// A unique path in the temp dir (socket paths stay far below the 108-byte limit).
     fn path(&self, tag: &str) -> PathBuf {
-        self.dir.join(format!("{:03}-{tag}", self.seq.fetch_add(1, Ordering::Relaxed)))
+        self.dir.as_path().join(format!("{:03}-{tag}", self.seq.fetch_add(1, Ordering::Relaxed)))
     }
 
     fn spawn(&self, tag: &str, args: &[String]) -> Result<Proc, String> {
@@ -273,10 +260,7 @@ fn sv(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
-fn free_port() -> Result<u16, String> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
-}
+use crate::free_port;
 
 /// A running VM: the kumo process that holds it and its API socket.
 struct Vm {
@@ -1871,9 +1855,11 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
         format!("cannot draw: {err}")
     }
-    let root = BitMapBackend::new(path, (1400, 560)).into_drawing_area();
+    let root = BitMapBackend::new(path, (2100, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
-    let (left, right) = root.split_horizontally(700);
+    let (left, rest) = root.split_horizontally(700);
+    let (right, third) = rest.split_horizontally(700);
+    plot_downtime(&third, r).map_err(e)?;
     let colors = [RED, BLUE, GREEN, MAGENTA, RGBColor(230, 140, 0), CYAN];
 
     // Idle throughput by VM size, per network engine, with the raw TCP line.
@@ -1992,10 +1978,59 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     root.present().map_err(e)
 }
 
+/// Section 6 as a chart: median measured downtime (max as a cross) per target, kumo and QEMU,
+/// paper and flat-out guests, against the line downtime = target.
+fn plot_downtime<DB: plotters::prelude::DrawingBackend>(
+    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    r: &Report,
+) -> Result<(), plotters::prelude::DrawingAreaErrorKind<DB::ErrorType>> {
+    use plotters::prelude::*;
+    let d = &r.compare.downtime;
+    let top = d.iter().filter_map(|x| x.max).fold(TARGETS[TARGETS.len() - 1] as f64, f64::max) * 1.15;
+    let xmax = TARGETS[TARGETS.len() - 1] as f64 + 5.0;
+    let mut c = ChartBuilder::on(area)
+        .caption("Downtime by target (section 6)", ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(65)
+        .build_cartesian_2d(0.0..xmax, 0.0..top)?;
+    c.configure_mesh()
+        .x_desc("downtime target (ms)")
+        .y_desc("measured downtime (ms): median, x = max")
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .light_line_style(RGBColor(238, 238, 238))
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    c.draw_series(LineSeries::new([(0.0, 0.0), (xmax, xmax)], BLACK.stroke_width(1)))?
+        .label("downtime = target")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(1)));
+    let series = [("kumo", "paper", RED), ("kumo", "flat", MAGENTA), ("qemu", "paper", BLUE), ("qemu", "flat", CYAN)];
+    for (vmm, workload, col) in series {
+        let rows: Vec<&Dist> = d.iter().filter(|x| x.vmm == vmm && x.workload == workload).collect();
+        let med: Vec<(f64, f64)> = rows.iter().filter_map(|x| Some((x.target_ms as f64, x.median?))).collect();
+        if med.is_empty() {
+            continue;
+        }
+        c.draw_series(LineSeries::new(med.clone(), col.stroke_width(2)))?
+            .label(format!("{vmm}, {workload}"))
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], col.stroke_width(2)));
+        c.draw_series(med.iter().map(|&p| Circle::new(p, 4, col.filled())))?;
+        c.draw_series(rows.iter().filter_map(|x| Some(Cross::new((x.target_ms as f64, x.max?), 5, col))))?;
+    }
+    c.configure_series_labels()
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+}
+
 // ---------------------------------------------------------------------------------------------
 
-pub fn run(a: Args) -> Result<i32, String> {
-    let kumo = std::env::current_exe().map_err(|e| format!("cannot find the kumo binary: {e}"))?;
+pub fn run(a: Args, out: &Path) -> Result<i32, String> {
+    let kumo = crate::kumo_binary()?;
+    let (json, png) = (crate::out_file(out, "migrate.json")?, out.join("migrate.png"));
     kumo_vm::vm::open_kvm().map_err(|e| format!("kumo bench migrate needs /dev/kvm: {e}"))?;
     // The comparison with QEMU is part of the bench: no QEMU, no bench.
     let qemu_cpu = crate::qemu::qemu_binary()
@@ -2010,8 +2045,8 @@ pub fn run(a: Args) -> Result<i32, String> {
     } else {
         (&[512, 2048], 3, 20, Duration::from_millis(1000))
     };
-    let dir = std::env::temp_dir().join(format!("kumo-bench-migrate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-bench-migrate-"))
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
     let steps = 1 + sizes.len() * (ENGINES.len() + 1) + 5 + 2 * n_correct + 2 * WORKLOADS.len() * side_sizes.len();
     let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stderr());
     bar.set_style(
@@ -2103,8 +2138,8 @@ pub fn run(a: Args) -> Result<i32, String> {
     };
     report.targets = targets(&report);
     ctx.step("drawing the plot".into());
-    match plot(&a.png, &report) {
-        Ok(()) => report.png = Some(a.png.display().to_string()),
+    match plot(&png, &report) {
+        Ok(()) => report.png = Some(png.display().to_string()),
         Err(e) => ctx.note(&format!("kumo bench migrate: no plot: {e}")),
     }
     ctx.bar.finish_and_clear();
@@ -2118,10 +2153,10 @@ pub fn run(a: Args) -> Result<i32, String> {
     );
     print_all(&report);
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-    std::fs::write(&a.json, text).map_err(|e| format!("cannot write {}: {e}", a.json.display()))?;
+    std::fs::write(&json, text).map_err(|e| format!("cannot write {}: {e}", json.display()))?;
     println!(
         "\nJSON written to {}{}",
-        a.json.display(),
+        json.display(),
         report.png.as_ref().map_or(String::new(), |p| format!("; plot written to {p}"))
     );
     if !failures.is_empty() {

@@ -18,21 +18,20 @@
 //! exit with status `(code << 1) | 1` when the guest writes its exit code to port 0x501; the
 //! size is 1 so that the guest's start marker at 0x502 is not taken for an exit.
 //!
-//! `kumo bench migrate` uses it for its QEMU comparison; tests/qemu_e2e.rs includes it by path.
+//! `kumo bench migrate` uses it for its QEMU comparison; tests/qemu_e2e.rs tests it.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::process::{ChildStdin, ChildStdout};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::{json, Value};
+use vmm_sys_util::tempdir::TempDir;
 
 /// The QEMU binary: `$KUMO_QEMU` if set, else `qemu-system-x86_64` on `PATH`. An Err means
 /// QEMU is not installed (callers skip); `scripts/setup.sh` installs it.
@@ -53,26 +52,10 @@ pub fn kvm_usable() -> Result<(), String> {
     kumo_vm::vm::open_kvm().map(drop).map_err(|e| e.to_string())
 }
 
-/// A private temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<TempDir, String> {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "kumo-qemu-{}-{}-{tag}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        fs::create_dir_all(&p).map_err(|e| format!("cannot create {}: {e}", p.display()))?;
-        Ok(TempDir(p))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
+/// A private temporary directory (vmm-sys-util's), removed on drop.
+fn temp_dir(tag: &str) -> Result<TempDir, String> {
+    TempDir::new_with_prefix(std::env::temp_dir().join(format!("kumo-qemu-{tag}-")))
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))
 }
 
 /// What to run in a QEMU VM.
@@ -144,10 +127,11 @@ impl QemuVm {
             // QEMU's option parser would split -append's value there.
             return Err(format!("guest arguments must not contain ',': {cmdline}"));
         }
-        let dir = TempDir::new(&spec.guest)?;
-        let elf = dir.0.join(format!("{}.elf", spec.guest));
+        let dir = temp_dir(&spec.guest)?;
+        let elf = dir.as_path().join(format!("{}.elf", spec.guest));
         fs::write(&elf, guest.elf).map_err(|e| format!("cannot write {}: {e}", elf.display()))?;
-        let (serial, stderr, sock) = (dir.0.join("serial.log"), dir.0.join("stderr.log"), dir.0.join("qmp.sock"));
+        let (serial, stderr, sock) =
+            (dir.as_path().join("serial.log"), dir.as_path().join("stderr.log"), dir.as_path().join("qmp.sock"));
         fs::File::create(&serial).map_err(|e| format!("cannot create {}: {e}", serial.display()))?;
         let mut cmd = Command::new(&qemu);
         cmd.args(["-accel", "kvm", "-machine", "pc", "-cpu", &cpu, "-smp", "1"])
@@ -561,10 +545,7 @@ fn parse_migration(info: &Value) -> Result<QemuMigration, String> {
     })
 }
 
-pub fn free_port() -> Result<u16, String> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
-}
+pub use crate::free_port;
 
 #[cfg(test)]
 mod tests {

@@ -1,32 +1,21 @@
-//! `kumo bench`: benchmarks that measure against a baseline taken in the same run, print a
-//! table and write JSON. Absolute times on a shared, nested host are noise; ratios are the result.
+//! `kumo bench boot`: start-up and IPI round trips, each against a baseline taken in the same
+//! run; prints a table and writes `boot.json`. Absolute times on a shared, nested host are
+//! noise; ratios are the result.
 
-use crate::bench_migrate;
-
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use kumo_vmm::monotonic_ns;
 use serde::Serialize;
 
-#[derive(clap::Subcommand)]
-pub enum BenchCmd {
-    /// Start-up time of the `hello` guest (process start → guest entry → first serial output)
-    /// against plain process start-up, and IPI round trip of `smp` against a VM-exit round trip.
-    Boot {
-        /// Runs per measurement (medians are reported).
-        #[arg(long, default_value_t = 20)]
-        runs: usize,
-        /// IPI round trips per smp run.
-        #[arg(long, default_value_t = 2000)]
-        iters: u64,
-        /// Where to write the JSON results.
-        #[arg(long, default_value = "kumo-bench-boot.json")]
-        json: PathBuf,
-    },
-    /// Live migration between kumo processes: throughput against raw loopback TCP, downtime,
-    /// the dirty-page model, correctness; table, JSON and a PNG plot.
-    Migrate(bench_migrate::Args),
+#[derive(clap::Args)]
+pub struct Args {
+    /// Runs per measurement (medians are reported).
+    #[arg(long, default_value_t = 20)]
+    runs: usize,
+    /// IPI round trips per smp run.
+    #[arg(long, default_value_t = 2000)]
+    iters: u64,
 }
 
 #[derive(Serialize)]
@@ -74,7 +63,7 @@ struct Report {
 }
 
 fn kumo() -> Result<PathBuf, String> {
-    std::env::current_exe().map_err(|e| format!("cannot find the kumo binary: {e}"))
+    crate::kumo_binary()
 }
 
 fn ms(ns: u64) -> f64 {
@@ -130,15 +119,17 @@ fn smp_once(irqchip: &str, iters: u64) -> Result<(f64, f64), String> {
     Ok((get("smp: ipi_rtt_ns", "p50=")?, get("smp: exit_rtt_ns", "p50=")?))
 }
 
-pub fn run(cmd: BenchCmd) -> Result<i32, String> {
-    let (runs, iters, json) = match cmd {
-        BenchCmd::Boot { runs, iters, json } => (runs, iters, json),
-        BenchCmd::Migrate(a) => return bench_migrate::run(a),
-    };
+pub fn run(a: Args, out: &Path) -> Result<i32, String> {
+    let Args { runs, iters } = a;
+    let json = crate::out_file(out, "boot.json")?;
     if runs == 0 {
         return Err("--runs must be at least 1".into());
     }
-    let tmp = std::env::temp_dir().join(format!("kumo-bench-{}.json", std::process::id()));
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // Each run's --timings-json; removed with the directory.
+    let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-bench-boot-"))
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
+    let tmp = dir.as_path().join("timings.json");
     // Interleave baseline and measurement so drifting host load hits both alike.
     let (mut exec, mut built, mut entry, mut first, mut exit) = (vec![], vec![], vec![], vec![], vec![]);
     for i in 0..runs {
@@ -148,10 +139,13 @@ pub fn run(cmd: BenchCmd) -> Result<i32, String> {
         entry.push(e);
         first.push(f);
         exit.push(x);
-        eprint!("\rboot: run {}/{runs}", i + 1);
+        if tty {
+            eprint!("\rboot: run {}/{runs}", i + 1);
+        } else if i + 1 == runs {
+            eprint!("boot: {runs} runs done");
+        }
     }
     eprintln!();
-    let _ = std::fs::remove_file(&tmp);
     let boot = BootResult {
         first_output_over_exec: 0.0,
         exec_ms: stat(exec),

@@ -1,0 +1,43 @@
+//! `kumo-bench`: kumo's benchmarks, also reachable as `kumo bench ...`. Each prints a table and
+//! writes JSON (and a plot) into `--out DIR`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "kumo-bench", version, about = "kumo's benchmarks: print a table, write JSON into --out DIR")]
+struct Cli {
+    /// Directory for the results (created if missing).
+    #[arg(long, global = true, value_name = "DIR", default_value = "target/kumo-bench")]
+    out: PathBuf,
+    #[command(subcommand)]
+    which: Which,
+}
+
+#[derive(Subcommand)]
+enum Which {
+    /// Start-up time of the `hello` guest (process start → guest entry → first serial output)
+    /// against plain process start-up, and IPI round trip of `smp` against a VM-exit round
+    /// trip; writes boot.json.
+    Boot(kumo_bench::boot::Args),
+    /// Live migration between kumo processes: throughput against raw loopback TCP, downtime,
+    /// the dirty-page model, correctness, QEMU; writes migrate.json and migrate.png.
+    Migrate(kumo_bench::migrate::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.which {
+        Which::Boot(a) => kumo_bench::boot::run(a, &cli.out),
+        Which::Migrate(a) => kumo_bench::migrate::run(a, &cli.out),
+    };
+    match r {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("kumo-bench: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
