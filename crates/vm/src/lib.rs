@@ -39,7 +39,7 @@ pub enum Error {
     MissingCap(&'static str),
     #[error("{0}: {1}")]
     Kvm(&'static str, vmm_sys_util::errno::Error),
-    #[error("memory {human} ({0} bytes) is not supported: give a multiple of 4 KiB, at least 8 MiB", human = memory::human_size(*.0))]
+    #[error("memory {} is not supported: give a multiple of 4 KiB, at least 8 MiB", memory::human_size_exact(*.0))]
     BadMemorySize(u64),
     #[error("memory {} is more than this host can back ({} usable of {})", memory::human_size(*size), memory::human_size(*usable), memory::human_size(*total))]
     MemoryTooLarge { size: u64, usable: u64, total: u64 },

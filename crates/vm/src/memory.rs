@@ -81,6 +81,17 @@ pub fn check_size(size: u64, host: &HostMemory) -> Result<()> {
     Ok(())
 }
 
+/// Like [`human_size`], with the exact count added where the rounded one hides it, for
+/// messages about sizes that are not whole units: `4 KiB (4097 bytes)`, but `0 B`, `8 MiB`.
+pub fn human_size_exact(bytes: u64) -> String {
+    let h = human_size(bytes);
+    if bytes < 1024 || parse_size(&h).ok() == Some(bytes) {
+        h
+    } else {
+        format!("{h} ({bytes} bytes)")
+    }
+}
+
 /// A byte count in binary units for messages: `1000 TiB`, `23.1 GiB`, `4 KiB`, `100 B`.
 pub fn human_size(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
@@ -296,6 +307,9 @@ mod tests {
 
     #[test]
     fn human_sizes() {
+        assert_eq!(human_size_exact(0), "0 B");
+        assert_eq!(human_size_exact(8 << 20), "8 MiB");
+        assert!(human_size_exact(4097).ends_with("(4097 bytes)"), "{}", human_size_exact(4097));
         assert_eq!(human_size(100), "100 B");
         assert_eq!(human_size(4096), "4 KiB");
         assert_eq!(human_size(1000 << 40), "1000 TiB");

@@ -314,7 +314,10 @@ impl RunningVm {
                     cmdline,
                 };
                 if info.free_start >= free_end {
-                    return Err(Error::Load(format!("guest {name} does not fit in {} bytes of memory", config.memory)));
+                    return Err(Error::Load(format!(
+                        "guest {name} does not fit in {} of memory",
+                        kumo_vm::memory::human_size(config.memory)
+                    )));
                 }
                 info.write(mem)?;
                 vec![Some(Entry::KumoGuest { rip }); config.cpus as usize]
