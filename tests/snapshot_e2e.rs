@@ -69,13 +69,7 @@ fn vm_state(sock: &str) -> Option<String> {
 
 /// The writes a stopped memtouch (random mode) reports, after checking its checksum.
 fn check_memtouch(out: &str, pages: u64, seed: u64) -> u64 {
-    let writes: u64 = field(out, "memtouch: done", "writes")
-        .and_then(|w| w.parse().ok())
-        .unwrap_or_else(|| panic!("no done line:\n{out}"));
-    let sum = field(out, "memtouch: checksum", "checksum").and_then(|v| u64::from_str_radix(&v, 16).ok());
-    let want = kumo_guests::memtouch::expected_checksum(pages, writes, seed, true);
-    assert_eq!(sum, Some(want), "checksum after {writes} writes:\n{out}");
-    writes
+    kumo_guests::memtouch::check_output(out, pages, seed, true).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// memtouch with an API socket and an event monitor, waited for until it runs.

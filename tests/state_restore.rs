@@ -44,16 +44,7 @@ fn wait_for(console: &Console, needle: &str, n: usize) {
 
 /// The writes a stopped memtouch reports, after checking its checksum against the model.
 fn check_memtouch(out: &str, pages: u64, seed: u64) -> u64 {
-    let writes: u64 = out
-        .lines()
-        .find_map(|l| l.strip_prefix("memtouch: done writes="))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|w| w.parse().ok())
-        .expect(out);
-    let sum = out.lines().find_map(|l| l.strip_prefix("memtouch: checksum=")).expect(out);
-    let want = kumo_guests::memtouch::expected_checksum(pages, writes, seed, true);
-    assert_eq!(u64::from_str_radix(sum.trim(), 16).unwrap(), want, "{out}");
-    writes
+    kumo_guests::memtouch::check_output(out, pages, seed, true).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {

@@ -30,9 +30,42 @@ pub fn expected_checksum(pages: u64, writes: u64, seed: u64, random: bool) -> u6
     mem.iter().fold(0xcbf2_9ce4_8422_2325u64, |s, w| (s ^ w).wrapping_mul(0x100_0000_01b3))
 }
 
+/// Checks a finished memtouch's console output against the model: its `done writes=W` line and
+/// its `checksum=` line must agree with [`expected_checksum`]. Returns the writes; the error
+/// quotes the output, so a test can show what the guest said.
+pub fn check_output(out: &str, pages: u64, seed: u64, random: bool) -> Result<u64, String> {
+    let value = |prefix: &str, key: &str| {
+        out.lines()
+            .filter(|l| l.starts_with(prefix))
+            .flat_map(|l| l.split_whitespace())
+            .find_map(|w| w.strip_prefix(key).map(str::to_string))
+    };
+    let writes: u64 = value("memtouch: done", "writes=")
+        .and_then(|w| w.parse().ok())
+        .ok_or_else(|| format!("memtouch printed no `done writes=` line:\n{out}"))?;
+    let sum = value("memtouch: checksum", "checksum=")
+        .and_then(|v| u64::from_str_radix(&v, 16).ok())
+        .ok_or_else(|| format!("memtouch printed no `checksum=` line:\n{out}"))?;
+    let want = expected_checksum(pages, writes, seed, random);
+    if sum != want {
+        return Err(format!("memtouch's checksum {sum:x} after {writes} writes is not the model's {want:x}:\n{out}"));
+    }
+    Ok(writes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn output_is_checked_against_the_model() {
+        let sum = expected_checksum(4, 10, 3, true);
+        let good = format!("memtouch: done writes=10 elapsed_us=5\nmemtouch: checksum={sum:x}\n");
+        assert_eq!(check_output(&good, 4, 3, true), Ok(10));
+        assert!(check_output(&good, 4, 4, true).unwrap_err().contains("not the model's"));
+        assert!(check_output("memtouch: checksum=1\n", 4, 3, true).unwrap_err().contains("no `done"));
+        assert!(check_output("memtouch: done writes=10\n", 4, 3, true).unwrap_err().contains("no `checksum"));
+    }
 
     #[test]
     fn depends_on_every_parameter() {
