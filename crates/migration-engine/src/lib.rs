@@ -4,14 +4,16 @@
 //! The VM is reached through the `SourceVm`/`DestVm` traits, so this crate does not depend on
 //! how a VMM runs vCPUs.
 
+pub mod control;
 pub mod session;
 pub mod transport;
 
 #[cfg(test)]
 mod tests;
 
+pub use control::{CancelError, CancelToken};
 pub use session::{
     migrate, receive, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvReport, Report, RoundReport,
-    SourceVm, StopPhaseTimes, HANDSHAKE_TIMEOUT, PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
+    SourceVm, StopPhaseTimes, HANDSHAKE_TIMEOUT, PROGRESS_INTERVAL, PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
 };
 pub use transport::{Address, Conn, Listener};

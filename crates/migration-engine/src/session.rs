@@ -30,6 +30,7 @@ use kumo_vm::GuestMemory;
 use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
 
+use crate::control::{CancelToken, SystemClock, TokenBucket};
 use crate::transport::{Address, Conn, Listener, ZeroCopy};
 use kumo_migration::format::{
     self, BatchFrame, Checksum, Encoder, PagePlacer, Reader, Record, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES,
@@ -85,6 +86,12 @@ pub struct MigrateOptions {
     /// How long a peer has to answer the stream header with `Accepted`: a peer that is not a
     /// kumo destination is rejected this quickly.
     pub handshake_timeout: Duration,
+    /// Cap on the page data sent, bytes per second (all connections together).
+    #[serde(default)]
+    pub max_bandwidth: Option<u64>,
+    /// Cancels the migration from another thread (not a setting: never serialized).
+    #[serde(skip)]
+    pub cancel: CancelToken,
 }
 
 /// The stop phase's fixed cost assumed before a VM's migrations have measured any: this
@@ -95,6 +102,9 @@ pub const STOP_PHASE_PRIOR: Duration = Duration::from_millis(6);
 
 /// Default progress deadline, both sides.
 pub const PROGRESS_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often a round reports its progress (at most).
+pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
+
 /// Default handshake deadline.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -106,6 +116,8 @@ impl Default for MigrateOptions {
             connections: 1,
             progress_timeout: PROGRESS_TIMEOUT,
             handshake_timeout: HANDSHAKE_TIMEOUT,
+            max_bandwidth: None,
+            cancel: CancelToken::default(),
         }
     }
 }
@@ -173,6 +185,10 @@ pub enum MigrateError {
     /// A strict downtime target cannot be met; the VM runs on at the source.
     #[error("{0}; the VM runs on here")]
     GaveUp(String),
+    /// The operator cancelled the migration before the VM's final state went out; the VM
+    /// runs on at the source.
+    #[error("cancelled by the operator; the VM runs on here")]
+    Cancelled,
     #[error("{0}")]
     Other(String),
 }
@@ -220,6 +236,24 @@ pub enum Event {
         target_ms: Option<f64>,
         throttle_percent: u8,
     },
+    /// Within a round, at most every [`PROGRESS_INTERVAL`]: how far the round has got.
+    Progress {
+        round: u32,
+        /// Pages this round sends in all, and those handed to the wire so far.
+        round_pages: u64,
+        pages_sent: u64,
+        /// Page data of this round so far.
+        bytes_sent: u64,
+        /// Pages and page data of the whole migration so far.
+        total_pages_sent: u64,
+        total_bytes_sent: u64,
+        /// This round's rate so far.
+        mb_per_s: f64,
+        /// When this round will end at that rate.
+        eta_ms: Option<f64>,
+        /// The planner's latest estimate of the downtime (none before a round has ended).
+        estimated_downtime_ms: Option<f64>,
+    },
     StopAndCopy {
         reason: String,
         pages: u64,
@@ -231,6 +265,8 @@ pub enum Event {
     Failed {
         error: String,
     },
+    /// The operator cancelled the migration; the VM runs on at the source.
+    Cancelled,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -524,27 +560,56 @@ struct Collector<'a> {
     next: usize,
     /// Lockstep mode's one buffer, back from the sender.
     spare: Option<Vec<u8>>,
+    cancel: &'a CancelToken,
+    /// The bandwidth cap, if any.
+    bucket: Option<TokenBucket<SystemClock>>,
+}
+
+/// How far a round has got, handed to the session's progress callback.
+struct RoundProgress {
+    round: u32,
+    round_pages: u64,
+    pages_sent: u64,
+    elapsed: Duration,
 }
 
 impl Collector<'_> {
+    /// Sends `pages` (`round_pages` of them) as round `round`, reporting progress at most
+    /// every [`PROGRESS_INTERVAL`] and checking for a cancel between batches.
     fn send_round(
         &mut self,
         round: u32,
         pages: impl Iterator<Item = u64>,
+        round_pages: u64,
         checksum: Checksum,
+        progress: &mut dyn FnMut(RoundProgress),
     ) -> Result<u64, MigrateError> {
+        let t0 = Instant::now();
+        let last = std::cell::Cell::new(t0);
         let mut gfns = Vec::with_capacity(MAX_BATCH_PAGES);
         let mut n = 0u64;
+        let mut report = |n: u64, force: bool| {
+            let now = Instant::now();
+            if force || now.duration_since(last.get()) >= PROGRESS_INTERVAL {
+                last.set(now);
+                progress(RoundProgress { round, round_pages, pages_sent: n, elapsed: now.duration_since(t0) });
+            }
+        };
         for g in pages {
             gfns.push(g);
             if gfns.len() == MAX_BATCH_PAGES {
                 n += gfns.len() as u64;
                 self.dispatch(round, std::mem::replace(&mut gfns, Vec::with_capacity(MAX_BATCH_PAGES)), checksum)?;
+                report(n, false);
             }
         }
         if !gfns.is_empty() {
             n += gfns.len() as u64;
             self.dispatch(round, gfns, checksum)?;
+        }
+        // A round that reported along the way also reports its last batch.
+        if last.get() != t0 {
+            report(n, true);
         }
         for s in self.senders {
             s.tx.send(Work::RoundEnd(round)).map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
@@ -553,6 +618,13 @@ impl Collector<'_> {
     }
 
     fn dispatch(&mut self, round: u32, gfns: Vec<u64>, checksum: Checksum) -> Result<(), MigrateError> {
+        if self.cancel.is_cancelled() {
+            return Err(MigrateError::Cancelled);
+        }
+        if let Some(b) = &mut self.bucket {
+            let wait = b.take((gfns.len() * PAGE) as u64);
+            sleep_unless_cancelled(wait, self.cancel)?;
+        }
         let mut data = Vec::new();
         if self.copy {
             // Reuse a buffer a sender has released, or allocate while the pool fills up.
@@ -620,7 +692,10 @@ pub fn migrate(
                 tracing::error!("migration failed ({e}) and the source VM could not be resumed: {re}");
             }
         }
-        events(Event::Failed { error: e.to_string() });
+        events(match e {
+            MigrateError::Cancelled => Event::Cancelled,
+            e => Event::Failed { error: e.to_string() },
+        });
     }
     r
 }
@@ -743,15 +818,45 @@ fn migrate_inner(
         // waiting for a buffer must see the channel close instead of waiting forever.
         drop(free_tx);
         let lockstep = serial.then_some((&mut replies, deadline));
-        let mut col = Collector { mem, copy, lockstep, free_rx, senders: &senders, next: 0, spare: None };
+        // Bursts of one batch: the cap holds over any stretch longer than a batch takes.
+        let bucket = opts
+            .max_bandwidth
+            .map(|rate| TokenBucket::new(rate, (MAX_BATCH_PAGES * PAGE) as u64, SystemClock::default()));
+        let cancel = &opts.cancel;
+        let mut col =
+            Collector { mem, copy, lockstep, free_rx, senders: &senders, next: 0, spare: None, cancel, bucket };
         let mut planner = Planner::new(opts.policy, total_pages);
+        // Pages sent in rounds before the current one, and the latest downtime estimate: what
+        // progress events add to a round's own count.
+        let mut before = 0u64;
+        let mut estimate_ms: Option<f64> = None;
+        let progress_event = |p: RoundProgress, before: u64, estimate_ms: Option<f64>| {
+            let secs = p.elapsed.as_secs_f64();
+            let rate = if secs > 0.0 { p.pages_sent as f64 / secs } else { 0.0 };
+            Event::Progress {
+                round: p.round,
+                round_pages: p.round_pages,
+                pages_sent: p.pages_sent,
+                bytes_sent: p.pages_sent * PAGE as u64,
+                total_pages_sent: before + p.pages_sent,
+                total_bytes_sent: (before + p.pages_sent) * PAGE as u64,
+                mb_per_s: rate * PAGE as f64 / 1e6,
+                eta_ms: (rate > 0.0).then(|| p.round_pages.saturating_sub(p.pages_sent) as f64 / rate * 1e3),
+                estimated_downtime_ms: estimate_ms,
+            }
+        };
         let live_checksum = if copy { Checksum::Full } else { Checksum::MetadataOnly };
 
         let mut to_send = touched;
         let mut round = 0u32;
         let result = (|| -> Result<(), MigrateError> {
             loop {
+                if cancel.is_cancelled() {
+                    return Err(MigrateError::Cancelled);
+                }
                 let t = Instant::now();
+                let round_pages = to_send.count();
+                let mut progress = |p: RoundProgress| events(progress_event(p, before, estimate_ms));
                 let n = if round == 0 {
                     // Sample D(t) while round 0 runs: its length spans the workload's curve,
                     // unlike the short later rounds.
@@ -768,24 +873,25 @@ fn migrate_inner(
                             }
                             v
                         });
-                        let n = col.send_round(round, to_send.gfns(), live_checksum);
+                        let n = col.send_round(round, to_send.gfns(), round_pages, live_checksum, &mut progress);
                         done.store(true, Ordering::Release);
                         round0_samples = sampler.join().unwrap_or_default();
                         n
                     })?
                 } else {
-                    col.send_round(round, to_send.gfns(), live_checksum)?
+                    col.send_round(round, to_send.gfns(), round_pages, live_checksum, &mut progress)?
                 };
                 // The round ends when its pages are on the wire and delivered, not when they
                 // are queued: the bandwidth the planner estimates downtime from is the real one,
                 // and nothing of this round is left to send during the downtime.
-                drain_pipeline(&senders, &watch, deadline)?;
+                drain_pipeline(&senders, &watch, deadline, cancel)?;
                 let mut dirty = PageBitmap::for_regions(&regions);
                 let th = Instant::now();
                 let d = src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
                 let harvest = th.elapsed();
                 let dur = t.elapsed();
                 sent_total += n;
+                before = sent_total;
                 let st =
                     RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
                 let decision = planner.after_round_with(&st, &RoundExtras { harvest: Some(harvest), rtt: None });
@@ -795,13 +901,14 @@ fn migrate_inner(
                 let throttle = planner.throttle_percent();
                 src.set_throttle(throttle.into());
                 max_throttle = max_throttle.max(throttle);
+                estimate_ms = planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3);
                 events(Event::Round {
                     round,
                     pages_sent: n,
                     ms: dur.as_secs_f64() * 1e3,
                     dirty_pages: d,
                     mb_per_s: planner.bandwidth().unwrap_or(0.0) / 1e6,
-                    estimated_downtime_ms: planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3),
+                    estimated_downtime_ms: estimate_ms,
                     throttle_percent: throttle,
                 });
                 to_send = dirty;
@@ -838,7 +945,8 @@ fn migrate_inner(
             stop.pages = to_send.count();
             events(Event::StopAndCopy { reason: stop_reason.clone(), pages: to_send.count() });
             let t = Instant::now();
-            let n = col.send_round(round, to_send.gfns(), Checksum::Full)?;
+            let mut progress = |p: RoundProgress| events(progress_event(p, before, estimate_ms));
+            let n = col.send_round(round, to_send.gfns(), stop.pages, Checksum::Full, &mut progress)?;
             sent_total += n;
             rounds.push(RoundReport { round, pages: n, ms: t.elapsed().as_secs_f64() * 1e3, dirty_after: 0 });
             Ok(())
@@ -880,6 +988,16 @@ fn migrate_inner(
         learned = Some(planner);
     }
 
+    // The point of no return: after the state goes out the destination may run the VM, so a
+    // cancel that comes later is refused; one that came first backs out here.
+    if !opts.cancel.commit() {
+        for (c, enc, _) in &mut encs {
+            let mut out = Vec::new();
+            enc.abort(&mut out, &MigrateError::Cancelled.to_string());
+            let _ = c.send_records(&out);
+        }
+        return Err(MigrateError::Cancelled);
+    }
     // Closing records: the state on the first connection, Complete (with the pages each
     // connection carried, which its receiver checks) on all.
     let t_state = Instant::now();
@@ -948,7 +1066,12 @@ fn migrate_inner(
 
 /// Waits until every sender has written what it was given and the kernel has delivered it:
 /// the sockets' send queues are empty.
-fn drain_pipeline(senders: &[Sender], conns: &[Conn], deadline: Duration) -> Result<(), MigrateError> {
+fn drain_pipeline(
+    senders: &[Sender],
+    conns: &[Conn],
+    deadline: Duration,
+    cancel: &CancelToken,
+) -> Result<(), MigrateError> {
     let stopped = || MigrateError::Other("sender thread stopped".into());
     let mut acks = Vec::with_capacity(senders.len());
     for s in senders {
@@ -962,6 +1085,9 @@ fn drain_pipeline(senders: &[Sender], conns: &[Conn], deadline: Duration) -> Res
     let t = Instant::now();
     for c in conns {
         while c.unsent_bytes()? > 0 {
+            if cancel.is_cancelled() {
+                return Err(MigrateError::Cancelled);
+            }
             if t.elapsed() > deadline {
                 return Err(MigrateError::NoProgress { what: "the destination took no data", after: deadline });
             }
@@ -969,6 +1095,21 @@ fn drain_pipeline(senders: &[Sender], conns: &[Conn], deadline: Duration) -> Res
         }
     }
     Ok(())
+}
+
+/// Sleeps for `d`, waking every 50 ms to check for a cancel.
+fn sleep_unless_cancelled(d: Duration, cancel: &CancelToken) -> Result<(), MigrateError> {
+    let end = Instant::now() + d;
+    loop {
+        if cancel.is_cancelled() {
+            return Err(MigrateError::Cancelled);
+        }
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(());
+        }
+        std::thread::sleep(left.min(Duration::from_millis(50)));
+    }
 }
 
 fn ms_since(t: Instant) -> f64 {

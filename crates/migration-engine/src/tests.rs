@@ -524,3 +524,82 @@ fn a_silent_source_fails_the_receiver_within_its_deadline() {
     // The source is told why.
     assert!(matches!(replies.next_reply().unwrap(), Reply::Failed(why) if why.contains("no data from the source")));
 }
+
+/// A capped migration (16 MiB at 8 MB/s: the bucket makes round 0 last seconds) reports its
+/// progress within round 0, before the round ends.
+#[test]
+fn progress_is_reported_within_a_round() {
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "progress");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
+    let opts = MigrateOptions { max_bandwidth: Some(8_000_000), ..Default::default() };
+    let mut events = Vec::new();
+    migrate(&*src, &addr, &opts, &mut |e| events.push(e)).unwrap();
+    dest.join().unwrap().unwrap();
+    src.stop_writer();
+    let round0_end = events.iter().position(|e| matches!(e, Event::Round { round: 0, .. })).unwrap();
+    let within: Vec<_> = events[..round0_end]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Progress { round: 0, pages_sent, round_pages, bytes_sent, .. } => {
+                Some((*pages_sent, *round_pages, *bytes_sent))
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(!within.is_empty(), "no progress within round 0: {events:?}");
+    assert!(within.iter().any(|&(sent, total, _)| sent < total), "{within:?}");
+    assert!(within.windows(2).all(|w| w[0].0 <= w[1].0), "{within:?}");
+    assert!(within.iter().all(|&(sent, total, bytes)| sent <= total && bytes == sent * 4096), "{within:?}");
+}
+
+/// Cancelled mid-round (from the first progress event, so no timing is involved): the
+/// migration ends `Cancelled`, the source runs on with dirty logging off, and the destination
+/// is told and fails cleanly.
+#[test]
+fn a_cancelled_migration_leaves_the_source_running_and_the_destination_failed() {
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "cancel");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest).map(drop));
+    let opts = MigrateOptions { max_bandwidth: Some(8_000_000), ..Default::default() };
+    let token = opts.cancel.clone();
+    let mut events = Vec::new();
+    let e = migrate(&*src, &addr, &opts, &mut |e| {
+        if matches!(e, Event::Progress { .. }) {
+            token.cancel().unwrap();
+        }
+        events.push(e);
+    })
+    .unwrap_err();
+    assert!(matches!(e, MigrateError::Cancelled), "{e}");
+    assert!(matches!(events.last(), Some(Event::Cancelled)), "{events:?}");
+    assert!(!events.iter().any(|e| matches!(e, Event::StopAndCopy { .. })), "{events:?}");
+    assert!(src.running.load(Ordering::Acquire), "the source runs on");
+    assert!(src.dirty.lock().unwrap().is_none(), "dirty logging stopped");
+    let de = dest.join().unwrap().unwrap_err();
+    assert!(de.to_string().contains("cancelled"), "{de}");
+    src.stop_writer();
+}
+
+/// A cancel before the migration starts stops it before anything is sent; one after it has
+/// completed is refused.
+#[test]
+fn cancel_before_start_and_after_completion() {
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "cancel-early");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest).map(drop));
+    let opts = MigrateOptions::default();
+    opts.cancel.cancel().unwrap();
+    let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
+    assert!(matches!(e, MigrateError::Cancelled), "{e}");
+    assert!(dest.join().unwrap().is_err());
+    assert!(src.running.load(Ordering::Acquire));
+
+    let (l, addr) = listen(false, "cancel-late");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest).map(drop));
+    let opts = MigrateOptions::default();
+    migrate(&*src, &addr, &opts, &mut |_| {}).unwrap();
+    dest.join().unwrap().unwrap();
+    assert_eq!(opts.cancel.cancel(), Err(crate::CancelError::Committed));
+    src.stop_writer();
+}
