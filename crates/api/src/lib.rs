@@ -26,8 +26,10 @@ pub mod paths {
     pub const PAUSE: &str = "/api/v1/vm.pause";
     pub const RESUME: &str = "/api/v1/vm.resume";
     pub const SHUTDOWN: &str = "/api/v1/vm.shutdown";
-    pub const MIGRATE: &str = "/api/v1/vm.migrate";
+    /// Cloud Hypervisor's name for it (it was `vm.migrate`).
+    pub const MIGRATE: &str = "/api/v1/vm.send-migration";
     pub const MIGRATION: &str = "/api/v1/vm.migration";
+    pub const CANCEL_MIGRATION: &str = "/api/v1/vm.cancel-migration";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -69,17 +71,30 @@ pub enum ApiRequest {
     Migrate(MigrateRequest),
     /// Progress events and result of the current or last migration.
     MigrationStatus,
+    /// Cancel the running migration; the VM runs on here.
+    CancelMigration,
 }
 
-/// Body of `PUT /api/v1/vm.migrate`.
+/// How a migration moves pages (see docs/migration.md, "Engines").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigrationEngine {
+    Serial,
+    Overlap,
+    Zerocopy,
+    /// Same host, `unix:PATH` only: guest memory is shared, not copied.
+    Local,
+}
+
+/// Body of `PUT /api/v1/vm.send-migration`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
     /// Destination: `tcp:HOST:PORT` or `unix:PATH` of a `kumo run --incoming`.
     pub to: String,
-    /// `serial`, `overlap` (default), `zerocopy` or `local`.
+    /// Default `overlap`.
     #[serde(default)]
-    pub engine: Option<String>,
+    pub engine: Option<MigrationEngine>,
     /// Stop pre-copy once the rest fits this downtime (ms).
     #[serde(default)]
     pub downtime_ms: Option<u64>,
@@ -104,6 +119,9 @@ pub struct MigrateRequest {
     /// anyway, with the overshoot reported.
     #[serde(default)]
     pub strict: Option<bool>,
+    /// Cap on the page data sent, bytes per second.
+    #[serde(default)]
+    pub max_bandwidth: Option<u64>,
 }
 
 /// What the handler answers on success.

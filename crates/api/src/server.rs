@@ -53,7 +53,7 @@ pub trait ApiHandler: Send + Sync {
 
 /// One route. The request is built from the body so that routes taking JSON
 /// fit the same table, e.g.
-/// `Route { method: "PUT", path: "/api/v1/vm.migrate", build: |b| Ok(ApiRequest::Migrate(json_body(b)?)) }`.
+/// `Route { method: "PUT", path: "/api/v1/vm.send-migration", build: |b| Ok(ApiRequest::Migrate(json_body(b)?)) }`.
 pub(crate) struct Route {
     pub method: &'static str,
     pub path: &'static str,
@@ -68,6 +68,7 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::SHUTDOWN, build: |_| Ok(ApiRequest::Shutdown) },
     Route { method: "PUT", path: paths::MIGRATE, build: |b| Ok(ApiRequest::Migrate(json_body(b)?)) },
     Route { method: "GET", path: paths::MIGRATION, build: |_| Ok(ApiRequest::MigrationStatus) },
+    Route { method: "PUT", path: paths::CANCEL_MIGRATION, build: |_| Ok(ApiRequest::CancelMigration) },
 ];
 
 /// Decodes the JSON body of a route that takes one.
@@ -592,6 +593,7 @@ mod tests {
                 ApiRequest::Migrate(m) if m.to.is_empty() => Err(ApiError::bad_request("no destination")),
                 ApiRequest::Migrate(m) => Ok(ApiResponse::Json(serde_json::json!({"to": m.to, "engine": m.engine}))),
                 ApiRequest::MigrationStatus => Ok(ApiResponse::Json(serde_json::json!({"state": "none"}))),
+                ApiRequest::CancelMigration => Err(ApiError::conflict("no migration is running")),
             }
         }
     }
@@ -599,12 +601,16 @@ mod tests {
     #[test]
     fn migrate_routes_carry_their_json_body() {
         let f = start();
-        let req =
-            crate::MigrateRequest { to: "tcp:127.0.0.1:1".into(), engine: Some("serial".into()), ..migrate_req() };
-        let v = f.client.migrate(&req).unwrap();
+        let req = crate::MigrateRequest {
+            to: "tcp:127.0.0.1:1".into(),
+            engine: Some(crate::MigrationEngine::Serial),
+            ..migrate_req()
+        };
+        let v: serde_json::Value = f.client.send_migration(&req).unwrap();
         assert_eq!(v["to"], "tcp:127.0.0.1:1");
         assert_eq!(v["engine"], "serial");
-        assert_eq!(f.client.migration_status().unwrap()["state"], "none");
+        assert_eq!(f.client.migration_status::<serde_json::Value>().unwrap()["state"], "none");
+        assert_eq!(f.client.cancel_migration().unwrap_err().status(), Some(409));
         // A body that is not a MigrateRequest is a 400 with the reason.
         let (status, body) =
             f.client.request("PUT", paths::MIGRATE, Some(&serde_json::json!({"to": "x", "bogus": 1}))).unwrap();
@@ -989,6 +995,7 @@ mod tests {
             estimate_ms: None,
             progress_timeout_ms: None,
             strict: None,
+            max_bandwidth: None,
         }
     }
 
@@ -998,7 +1005,7 @@ mod tests {
             .map(|_| {
                 let client = ApiClient::new(path);
                 thread::spawn(move || {
-                    assert_eq!(client.migrate(&migrate_req()).unwrap()["done"], true);
+                    assert_eq!(client.send_migration::<serde_json::Value>(&migrate_req()).unwrap()["done"], true);
                 })
             })
             .collect();

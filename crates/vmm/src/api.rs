@@ -40,6 +40,10 @@ pub fn info(vm: &RunningVm) -> VmInfo {
     }
 }
 
+fn to_json<T: serde::Serialize>(v: &T) -> Result<serde_json::Value, ApiError> {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(format!("cannot encode the answer: {e}")))
+}
+
 fn to_api(e: Error) -> ApiError {
     match e {
         Error::State(what) => ApiError::conflict(format!("vm is {what}")),
@@ -63,13 +67,16 @@ impl ApiHandler for VmApi {
                 Ok(ApiResponse::Ok)
             }
             ApiRequest::Migrate(req) => match self.migration.run(&vm, &req) {
-                Ok(v) => Ok(ApiResponse::Json(v)),
+                Ok(st) => Ok(ApiResponse::Json(to_json(&st)?)),
                 Err(JobError::BadRequest(e)) => Err(ApiError::bad_request(e)),
-                Err(JobError::Busy) => Err(ApiError::conflict("a migration is already running")),
                 Err(JobError::Conflict(e)) => Err(ApiError::conflict(format!("cannot migrate: {e}"))),
-                Err(e @ JobError::Failed(_)) => Err(ApiError::internal(e.to_string())),
+                Err(e @ (JobError::Busy | JobError::Cancelled)) => Err(ApiError::conflict(e.to_string())),
+                Err(e) => Err(ApiError::internal(e.to_string())),
             },
-            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(self.migration.status())),
+            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration.status())?)),
+            ApiRequest::CancelMigration => {
+                self.migration.cancel().map(|()| ApiResponse::Ok).map_err(|e| ApiError::conflict(e.to_string()))
+            }
         }
     }
 }
