@@ -605,7 +605,8 @@ fn the_event_stream_shows_progress_within_round_0() {
         return;
     }
     let addr = format!("tcp:127.0.0.1:{}", free_port());
-    let mut dest = Vmp::incoming(&addr, "events-dst", None);
+    let dsock = temp_path("events-dst.sock").to_str().unwrap().to_string();
+    let mut dest = Vmp::incoming(&addr, "events-dst", Some(&dsock));
     // An idle guest (it holds its memory) of ~16 MiB sent at 8 MiB/s: the cap makes round 0
     // last seconds whatever the machine, so progress events must come within it.
     let (src, sock) = source("events-src", "64M", &["pages=4000", "writes=20000", "seed=5", "hold_input=1"]);
@@ -629,6 +630,10 @@ fn the_event_stream_shows_progress_within_round_0() {
     assert!(report["event"].is_null() && report["downtime_ms"].as_f64().is_some(), "report last: {report}");
     assert_eq!(report["to"], addr.as_str());
     assert_migrated_away(src);
+    // The destination's API says how the VM came.
+    let st: serde_json::Value = kumo_api::ApiClient::new(&dsock).migration_status().unwrap();
+    assert_eq!(st["state"], "received", "{st}");
+    assert!(st["received"]["pages"].as_u64() > Some(0), "{st}");
     dest.stop_guest();
     let (dcode, dout, _) = dest.wait();
     assert_eq!(dcode, Some(0));
@@ -683,7 +688,10 @@ fn the_cancel_route_stops_a_migration() {
         return;
     }
     let addr = format!("tcp:127.0.0.1:{}", free_port());
-    let dest = Vmp::incoming(&addr, "cancel-api-dst", None);
+    let dsock = temp_path("cancel-api-dst.sock").to_str().unwrap().to_string();
+    let dest = Vmp::incoming(&addr, "cancel-api-dst", Some(&dsock));
+    // The destination's API is up before any VM exists.
+    assert_eq!(vm_state(&dsock).as_deref(), Some("receiving"));
     let (mut src, sock) = source("cancel-api-src", "64M", &["pages=4000", "rate=50000", "seed=7", "until_input=1"]);
     let c = kumo_api::ApiClient::new(&sock).with_timeout(Duration::from_secs(600));
     let req = kumo_api::MigrateRequest {
@@ -707,6 +715,16 @@ fn the_cancel_route_stops_a_migration() {
         assert!(!call.is_finished(), "the migration ended: {st}");
         st["events"].as_array()?.iter().any(is_mid_round).then_some(())
     });
+    // Meanwhile the destination shows what has arrived.
+    let d = kumo_api::ApiClient::new(&dsock);
+    let got: serde_json::Value = eventually(PATIENCE, || {
+        let got: serde_json::Value = d.migration_status().ok()?;
+        (got["received"]["pages"].as_u64() > Some(0)).then_some(got)
+    });
+    assert_eq!(got["state"], "receiving", "{got}");
+    assert_eq!(got["received"]["phase"], "receiving", "{got}");
+    assert_eq!(vm_state(&dsock).as_deref(), Some("receiving"));
+    assert_eq!(d.pause().unwrap_err().status(), Some(409));
     c.cancel_migration().unwrap();
     let _ = c.cancel_migration(); // 204 again, or 409 once it has ended: either way harmless
     let e = call.join().unwrap().unwrap_err();

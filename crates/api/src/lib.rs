@@ -36,6 +36,8 @@ pub mod paths {
 #[serde(rename_all = "lowercase")]
 pub enum VmState {
     Created,
+    /// A destination (`kumo run --incoming`): the VM is arriving by migration.
+    Receiving,
     Running,
     Paused,
     Shutdown,

@@ -133,21 +133,33 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
 }
 
 fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
-    let vm = match &a.incoming {
-        Some(addr) => Arc::new(migrate::incoming(addr, a.memory, a.cpus)?),
+    let (vm, _api) = match &a.incoming {
+        // A destination's API is up while the VM arrives (`vm.info` says `receiving`).
+        Some(addr) => {
+            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, a.cpus)?;
+            let api = kumo_vmm::api::VmApi::incoming(&inc);
+            let server = match &api_socket {
+                Some(p) => Some(ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?),
+                None => None,
+            };
+            let vm = Arc::new(migrate::incoming(&inc)?);
+            api.attach(&vm);
+            (vm, server)
+        }
         None => {
             let config = build_config(&a)?;
-            Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)
+            let vm = Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?);
+            let server = match &api_socket {
+                Some(p) => Some(ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
+                    vm.shutdown();
+                    e.to_string()
+                })?),
+                None => None,
+            };
+            (vm, server)
         }
     };
     spawn_console_input(Arc::downgrade(&vm));
-    let _api = match &api_socket {
-        Some(p) => Some(ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
-            vm.shutdown();
-            e.to_string()
-        })?),
-        None => None,
-    };
     let report = vm.wait_timeout(a.timeout.map(Duration::from_secs_f64));
     if let Some(p) = &a.timings_json {
         let j = serde_json::to_string_pretty(&report.timings).unwrap_or_default();

@@ -7,10 +7,8 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kumo_api::{ApiClient, MigrateRequest, MigrationEngine};
-use kumo_migration_engine::{receive, Address, Event, Listener};
-use kumo_vmm::migration::{
-    config_from_description, DryRunReport, MigrationResult, MigrationState, MigrationStatus, SendReport,
-};
+use kumo_migration_engine::Event;
+use kumo_vmm::migration::{DryRunReport, Incoming, MigrationResult, MigrationState, MigrationStatus, SendReport};
 use kumo_vmm::RunningVm;
 
 /// How pages travel (docs/migration.md, "Engines").
@@ -371,53 +369,10 @@ fn print_report(s: &SendReport) {
     }
 }
 
-/// Waits for one incoming migration on `addr` and returns the VM, running. With `memory` or
-/// `cpus` the destination is prepared: it accepts only a VM of that shape, and guest memory of
-/// that size is allocated and faulted in first, so the transfer does not pay for first-touch
-/// page faults (expensive on nested hosts). Both are checked against this host before that.
-pub fn incoming(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<RunningVm, String> {
-    let addr: Address = addr.parse()?;
-    let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
-    if let Some(n) = cpus {
-        kumo_vm::layout::check_vcpus(n, host.kvm_max_vcpus).map_err(|e| e.to_string())?;
-    }
-    if let Some(size) = memory {
-        kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;
-    }
-    let mut reserved = match memory {
-        Some(size) => {
-            let t = std::time::Instant::now();
-            let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
-            for (gpa, len) in kumo_vm::layout::ram_regions(size) {
-                kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
-            }
-            eprintln!("kumo: prepared {} MiB of guest memory in {:.0} ms", size >> 20, t.elapsed().as_secs_f64() * 1e3);
-            Some(m.memfd)
-        }
-        None => None,
-    };
-    // Listen only once the memory is ready: a source that connected earlier would wait for
-    // the handshake while memory is faulted in, and give up.
-    let listener = Listener::bind(&addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    eprintln!("kumo: waiting for a migration on {}", listener.local_addr());
-    let (vm, rr) = receive(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, |desc, memfd| {
-        let config = config_from_description(desc)?;
-        let human = kumo_vm::memory::human_size;
-        if let Some(size) = memory.filter(|&m| m != config.memory) {
-            return Err(format!(
-                "this destination is prepared for {} of memory; the VM has {}",
-                human(size),
-                human(config.memory)
-            ));
-        }
-        if let Some(n) = cpus.filter(|&n| n != config.cpus) {
-            return Err(format!("this destination is prepared for {n} vCPUs; the VM has {}", config.cpus));
-        }
-        // Memory shared by a local migration wins; otherwise the prepared memory, if any.
-        let memfd = memfd.or_else(|| reserved.take());
-        RunningVm::incoming(config, Box::new(std::io::stdout()), memfd).map_err(|e| e.to_string())
-    })
-    .map_err(|e| format!("incoming migration failed: {e}"))?;
+/// `kumo run --incoming`: waits for one incoming migration and returns the VM, running. The
+/// destination side lives beside the source side in `kumo_vmm::migration` ([`Incoming`]).
+pub fn incoming(inc: &Incoming) -> Result<RunningVm, String> {
+    let (vm, rr) = inc.receive(&|line| eprintln!("kumo: {line}"))?;
     eprintln!(
         "kumo: migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms{}",
         rr.pages,

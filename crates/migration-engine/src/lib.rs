@@ -13,7 +13,8 @@ mod tests;
 
 pub use control::{CancelError, CancelToken};
 pub use session::{
-    migrate, receive, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvReport, Report, RoundReport,
-    SourceVm, StopPhaseTimes, HANDSHAKE_TIMEOUT, PROGRESS_INTERVAL, PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
+    migrate, receive, receive_with, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvPhase, RecvProgress,
+    RecvReport, RecvStatus, Report, RoundReport, SourceVm, StopPhaseTimes, HANDSHAKE_TIMEOUT, PROGRESS_INTERVAL,
+    PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
 };
 pub use transport::{Address, Conn, Listener};

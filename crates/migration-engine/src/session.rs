@@ -1168,6 +1168,51 @@ pub struct RecvReport {
     pub restore_ms: f64,
 }
 
+/// How far an incoming migration has got, shared with the destination's API while
+/// [`receive_with`] runs.
+#[derive(Debug, Default)]
+pub struct RecvProgress {
+    /// A source's stream header has been accepted.
+    connected: AtomicBool,
+    pages: AtomicU64,
+    /// Rounds the source has ended (counted on its first connection).
+    rounds: AtomicU64,
+    /// Everything arrived: the VM's state is being restored.
+    restoring: AtomicBool,
+}
+
+/// What [`RecvProgress`] says at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecvStatus {
+    /// `listening` (no source yet), `receiving` or `restoring`.
+    pub phase: RecvPhase,
+    pub pages: u64,
+    pub bytes: u64,
+    pub rounds: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecvPhase {
+    Listening,
+    Receiving,
+    Restoring,
+}
+
+impl RecvProgress {
+    pub fn status(&self) -> RecvStatus {
+        let pages = self.pages.load(Ordering::Relaxed);
+        let phase = if self.restoring.load(Ordering::Acquire) {
+            RecvPhase::Restoring
+        } else if self.connected.load(Ordering::Acquire) {
+            RecvPhase::Receiving
+        } else {
+            RecvPhase::Listening
+        };
+        RecvStatus { phase, pages, bytes: pages * PAGE as u64, rounds: self.rounds.load(Ordering::Relaxed) }
+    }
+}
+
 /// The destination's side of the reply channel: one encoder, so replies are numbered in order.
 struct Replier {
     conn: Conn,
@@ -1226,6 +1271,16 @@ pub fn receive<V: DestVm>(
     idle: Duration,
     create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, String>,
 ) -> Result<(V, RecvReport), MigrateError> {
+    receive_with(listener, idle, &RecvProgress::default(), create)
+}
+
+/// [`receive`], telling `progress` how far it has got.
+pub fn receive_with<V: DestVm>(
+    listener: &Listener,
+    idle: Duration,
+    progress: &RecvProgress,
+    create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, String>,
+) -> Result<(V, RecvReport), MigrateError> {
     let conn0 = listener.accept()?;
     let t0 = Instant::now();
     conn0.set_read_timeout(Some(idle))?;
@@ -1242,6 +1297,7 @@ pub fn receive<V: DestVm>(
     };
     // A valid header: say so at once, before building anything (the source's handshake).
     conn0.send(&Reply::Accepted);
+    progress.connected.store(true, Ordering::Release);
     let fail = |conn0: &mut Replier, e: MigrateError| -> MigrateError {
         conn0.send(&Reply::Failed(e.to_string()));
         e
@@ -1302,6 +1358,7 @@ pub fn receive<V: DestVm>(
                             match rec {
                                 Record::MemBatch(b) => {
                                     pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
+                                    progress.pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
                                     if b.ack {
                                         reply(&Reply::Placed(b.seq));
                                     }
@@ -1310,11 +1367,16 @@ pub fn receive<V: DestVm>(
                                 // of round r: a page resent later would be overwritten by its stale
                                 // copy on a slower connection.
                                 Record::RoundEnd { .. } if nconn > 1 => {
+                                    if i == 0 {
+                                        progress.rounds.fetch_add(1, Ordering::Relaxed);
+                                    }
                                     if !barrier.wait() {
                                         return Err(MigrateError::Other("another connection failed".into()));
                                     }
                                 }
-                                Record::RoundEnd { .. } => {}
+                                Record::RoundEnd { .. } => {
+                                    progress.rounds.fetch_add(1, Ordering::Relaxed);
+                                }
                                 Record::State(st) if i == 0 => {
                                     *state.lock().unwrap_or_else(|p| p.into_inner()) = Some(st.to_vec());
                                 }
@@ -1347,6 +1409,7 @@ pub fn receive<V: DestVm>(
         first
     });
     let t_restore = Instant::now();
+    progress.restoring.store(result.is_ok(), Ordering::Release);
     let finish = result.and_then(|()| {
         let st = state
             .lock()

@@ -1,22 +1,54 @@
 //! The control API's view of a running VM.
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 use kumo_api::{ApiError, ApiHandler, ApiRequest, ApiResponse, VmInfo, VmState, KUMO_VERSION};
 
-use crate::migration::{JobError, MigrationJob};
+use crate::migration::{Incoming, JobError, MigrationJob};
 use crate::vmm::RunningVm;
 use crate::Error;
 
 /// Serves API requests against a VM. Holds it weakly: the API never keeps a VM alive.
 pub struct VmApi {
-    vm: Weak<RunningVm>,
+    /// Set once the VM exists: at once, or for a destination once it has arrived.
+    vm: OnceLock<Weak<RunningVm>>,
     migration: MigrationJob,
+    /// A destination's incoming migration: its progress while the VM arrives.
+    incoming: Option<Arc<Incoming>>,
 }
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
-        Arc::new(VmApi { vm: Arc::downgrade(vm), migration: MigrationJob::default() })
+        Arc::new(VmApi { vm: OnceLock::from(Arc::downgrade(vm)), migration: MigrationJob::default(), incoming: None })
+    }
+
+    /// The API of a destination, up while the VM arrives: `vm.info` says `receiving` and
+    /// `vm.migration` shows what has arrived; [`VmApi::attach`] hands it the VM once it runs.
+    pub fn incoming(incoming: &Arc<Incoming>) -> Arc<Self> {
+        Arc::new(VmApi { vm: OnceLock::new(), migration: MigrationJob::default(), incoming: Some(incoming.clone()) })
+    }
+
+    pub fn attach(&self, vm: &Arc<RunningVm>) {
+        let _ = self.vm.set(Arc::downgrade(vm));
+    }
+
+    /// Answers for a destination whose VM has not arrived yet.
+    fn receiving(&self, inc: &Incoming, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+        match req {
+            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
+            ApiRequest::Info => Ok(ApiResponse::Info(VmInfo {
+                state: VmState::Receiving,
+                vcpus: inc.cpus.unwrap_or(0),
+                memory_bytes: inc.memory.unwrap_or(0),
+                guest: format!("incoming:{}", inc.addr),
+                irqchip: "unknown".into(),
+                pid: std::process::id(),
+                uptime_ms: inc.since.elapsed().as_millis() as u64,
+                kumo_version: KUMO_VERSION.to_string(),
+            })),
+            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&inc.status())?)),
+            _ => Err(ApiError::conflict("the VM is still arriving by migration")),
+        }
     }
 }
 
@@ -53,7 +85,11 @@ fn to_api(e: Error) -> ApiError {
 
 impl ApiHandler for VmApi {
     fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
-        let vm = self.vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?;
+        let vm = match (self.vm.get(), &self.incoming) {
+            (Some(vm), _) => vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?,
+            (None, Some(inc)) => return self.receiving(inc, req),
+            (None, None) => return Err(ApiError::unavailable("the VM does not exist yet")),
+        };
         match req {
             ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
             ApiRequest::Info => Ok(ApiResponse::Info(info(&vm))),
@@ -73,7 +109,14 @@ impl ApiHandler for VmApi {
                 Err(e @ (JobError::Busy | JobError::Cancelled)) => Err(ApiError::conflict(e.to_string())),
                 Err(e) => Err(ApiError::internal(e.to_string())),
             },
-            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration.status())?)),
+            ApiRequest::MigrationStatus => {
+                let mut st = self.migration.status();
+                // A VM that arrived here, and has not migrated since: how it came.
+                if let (crate::migration::MigrationState::None, Some(inc)) = (st.state, &self.incoming) {
+                    st = inc.status();
+                }
+                Ok(ApiResponse::Json(to_json(&st)?))
+            }
             ApiRequest::CancelMigration => {
                 self.migration.cancel().map(|()| ApiResponse::Ok).map_err(|e| ApiError::conflict(e.to_string()))
             }

@@ -10,7 +10,8 @@ use kumo_migration::model::{compare, predict, Comparison, DirtyModel, PredictPar
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
 use kumo_migration::StopPhaseModel;
 use kumo_migration_engine::{
-    migrate, Address, CancelToken, DestVm, EngineKind, Event, MigrateError, MigrateOptions, Report, SourceVm,
+    migrate, receive_with, Address, CancelToken, DestVm, EngineKind, Event, Listener, MigrateError, MigrateOptions,
+    RecvProgress, RecvReport, RecvStatus, Report, SourceVm,
 };
 use kumo_vm::dirty::PageBitmap;
 use kumo_vm::layout::ram_regions;
@@ -277,6 +278,10 @@ pub enum MigrationState {
     Completed,
     Failed,
     Cancelled,
+    /// A destination: the VM is arriving (`received` says how far).
+    Receiving,
+    /// A destination: the VM arrived and runs here.
+    Received,
 }
 
 /// Body of `GET /api/v1/vm.migration`, and of a successful `PUT /api/v1/vm.send-migration`:
@@ -289,6 +294,9 @@ pub struct MigrationStatus {
     pub report: Option<MigrationResult>,
     #[serde(default)]
     pub error: Option<String>,
+    /// A destination's incoming migration: pages and rounds so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub received: Option<RecvStatus>,
 }
 
 /// Watches the guest dirty memory for about `window` and predicts a migration at
@@ -362,7 +370,13 @@ impl JobState {
             (false, None, Some(_)) => MigrationState::Failed,
             _ => MigrationState::None,
         };
-        MigrationStatus { state, events: self.events.clone(), report: self.result.clone(), error: self.error.clone() }
+        MigrationStatus {
+            state,
+            events: self.events.clone(),
+            report: self.result.clone(),
+            error: self.error.clone(),
+            received: None,
+        }
     }
 }
 
@@ -469,4 +483,100 @@ pub fn loopback_pages_per_s() -> f64 {
     kumo_migration_engine::transport::loopback_tcp_bytes_per_s(64 << 20, 1 << 20)
         .map(|b| b / 4096.0)
         .unwrap_or(250_000.0)
+}
+
+/// A destination's incoming migration (`kumo run --incoming ADDR`): where it listens, the shape
+/// it was prepared for, and how far the VM has arrived (read by the destination's API).
+pub struct Incoming {
+    pub addr: Address,
+    /// `--memory`: only a VM of this size is taken, its memory allocated and faulted in first.
+    pub memory: Option<u64>,
+    /// `--cpus`: only a VM with this many vCPUs is taken.
+    pub cpus: Option<u32>,
+    pub since: Instant,
+    progress: RecvProgress,
+    arrived: Mutex<Option<RecvReport>>,
+}
+
+impl Incoming {
+    pub fn new(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<Arc<Incoming>, String> {
+        let addr: Address = addr.parse()?;
+        Ok(Arc::new(Incoming {
+            addr,
+            memory,
+            cpus,
+            since: Instant::now(),
+            progress: RecvProgress::default(),
+            arrived: Mutex::new(None),
+        }))
+    }
+
+    /// `receiving` with the pages so far, or `received` once the VM runs here.
+    pub fn status(&self) -> MigrationStatus {
+        let arrived = self.arrived.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+        MigrationStatus {
+            state: if arrived { MigrationState::Received } else { MigrationState::Receiving },
+            events: Vec::new(),
+            report: None,
+            error: None,
+            received: Some(self.progress.status()),
+        }
+    }
+
+    /// Waits for one incoming migration and returns the VM, running, with what the receiver
+    /// measured. With `memory` or `cpus` the destination is prepared: both are checked against
+    /// this host, and guest memory of that size is allocated and faulted in before listening,
+    /// so the transfer does not pay for first-touch page faults (expensive on nested hosts).
+    /// `say` gets the lines an operator wants to see (prepared, listening).
+    pub fn receive(&self, say: &dyn Fn(&str)) -> Result<(RunningVm, RecvReport), String> {
+        let (memory, cpus) = (self.memory, self.cpus);
+        let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
+        if let Some(n) = cpus {
+            kumo_vm::layout::check_vcpus(n, host.kvm_max_vcpus).map_err(|e| e.to_string())?;
+        }
+        if let Some(size) = memory {
+            kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;
+        }
+        let mut reserved = match memory {
+            Some(size) => {
+                let t = Instant::now();
+                let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
+                for (gpa, len) in ram_regions(size) {
+                    kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
+                }
+                say(&format!(
+                    "prepared {} MiB of guest memory in {:.0} ms",
+                    size >> 20,
+                    t.elapsed().as_secs_f64() * 1e3
+                ));
+                Some(m.memfd)
+            }
+            None => None,
+        };
+        // Listen only once the memory is ready: a source that connected earlier would wait for
+        // the handshake while memory is faulted in, and give up.
+        let listener = Listener::bind(&self.addr).map_err(|e| format!("cannot listen on {}: {e}", self.addr))?;
+        say(&format!("waiting for a migration on {}", listener.local_addr()));
+        let (vm, rr) =
+            receive_with(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, &self.progress, |desc, memfd| {
+                let config = config_from_description(desc)?;
+                let human = kumo_vm::memory::human_size;
+                if let Some(size) = memory.filter(|&m| m != config.memory) {
+                    return Err(format!(
+                        "this destination is prepared for {} of memory; the VM has {}",
+                        human(size),
+                        human(config.memory)
+                    ));
+                }
+                if let Some(n) = cpus.filter(|&n| n != config.cpus) {
+                    return Err(format!("this destination is prepared for {n} vCPUs; the VM has {}", config.cpus));
+                }
+                // Memory shared by a local migration wins; otherwise the prepared memory, if any.
+                let memfd = memfd.or_else(|| reserved.take());
+                RunningVm::incoming(config, Box::new(std::io::stdout()), memfd).map_err(|e| e.to_string())
+            })
+            .map_err(|e| format!("incoming migration failed: {e}"))?;
+        *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
+        Ok((vm, rr))
+    }
 }
