@@ -485,10 +485,10 @@ fn spawn_sender(
 
 /// Guest memory's host mapping, for zero-copy iovecs. Valid while the VM lives, which outlives
 /// the migration (the session borrows the VM for its whole run).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct SendMem {
-    regions: [(u64, u64, usize); 2], // (first gfn, pages, host address)
-    n: usize,
+    /// (first gfn, pages, host address), one per RAM region.
+    regions: Arc<[(u64, u64, usize)]>,
 }
 
 // SAFETY: the addresses refer to guest memory mappings that outlive the migration threads
@@ -496,21 +496,15 @@ struct SendMem {
 unsafe impl Send for SendMem {}
 
 impl SendMem {
-    fn new(mem: &GuestMemory) -> Result<SendMem, String> {
+    fn new(mem: &GuestMemory) -> SendMem {
         use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
-        let mut s = SendMem { regions: [(0, 0, 0); 2], n: 0 };
-        for r in mem.iter() {
-            if s.n == 2 {
-                return Err("more than two RAM regions".into());
-            }
-            s.regions[s.n] = (r.start_addr().0 / PAGE as u64, r.len() / PAGE as u64, r.as_ptr() as usize);
-            s.n += 1;
-        }
-        Ok(s)
+        let regions =
+            mem.iter().map(|r| (r.start_addr().0 / PAGE as u64, r.len() / PAGE as u64, r.as_ptr() as usize)).collect();
+        SendMem { regions }
     }
 
     fn addr(&self, gfn: u64) -> Option<usize> {
-        self.regions[..self.n]
+        self.regions
             .iter()
             .find(|(first, n, _)| gfn >= *first && gfn < first + n)
             .map(|(first, _, host)| host + ((gfn - first) as usize) * PAGE)
@@ -671,6 +665,46 @@ impl Replies {
     }
 }
 
+/// How the chosen engine moves pages, decided once from the options: the rest of the session
+/// reads these instead of asking which engine runs.
+struct Plan {
+    connections: usize,
+    /// `local`: guest memory goes to the destination over SCM_RIGHTS; no pre-copy.
+    shared_memory: bool,
+    /// `serial`, `overlap`: the collector copies page data into pooled buffers; `zerocopy`
+    /// sends from guest memory.
+    copy: bool,
+    /// `serial`: one batch in flight, each acknowledged (`Placed`) before the next.
+    lockstep: bool,
+    /// Batches queued per sender thread.
+    depth: usize,
+    /// Live rounds checksum their data only when it was copied: a page sent from guest memory
+    /// may change on its way (it is then dirty and sent again).
+    live_checksum: Checksum,
+}
+
+impl Plan {
+    fn new(opts: &MigrateOptions) -> Result<Plan, MigrateError> {
+        let e = opts.engine;
+        if e == EngineKind::Serial && opts.connections > 1 {
+            return Err(MigrateError::Other(
+                "the serial engine sends one batch at a time on one connection: use --connections 1".into(),
+            ));
+        }
+        let shared_memory = e == EngineKind::Local;
+        let copy = e != EngineKind::Zerocopy;
+        let lockstep = e == EngineKind::Serial;
+        Ok(Plan {
+            connections: if shared_memory { 1 } else { opts.connections.clamp(1, format::MAX_CONNECTIONS as usize) },
+            shared_memory,
+            copy,
+            lockstep,
+            depth: if lockstep { 0 } else { 4 },
+            live_checksum: if copy { Checksum::Full } else { Checksum::MetadataOnly },
+        })
+    }
+}
+
 /// Migrates `src` to the kumo listening at `to`. On success the source VM is left paused (its
 /// copy now runs at the destination). On a failure before the VM's final state has gone out,
 /// dirty logging is stopped and the source VM runs on. After it has gone out, only the
@@ -710,13 +744,8 @@ fn migrate_inner(
     let t_start = Instant::now();
     let cpu = Arc::new(AtomicU64::new(0));
     let cpu0 = thread_cpu_ms();
-    let local = opts.engine == EngineKind::Local;
-    if opts.engine == EngineKind::Serial && opts.connections > 1 {
-        return Err(MigrateError::Other(
-            "the serial engine sends one batch at a time on one connection: use --connections 1".into(),
-        ));
-    }
-    let nconn = if local { 1 } else { opts.connections.clamp(1, format::MAX_CONNECTIONS as usize) };
+    let plan = Plan::new(opts)?;
+    let (local, nconn) = (plan.shared_memory, plan.connections);
     let mut desc = src.description();
     desc.connections = nconn as u32;
     desc.shared_memory = local;
@@ -794,21 +823,20 @@ fn migrate_inner(
         let touched = src.touched_pages().map_err(MigrateError::Source)?;
         events(Event::Started { engine: opts.engine, connections: nconn, total_pages, touched_pages: touched.count() });
 
-        let copy = opts.engine != EngineKind::Zerocopy;
-        let send_mem = if copy { None } else { Some(SendMem::new(mem).map_err(MigrateError::Source)?) };
+        let copy = plan.copy;
+        let send_mem = if copy { None } else { Some(SendMem::new(mem)) };
         let sink = |conn: Conn| -> Box<dyn BatchSink> {
-            match send_mem {
+            match &send_mem {
                 Some(mem) => {
                     let zc = ZeroCopy::new(&conn);
-                    Box::new(ZeroCopySink { conn, mem, zc, deadline })
+                    Box::new(ZeroCopySink { conn, mem: mem.clone(), zc, deadline })
                 }
                 None => Box::new(CopySink(conn, deadline)),
             }
         };
         // Serial: one batch in flight, each acknowledged (Placed) before the next; overlap and
         // zerocopy: a few batches queued per sender.
-        let serial = opts.engine == EngineKind::Serial;
-        let depth = if serial { 0 } else { 4 };
+        let (serial, depth) = (plan.lockstep, plan.depth);
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
         // The session keeps a handle on each socket to watch its send queue drain.
         let watch: Vec<Conn> = conns.iter().map(Conn::try_clone).collect::<io::Result<_>>()?;
@@ -845,7 +873,7 @@ fn migrate_inner(
                 estimated_downtime_ms: estimate_ms,
             }
         };
-        let live_checksum = if copy { Checksum::Full } else { Checksum::MetadataOnly };
+        let live_checksum = plan.live_checksum;
 
         let mut to_send = touched;
         let mut round = 0u32;
