@@ -13,8 +13,8 @@ mod tests;
 
 pub use control::{CancelError, CancelToken};
 pub use session::{
-    migrate, receive, receive_with, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvPhase, RecvProgress,
-    RecvReport, RecvStatus, Report, RoundReport, SourceVm, StopPhaseTimes, HANDSHAKE_TIMEOUT, PROGRESS_INTERVAL,
-    PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
+    migrate, receive, receive_with, BoxError, DestVm, EngineKind, Event, MigrateError, MigrateOptions, RecvPhase,
+    RecvProgress, RecvReport, RecvStatus, Report, RoundReport, SourceVm, StopPhaseTimes, VmError, VmOp,
+    HANDSHAKE_TIMEOUT, PROGRESS_INTERVAL, PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
 };
 pub use transport::{Address, Conn, Listener};

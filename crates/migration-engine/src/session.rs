@@ -122,21 +122,68 @@ impl Default for MigrateOptions {
     }
 }
 
+/// Any error a VM implementation has.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a VM was asked to do when it failed, at the migration seam.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmOp {
+    StartDirtyLog,
+    TouchedPages,
+    FetchDirty,
+    Pause,
+    Resume,
+    SaveState,
+    /// Building the destination VM from the stream's description.
+    Create,
+    RestoreState,
+}
+
+impl std::fmt::Display for VmOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            VmOp::StartDirtyLog => "starting dirty logging",
+            VmOp::TouchedPages => "finding the touched pages",
+            VmOp::FetchDirty => "reading the dirty log",
+            VmOp::Pause => "pausing",
+            VmOp::Resume => "resuming",
+            VmOp::SaveState => "saving its state",
+            VmOp::Create => "creating it",
+            VmOp::RestoreState => "restoring its state",
+        })
+    }
+}
+
+/// A VM operation that failed: which one, and the VM's own error.
+#[derive(Debug, thiserror::Error)]
+#[error("{op}: {source}")]
+pub struct VmError {
+    pub op: VmOp,
+    #[source]
+    pub source: BoxError,
+}
+
+impl VmError {
+    pub fn new(op: VmOp, source: impl Into<BoxError>) -> Self {
+        VmError { op, source: source.into() }
+    }
+}
+
 /// The source VM, as migration sees it.
 pub trait SourceVm: Sync {
     fn description(&self) -> VmDescription;
     fn memory(&self) -> &GuestMemory;
     fn memfd(&self) -> BorrowedFd<'_>;
-    fn start_dirty_log(&self) -> Result<(), String>;
+    fn start_dirty_log(&self) -> Result<(), VmError>;
     fn stop_dirty_log(&self);
     /// Pages ever touched (round 0 sends these).
-    fn touched_pages(&self) -> Result<PageBitmap, String>;
+    fn touched_pages(&self) -> Result<PageBitmap, VmError>;
     /// Adds pages dirtied since the last call to `into`; returns how many.
-    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, String>;
-    fn pause(&self) -> Result<(), String>;
-    fn resume(&self) -> Result<(), String>;
+    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError>;
+    fn pause(&self) -> Result<(), VmError>;
+    fn resume(&self) -> Result<(), VmError>;
     /// vCPU, irqchip, clock and device state, opaque to migration.
-    fn save_state(&self) -> Result<Vec<u8>, String>;
+    fn save_state(&self) -> Result<Vec<u8>, VmError>;
     /// Distinct pages dirtied since the last `fetch_dirty`, read without clearing; `None` if
     /// the VM cannot tell without clearing. Sampled during round 0 to measure the dirty-page
     /// curve D(t) directly.
@@ -151,8 +198,8 @@ pub trait SourceVm: Sync {
 /// The destination VM, built from the stream's description.
 pub trait DestVm: Sync {
     fn memory(&self) -> &GuestMemory;
-    fn restore_state(&self, state: &[u8]) -> Result<(), String>;
-    fn resume(&self) -> Result<(), String>;
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmError>;
+    fn resume(&self) -> Result<(), VmError>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -164,11 +211,18 @@ pub enum MigrateError {
     #[error("connection: {0}")]
     Io(#[from] io::Error),
     #[error("source VM: {0}")]
-    Source(String),
+    Source(VmError),
+    /// Guest memory the source cannot read.
+    #[error("source VM memory: {0}")]
+    SourceMemory(String),
     #[error("destination refused: {0}")]
     Refused(String),
+    /// The destination reported a failure (its message, from the wire).
     #[error("destination VM: {0}")]
     Dest(String),
+    /// This destination's VM failed.
+    #[error("destination VM: {0}")]
+    DestVm(VmError),
     #[error("no reply from the destination within {} s", .0.as_secs_f64())]
     ReplyTimeout(Duration),
     /// A deadline passed with no progress: `what` says whose.
@@ -428,8 +482,10 @@ impl BatchSink for ZeroCopySink {
         // Contiguous pages share one iovec.
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(b.gfns.len());
         for &g in &b.gfns {
-            let a =
-                self.mem.addr(g).ok_or_else(|| MigrateError::Source(format!("page {g:#x} outside guest memory")))?;
+            let a = self
+                .mem
+                .addr(g)
+                .ok_or_else(|| MigrateError::SourceMemory(format!("page {g:#x} outside guest memory")))?;
             if b.checksum == Checksum::Full {
                 // SAFETY: `a` maps a whole guest page (checked by `addr`); a full checksum is
                 // only asked for while the VM is paused.
@@ -627,7 +683,7 @@ impl Collector<'_> {
             for (i, &g) in gfns.iter().enumerate() {
                 self.mem
                     .read_slice(&mut data[i * PAGE..(i + 1) * PAGE], GuestAddress(g * PAGE as u64))
-                    .map_err(|e| MigrateError::Source(format!("reading page {g:#x}: {e}")))?;
+                    .map_err(|e| MigrateError::SourceMemory(format!("reading page {g:#x}: {e}")))?;
             }
         }
         let s = &self.senders[self.next % self.senders.len()];
@@ -1297,7 +1353,7 @@ fn buffered(c: Conn) -> BufReader<Conn> {
 pub fn receive<V: DestVm>(
     listener: &Listener,
     idle: Duration,
-    create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, String>,
+    create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, VmError>,
 ) -> Result<(V, RecvReport), MigrateError> {
     receive_with(listener, idle, &RecvProgress::default(), create)
 }
@@ -1307,7 +1363,7 @@ pub fn receive_with<V: DestVm>(
     listener: &Listener,
     idle: Duration,
     progress: &RecvProgress,
-    create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, String>,
+    create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, VmError>,
 ) -> Result<(V, RecvReport), MigrateError> {
     let conn0 = listener.accept()?;
     let t0 = Instant::now();
@@ -1360,7 +1416,7 @@ pub fn receive_with<V: DestVm>(
     }
     let vm = match create(&desc, memfd) {
         Ok(vm) => vm,
-        Err(e) => return Err(fail(&mut conn0, MigrateError::Dest(e))),
+        Err(e) => return Err(fail(&mut conn0, MigrateError::DestVm(e))),
     };
     conn0.send(&Reply::Ready);
     // Shared with the first connection's receiving thread, which sends the Placed notices.
@@ -1444,8 +1500,8 @@ pub fn receive_with<V: DestVm>(
             .unwrap_or_else(|p| p.into_inner())
             .take()
             .ok_or_else(|| MigrateError::Other("the stream carried no VM state".into()))?;
-        vm.restore_state(&st).map_err(MigrateError::Dest)?;
-        vm.resume().map_err(MigrateError::Dest)
+        vm.restore_state(&st).map_err(MigrateError::DestVm)?;
+        vm.resume().map_err(MigrateError::DestVm)
     });
     let restore_ms = ms_since(t_restore);
     let mut conn0 = conn0.into_inner().unwrap_or_else(|p| p.into_inner());

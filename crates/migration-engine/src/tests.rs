@@ -106,40 +106,40 @@ impl SourceVm for FakeSource {
     fn memfd(&self) -> BorrowedFd<'_> {
         self.mem.memfd.as_fd()
     }
-    fn start_dirty_log(&self) -> Result<(), String> {
+    fn start_dirty_log(&self) -> Result<(), VmError> {
         *self.dirty.lock().unwrap() = Some(PageBitmap::for_regions(&regions()));
         Ok(())
     }
     fn stop_dirty_log(&self) {
         *self.dirty.lock().unwrap() = None;
     }
-    fn touched_pages(&self) -> Result<PageBitmap, String> {
+    fn touched_pages(&self) -> Result<PageBitmap, VmError> {
         let mut b = PageBitmap::for_regions(&regions());
         for p in 0..PAGES {
             b.set(p);
         }
         Ok(b)
     }
-    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, String> {
+    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError> {
         let mut d = self.dirty.lock().unwrap();
-        let d = d.as_mut().ok_or("dirty log not started")?;
+        let d = d.as_mut().ok_or_else(|| VmError::new(VmOp::FetchDirty, "dirty log not started"))?;
         let n = d.count();
         into.union(d);
         d.clear();
         Ok(n)
     }
-    fn pause(&self) -> Result<(), String> {
+    fn pause(&self) -> Result<(), VmError> {
         // Under the writer's lock: once this returns, no write is in flight.
         let _guard = self.dirty.lock().unwrap();
         self.running.store(false, Ordering::Release);
         Ok(())
     }
-    fn resume(&self) -> Result<(), String> {
+    fn resume(&self) -> Result<(), VmError> {
         self.resumed.fetch_add(1, Ordering::Relaxed);
         self.running.store(true, Ordering::Release);
         Ok(())
     }
-    fn save_state(&self) -> Result<Vec<u8>, String> {
+    fn save_state(&self) -> Result<Vec<u8>, VmError> {
         Ok(b"vcpu state".to_vec())
     }
 }
@@ -154,20 +154,21 @@ impl DestVm for FakeDest {
     fn memory(&self) -> &GuestMemory {
         &self.mem.guest
     }
-    fn restore_state(&self, state: &[u8]) -> Result<(), String> {
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmError> {
         *self.state.lock().unwrap() = state.to_vec();
         Ok(())
     }
-    fn resume(&self) -> Result<(), String> {
+    fn resume(&self) -> Result<(), VmError> {
         self.running.store(true, Ordering::Release);
         Ok(())
     }
 }
 
-fn make_dest(desc: &VmDescription, memfd: Option<File>) -> Result<FakeDest, String> {
+fn make_dest(desc: &VmDescription, memfd: Option<File>) -> Result<FakeDest, VmError> {
+    let create = |e| VmError::new(VmOp::Create, e);
     let mem = match memfd {
-        Some(f) => Memory::from_file(f, desc.memory_bytes).map_err(|e| e.to_string())?,
-        None => Memory::new(desc.memory_bytes).map_err(|e| e.to_string())?,
+        Some(f) => Memory::from_file(f, desc.memory_bytes).map_err(create)?,
+        None => Memory::new(desc.memory_bytes).map_err(create)?,
     };
     Ok(FakeDest { mem, state: Mutex::new(Vec::new()), running: AtomicBool::new(false) })
 }
@@ -274,7 +275,7 @@ fn a_destination_that_refuses_leaves_the_source_running() {
     let src = FakeSource::new(100);
     let (l, addr) = listen(false, "refuse");
     let dest = std::thread::spawn(move || {
-        receive(&l, Duration::from_secs(5), |_, _| Err::<FakeDest, _>("no room here".into()))
+        receive(&l, Duration::from_secs(5), |_, _| Err::<FakeDest, _>(VmError::new(VmOp::Create, "no room here")))
     });
     let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("no room here"), "{e}");

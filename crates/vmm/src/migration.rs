@@ -10,8 +10,8 @@ use kumo_migration::model::{compare, predict, Comparison, DirtyModel, PredictPar
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
 use kumo_migration::StopPhaseModel;
 use kumo_migration_engine::{
-    migrate, receive_with, Address, CancelToken, DestVm, EngineKind, Event, Listener, MigrateError, MigrateOptions,
-    RecvProgress, RecvReport, RecvStatus, Report, SourceVm,
+    migrate, receive_with, Address, BoxError, CancelToken, DestVm, EngineKind, Event, Listener, MigrateError,
+    MigrateOptions, RecvProgress, RecvReport, RecvStatus, Report, SourceVm, VmError, VmOp,
 };
 use kumo_vm::dirty::PageBitmap;
 use kumo_vm::layout::ram_regions;
@@ -34,29 +34,30 @@ impl SourceVm for RunningVm {
     fn memfd(&self) -> BorrowedFd<'_> {
         RunningVm::memfd(self).as_fd()
     }
-    fn start_dirty_log(&self) -> Result<(), String> {
-        self.vm().start_dirty_log().map(drop).map_err(|e| e.to_string())
+    fn start_dirty_log(&self) -> Result<(), VmError> {
+        self.vm().start_dirty_log().map(drop).map_err(|e| VmError::new(VmOp::StartDirtyLog, e))
     }
     fn stop_dirty_log(&self) {
         if let Err(e) = self.vm().stop_dirty_log() {
             tracing::warn!("cannot stop dirty logging: {e}");
         }
     }
-    fn touched_pages(&self) -> Result<PageBitmap, String> {
-        self.vm().touched_pages().map_err(|e| e.to_string())
+    fn touched_pages(&self) -> Result<PageBitmap, VmError> {
+        self.vm().touched_pages().map_err(|e| VmError::new(VmOp::TouchedPages, e))
     }
-    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, String> {
-        self.vm().fetch_dirty(into).map_err(|e| e.to_string())
+    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError> {
+        self.vm().fetch_dirty(into).map_err(|e| VmError::new(VmOp::FetchDirty, e))
     }
-    fn pause(&self) -> Result<(), String> {
-        self.migration_pause().map_err(|e| e.to_string())
+    fn pause(&self) -> Result<(), VmError> {
+        self.migration_pause().map_err(|e| VmError::new(VmOp::Pause, e))
     }
-    fn resume(&self) -> Result<(), String> {
-        self.migration_resume().map_err(|e| e.to_string())
+    fn resume(&self) -> Result<(), VmError> {
+        self.migration_resume().map_err(|e| VmError::new(VmOp::Resume, e))
     }
-    fn save_state(&self) -> Result<Vec<u8>, String> {
-        let s = RunningVm::save_state(self).map_err(|e| e.to_string())?;
-        serde_json::to_vec(&s).map_err(|e| e.to_string())
+    fn save_state(&self) -> Result<Vec<u8>, VmError> {
+        let err = |e: BoxError| VmError { op: VmOp::SaveState, source: e };
+        let s = RunningVm::save_state(self).map_err(|e| err(e.into()))?;
+        serde_json::to_vec(&s).map_err(|e| err(e.into()))
     }
     fn set_throttle(&self, percent: u32) {
         RunningVm::set_throttle(self, percent)
@@ -70,12 +71,13 @@ impl DestVm for RunningVm {
     fn memory(&self) -> &GuestMemory {
         RunningVm::memory(self)
     }
-    fn restore_state(&self, state: &[u8]) -> Result<(), String> {
-        let s: Snapshot = serde_json::from_slice(state).map_err(|e| format!("bad VM state: {e}"))?;
-        RunningVm::restore_state(self, &s).map_err(|e| e.to_string())
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmError> {
+        let err = |e: BoxError| VmError { op: VmOp::RestoreState, source: e };
+        let s: Snapshot = serde_json::from_slice(state).map_err(|e| err(format!("bad VM state: {e}").into()))?;
+        RunningVm::restore_state(self, &s).map_err(|e| err(e.into()))
     }
-    fn resume(&self) -> Result<(), String> {
-        self.resume_incoming().map_err(|e| e.to_string())
+    fn resume(&self) -> Result<(), VmError> {
+        self.resume_incoming().map_err(|e| VmError::new(VmOp::Resume, e))
     }
 }
 
@@ -559,21 +561,26 @@ impl Incoming {
         say(&format!("waiting for a migration on {}", listener.local_addr()));
         let (vm, rr) =
             receive_with(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, &self.progress, |desc, memfd| {
-                let config = config_from_description(desc)?;
+                let refuse = |why: String| VmError::new(VmOp::Create, why);
+                let config = config_from_description(desc).map_err(refuse)?;
                 let human = kumo_vm::memory::human_size;
                 if let Some(size) = memory.filter(|&m| m != config.memory) {
-                    return Err(format!(
+                    return Err(refuse(format!(
                         "this destination is prepared for {} of memory; the VM has {}",
                         human(size),
                         human(config.memory)
-                    ));
+                    )));
                 }
                 if let Some(n) = cpus.filter(|&n| n != config.cpus) {
-                    return Err(format!("this destination is prepared for {n} vCPUs; the VM has {}", config.cpus));
+                    return Err(refuse(format!(
+                        "this destination is prepared for {n} vCPUs; the VM has {}",
+                        config.cpus
+                    )));
                 }
                 // Memory shared by a local migration wins; otherwise the prepared memory, if any.
                 let memfd = memfd.or_else(|| reserved.take());
-                RunningVm::incoming(config, Box::new(std::io::stdout()), memfd).map_err(|e| e.to_string())
+                RunningVm::incoming(config, Box::new(std::io::stdout()), memfd)
+                    .map_err(|e| VmError::new(VmOp::Create, e))
             })
             .map_err(|e| format!("incoming migration failed: {e}"))?;
         *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
