@@ -17,7 +17,9 @@ use vm_memory::{Bytes, GuestAddress};
 
 use kumo_migration::format::{Encoder, Reply};
 
+use crate::destination::*;
 use crate::session::*;
+use crate::source::*;
 use crate::transport::{Address, Conn, Listener};
 
 const MEM: u64 = 16 << 20;
