@@ -715,6 +715,17 @@ fn the_cancel_route_stops_a_migration() {
         assert!(!call.is_finished(), "the migration ended: {st}");
         st["events"].as_array()?.iter().any(is_mid_round).then_some(())
     });
+    // The event stream: JSON lines from the start of the migration until it ends.
+    let stream = {
+        let sock = sock.clone();
+        std::thread::spawn(move || {
+            let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+            c.write_all(b"GET /api/v1/vm.migration-events HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut got = String::new();
+            c.read_to_string(&mut got).unwrap();
+            got
+        })
+    };
     // Meanwhile the destination shows what has arrived.
     let d = kumo_api::ApiClient::new(&dsock);
     let got: serde_json::Value = eventually(PATIENCE, || {
@@ -732,6 +743,14 @@ fn the_cancel_route_stops_a_migration() {
     assert!(e.to_string().contains("cancelled"), "{e}");
     let st: serde_json::Value = c.migration_status().unwrap();
     assert_eq!(st["state"], "cancelled");
+    let got = stream.join().unwrap();
+    let (head, body) = got.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let lines = json_lines(body);
+    assert_eq!(lines.first().map(|e| &e["event"]), Some(&serde_json::json!("started")), "{body}");
+    assert!(lines.iter().any(is_mid_round), "{body}");
+    assert!(lines.iter().any(|e| e["event"] == "cancelled"), "{body}");
+    assert_eq!(lines.last().unwrap()["state"], "cancelled", "final status last: {body}");
     let (dcode, _, derr) = dest.wait();
     assert_eq!(dcode, Some(1), "{derr}");
     assert_eq!(vm_state(&sock).as_deref(), Some("running"));

@@ -30,6 +30,7 @@ pub mod paths {
     pub const MIGRATE: &str = "/api/v1/vm.send-migration";
     pub const MIGRATION: &str = "/api/v1/vm.migration";
     pub const CANCEL_MIGRATION: &str = "/api/v1/vm.cancel-migration";
+    pub const MIGRATION_EVENTS: &str = "/api/v1/vm.migration-events";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -75,6 +76,8 @@ pub enum ApiRequest {
     MigrationStatus,
     /// Cancel the running migration; the VM runs on here.
     CancelMigration,
+    /// The migration's events as JSON lines, streamed until it ends.
+    MigrationEvents,
 }
 
 /// How a migration moves pages (see docs/migration.md, "Engines").
@@ -137,7 +140,42 @@ pub enum ApiResponse {
     Info(VmInfo),
     /// 200 with any JSON body (migration reports, progress).
     Json(Value),
+    /// 200 with JSON lines written as they come, until the producer ends; the connection
+    /// closes after it (the body ends there).
+    Stream(JsonLines),
 }
+
+/// The producer of a streamed answer: called once with a sink that writes one line and says
+/// whether to go on (false: the client left or the server stops).
+#[derive(Clone)]
+pub struct JsonLines(std::sync::Arc<LineProducer>);
+
+/// Writes lines through the sink it is given until it is done or the sink says stop.
+pub type LineProducer = dyn Fn(&mut dyn FnMut(&Value) -> bool) + Send + Sync;
+
+impl JsonLines {
+    pub fn new(f: impl Fn(&mut dyn FnMut(&Value) -> bool) + Send + Sync + 'static) -> Self {
+        JsonLines(std::sync::Arc::new(f))
+    }
+
+    pub fn run(&self, sink: &mut dyn FnMut(&Value) -> bool) {
+        (self.0)(sink)
+    }
+}
+
+impl std::fmt::Debug for JsonLines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JsonLines")
+    }
+}
+
+// A producer is equal only to itself.
+impl PartialEq for JsonLines {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for JsonLines {}
 
 impl ApiResponse {
     /// Status and JSON body on the wire.
@@ -147,6 +185,7 @@ impl ApiResponse {
             ApiResponse::Pong { kumo_version } => (200, Some(json!({ "kumo_version": kumo_version }))),
             ApiResponse::Info(info) => (200, Some(to_json(&info)?)),
             ApiResponse::Json(v) => (200, Some(v)),
+            ApiResponse::Stream(_) => return Err(ApiError::internal("a streamed answer has no single body")),
         })
     }
 }

@@ -12,20 +12,20 @@ use crate::Error;
 pub struct VmApi {
     /// Set once the VM exists: at once, or for a destination once it has arrived.
     vm: OnceLock<Weak<RunningVm>>,
-    migration: MigrationJob,
+    migration: Arc<MigrationJob>,
     /// A destination's incoming migration: its progress while the VM arrives.
     incoming: Option<Arc<Incoming>>,
 }
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
-        Arc::new(VmApi { vm: OnceLock::from(Arc::downgrade(vm)), migration: MigrationJob::default(), incoming: None })
+        Arc::new(VmApi { vm: OnceLock::from(Arc::downgrade(vm)), migration: Arc::default(), incoming: None })
     }
 
     /// The API of a destination, up while the VM arrives: `vm.info` says `receiving` and
     /// `vm.migration` shows what has arrived; [`VmApi::attach`] hands it the VM once it runs.
     pub fn incoming(incoming: &Arc<Incoming>) -> Arc<Self> {
-        Arc::new(VmApi { vm: OnceLock::new(), migration: MigrationJob::default(), incoming: Some(incoming.clone()) })
+        Arc::new(VmApi { vm: OnceLock::new(), migration: Arc::default(), incoming: Some(incoming.clone()) })
     }
 
     pub fn attach(&self, vm: &Arc<RunningVm>) {
@@ -116,6 +116,10 @@ impl ApiHandler for VmApi {
                     st = inc.status();
                 }
                 Ok(ApiResponse::Json(to_json(&st)?))
+            }
+            ApiRequest::MigrationEvents => {
+                let job = self.migration.clone();
+                Ok(ApiResponse::Stream(kumo_api::JsonLines::new(move |sink| job.stream(sink))))
             }
             ApiRequest::CancelMigration => {
                 self.migration.cancel().map(|()| ApiResponse::Ok).map_err(|e| ApiError::conflict(e.to_string()))

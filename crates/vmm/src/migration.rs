@@ -350,6 +350,8 @@ pub fn estimate(
 #[derive(Default)]
 pub struct MigrationJob {
     state: Mutex<JobState>,
+    /// Signalled at every event and when a migration ends: streams wait on it.
+    changed: std::sync::Condvar,
 }
 
 #[derive(Default)]
@@ -389,6 +391,35 @@ impl MigrationJob {
 
     pub fn status(&self) -> MigrationStatus {
         self.lock().status()
+    }
+
+    /// Hands `sink` every event of the running migration (or the last one) as it comes, then
+    /// the final status without its events, once the migration has ended. Stops early when
+    /// `sink` says so.
+    pub fn stream(&self, sink: &mut dyn FnMut(&Value) -> bool) {
+        let mut sent = 0;
+        loop {
+            let (new, ended) = {
+                let mut s = self.lock();
+                if s.running && s.events.len() == sent {
+                    // Wakes at least every second even without news.
+                    s = self.changed.wait_timeout(s, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
+                }
+                let new: Vec<Event> = s.events.get(sent..).unwrap_or_default().to_vec();
+                let ended = (!s.running).then(|| MigrationStatus { events: Vec::new(), ..s.status() });
+                (new, ended)
+            };
+            sent += new.len();
+            for e in &new {
+                if !sink(&serde_json::to_value(e).unwrap_or(Value::Null)) {
+                    return;
+                }
+            }
+            if let Some(st) = ended {
+                sink(&serde_json::to_value(&st).unwrap_or(Value::Null));
+                return;
+            }
+        }
     }
 
     /// Cancels the running migration: it stops between two batches and the VM runs on here.
@@ -432,6 +463,7 @@ impl MigrationJob {
                     tracing::info!(?e, "migration");
                 }
                 self.lock().events.push(e);
+                self.changed.notify_all();
             })
             .map(|r| {
                 let model = model_report(&r, opts.policy, total_pages);
@@ -447,6 +479,7 @@ impl MigrationJob {
         let mut s = self.lock();
         s.running = false;
         s.cancel = None;
+        self.changed.notify_all();
         match result {
             Ok(v) => {
                 s.result = Some(v);
