@@ -1,4 +1,4 @@
-//! A running VM as a migration source or destination, and migration jobs for the API.
+//! The VM as a migration source, and the API's migration job.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
@@ -6,21 +6,21 @@ use std::time::{Duration, Instant};
 
 use kumo_api::{MigrateRequest, MigrationEngine};
 use kumo_migration::format::VmDescription;
-use kumo_migration::model::{compare, predict, Comparison, DirtyModel, PredictParams, Prediction};
+use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
 use kumo_migration::StopPhaseModel;
 use kumo_migration_engine::{
-    migrate, receive_with, Address, BoxError, CancelToken, DestVm, EngineKind, Event, Listener, MigrateError,
-    MigrateOptions, RecvProgress, RecvReport, RecvStatus, Report, SourceVm, VmError, VmOp,
+    migrate, Address, BoxError, CancelToken, EngineKind, Event, MigrateError, MigrateOptions, Report, SourceVm,
+    VmError, VmOp,
 };
 use kumo_vm::dirty::PageBitmap;
 use kumo_vm::layout::ram_regions;
 use kumo_vm::GuestMemory;
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::vmm::{RunningVm, Snapshot};
-use crate::VmConfig;
+use crate::vmm::RunningVm;
+
+use super::*;
 
 impl SourceVm for RunningVm {
     fn description(&self) -> VmDescription {
@@ -65,31 +65,6 @@ impl SourceVm for RunningVm {
     fn peek_dirty_count(&self) -> Option<u64> {
         self.vm().peek_dirty_count().ok().flatten()
     }
-}
-
-impl DestVm for RunningVm {
-    fn memory(&self) -> &GuestMemory {
-        RunningVm::memory(self)
-    }
-    fn restore_state(&self, state: &[u8]) -> Result<(), VmError> {
-        let err = |e: BoxError| VmError { op: VmOp::RestoreState, source: e };
-        let s: Snapshot = serde_json::from_slice(state).map_err(|e| err(format!("bad VM state: {e}").into()))?;
-        RunningVm::restore_state(self, &s).map_err(|e| err(e.into()))
-    }
-    fn resume(&self) -> Result<(), VmError> {
-        self.resume_incoming().map_err(|e| VmError::new(VmOp::Resume, e))
-    }
-}
-
-/// The VM config an incoming stream describes, checked against the stream's own shape.
-pub fn config_from_description(d: &VmDescription) -> Result<VmConfig, String> {
-    let c: VmConfig =
-        serde_json::from_value(d.payload.clone()).map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
-    if c.cpus != d.cpus || c.memory != d.memory_bytes || ram_regions(c.memory) != d.regions {
-        return Err("the stream's VM config contradicts its description".into());
-    }
-    c.validate_shape().map_err(|e| e.to_string())?;
-    Ok(c)
 }
 
 /// The lowest bandwidth cap taken, bytes/s: below it a 4 MiB batch takes seconds and the
@@ -140,32 +115,6 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
         ..Default::default()
     };
     Ok((to, opts))
-}
-
-/// The dirty-page model fitted to a migration, and its prediction next to the measurement.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelReport {
-    pub fitted: bool,
-    /// Why the model could not be fitted.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub why: Option<String>,
-    /// What the fit used: round 0's samples of D(t), or the rounds.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fit_source: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub m: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tau_s: Option<f64>,
-    #[serde(default)]
-    pub observations: Vec<(f64, f64)>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bandwidth_pages_per_s: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub predicted: Option<Prediction>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub comparison: Option<Comparison>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub predict_error: Option<String>,
 }
 
 /// Fits the dirty-page model to the live rounds' observations (round length, pages dirtied
@@ -236,69 +185,6 @@ pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> ModelRe
         Err(e) => out.predict_error = Some(e.to_string()),
     }
     out
-}
-
-/// What a dry run predicts (`kumo migrate --dry-run`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DryRunReport {
-    /// Always true: tells a dry run's answer from a migration's.
-    pub dry_run: bool,
-    pub m: f64,
-    pub tau_s: f64,
-    pub observations: Vec<(f64, f64)>,
-    pub touched_pages: u64,
-    pub bandwidth_pages_per_s: f64,
-    pub predicted: Prediction,
-}
-
-/// A finished migration's report as the API gives it: the engine's measurements, the model,
-/// where the VM went.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SendReport {
-    #[serde(flatten)]
-    pub report: Report,
-    pub model: ModelReport,
-    pub to: String,
-    /// The user had paused the VM: it arrives paused.
-    pub arrived_paused: bool,
-}
-
-/// What a migration request ended with.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum MigrationResult {
-    DryRun(DryRunReport),
-    Migrated(Box<SendReport>),
-}
-
-/// Where the last migration is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MigrationState {
-    None,
-    Running,
-    Completed,
-    Failed,
-    Cancelled,
-    /// A destination: the VM is arriving (`received` says how far).
-    Receiving,
-    /// A destination: the VM arrived and runs here.
-    Received,
-}
-
-/// Body of `GET /api/v1/vm.migration`, and of a successful `PUT /api/v1/vm.send-migration`:
-/// the final status, so that a source that stops once its VM has moved still tells how the
-/// migration ended.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MigrationStatus {
-    pub state: MigrationState,
-    pub events: Vec<Event>,
-    pub report: Option<MigrationResult>,
-    #[serde(default)]
-    pub error: Option<String>,
-    /// A destination's incoming migration: pages and rounds so far.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub received: Option<RecvStatus>,
 }
 
 /// Watches the guest dirty memory for about `window` and predicts a migration at
@@ -518,105 +404,4 @@ pub fn loopback_pages_per_s() -> f64 {
     kumo_migration_engine::transport::loopback_tcp_bytes_per_s(64 << 20, 1 << 20)
         .map(|b| b / 4096.0)
         .unwrap_or(250_000.0)
-}
-
-/// A destination's incoming migration (`kumo run --incoming ADDR`): where it listens, the shape
-/// it was prepared for, and how far the VM has arrived (read by the destination's API).
-pub struct Incoming {
-    pub addr: Address,
-    /// `--memory`: only a VM of this size is taken, its memory allocated and faulted in first.
-    pub memory: Option<u64>,
-    /// `--cpus`: only a VM with this many vCPUs is taken.
-    pub cpus: Option<u32>,
-    pub since: Instant,
-    progress: RecvProgress,
-    arrived: Mutex<Option<RecvReport>>,
-}
-
-impl Incoming {
-    pub fn new(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<Arc<Incoming>, String> {
-        let addr: Address = addr.parse()?;
-        Ok(Arc::new(Incoming {
-            addr,
-            memory,
-            cpus,
-            since: Instant::now(),
-            progress: RecvProgress::default(),
-            arrived: Mutex::new(None),
-        }))
-    }
-
-    /// `receiving` with the pages so far, or `received` once the VM runs here.
-    pub fn status(&self) -> MigrationStatus {
-        let arrived = self.arrived.lock().unwrap_or_else(|p| p.into_inner()).is_some();
-        MigrationStatus {
-            state: if arrived { MigrationState::Received } else { MigrationState::Receiving },
-            events: Vec::new(),
-            report: None,
-            error: None,
-            received: Some(self.progress.status()),
-        }
-    }
-
-    /// Waits for one incoming migration and returns the VM, running, with what the receiver
-    /// measured. With `memory` or `cpus` the destination is prepared: both are checked against
-    /// this host, and guest memory of that size is allocated and faulted in before listening,
-    /// so the transfer does not pay for first-touch page faults (expensive on nested hosts).
-    /// `say` gets the lines an operator wants to see (prepared, listening).
-    pub fn receive(&self, say: &dyn Fn(&str)) -> Result<(RunningVm, RecvReport), String> {
-        let (memory, cpus) = (self.memory, self.cpus);
-        let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
-        if let Some(n) = cpus {
-            kumo_vm::layout::check_vcpus(n, host.kvm_max_vcpus).map_err(|e| e.to_string())?;
-        }
-        if let Some(size) = memory {
-            kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;
-        }
-        let mut reserved = match memory {
-            Some(size) => {
-                let t = Instant::now();
-                let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
-                for (gpa, len) in ram_regions(size) {
-                    kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
-                }
-                say(&format!(
-                    "prepared {} MiB of guest memory in {:.0} ms",
-                    size >> 20,
-                    t.elapsed().as_secs_f64() * 1e3
-                ));
-                Some(m.memfd)
-            }
-            None => None,
-        };
-        // Listen only once the memory is ready: a source that connected earlier would wait for
-        // the handshake while memory is faulted in, and give up.
-        let listener = Listener::bind(&self.addr).map_err(|e| format!("cannot listen on {}: {e}", self.addr))?;
-        say(&format!("waiting for a migration on {}", listener.local_addr()));
-        let (vm, rr) =
-            receive_with(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, &self.progress, |desc, memfd| {
-                let refuse = |why: String| VmError::new(VmOp::Create, why);
-                let config = config_from_description(desc).map_err(refuse)?;
-                let human = kumo_vm::memory::human_size;
-                if let Some(size) = memory.filter(|&m| m != config.memory) {
-                    return Err(refuse(format!(
-                        "this destination is prepared for {} of memory; the VM has {}",
-                        human(size),
-                        human(config.memory)
-                    )));
-                }
-                if let Some(n) = cpus.filter(|&n| n != config.cpus) {
-                    return Err(refuse(format!(
-                        "this destination is prepared for {n} vCPUs; the VM has {}",
-                        config.cpus
-                    )));
-                }
-                // Memory shared by a local migration wins; otherwise the prepared memory, if any.
-                let memfd = memfd.or_else(|| reserved.take());
-                RunningVm::incoming(config, Box::new(std::io::stdout()), memfd)
-                    .map_err(|e| VmError::new(VmOp::Create, e))
-            })
-            .map_err(|e| format!("incoming migration failed: {e}"))?;
-        *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
-        Ok((vm, rr))
-    }
 }
