@@ -151,6 +151,8 @@ fn a_loaded_guest_migrates_with_every_engine() {
         let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine, "--connections", conns]);
         assert!(ok, "{engine}: migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dest.stderr());
         assert!(out.contains("migrated to") && out.contains("downtime"), "{out}");
+        // stderr is not a terminal here: progress comes as plain lines.
+        assert!(err.contains("kumo: migration started") && err.contains("kumo: round 0 done"), "{err}");
         assert_migrated_away(src);
         dest.stop_guest();
         let (dcode, dout, derr) = dest.wait();
@@ -362,12 +364,14 @@ fn pause_resume_and_a_second_migration_are_refused_while_migrating() {
             let c = kumo_api::ApiClient::new(&sock).with_timeout(Duration::from_secs(30));
             let body = serde_json::json!({"to": "tcp:127.0.0.1:1"});
             let mut answers: Vec<(String, u16)> = Vec::new();
-            let running = || matches!(c.migration_status(), Ok(v) if v["state"] == "running");
+            let running = || matches!(c.migration_status::<serde_json::Value>(), Ok(v) if v["state"] == "running");
             while !done.load(Ordering::Acquire) && !running() {}
             while !done.load(Ordering::Acquire) {
-                for (path, b) in
-                    [("/api/v1/vm.resume", None), ("/api/v1/vm.pause", None), ("/api/v1/vm.migrate", Some(&body))]
-                {
+                for (path, b) in [
+                    ("/api/v1/vm.resume", None),
+                    ("/api/v1/vm.pause", None),
+                    ("/api/v1/vm.send-migration", Some(&body)),
+                ] {
                     match c.request("PUT", path, b) {
                         Ok((status, _)) => answers.push((path.to_string(), status)),
                         Err(_) => return answers, // the source has ended
@@ -461,7 +465,8 @@ fn bad_migrate_requests_are_refused() {
     let (src, sock) = source("bad-src", "64M", &["pages=100", "until_input=1"]);
     for (args, want) in [
         (&["--to", "udp:1.2.3.4:5"][..], "tcp:HOST:PORT or unix:PATH"),
-        (&["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..], "unknown engine `warp`"),
+        (&["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..], "invalid value 'warp'"),
+        (&["--to", "tcp:127.0.0.1:1", "--max-bandwidth", "64K"][..], "at least 1000000 bytes/s"),
         (&["--to", "tcp:127.0.0.1:1", "--no-xen"][..], "no stop rule"),
         (&["--to", "tcp:127.0.0.1:1", "--engine", "serial", "--connections", "2"][..], "one connection"),
         (&[][..], "needs --to"),
@@ -572,4 +577,186 @@ fn migration_between_two_network_namespaces() {
     let (code, dout, derr) = dest.wait();
     assert_eq!(code, Some(0), "{derr}");
     check_memtouch(&dout, 4000, 6, true);
+}
+
+/// `kumo migrate ARGS` in the background, stdout and stderr in files.
+fn spawn_migrate(sock: &str, args: &[&str], tag: &str) -> Vmp {
+    let mut all = vec!["--api-socket", sock, "migrate"];
+    all.extend_from_slice(args);
+    spawn_logged(&all, tag)
+}
+
+/// The JSON lines `kumo migrate --json` printed so far (a line still being written is skipped).
+fn json_lines(out: &str) -> Vec<serde_json::Value> {
+    out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+/// Whether a JSON line is a progress event sent before its round's end.
+fn is_mid_round(e: &serde_json::Value) -> bool {
+    e["event"] == "progress" && e["pages_sent"].as_u64() < e["round_pages"].as_u64()
+}
+
+/// Whether a JSON line is a progress event of round 0 sent before the round's end.
+fn is_round0_progress(e: &serde_json::Value) -> bool {
+    is_mid_round(e) && e["round"] == 0
+}
+
+#[test]
+fn the_event_stream_shows_progress_within_round_0() {
+    if !kvm_or_skip("the_event_stream_shows_progress_within_round_0") {
+        return;
+    }
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let dsock = temp_path("events-dst.sock").to_str().unwrap().to_string();
+    let mut dest = Vmp::incoming(&addr, "events-dst", Some(&dsock));
+    // An idle guest (it holds its memory) of ~16 MiB sent at 8 MiB/s: the cap makes round 0
+    // last seconds whatever the machine, so progress events must come within it.
+    let (src, sock) = source("events-src", "64M", &["pages=4000", "writes=20000", "seed=5", "hold_input=1"]);
+    eventually(PATIENCE, || src.stdout().contains("memtouch: checksum=").then_some(()));
+    let (ok, out, err) = migrate(&sock, &["--to", &addr, "--max-bandwidth", "8M", "--json"]);
+    assert!(ok, "{out}\n{err}\n{}", dest.stderr());
+    // Every line is JSON: the events, the report last.
+    let lines: Vec<serde_json::Value> =
+        out.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect();
+    let events: Vec<&str> = lines.iter().filter_map(|e| e["event"].as_str()).collect();
+    assert_eq!(events.first(), Some(&"started"), "{out}");
+    let round0_end = lines.iter().position(|e| e["event"] == "round" && e["round"] == 0).expect("round 0 ends");
+    let within = lines[..round0_end].iter().filter(|e| is_round0_progress(e)).count();
+    assert!(within > 0, "no progress event within round 0:\n{out}");
+    for e in lines.iter().filter(|e| e["event"] == "progress") {
+        assert_eq!(e["bytes_sent"].as_u64(), e["pages_sent"].as_u64().map(|p| p * 4096), "{e}");
+        assert!(e["mb_per_s"].as_f64().is_some(), "{e}");
+    }
+    assert!(events.contains(&"completed"), "{out}");
+    let report = lines.last().unwrap();
+    assert!(report["event"].is_null() && report["downtime_ms"].as_f64().is_some(), "report last: {report}");
+    assert_eq!(report["to"], addr.as_str());
+    assert_migrated_away(src);
+    // The destination's API says how the VM came.
+    let st: serde_json::Value = kumo_api::ApiClient::new(&dsock).migration_status().unwrap();
+    assert_eq!(st["state"], "received", "{st}");
+    assert!(st["received"]["pages"].as_u64() > Some(0), "{st}");
+    dest.stop_guest();
+    let (dcode, dout, _) = dest.wait();
+    assert_eq!(dcode, Some(0));
+    let want = kumo_guests::memtouch::expected_checksum(4000, 20000, 5, true);
+    assert_eq!(hex_field(&dout, "checksum_after_hold"), Some(want), "{dout}");
+}
+
+/// Ctrl-C in `kumo migrate` cancels the migration: the source runs on (its guest keeps
+/// writing and its checksum still checks), the destination exits non-zero with a clear
+/// message, and the source's vm.migration says "cancelled".
+#[test]
+fn ctrl_c_cancels_a_migration_and_the_source_runs_on() {
+    if !kvm_or_skip("ctrl_c_cancels_a_migration_and_the_source_runs_on") {
+        return;
+    }
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let dest = Vmp::incoming(&addr, "cancel-dst", None);
+    let (mut src, sock) =
+        source("cancel-src", "64M", &["pages=4000", "rate=50000", "seed=6", "report_ms=20", "until_input=1"]);
+    // 1 MiB/s: a round of the guest's 4,000 hot pages takes many seconds, so the migration is
+    // surely still running when the first progress event within a round has been printed.
+    let mig = spawn_migrate(&sock, &["--to", &addr, "--max-bandwidth", "1M", "--json"], "cancel-mig");
+    eventually(PATIENCE, || json_lines(&mig.stdout()).iter().any(is_mid_round).then_some(()));
+    mig.kid.signal("INT");
+    let (code, out, err) = mig.wait();
+    assert_ne!(code, Some(0), "{out}\n{err}");
+    assert!(err.contains("migration cancelled; the VM runs on at the source"), "{err}");
+    assert!(json_lines(&out).iter().any(|e| e["event"] == "cancelled"), "{out}");
+    // The destination was told and exits cleanly, non-zero, with no VM left.
+    let (dcode, _, derr) = dest.wait();
+    assert_eq!(dcode, Some(1), "{derr}");
+    assert!(derr.contains("incoming migration failed") && derr.contains("cancelled"), "{derr}");
+    // The source reports it and runs on.
+    let c = kumo_api::ApiClient::new(&sock);
+    let st: serde_json::Value = c.migration_status().unwrap();
+    assert_eq!(st["state"], "cancelled", "{st}");
+    assert_eq!(c.cancel_migration().unwrap_err().status(), Some(409), "nothing left to cancel");
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
+    let now = progress_writes(&src.stdout()).into_iter().max().unwrap_or(0);
+    eventually(PATIENCE, || (progress_writes(&src.stdout()).into_iter().max() > Some(now)).then_some(()));
+    src.stop_guest();
+    let (code, sout, serr) = src.wait();
+    assert_eq!(code, Some(0), "{serr}");
+    check_memtouch(&sout, 4000, 6, true);
+}
+
+/// The cancel route does the same for an API client; a second cancel is harmless.
+#[test]
+fn the_cancel_route_stops_a_migration() {
+    if !kvm_or_skip("the_cancel_route_stops_a_migration") {
+        return;
+    }
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let dsock = temp_path("cancel-api-dst.sock").to_str().unwrap().to_string();
+    let dest = Vmp::incoming(&addr, "cancel-api-dst", Some(&dsock));
+    // The destination's API is up before any VM exists.
+    assert_eq!(vm_state(&dsock).as_deref(), Some("receiving"));
+    let (mut src, sock) = source("cancel-api-src", "64M", &["pages=4000", "rate=50000", "seed=7", "until_input=1"]);
+    let c = kumo_api::ApiClient::new(&sock).with_timeout(Duration::from_secs(600));
+    let req = kumo_api::MigrateRequest {
+        to: addr.clone(),
+        engine: None,
+        downtime_ms: None,
+        xen: None,
+        connections: None,
+        dry_run: false,
+        estimate_ms: None,
+        progress_timeout_ms: None,
+        strict: None,
+        max_bandwidth: Some(1 << 20),
+    };
+    let call = {
+        let c = c.clone();
+        std::thread::spawn(move || c.send_migration::<serde_json::Value>(&req))
+    };
+    eventually(PATIENCE, || {
+        let st: serde_json::Value = c.migration_status().ok()?;
+        assert!(!call.is_finished(), "the migration ended: {st}");
+        st["events"].as_array()?.iter().any(is_mid_round).then_some(())
+    });
+    // The event stream: JSON lines from the start of the migration until it ends.
+    let stream = {
+        let sock = sock.clone();
+        std::thread::spawn(move || {
+            let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+            c.write_all(b"GET /api/v1/vm.migration-events HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut got = String::new();
+            c.read_to_string(&mut got).unwrap();
+            got
+        })
+    };
+    // Meanwhile the destination shows what has arrived.
+    let d = kumo_api::ApiClient::new(&dsock);
+    let got: serde_json::Value = eventually(PATIENCE, || {
+        let got: serde_json::Value = d.migration_status().ok()?;
+        (got["received"]["pages"].as_u64() > Some(0)).then_some(got)
+    });
+    assert_eq!(got["state"], "receiving", "{got}");
+    assert_eq!(got["received"]["phase"], "receiving", "{got}");
+    assert_eq!(vm_state(&dsock).as_deref(), Some("receiving"));
+    assert_eq!(d.pause().unwrap_err().status(), Some(409));
+    c.cancel_migration().unwrap();
+    let _ = c.cancel_migration(); // 204 again, or 409 once it has ended: either way harmless
+    let e = call.join().unwrap().unwrap_err();
+    assert_eq!(e.status(), Some(409), "{e}");
+    assert!(e.to_string().contains("cancelled"), "{e}");
+    let st: serde_json::Value = c.migration_status().unwrap();
+    assert_eq!(st["state"], "cancelled");
+    let got = stream.join().unwrap();
+    let (head, body) = got.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let lines = json_lines(body);
+    assert_eq!(lines.first().map(|e| &e["event"]), Some(&serde_json::json!("started")), "{body}");
+    assert!(lines.iter().any(is_mid_round), "{body}");
+    assert!(lines.iter().any(|e| e["event"] == "cancelled"), "{body}");
+    assert_eq!(lines.last().unwrap()["state"], "cancelled", "final status last: {body}");
+    let (dcode, _, derr) = dest.wait();
+    assert_eq!(dcode, Some(1), "{derr}");
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
+    src.stop_guest();
+    let (code, sout, _) = src.wait();
+    assert_eq!(code, Some(0));
+    check_memtouch(&sout, 4000, 7, true);
 }

@@ -3,6 +3,7 @@
 
 use crate::http::{self, Conn, ReadError, MAX_BODY};
 use crate::{paths, VmInfo};
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
@@ -102,16 +103,26 @@ impl ApiClient {
         self.call("PUT", paths::SHUTDOWN, None).map(drop)
     }
 
-    /// Runs a migration (blocks until it ends: give the client a long timeout) and returns
-    /// its report.
-    pub fn migrate(&self, req: &crate::MigrateRequest) -> Result<Value, ClientError> {
+    /// `PUT /api/v1/vm.send-migration`: runs a migration (blocks until it ends: give the
+    /// client a long timeout) and returns its report, decoded as `T` (the VMM's report type).
+    pub fn send_migration<T: DeserializeOwned>(&self, req: &crate::MigrateRequest) -> Result<T, ClientError> {
         let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
-        self.call("PUT", paths::MIGRATE, Some(&body))?.ok_or_else(|| self.bad("empty vm.migrate answer"))
+        let v =
+            self.call("PUT", paths::MIGRATE, Some(&body))?.ok_or_else(|| self.bad("empty vm.send-migration answer"))?;
+        serde_json::from_value(v).map_err(|e| self.bad(format!("invalid vm.send-migration answer: {e}")))
     }
 
-    /// Progress events and result of the current or last migration.
-    pub fn migration_status(&self) -> Result<Value, ClientError> {
-        self.call("GET", paths::MIGRATION, None)?.ok_or_else(|| self.bad("empty vm.migration answer"))
+    /// `GET /api/v1/vm.migration`: progress events and result of the current or last
+    /// migration, decoded as `T`.
+    pub fn migration_status<T: DeserializeOwned>(&self) -> Result<T, ClientError> {
+        let v = self.call("GET", paths::MIGRATION, None)?.ok_or_else(|| self.bad("empty vm.migration answer"))?;
+        serde_json::from_value(v).map_err(|e| self.bad(format!("invalid vm.migration answer: {e}")))
+    }
+
+    /// `PUT /api/v1/vm.cancel-migration`: the running migration stops and the VM runs on
+    /// here; 409 if none runs or it is too late.
+    pub fn cancel_migration(&self) -> Result<(), ClientError> {
+        self.call("PUT", paths::CANCEL_MIGRATION, None).map(drop)
     }
 
     /// Writes the VM to the file `path` (absolute) and returns what was written.

@@ -26,16 +26,21 @@ pub mod paths {
     pub const PAUSE: &str = "/api/v1/vm.pause";
     pub const RESUME: &str = "/api/v1/vm.resume";
     pub const SHUTDOWN: &str = "/api/v1/vm.shutdown";
-    pub const MIGRATE: &str = "/api/v1/vm.migrate";
+    /// Cloud Hypervisor's name for it (it was `vm.migrate`).
+    pub const MIGRATE: &str = "/api/v1/vm.send-migration";
     pub const MIGRATION: &str = "/api/v1/vm.migration";
     pub const SNAPSHOT: &str = "/api/v1/vm.snapshot";
     pub const COUNTERS: &str = "/api/v1/vm.counters";
+    pub const CANCEL_MIGRATION: &str = "/api/v1/vm.cancel-migration";
+    pub const MIGRATION_EVENTS: &str = "/api/v1/vm.migration-events";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum VmState {
     Created,
+    /// A destination (`kumo run --incoming`): the VM is arriving by migration.
+    Receiving,
     Running,
     Paused,
     Shutdown,
@@ -71,6 +76,10 @@ pub enum ApiRequest {
     Migrate(MigrateRequest),
     /// Progress events and result of the current or last migration.
     MigrationStatus,
+    /// Cancel the running migration; the VM runs on here.
+    CancelMigration,
+    /// The migration's events as JSON lines, streamed until it ends.
+    MigrationEvents,
     /// Write the VM to a file (paused meanwhile).
     Snapshot(SnapshotRequest),
     /// vCPU exits, assists, interrupts and migration bytes so far.
@@ -85,15 +94,26 @@ pub struct SnapshotRequest {
     pub path: String,
 }
 
-/// Body of `PUT /api/v1/vm.migrate`.
+/// How a migration moves pages (see docs/migration.md, "Engines").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigrationEngine {
+    Serial,
+    Overlap,
+    Zerocopy,
+    /// Same host, `unix:PATH` only: guest memory is shared, not copied.
+    Local,
+}
+
+/// Body of `PUT /api/v1/vm.send-migration`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
     /// Destination: `tcp:HOST:PORT` or `unix:PATH` of a `kumo run --incoming`.
     pub to: String,
-    /// `serial`, `overlap` (default), `zerocopy` or `local`.
+    /// Default `overlap`.
     #[serde(default)]
-    pub engine: Option<String>,
+    pub engine: Option<MigrationEngine>,
     /// Stop pre-copy once the rest fits this downtime (ms).
     #[serde(default)]
     pub downtime_ms: Option<u64>,
@@ -118,6 +138,9 @@ pub struct MigrateRequest {
     /// anyway, with the overshoot reported.
     #[serde(default)]
     pub strict: Option<bool>,
+    /// Cap on the page data sent, bytes per second.
+    #[serde(default)]
+    pub max_bandwidth: Option<u64>,
 }
 
 /// What the handler answers on success.
@@ -131,7 +154,42 @@ pub enum ApiResponse {
     Info(VmInfo),
     /// 200 with any JSON body (migration reports, progress).
     Json(Value),
+    /// 200 with JSON lines written as they come, until the producer ends; the connection
+    /// closes after it (the body ends there).
+    Stream(JsonLines),
 }
+
+/// The producer of a streamed answer: called once with a sink that writes one line and says
+/// whether to go on (false: the client left or the server stops).
+#[derive(Clone)]
+pub struct JsonLines(std::sync::Arc<LineProducer>);
+
+/// Writes lines through the sink it is given until it is done or the sink says stop.
+pub type LineProducer = dyn Fn(&mut dyn FnMut(&Value) -> bool) + Send + Sync;
+
+impl JsonLines {
+    pub fn new(f: impl Fn(&mut dyn FnMut(&Value) -> bool) + Send + Sync + 'static) -> Self {
+        JsonLines(std::sync::Arc::new(f))
+    }
+
+    pub fn run(&self, sink: &mut dyn FnMut(&Value) -> bool) {
+        (self.0)(sink)
+    }
+}
+
+impl std::fmt::Debug for JsonLines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JsonLines")
+    }
+}
+
+// A producer is equal only to itself.
+impl PartialEq for JsonLines {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for JsonLines {}
 
 impl ApiResponse {
     /// Status and JSON body on the wire.
@@ -141,6 +199,7 @@ impl ApiResponse {
             ApiResponse::Pong { kumo_version } => (200, Some(json!({ "kumo_version": kumo_version }))),
             ApiResponse::Info(info) => (200, Some(to_json(&info)?)),
             ApiResponse::Json(v) => (200, Some(v)),
+            ApiResponse::Stream(_) => return Err(ApiError::internal("a streamed answer has no single body")),
         })
     }
 }

@@ -53,7 +53,7 @@ pub trait ApiHandler: Send + Sync {
 
 /// One route. The request is built from the body so that routes taking JSON
 /// fit the same table, e.g.
-/// `Route { method: "PUT", path: "/api/v1/vm.migrate", build: |b| Ok(ApiRequest::Migrate(json_body(b)?)) }`.
+/// `Route { method: "PUT", path: "/api/v1/vm.send-migration", build: |b| Ok(ApiRequest::Migrate(json_body(b)?)) }`.
 pub(crate) struct Route {
     pub method: &'static str,
     pub path: &'static str,
@@ -70,6 +70,8 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "GET", path: paths::MIGRATION, build: |_| Ok(ApiRequest::MigrationStatus) },
     Route { method: "PUT", path: paths::SNAPSHOT, build: |b| Ok(ApiRequest::Snapshot(json_body(b)?)) },
     Route { method: "GET", path: paths::COUNTERS, build: |_| Ok(ApiRequest::Counters) },
+    Route { method: "PUT", path: paths::CANCEL_MIGRATION, build: |_| Ok(ApiRequest::CancelMigration) },
+    Route { method: "GET", path: paths::MIGRATION_EVENTS, build: |_| Ok(ApiRequest::MigrationEvents) },
 ];
 
 /// Decodes the JSON body of a route that takes one.
@@ -419,9 +421,17 @@ fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Share
             Next::Close => break,
             Next::Reply(reply) => reply,
             Next::Call { req, keep_alive } => match shared.start_serving(id) {
-                Slot::Granted => match call(handler, req).and_then(ApiResponse::into_http) {
-                    Ok((status, body)) => Reply { status, body, allow: None, close: !keep_alive },
-                    Err(e) => Reply::error(e, !keep_alive),
+                Slot::Granted => match call(handler, req) {
+                    // A stream's body ends when the connection closes.
+                    Ok(ApiResponse::Stream(lines)) => {
+                        stream_lines(&mut conn, shared, &lines);
+                        shared.wait_as(id, Phase::Closing);
+                        break;
+                    }
+                    r => match r.and_then(ApiResponse::into_http) {
+                        Ok((status, body)) => Reply { status, body, allow: None, close: !keep_alive },
+                        Err(e) => Reply::error(e, !keep_alive),
+                    },
                 },
                 Slot::Busy => Reply::error(
                     ApiError::unavailable(format!("too many API requests in progress (at most {MAX_SERVING})")),
@@ -448,6 +458,20 @@ fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Share
             break;
         }
     }
+}
+
+/// Writes a streamed answer: a head without Content-Length, then one JSON value per line as
+/// the producer hands them over, each write within the write deadline.
+fn stream_lines(conn: &mut Conn, shared: &Shared, lines: &crate::JsonLines) {
+    let head = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nConnection: close\r\n\r\n";
+    if conn.write_all_by(head, Instant::now() + WRITE_TIMEOUT).is_err() {
+        return;
+    }
+    lines.run(&mut |v| {
+        let mut line = v.to_string();
+        line.push('\n');
+        !shared.stopping() && conn.write_all_by(line.as_bytes(), Instant::now() + WRITE_TIMEOUT).is_ok()
+    });
 }
 
 fn evicted() -> ApiError {
@@ -603,6 +627,14 @@ mod tests {
                 ApiRequest::MigrationStatus => Ok(ApiResponse::Json(serde_json::json!({"state": "none"}))),
                 ApiRequest::Snapshot(s) => Ok(ApiResponse::Json(serde_json::json!({"path": s.path}))),
                 ApiRequest::Counters => Ok(ApiResponse::Json(serde_json::json!({"exits": {}}))),
+                ApiRequest::CancelMigration => Err(ApiError::conflict("no migration is running")),
+                ApiRequest::MigrationEvents => Ok(ApiResponse::Stream(crate::JsonLines::new(|sink| {
+                    for i in 0..3 {
+                        if !sink(&serde_json::json!({ "n": i })) {
+                            return;
+                        }
+                    }
+                }))),
             }
         }
     }
@@ -610,12 +642,24 @@ mod tests {
     #[test]
     fn migrate_routes_carry_their_json_body() {
         let f = start();
-        let req =
-            crate::MigrateRequest { to: "tcp:127.0.0.1:1".into(), engine: Some("serial".into()), ..migrate_req() };
-        let v = f.client.migrate(&req).unwrap();
+        let req = crate::MigrateRequest {
+            to: "tcp:127.0.0.1:1".into(),
+            engine: Some(crate::MigrationEngine::Serial),
+            ..migrate_req()
+        };
+        let v: serde_json::Value = f.client.send_migration(&req).unwrap();
         assert_eq!(v["to"], "tcp:127.0.0.1:1");
         assert_eq!(v["engine"], "serial");
-        assert_eq!(f.client.migration_status().unwrap()["state"], "none");
+        assert_eq!(f.client.migration_status::<serde_json::Value>().unwrap()["state"], "none");
+        assert_eq!(f.client.cancel_migration().unwrap_err().status(), Some(409));
+        // A stream: JSON lines until the connection closes.
+        let mut c = std::os::unix::net::UnixStream::connect(f.server.path()).unwrap();
+        std::io::Write::write_all(&mut c, b"GET /api/v1/vm.migration-events HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut got = String::new();
+        std::io::Read::read_to_string(&mut c, &mut got).unwrap();
+        let (head, body) = got.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200") && head.contains("application/x-ndjson"), "{head}");
+        assert_eq!(body, "{\"n\":0}\n{\"n\":1}\n{\"n\":2}\n");
         // A body that is not a MigrateRequest is a 400 with the reason.
         let (status, body) =
             f.client.request("PUT", paths::MIGRATE, Some(&serde_json::json!({"to": "x", "bogus": 1}))).unwrap();
@@ -1049,6 +1093,7 @@ mod tests {
             estimate_ms: None,
             progress_timeout_ms: None,
             strict: None,
+            max_bandwidth: None,
         }
     }
 
@@ -1058,7 +1103,7 @@ mod tests {
             .map(|_| {
                 let client = ApiClient::new(path);
                 thread::spawn(move || {
-                    assert_eq!(client.migrate(&migrate_req()).unwrap()["done"], true);
+                    assert_eq!(client.send_migration::<serde_json::Value>(&migrate_req()).unwrap()["done"], true);
                 })
             })
             .collect();

@@ -336,7 +336,9 @@ fn migrate(ctx: &Ctx, api: &Path, addr: &str, e: Engine, downtime_ms: Option<u64
         args.extend(sv(&["--downtime-ms", &d.to_string()]));
     }
     let out = ctx.kumo_ok(&args, Duration::from_secs(300))?;
-    serde_json::from_str(&out).map_err(|err| format!("kumo migrate printed no JSON report ({err})"))
+    // JSON lines: the events, the report last.
+    let last = out.lines().last().unwrap_or_default();
+    serde_json::from_str(last).map_err(|err| format!("kumo migrate printed no JSON report ({err})"))
 }
 
 /// From the destination's `kumo: migration received: … receiver CPU X ms` line.

@@ -197,32 +197,52 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     if let Some(m) = &a.event_monitor {
         kumo_vmm::event_monitor::init(m)?;
     }
-    let vm = match (&a.incoming, &a.restore) {
-        (Some(addr), _) => Arc::new(migrate::incoming(addr, a.memory, a.cpus)?),
-        (None, Some(file)) => Arc::new(
-            kumo_vmm::snapshot::restore_from_file(file, Box::new(std::io::stdout())).map_err(|e| e.to_string())?,
-        ),
+    let signals = shutdown_on_signals(api_socket.clone())?;
+    // The API of a VM built here starts once it exists; a shutdown on failure stops it again.
+    let serve = |vm: &Arc<RunningVm>| {
+        signals.watch(vm);
+        match &api_socket {
+            Some(p) => ApiServer::start(p, kumo_vmm::api::VmApi::new(vm)).map(Some).map_err(|e| {
+                vm.shutdown();
+                e.to_string()
+            }),
+            None => Ok(None),
+        }
+    };
+    let (vm, _api) = match (&a.incoming, &a.restore) {
+        // A destination's API is up while the VM arrives (`vm.info` says `receiving`).
+        (Some(addr), _) => {
+            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, a.cpus)?;
+            let api = kumo_vmm::api::VmApi::incoming(&inc);
+            let server = match &api_socket {
+                Some(p) => Some(ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?),
+                None => None,
+            };
+            let vm = Arc::new(migrate::incoming(&inc)?);
+            signals.watch(&vm);
+            api.attach(&vm);
+            (vm, server)
+        }
+        (None, Some(file)) => {
+            let vm = kumo_vmm::snapshot::restore_from_file(file, Box::new(std::io::stdout()));
+            let vm = Arc::new(vm.map_err(|e| e.to_string())?);
+            let server = serve(&vm)?;
+            (vm, server)
+        }
         (None, None) => {
             let config = build_config(&a)?;
-            Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?)
+            let vm = Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?);
+            let server = serve(&vm)?;
+            (vm, server)
         }
     };
     tracing::info!(vcpus = vm.config().cpus, memory = vm.config().memory, "VM running");
-    // Before the API server, so that a signal's shutdown still drops it (removing its socket).
-    let _signals = shutdown_on_signals(Arc::downgrade(&vm))?;
     // stdin goes to COM1 through the VM's device event loop; what epoll cannot watch (a file,
     // /dev/null) is read by a thread instead.
     let stdin = std::os::fd::AsFd::as_fd(&std::io::stdin()).try_clone_to_owned();
     if !stdin.is_ok_and(|fd| vm.attach_console_input(fd).is_ok()) {
         spawn_console_input(Arc::downgrade(&vm));
     }
-    let _api = match &api_socket {
-        Some(p) => Some(ApiServer::start(p, kumo_vmm::api::VmApi::new(&vm)).map_err(|e| {
-            vm.shutdown();
-            e.to_string()
-        })?),
-        None => None,
-    };
     let report = vm.wait_timeout(a.timeout.filter(|t| !t.is_zero()));
     if let Some(p) = &a.timings_json {
         let j = serde_json::to_string_pretty(&report.timings).unwrap_or_default();
@@ -244,13 +264,17 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
 }
 
 /// SIGTERM and SIGINT (Ctrl-C) shut the VM down as `kumo shutdown` would: `run` then returns,
-/// and dropping the API server removes its socket. A second signal exits at once. Dropping the
-/// guard restores the default handling.
-fn shutdown_on_signals(vm: std::sync::Weak<RunningVm>) -> Result<SignalGuard, String> {
+/// and dropping the API server removes its socket. Before there is a VM (a destination waiting
+/// for its migration) a signal removes the API socket and exits. A second signal exits at once.
+/// Installed before the API server starts, so no signal finds the default handling once the API
+/// answers; dropping the guard restores it.
+fn shutdown_on_signals(api_socket: Option<PathBuf>) -> Result<SignalGuard, String> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).map_err(|e| format!("cannot handle signals: {e}"))?;
     let handle = signals.handle();
+    let vm: Arc<std::sync::OnceLock<std::sync::Weak<RunningVm>>> = Arc::default();
+    let watched = vm.clone();
     let spawned = std::thread::Builder::new().name("signals".into()).spawn(move || {
         let mut seen = false;
         for sig in signals.forever() {
@@ -259,22 +283,41 @@ fn shutdown_on_signals(vm: std::sync::Weak<RunningVm>) -> Result<SignalGuard, St
             }
             seen = true;
             let name = if sig == SIGTERM { "SIGTERM" } else { "SIGINT" };
-            eprintln!("kumo: {name}: shutting the VM down");
-            match vm.upgrade() {
-                Some(vm) => vm.shutdown(),
-                None => return,
+            match watched.get().map(std::sync::Weak::upgrade) {
+                Some(Some(vm)) => {
+                    eprintln!("kumo: {name}: shutting the VM down");
+                    vm.shutdown();
+                }
+                Some(None) => return, // the VM has ended: `run` is returning anyway
+                None => {
+                    eprintln!("kumo: {name}: no VM yet; exiting");
+                    if let Some(p) = &api_socket {
+                        let _ = std::fs::remove_file(p);
+                    }
+                    std::process::exit(128 + sig);
+                }
             }
         }
     });
     spawned.map_err(|e| format!("cannot start the signal thread: {e}"))?;
-    Ok(SignalGuard(handle))
+    Ok(SignalGuard { handle, vm })
 }
 
-struct SignalGuard(signal_hook::iterator::Handle);
+struct SignalGuard {
+    handle: signal_hook::iterator::Handle,
+    vm: Arc<std::sync::OnceLock<std::sync::Weak<RunningVm>>>,
+}
+
+impl SignalGuard {
+    /// From now on a signal shuts `vm` down.
+    fn watch(&self, vm: &Arc<RunningVm>) {
+        let _ = self.vm.set(Arc::downgrade(vm));
+    }
+}
 
 impl Drop for SignalGuard {
     fn drop(&mut self) {
-        self.0.close();
+        self.handle.close();
     }
 }
 

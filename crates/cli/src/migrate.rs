@@ -1,23 +1,47 @@
 //! `kumo migrate` (source side, through the VM's API) and `kumo run --incoming` (destination).
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use kumo_api::{ApiClient, MigrateRequest};
-use kumo_migration_engine::{receive, Address, Listener};
-use kumo_vmm::migration::config_from_description;
+use kumo_api::{ApiClient, MigrateRequest, MigrationEngine};
+use kumo_migration_engine::Event;
+use kumo_vmm::migration::{DryRunReport, Incoming, MigrationResult, MigrationState, MigrationStatus, SendReport};
 use kumo_vmm::RunningVm;
-use serde_json::Value;
+
+/// How pages travel (docs/migration.md, "Engines").
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Engine {
+    /// Copy, send and wait for each batch to be placed: one batch in flight.
+    Serial,
+    /// Copy batch k+1 while batch k is on the wire.
+    Overlap,
+    /// Send straight from guest memory (MSG_ZEROCOPY).
+    Zerocopy,
+    /// Same host, unix:PATH only: guest memory is shared, not copied.
+    Local,
+}
+
+impl From<Engine> for MigrationEngine {
+    fn from(e: Engine) -> Self {
+        match e {
+            Engine::Serial => MigrationEngine::Serial,
+            Engine::Overlap => MigrationEngine::Overlap,
+            Engine::Zerocopy => MigrationEngine::Zerocopy,
+            Engine::Local => MigrationEngine::Local,
+        }
+    }
+}
 
 #[derive(clap::Args)]
 pub struct MigrateArgs {
     /// Destination: tcp:HOST:PORT or unix:PATH of a `kumo run --incoming`.
     #[arg(long, value_name = "ADDR")]
     to: Option<String>,
-    /// serial, overlap, zerocopy or local (same host, unix:PATH).
-    #[arg(long, default_value = "overlap")]
-    engine: String,
+    #[arg(long, value_enum, default_value_t = Engine::Overlap)]
+    engine: Engine,
     /// Stop pre-copy once the rest fits this downtime (ms).
     #[arg(long, value_name = "MS")]
     downtime_ms: Option<u64>,
@@ -27,6 +51,9 @@ pub struct MigrateArgs {
     /// Parallel connections (overlap, zerocopy).
     #[arg(long, default_value_t = 1)]
     connections: usize,
+    /// Cap on the page data sent per second, e.g. 100M (100 MiB/s); at least 1 MB/s.
+    #[arg(long, value_name = "SIZE", value_parser = kumo_vmm::config::parse_size)]
+    max_bandwidth: Option<u64>,
     /// Only watch the guest dirty memory and predict the migration (dirty-page model).
     #[arg(long)]
     dry_run: bool,
@@ -40,9 +67,31 @@ pub struct MigrateArgs {
     /// VM then runs on here.
     #[arg(long, value_name = "MS")]
     progress_timeout_ms: Option<u64>,
-    /// Print the final report as JSON.
+    /// Print the migration's events as JSON lines on stdout as they happen, the report last.
     #[arg(long)]
     json: bool,
+}
+
+/// Set by SIGINT while `kumo migrate` runs: the poll loop turns it into a cancel request.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// Ctrl-C cancels the migration instead of killing the CLI (which would leave it running);
+/// a second Ctrl-C kills as usual (SA_RESETHAND).
+fn catch_sigint() {
+    // SAFETY: a zeroed sigaction with a handler that only stores an atomic (async-signal-safe).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigint as extern "C" fn(libc::c_int) as usize;
+        sa.sa_flags = libc::SA_RESETHAND;
+        libc::sigemptyset(&mut sa.sa_mask);
+        if libc::sigaction(libc::SIGINT, &sa, std::ptr::null_mut()) != 0 {
+            tracing::warn!("cannot catch Ctrl-C: {}", std::io::Error::last_os_error());
+        }
+    }
 }
 
 pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
@@ -54,7 +103,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     };
     let req = MigrateRequest {
         to,
-        engine: Some(a.engine.clone()),
+        engine: Some(a.engine.into()),
         downtime_ms: a.downtime_ms,
         xen: a.no_xen.then_some(false),
         connections: Some(a.connections),
@@ -62,201 +111,268 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
         estimate_ms: Some(a.estimate_ms),
         progress_timeout_ms: a.progress_timeout_ms,
         strict: a.strict.then_some(true),
+        max_bandwidth: a.max_bandwidth,
     };
     // The migration call blocks until the end; progress comes from polling its status.
     let client = ApiClient::new(&socket).with_timeout(Duration::from_secs(24 * 3600));
     client.ping().map_err(|e| e.to_string())?;
+    catch_sigint();
     let worker = {
         let c = client.clone();
         let r = req.clone();
-        std::thread::spawn(move || c.migrate(&r))
+        std::thread::spawn(move || c.send_migration::<MigrationStatus>(&r))
     };
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} round {prefix:>2} [{bar:30}] {pos}/{len} pages  {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let mut out = Output::new(a.json);
     if a.dry_run {
-        bar.set_message(format!("watching the guest dirty memory for {} ms", a.estimate_ms));
+        out.note(&format!("watching the guest dirty memory for {} ms", a.estimate_ms));
     }
     let poller = ApiClient::new(&socket).with_timeout(Duration::from_secs(5));
     let mut seen = 0;
+    let mut cancel_sent = false;
     while !worker.is_finished() {
-        if let Ok(st) = poller.migration_status() {
-            let events = st["events"].as_array().cloned().unwrap_or_default();
-            for e in events.iter().skip(seen) {
-                render(&bar, e);
+        if INTERRUPTED.load(Ordering::SeqCst) && !cancel_sent {
+            cancel_sent = true;
+            match poller.cancel_migration() {
+                Ok(()) => out.note("cancelling the migration (the VM runs on here)…"),
+                Err(e) => out.note(&format!("cannot cancel: {e}")),
             }
-            seen = events.len();
         }
-        bar.tick();
+        if let Ok(st) = poller.migration_status::<MigrationStatus>() {
+            for e in st.events.iter().skip(seen) {
+                out.event(e);
+            }
+            seen = seen.max(st.events.len());
+        }
+        out.tick();
         std::thread::sleep(Duration::from_millis(100));
     }
     let result = worker.join().map_err(|_| "migration thread panicked".to_string())?;
-    bar.finish_and_clear();
-    let report = result.map_err(|e| e.to_string())?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
-    } else {
-        print_report(&report);
+    // The answer is the final status: its events complete what polling saw (the source may
+    // already be gone). A failed migration's source runs on and still answers.
+    let status = match result {
+        Ok(st) => st,
+        Err(e) => match poller.migration_status::<MigrationStatus>() {
+            Ok(st) if st.state != MigrationState::Running => {
+                for ev in st.events.iter().skip(seen) {
+                    out.event(ev);
+                }
+                out.finish();
+                return Err(match st.state {
+                    MigrationState::Cancelled => "migration cancelled; the VM runs on at the source".into(),
+                    _ => e.to_string(),
+                });
+            }
+            _ => {
+                out.finish();
+                return Err(e.to_string());
+            }
+        },
+    };
+    for ev in status.events.iter().skip(seen) {
+        out.event(ev);
+    }
+    out.finish();
+    match status.report {
+        Some(MigrationResult::Migrated(r)) if a.json => println!("{}", json_line(&*r)),
+        Some(MigrationResult::DryRun(r)) if a.json => println!("{}", json_line(&r)),
+        Some(MigrationResult::Migrated(r)) => print_report(&r),
+        Some(MigrationResult::DryRun(r)) => print_dry_run(&r),
+        None => return Err("the VM answered no migration report".into()),
     }
     Ok(0)
 }
 
-fn render(bar: &ProgressBar, e: &Value) {
-    match e["event"].as_str() {
-        Some("started") => {
-            bar.set_length(e["touched_pages"].as_u64().unwrap_or(0));
-            bar.set_prefix("0");
-            bar.set_message(format!(
-                "{} engine, {} connection(s)",
-                e["engine"].as_str().unwrap_or("?"),
-                e["connections"]
-            ));
+fn json_line<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|e| format!("{{\"error\": \"cannot encode: {e}\"}}"))
+}
+
+/// Where progress goes: JSON lines on stdout (`--json`), a progress bar on a terminal, or
+/// plain lines on stderr.
+enum Output {
+    Json,
+    Bar(ProgressBar),
+    Lines { last_progress: Option<Instant> },
+}
+
+impl Output {
+    fn new(json: bool) -> Output {
+        if json {
+            return Output::Json;
         }
-        Some("round") => {
-            let dirty = e["dirty_pages"].as_u64().unwrap_or(0);
-            bar.set_prefix(format!("{}", e["round"].as_u64().unwrap_or(0) + 1));
-            bar.set_length(dirty);
-            bar.set_position(0);
-            let dt =
-                e["estimated_downtime_ms"].as_f64().map(|d| format!(", est. downtime {d:.1} ms")).unwrap_or_default();
-            bar.set_message(format!("{:.0} MB/s, {dirty} pages left{dt}", e["mb_per_s"].as_f64().unwrap_or(0.0)));
+        if !std::io::stderr().is_terminal() {
+            return Output::Lines { last_progress: None };
         }
-        Some("not_converging") => {
-            let target = e["target_ms"].as_f64().map(|t| format!(" (target {t:.0} ms)")).unwrap_or_default();
-            bar.println(format!(
-                "not converging: the guest dirties memory faster than it is sent; estimated downtime {:.1} ms{target}; vCPUs throttled {}%",
-                e["estimated_downtime_ms"].as_f64().unwrap_or(0.0),
-                e["throttle_percent"]
-            ));
+        let bar = ProgressBar::new(0);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} round {prefix:>2} [{bar:30}] {pos}/{len} pages  {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        Output::Bar(bar)
+    }
+
+    /// A message of kumo's own (not an event).
+    fn note(&self, msg: &str) {
+        match self {
+            Output::Bar(bar) => bar.println(format!("kumo: {msg}")),
+            _ => eprintln!("kumo: {msg}"),
         }
-        Some("stop_and_copy") => {
-            bar.set_message(format!("stop-and-copy ({}): {} pages", e["reason"].as_str().unwrap_or(""), e["pages"]))
+    }
+
+    fn tick(&self) {
+        if let Output::Bar(bar) = self {
+            bar.tick();
         }
-        _ => {}
+    }
+
+    fn finish(&self) {
+        if let Output::Bar(bar) = self {
+            bar.finish_and_clear();
+        }
+    }
+
+    fn event(&mut self, e: &Event) {
+        match self {
+            Output::Json => println!("{}", json_line(e)),
+            Output::Bar(bar) => render(bar, e),
+            Output::Lines { last_progress } => {
+                // Progress comes ~10 times a second: one line a second is enough in a log.
+                if let Event::Progress { .. } = e {
+                    if last_progress.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+                        return;
+                    }
+                    *last_progress = Some(Instant::now());
+                }
+                if let Some(line) = describe(e) {
+                    eprintln!("kumo: {line}");
+                }
+            }
+        }
     }
 }
 
-fn print_report(r: &Value) {
-    if r["dry_run"].as_bool() == Some(true) {
-        let p = &r["predicted"];
-        println!(
-            "dirty-page model: M = {:.0} pages, tau = {:.3} s ({} observations)",
-            r["m"].as_f64().unwrap_or(0.0),
-            r["tau_s"].as_f64().unwrap_or(0.0),
-            r["observations"].as_array().map_or(0, |a| a.len())
-        );
-        println!(
-            "predicted at {:.0} pages/s: {} rounds, {} pages, {:.2} s total, {:.1} ms downtime",
-            r["bandwidth_pages_per_s"].as_f64().unwrap_or(0.0),
-            p["rounds"].as_array().map_or(0, |a| a.len()),
-            p["total_pages"],
-            p["total_secs"].as_f64().unwrap_or(0.0),
-            p["downtime_secs"].as_f64().unwrap_or(0.0) * 1e3
-        );
-        return;
+fn opt_ms(label: &str, v: Option<f64>) -> String {
+    v.map(|d| format!(", {label} {d:.1} ms")).unwrap_or_default()
+}
+
+/// One line for an event, for logs.
+fn describe(e: &Event) -> Option<String> {
+    Some(match e {
+        Event::Started { engine, connections, total_pages, touched_pages } => format!(
+            "migration started: {engine} engine, {connections} connection(s), {touched_pages} of {total_pages} pages to send in round 0"
+        ),
+        Event::Progress { round, round_pages, pages_sent, mb_per_s, eta_ms, estimated_downtime_ms, .. } => format!(
+            "round {round}: {pages_sent}/{round_pages} pages, {mb_per_s:.0} MB/s{}{}",
+            opt_ms("ETA", *eta_ms),
+            opt_ms("est. downtime", *estimated_downtime_ms)
+        ),
+        Event::Round { round, pages_sent, ms, dirty_pages, mb_per_s, estimated_downtime_ms, .. } => format!(
+            "round {round} done: {pages_sent} pages in {ms:.1} ms, {dirty_pages} dirty, {mb_per_s:.0} MB/s{}",
+            opt_ms("est. downtime", *estimated_downtime_ms)
+        ),
+        Event::NotConverging { .. } => not_converging(e)?,
+        Event::StopAndCopy { reason, pages } => format!("stop-and-copy ({reason}): {pages} pages"),
+        Event::Completed { total_ms, downtime_ms } => {
+            format!("migration completed in {total_ms:.1} ms, downtime {downtime_ms:.1} ms")
+        }
+        Event::Failed { error } => format!("migration failed: {error}"),
+        Event::Cancelled => "migration cancelled; the VM runs on at the source".into(),
+    })
+}
+
+fn not_converging(e: &Event) -> Option<String> {
+    let Event::NotConverging { estimated_downtime_ms, target_ms, throttle_percent, .. } = e else { return None };
+    let target = target_ms.map(|t| format!(" (target {t:.0} ms)")).unwrap_or_default();
+    Some(format!(
+        "not converging: the guest dirties memory faster than it is sent; estimated downtime {estimated_downtime_ms:.1} ms{target}; vCPUs throttled {throttle_percent}%"
+    ))
+}
+
+fn render(bar: &ProgressBar, e: &Event) {
+    match e {
+        Event::Started { engine, connections, touched_pages, .. } => {
+            bar.set_length(*touched_pages);
+            bar.set_prefix("0");
+            bar.set_message(format!("{engine} engine, {connections} connection(s)"));
+        }
+        Event::Progress { round, round_pages, pages_sent, mb_per_s, eta_ms, estimated_downtime_ms, .. } => {
+            bar.set_prefix(round.to_string());
+            bar.set_length(*round_pages);
+            bar.set_position(*pages_sent);
+            let eta = eta_ms.map(|t| format!(", ETA {:.1} s", t / 1e3)).unwrap_or_default();
+            bar.set_message(format!("{mb_per_s:.0} MB/s{eta}{}", opt_ms("est. downtime", *estimated_downtime_ms)));
+        }
+        Event::Round { round, dirty_pages, mb_per_s, estimated_downtime_ms, .. } => {
+            bar.set_prefix((round + 1).to_string());
+            bar.set_length(*dirty_pages);
+            bar.set_position(0);
+            bar.set_message(format!(
+                "{mb_per_s:.0} MB/s, {dirty_pages} pages left{}",
+                opt_ms("est. downtime", *estimated_downtime_ms)
+            ));
+        }
+        Event::NotConverging { .. } => {
+            if let Some(l) = not_converging(e) {
+                bar.println(l);
+            }
+        }
+        Event::StopAndCopy { reason, pages } => bar.set_message(format!("stop-and-copy ({reason}): {pages} pages")),
+        Event::Cancelled => bar.println("migration cancelled; the VM runs on at the source"),
+        Event::Completed { .. } | Event::Failed { .. } => {}
     }
+}
+
+fn print_dry_run(r: &DryRunReport) {
+    let p = &r.predicted;
+    println!("dirty-page model: M = {:.0} pages, tau = {:.3} s ({} observations)", r.m, r.tau_s, r.observations.len());
+    println!(
+        "predicted at {:.0} pages/s: {} rounds, {} pages, {:.2} s total, {:.1} ms downtime",
+        r.bandwidth_pages_per_s,
+        p.rounds.len(),
+        p.total_pages,
+        p.total_secs,
+        p.downtime_secs * 1e3
+    );
+}
+
+fn print_report(s: &SendReport) {
+    let r = &s.report;
     println!(
         "migrated to {} with {} ({} conn): {:.1} ms total, {:.1} ms downtime, {} pages, {:.1} MB/s, stop: {}",
-        r["to"].as_str().unwrap_or("?"),
-        r["engine"].as_str().unwrap_or("?"),
-        r["connections"],
-        r["total_ms"].as_f64().unwrap_or(0.0),
-        r["downtime_ms"].as_f64().unwrap_or(0.0),
-        r["total_pages"],
-        r["mb_per_s"].as_f64().unwrap_or(0.0),
-        r["stop_reason"].as_str().unwrap_or("")
+        s.to, r.engine, r.connections, r.total_ms, r.downtime_ms, r.total_pages, r.mb_per_s, r.stop_reason
     );
-    let est = r["estimated_downtime_ms"].as_f64().map(|e| format!("{e:.1} ms")).unwrap_or_else(|| "none".into());
-    let sp = &r["stop_phase"];
+    let est = r.estimated_downtime_ms.map(|e| format!("{e:.1} ms")).unwrap_or_else(|| "none".into());
+    let sp = &r.stop_phase;
     println!(
         "downtime {:.1} ms, estimated {est}: pause {:.1} ms, {} pages {:.1} ms, state {:.1} ms, destination reply {:.1} ms",
-        r["downtime_ms"].as_f64().unwrap_or(0.0),
-        sp["pause_ms"].as_f64().unwrap_or(0.0),
-        sp["pages"],
-        sp["pages_ms"].as_f64().unwrap_or(0.0),
-        sp["state_ms"].as_f64().unwrap_or(0.0),
-        sp["reply_ms"].as_f64().unwrap_or(0.0)
+        r.downtime_ms, sp.pause_ms, sp.pages, sp.pages_ms, sp.state_ms, sp.reply_ms
     );
-    if let Some(t) = r["max_throttle_percent"].as_u64().filter(|&t| t > 0) {
-        println!("vCPUs were throttled up to {t}% to converge");
+    if r.max_throttle_percent > 0 {
+        println!("vCPUs were throttled up to {}% to converge", r.max_throttle_percent);
     }
     println!("{:>5} {:>10} {:>10} {:>12}", "round", "pages", "ms", "dirty after");
-    for x in r["rounds"].as_array().into_iter().flatten() {
-        let n = |k: &str| x[k].as_u64().unwrap_or(0);
+    for x in &r.rounds {
+        println!("{:>5} {:>10} {:>10.1} {:>12}", x.round, x.pages, x.ms, x.dirty_after);
+    }
+    println!("sender CPU: {:.1} ms", r.sender_cpu_ms);
+    let m = &s.model;
+    if let (true, Some(mm), Some(tau), Some(p)) = (m.fitted, m.m, m.tau_s, &m.predicted) {
         println!(
-            "{:>5} {:>10} {:>10.1} {:>12}",
-            n("round"),
-            n("pages"),
-            x["ms"].as_f64().unwrap_or(0.0),
-            n("dirty_after")
+            "dirty-page model: M = {mm:.0}, tau = {tau:.3} s; predicted {} pages / {:.2} s vs measured {} pages / {:.2} s",
+            p.total_pages,
+            p.total_secs,
+            r.total_pages,
+            r.rounds.iter().map(|x| x.ms).sum::<f64>() / 1e3
         );
     }
-    println!("sender CPU: {:.1} ms", r["sender_cpu_ms"].as_f64().unwrap_or(0.0));
-    let m = &r["model"];
-    if m["fitted"].as_bool() == Some(true) {
-        println!(
-            "dirty-page model: M = {:.0}, tau = {:.3} s; predicted {} pages / {:.2} s vs measured {} pages / {:.2} s",
-            m["m"].as_f64().unwrap_or(0.0),
-            m["tau_s"].as_f64().unwrap_or(0.0),
-            m["predicted"]["total_pages"],
-            m["predicted"]["total_secs"].as_f64().unwrap_or(0.0),
-            r["total_pages"],
-            r["rounds"]
-                .as_array()
-                .map_or(0.0, |a| a.iter().map(|x| x["ms"].as_f64().unwrap_or(0.0)).sum::<f64>() / 1e3)
-        );
+    if s.arrived_paused {
+        println!("the VM was paused here and arrives paused: resume it at the destination");
     }
 }
 
-/// Waits for one incoming migration on `addr` and returns the VM, running. With `memory` or
-/// `cpus` the destination is prepared: it accepts only a VM of that shape, and guest memory of
-/// that size is allocated and faulted in first, so the transfer does not pay for first-touch
-/// page faults (expensive on nested hosts). Both are checked against this host before that.
-pub fn incoming(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<RunningVm, String> {
-    let addr: Address = addr.parse()?;
-    let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
-    if let Some(n) = cpus {
-        kumo_vm::layout::check_vcpus(n, host.kvm_max_vcpus).map_err(|e| e.to_string())?;
-    }
-    if let Some(size) = memory {
-        kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;
-    }
-    let mut reserved = match memory {
-        Some(size) => {
-            let t = std::time::Instant::now();
-            let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
-            for &(gpa, len) in m.layout.ram() {
-                kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
-            }
-            eprintln!("kumo: prepared {} MiB of guest memory in {:.0} ms", size >> 20, t.elapsed().as_secs_f64() * 1e3);
-            Some(m.memfd)
-        }
-        None => None,
-    };
-    // Listen only once the memory is ready: a source that connected earlier would wait for
-    // the handshake while memory is faulted in, and give up.
-    let listener = Listener::bind(&addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    eprintln!("kumo: waiting for a migration on {}", listener.local_addr());
-    let (vm, rr) = receive(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, |desc, memfd| {
-        let config = config_from_description(desc)?;
-        let human = kumo_vm::memory::human_size;
-        if let Some(size) = memory.filter(|&m| m != config.memory) {
-            return Err(format!(
-                "this destination is prepared for {} of memory; the VM has {}",
-                human(size),
-                human(config.memory)
-            ));
-        }
-        if let Some(n) = cpus.filter(|&n| n != config.cpus) {
-            return Err(format!("this destination is prepared for {n} vCPUs; the VM has {}", config.cpus));
-        }
-        // Memory shared by a local migration wins; otherwise the prepared memory, if any.
-        let memfd = memfd.or_else(|| reserved.take());
-        RunningVm::incoming(config, Box::new(std::io::stdout()), memfd).map_err(|e| e.to_string())
-    })
-    .map_err(|e| format!("incoming migration failed: {e}"))?;
+/// `kumo run --incoming`: waits for one incoming migration and returns the VM, running. The
+/// destination side lives beside the source side in `kumo_vmm::migration` ([`Incoming`]).
+pub fn incoming(inc: &Incoming) -> Result<RunningVm, String> {
+    let (vm, rr) = inc.receive(&|line| eprintln!("kumo: {line}"))?;
     eprintln!(
         "kumo: migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms{}",
         rr.pages,

@@ -17,7 +17,9 @@ use vm_memory::{Bytes, GuestAddress};
 
 use kumo_migration::format::{Encoder, Reply};
 
+use crate::destination::*;
 use crate::session::*;
+use crate::source::*;
 use crate::transport::{Address, Conn, Listener};
 
 const MEM: u64 = 16 << 20;
@@ -106,40 +108,40 @@ impl SourceVm for FakeSource {
     fn memfd(&self) -> BorrowedFd<'_> {
         self.mem.memfd.as_fd()
     }
-    fn start_dirty_log(&self) -> Result<(), String> {
+    fn start_dirty_log(&self) -> Result<(), VmError> {
         *self.dirty.lock().unwrap() = Some(PageBitmap::for_regions(&regions()));
         Ok(())
     }
     fn stop_dirty_log(&self) {
         *self.dirty.lock().unwrap() = None;
     }
-    fn touched_pages(&self) -> Result<PageBitmap, String> {
+    fn touched_pages(&self) -> Result<PageBitmap, VmError> {
         let mut b = PageBitmap::for_regions(&regions());
         for p in 0..PAGES {
             b.set(p);
         }
         Ok(b)
     }
-    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, String> {
+    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError> {
         let mut d = self.dirty.lock().unwrap();
-        let d = d.as_mut().ok_or("dirty log not started")?;
+        let d = d.as_mut().ok_or_else(|| VmError::new(VmOp::FetchDirty, "dirty log not started"))?;
         let n = d.count();
         into.union(d);
         d.clear();
         Ok(n)
     }
-    fn pause(&self) -> Result<(), String> {
+    fn pause(&self) -> Result<(), VmError> {
         // Under the writer's lock: once this returns, no write is in flight.
         let _guard = self.dirty.lock().unwrap();
         self.running.store(false, Ordering::Release);
         Ok(())
     }
-    fn resume(&self) -> Result<(), String> {
+    fn resume(&self) -> Result<(), VmError> {
         self.resumed.fetch_add(1, Ordering::Relaxed);
         self.running.store(true, Ordering::Release);
         Ok(())
     }
-    fn save_state(&self) -> Result<Vec<u8>, String> {
+    fn save_state(&self) -> Result<Vec<u8>, VmError> {
         Ok(b"vcpu state".to_vec())
     }
 }
@@ -154,20 +156,21 @@ impl DestVm for FakeDest {
     fn memory(&self) -> &GuestMemory {
         &self.mem.guest
     }
-    fn restore_state(&self, state: &[u8]) -> Result<(), String> {
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmError> {
         *self.state.lock().unwrap() = state.to_vec();
         Ok(())
     }
-    fn resume(&self) -> Result<(), String> {
+    fn resume(&self) -> Result<(), VmError> {
         self.running.store(true, Ordering::Release);
         Ok(())
     }
 }
 
-fn make_dest(desc: &VmDescription, memfd: Option<File>) -> Result<FakeDest, String> {
+fn make_dest(desc: &VmDescription, memfd: Option<File>) -> Result<FakeDest, VmError> {
+    let create = |e| VmError::new(VmOp::Create, e);
     let mem = match memfd {
-        Some(f) => Memory::from_file(f, desc.memory_bytes).map_err(|e| e.to_string())?,
-        None => Memory::new(desc.memory_bytes).map_err(|e| e.to_string())?,
+        Some(f) => Memory::from_file(f, desc.memory_bytes).map_err(create)?,
+        None => Memory::new(desc.memory_bytes).map_err(create)?,
     };
     Ok(FakeDest { mem, state: Mutex::new(Vec::new()), running: AtomicBool::new(false) })
 }
@@ -274,7 +277,7 @@ fn a_destination_that_refuses_leaves_the_source_running() {
     let src = FakeSource::new(100);
     let (l, addr) = listen(false, "refuse");
     let dest = std::thread::spawn(move || {
-        receive(&l, Duration::from_secs(5), |_, _| Err::<FakeDest, _>("no room here".into()))
+        receive(&l, Duration::from_secs(5), |_, _| Err::<FakeDest, _>(VmError::new(VmOp::Create, "no room here")))
     });
     let e = migrate(&*src, &addr, &MigrateOptions::default(), &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("no room here"), "{e}");
@@ -523,4 +526,83 @@ fn a_silent_source_fails_the_receiver_within_its_deadline() {
     assert!(e.to_string().contains("no data from the source"), "{e}");
     // The source is told why.
     assert!(matches!(replies.next_reply().unwrap(), Reply::Failed(why) if why.contains("no data from the source")));
+}
+
+/// A capped migration (16 MiB at 8 MB/s: the bucket makes round 0 last seconds) reports its
+/// progress within round 0, before the round ends.
+#[test]
+fn progress_is_reported_within_a_round() {
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "progress");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
+    let opts = MigrateOptions { max_bandwidth: Some(8_000_000), ..Default::default() };
+    let mut events = Vec::new();
+    migrate(&*src, &addr, &opts, &mut |e| events.push(e)).unwrap();
+    dest.join().unwrap().unwrap();
+    src.stop_writer();
+    let round0_end = events.iter().position(|e| matches!(e, Event::Round { round: 0, .. })).unwrap();
+    let within: Vec<_> = events[..round0_end]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Progress { round: 0, pages_sent, round_pages, bytes_sent, .. } => {
+                Some((*pages_sent, *round_pages, *bytes_sent))
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(!within.is_empty(), "no progress within round 0: {events:?}");
+    assert!(within.iter().any(|&(sent, total, _)| sent < total), "{within:?}");
+    assert!(within.windows(2).all(|w| w[0].0 <= w[1].0), "{within:?}");
+    assert!(within.iter().all(|&(sent, total, bytes)| sent <= total && bytes == sent * 4096), "{within:?}");
+}
+
+/// Cancelled mid-round (from the first progress event, so no timing is involved): the
+/// migration ends `Cancelled`, the source runs on with dirty logging off, and the destination
+/// is told and fails cleanly.
+#[test]
+fn a_cancelled_migration_leaves_the_source_running_and_the_destination_failed() {
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "cancel");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest).map(drop));
+    let opts = MigrateOptions { max_bandwidth: Some(8_000_000), ..Default::default() };
+    let token = opts.cancel.clone();
+    let mut events = Vec::new();
+    let e = migrate(&*src, &addr, &opts, &mut |e| {
+        if matches!(e, Event::Progress { .. }) {
+            token.cancel().unwrap();
+        }
+        events.push(e);
+    })
+    .unwrap_err();
+    assert!(matches!(e, MigrateError::Cancelled), "{e}");
+    assert!(matches!(events.last(), Some(Event::Cancelled)), "{events:?}");
+    assert!(!events.iter().any(|e| matches!(e, Event::StopAndCopy { .. })), "{events:?}");
+    assert!(src.running.load(Ordering::Acquire), "the source runs on");
+    assert!(src.dirty.lock().unwrap().is_none(), "dirty logging stopped");
+    let de = dest.join().unwrap().unwrap_err();
+    assert!(de.to_string().contains("cancelled"), "{de}");
+    src.stop_writer();
+}
+
+/// A cancel before the migration starts stops it before anything is sent; one after it has
+/// completed is refused.
+#[test]
+fn cancel_before_start_and_after_completion() {
+    let src = FakeSource::new(100);
+    let (l, addr) = listen(false, "cancel-early");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest).map(drop));
+    let opts = MigrateOptions::default();
+    opts.cancel.cancel().unwrap();
+    let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
+    assert!(matches!(e, MigrateError::Cancelled), "{e}");
+    assert!(dest.join().unwrap().is_err());
+    assert!(src.running.load(Ordering::Acquire));
+
+    let (l, addr) = listen(false, "cancel-late");
+    let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest).map(drop));
+    let opts = MigrateOptions::default();
+    migrate(&*src, &addr, &opts, &mut |_| {}).unwrap();
+    dest.join().unwrap().unwrap();
+    assert_eq!(opts.cancel.cancel(), Err(crate::CancelError::Committed));
+    src.stop_writer();
 }

@@ -5,10 +5,12 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::time::Duration;
+
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// Where to migrate to / listen on: `tcp:HOST:PORT` or `unix:PATH`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,76 +141,26 @@ impl Conn {
 
     /// Sends `fd` with one byte of data over a unix connection (SCM_RIGHTS).
     pub fn send_fd(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
-        let s = self.unix()?;
-        let mut byte = [b'F'];
-        let mut msg = FdMsg::new(&mut byte);
-        // SAFETY: msg_control has room for one header with one fd (FdMsg sizes it so).
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&msg.hdr);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut RawFd, fd.as_raw_fd());
-        }
-        // SAFETY: a valid msghdr on our own socket.
-        if unsafe { libc::sendmsg(s.as_raw_fd(), msg.ptr(), 0) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        // One byte carries the fd: a stream socket delivers ancillary data with data only.
+        self.unix()?.send_with_fd(&[b'F'][..], fd.as_raw_fd()).map_err(io::Error::from)?;
         Ok(())
     }
 
     /// Receives a file descriptor sent with `send_fd`.
     pub fn recv_fd(&self) -> io::Result<OwnedFd> {
-        let s = self.unix()?;
         let mut byte = [0u8];
-        let mut msg = FdMsg::new(&mut byte);
-        // SAFETY: a valid msghdr on our own socket; MSG_CMSG_CLOEXEC keeps the fd private.
-        let n = unsafe { libc::recvmsg(s.as_raw_fd(), msg.ptr(), libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let (n, file) = self.unix()?.recv_with_fd(&mut byte).map_err(io::Error::from)?;
         if n == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed before the memory fd arrived"));
         }
-        let msg = &msg.hdr;
-        // SAFETY: CMSG_FIRSTHDR/CMSG_DATA walk the control buffer recvmsg filled in.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(msg);
-            if c.is_null() || (*c).cmsg_level != libc::SOL_SOCKET || (*c).cmsg_type != libc::SCM_RIGHTS {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "expected a file descriptor (SCM_RIGHTS)"));
-            }
-            let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const RawFd);
-            Ok(OwnedFd::from_raw_fd(fd))
+        let file =
+            file.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "expected a file descriptor (SCM_RIGHTS)"))?;
+        // ScmSocket does not ask for MSG_CMSG_CLOEXEC: keep the fd from children ourselves.
+        // SAFETY: fcntl on a descriptor we own.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
+            return Err(io::Error::last_os_error());
         }
-    }
-}
-
-/// A one-byte message with room for one file descriptor (SCM_RIGHTS), for `sendmsg`/`recvmsg`.
-struct FdMsg<'a> {
-    hdr: libc::msghdr,
-    _iov: Box<libc::iovec>,
-    _cbuf: Vec<u8>,
-    _byte: std::marker::PhantomData<&'a mut [u8; 1]>,
-}
-
-impl<'a> FdMsg<'a> {
-    fn new(byte: &'a mut [u8; 1]) -> Self {
-        let mut iov = Box::new(libc::iovec { iov_base: byte.as_mut_ptr() as *mut libc::c_void, iov_len: 1 });
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-        let mut cbuf = vec![0u8; space];
-        // SAFETY: msghdr is plain data; the pointers set below refer to heap memory owned by
-        // this struct (the iovec, the control buffer) and to `byte`, all outliving it.
-        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-        hdr.msg_iov = &mut *iov;
-        hdr.msg_iovlen = 1;
-        hdr.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-        hdr.msg_controllen = space;
-        FdMsg { hdr, _iov: iov, _cbuf: cbuf, _byte: std::marker::PhantomData }
-    }
-
-    fn ptr(&mut self) -> *mut libc::msghdr {
-        &mut self.hdr
+        Ok(OwnedFd::from(file))
     }
 }
 

@@ -1,22 +1,54 @@
 //! The control API's view of a running VM.
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 use kumo_api::{ApiError, ApiHandler, ApiRequest, ApiResponse, VmInfo, VmState, KUMO_VERSION};
 
-use crate::migration::{JobError, MigrationJob};
+use crate::migration::{Incoming, JobError, MigrationJob};
 use crate::vmm::RunningVm;
 use crate::Error;
 
 /// Serves API requests against a VM. Holds it weakly: the API never keeps a VM alive.
 pub struct VmApi {
-    vm: Weak<RunningVm>,
-    migration: MigrationJob,
+    /// Set once the VM exists: at once, or for a destination once it has arrived.
+    vm: OnceLock<Weak<RunningVm>>,
+    migration: Arc<MigrationJob>,
+    /// A destination's incoming migration: its progress while the VM arrives.
+    incoming: Option<Arc<Incoming>>,
 }
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
-        Arc::new(VmApi { vm: Arc::downgrade(vm), migration: MigrationJob::default() })
+        Arc::new(VmApi { vm: OnceLock::from(Arc::downgrade(vm)), migration: Arc::default(), incoming: None })
+    }
+
+    /// The API of a destination, up while the VM arrives: `vm.info` says `receiving` and
+    /// `vm.migration` shows what has arrived; [`VmApi::attach`] hands it the VM once it runs.
+    pub fn incoming(incoming: &Arc<Incoming>) -> Arc<Self> {
+        Arc::new(VmApi { vm: OnceLock::new(), migration: Arc::default(), incoming: Some(incoming.clone()) })
+    }
+
+    pub fn attach(&self, vm: &Arc<RunningVm>) {
+        let _ = self.vm.set(Arc::downgrade(vm));
+    }
+
+    /// Answers for a destination whose VM has not arrived yet.
+    fn receiving(&self, inc: &Incoming, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+        match req {
+            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
+            ApiRequest::Info => Ok(ApiResponse::Info(VmInfo {
+                state: VmState::Receiving,
+                vcpus: inc.cpus.unwrap_or(0),
+                memory_bytes: inc.memory.unwrap_or(0),
+                guest: format!("incoming:{}", inc.addr),
+                irqchip: "unknown".into(),
+                pid: std::process::id(),
+                uptime_ms: inc.since.elapsed().as_millis() as u64,
+                kumo_version: KUMO_VERSION.to_string(),
+            })),
+            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&inc.status())?)),
+            _ => Err(ApiError::conflict("the VM is still arriving by migration")),
+        }
     }
 }
 
@@ -40,6 +72,10 @@ pub fn info(vm: &RunningVm) -> VmInfo {
     }
 }
 
+fn to_json<T: serde::Serialize>(v: &T) -> Result<serde_json::Value, ApiError> {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(format!("cannot encode the answer: {e}")))
+}
+
 fn to_api(e: Error) -> ApiError {
     match e {
         Error::State(what) => ApiError::conflict(format!("vm is {what}")),
@@ -48,8 +84,22 @@ fn to_api(e: Error) -> ApiError {
 }
 
 impl VmApi {
+    /// The last migration from here, or for a VM that arrived here and has not migrated since,
+    /// how it came.
+    fn migration_status(&self) -> crate::migration::MigrationStatus {
+        let st = self.migration.status();
+        match (st.state, &self.incoming) {
+            (crate::migration::MigrationState::None, Some(inc)) => inc.status(),
+            _ => st,
+        }
+    }
+
     /// Runs a migration job, with its start and end on the event monitor.
-    fn migrate(&self, vm: &Arc<RunningVm>, req: &kumo_api::MigrateRequest) -> Result<serde_json::Value, JobError> {
+    fn migrate(
+        &self,
+        vm: &Arc<RunningVm>,
+        req: &kumo_api::MigrateRequest,
+    ) -> Result<crate::migration::MigrationStatus, JobError> {
         use crate::event_monitor::emit;
         use serde_json::json;
         let kind = if req.dry_run { "migration-estimate" } else { "migration" };
@@ -65,7 +115,11 @@ impl VmApi {
 
 impl ApiHandler for VmApi {
     fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
-        let vm = self.vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?;
+        let vm = match (self.vm.get(), &self.incoming) {
+            (Some(vm), _) => vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?,
+            (None, Some(inc)) => return self.receiving(inc, req),
+            (None, None) => return Err(ApiError::unavailable("the VM does not exist yet")),
+        };
         match req {
             ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
             ApiRequest::Info => Ok(ApiResponse::Info(info(&vm))),
@@ -79,29 +133,31 @@ impl ApiHandler for VmApi {
                 Ok(ApiResponse::Ok)
             }
             ApiRequest::Migrate(req) => match self.migrate(&vm, &req) {
-                Ok(v) => Ok(ApiResponse::Json(v)),
+                Ok(st) => Ok(ApiResponse::Json(to_json(&st)?)),
                 Err(JobError::BadRequest(e)) => Err(ApiError::bad_request(e)),
-                Err(JobError::Busy) => Err(ApiError::conflict("a migration is already running")),
                 Err(JobError::Conflict(e)) => Err(ApiError::conflict(format!("cannot migrate: {e}"))),
-                Err(e @ JobError::Failed(_)) => Err(ApiError::internal(e.to_string())),
+                Err(e @ (JobError::Busy | JobError::Cancelled)) => Err(ApiError::conflict(e.to_string())),
+                Err(e) => Err(ApiError::internal(e.to_string())),
             },
-            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(self.migration.status())),
+            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration_status())?)),
+            ApiRequest::MigrationEvents => {
+                let job = self.migration.clone();
+                Ok(ApiResponse::Stream(kumo_api::JsonLines::new(move |sink| job.stream(sink))))
+            }
+            ApiRequest::CancelMigration => {
+                self.migration.cancel().map(|()| ApiResponse::Ok).map_err(|e| ApiError::conflict(e.to_string()))
+            }
             ApiRequest::Snapshot(req) => {
                 use crate::snapshot::{snapshot_to_file, SnapshotError as E};
                 match snapshot_to_file(&vm, std::path::Path::new(&req.path)) {
-                    Ok(r) => serde_json::to_value(r)
-                        .map(ApiResponse::Json)
-                        .map_err(|e| ApiError::internal(format!("cannot encode the snapshot report: {e}"))),
+                    Ok(r) => Ok(ApiResponse::Json(to_json(&r)?)),
                     Err(e @ E::BadRequest(_)) => Err(ApiError::bad_request(e.to_string())),
                     Err(e @ E::Conflict(_)) => Err(ApiError::conflict(e.to_string())),
                     Err(e) => Err(ApiError::internal(e.to_string())),
                 }
             }
             ApiRequest::Counters => {
-                let c = crate::counters::collect(&vm, Some(&self.migration.status()));
-                serde_json::to_value(c)
-                    .map(ApiResponse::Json)
-                    .map_err(|e| ApiError::internal(format!("cannot encode the counters: {e}")))
+                Ok(ApiResponse::Json(to_json(&crate::counters::collect(&vm, &self.migration_status()))?))
             }
         }
     }

@@ -4,11 +4,12 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
+use kumo_migration_engine::Event;
 use kumo_vm::emulate::AssistKind;
 use kumo_vm::ExitCounters;
 use serde::Serialize;
-use serde_json::Value;
 
+use crate::migration::{MigrationResult, MigrationState, MigrationStatus};
 use crate::vmm::RunningVm;
 
 /// vCPU exits by reason, summed over the vCPUs.
@@ -16,7 +17,7 @@ use crate::vmm::RunningVm;
 pub struct Exits {
     /// Port I/O (the serial console, the exit port).
     pub io: u64,
-    /// MMIO (no device answers MMIO yet: reads see 0xff).
+    /// MMIO (dispatched to the MMIO bus; unclaimed reads see all ones).
     pub mmio: u64,
     /// HLT that KVM handed to kumo (only without an in-kernel LAPIC).
     pub hlt: u64,
@@ -49,12 +50,14 @@ pub struct Counters {
     pub migration: Option<MigrationBytes>,
 }
 
-/// What the last outgoing migration sent.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+/// What the last migration sent from here, or brought here.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MigrationBytes {
-    pub state: String,
+    pub state: MigrationState,
     pub pages_sent: u64,
     pub bytes_sent: u64,
+    pub pages_received: u64,
+    pub bytes_received: u64,
 }
 
 /// Sums the vCPUs' counters.
@@ -78,40 +81,45 @@ pub fn sum(vcpus: &[impl AsRef<ExitCounters>]) -> (Exits, BTreeMap<String, u64>)
     (e, assists)
 }
 
-/// What a migration status (`MigrationJob::status`) says was sent, if a migration has run:
-/// the report's totals once it ended, else the pages of the rounds seen so far.
-pub fn migration_bytes(status: &Value) -> Option<MigrationBytes> {
-    let state = status["state"].as_str().filter(|s| *s != "none")?.to_string();
-    let report = &status["report"];
-    if let Some(pages) = report["total_pages"].as_u64() {
-        let bytes = report["bytes"].as_u64().unwrap_or(pages * 4096);
-        return Some(MigrationBytes { state, pages_sent: pages, bytes_sent: bytes });
+/// What a migration status says was moved, if a migration has run: the report's totals once
+/// it ended, else the progress seen so far; and what a destination received.
+pub fn migration_bytes(status: &MigrationStatus) -> Option<MigrationBytes> {
+    if status.state == MigrationState::None {
+        return None;
     }
-    let pages: u64 = status["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|e| e["event"] == "round")
-        .filter_map(|e| e["pages_sent"].as_u64())
-        .sum();
-    Some(MigrationBytes { state, pages_sent: pages, bytes_sent: pages * 4096 })
+    let (pages_sent, bytes_sent) = match &status.report {
+        Some(MigrationResult::Migrated(r)) => (r.report.total_pages, r.report.bytes),
+        _ => status
+            .events
+            .iter()
+            .rev()
+            .find_map(|e| match e {
+                Event::Progress { total_pages_sent, total_bytes_sent, .. } => {
+                    Some((*total_pages_sent, *total_bytes_sent))
+                }
+                _ => None,
+            })
+            .unwrap_or((0, 0)),
+    };
+    let (pages_received, bytes_received) = status.received.as_ref().map_or((0, 0), |r| (r.pages, r.bytes));
+    Some(MigrationBytes { state: status.state, pages_sent, bytes_sent, pages_received, bytes_received })
 }
 
 /// The VM's counters; `migration` is the status of its migration job.
-pub fn collect(vm: &RunningVm, migration: Option<&Value>) -> Counters {
+pub fn collect(vm: &RunningVm, migration: &MigrationStatus) -> Counters {
     let (exits, assists) = sum(vm.exit_counters());
     Counters {
         exits,
         assists,
         interrupts: Interrupts { serial: vm.serial_interrupts() },
-        migration: migration.and_then(migration_bytes),
+        migration: migration_bytes(migration),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use kumo_migration_engine::{RecvPhase, RecvStatus};
     use std::sync::Arc;
 
     #[test]
@@ -130,16 +138,30 @@ mod tests {
     }
 
     #[test]
-    fn migration_bytes_come_from_the_report_or_the_rounds() {
-        assert_eq!(migration_bytes(&json!({"state": "none", "events": []})), None);
-        let done = json!({"state": "completed", "events": [], "report": {"total_pages": 10, "bytes": 50000}});
-        assert_eq!(
-            migration_bytes(&done),
-            Some(MigrationBytes { state: "completed".into(), pages_sent: 10, bytes_sent: 50000 })
-        );
-        let running = json!({"state": "running", "report": null,
-            "events": [{"event": "started"}, {"event": "round", "pages_sent": 3}, {"event": "round", "pages_sent": 2}]});
-        assert_eq!(migration_bytes(&running).map(|m| m.pages_sent), Some(5));
+    fn migration_bytes_come_from_the_progress_or_the_receiver() {
+        let mut st =
+            MigrationStatus { state: MigrationState::None, events: vec![], report: None, error: None, received: None };
+        assert_eq!(migration_bytes(&st), None);
+        st.state = MigrationState::Running;
+        let progress = |pages: u64| Event::Progress {
+            round: 0,
+            round_pages: 100,
+            pages_sent: pages,
+            bytes_sent: pages * 4096,
+            total_pages_sent: pages,
+            total_bytes_sent: pages * 4096,
+            mb_per_s: 1.0,
+            eta_ms: None,
+            estimated_downtime_ms: None,
+        };
+        st.events = vec![progress(3), progress(5)];
+        let m = migration_bytes(&st).unwrap();
+        assert_eq!((m.pages_sent, m.bytes_sent, m.pages_received), (5, 5 * 4096, 0));
+        st.state = MigrationState::Received;
+        st.events.clear();
+        st.received = Some(RecvStatus { phase: RecvPhase::Restoring, pages: 7, bytes: 7 * 4096, rounds: 2 });
+        let m = migration_bytes(&st).unwrap();
+        assert_eq!((m.pages_sent, m.pages_received, m.bytes_received), (0, 7, 7 * 4096));
     }
 
     #[test]

@@ -1,22 +1,26 @@
-//! A running VM as a migration source or destination, and migration jobs for the API.
+//! The VM as a migration source, and the API's migration job.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kumo_api::MigrateRequest;
+use kumo_api::{MigrateRequest, MigrationEngine};
 use kumo_migration::format::VmDescription;
 use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
 use kumo_migration::StopPhaseModel;
-use kumo_migration_engine::{migrate, Address, DestVm, EngineKind, Event, MigrateOptions, Report, SourceVm};
+use kumo_migration_engine::{
+    migrate, Address, BoxError, CancelToken, EngineKind, Event, MigrateError, MigrateOptions, Report, SourceVm,
+    VmError, VmOp,
+};
 use kumo_vm::dirty::PageBitmap;
 use kumo_vm::layout::ram_regions;
 use kumo_vm::GuestMemory;
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use crate::vmm::{RunningVm, Snapshot};
-use crate::VmConfig;
+use crate::vmm::RunningVm;
+
+use super::*;
 
 impl SourceVm for RunningVm {
     fn description(&self) -> VmDescription {
@@ -30,29 +34,30 @@ impl SourceVm for RunningVm {
     fn memfd(&self) -> BorrowedFd<'_> {
         RunningVm::memfd(self).as_fd()
     }
-    fn start_dirty_log(&self) -> Result<(), String> {
-        self.vm().start_dirty_log().map(drop).map_err(|e| e.to_string())
+    fn start_dirty_log(&self) -> Result<(), VmError> {
+        self.vm().start_dirty_log().map(drop).map_err(|e| VmError::new(VmOp::StartDirtyLog, e))
     }
     fn stop_dirty_log(&self) {
         if let Err(e) = self.vm().stop_dirty_log() {
             tracing::warn!("cannot stop dirty logging: {e}");
         }
     }
-    fn touched_pages(&self) -> Result<PageBitmap, String> {
-        self.vm().touched_pages().map_err(|e| e.to_string())
+    fn touched_pages(&self) -> Result<PageBitmap, VmError> {
+        self.vm().touched_pages().map_err(|e| VmError::new(VmOp::TouchedPages, e))
     }
-    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, String> {
-        self.vm().fetch_dirty(into).map_err(|e| e.to_string())
+    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError> {
+        self.vm().fetch_dirty(into).map_err(|e| VmError::new(VmOp::FetchDirty, e))
     }
-    fn pause(&self) -> Result<(), String> {
-        self.migration_pause().map_err(|e| e.to_string())
+    fn pause(&self) -> Result<(), VmError> {
+        self.migration_pause().map_err(|e| VmError::new(VmOp::Pause, e))
     }
-    fn resume(&self) -> Result<(), String> {
-        self.migration_resume().map_err(|e| e.to_string())
+    fn resume(&self) -> Result<(), VmError> {
+        self.migration_resume().map_err(|e| VmError::new(VmOp::Resume, e))
     }
-    fn save_state(&self) -> Result<Vec<u8>, String> {
-        let s = RunningVm::save_state(self).map_err(|e| e.to_string())?;
-        serde_json::to_vec(&s).map_err(|e| e.to_string())
+    fn save_state(&self) -> Result<Vec<u8>, VmError> {
+        let err = |e: BoxError| VmError { op: VmOp::SaveState, source: e };
+        let s = RunningVm::save_state(self).map_err(|e| err(e.into()))?;
+        serde_json::to_vec(&s).map_err(|e| err(e.into()))
     }
     fn set_throttle(&self, percent: u32) {
         RunningVm::set_throttle(self, percent)
@@ -62,34 +67,19 @@ impl SourceVm for RunningVm {
     }
 }
 
-impl DestVm for RunningVm {
-    fn memory(&self) -> &GuestMemory {
-        RunningVm::memory(self)
-    }
-    fn restore_state(&self, state: &[u8]) -> Result<(), String> {
-        let s: Snapshot = serde_json::from_slice(state).map_err(|e| format!("bad VM state: {e}"))?;
-        RunningVm::restore_state(self, &s).map_err(|e| e.to_string())
-    }
-    fn resume(&self) -> Result<(), String> {
-        self.resume_incoming().map_err(|e| e.to_string())
-    }
-}
-
-/// The VM config an incoming stream describes, checked against the stream's own shape.
-pub fn config_from_description(d: &VmDescription) -> Result<VmConfig, String> {
-    let c: VmConfig =
-        serde_json::from_value(d.payload.clone()).map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
-    if c.cpus != d.cpus || c.memory != d.memory_bytes || ram_regions(c.memory) != d.regions {
-        return Err("the stream's VM config contradicts its description".into());
-    }
-    c.validate_shape().map_err(|e| e.to_string())?;
-    Ok(c)
-}
+/// The lowest bandwidth cap taken, bytes/s: below it a 4 MiB batch takes seconds and the
+/// progress deadline of a slow destination would be hard to tell from the cap.
+pub const MIN_BANDWIDTH: u64 = 1_000_000;
 
 /// Turns an API request into migration options.
 pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String> {
     let to: Address = req.to.parse()?;
-    let engine: EngineKind = req.engine.as_deref().unwrap_or("overlap").parse()?;
+    let engine = match req.engine.unwrap_or(MigrationEngine::Overlap) {
+        MigrationEngine::Serial => EngineKind::Serial,
+        MigrationEngine::Overlap => EngineKind::Overlap,
+        MigrationEngine::Zerocopy => EngineKind::Zerocopy,
+        MigrationEngine::Local => EngineKind::Local,
+    };
     let downtime = req.downtime_ms.map(Duration::from_millis);
     let xen = req.xen.unwrap_or(downtime.is_none());
     if !xen && downtime.is_none() {
@@ -103,7 +93,10 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
     if engine == EngineKind::Serial && connections > 1 {
         return Err("the serial engine sends one batch at a time on one connection: use connections 1".into());
     }
-    let mut opts = MigrateOptions { engine, connections, ..Default::default() };
+    if let Some(b) = req.max_bandwidth.filter(|&b| b < MIN_BANDWIDTH) {
+        return Err(format!("max_bandwidth must be at least {MIN_BANDWIDTH} bytes/s (1M), not {b}"));
+    }
+    let mut opts = MigrateOptions { engine, connections, max_bandwidth: req.max_bandwidth, ..Default::default() };
     if let Some(ms) = req.progress_timeout_ms {
         if !(100..=3_600_000).contains(&ms) {
             return Err(format!("progress_timeout_ms must be 100..=3600000, not {ms}"));
@@ -126,7 +119,7 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
 
 /// Fits the dirty-page model to the live rounds' observations (round length, pages dirtied
 /// during it) and predicts the whole migration from them, to compare with what happened.
-pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
+pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> ModelReport {
     // Prefer D(t) sampled during round 0: a direct measurement of the curve, so the rounds
     // after it are predicted out of sample. Otherwise fit the rounds' (length, pages dirtied).
     let (obs, source): (Vec<(f64, f64)>, &str) = if r.round0_dirty_samples.len() >= 3 {
@@ -139,10 +132,28 @@ pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
             "rounds",
         )
     };
-    let model = match DirtyModel::fit_bounded(&obs, total_pages as f64) {
-        Ok(m) => m,
-        Err(e) => return json!({"fitted": false, "why": e.to_string(), "observations": obs}),
+    let mut out = ModelReport {
+        fitted: false,
+        why: None,
+        fit_source: None,
+        m: None,
+        tau_s: None,
+        observations: obs,
+        bandwidth_pages_per_s: None,
+        predicted: None,
+        comparison: None,
+        predict_error: None,
     };
+    let model = match DirtyModel::fit_bounded(&out.observations, total_pages as f64) {
+        Ok(m) => m,
+        Err(e) => {
+            out.why = Some(e.to_string());
+            return out;
+        }
+    };
+    out.fitted = true;
+    out.m = Some(model.m);
+    out.tau_s = Some(model.tau);
     let secs: f64 = r.rounds.iter().map(|x| x.ms).sum::<f64>() / 1e3;
     let pages: u64 = r.rounds.iter().map(|x| x.pages).sum();
     let bw = if secs > 0.0 { pages as f64 / secs } else { 0.0 };
@@ -166,14 +177,14 @@ pub fn model_report(r: &Report, policy: StopPolicy, total_pages: u64) -> Value {
         .collect();
     match predict(&model, &params) {
         Ok(p) => {
-            let cmp = compare(&p, &measured);
-            json!({"fitted": true, "fit_source": source, "m": model.m, "tau_s": model.tau, "observations": obs,
-                   "bandwidth_pages_per_s": bw, "predicted": p, "comparison": cmp})
+            out.fit_source = Some(source.into());
+            out.bandwidth_pages_per_s = Some(bw);
+            out.comparison = Some(compare(&p, &measured));
+            out.predicted = Some(p);
         }
-        Err(e) => {
-            json!({"fitted": true, "m": model.m, "tau_s": model.tau, "predict_error": e.to_string()})
-        }
+        Err(e) => out.predict_error = Some(e.to_string()),
     }
+    out
 }
 
 /// Watches the guest dirty memory for about `window` and predicts a migration at
@@ -183,7 +194,7 @@ pub fn estimate(
     window: Duration,
     bandwidth_pages_per_s: f64,
     policy: StopPolicy,
-) -> Result<Value, String> {
+) -> Result<DryRunReport, String> {
     vm.vm().start_dirty_log().map_err(|e| e.to_string())?;
     let regions = ram_regions(vm.config().memory);
     let r = (|| {
@@ -207,8 +218,15 @@ pub fn estimate(
         let total_pages = vm.config().memory / 4096;
         let params = PredictParams { total_pages, round0_pages: touched, bandwidth_pages_per_s, beta: 0.0, policy };
         let p = predict(&model, &params).map_err(|e| e.to_string())?;
-        Ok(json!({"dry_run": true, "m": model.m, "tau_s": model.tau, "observations": obs, "touched_pages": touched,
-                  "bandwidth_pages_per_s": bandwidth_pages_per_s, "predicted": p}))
+        Ok(DryRunReport {
+            dry_run: true,
+            m: model.m,
+            tau_s: model.tau,
+            observations: obs,
+            touched_pages: touched,
+            bandwidth_pages_per_s,
+            predicted: p,
+        })
     })();
     let _ = vm.vm().stop_dirty_log();
     r
@@ -218,44 +236,107 @@ pub fn estimate(
 #[derive(Default)]
 pub struct MigrationJob {
     state: Mutex<JobState>,
+    /// Signalled at every event and when a migration ends: streams wait on it.
+    changed: std::sync::Condvar,
 }
 
 #[derive(Default)]
 struct JobState {
     running: bool,
+    /// The running migration's cancel handle.
+    cancel: Option<CancelToken>,
     events: Vec<Event>,
-    report: Option<Value>,
+    result: Option<MigrationResult>,
     error: Option<String>,
+    cancelled: bool,
+}
+
+impl JobState {
+    fn status(&self) -> MigrationStatus {
+        let state = match (self.running, &self.result, &self.error) {
+            (true, _, _) => MigrationState::Running,
+            (false, Some(_), _) => MigrationState::Completed,
+            (false, None, Some(_)) if self.cancelled => MigrationState::Cancelled,
+            (false, None, Some(_)) => MigrationState::Failed,
+            _ => MigrationState::None,
+        };
+        MigrationStatus {
+            state,
+            events: self.events.clone(),
+            report: self.result.clone(),
+            error: self.error.clone(),
+            received: None,
+        }
+    }
 }
 
 impl MigrationJob {
-    pub fn status(&self) -> Value {
-        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let state = match (s.running, &s.report, &s.error) {
-            (true, _, _) => "running",
-            (false, Some(_), _) => "completed",
-            (false, None, Some(_)) => "failed",
-            _ => "none",
-        };
-        json!({"state": state, "events": s.events, "report": s.report, "error": s.error})
+    fn lock(&self) -> std::sync::MutexGuard<'_, JobState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs a migration of `vm` to completion. Only one at a time.
-    pub fn run(&self, vm: &Arc<RunningVm>, req: &MigrateRequest) -> Result<Value, JobError> {
+    pub fn status(&self) -> MigrationStatus {
+        self.lock().status()
+    }
+
+    /// Hands `sink` every event of the running migration (or the last one) as it comes, then
+    /// the final status without its events, once the migration has ended. Stops early when
+    /// `sink` says so.
+    pub fn stream(&self, sink: &mut dyn FnMut(&Value) -> bool) {
+        let mut sent = 0;
+        loop {
+            let (new, ended) = {
+                let mut s = self.lock();
+                if s.running && s.events.len() == sent {
+                    // Wakes at least every second even without news.
+                    s = self.changed.wait_timeout(s, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
+                }
+                let new: Vec<Event> = s.events.get(sent..).unwrap_or_default().to_vec();
+                let ended = (!s.running).then(|| MigrationStatus { events: Vec::new(), ..s.status() });
+                (new, ended)
+            };
+            sent += new.len();
+            for e in &new {
+                if !sink(&serde_json::to_value(e).unwrap_or(Value::Null)) {
+                    return;
+                }
+            }
+            if let Some(st) = ended {
+                sink(&serde_json::to_value(&st).unwrap_or(Value::Null));
+                return;
+            }
+        }
+    }
+
+    /// Cancels the running migration: it stops between two batches and the VM runs on here.
+    pub fn cancel(&self) -> Result<(), JobError> {
+        let s = self.lock();
+        match (&s.cancel, s.running) {
+            (Some(t), true) => t.cancel().map_err(|e| JobError::TooLate(e.to_string())),
+            _ => Err(JobError::NotRunning),
+        }
+    }
+
+    /// Runs a migration of `vm` to completion and answers its final status. Only one at a
+    /// time.
+    pub fn run(&self, vm: &Arc<RunningVm>, req: &MigrateRequest) -> Result<MigrationStatus, JobError> {
         let (to, opts) = options(req).map_err(JobError::BadRequest)?;
         {
-            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut s = self.lock();
             if s.running {
                 return Err(JobError::Busy);
             }
-            *s = JobState { running: true, ..Default::default() };
+            *s = JobState { running: true, cancel: Some(opts.cancel.clone()), ..Default::default() };
         }
-        let result = if req.dry_run {
+        let result: Result<MigrationResult, MigrateError> = if req.dry_run {
             let bw = loopback_pages_per_s();
             estimate(vm, Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000)), bw, opts.policy)
+                .map(MigrationResult::DryRun)
+                .map_err(MigrateError::Other)
         } else if let Err(e) = vm.begin_migration() {
-            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut s = self.lock();
             s.running = false;
+            s.cancel = None;
             return Err(JobError::Conflict(e.to_string()));
         } else {
             let total_pages = vm.config().memory / 4096;
@@ -264,33 +345,36 @@ impl MigrationJob {
             // migration can hand its measurement on yet: each starts from the engine's prior.
             opts.policy.stop_phase = StopPhaseModel::with_prior(kumo_migration_engine::STOP_PHASE_PRIOR);
             let r = migrate(&**vm, &to, &opts, &mut |e| {
-                tracing::info!(?e, "migration");
-                self.state.lock().unwrap_or_else(|p| p.into_inner()).events.push(e);
+                if !matches!(e, Event::Progress { .. }) {
+                    tracing::info!(?e, "migration");
+                }
+                self.lock().events.push(e);
+                self.changed.notify_all();
             })
             .map(|r| {
-                let mut v = serde_json::to_value(&r).unwrap_or(Value::Null);
-                v["model"] = model_report(&r, opts.policy, total_pages);
-                v["to"] = json!(to.to_string());
-                v["arrived_paused"] = json!(vm.paused_by_user());
+                let model = model_report(&r, opts.policy, total_pages);
+                let arrived_paused = vm.paused_by_user();
                 // The VM runs at the destination now; this copy stops (before the run state
                 // goes back to the user, so nothing can resume it in between).
                 vm.finish_migrated(to.to_string());
-                v
-            })
-            .map_err(|e| e.to_string());
+                MigrationResult::Migrated(Box::new(SendReport { report: r, model, to: to.to_string(), arrived_paused }))
+            });
             vm.end_migration();
             r
         };
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.lock();
         s.running = false;
+        s.cancel = None;
+        self.changed.notify_all();
         match result {
             Ok(v) => {
-                s.report = Some(v.clone());
-                Ok(v)
+                s.result = Some(v);
+                Ok(s.status())
             }
             Err(e) => {
-                s.error = Some(e.clone());
-                Err(JobError::Failed(e))
+                s.cancelled = matches!(e, MigrateError::Cancelled);
+                s.error = Some(e.to_string());
+                Err(if s.cancelled { JobError::Cancelled } else { JobError::Failed(e.to_string()) })
             }
         }
     }
@@ -306,6 +390,12 @@ pub enum JobError {
     Conflict(String),
     #[error("migration failed: {0}")]
     Failed(String),
+    #[error("migration cancelled; the VM runs on here")]
+    Cancelled,
+    #[error("no migration is running")]
+    NotRunning,
+    #[error("{0}")]
+    TooLate(String),
 }
 
 /// This host's loopback TCP throughput in pages/s, measured by sending 64 MiB to ourselves:

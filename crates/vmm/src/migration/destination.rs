@@ -1,0 +1,142 @@
+//! The VM as a migration destination: `kumo run --incoming`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use kumo_migration::format::VmDescription;
+use kumo_migration_engine::{
+    receive_with, Address, BoxError, DestVm, Listener, RecvProgress, RecvReport, VmError, VmOp,
+};
+use kumo_vm::layout::ram_regions;
+use kumo_vm::GuestMemory;
+
+use crate::vmm::{RunningVm, Snapshot};
+use crate::VmConfig;
+
+use super::*;
+
+impl DestVm for RunningVm {
+    fn memory(&self) -> &GuestMemory {
+        RunningVm::memory(self)
+    }
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmError> {
+        let err = |e: BoxError| VmError { op: VmOp::RestoreState, source: e };
+        let s: Snapshot = serde_json::from_slice(state).map_err(|e| err(format!("bad VM state: {e}").into()))?;
+        RunningVm::restore_state(self, &s).map_err(|e| err(e.into()))
+    }
+    fn resume(&self) -> Result<(), VmError> {
+        self.resume_incoming().map_err(|e| VmError::new(VmOp::Resume, e))
+    }
+}
+
+/// The VM config an incoming stream describes, checked against the stream's own shape.
+pub fn config_from_description(d: &VmDescription) -> Result<VmConfig, String> {
+    let c: VmConfig =
+        serde_json::from_value(d.payload.clone()).map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
+    if c.cpus != d.cpus || c.memory != d.memory_bytes || ram_regions(c.memory) != d.regions {
+        return Err("the stream's VM config contradicts its description".into());
+    }
+    c.validate_shape().map_err(|e| e.to_string())?;
+    Ok(c)
+}
+
+/// A destination's incoming migration (`kumo run --incoming ADDR`): where it listens, the shape
+/// it was prepared for, and how far the VM has arrived (read by the destination's API).
+pub struct Incoming {
+    pub addr: Address,
+    /// `--memory`: only a VM of this size is taken, its memory allocated and faulted in first.
+    pub memory: Option<u64>,
+    /// `--cpus`: only a VM with this many vCPUs is taken.
+    pub cpus: Option<u32>,
+    pub since: Instant,
+    progress: RecvProgress,
+    arrived: Mutex<Option<RecvReport>>,
+}
+
+impl Incoming {
+    pub fn new(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<Arc<Incoming>, String> {
+        let addr: Address = addr.parse()?;
+        Ok(Arc::new(Incoming {
+            addr,
+            memory,
+            cpus,
+            since: Instant::now(),
+            progress: RecvProgress::default(),
+            arrived: Mutex::new(None),
+        }))
+    }
+
+    /// `receiving` with the pages so far, or `received` once the VM runs here.
+    pub fn status(&self) -> MigrationStatus {
+        let arrived = self.arrived.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+        MigrationStatus {
+            state: if arrived { MigrationState::Received } else { MigrationState::Receiving },
+            events: Vec::new(),
+            report: None,
+            error: None,
+            received: Some(self.progress.status()),
+        }
+    }
+
+    /// Waits for one incoming migration and returns the VM, running, with what the receiver
+    /// measured. With `memory` or `cpus` the destination is prepared: both are checked against
+    /// this host, and guest memory of that size is allocated and faulted in before listening,
+    /// so the transfer does not pay for first-touch page faults (expensive on nested hosts).
+    /// `say` gets the lines an operator wants to see (prepared, listening).
+    pub fn receive(&self, say: &dyn Fn(&str)) -> Result<(RunningVm, RecvReport), String> {
+        let (memory, cpus) = (self.memory, self.cpus);
+        let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
+        if let Some(n) = cpus {
+            kumo_vm::layout::check_vcpus(n, host.kvm_max_vcpus).map_err(|e| e.to_string())?;
+        }
+        if let Some(size) = memory {
+            kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;
+        }
+        let mut reserved = match memory {
+            Some(size) => {
+                let t = Instant::now();
+                let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
+                for (gpa, len) in ram_regions(size) {
+                    kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
+                }
+                say(&format!(
+                    "prepared {} MiB of guest memory in {:.0} ms",
+                    size >> 20,
+                    t.elapsed().as_secs_f64() * 1e3
+                ));
+                Some(m.memfd)
+            }
+            None => None,
+        };
+        // Listen only once the memory is ready: a source that connected earlier would wait for
+        // the handshake while memory is faulted in, and give up.
+        let listener = Listener::bind(&self.addr).map_err(|e| format!("cannot listen on {}: {e}", self.addr))?;
+        say(&format!("waiting for a migration on {}", listener.local_addr()));
+        let (vm, rr) =
+            receive_with(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, &self.progress, |desc, memfd| {
+                let refuse = |why: String| VmError::new(VmOp::Create, why);
+                let config = config_from_description(desc).map_err(refuse)?;
+                let human = kumo_vm::memory::human_size;
+                if let Some(size) = memory.filter(|&m| m != config.memory) {
+                    return Err(refuse(format!(
+                        "this destination is prepared for {} of memory; the VM has {}",
+                        human(size),
+                        human(config.memory)
+                    )));
+                }
+                if let Some(n) = cpus.filter(|&n| n != config.cpus) {
+                    return Err(refuse(format!(
+                        "this destination is prepared for {n} vCPUs; the VM has {}",
+                        config.cpus
+                    )));
+                }
+                // Memory shared by a local migration wins; otherwise the prepared memory, if any.
+                let memfd = memfd.or_else(|| reserved.take());
+                RunningVm::incoming(config, Box::new(std::io::stdout()), memfd)
+                    .map_err(|e| VmError::new(VmOp::Create, e))
+            })
+            .map_err(|e| format!("incoming migration failed: {e}"))?;
+        *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
+        Ok((vm, rr))
+    }
+}
