@@ -74,6 +74,12 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "GET", path: paths::MIGRATION_EVENTS, build: |_| Ok(ApiRequest::MigrationEvents) },
 ];
 
+/// Every (method, path) the server answers, in route-table order: what docs/openapi.yaml must
+/// describe (checked by tests/openapi_e2e.rs).
+pub fn routes() -> impl Iterator<Item = (&'static str, &'static str)> {
+    ROUTES.iter().map(|r| (r.method, r.path))
+}
+
 /// Decodes the JSON body of a route that takes one.
 fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if body.is_empty() {

@@ -356,8 +356,8 @@ pub struct Report {
     /// The highest vCPU throttle the migration applied, percent.
     #[serde(default)]
     pub max_throttle_percent: u8,
-    /// The stop phase's cost, learned from this migration's measurement and those before:
-    /// what the next migration of this VM starts from.
+    /// The stop phase's cost as learned from this migration's measurements (each migration
+    /// starts from the engine's prior).
     #[serde(default)]
     pub stop_phase_model: StopPhaseModel,
 }

@@ -1,0 +1,189 @@
+//! docs/openapi.yaml is exactly what the server does: it lists exactly the server's routes, and
+//! every route, called on real VMs, answers with a documented status and a body that fits the
+//! documented schema (objects closed: a field the document does not describe fails). Request
+//! bodies with every field set fit their documented schemas too.
+
+mod common;
+#[path = "openapi/http.rs"]
+mod http;
+#[path = "openapi/schema.rs"]
+mod schema;
+
+use common::*;
+use http::{exchange, Answer};
+use schema::Spec;
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::path::Path;
+
+#[test]
+fn the_document_describes_exactly_the_servers_routes() {
+    let spec = Spec::load();
+    let mut server: Vec<(String, String)> = kumo_api::routes().map(|(m, p)| (m.to_string(), p.to_string())).collect();
+    server.sort();
+    assert_eq!(spec.routes(), server, "docs/openapi.yaml (left) against the server's route table (right)");
+}
+
+/// Calls routes on one VM's socket, checks every answer against the document and remembers
+/// which routes it saw.
+struct Caller<'a> {
+    spec: &'a Spec,
+    seen: BTreeSet<(String, String)>,
+}
+
+impl Caller<'_> {
+    fn call(&mut self, socket: &Path, method: &str, path: &str, body: Option<Value>, want: u16) -> Answer {
+        if let Some(b) = &body {
+            self.check_request(method, path, b);
+        }
+        let text = body.map(|b| b.to_string());
+        let a = exchange(socket, method, path, text.as_deref());
+        let shown = String::from_utf8_lossy(&a.body).into_owned();
+        assert_eq!(a.status, want, "{method} {path}: {shown}");
+        self.check_answer(method, path, &a);
+        self.seen.insert((method.to_string(), path.to_string()));
+        a
+    }
+
+    fn check_answer(&self, method: &str, path: &str, a: &Answer) {
+        let media = a.content_type.as_deref().unwrap_or("application/json");
+        match self.spec.response_schema(method, path, a.status, media) {
+            None => assert!(a.body.is_empty(), "{method} {path} {}: undocumented body", a.status),
+            Some(schema) if media == "application/x-ndjson" => {
+                let text = String::from_utf8_lossy(&a.body);
+                for line in text.lines() {
+                    let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+                    let r = self.spec.check(schema, &v);
+                    assert!(r.is_ok(), "{method} {path}: line {line}: {}", r.unwrap_err());
+                }
+            }
+            Some(schema) => {
+                let r = self.spec.check(schema, &a.json());
+                assert!(r.is_ok(), "{method} {path} {}: {}\n{}", a.status, r.unwrap_err(), a.json());
+            }
+        }
+    }
+
+    fn check_request(&self, method: &str, path: &str, body: &Value) {
+        let op = self.spec.operation(method, path);
+        let schema = &op["requestBody"]["content"]["application/json"]["schema"];
+        assert!(!schema.is_null(), "{method} {path}: the document describes no request body");
+        let r = self.spec.check(schema, body);
+        assert!(r.is_ok(), "{method} {path} request {body}: {}", r.unwrap_err());
+    }
+
+    /// Every route answers a wrong method with a documented 405, and a route with a body
+    /// answers a malformed one with a documented 400.
+    fn misuse_every_route(&mut self, socket: &Path) {
+        for (method, path) in kumo_api::routes() {
+            let wrong = if method == "GET" { "PUT" } else { "GET" };
+            if kumo_api::routes().any(|(m, p)| p == path && m == wrong) {
+                continue;
+            }
+            let a = exchange(socket, wrong, path, None);
+            assert_eq!(a.status, 405, "{wrong} {path}");
+            assert!(a.header("Allow").is_some_and(|v| v.contains(method)), "{wrong} {path}: Allow");
+            self.check_answer(method, path, &a);
+            if !self.spec.operation(method, path)["requestBody"].is_null() {
+                let a = exchange(socket, method, path, Some("{not json"));
+                assert_eq!(a.status, 400, "{method} {path} with a malformed body");
+                self.check_answer(method, path, &a);
+            }
+        }
+    }
+}
+
+fn api_up(socket: &Path) {
+    eventually(PATIENCE, || {
+        socket.exists().then(|| exchange(socket, "GET", "/api/v1/vmm.ping", None)).filter(|a| a.status == 200)
+    });
+}
+
+#[test]
+fn every_route_answers_as_the_document_says() {
+    if !kvm_or_skip("every_route_answers_as_the_document_says") {
+        return;
+    }
+    let spec = Spec::load();
+    let mut c = Caller { spec: &spec, seen: BTreeSet::new() };
+    let dir = TestDir::new();
+    let sock = dir.path("src.sock");
+    let s = sock.to_str().unwrap();
+    let src =
+        Kid::spawn(&["run", "--guest", "memtouch", "pages=256", "until_input=1", "--memory", "64M", "--api-socket", s]);
+    src.wait_stdout("memtouch: pages=", PATIENCE);
+    api_up(&sock);
+
+    // The VM before any migration.
+    c.call(&sock, "GET", "/api/v1/vmm.ping", None, 200);
+    c.call(&sock, "GET", "/api/v1/vm.info", None, 200);
+    c.call(&sock, "GET", "/api/v1/vm.counters", None, 200);
+    c.call(&sock, "GET", "/api/v1/vm.migration", None, 200);
+    c.call(&sock, "GET", "/api/v1/vm.migration-events", None, 200);
+    c.call(&sock, "PUT", "/api/v1/vm.cancel-migration", None, 409);
+    c.call(&sock, "PUT", "/api/v1/vm.pause", None, 204);
+    c.call(&sock, "PUT", "/api/v1/vm.pause", None, 409);
+    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "paused");
+    c.call(&sock, "PUT", "/api/v1/vm.resume", None, 204);
+    c.call(&sock, "PUT", "/api/v1/vm.resume", None, 409);
+    let snap = dir.path("vm.snap");
+    c.call(&sock, "PUT", "/api/v1/vm.snapshot", Some(json!({ "path": snap.to_str().unwrap() })), 200);
+    c.call(&sock, "PUT", "/api/v1/vm.snapshot", Some(json!({ "path": "relative.snap" })), 400);
+    let dry = json!({ "to": "tcp:127.0.0.1:1", "dry_run": true, "estimate_ms": 200 });
+    c.call(&sock, "PUT", "/api/v1/vm.send-migration", Some(dry), 200);
+    c.call(&sock, "PUT", "/api/v1/vm.send-migration", Some(json!({ "to": "nowhere" })), 400);
+    c.misuse_every_route(&sock);
+
+    // A destination answers while it waits for the VM, then with the VM that arrived.
+    let dsock = dir.path("dst.sock");
+    let listen = format!("unix:{}", dir.path("mig.sock").display());
+    let dst = Kid::spawn(&["run", "--incoming", &listen, "--api-socket", dsock.to_str().unwrap()]);
+    api_up(&dsock);
+    assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "receiving");
+    c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200);
+    c.call(&dsock, "PUT", "/api/v1/vm.pause", None, 409);
+    eventually(PATIENCE, || dir.path("mig.sock").exists().then_some(()));
+
+    let req = json!({ "to": listen, "engine": "overlap", "connections": 2, "downtime_ms": 300, "xen": true,
+        "progress_timeout_ms": 60000, "max_bandwidth": 1_000_000_000u64 });
+    let done = c.call(&sock, "PUT", "/api/v1/vm.send-migration", Some(req), 200).json();
+    assert_eq!(done["state"], "completed", "{done}");
+    let (code, _, err) = src.finish(PATIENCE);
+    assert_eq!(code, Some(0), "the source stops once its VM has moved: {err}");
+
+    eventually(PATIENCE, || {
+        let a = exchange(&dsock, "GET", "/api/v1/vm.info", None);
+        (a.status == 200 && a.json()["state"] == "running").then_some(())
+    });
+    assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200).json()["state"], "received");
+    c.call(&dsock, "GET", "/api/v1/vm.counters", None, 200);
+    c.call(&dsock, "PUT", "/api/v1/vm.shutdown", None, 204);
+    let (code, _, err) = dst.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
+
+    let all: BTreeSet<(String, String)> = kumo_api::routes().map(|(m, p)| (m.to_string(), p.to_string())).collect();
+    let missed: Vec<_> = all.difference(&c.seen).collect();
+    assert!(missed.is_empty(), "routes this test does not call: {missed:?}");
+}
+
+/// Every field of the request types, set: the document must describe each.
+#[test]
+fn request_bodies_with_every_field_fit_the_document() {
+    let spec = Spec::load();
+    let c = Caller { spec: &spec, seen: BTreeSet::new() };
+    let full = kumo_api::MigrateRequest {
+        to: "tcp:10.0.0.2:4444".into(),
+        engine: Some(kumo_api::MigrationEngine::Zerocopy),
+        downtime_ms: Some(50),
+        xen: Some(false),
+        connections: Some(4),
+        dry_run: false,
+        estimate_ms: Some(1000),
+        progress_timeout_ms: Some(15000),
+        strict: Some(true),
+        max_bandwidth: Some(100 << 20),
+    };
+    c.check_request("PUT", "/api/v1/vm.send-migration", &serde_json::to_value(&full).unwrap());
+    let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into() };
+    c.check_request("PUT", "/api/v1/vm.snapshot", &serde_json::to_value(&snap).unwrap());
+}
