@@ -13,26 +13,19 @@ use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kumo_migration::format::{self, Encoder, Reply};
 
-/// A `kumo` process whose stdout/stderr go to files (so the test can watch them while it
-/// runs) and whose stdin is the guest's console.
-struct Vmp {
-    kid: Kid,
-    err: std::path::PathBuf,
-    out: std::path::PathBuf,
-}
+/// A `kumo` process whose stdin is the guest's console; its output is collected as it runs.
+type Vmp = Kid;
 
 fn spawn_logged(args: &[&str], tag: &str) -> Vmp {
     spawn_logged_in(None, args, tag)
 }
 
-/// `kumo ARGS`, inside network namespace `netns` if given, with stdout/stderr in files.
+/// `kumo ARGS`, inside network namespace `netns` if given. `tag` names the process in failures.
 fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Vmp {
-    let out = temp_path(&format!("{tag}.out"));
-    let err = temp_path(&format!("{tag}.err"));
     let mut cmd = match netns {
         Some(ns) => {
             let mut c = Command::new("ip");
@@ -41,17 +34,10 @@ fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Vmp {
         }
         None => Command::new(kumo_bin()),
     };
-    let child = cmd
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(std::fs::File::create(&err).unwrap())
-        .spawn()
-        .unwrap();
-    Vmp { kid: Kid::from_child(child), err, out }
+    Kid::spawn_cmd(cmd.args(args)).named(tag)
 }
 
-impl Vmp {
+impl Kid {
     /// A destination: `kumo run --incoming ADDR`, waited for until it listens.
     fn incoming(addr: &str, tag: &str, api: Option<&str>) -> Vmp {
         let mut args = vec!["run", "--incoming", addr];
@@ -62,30 +48,6 @@ impl Vmp {
         eventually(PATIENCE, || d.stderr().contains("waiting for a migration").then_some(()));
         d
     }
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-    fn stdout(&self) -> String {
-        std::fs::read_to_string(&self.out).unwrap_or_default()
-    }
-    /// Tells the guest to stop (memtouch `until_input`/`hold_input`).
-    fn stop_guest(&mut self) {
-        self.kid.input(b"q");
-    }
-    fn wait(mut self) -> (Option<i32>, String, String) {
-        let t = Instant::now();
-        loop {
-            if let Some(st) = self.kid.child.try_wait().unwrap() {
-                return (st.code(), self.stdout(), self.stderr());
-            }
-            assert!(t.elapsed() < PATIENCE, "kumo did not exit; stderr:\n{}", self.stderr());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn hex_field(out: &str, key: &str) -> Option<u64> {
@@ -94,12 +56,7 @@ fn hex_field(out: &str, key: &str) -> Option<u64> {
 
 /// The writes a stopped memtouch reports, and whether its checksum is the model's for them.
 fn check_memtouch(out: &str, pages: u64, seed: u64, random: bool) -> u64 {
-    let writes: u64 = field(out, "memtouch: done", "writes")
-        .and_then(|w| w.parse().ok())
-        .unwrap_or_else(|| panic!("no done line:\n{out}"));
-    let want = kumo_guests::memtouch::expected_checksum(pages, writes, seed, random);
-    assert_eq!(hex_field(out, "checksum"), Some(want), "checksum after {writes} writes:\n{out}");
-    writes
+    kumo_guests::memtouch::check_output(out, pages, seed, random).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn migrate(sock: &str, args: &[&str]) -> (bool, String, String) {
@@ -306,7 +263,7 @@ fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
     // A kumo destination that is stopped (SIGSTOP): the kernel still accepts the connection.
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let dest = Vmp::incoming(&addr, "peer-stopped", None);
-    let pid = dest.kid.id() as libc::pid_t;
+    let pid = dest.id() as libc::pid_t;
     // SAFETY: signalling our own child process.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     let (ok, _, err) = migrate(&sock, &["--to", &addr]);
@@ -659,7 +616,7 @@ fn ctrl_c_cancels_a_migration_and_the_source_runs_on() {
     // surely still running when the first progress event within a round has been printed.
     let mig = spawn_migrate(&sock, &["--to", &addr, "--max-bandwidth", "1M", "--json"], "cancel-mig");
     eventually(PATIENCE, || json_lines(&mig.stdout()).iter().any(is_mid_round).then_some(()));
-    mig.kid.signal("INT");
+    mig.signal("INT");
     let (code, out, err) = mig.wait();
     assert_ne!(code, Some(0), "{out}\n{err}");
     assert!(err.contains("migration cancelled; the VM runs on at the source"), "{err}");

@@ -11,48 +11,12 @@ use common::*;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 /// A `kumo` process whose stdout/stderr go to files (read while it runs) and whose stdin is
 /// the guest's console.
-struct Vmp {
-    kid: Kid,
-    out: PathBuf,
-    err: PathBuf,
-}
-
-impl Vmp {
-    fn spawn(args: &[&str], tag: &str) -> Vmp {
-        let out = temp_path(&format!("{tag}.out"));
-        let err = temp_path(&format!("{tag}.err"));
-        let child = Command::new(kumo_bin())
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(std::fs::File::create(&out).unwrap())
-            .stderr(std::fs::File::create(&err).unwrap())
-            .spawn()
-            .unwrap();
-        Vmp { kid: Kid::from_child(child), out, err }
-    }
-    fn stdout(&self) -> String {
-        std::fs::read_to_string(&self.out).unwrap_or_default()
-    }
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-    fn wait(mut self) -> (Option<i32>, String, String) {
-        let t = Instant::now();
-        loop {
-            if let Some(st) = self.kid.child.try_wait().unwrap() {
-                return (st.code(), self.stdout(), self.stderr());
-            }
-            assert!(t.elapsed() < PATIENCE, "kumo did not exit; stderr:\n{}", self.stderr());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
+type Vmp = Kid;
 
 /// `kumo --api-socket SOCK ARGS…`: (success, stdout, stderr).
 fn api(sock: &str, args: &[&str]) -> (bool, String, String) {
@@ -80,7 +44,7 @@ fn memtouch(tag: &str, guest_args: &[&str]) -> (Vmp, String, PathBuf) {
     let ev = events.to_str().unwrap().to_string();
     args.extend(["--event-monitor", &ev]);
     args.extend_from_slice(guest_args);
-    let vm = Vmp::spawn(&args, tag);
+    let vm = Kid::spawn(&args);
     eventually(PATIENCE, || vm.stdout().contains("memtouch: pages=").then_some(()));
     eventually(PATIENCE, || vm_state(&sock));
     (vm, sock, events)
@@ -90,20 +54,17 @@ fn memtouch(tag: &str, guest_args: &[&str]) -> (Vmp, String, PathBuf) {
 fn restore(file: &Path, tag: &str) -> (Vmp, String, PathBuf) {
     let sock = temp_path(&format!("{tag}.sock")).to_str().unwrap().to_string();
     let events = temp_path(&format!("{tag}.events"));
-    let mut vm = Vmp::spawn(
-        &[
-            "run",
-            "--restore",
-            file.to_str().unwrap(),
-            "--api-socket",
-            &sock,
-            "--event-monitor",
-            events.to_str().unwrap(),
-        ],
-        tag,
-    );
+    let mut vm = Kid::spawn(&[
+        "run",
+        "--restore",
+        file.to_str().unwrap(),
+        "--api-socket",
+        &sock,
+        "--event-monitor",
+        events.to_str().unwrap(),
+    ]);
     eventually(PATIENCE, || {
-        if let Some(st) = vm.kid.child.try_wait().unwrap() {
+        if let Some(st) = vm.child.try_wait().unwrap() {
             panic!("the restore exited ({st}): {}", vm.stderr());
         }
         vm_state(&sock)
@@ -168,7 +129,7 @@ fn a_snapshot_runs_on_in_a_new_process() {
 
     let (mut dst, dsock, dst_events) = restore(&file, "snap-dst");
     assert_eq!(vm_state(&dsock).as_deref(), Some("running"));
-    dst.kid.input(b"q");
+    dst.input(b"q");
     let (code, out, err) = dst.wait();
     assert_eq!(code, Some(0), "{err}");
     assert!(!out.contains("memtouch: pages="), "the guest must carry on, not restart:\n{out}");
@@ -206,7 +167,7 @@ fn a_paused_vm_is_snapshotted_and_restored_paused() {
     assert_eq!(vm_state(&dsock).as_deref(), Some("paused"), "it was saved paused, so it is restored paused");
     assert!(api(&dsock, &["resume"]).0);
     assert_eq!(vm_state(&dsock).as_deref(), Some("running"));
-    dst.kid.input(b"q");
+    dst.input(b"q");
     let (code, out, err) = dst.wait();
     assert_eq!(code, Some(0), "{err}");
     check_memtouch(&out, 2000, 9);
@@ -230,7 +191,7 @@ fn counters_and_the_event_monitor_follow_a_running_vm() {
 
     assert!(api(&sock, &["pause"]).0);
     assert!(api(&sock, &["resume"]).0);
-    vm.kid.input(b"q");
+    vm.input(b"q");
     let (code, out, err) = vm.wait();
     assert_eq!(code, Some(0), "{err}");
     check_memtouch(&out, 500, 1);
@@ -293,7 +254,7 @@ fn a_snapshot_owns_the_run_state_until_it_ends_and_a_failed_one_leaves_the_vm_ru
     assert_eq!(vm_state(&sock).as_deref(), Some("running"));
     assert!(api(&sock, &["pause"]).0);
     assert!(api(&sock, &["resume"]).0);
-    vm.kid.input(b"q");
+    vm.input(b"q");
     let (code, out, err) = vm.wait();
     assert_eq!(code, Some(0), "{err}");
     check_memtouch(&out, 500, 4);

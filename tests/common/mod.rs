@@ -38,6 +38,8 @@ pub struct Kid {
     out: Arc<Mutex<Vec<u8>>>,
     err: Arc<Mutex<Vec<u8>>>,
     readers: Vec<std::thread::JoinHandle<()>>,
+    /// Names the child in failures.
+    name: String,
 }
 
 impl Drop for Kid {
@@ -77,7 +79,13 @@ impl Kid {
         if let Some(s) = child.stderr.take() {
             readers.push(collect(s, Arc::clone(&err)));
         }
-        Kid { child, out, err, readers }
+        Kid { child, out, err, readers, name: "the child".into() }
+    }
+
+    /// Names the child in failure messages (a test's tag: "dst", "hop2", ...).
+    pub fn named(mut self, name: &str) -> Kid {
+        self.name = name.to_string();
+        self
     }
 
     pub fn id(&self) -> u32 {
@@ -104,7 +112,12 @@ impl Kid {
     pub fn wait_stdout(&self, what: &str, limit: Duration) {
         let t = Instant::now();
         while !self.stdout().contains(what) {
-            assert!(t.elapsed() < limit, "no `{what}` on stdout within {limit:?}; stderr: {}", self.stderr());
+            assert!(
+                t.elapsed() < limit,
+                "no `{what}` on {}'s stdout within {limit:?}; stderr: {}",
+                self.name,
+                self.stderr()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -117,6 +130,16 @@ impl Kid {
         stdin.write_all(bytes).and_then(|()| stdin.flush()).expect("write to kumo's stdin");
     }
 
+    /// Tells the guest to stop (memtouch `until_input`/`hold_input`): one byte on its console.
+    pub fn stop_guest(&mut self) {
+        self.input(b"q");
+    }
+
+    /// Waits for exit (within [`PATIENCE`]) and returns (status code, stdout, stderr).
+    pub fn wait(self) -> (Option<i32>, String, String) {
+        self.finish(PATIENCE)
+    }
+
     /// Waits for exit (bounded) and returns (status code, stdout, stderr).
     pub fn finish(mut self, limit: Duration) -> (Option<i32>, String, String) {
         let t = Instant::now();
@@ -127,7 +150,7 @@ impl Kid {
                 }
                 return (st.code(), self.stdout(), self.stderr());
             }
-            assert!(t.elapsed() < limit, "the child did not exit within {limit:?}");
+            assert!(t.elapsed() < limit, "{} did not exit within {limit:?}; stderr:\n{}", self.name, self.stderr());
             std::thread::sleep(Duration::from_millis(20));
         }
     }

@@ -44,7 +44,7 @@ struct Cli {
 enum Cmd {
     /// Boot a VM: one of kumo's guest programs or a Linux kernel. The serial console goes to
     /// stdout; the exit status is the guest's exit code.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List the built guest programs and their parameters.
     Guests {
         /// Print JSON instead of a table.
@@ -465,7 +465,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let r = match cli.cmd {
-        Cmd::Run(a) => run(a, cli.api_socket),
+        Cmd::Run(a) => run(*a, cli.api_socket),
         Cmd::Guests { json } => guests(json),
         Cmd::Bench { args } => bench(args),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
