@@ -207,3 +207,43 @@ fn kumo_bench_runs_kumo_bench() {
     assert!(o.status.success(), "{err}");
     assert!(out.contains("--runs") && out.contains("--out"), "{out}");
 }
+
+#[test]
+fn the_console_socket_shows_the_output_and_types_on_the_console() {
+    if !kvm_or_skip("the_console_socket_shows_the_output_and_types_on_the_console") {
+        return;
+    }
+    use std::io::{Read, Write};
+    let dir = TestDir::new();
+    let cons = dir.path("console.sock");
+    // Writes until a byte arrives on its console, printing progress all along: the client sees
+    // output whenever it connects, and its byte is the only input (stdin stays silent).
+    let vm = Kid::spawn(&[
+        "run",
+        "--guest",
+        "memtouch",
+        "pages=64",
+        "until_input=1",
+        "report_ms=50",
+        "--console-socket",
+        cons.to_str().unwrap(),
+    ]);
+    let mut client = eventually(PATIENCE, || std::os::unix::net::UnixStream::connect(&cons).ok());
+    client.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("memtouch: progress") {
+        let n = client.read(&mut buf).expect("console output");
+        assert!(n > 0, "the console closed early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    client.write_all(b"q").unwrap();
+    // The rest of the output, to the end (the VM has stopped when the socket closes).
+    client.read_to_end(&mut seen).expect("console output");
+    let (code, out, err) = vm.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
+    let seen = String::from_utf8_lossy(&seen);
+    assert!(seen.contains("memtouch: done"), "the client saw the guest finish: {seen}");
+    kumo_guests::memtouch::check_output(&out, 64, 1, true).unwrap();
+    assert!(!cons.exists(), "the console socket is removed when the VM ends");
+}

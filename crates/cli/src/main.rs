@@ -1,6 +1,7 @@
 //! `kumo`: run VMs, list guest programs, talk to a running VM's control API; `kumo bench` runs
 //! the separate `kumo-bench` binary (crates/bench), so no benchmark code is linked in here.
 
+mod console;
 mod migrate;
 
 use std::path::PathBuf;
@@ -131,6 +132,11 @@ struct RunArgs {
     /// Write start-up timings (CLOCK_MONOTONIC ns) as JSON to this file when the VM ends.
     #[arg(long, value_name = "FILE")]
     timings_json: Option<PathBuf>,
+    /// Also serve the guest's serial console on this unix socket (mode 0600): every client gets
+    /// the console output from when it connects, and what it writes is typed on the console,
+    /// as stdin is. E.g. `socat - UNIX-CONNECT:PATH`.
+    #[arg(long, value_name = "PATH")]
+    console_socket: Option<PathBuf>,
     /// Guest arguments, key=value (with --guest).
     #[arg(value_name = "KEY=VALUE")]
     guest_args: Vec<String>,
@@ -197,7 +203,11 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     if let Some(m) = &a.event_monitor {
         kumo_vmm::event_monitor::init(m)?;
     }
-    let signals = shutdown_on_signals(api_socket.clone())?;
+    let signals = shutdown_on_signals([&api_socket, &a.console_socket].into_iter().flatten().cloned().collect())?;
+    let console = a.console_socket.as_deref().map(console::ConsoleSocket::bind).transpose()?;
+    let serial = || -> Box<dyn std::io::Write + Send> {
+        Box::new(console.as_ref().map_or_else(console::stdout_only, console::ConsoleSocket::output))
+    };
     // The API of a VM built here starts once it exists; a shutdown on failure stops it again.
     let serve = |vm: &Arc<RunningVm>| {
         signals.watch(vm);
@@ -218,25 +228,28 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
                 Some(p) => Some(ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?),
                 None => None,
             };
-            let vm = Arc::new(migrate::incoming(&inc)?);
+            let vm = Arc::new(migrate::incoming(&inc, serial())?);
             signals.watch(&vm);
             api.attach(&vm);
             (vm, server)
         }
         (None, Some(file)) => {
-            let vm = kumo_vmm::snapshot::restore_from_file(file, Box::new(std::io::stdout()));
+            let vm = kumo_vmm::snapshot::restore_from_file(file, serial());
             let vm = Arc::new(vm.map_err(|e| e.to_string())?);
             let server = serve(&vm)?;
             (vm, server)
         }
         (None, None) => {
             let config = build_config(&a)?;
-            let vm = Arc::new(RunningVm::start(config, Box::new(std::io::stdout())).map_err(|e| e.to_string())?);
+            let vm = Arc::new(RunningVm::start(config, serial()).map_err(|e| e.to_string())?);
             let server = serve(&vm)?;
             (vm, server)
         }
     };
     tracing::info!(vcpus = vm.config().cpus, memory = vm.config().memory, "VM running");
+    if let Some(c) = &console {
+        c.attach(&vm);
+    }
     // stdin goes to COM1 through the VM's device event loop; what epoll cannot watch (a file,
     // /dev/null) is read by a thread instead.
     let stdin = std::os::fd::AsFd::as_fd(&std::io::stdin()).try_clone_to_owned();
@@ -265,10 +278,10 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
 
 /// SIGTERM and SIGINT (Ctrl-C) shut the VM down as `kumo shutdown` would: `run` then returns,
 /// and dropping the API server removes its socket. Before there is a VM (a destination waiting
-/// for its migration) a signal removes the API socket and exits. A second signal exits at once.
+/// for its migration) a signal removes the API and console sockets (`sockets`) and exits. A second signal exits at once.
 /// Installed before the API server starts, so no signal finds the default handling once the API
 /// answers; dropping the guard restores it.
-fn shutdown_on_signals(api_socket: Option<PathBuf>) -> Result<SignalGuard, String> {
+fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).map_err(|e| format!("cannot handle signals: {e}"))?;
@@ -291,7 +304,7 @@ fn shutdown_on_signals(api_socket: Option<PathBuf>) -> Result<SignalGuard, Strin
                 Some(None) => return, // the VM has ended: `run` is returning anyway
                 None => {
                     eprintln!("kumo: {name}: no VM yet; exiting");
-                    if let Some(p) = &api_socket {
+                    for p in &sockets {
                         let _ = std::fs::remove_file(p);
                     }
                     std::process::exit(128 + sig);
@@ -322,33 +335,10 @@ impl Drop for SignalGuard {
 }
 
 /// Feeds kumo's stdin to the guest's serial console (COM1), so a user or a test can talk to the
-/// guest. An incoming VM gets it only once it runs here: its console state, pending input
-/// included, arrives with the migration. Input the FIFO cannot take yet waits, never dropped.
+/// guest, from a thread: for stdin that epoll cannot watch (a file, /dev/null).
 fn spawn_console_input(vm: std::sync::Weak<RunningVm>) {
     let spawned = std::thread::Builder::new().name("console-in".into()).spawn(move || {
-        use std::io::Read;
-        let mut stdin = std::io::stdin().lock();
-        let mut buf = [0u8; 64];
-        loop {
-            let n = match stdin.read(&mut buf) {
-                Ok(0) | Err(_) => return, // EOF (e.g. /dev/null): no console input
-                Ok(n) => n,
-            };
-            let mut rest = &buf[..n];
-            while !rest.is_empty() {
-                let Some(vm) = vm.upgrade() else { return };
-                if vm.is_finished() {
-                    return;
-                }
-                let took = vm.serial_input(rest);
-                rest = &rest[took..];
-                drop(vm);
-                if !rest.is_empty() {
-                    // The guest has not read its FIFO yet.
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            }
-        }
+        console::feed(std::io::stdin().lock(), || vm.upgrade().map_or(console::Target::Gone, console::Target::Vm))
     });
     if let Err(e) = spawned {
         tracing::warn!("no console input: cannot start its thread: {e}");

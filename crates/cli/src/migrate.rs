@@ -369,10 +369,11 @@ fn print_report(s: &SendReport) {
     }
 }
 
-/// `kumo run --incoming`: waits for one incoming migration and returns the VM, running. The
-/// destination side lives beside the source side in `kumo_vmm::migration` ([`Incoming`]).
-pub fn incoming(inc: &Incoming) -> Result<RunningVm, String> {
-    let (vm, rr) = inc.receive(&|line| eprintln!("kumo: {line}"))?;
+/// `kumo run --incoming`: waits for one incoming migration and returns the VM, running, its
+/// console on `serial`. The destination side lives beside the source side in
+/// `kumo_vmm::migration` ([`Incoming`]).
+pub fn incoming(inc: &Incoming, serial: Box<dyn std::io::Write + Send>) -> Result<RunningVm, String> {
+    let (vm, rr) = inc.receive(&|line| eprintln!("kumo: {line}"), serial)?;
     eprintln!(
         "kumo: migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms{}",
         rr.pages,

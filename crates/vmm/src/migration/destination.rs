@@ -82,8 +82,14 @@ impl Incoming {
     /// measured. With `memory` or `cpus` the destination is prepared: both are checked against
     /// this host, and guest memory of that size is allocated and faulted in before listening,
     /// so the transfer does not pay for first-touch page faults (expensive on nested hosts).
-    /// `say` gets the lines an operator wants to see (prepared, listening).
-    pub fn receive(&self, say: &dyn Fn(&str)) -> Result<(RunningVm, RecvReport), String> {
+    /// `say` gets the lines an operator wants to see (prepared, listening); the VM's serial
+    /// console writes to `serial`.
+    pub fn receive(
+        &self,
+        say: &dyn Fn(&str),
+        serial: Box<dyn std::io::Write + Send>,
+    ) -> Result<(RunningVm, RecvReport), String> {
+        let mut serial = Some(serial);
         let (memory, cpus) = (self.memory, self.cpus);
         let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
         if let Some(n) = cpus {
@@ -96,7 +102,7 @@ impl Incoming {
             Some(size) => {
                 let t = Instant::now();
                 let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
-                for (gpa, len) in ram_regions(size) {
+                for &(gpa, len) in m.layout.ram() {
                     kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
                 }
                 say(&format!(
@@ -132,8 +138,8 @@ impl Incoming {
                 }
                 // Memory shared by a local migration wins; otherwise the prepared memory, if any.
                 let memfd = memfd.or_else(|| reserved.take());
-                RunningVm::incoming(config, Box::new(std::io::stdout()), memfd)
-                    .map_err(|e| VmError::new(VmOp::Create, e))
+                let serial = serial.take().unwrap_or_else(|| Box::new(std::io::stdout()));
+                RunningVm::incoming(config, serial, memfd).map_err(|e| VmError::new(VmOp::Create, e))
             })
             .map_err(|e| format!("incoming migration failed: {e}"))?;
         *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());

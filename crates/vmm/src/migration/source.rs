@@ -14,7 +14,6 @@ use kumo_migration_engine::{
     VmError, VmOp,
 };
 use kumo_vm::dirty::PageBitmap;
-use kumo_vm::layout::ram_regions;
 use kumo_vm::GuestMemory;
 use serde_json::Value;
 
@@ -26,7 +25,7 @@ impl SourceVm for RunningVm {
     fn description(&self) -> VmDescription {
         let c = self.config();
         let payload = serde_json::to_value(c).unwrap_or(Value::Null);
-        VmDescription::new(c.cpus, &c.irqchip.to_string(), payload, ram_regions(c.memory))
+        VmDescription::new(c.cpus, &c.irqchip.to_string(), payload, self.vm().memory.layout.ram().to_vec())
     }
     fn memory(&self) -> &GuestMemory {
         RunningVm::memory(self)
@@ -196,7 +195,7 @@ pub fn estimate(
     policy: StopPolicy,
 ) -> Result<DryRunReport, String> {
     vm.vm().start_dirty_log().map_err(|e| e.to_string())?;
-    let regions = ram_regions(vm.config().memory);
+    let regions = vm.vm().memory.layout.ram().to_vec();
     let r = (|| {
         let mut scratch = PageBitmap::for_regions(&regions);
         vm.vm().fetch_dirty(&mut scratch).map_err(|e| e.to_string())?;
