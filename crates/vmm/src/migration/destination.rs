@@ -79,11 +79,18 @@ impl Incoming {
     }
 
     /// Waits for one incoming migration and returns the VM, running, with what the receiver
-    /// measured. With `memory` or `cpus` the destination is prepared: both are checked against
-    /// this host, and guest memory of that size is allocated and faulted in before listening,
-    /// so the transfer does not pay for first-touch page faults (expensive on nested hosts).
-    /// `say` gets the lines an operator wants to see (prepared, listening).
+    /// measured: [`Incoming::listen`], then [`Incoming::receive_on`].
+    /// `say` gets the lines an operator wants to see (prepared, listening, received).
     pub fn receive(&self, say: &dyn Fn(&str)) -> Result<(RunningVm, RecvReport), String> {
+        let ready = self.listen(say)?;
+        self.receive_on(ready, say)
+    }
+
+    /// Prepares the destination and starts listening. With `memory` or `cpus` the destination
+    /// is prepared: both are checked against this host, and guest memory of that size is
+    /// allocated and faulted in before listening, so the transfer does not pay for first-touch
+    /// page faults (expensive on nested hosts). Nothing has been received when it returns.
+    pub fn listen(&self, say: &dyn Fn(&str)) -> Result<Listening, String> {
         let (memory, cpus) = (self.memory, self.cpus);
         let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
         if let Some(n) = cpus {
@@ -92,7 +99,7 @@ impl Incoming {
         if let Some(size) = memory {
             kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;
         }
-        let mut reserved = match memory {
+        let reserved = match memory {
             Some(size) => {
                 let t = Instant::now();
                 let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
@@ -112,6 +119,13 @@ impl Incoming {
         // the handshake while memory is faulted in, and give up.
         let listener = Listener::bind(&self.addr).map_err(|e| format!("cannot listen on {}: {e}", self.addr))?;
         say(&format!("waiting for a migration on {}", listener.local_addr()));
+        Ok(Listening { listener, reserved })
+    }
+
+    /// Takes one incoming migration on a listening destination and returns the VM, running.
+    pub fn receive_on(&self, ready: Listening, say: &dyn Fn(&str)) -> Result<(RunningVm, RecvReport), String> {
+        let (memory, cpus) = (self.memory, self.cpus);
+        let Listening { listener, mut reserved } = ready;
         let (vm, rr) =
             receive_with(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, &self.progress, |desc, memfd| {
                 let refuse = |why: String| VmError::new(VmOp::Create, why);
@@ -137,6 +151,21 @@ impl Incoming {
             })
             .map_err(|e| format!("incoming migration failed: {e}"))?;
         *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
+        say(&format!(
+            "migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms{}",
+            rr.pages,
+            rr.connections,
+            rr.total_ms,
+            rr.receiver_cpu_ms,
+            rr.restore_ms,
+            if rr.shared_memory { " (memory shared, not copied)" } else { "" }
+        ));
         Ok((vm, rr))
     }
+}
+
+/// A destination that listens, its prepared memory (if any) ready: [`Incoming::listen`].
+pub struct Listening {
+    listener: Listener,
+    reserved: Option<std::fs::File>,
 }
