@@ -315,7 +315,8 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
 
 /// SIGTERM and SIGINT (Ctrl-C) shut the VM down as `kumo shutdown` would: `run` then returns,
 /// and dropping the API server removes its socket. Before there is a VM (a destination waiting
-/// for its migration, an empty VMM) a signal removes the API socket and exits. A second signal exits at once.
+/// for its migration, an empty VMM) a signal removes the API socket and exits. A second signal
+/// exits at once.
 /// Installed before the API server starts, so no signal finds the default handling once the API
 /// answers; dropping the guard restores it.
 fn shutdown_on_signals(api_socket: Option<PathBuf>) -> Result<SignalGuard, String> {
