@@ -247,3 +247,43 @@ fn the_console_socket_shows_the_output_and_types_on_the_console() {
     kumo_guests::memtouch::check_output(&out, 64, 1, true).unwrap();
     assert!(!cons.exists(), "the console socket is removed when the VM ends");
 }
+
+/// `kumo run --api-socket S` with nothing to boot is an empty VMM: it answers ping and info
+/// (`created`), refuses what needs a VM with 409 "no VM yet", and a signal ends it, removing
+/// its socket. Without --api-socket, nothing to boot is still an error.
+#[test]
+fn an_empty_vmm_waits_refuses_what_needs_a_vm_and_ends_on_a_signal() {
+    let dir = TestDir::new();
+    let o = kumo(&["run"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("nothing to boot"), "{}", text(&o).1);
+    let o = kumo(&["run", "--memory", "1G", "--api-socket", dir.arg("shaped.sock").as_str()]);
+    assert!(!o.status.success() && text(&o).1.contains("--memory given, but nothing to boot"), "{}", text(&o).1);
+    for sig in ["TERM", "INT"] {
+        let sock = dir.path(&format!("empty-{sig}.sock"));
+        let s = sock.to_str().unwrap();
+        let vm = Kid::spawn(&["run", "--api-socket", s]);
+        let c = kumo_api::ApiClient::new(&sock);
+        let info = eventually(PATIENCE, || c.info().ok());
+        assert_eq!(info.state, kumo_api::VmState::Created);
+        assert_eq!((info.vcpus, info.memory_bytes), (0, 0));
+        assert!(kumo(&["--api-socket", s, "ping"]).status.success());
+        for (method, path) in [
+            ("PUT", "/api/v1/vm.pause"),
+            ("PUT", "/api/v1/vm.resume"),
+            ("PUT", "/api/v1/vm.shutdown"),
+            ("PUT", "/api/v1/vm.cancel-migration"),
+            ("GET", "/api/v1/vm.counters"),
+        ] {
+            let e = c.call(method, path, None).unwrap_err();
+            assert_eq!(e.status(), Some(409), "{method} {path}: {e}");
+            assert!(e.to_string().starts_with("no VM yet: "), "{method} {path}: {e}");
+        }
+        let o = kumo(&["--api-socket", s, "snapshot", "--to", dir.arg("x.snap").as_str()]);
+        assert!(text(&o).1.contains("no VM yet"), "{}", text(&o).1);
+        vm.signal(sig);
+        let (_, _, err) = vm.finish(PATIENCE);
+        assert!(err.contains(&format!("SIG{sig}: no VM yet; exiting")), "{err}");
+        assert!(!sock.exists(), "SIG{sig}: the API socket is removed");
+    }
+}

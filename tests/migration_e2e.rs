@@ -717,3 +717,71 @@ fn the_cancel_route_stops_a_migration() {
     assert_eq!(code, Some(0));
     check_memtouch(&sout, 4000, 7, true);
 }
+
+/// An empty VMM (`kumo run --api-socket S`, nothing to boot) told by `vm.receive-migration`
+/// (`kumo receive-migration`) is a destination: it answers once it listens, says `receiving`,
+/// then runs the VM that arrived; the guest's checksum checks. A second receive is refused.
+#[test]
+fn an_empty_vmm_told_to_receive_takes_a_migrating_vm() {
+    if !kvm_or_skip("an_empty_vmm_told_to_receive_takes_a_migrating_vm") {
+        return;
+    }
+    let dir = TestDir::new();
+    let dsock = dir.arg("empty-dst.sock");
+    let mut dest = spawn_logged(&["run", "--api-socket", &dsock], "empty-dst");
+    eventually(PATIENCE, || vm_state(&dsock));
+    assert_eq!(vm_state(&dsock).as_deref(), Some("created"));
+    let addr = format!("unix:{}", dir.arg("empty-mig.sock"));
+    let o = kumo(&["--api-socket", &dsock, "receive-migration", "--from", &addr, "--memory", "64M"]);
+    assert!(o.status.success(), "{}\n{}", text(&o).1, dest.stderr());
+    // It listens now (the answer came after that), and says so.
+    eventually(PATIENCE, || dest.stderr().contains("waiting for a migration").then_some(()));
+    assert_eq!(vm_state(&dsock).as_deref(), Some("receiving"));
+    let d = kumo_api::ApiClient::new(&dsock);
+    let st: serde_json::Value = d.migration_status().unwrap();
+    assert_eq!((&st["state"], &st["received"]["phase"]), (&"receiving".into(), &"listening".into()), "{st}");
+    let again = kumo_api::ReceiveMigrationRequest { receiver_url: addr.clone(), memory: None, cpus: None };
+    assert_eq!(d.receive_migration(&again).unwrap_err().status(), Some(409));
+
+    let (src, sock) = source("empty-src", "64M", &["pages=3000", "rate=100000", "seed=12", "until_input=1"]);
+    let (ok, out, err) = migrate(&sock, &["--to", &addr]);
+    assert!(ok, "{out}\n{err}\n{}", dest.stderr());
+    assert_migrated_away(src);
+    eventually(PATIENCE, || (vm_state(&dsock).as_deref() == Some("running")).then_some(()));
+    let st: serde_json::Value = d.migration_status().unwrap();
+    assert_eq!(st["state"], "received", "{st}");
+    assert_eq!(d.receive_migration(&again).unwrap_err().status(), Some(409), "it has a VM now");
+    dest.stop_guest();
+    let (code, dout, derr) = dest.wait();
+    assert_eq!(code, Some(0), "{derr}");
+    assert!(derr.contains("migration received"), "{derr}");
+    check_memtouch(&dout, 3000, 12, true);
+    assert!(!std::path::Path::new(&dsock).exists(), "the API socket is removed");
+}
+
+/// An incoming migration started through the API that fails ends the VMM as `--incoming`
+/// does: status 1 and the reason.
+#[test]
+fn a_failed_receive_through_the_api_ends_the_vmm() {
+    if !kvm_or_skip("a_failed_receive_through_the_api_ends_the_vmm") {
+        return;
+    }
+    let dir = TestDir::new();
+    let dsock = dir.arg("fail-dst.sock");
+    let dest = spawn_logged(&["run", "--api-socket", &dsock], "fail-dst");
+    eventually(PATIENCE, || vm_state(&dsock));
+    // A bad address is the request's fault: 400, and the VMM stays empty.
+    let o = kumo(&["--api-socket", &dsock, "receive-migration", "--from", "udp:1.2.3.4:5"]);
+    assert!(!o.status.success() && text(&o).1.contains("tcp:HOST:PORT or unix:PATH"), "{}", text(&o).1);
+    assert_eq!(vm_state(&dsock).as_deref(), Some("created"));
+    let port = free_port();
+    let o = kumo(&["--api-socket", &dsock, "receive-migration", "--from", &format!("tcp:127.0.0.1:{port}")]);
+    assert!(o.status.success(), "{}", text(&o).1);
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"this is not a kumo migration stream").unwrap();
+    let (code, _, err) = dest.wait();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("incoming migration failed") && err.to_lowercase().contains("magic"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(!std::path::Path::new(&dsock).exists(), "the API socket is removed");
+}

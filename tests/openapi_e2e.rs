@@ -161,6 +161,35 @@ fn every_route_answers_as_the_document_says() {
     let (code, _, err) = dst.finish(PATIENCE);
     assert_eq!(code, Some(0), "{err}");
 
+    // An empty VMM: told to restore (a bad file first: 400, it stays empty), or to receive.
+    let esock = dir.path("empty.sock");
+    let empty = Kid::spawn(&["run", "--api-socket", esock.to_str().unwrap()]);
+    api_up(&esock);
+    assert_eq!(c.call(&esock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "created");
+    c.call(&esock, "PUT", "/api/v1/vm.pause", None, 409);
+    c.call(&esock, "PUT", "/api/v1/vm.restore", Some(json!({ "source_url": "/nonexistent/vm.snap" })), 400);
+    let url = format!("file://{}", snap.display());
+    let restored = c.call(&esock, "PUT", "/api/v1/vm.restore", Some(json!({ "source_url": url })), 200).json();
+    assert_eq!(restored["paused"], false, "{restored}");
+    c.call(&esock, "PUT", "/api/v1/vm.restore", Some(json!({ "source_url": url })), 409);
+    let recv = json!({ "receiver_url": format!("unix:{}", dir.path("never.sock").display()) });
+    c.call(&esock, "PUT", "/api/v1/vm.receive-migration", Some(recv), 409);
+    c.call(&esock, "PUT", "/api/v1/vm.shutdown", None, 204);
+    let (code, _, err) = empty.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
+
+    let rsock = dir.path("receiver.sock");
+    let receiver = Kid::spawn(&["run", "--api-socket", rsock.to_str().unwrap()]);
+    api_up(&rsock);
+    let recv = json!({ "receiver_url": format!("unix:{}", dir.path("recv.sock").display()), "memory": 64u64 << 20, "cpus": 1 });
+    c.call(&rsock, "PUT", "/api/v1/vm.receive-migration", Some(recv.clone()), 204);
+    assert_eq!(c.call(&rsock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "receiving");
+    c.call(&rsock, "GET", "/api/v1/vm.migration", None, 200);
+    c.call(&rsock, "PUT", "/api/v1/vm.receive-migration", Some(recv), 409);
+    receiver.signal("TERM");
+    let (_, _, err) = receiver.finish(PATIENCE);
+    assert!(err.contains("no VM yet; exiting"), "{err}");
+
     let all: BTreeSet<(String, String)> = kumo_api::routes().map(|(m, p)| (m.to_string(), p.to_string())).collect();
     let missed: Vec<_> = all.difference(&c.seen).collect();
     assert!(missed.is_empty(), "routes this test does not call: {missed:?}");
@@ -186,4 +215,12 @@ fn request_bodies_with_every_field_fit_the_document() {
     c.check_request("PUT", "/api/v1/vm.send-migration", &serde_json::to_value(&full).unwrap());
     let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into() };
     c.check_request("PUT", "/api/v1/vm.snapshot", &serde_json::to_value(&snap).unwrap());
+    let recv = kumo_api::ReceiveMigrationRequest {
+        receiver_url: "tcp:0.0.0.0:4444".into(),
+        memory: Some(1 << 30),
+        cpus: Some(2),
+    };
+    c.check_request("PUT", "/api/v1/vm.receive-migration", &serde_json::to_value(&recv).unwrap());
+    let restore = kumo_api::RestoreRequest { source_url: "file:///var/lib/kumo/vm.snap".into() };
+    c.check_request("PUT", "/api/v1/vm.restore", &serde_json::to_value(&restore).unwrap());
 }

@@ -259,3 +259,62 @@ fn a_snapshot_owns_the_run_state_until_it_ends_and_a_failed_one_leaves_the_vm_ru
     assert_eq!(code, Some(0), "{err}");
     check_memtouch(&out, 500, 4);
 }
+
+/// An empty VMM (`kumo run --api-socket S`, nothing to boot), waited for until its API answers.
+fn empty_vmm(tag: &str) -> (Vmp, String) {
+    let sock = temp_path(&format!("{tag}.sock")).to_str().unwrap().to_string();
+    let vm = Kid::spawn(&["run", "--api-socket", &sock]);
+    eventually(PATIENCE, || vm_state(&sock));
+    (vm, sock)
+}
+
+/// `vm.restore` (`kumo restore`) on an empty VMM runs a snapshot to the model's checksum. A
+/// file that is missing, not kumo's or cut short is a 400 and leaves the VMM empty and usable:
+/// it restores a good file afterwards; then a second restore is refused (409).
+#[test]
+fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
+    if !kvm_or_skip("an_empty_vmm_told_to_restore_runs_the_snapshot") {
+        return;
+    }
+    let (src, sock, _) = memtouch("esnap-src", &["pages=2000", "rate=20000", "seed=5", "until_input=1", "report_ms=5"]);
+    eventually(PATIENCE, || {
+        field(&src.stdout(), "memtouch: progress", "writes").and_then(|w| w.parse::<u64>().ok()).filter(|&w| w > 0)
+    });
+    let file = temp_path("empty.snap");
+    snapshot(&sock, &file);
+    shut_down(src, &sock);
+
+    let (mut dst, dsock) = empty_vmm("esnap-dst");
+    assert_eq!(vm_state(&dsock).as_deref(), Some("created"));
+    let c = kumo_api::ApiClient::new(&dsock);
+    let junk = temp_path("empty-junk.snap");
+    std::fs::write(&junk, b"not a VM").unwrap();
+    let full = std::fs::read(&file).unwrap();
+    let cut = temp_path("empty-cut.snap");
+    std::fs::write(&cut, &full[..full.len() / 2]).unwrap();
+    for (url, want) in [
+        ("/nonexistent/vm.snap".to_string(), "cannot open snapshot /nonexistent/vm.snap"),
+        (format!("file://{}", junk.display()), "is not a valid kumo snapshot"),
+        (cut.display().to_string(), "truncated"),
+        ("relative.snap".to_string(), "absolute"),
+    ] {
+        let e = c.restore::<Value>(&kumo_api::RestoreRequest { source_url: url.clone() }).unwrap_err();
+        assert_eq!(e.status(), Some(400), "{url}: {e}");
+        assert!(e.to_string().contains(want), "{url}: {e}");
+        assert_eq!(vm_state(&dsock).as_deref(), Some("created"), "{url}: the VMM stays empty");
+    }
+    let (ok, out, err) = api(&dsock, &["restore", "--from", file.to_str().unwrap()]);
+    assert!(ok, "{out}\n{err}\n{}", dst.stderr());
+    let rep: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(rep["path"], file.to_str().unwrap());
+    assert_eq!(rep["paused"], false);
+    assert!(rep["pages"].as_u64().unwrap() > 0, "{rep}");
+    assert_eq!(vm_state(&dsock).as_deref(), Some("running"));
+    let again = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into() };
+    assert_eq!(c.restore::<Value>(&again).unwrap_err().status(), Some(409), "it has a VM now");
+    dst.input(b"q");
+    let (code, out, err) = dst.wait();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!out.contains("memtouch: pages="), "the guest must carry on, not restart:\n{out}");
+    check_memtouch(&out, 2000, 5);
+}

@@ -131,6 +131,21 @@ impl ApiClient {
         self.call("PUT", paths::SNAPSHOT, Some(&body))?.ok_or_else(|| self.bad("empty vm.snapshot answer"))
     }
 
+    /// `PUT /api/v1/vm.receive-migration`: an empty VMM listens for a migrating VM; answers
+    /// once it listens (a source may start then). Preparing `memory` may take a while.
+    pub fn receive_migration(&self, req: &crate::ReceiveMigrationRequest) -> Result<(), ClientError> {
+        let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
+        self.call("PUT", paths::RECEIVE_MIGRATION, Some(&body)).map(drop)
+    }
+
+    /// `PUT /api/v1/vm.restore`: an empty VMM runs the VM of a snapshot file; returns what was
+    /// restored, decoded as `T` (the VMM's report type).
+    pub fn restore<T: DeserializeOwned>(&self, req: &crate::RestoreRequest) -> Result<T, ClientError> {
+        let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
+        let v = self.call("PUT", paths::RESTORE, Some(&body))?.ok_or_else(|| self.bad("empty vm.restore answer"))?;
+        serde_json::from_value(v).map_err(|e| self.bad(format!("invalid vm.restore answer: {e}")))
+    }
+
     /// The VM's counters (vCPU exits by reason, assists, interrupts, migration bytes).
     pub fn counters(&self) -> Result<Value, ClientError> {
         self.call("GET", paths::COUNTERS, None)?.ok_or_else(|| self.bad("empty vm.counters answer"))

@@ -33,6 +33,10 @@ pub mod paths {
     pub const COUNTERS: &str = "/api/v1/vm.counters";
     pub const CANCEL_MIGRATION: &str = "/api/v1/vm.cancel-migration";
     pub const MIGRATION_EVENTS: &str = "/api/v1/vm.migration-events";
+    /// Cloud Hypervisor's name: an empty VMM starts listening for a migrating VM.
+    pub const RECEIVE_MIGRATION: &str = "/api/v1/vm.receive-migration";
+    /// An empty VMM runs the VM saved in a snapshot file.
+    pub const RESTORE: &str = "/api/v1/vm.restore";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -84,6 +88,33 @@ pub enum ApiRequest {
     Snapshot(SnapshotRequest),
     /// vCPU exits, assists, interrupts and migration bytes so far.
     Counters,
+    /// An empty VMM: listen for a migrating VM and run it once it has arrived.
+    ReceiveMigration(ReceiveMigrationRequest),
+    /// An empty VMM: run the VM saved in a snapshot file.
+    Restore(RestoreRequest),
+}
+
+/// Body of `PUT /api/v1/vm.receive-migration` (Cloud Hypervisor's field name).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReceiveMigrationRequest {
+    /// Where to listen: `tcp:HOST:PORT` or `unix:PATH`.
+    pub receiver_url: String,
+    /// Only a VM of this many bytes of memory is taken; it is allocated and faulted in before
+    /// listening (`kumo run --incoming --memory`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<u64>,
+    /// Only a VM with this many vCPUs is taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<u32>,
+}
+
+/// Body of `PUT /api/v1/vm.restore` (Cloud Hypervisor's field name).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreRequest {
+    /// The snapshot file: `file:///abs/path` or `/abs/path`.
+    pub source_url: String,
 }
 
 /// Body of `PUT /api/v1/vm.snapshot`.

@@ -72,6 +72,8 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "GET", path: paths::COUNTERS, build: |_| Ok(ApiRequest::Counters) },
     Route { method: "PUT", path: paths::CANCEL_MIGRATION, build: |_| Ok(ApiRequest::CancelMigration) },
     Route { method: "GET", path: paths::MIGRATION_EVENTS, build: |_| Ok(ApiRequest::MigrationEvents) },
+    Route { method: "PUT", path: paths::RECEIVE_MIGRATION, build: |b| Ok(ApiRequest::ReceiveMigration(json_body(b)?)) },
+    Route { method: "PUT", path: paths::RESTORE, build: |b| Ok(ApiRequest::Restore(json_body(b)?)) },
 ];
 
 /// Every (method, path) the server answers, in route-table order: what docs/openapi.yaml must
@@ -634,6 +636,8 @@ mod tests {
                 ApiRequest::Snapshot(s) => Ok(ApiResponse::Json(serde_json::json!({"path": s.path}))),
                 ApiRequest::Counters => Ok(ApiResponse::Json(serde_json::json!({"exits": {}}))),
                 ApiRequest::CancelMigration => Err(ApiError::conflict("no migration is running")),
+                ApiRequest::ReceiveMigration(r) => Ok(ApiResponse::Json(serde_json::to_value(r).unwrap())),
+                ApiRequest::Restore(r) => Ok(ApiResponse::Json(serde_json::json!({"path": r.source_url}))),
                 ApiRequest::MigrationEvents => Ok(ApiResponse::Stream(crate::JsonLines::new(|sink| {
                     for i in 0..3 {
                         if !sink(&serde_json::json!({ "n": i })) {
@@ -673,6 +677,38 @@ mod tests {
         assert!(body.unwrap()["error"].as_str().unwrap().contains("bogus"));
         let (status, _) = f.client.request("PUT", paths::MIGRATE, None).unwrap();
         assert_eq!(status, 400);
+    }
+
+    #[test]
+    fn empty_vmm_routes_carry_their_json_body() {
+        let f = start();
+        let req = crate::ReceiveMigrationRequest {
+            receiver_url: "tcp:0.0.0.0:4444".into(),
+            memory: Some(1 << 30),
+            cpus: None,
+        };
+        f.client.receive_migration(&req).unwrap();
+        let r: serde_json::Value =
+            f.client.restore(&crate::RestoreRequest { source_url: "file:///tmp/vm.snap".into() }).unwrap();
+        assert_eq!(r["path"], "file:///tmp/vm.snap");
+        assert_eq!(
+            f.vm.calls(),
+            [
+                ApiRequest::ReceiveMigration(req),
+                ApiRequest::Restore(crate::RestoreRequest { source_url: "file:///tmp/vm.snap".into() })
+            ]
+        );
+        // Cloud Hypervisor's field names; anything else is a 400 naming the field.
+        for (path, body, want) in [
+            (paths::RECEIVE_MIGRATION, serde_json::json!({"to": "tcp:x:1"}), "to"),
+            (paths::RESTORE, serde_json::json!({"path": "/x"}), "path"),
+            (paths::RECEIVE_MIGRATION, serde_json::json!({"receiver_url": "tcp:x:1", "memory": "1G"}), "invalid type"),
+        ] {
+            let (status, b) = f.client.request("PUT", path, Some(&body)).unwrap();
+            assert_eq!(status, 400, "{path} {body}");
+            assert!(b.unwrap()["error"].as_str().unwrap().contains(want), "{path} {body}");
+        }
+        assert_eq!(f.client.request("PUT", paths::RESTORE, None).unwrap().0, 400);
     }
 
     struct Fixture {
@@ -829,7 +865,7 @@ mod tests {
     #[test]
     fn a_body_route_without_content_length_is_411() {
         let f = start();
-        let (status, headers, body, mut conn) = raw(f.server.path(), b"PUT /api/v1/vm.migrate HTTP/1.1\r\n\r\n");
+        let (status, headers, body, mut conn) = raw(f.server.path(), b"PUT /api/v1/vm.send-migration HTTP/1.1\r\n\r\n");
         assert_eq!(status, 411);
         assert_eq!(headers.get("connection"), Some("close"));
         assert!(error_of(body).contains("Content-Length"));

@@ -25,6 +25,7 @@ type Clients = Arc<Mutex<Vec<SyncSender<Vec<u8>>>>>;
 const CLIENT_QUEUE: usize = 1024;
 
 /// The console's output side: stdout plus the socket's clients.
+#[derive(Clone)]
 pub struct ConsoleOut {
     clients: Clients,
 }

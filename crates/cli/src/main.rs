@@ -28,7 +28,8 @@ Colour only when the log goes to a terminal (and NO_COLOR is unset).";
     after_help = LOG_HELP
 )]
 struct Cli {
-    /// Control API socket: served by `run`, used by info/pause/resume/shutdown/ping/migrate.
+    /// Control API socket: served by `run` (alone: an empty VMM that waits for `restore` or
+    /// `receive-migration`), used by info/pause/resume/shutdown/ping/migrate/snapshot/....
     #[arg(long, global = true, value_name = "PATH")]
     api_socket: Option<PathBuf>,
     /// More log output: -v info, -vv debug (overrides KUMO_LOG).
@@ -70,6 +71,27 @@ enum Cmd {
         /// The snapshot file (replaced if it exists).
         #[arg(long, value_name = "FILE")]
         to: PathBuf,
+    },
+    /// Tell an empty VMM (`kumo run --api-socket S`, nothing to boot) to receive a migrating VM:
+    /// it listens on ADDR (this returns once it listens; start the migration then) and runs the
+    /// VM once it has arrived.
+    ReceiveMigration {
+        /// Where to listen: tcp:HOST:PORT or unix:PATH.
+        #[arg(long, value_name = "ADDR")]
+        from: String,
+        /// Only take a VM of this memory size, e.g. 2G; it is reserved and faulted in first.
+        #[arg(long, value_parser = parse_size)]
+        memory: Option<u64>,
+        /// Only take a VM with this many vCPUs.
+        #[arg(long)]
+        cpus: Option<u32>,
+    },
+    /// Tell an empty VMM (`kumo run --api-socket S`, nothing to boot) to run the VM saved in a
+    /// snapshot file (`kumo snapshot`); it starts paused if it was saved paused.
+    Restore {
+        /// The snapshot file.
+        #[arg(long, value_name = "FILE")]
+        from: PathBuf,
     },
     /// Show a running VM's counters as JSON: vCPU exits by reason, emulation assists,
     /// interrupts, migration bytes (needs --api-socket).
@@ -152,18 +174,31 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(secs).map_err(|_| format!("`{s}` is not a usable number of seconds"))
 }
 
-fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
+/// The VM to boot, or None when there is nothing to boot (no --guest, --kernel or config
+/// payload): then only an empty VMM can start, and flags that shape a VM do not apply.
+fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
     let file = match &a.config {
         Some(p) => ConfigFile::load(p).map_err(|e| e.to_string())?,
         None => ConfigFile::default(),
     };
-    let mut payload = match (&a.kernel, &a.guest) {
-        (Some(k), _) => Payload::Kernel { path: k.clone(), initrd: a.initrd.clone(), cmdline: a.cmdline.clone() },
-        (None, Some(g)) => Payload::Guest { name: g.clone(), args: a.guest_args.clone() },
-        (None, None) => file
-            .payload
-            .clone()
-            .ok_or("nothing to boot: give --guest NAME, --kernel PATH or a --config file with a payload")?,
+    let mut payload = match (&a.kernel, &a.guest, &file.payload) {
+        (Some(k), ..) => Payload::Kernel { path: k.clone(), initrd: a.initrd.clone(), cmdline: a.cmdline.clone() },
+        (None, Some(g), _) => Payload::Guest { name: g.clone(), args: a.guest_args.clone() },
+        (None, None, Some(p)) => p.clone(),
+        (None, None, None) => {
+            let given = [
+                ("--cpus", a.cpus.is_some()),
+                ("--memory", a.memory.is_some()),
+                ("--irqchip", a.irqchip.is_some()),
+                ("--initrd", a.initrd.is_some()),
+                ("--cmdline", a.cmdline.is_some()),
+                ("guest arguments", !a.guest_args.is_empty()),
+            ];
+            if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+                return Err(format!("{flag} given, but nothing to boot: give --guest NAME, --kernel PATH or a --config file with a payload"));
+            }
+            return Ok(None);
+        }
     };
     // --initrd and --cmdline apply to a kernel only (and override a config file's).
     match &mut payload {
@@ -191,12 +226,12 @@ fn build_config(a: &RunArgs) -> Result<VmConfig, String> {
         Some(_) => IrqchipMode::Kernel,
         None => file.irqchip.unwrap_or_default(),
     };
-    Ok(VmConfig {
+    Ok(Some(VmConfig {
         cpus: a.cpus.or(file.cpus).unwrap_or(1),
         memory: a.memory.or(file.memory).unwrap_or(256 << 20),
         irqchip,
         payload,
-    })
+    }))
 }
 
 fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
@@ -205,9 +240,8 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     }
     let signals = shutdown_on_signals([&api_socket, &a.console_socket].into_iter().flatten().cloned().collect())?;
     let console = a.console_socket.as_deref().map(console::ConsoleSocket::bind).transpose()?;
-    let serial = || -> Box<dyn std::io::Write + Send> {
-        Box::new(console.as_ref().map_or_else(console::stdout_only, console::ConsoleSocket::output))
-    };
+    let console_out = console.as_ref().map_or_else(console::stdout_only, console::ConsoleSocket::output);
+    let serial = move || -> Box<dyn std::io::Write + Send> { Box::new(console_out.clone()) };
     // The API of a VM built here starts once it exists; a shutdown on failure stops it again.
     let serve = |vm: &Arc<RunningVm>| {
         signals.watch(vm);
@@ -239,12 +273,27 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
             let server = serve(&vm)?;
             (vm, server)
         }
-        (None, None) => {
-            let config = build_config(&a)?;
-            let vm = Arc::new(RunningVm::start(config, serial()).map_err(|e| e.to_string())?);
-            let server = serve(&vm)?;
-            (vm, server)
-        }
+        (None, None) => match (build_config(&a)?, &api_socket) {
+            (Some(config), _) => {
+                let vm = Arc::new(RunningVm::start(config, serial()).map_err(|e| e.to_string())?);
+                let server = serve(&vm)?;
+                (vm, server)
+            }
+            // An empty VMM: its API says what it becomes (vm.restore, vm.receive-migration).
+            (None, Some(p)) => {
+                let api = kumo_vmm::api::VmApi::empty(|line| eprintln!("kumo: {line}"), serial.clone());
+                let server = ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?;
+                eprintln!("kumo: no VM yet: waiting for vm.restore or vm.receive-migration on {}", p.display());
+                let vm = api.wait_vm()?;
+                signals.watch(&vm);
+                (vm, Some(server))
+            }
+            (None, None) => {
+                return Err("nothing to boot: give --guest NAME, --kernel PATH or a --config file with a payload \
+                            (or only --api-socket PATH: an empty VMM that waits for vm.restore or vm.receive-migration)"
+                    .into())
+            }
+        },
     };
     tracing::info!(vcpus = vm.config().cpus, memory = vm.config().memory, "VM running");
     if let Some(c) = &console {
@@ -278,7 +327,8 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
 
 /// SIGTERM and SIGINT (Ctrl-C) shut the VM down as `kumo shutdown` would: `run` then returns,
 /// and dropping the API server removes its socket. Before there is a VM (a destination waiting
-/// for its migration) a signal removes the API and console sockets (`sockets`) and exits. A second signal exits at once.
+/// for its migration, an empty VMM) a signal removes the API and console sockets (`sockets`)
+/// and exits. A second signal exits at once.
 /// Installed before the API server starts, so no signal finds the default handling once the API
 /// answers; dropping the guard restores it.
 fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
@@ -397,6 +447,20 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).snapshot(to).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
+        Cmd::ReceiveMigration { from, memory, cpus } => {
+            let req = kumo_api::ReceiveMigrationRequest { receiver_url: from.clone(), memory: *memory, cpus: *cpus };
+            // Preparing --memory may take a while before it listens.
+            c.clone().with_timeout(Duration::from_secs(3600)).receive_migration(&req).map_err(|e| e.to_string())?;
+        }
+        Cmd::Restore { from } => {
+            // The VMM's process resolves the path: make it absolute here.
+            let from = std::path::absolute(from).map_err(|e| format!("snapshot path {}: {e}", from.display()))?;
+            let source_url = from.to_str().ok_or_else(|| format!("snapshot path {} is not UTF-8", from.display()))?;
+            let req = kumo_api::RestoreRequest { source_url: source_url.to_string() };
+            let r: kumo_vmm::snapshot::RestoreReport =
+                c.clone().with_timeout(Duration::from_secs(24 * 3600)).restore(&req).map_err(|e| e.to_string())?;
+            println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
+        }
         Cmd::Counters => {
             let v = c.counters().map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
@@ -465,6 +529,8 @@ fn main() -> ExitCode {
         | Cmd::Shutdown
         | Cmd::Ping
         | Cmd::Snapshot { .. }
+        | Cmd::ReceiveMigration { .. }
+        | Cmd::Restore { .. }
         | Cmd::Counters) => client_cmd(c, cli.api_socket),
     };
     match r {

@@ -373,15 +373,5 @@ fn print_report(s: &SendReport) {
 /// console on `serial`. The destination side lives beside the source side in
 /// `kumo_vmm::migration` ([`Incoming`]).
 pub fn incoming(inc: &Incoming, serial: Box<dyn std::io::Write + Send>) -> Result<RunningVm, String> {
-    let (vm, rr) = inc.receive(&|line| eprintln!("kumo: {line}"), serial)?;
-    eprintln!(
-        "kumo: migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms{}",
-        rr.pages,
-        rr.connections,
-        rr.total_ms,
-        rr.receiver_cpu_ms,
-        rr.restore_ms,
-        if rr.shared_memory { " (memory shared, not copied)" } else { "" }
-    );
-    Ok(vm)
+    inc.receive(&|line| eprintln!("kumo: {line}"), serial).map(|(vm, _)| vm)
 }

@@ -2,8 +2,12 @@
 
 use std::sync::{Arc, OnceLock, Weak};
 
-use kumo_api::{ApiError, ApiHandler, ApiRequest, ApiResponse, VmInfo, VmState, KUMO_VERSION};
+use kumo_api::{
+    ApiError, ApiHandler, ApiRequest, ApiResponse, ReceiveMigrationRequest, RestoreRequest, VmInfo, VmState,
+    KUMO_VERSION,
+};
 
+use crate::lifecycle::EmptyVmm;
 use crate::migration::{Incoming, JobError, MigrationJob};
 use crate::vmm::RunningVm;
 use crate::Error;
@@ -14,22 +18,132 @@ pub struct VmApi {
     vm: OnceLock<Weak<RunningVm>>,
     migration: Arc<MigrationJob>,
     /// A destination's incoming migration: its progress while the VM arrives.
-    incoming: Option<Arc<Incoming>>,
+    incoming: OnceLock<Arc<Incoming>>,
+    /// An empty VMM: the VM its API is told to restore or receive.
+    empty: Option<EmptyVmm>,
+    /// This API, for the thread an incoming migration started through it runs on.
+    me: Weak<VmApi>,
 }
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
-        Arc::new(VmApi { vm: OnceLock::from(Arc::downgrade(vm)), migration: Arc::default(), incoming: None })
+        Self::build(OnceLock::from(Arc::downgrade(vm)), OnceLock::new(), None)
     }
 
     /// The API of a destination, up while the VM arrives: `vm.info` says `receiving` and
     /// `vm.migration` shows what has arrived; [`VmApi::attach`] hands it the VM once it runs.
     pub fn incoming(incoming: &Arc<Incoming>) -> Arc<Self> {
-        Arc::new(VmApi { vm: OnceLock::new(), migration: Arc::default(), incoming: Some(incoming.clone()) })
+        Self::build(OnceLock::new(), OnceLock::from(incoming.clone()), None)
+    }
+
+    /// The API of an empty VMM (`kumo run --api-socket S` with nothing to boot): `vm.info`
+    /// says `created`, `vm.restore` and `vm.receive-migration` bring a VM, which
+    /// [`VmApi::wait_vm`] returns. `say` prints what an operator wants to see.
+    pub fn empty(
+        say: impl Fn(&str) + Send + Sync + 'static,
+        console: impl Fn() -> Box<dyn std::io::Write + Send> + Send + Sync + 'static,
+    ) -> Arc<Self> {
+        Self::build(OnceLock::new(), OnceLock::new(), Some(EmptyVmm::new(Box::new(say), Box::new(console))))
+    }
+
+    fn build(vm: OnceLock<Weak<RunningVm>>, incoming: OnceLock<Arc<Incoming>>, empty: Option<EmptyVmm>) -> Arc<Self> {
+        Arc::new_cyclic(|me| VmApi { vm, migration: Arc::default(), incoming, empty, me: me.clone() })
     }
 
     pub fn attach(&self, vm: &Arc<RunningVm>) {
         let _ = self.vm.set(Arc::downgrade(vm));
+    }
+
+    /// An empty VMM: blocks until its API has brought a VM, running (or paused if it was saved
+    /// paused), or an incoming migration started through it failed (the VMM should end).
+    pub fn wait_vm(&self) -> Result<Arc<RunningVm>, String> {
+        match &self.empty {
+            Some(e) => e.wait(),
+            None => Err("this VMM was not started empty".into()),
+        }
+    }
+
+    /// Answers for an empty VMM: only what needs no VM, and what brings one.
+    fn empty_vmm(&self, e: &EmptyVmm, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+        match req {
+            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
+            ApiRequest::Info => Ok(ApiResponse::Info(VmInfo {
+                state: VmState::Created,
+                vcpus: 0,
+                memory_bytes: 0,
+                guest: "none".into(),
+                irqchip: "unknown".into(),
+                pid: std::process::id(),
+                uptime_ms: e.since.elapsed().as_millis() as u64,
+                kumo_version: KUMO_VERSION.to_string(),
+            })),
+            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration.status())?)),
+            ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
+            ApiRequest::Restore(r) => self.restore(e, &r),
+            _ => Err(ApiError::conflict(match e.busy() {
+                Some(what) => format!("no VM yet: {what} is under way"),
+                None => "no VM yet: this VMM waits for vm.restore or vm.receive-migration".into(),
+            })),
+        }
+    }
+
+    /// `vm.receive-migration`: listens (memory prepared first, if asked), answers once it
+    /// listens, and receives on a thread of its own; from then on this is a destination. A
+    /// migration that fails after that ends the VMM, as `kumo run --incoming` does.
+    fn receive_migration(&self, e: &EmptyVmm, r: &ReceiveMigrationRequest) -> Result<ApiResponse, ApiError> {
+        let me = self.me.upgrade().ok_or_else(|| ApiError::unavailable("the VMM is ending"))?;
+        e.claim("an incoming migration").map_err(ApiError::conflict)?;
+        let listening = Incoming::new(&r.receiver_url, r.memory, r.cpus)
+            .and_then(|inc| inc.listen(&*e.say).map(|ready| (inc, ready)));
+        let (inc, ready) = listening.map_err(|why| {
+            e.release();
+            ApiError::bad_request(format!("cannot receive a migration: {why}"))
+        })?;
+        let _ = self.incoming.set(inc.clone());
+        let spawned = std::thread::Builder::new().name("incoming".into()).spawn(move || {
+            let Some(e) = me.empty.as_ref() else { return };
+            match inc.receive_on(ready, &*e.say, (e.console)()) {
+                Ok((vm, _)) => {
+                    let vm = Arc::new(vm);
+                    me.attach(&vm);
+                    e.fill(vm);
+                }
+                Err(why) => e.fail(why),
+            }
+        });
+        if let Err(err) = spawned {
+            // It listens already: this VMM cannot become empty again.
+            let why = format!("cannot start the incoming migration's thread: {err}");
+            e.fail(why.clone());
+            return Err(ApiError::internal(why));
+        }
+        Ok(ApiResponse::Ok)
+    }
+
+    /// `vm.restore`: builds the VM from the snapshot file and runs it (paused if it was saved
+    /// paused). A file that cannot be restored leaves the VMM empty and usable.
+    fn restore(&self, e: &EmptyVmm, r: &RestoreRequest) -> Result<ApiResponse, ApiError> {
+        use crate::snapshot::SnapshotError as E;
+        e.claim("a restore").map_err(ApiError::conflict)?;
+        let restored = crate::lifecycle::source_path(&r.source_url).map_err(ApiError::bad_request).and_then(|path| {
+            crate::snapshot::restore(&path, (e.console)()).map_err(|err| match err {
+                E::BadRequest(m) | E::Read(m) => ApiError::bad_request(m),
+                E::Conflict(m) => ApiError::conflict(m),
+                E::Write(m) | E::Vm(m) => ApiError::internal(m),
+            })
+        });
+        let (vm, report) = restored.inspect_err(|_| e.release())?;
+        let answer = to_json(&report);
+        (e.say)(&format!(
+            "restored {} ({} pages){}",
+            report.path.display(),
+            report.pages,
+            if report.paused { ", paused as it was saved" } else { "" }
+        ));
+        let vm = Arc::new(vm);
+        self.attach(&vm);
+        e.fill(vm);
+        Ok(ApiResponse::Json(answer?))
     }
 
     /// Answers for a destination whose VM has not arrived yet.
@@ -88,7 +202,7 @@ impl VmApi {
     /// how it came.
     fn migration_status(&self) -> crate::migration::MigrationStatus {
         let st = self.migration.status();
-        match (st.state, &self.incoming) {
+        match (st.state, self.incoming.get()) {
             (crate::migration::MigrationState::None, Some(inc)) => inc.status(),
             _ => st,
         }
@@ -115,10 +229,11 @@ impl VmApi {
 
 impl ApiHandler for VmApi {
     fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
-        let vm = match (self.vm.get(), &self.incoming) {
-            (Some(vm), _) => vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?,
-            (None, Some(inc)) => return self.receiving(inc, req),
-            (None, None) => return Err(ApiError::unavailable("the VM does not exist yet")),
+        let vm = match (self.vm.get(), self.incoming.get(), &self.empty) {
+            (Some(vm), _, _) => vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?,
+            (None, Some(inc), _) => return self.receiving(inc, req),
+            (None, None, Some(e)) => return self.empty_vmm(e, req),
+            (None, None, None) => return Err(ApiError::unavailable("the VM does not exist yet")),
         };
         match req {
             ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
@@ -158,6 +273,9 @@ impl ApiHandler for VmApi {
             }
             ApiRequest::Counters => {
                 Ok(ApiResponse::Json(to_json(&crate::counters::collect(&vm, &self.migration_status()))?))
+            }
+            ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
+                Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }
         }
     }

@@ -6,7 +6,8 @@
 //! - `persist`: the `Snapshot` every component saves into;
 //! - `snapshot`: snapshots to and restores from files; `counters`: the VM's counters;
 //!   `event_monitor`: the lifecycle event monitor;
-//! - `config`, `api` (the control API's handler), `migration` (source and destination sides).
+//! - `config`, `api` (the control API's handler), `migration` (source and destination sides);
+//! - `lifecycle`: an empty VMM, which its API tells to restore a snapshot or receive a VM.
 
 pub mod api;
 pub mod config;
@@ -14,6 +15,7 @@ pub mod counters;
 pub mod device_manager;
 pub mod event_loop;
 pub mod event_monitor;
+pub mod lifecycle;
 pub mod migration;
 pub mod persist;
 pub mod snapshot;

@@ -297,9 +297,24 @@ pub fn read_file<T>(
     Ok(Loaded { target, desc, state, pages })
 }
 
+/// What a restore ran (the answer to `vm.restore`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct RestoreReport {
+    pub path: PathBuf,
+    /// It was saved paused, so it waits paused for `vm.resume`.
+    pub paused: bool,
+    /// Guest pages read from the file.
+    pub pages: u64,
+}
+
 /// Builds a VM from a snapshot file, restores its state and runs it (paused if it was paused
 /// when it was saved). Console output goes to `serial`.
 pub fn restore_from_file(path: &Path, serial: Box<dyn Write + Send>) -> Result<RunningVm> {
+    restore(path, serial).map(|(vm, _)| vm)
+}
+
+/// [`restore_from_file`], with what it restored.
+pub fn restore(path: &Path, serial: Box<dyn Write + Send>) -> Result<(RunningVm, RestoreReport)> {
     let t = Instant::now();
     let name = path.display();
     let loaded = read_file(
@@ -320,7 +335,7 @@ pub fn restore_from_file(path: &Path, serial: Box<dyn Write + Send>) -> Result<R
     );
     // Runs it, unless it was saved paused (then the user resumes it).
     vm.resume_incoming().map_err(|e| SnapshotError::Vm(format!("cannot run the VM of {name}: {e}")))?;
-    Ok(vm)
+    Ok((vm, RestoreReport { path: path.to_path_buf(), paused: snap.paused, pages: loaded.pages }))
 }
 
 #[cfg(test)]

@@ -79,17 +79,22 @@ impl Incoming {
     }
 
     /// Waits for one incoming migration and returns the VM, running, with what the receiver
-    /// measured. With `memory` or `cpus` the destination is prepared: both are checked against
-    /// this host, and guest memory of that size is allocated and faulted in before listening,
-    /// so the transfer does not pay for first-touch page faults (expensive on nested hosts).
-    /// `say` gets the lines an operator wants to see (prepared, listening); the VM's serial
-    /// console writes to `serial`.
+    /// measured: [`Incoming::listen`], then [`Incoming::receive_on`]. `say` gets the lines an
+    /// operator wants to see (prepared, listening, received); the VM's console writes to `serial`.
     pub fn receive(
         &self,
         say: &dyn Fn(&str),
         serial: Box<dyn std::io::Write + Send>,
     ) -> Result<(RunningVm, RecvReport), String> {
-        let mut serial = Some(serial);
+        let ready = self.listen(say)?;
+        self.receive_on(ready, say, serial)
+    }
+
+    /// Prepares the destination and starts listening. With `memory` or `cpus` the destination
+    /// is prepared: both are checked against this host, and guest memory of that size is
+    /// allocated and faulted in before listening, so the transfer does not pay for first-touch
+    /// page faults (expensive on nested hosts). Nothing has been received when it returns.
+    pub fn listen(&self, say: &dyn Fn(&str)) -> Result<Listening, String> {
         let (memory, cpus) = (self.memory, self.cpus);
         let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
         if let Some(n) = cpus {
@@ -98,7 +103,7 @@ impl Incoming {
         if let Some(size) = memory {
             kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;
         }
-        let mut reserved = match memory {
+        let reserved = match memory {
             Some(size) => {
                 let t = Instant::now();
                 let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
@@ -118,6 +123,20 @@ impl Incoming {
         // the handshake while memory is faulted in, and give up.
         let listener = Listener::bind(&self.addr).map_err(|e| format!("cannot listen on {}: {e}", self.addr))?;
         say(&format!("waiting for a migration on {}", listener.local_addr()));
+        Ok(Listening { listener, reserved })
+    }
+
+    /// Takes one incoming migration on a listening destination and returns the VM, running, its
+    /// console on `serial`.
+    pub fn receive_on(
+        &self,
+        ready: Listening,
+        say: &dyn Fn(&str),
+        serial: Box<dyn std::io::Write + Send>,
+    ) -> Result<(RunningVm, RecvReport), String> {
+        let mut serial = Some(serial);
+        let (memory, cpus) = (self.memory, self.cpus);
+        let Listening { listener, mut reserved } = ready;
         let (vm, rr) =
             receive_with(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, &self.progress, |desc, memfd| {
                 let refuse = |why: String| VmError::new(VmOp::Create, why);
@@ -143,6 +162,21 @@ impl Incoming {
             })
             .map_err(|e| format!("incoming migration failed: {e}"))?;
         *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
+        say(&format!(
+            "migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms{}",
+            rr.pages,
+            rr.connections,
+            rr.total_ms,
+            rr.receiver_cpu_ms,
+            rr.restore_ms,
+            if rr.shared_memory { " (memory shared, not copied)" } else { "" }
+        ));
         Ok((vm, rr))
     }
+}
+
+/// A destination that listens, its prepared memory (if any) ready: [`Incoming::listen`].
+pub struct Listening {
+    listener: Listener,
+    reserved: Option<std::fs::File>,
 }

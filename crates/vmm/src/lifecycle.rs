@@ -1,0 +1,171 @@
+//! An empty VMM: `kumo run --api-socket S` with nothing to boot serves its API and waits to be
+//! told what to become, Cloud Hypervisor's model. `vm.restore` runs a snapshot file,
+//! `vm.receive-migration` listens for a migrating VM (then it is a destination, as
+//! `kumo run --incoming`). The API thread that is told builds the VM (for a migration, a thread
+//! of its own once it listens); the main thread waits for it in [`EmptyVmm::wait`] and then
+//! runs it as any other VM. The handler's side is in `api.rs`.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::vmm::RunningVm;
+
+/// Prints the lines an operator wants to see (listening, received, restored).
+pub type Say = Box<dyn Fn(&str) + Send + Sync>;
+/// Makes the writer a new VM's serial console goes to.
+pub type ConsoleFactory = Box<dyn Fn() -> Box<dyn std::io::Write + Send> + Send + Sync>;
+
+/// What an empty VMM has become so far.
+enum Stage {
+    Empty,
+    /// A restore or a receive-migration is under way (what it is): others are refused.
+    Becoming(&'static str),
+    /// The VM runs; the main thread has not taken it yet.
+    Ready(Arc<RunningVm>),
+    /// No VM could be brought here after all (an incoming migration failed): the VMM ends.
+    Failed(String),
+    /// The main thread runs the VM.
+    Taken,
+}
+
+/// The slot an empty VMM's API fills with a VM, and the main thread waits on.
+pub struct EmptyVmm {
+    stage: Mutex<Stage>,
+    changed: Condvar,
+    /// When the VMM started (`vm.info`'s uptime before there is a VM).
+    pub since: Instant,
+    pub say: Say,
+    /// Where the VM's serial console writes, once there is a VM.
+    pub console: ConsoleFactory,
+}
+
+impl EmptyVmm {
+    pub fn new(say: Say, console: ConsoleFactory) -> EmptyVmm {
+        EmptyVmm { stage: Mutex::new(Stage::Empty), changed: Condvar::new(), since: Instant::now(), say, console }
+    }
+
+    fn stage(&self) -> MutexGuard<'_, Stage> {
+        self.stage.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the VMM for one way of getting a VM (`what`: "a restore", ...); refused while
+    /// another runs or once there is a VM.
+    pub fn claim(&self, what: &'static str) -> Result<(), String> {
+        let mut st = self.stage();
+        match &*st {
+            Stage::Empty => {
+                *st = Stage::Becoming(what);
+                Ok(())
+            }
+            Stage::Becoming(other) => Err(format!("{other} is under way")),
+            Stage::Failed(_) => Err("this VMM is ending".into()),
+            Stage::Ready(_) | Stage::Taken => Err("this VMM has a VM already".into()),
+        }
+    }
+
+    /// Gives a claim back: it failed before any VM existed, so the VMM is empty and usable.
+    pub fn release(&self) {
+        let mut st = self.stage();
+        if matches!(*st, Stage::Becoming(_)) {
+            *st = Stage::Empty;
+        }
+    }
+
+    /// What is under way, if a claim is.
+    pub fn busy(&self) -> Option<&'static str> {
+        match *self.stage() {
+            Stage::Becoming(what) => Some(what),
+            _ => None,
+        }
+    }
+
+    /// The claim brought a running VM: the main thread takes it.
+    pub fn fill(&self, vm: Arc<RunningVm>) {
+        *self.stage() = Stage::Ready(vm);
+        self.changed.notify_all();
+    }
+
+    /// The claim cannot be given back and brought no VM (an incoming migration failed after
+    /// listening): the main thread ends the VMM with `why`.
+    pub fn fail(&self, why: String) {
+        *self.stage() = Stage::Failed(why);
+        self.changed.notify_all();
+    }
+
+    /// Blocks until the API has brought a VM (it runs, or waits paused) or failed to.
+    pub fn wait(&self) -> Result<Arc<RunningVm>, String> {
+        let mut st = self.stage();
+        loop {
+            match std::mem::replace(&mut *st, Stage::Taken) {
+                Stage::Ready(vm) => return Ok(vm),
+                Stage::Failed(why) => {
+                    *st = Stage::Failed(why.clone());
+                    return Err(why);
+                }
+                Stage::Taken => return Err("the VM was taken already".into()),
+                other => {
+                    *st = other;
+                    st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+        }
+    }
+}
+
+/// The snapshot file a `vm.restore` names: `file:///abs/path` or `/abs/path` (as is: no
+/// percent-decoding). The VMM resolves it, so it must be absolute.
+pub fn source_path(url: &str) -> Result<PathBuf, String> {
+    let path = match url.split_once("://") {
+        Some(("file", rest)) => rest,
+        Some((scheme, _)) => {
+            return Err(format!("source_url {url}: only file:// URLs or absolute paths ({scheme}://)"))
+        }
+        None => url,
+    };
+    let path = PathBuf::from(path);
+    if !path.is_absolute() {
+        return Err(format!("source_url {url}: give an absolute path (file:///abs/path or /abs/path)"));
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_urls() {
+        assert_eq!(source_path("file:///var/vm.snap").unwrap(), PathBuf::from("/var/vm.snap"));
+        assert_eq!(source_path("/var/vm.snap").unwrap(), PathBuf::from("/var/vm.snap"));
+        assert!(source_path("vm.snap").unwrap_err().contains("absolute"));
+        assert!(source_path("file://vm.snap").unwrap_err().contains("absolute"));
+        assert!(source_path("http://host/vm.snap").unwrap_err().contains("only file://"));
+    }
+
+    #[test]
+    fn one_claim_at_a_time_and_a_released_one_leaves_the_vmm_usable() {
+        let e = EmptyVmm::new(Box::new(|_| {}), Box::new(|| Box::new(std::io::sink())));
+        assert_eq!(e.busy(), None);
+        e.claim("a restore").unwrap();
+        assert_eq!(e.busy(), Some("a restore"));
+        assert_eq!(e.claim("an incoming migration").unwrap_err(), "a restore is under way");
+        e.release();
+        e.claim("an incoming migration").unwrap();
+        e.fail("incoming migration failed: the source aborted".into());
+        assert_eq!(e.claim("a restore").unwrap_err(), "this VMM is ending");
+        assert_eq!(e.wait().err().as_deref(), Some("incoming migration failed: the source aborted"));
+    }
+
+    #[test]
+    fn the_main_thread_waits_for_the_outcome() {
+        let e = Arc::new(EmptyVmm::new(Box::new(|_| {}), Box::new(|| Box::new(std::io::sink()))));
+        e.claim("an incoming migration").unwrap();
+        let waiter = {
+            let e = e.clone();
+            std::thread::spawn(move || e.wait())
+        };
+        e.fail("no".into());
+        assert_eq!(waiter.join().unwrap().err().as_deref(), Some("no"));
+    }
+}
