@@ -383,7 +383,7 @@ pub(crate) mod fuzz {
         b"GET /api/v1/vmm.ping HTTP/1.1\r\nHost: localhost\r\n\r\n",
         b"GET /api/v1/vm.info HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
         b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
-        b"PUT /api/v1/vm.migrate HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"destination\":\"x\"}",
+        b"PUT /api/v1/vm.send-migration HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"destination\":\"x\"}",
         b"PUT /api/v1/vm.resume?x=1 HTTP/1.1\nExpect: 100-continue\nContent-Length: 2\n\n{}",
         b"DELETE /api/v1/vm.info HTTP/1.1\r\nConnection: close\r\n\r\n",
     ];
