@@ -652,18 +652,7 @@ fn the_cancel_route_stops_a_migration() {
     assert_eq!(vm_state(&dsock).as_deref(), Some("receiving"));
     let (mut src, sock) = source("cancel-api-src", "64M", &["pages=4000", "rate=50000", "seed=7", "until_input=1"]);
     let c = kumo_api::ApiClient::new(&sock).with_timeout(Duration::from_secs(600));
-    let req = kumo_api::MigrateRequest {
-        to: addr.clone(),
-        engine: None,
-        downtime_ms: None,
-        xen: None,
-        connections: None,
-        dry_run: false,
-        estimate_ms: None,
-        progress_timeout_ms: None,
-        strict: None,
-        max_bandwidth: Some(1 << 20),
-    };
+    let req = kumo_api::MigrateRequest { max_bandwidth: Some(1 << 20), ..kumo_api::MigrateRequest::to(&addr) };
     let call = {
         let c = c.clone();
         std::thread::spawn(move || c.send_migration::<serde_json::Value>(&req))

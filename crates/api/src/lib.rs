@@ -136,8 +136,9 @@ pub enum MigrationEngine {
     Local,
 }
 
-/// Body of `PUT /api/v1/vm.send-migration`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Body of `PUT /api/v1/vm.send-migration`. `MigrateRequest::to(addr)` has every option at
+/// its default.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
     /// Destination: `tcp:HOST:PORT` or `unix:PATH` of a `kumo run --incoming`.
@@ -172,6 +173,13 @@ pub struct MigrateRequest {
     /// Cap on the page data sent, bytes per second.
     #[serde(default)]
     pub max_bandwidth: Option<u64>,
+}
+
+impl MigrateRequest {
+    /// A migration to `addr` with every option at its default.
+    pub fn to(addr: impl Into<String>) -> MigrateRequest {
+        MigrateRequest { to: addr.into(), ..MigrateRequest::default() }
+    }
 }
 
 /// What the handler answers on success.

@@ -1125,18 +1125,7 @@ mod tests {
     }
 
     fn migrate_req() -> crate::MigrateRequest {
-        crate::MigrateRequest {
-            to: "unix:/nowhere".into(),
-            engine: None,
-            downtime_ms: None,
-            xen: None,
-            connections: None,
-            dry_run: false,
-            estimate_ms: None,
-            progress_timeout_ms: None,
-            strict: None,
-            max_bandwidth: None,
-        }
+        crate::MigrateRequest::to("unix:/nowhere")
     }
 
     /// `n` migrations that block in the handler until the gate opens.
