@@ -148,3 +148,6 @@ pub trait VirtioDevice: Send {
     /// Puts back [`VirtioDevice::save_state`]'s value; called before a re-activation.
     fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
 }
+
+#[cfg(test)]
+pub(crate) mod testutil;

@@ -284,6 +284,11 @@ impl<B: NetBackend> Net<B> {
                 }
             };
             let head = chain.head_index();
+            if head >= q.size() {
+                // The frame is lost with the ring.
+                a.irq.needs_reset();
+                break;
+            }
             let frame = &mut self.buf[..n];
             if n >= VNET_HDR_LEN {
                 // num_buffers: one chain per frame (no MRG_RXBUF).
@@ -341,6 +346,10 @@ impl<B: NetBackend> Net<B> {
                 };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
+                if head >= q.size() {
+                    a.irq.needs_reset();
+                    break 'outer;
+                }
                 let n = match chain.reader::<()>(mem) {
                     Ok(mut r) => {
                         let n = r.available_bytes();
@@ -406,6 +415,10 @@ impl<B: NetBackend> Net<B> {
             };
             let Some(chain) = chain else { break };
             let head = chain.head_index();
+            if head >= q.size() {
+                a.irq.needs_reset();
+                return;
+            }
             let mut cmd = [0u8; 4];
             let got = chain.clone().reader::<()>(mem).ok().and_then(|mut r| {
                 let n = r.available_bytes().min(4);
