@@ -225,10 +225,10 @@ impl<D: VirtioDevice> VirtioPciTransport<D> {
         data.fill(0);
         match offset {
             o if o < COMMON_CFG_OFFSET + COMMON_CFG_LEN => self.common_read(o - COMMON_CFG_OFFSET, data),
-            o if (ISR_OFFSET..ISR_OFFSET + ISR_LEN).contains(&o) => {
-                if o == ISR_OFFSET {
-                    // Reading the ISR acknowledges it.
-                    data[0] = self.irq.isr.swap(0, Ordering::AcqRel);
+            ISR_OFFSET => {
+                // Reading the ISR acknowledges it.
+                if let Some(b) = data.first_mut() {
+                    *b = self.irq.isr.swap(0, Ordering::AcqRel);
                 }
             }
             o if (DEVICE_CFG_OFFSET..DEVICE_CFG_OFFSET + DEVICE_CFG_LEN).contains(&o) => {
@@ -563,5 +563,206 @@ impl<D: VirtioDevice> Persist for VirtioPciTransport<D> {
             self.activate_with(Some(&positions));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::net::{Loopback, Net, NetConfig, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ};
+    use crate::virtio::testutil::*;
+
+    type T = VirtioPciTransport<Net<Loopback>>;
+
+    fn transport(pairs: u16, irqs: &Arc<Irqs>) -> T {
+        let net = Net::new(NetConfig { mac: [2, 0, 0, 0, 0, 1], pairs, csum: false }, Loopback::new(pairs as usize));
+        VirtioPciTransport::new("net0", net.unwrap(), memory(), shared(irqs), 4)
+    }
+
+    const A: u64 = status::ACKNOWLEDGE as u64;
+    const D: u64 = status::DRIVER as u64;
+    const F: u64 = status::FEATURES_OK as u64;
+    const OK: u64 = status::DRIVER_OK as u64;
+
+    fn accept(t: &mut T, features: u64) -> u64 {
+        w(t, 0x14, 0, 1);
+        w(t, 0x14, A, 1);
+        w(t, 0x14, A | D, 1);
+        w(t, 0x08, 0, 4);
+        w(t, 0x0c, features & 0xffff_ffff, 4);
+        w(t, 0x08, 1, 4);
+        w(t, 0x0c, features >> 32, 4);
+        w(t, 0x14, A | D | F, 1);
+        r(t, 0x14, 1)
+    }
+
+    #[test]
+    fn feature_windows_and_negotiation() {
+        let irqs = Arc::new(Irqs::default());
+        let mut t = transport(2, &irqs);
+        let offered = t.device().features();
+        w(&mut t, 0x00, 0, 4);
+        assert_eq!(r(&mut t, 0x04, 4), offered & 0xffff_ffff);
+        w(&mut t, 0x00, 1, 4);
+        assert_eq!(r(&mut t, 0x04, 4), offered >> 32);
+        assert_eq!(r(&mut t, 0x04, 4) & 1, 1, "VERSION_1");
+        w(&mut t, 0x00, 2, 4);
+        assert_eq!(r(&mut t, 0x04, 4), 0);
+
+        assert_eq!(accept(&mut t, VIRTIO_NET_F_MAC), A | D, "no VERSION_1: FEATURES_OK stays clear");
+        assert_eq!(accept(&mut t, VIRTIO_F_VERSION_1 | 1 << 50), A | D, "a feature not offered");
+        assert_eq!(accept(&mut t, VIRTIO_F_VERSION_1 | VIRTIO_NET_F_MQ), A | D | F);
+        assert_eq!(t.driver_features(), VIRTIO_F_VERSION_1 | VIRTIO_NET_F_MQ);
+        // Frozen once FEATURES_OK is set.
+        w(&mut t, 0x08, 0, 4);
+        w(&mut t, 0x0c, 0, 4);
+        assert_eq!(t.driver_features(), VIRTIO_F_VERSION_1 | VIRTIO_NET_F_MQ);
+        assert_eq!(r(&mut t, 0x0c, 4), VIRTIO_NET_F_MQ);
+    }
+
+    #[test]
+    fn status_rules() {
+        let irqs = Arc::new(Irqs::default());
+        let mut t = transport(1, &irqs);
+        w(&mut t, 0x14, D, 1);
+        assert_eq!(r(&mut t, 0x14, 1), 0, "DRIVER before ACKNOWLEDGE");
+        w(&mut t, 0x14, A | F, 1);
+        assert_eq!(r(&mut t, 0x14, 1), A, "FEATURES_OK before DRIVER");
+        w(&mut t, 0x14, A | D | OK, 1);
+        assert_eq!(r(&mut t, 0x14, 1), A | D, "DRIVER_OK before FEATURES_OK");
+        w(&mut t, 0x14, A, 1);
+        assert_eq!(r(&mut t, 0x14, 1), A | D, "bits are only cleared by a reset");
+        w(&mut t, 0x14, A | D | 0x40, 1);
+        assert_eq!(r(&mut t, 0x14, 1), A | D, "DEVICE_NEEDS_RESET is the device's to set");
+        w(&mut t, 0x14, A | D | status::FAILED as u64, 1);
+        assert_eq!(r(&mut t, 0x14, 1), A | D | 0x80);
+        w(&mut t, 0x14, 0, 1);
+        assert_eq!(r(&mut t, 0x14, 1), 0);
+        assert_eq!(accept(&mut t, VIRTIO_F_VERSION_1), A | D | F);
+        w(&mut t, 0x14, A | D | F | OK, 1);
+        assert_eq!(r(&mut t, 0x14, 1), A | D | F | OK);
+        assert!(t.device().queues().is_some(), "activated");
+        w(&mut t, 0x14, 0, 1);
+        assert!(t.device().queues().is_none(), "reset");
+        assert_eq!(t.driver_features(), 0);
+    }
+
+    #[test]
+    fn queue_registers_per_queue() {
+        let irqs = Arc::new(Irqs::default());
+        let mut t = transport(1, &irqs);
+        assert_eq!(r(&mut t, 0x12, 2), 2, "num_queues");
+        for q in 0..2u64 {
+            w(&mut t, 0x16, q, 2);
+            assert_eq!(r(&mut t, 0x16, 2), q);
+            assert_eq!(r(&mut t, 0x18, 2), 256, "max size by default");
+            assert_eq!(r(&mut t, 0x1a, 2), NO_VECTOR as u64);
+            assert_eq!(r(&mut t, 0x1e, 2), q, "queue_notify_off");
+            w(&mut t, 0x18, 64 >> q, 2);
+            w(&mut t, 0x18, 100, 2); // not a power of two: ignored
+            w(&mut t, 0x18, 512, 2); // past the maximum: ignored
+            w(&mut t, 0x1a, q + 1, 2);
+            w(&mut t, 0x20, 0x1000 * (q + 1), 4);
+            w(&mut t, 0x24, q + 7, 4);
+            w(&mut t, 0x28, 0xabc0_0000 + q, 8);
+            w(&mut t, 0x30, 0x5000, 4);
+            w(&mut t, 0x34, 0x1, 4);
+        }
+        for q in 0..2u64 {
+            w(&mut t, 0x16, q, 2);
+            assert_eq!(r(&mut t, 0x18, 2), 64 >> q);
+            assert_eq!(r(&mut t, 0x1a, 2), q + 1);
+            assert_eq!(r(&mut t, 0x20, 8), ((q + 7) << 32) | (0x1000 * (q + 1)));
+            assert_eq!(r(&mut t, 0x24, 4), q + 7);
+            assert_eq!(r(&mut t, 0x28, 4), 0xabc0_0000 + q);
+            assert_eq!(r(&mut t, 0x2c, 4), 0);
+            assert_eq!(r(&mut t, 0x30, 8), 0x1_0000_5000);
+            assert_eq!(r(&mut t, 0x1c, 2), 0);
+            w(&mut t, 0x1c, 1, 2);
+            assert_eq!(r(&mut t, 0x1c, 2), 1);
+            w(&mut t, 0x1c, 0, 2);
+            assert_eq!(r(&mut t, 0x1c, 2), 1, "only a reset disables a queue");
+        }
+        // A vector past the MSI-X table reads back as NO_VECTOR.
+        w(&mut t, 0x1a, 4, 2);
+        assert_eq!(r(&mut t, 0x1a, 2), NO_VECTOR as u64);
+        w(&mut t, 0x10, 3, 2);
+        assert_eq!(r(&mut t, 0x10, 2), 3);
+        w(&mut t, 0x10, 9, 2);
+        assert_eq!(r(&mut t, 0x10, 2), NO_VECTOR as u64);
+        // No such queue: reads zero, writes go nowhere.
+        w(&mut t, 0x16, 5, 2);
+        assert_eq!(r(&mut t, 0x18, 2), 0);
+        w(&mut t, 0x18, 16, 2);
+        assert_eq!(r(&mut t, 0x20, 8), 0);
+        // A reset forgets the queues' setup.
+        w(&mut t, 0x14, 0, 1);
+        w(&mut t, 0x16, 1, 2);
+        assert_eq!((r(&mut t, 0x18, 2), r(&mut t, 0x1c, 2), r(&mut t, 0x20, 8)), (256, 0, 0));
+        assert_eq!(r(&mut t, 0x1a, 2), NO_VECTOR as u64);
+    }
+
+    #[test]
+    fn queue_setup_is_fixed_once_running() {
+        let irqs = Arc::new(Irqs::default());
+        let mut t = transport(1, &irqs);
+        let qs: Vec<GuestQueue> = (0..2).map(|i| GuestQueue::new(i, 16)).collect();
+        let s = bring_up(&mut t, VIRTIO_F_VERSION_1, &qs);
+        assert_eq!(s as u64, A | D | F | OK);
+        w(&mut t, 0x16, 0, 2);
+        w(&mut t, 0x18, 32, 2);
+        w(&mut t, 0x20, 0x9000, 8);
+        assert_eq!((r(&mut t, 0x18, 2), r(&mut t, 0x20, 8)), (16, qs[0].desc));
+        // Vectors may move while running (a guest re-targeting an interrupt).
+        w(&mut t, 0x1a, 3, 2);
+        assert_eq!(r(&mut t, 0x1a, 2), 3);
+    }
+
+    #[test]
+    fn isr_reads_clear_it() {
+        let irqs = Arc::new(Irqs::default());
+        let mut t = transport(1, &irqs);
+        let qs: Vec<GuestQueue> = (0..2).map(|i| GuestQueue::new(i, 16)).collect();
+        bring_up(&mut t, VIRTIO_F_VERSION_1, &qs);
+        t.device_mut().set_link(false);
+        assert_eq!(r(&mut t, ISR_OFFSET, 1), 2, "config change");
+        assert_eq!(r(&mut t, ISR_OFFSET, 1), 0);
+    }
+
+    #[test]
+    fn capabilities_and_doorbells() {
+        let irqs = Arc::new(Irqs::default());
+        let t = transport(2, &irqs);
+        assert_eq!(t.pci_device_id(), 0x1041);
+        let caps = t.capabilities(4);
+        let types: Vec<u8> = caps.iter().map(|c| c.cfg_type).collect();
+        assert_eq!(types, [1, 3, 4, 2]);
+        assert!(caps.iter().all(|c| c.bar == 4 && c.offset as u64 + c.length as u64 <= VIRTIO_BAR_SIZE));
+        let notify = caps[3];
+        assert_eq!(notify.length, 5 * 4);
+        assert_eq!(
+            notify.to_bytes(),
+            [9, 0, 20, 2, 4, 0, 0, 0, 0x00, 0x30, 0, 0, 20, 0, 0, 0, 4, 0, 0, 0],
+            "struct virtio_pci_notify_cap"
+        );
+        assert_eq!(caps[0].to_bytes().len(), 16);
+        assert_eq!(t.notify_offsets(), [0x3000, 0x3004, 0x3008, 0x300c, 0x3010]);
+    }
+
+    #[test]
+    fn odd_accesses_are_harmless() {
+        let irqs = Arc::new(Irqs::default());
+        let mut t = transport(1, &irqs);
+        for off in [0x01, 0x03, 0x13, 0x37, 0x38, 0x1001, 0x2fff, 0x3ffc, 0x4000, u64::MAX - 3] {
+            for len in [1usize, 2, 3, 4, 8] {
+                let mut b = [0u8; 8];
+                t.bar_read(off, &mut b[..len]);
+                t.bar_write(off, &b[..len]);
+            }
+        }
+        t.bar_read(0, &mut []);
+        t.bar_read(ISR_OFFSET, &mut []);
+        t.bar_write(0x14, &[]);
+        assert_eq!(r(&mut t, 0x14, 1), 0);
     }
 }

@@ -511,7 +511,7 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
     fn queue_notify(&mut self, queue: usize) {
         if Some(queue) == self.ctrl_queue() {
             self.process_ctrl();
-        } else if queue % 2 == 0 {
+        } else if queue & 1 == 0 {
             self.process_rx(queue / 2);
         } else {
             self.process_tx(queue / 2);

@@ -105,7 +105,11 @@ impl Tap {
         }
         let mut tap = Tap { name: name.to_string(), queues: files };
         // No offloads until the driver accepts them.
-        tap.set_offload(false).map_err(|err| TapError::Ioctl { name: name.to_string(), what: "clearing offloads", err })?;
+        tap.set_offload(false).map_err(|err| TapError::Ioctl {
+            name: name.to_string(),
+            what: "clearing offloads",
+            err,
+        })?;
         Ok(tap)
     }
 

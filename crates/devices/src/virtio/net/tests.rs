@@ -323,7 +323,7 @@ fn fuzz_random_descriptor_tables_and_avail_rings() {
     let size = qs[0].size;
     assert_eq!(bring_up(&mut t, BASE | VIRTIO_F_RING_EVENT_IDX, &qs), OK);
     let mut resets = 0;
-    for round in 0..20_000u32 {
+    for round in 0..50_000u32 {
         let qi = (round % 2) as usize;
         let q = &mut qs[qi];
         // Random descriptors: mostly plausible addresses, some wild ones, random flags
