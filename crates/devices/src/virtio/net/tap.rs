@@ -199,4 +199,88 @@ mod tests {
         assert!(matches!(e, TapError::Busy(_)), "{e}");
         assert!(e.to_string().starts_with(&format!("tap {single} is busy")), "{e}");
     }
+
+    fn ip(args: &[&str]) -> bool {
+        std::process::Command::new("ip").args(args).output().map(|o| o.status.success()).unwrap_or(false)
+    }
+
+    /// Waits (bounded) for `fd` to become readable.
+    fn readable(fd: RawFd) -> bool {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut p, 1, 10_000) > 0 }
+    }
+
+    #[test]
+    fn frames_cross_between_guest_memory_and_the_host() {
+        use std::sync::Arc;
+        use vm_memory::{Bytes, GuestAddress};
+
+        use crate::virtio::net::{Net, NetConfig};
+        use crate::virtio::pci_transport::VirtioPciTransport;
+        use crate::virtio::testutil::*;
+        use crate::virtio::VIRTIO_F_VERSION_1;
+
+        let pid = std::process::id();
+        let name = format!("kn{pid}");
+        let Some(tap) = try_open(&name, 1) else { return };
+        let subnet = format!("10.197.{}", pid % 250);
+        if !ip(&["link", "set", &name, "up"]) || !ip(&["addr", "add", &format!("{subnet}.1/24"), "dev", &name]) {
+            eprintln!("skipping: cannot configure {name} with `ip`");
+            return;
+        }
+        let mac = [0x52, 0x54, 0, 0xaa, 0xbb, 0xcc];
+        let net = Net::new(NetConfig { mac, pairs: 1, csum: false }, tap).unwrap();
+        let mem = memory();
+        let irqs = Arc::new(Irqs::default());
+        let mut t = VirtioPciTransport::new("net0", net, mem.clone(), shared(&irqs), 4);
+        let mut qs: Vec<GuestQueue> = (0..2).map(|i| GuestQueue::new(i, 16)).collect();
+        bring_up(&mut t, VIRTIO_F_VERSION_1, &qs);
+
+        // TX: a broadcast frame from the guest is received by the host's interface.
+        let stat = format!("/sys/class/net/{name}/statistics/rx_packets");
+        let count = || std::fs::read_to_string(&stat).unwrap().trim().parse::<u64>().unwrap();
+        let before = count();
+        let mut f = vec![0u8; VNET_HDR_LEN];
+        f.extend([0xff; 6]);
+        f.extend(mac);
+        f.extend([0x88, 0xb5]); // the local experimental ethertype
+        f.extend([0x5a; 46]);
+        mem.write_slice(&f, GuestAddress(BUF_BASE)).unwrap();
+        qs[1].add_chain(&mem, &[(BUF_BASE, f.len() as u32, false)]);
+        kick(&mut t, 1);
+        assert_eq!(t.device().counters().tx_frames, 1);
+        assert_eq!(count(), before + 1);
+
+        // RX: the host ARPs for a neighbour on the tap's subnet; the request lands in a guest
+        // buffer with its vnet header (IPv6 chatter from the link coming up may come first).
+        let sock = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        sock.send_to(b"x", format!("{subnet}.2:9")).unwrap();
+        let target: Vec<u8> = subnet.split('.').map(|b| b.parse::<u8>().unwrap()).chain([2]).collect();
+        let fd = t.device().backend().fd(0).unwrap();
+        let mut found = false;
+        for i in 0..32u64 {
+            let buf = BUF_BASE + 0x1_0000 + i * 0x1000;
+            qs[0].add_chain(&mem, &[(buf, 2048, true)]);
+            kick(&mut t, 0);
+            while qs[0].used_idx(&mem) == i as u16 {
+                if !readable(fd) {
+                    panic!("no frame from {name} within the poll bound");
+                }
+                t.device_mut().backend_ready(0);
+            }
+            let (_, len) = qs[0].used_elem(&mem, i as u16);
+            let mut got = vec![0u8; len as usize];
+            mem.read_slice(&mut got, GuestAddress(buf)).unwrap();
+            let eth = &got[VNET_HDR_LEN..];
+            // ARP: ethertype 0x0806, target protocol address at 24..28 of the ARP body.
+            if eth.len() >= 42 && eth[12..14] == [0x08, 0x06] && eth[14 + 24..14 + 28] == target[..] {
+                assert_eq!(eth[..6], [0xff; 6], "an ARP request is broadcast");
+                found = true;
+                break;
+            }
+        }
+        assert!(found, "the host's ARP request reached the guest");
+        assert!(!irqs.take().is_empty());
+    }
 }
