@@ -26,6 +26,7 @@ pub const VIRTIO_NET_F_MAC: u64 = 1 << vn::VIRTIO_NET_F_MAC;
 pub const VIRTIO_NET_F_STATUS: u64 = 1 << vn::VIRTIO_NET_F_STATUS;
 pub const VIRTIO_NET_F_CTRL_VQ: u64 = 1 << vn::VIRTIO_NET_F_CTRL_VQ;
 pub const VIRTIO_NET_F_MQ: u64 = 1 << vn::VIRTIO_NET_F_MQ;
+pub const VIRTIO_NET_F_MRG_RXBUF: u64 = 1 << vn::VIRTIO_NET_F_MRG_RXBUF;
 
 /// `virtio_net_hdr_v1`: every frame starts with it (virtio 1.x always has `num_buffers`).
 pub const VNET_HDR_LEN: usize = 12;
@@ -165,6 +166,7 @@ pub struct NetState {
 }
 
 struct Active {
+    features: u64,
     mem: GuestMemory,
     irq: DeviceInterrupt,
     queues: Vec<Queue>,
@@ -179,6 +181,8 @@ pub struct Net<B: NetBackend> {
     counters: NetCounters,
     active: Option<Active>,
     buf: Vec<u8>,
+    /// Per pair, a frame read from the backend that waits for RX buffers.
+    pending: Vec<Option<Vec<u8>>>,
 }
 
 impl<B: NetBackend> Net<B> {
@@ -201,6 +205,7 @@ impl<B: NetBackend> Net<B> {
             counters: NetCounters::default(),
             active: None,
             buf: vec![0; MAX_FRAME_LEN],
+            pending: vec![None; config.pairs as usize],
         })
     }
 
@@ -250,66 +255,98 @@ impl<B: NetBackend> Net<B> {
         let qi = 2 * pair;
         let Some(q) = a.queues.get_mut(qi).filter(|q| q.ready()) else { return true };
         let mem = &a.mem;
+        let mrg = a.features & VIRTIO_NET_F_MRG_RXBUF != 0;
         let mut used = false;
         let mut drained = true;
-        loop {
-            let chain = match q.iter(mem) {
-                Ok(mut it) => it.next(),
-                Err(e) => {
-                    tracing::warn!(queue = qi, "virtio-net: RX ring: {e}");
-                    a.irq.needs_reset();
-                    break;
+        'frames: loop {
+            // The frame: one left waiting for buffers, or the backend's next.
+            let n = match self.pending.get_mut(pair).and_then(Option::take) {
+                Some(f) => {
+                    self.buf[..f.len()].copy_from_slice(&f);
+                    f.len()
                 }
+                None => match self.backend.recv(pair, &mut self.buf) {
+                    Ok(Some(n)) => n,
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(pair, "virtio-net: backend read: {e}");
+                        break;
+                    }
+                },
             };
-            let Some(chain) = chain else {
-                // Out of buffers: ask for a doorbell, and look again in case some came meanwhile.
-                match q.enable_notification(mem) {
+            // Buffers for it: one chain, or with MRG_RXBUF as many as it takes.
+            let max_chains = if mrg { q.size() as usize } else { 1 };
+            let mut chains = Vec::new();
+            let mut room = 0usize;
+            while room < n && chains.len() < max_chains {
+                let chain = match q.iter(mem) {
+                    Ok(mut it) => it.next(),
+                    Err(e) => {
+                        tracing::warn!(queue = qi, "virtio-net: RX ring: {e}");
+                        a.irq.needs_reset();
+                        break 'frames;
+                    }
+                };
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                if head >= q.size() {
+                    a.irq.needs_reset();
+                    break 'frames;
+                }
+                match chain.writer::<()>(mem) {
+                    Ok(w) => {
+                        room += w.available_bytes();
+                        chains.push((head, Some(w)));
+                    }
+                    Err(_) => chains.push((head, None)),
+                }
+            }
+            if room < n && chains.len() < max_chains {
+                let taken = chains.len();
+                // Out of buffers: ask for a doorbell once the driver adds past the chains seen
+                // (avail_event is taken from next_avail, so before giving those back), keep the
+                // frame, give the chains back, and look again if buffers came meanwhile.
+                let more = q.enable_notification(mem);
+                drop(chains);
+                for _ in 0..taken {
+                    q.go_to_previous_position();
+                }
+                if let Some(p) = self.pending.get_mut(pair) {
+                    *p = Some(self.buf[..n].to_vec());
+                }
+                match more {
                     Ok(true) => continue,
                     Ok(false) => {}
                     Err(_) => a.irq.needs_reset(),
                 }
                 drained = false;
                 break;
-            };
-            let n = match self.backend.recv(pair, &mut self.buf) {
-                Ok(Some(n)) => n,
-                Ok(None) => {
-                    q.go_to_previous_position();
-                    break;
+            }
+            let fits = n >= VNET_HDR_LEN && room >= n;
+            if fits {
+                // num_buffers: the chains this frame spans.
+                self.buf[10..12].copy_from_slice(&(chains.len() as u16).to_le_bytes());
+                self.counters.rx_frames += 1;
+                self.counters.rx_bytes += (n - VNET_HDR_LEN) as u64;
+            } else {
+                self.counters.rx_dropped += 1;
+            }
+            let mut off = 0;
+            for (head, w) in chains {
+                let mut len = 0;
+                if let (true, Some(mut w)) = (fits, w) {
+                    let k = w.available_bytes().min(n - off);
+                    if w.write_all(&self.buf[off..off + k]).is_ok() {
+                        len = k;
+                    }
+                    off += k;
                 }
-                Err(e) => {
-                    tracing::warn!(pair, "virtio-net: backend read: {e}");
-                    q.go_to_previous_position();
-                    break;
+                if q.add_used(mem, head, len as u32).is_err() {
+                    a.irq.needs_reset();
+                    break 'frames;
                 }
-            };
-            let head = chain.head_index();
-            if head >= q.size() {
-                // The frame is lost with the ring.
-                a.irq.needs_reset();
-                break;
+                used = true;
             }
-            let frame = &mut self.buf[..n];
-            if n >= VNET_HDR_LEN {
-                // num_buffers: one chain per frame (no MRG_RXBUF).
-                frame[10..12].copy_from_slice(&1u16.to_le_bytes());
-            }
-            let written = match chain.writer::<()>(mem) {
-                Ok(mut w) if n >= VNET_HDR_LEN && w.available_bytes() >= n => w.write_all(frame).map(|_| n).ok(),
-                _ => None,
-            };
-            match written {
-                Some(n) => {
-                    self.counters.rx_frames += 1;
-                    self.counters.rx_bytes += (n - VNET_HDR_LEN) as u64;
-                }
-                None => self.counters.rx_dropped += 1,
-            }
-            if q.add_used(mem, head, written.unwrap_or(0) as u32).is_err() {
-                a.irq.needs_reset();
-                break;
-            }
-            used = true;
         }
         if used {
             match q.needs_notification(mem) {
@@ -464,7 +501,11 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
     }
 
     fn features(&self) -> u64 {
-        let mut f = VIRTIO_F_VERSION_1 | VIRTIO_F_RING_EVENT_IDX | VIRTIO_NET_F_MAC | VIRTIO_NET_F_STATUS;
+        let mut f = VIRTIO_F_VERSION_1
+            | VIRTIO_F_RING_EVENT_IDX
+            | VIRTIO_NET_F_MAC
+            | VIRTIO_NET_F_STATUS
+            | VIRTIO_NET_F_MRG_RXBUF;
         if self.has_ctrl() {
             f |= VIRTIO_NET_F_CTRL_VQ | VIRTIO_NET_F_MQ;
         }
@@ -500,7 +541,7 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
         self.backend
             .set_offload(acked_features & VIRTIO_NET_F_GUEST_CSUM != 0)
             .map_err(|e| ActivateError::Backend(format!("setting the backend's offloads: {e}")))?;
-        self.active = Some(Active { mem, irq: interrupt, queues });
+        self.active = Some(Active { features: acked_features, mem, irq: interrupt, queues });
         // Frames may already wait in the backend.
         for p in 0..self.config.pairs as usize {
             self.process_rx(p);
@@ -525,6 +566,7 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
     fn reset(&mut self) {
         self.active = None;
         self.active_pairs = 1;
+        self.pending.iter_mut().for_each(|p| *p = None);
     }
 
     fn save_state(&self) -> serde_json::Value {

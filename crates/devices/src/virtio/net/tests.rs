@@ -65,7 +65,7 @@ fn config_space_has_mac_link_and_pairs() {
 fn features_follow_the_config() {
     let l = |p| Loopback::new(p);
     let one = Net::new(NetConfig { mac: MAC, pairs: 1, csum: false }, l(1)).unwrap();
-    assert_eq!(one.features(), BASE | VIRTIO_F_RING_EVENT_IDX);
+    assert_eq!(one.features(), BASE | VIRTIO_F_RING_EVENT_IDX | VIRTIO_NET_F_MRG_RXBUF);
     assert_eq!(one.queue_max_sizes().len(), 2);
     let mq = Net::new(NetConfig { mac: MAC, pairs: 4, csum: true }, l(4)).unwrap();
     let f = mq.features();
@@ -119,7 +119,7 @@ fn rx_frame_lands_in_guest_buffers_and_raises_the_queue_vector() {
     let f = frame(0x11, 100);
     t.device_mut().backend_mut().inject(0, f.clone());
     assert!(!t.device_mut().backend_ready(0), "no buffers yet: the frame waits");
-    assert_eq!(t.device().backend().incoming[0].len(), 1);
+    assert_eq!(qs[0].used_idx(&mem), 0);
     assert!(irqs.take().is_empty());
 
     let head = qs[0].add_chain(&mem, &[(BUF_BASE, 64, true), (BUF_BASE + 0x1000, 1500, true)]);
@@ -321,7 +321,10 @@ fn fuzz_random_descriptor_tables_and_avail_rings() {
     let mut rng = Rng(0x6b75_6d6f_7669_7274);
     let mut qs = queues(2);
     let size = qs[0].size;
-    assert_eq!(bring_up(&mut t, BASE | VIRTIO_F_RING_EVENT_IDX, &qs), OK);
+    // Half the time with mergeable RX buffers.
+    let features = |rng: &mut Rng| BASE | VIRTIO_F_RING_EVENT_IDX | (rng.below(2) * VIRTIO_NET_F_MRG_RXBUF);
+    let f = features(&mut rng);
+    assert_eq!(bring_up(&mut t, f, &qs), OK);
     let mut resets = 0;
     for round in 0..50_000u32 {
         let qi = (round % 2) as usize;
@@ -372,7 +375,8 @@ fn fuzz_random_descriptor_tables_and_avail_rings() {
             resets += 1;
             qs = fresh_queues(2, &mem);
             t.device_mut().backend_mut().incoming[0].clear();
-            assert_eq!(bring_up(&mut t, BASE | VIRTIO_F_RING_EVENT_IDX, &qs), OK);
+            let f = features(&mut rng);
+            assert_eq!(bring_up(&mut t, f, &qs), OK);
             continue;
         }
         // The used ring only moves forward, by at most what was offered, with ids in range.
@@ -438,4 +442,45 @@ fn snapshot_round_trip_keeps_rings_and_config() {
     bad.driver_features |= 1 << 60;
     assert!(t2.restore(&bad).unwrap_err().to_string().starts_with("net0: features"));
     assert_eq!(r(&mut t2, 0x14, 1) as u8, OK);
+}
+
+#[test]
+fn mergeable_rx_buffers_carry_a_frame_across_chains() {
+    let mem = memory();
+    let irqs = Arc::new(Irqs::default());
+    let mut t = nic(1, &mem, &irqs);
+    let mut qs = queues(2);
+    assert_eq!(bring_up(&mut t, BASE | VIRTIO_NET_F_MRG_RXBUF, &qs), OK);
+    let f = frame(0x33, 2500 - VNET_HDR_LEN);
+    // Two 1 KiB buffers are not enough: the frame waits, the buffers stay the driver's.
+    qs[0].add_chain(&mem, &[(BUF_BASE, 1024, true)]);
+    qs[0].add_chain(&mem, &[(BUF_BASE + 0x1000, 1024, true)]);
+    t.device_mut().backend_mut().inject(0, f.clone());
+    assert!(!t.device_mut().backend_ready(0));
+    assert_eq!(qs[0].used_idx(&mem), 0);
+    // A third one: the frame spans all three, num_buffers says so.
+    qs[0].add_chain(&mem, &[(BUF_BASE + 0x2000, 1024, true)]);
+    kick(&mut t, 0);
+    assert_eq!(qs[0].used_idx(&mem), 3);
+    let lens: Vec<u32> = (0..3).map(|i| qs[0].used_elem(&mem, i).1).collect();
+    assert_eq!(lens, [1024, 1024, 452]);
+    let mut got = vec![0u8; 2500];
+    for i in 0..3 {
+        let n = lens[i] as usize;
+        mem.read_slice(&mut got[i * 1024..i * 1024 + n], GuestAddress(BUF_BASE + 0x1000 * i as u64)).unwrap();
+    }
+    let mut want = f;
+    want[10] = 3;
+    assert_eq!(got, want);
+    assert_eq!(irqs.take(), vec![1], "one interrupt for the frame");
+
+    // A frame that all of the queue's buffers cannot hold is dropped, the buffers returned empty.
+    for i in 0..16u64 {
+        qs[0].add_chain(&mem, &[(BUF_BASE + 0x1000 * i, 16, true)]);
+    }
+    t.device_mut().backend_mut().inject(0, frame(1, 1000));
+    t.device_mut().backend_ready(0);
+    assert_eq!(qs[0].used_idx(&mem), 3 + 16);
+    assert!((3..19).all(|i| qs[0].used_elem(&mem, i).1 == 0));
+    assert_eq!(t.device().counters().rx_dropped, 1);
 }
