@@ -41,6 +41,14 @@ pub enum TapError {
     Permission(String),
     #[error("tap {0} is busy: another process has it, or it was made without multi_queue and more queues were asked")]
     Busy(String),
+    #[error("no network interface named {0} (create it with `ip tuntap add {0} mode tap`)")]
+    Unknown(String),
+    #[error("{0} is a network interface but not a tap")]
+    NotTap(String),
+    #[error(
+        "tap {name} refused its flags ({queues} queues): it exists with other ones (multi_queue or not, vnet_hdr)"
+    )]
+    Mismatch { name: String, queues: usize },
     #[error("tap {name} refused its flags ({queues} queues): {err}")]
     Flags { name: String, queues: usize, err: io::Error },
     #[error("tap {name}: {what}: {err}")]
@@ -91,6 +99,7 @@ impl Tap {
                 return Err(match err.raw_os_error() {
                     Some(libc::EPERM) | Some(libc::EACCES) => TapError::Permission(name.to_string()),
                     Some(libc::EBUSY) => TapError::Busy(name.to_string()),
+                    Some(libc::EINVAL) => TapError::Mismatch { name: name.to_string(), queues },
                     _ => TapError::Flags { name: name.to_string(), queues, err },
                 });
             }
@@ -111,6 +120,20 @@ impl Tap {
             err,
         })?;
         Ok(tap)
+    }
+
+    /// Attaches `queues` queues of tap `name`, which must exist already (a tap the host set up,
+    /// rather than a new one nobody configured).
+    pub fn attach(name: &str, queues: usize) -> Result<Self, TapError> {
+        check_name(name)?;
+        let dir = std::path::Path::new("/sys/class/net").join(name);
+        if !dir.exists() {
+            return Err(TapError::Unknown(name.to_string()));
+        }
+        if !dir.join("tun_flags").exists() {
+            return Err(TapError::NotTap(name.to_string()));
+        }
+        Self::open(name, queues)
     }
 
     pub fn name(&self) -> &str {
@@ -190,8 +213,14 @@ mod tests {
         tap.set_offload(true).unwrap();
         tap.set_offload(false).unwrap();
         // The same tap single-queue: its flags differ from the multi-queue one's.
-        let e = Tap::open(&name, 1).unwrap_err().to_string();
-        assert!(e.contains(&name), "{e}");
+        let e = Tap::open(&name, 1).unwrap_err();
+        assert!(matches!(e, TapError::Mismatch { queues: 1, .. }), "{e}");
+        // attach: only taps that exist.
+        assert_eq!(Tap::attach(&name, 2).unwrap().pairs(), 2);
+        let e = Tap::attach("kumo-no-such", 1).unwrap_err().to_string();
+        assert_eq!(e, "no network interface named kumo-no-such (create it with `ip tuntap add kumo-no-such mode tap`)");
+        let e = Tap::attach("lo", 1).unwrap_err().to_string();
+        assert_eq!(e, "lo is a network interface but not a tap");
 
         let single = format!("ks{}", std::process::id());
         let Some(_a) = try_open(&single, 1) else { return };
