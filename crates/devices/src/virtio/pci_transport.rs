@@ -469,6 +469,18 @@ impl<D: VirtioDevice> VirtioPciTransport<D> {
     }
 }
 
+/// The BAR on a bus: the PCI layer may insert the transport at the BAR's address directly.
+impl<D: VirtioDevice> crate::bus::BusDevice for VirtioPciTransport<D> {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        self.bar_read(offset, data)
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) -> Option<crate::DeviceEvent> {
+        self.bar_write(offset, data);
+        None
+    }
+}
+
 fn queue_addr(q: &QueueRegs, offset: u64) -> u64 {
     match offset {
         0x20 => q.desc,
@@ -747,6 +759,20 @@ mod tests {
         );
         assert_eq!(caps[0].to_bytes().len(), 16);
         assert_eq!(t.notify_offsets(), [0x3000, 0x3004, 0x3008, 0x300c, 0x3010]);
+    }
+
+    #[test]
+    fn sits_on_an_mmio_bus_at_its_bar() {
+        use crate::bus::{Bus, BusKind};
+        let irqs = Arc::new(Irqs::default());
+        let t = Arc::new(std::sync::Mutex::new(transport(1, &irqs)));
+        let mut bus = Bus::new(BusKind::Mmio);
+        bus.insert(0xe000_0000, VIRTIO_BAR_SIZE, t.clone()).unwrap();
+        let mut b = [0u8; 2];
+        assert!(bus.read(0xe000_0012, &mut b));
+        assert_eq!(u16::from_le_bytes(b), 2, "num_queues");
+        assert_eq!(bus.write(0xe000_0014, &[1]), None);
+        assert_eq!(r(&mut t.lock().unwrap(), 0x14, 1), A);
     }
 
     #[test]
