@@ -244,16 +244,18 @@ impl<B: NetBackend> Net<B> {
     }
 
     /// The backend has frames for pair `pair` (its fd became readable): move them into the
-    /// guest's RX buffers. Returns false when frames are left waiting because the guest gave
-    /// no buffers; the caller then waits for the RX doorbell before polling the fd again.
+    /// guest's RX buffers. Returns false when frames may be left waiting (the guest gave no
+    /// buffers, or the device or its RX queue is not running); the caller then stops polling the
+    /// fd until the RX queue's doorbell or the device's activation (which moves waiting frames
+    /// itself).
     pub fn backend_ready(&mut self, pair: usize) -> bool {
         self.process_rx(pair)
     }
 
     fn process_rx(&mut self, pair: usize) -> bool {
-        let Some(a) = self.active.as_mut() else { return true };
+        let Some(a) = self.active.as_mut() else { return false };
         let qi = 2 * pair;
-        let Some(q) = a.queues.get_mut(qi).filter(|q| q.ready()) else { return true };
+        let Some(q) = a.queues.get_mut(qi).filter(|q| q.ready()) else { return false };
         let mem = &a.mem;
         let mrg = a.features & VIRTIO_NET_F_MRG_RXBUF != 0;
         let mut used = false;

@@ -484,3 +484,36 @@ fn mergeable_rx_buffers_carry_a_frame_across_chains() {
     assert!((3..19).all(|i| qs[0].used_elem(&mem, i).1 == 0));
     assert_eq!(t.device().counters().rx_dropped, 1);
 }
+
+#[test]
+fn snapshots_taken_mid_setup_or_after_a_failure_restore_as_they_were() {
+    let mem = memory();
+    let irqs = Arc::new(Irqs::default());
+    let mut t = nic(1, &mem, &irqs);
+    // Mid-setup: features accepted, one queue programmed, not running.
+    w(&mut t, 0x14, 1, 1);
+    w(&mut t, 0x14, 3, 1);
+    w(&mut t, 0x08, 1, 4);
+    w(&mut t, 0x0c, 1, 4);
+    w(&mut t, 0x14, 11, 1);
+    w(&mut t, 0x16, 1, 2);
+    w(&mut t, 0x18, 32, 2);
+    w(&mut t, 0x20, 0x7000, 8);
+    let state = t.save().unwrap();
+    let mut t2 = nic(1, &mem, &irqs);
+    t2.restore(&state).unwrap();
+    assert_eq!(t2.save().unwrap(), state);
+    assert!(t2.device().queues().is_none(), "not running");
+    assert_eq!((r(&mut t2, 0x16, 2), r(&mut t2, 0x18, 2), r(&mut t2, 0x20, 8)), (1, 32, 0x7000));
+
+    // After a failure: DEVICE_NEEDS_RESET survives, the device stays stopped.
+    let mut qs = queues(2);
+    qs[0].used = MEM_SIZE as u64 - 8;
+    assert_eq!(bring_up(&mut t, BASE, &qs), OK | status::DEVICE_NEEDS_RESET);
+    let state = t.save().unwrap();
+    assert!(state.needs_reset);
+    let mut t3 = nic(1, &mem, &irqs);
+    t3.restore(&state).unwrap();
+    assert_eq!(r(&mut t3, 0x14, 1) as u8, OK | status::DEVICE_NEEDS_RESET);
+    assert!(t3.device().queues().is_none());
+}
