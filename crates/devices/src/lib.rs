@@ -10,6 +10,7 @@ pub mod bus;
 pub mod debug_port;
 pub mod persist;
 pub mod serial;
+pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError, BusKind, Buses, SharedDevice};
 pub use debug_port::{DebugPort, EXIT_PORT, MARKER_PORT};

@@ -1,0 +1,315 @@
+//! A host TAP as a [`NetBackend`]: one `/dev/net/tun` queue per queue pair
+//! (`IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`, plus `IFF_MULTI_QUEUE` for more than one), every frame
+//! with its 12-byte vnet header. The fds are non-blocking: an empty queue reads as `None`.
+//!
+//! The tap is attached by name: an existing one (made with `ip tuntap add … multi_queue` for
+//! several queues) or, with CAP_NET_ADMIN, a new one that goes away when kumo closes it.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+
+use super::{NetBackend, VNET_HDR_LEN};
+
+const TUN_PATH: &str = "/dev/net/tun";
+// <linux/if_tun.h>
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
+const TUNSETVNETHDRSZ: libc::c_ulong = 0x4004_54d8;
+const IFF_TAP: libc::c_short = 0x0002;
+const IFF_NO_PI: libc::c_short = 0x1000;
+const IFF_VNET_HDR: libc::c_short = 0x4000;
+const IFF_MULTI_QUEUE: libc::c_short = 0x0100;
+const TUN_F_CSUM: libc::c_uint = 0x01;
+
+/// `struct ifreq` with the flags member of its union.
+#[repr(C)]
+struct IfReq {
+    name: [u8; libc::IFNAMSIZ],
+    flags: libc::c_short,
+    _pad: [u8; 22],
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TapError {
+    #[error("bad tap name {0:?}: 1 to 15 characters, no '/', spaces or ':'")]
+    Name(String),
+    #[error("cannot open {TUN_PATH}: {0}")]
+    Open(io::Error),
+    #[error("no permission to attach tap {0} (needs CAP_NET_ADMIN, or a tap owned by this user)")]
+    Permission(String),
+    #[error("tap {0} is busy: another process has it, or it was made without multi_queue and more queues were asked")]
+    Busy(String),
+    #[error("no network interface named {0} (create it with `ip tuntap add {0} mode tap`)")]
+    Unknown(String),
+    #[error("{0} is a network interface but not a tap")]
+    NotTap(String),
+    #[error(
+        "tap {name} refused its flags ({queues} queues): it exists with other ones (multi_queue or not, vnet_hdr)"
+    )]
+    Mismatch { name: String, queues: usize },
+    #[error("tap {name} refused its flags ({queues} queues): {err}")]
+    Flags { name: String, queues: usize, err: io::Error },
+    #[error("tap {name}: {what}: {err}")]
+    Ioctl { name: String, what: &'static str, err: io::Error },
+}
+
+/// A TAP interface with one fd per queue pair.
+#[derive(Debug)]
+pub struct Tap {
+    name: String,
+    queues: Vec<File>,
+}
+
+fn check_name(name: &str) -> Result<(), TapError> {
+    let ok = !name.is_empty()
+        && name.len() < libc::IFNAMSIZ
+        && name.bytes().all(|b| b.is_ascii_graphic() && b != b'/' && b != b':');
+    if ok {
+        Ok(())
+    } else {
+        Err(TapError::Name(name.to_string()))
+    }
+}
+
+impl Tap {
+    /// Attaches `queues` queues of tap `name`.
+    pub fn open(name: &str, queues: usize) -> Result<Self, TapError> {
+        check_name(name)?;
+        let queues = queues.max(1);
+        let mut files = Vec::with_capacity(queues);
+        for _ in 0..queues {
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+                .open(TUN_PATH)
+                .map_err(TapError::Open)?;
+            let mut req = IfReq { name: [0; libc::IFNAMSIZ], flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR, _pad: [0; 22] };
+            if queues > 1 {
+                req.flags |= IFF_MULTI_QUEUE;
+            }
+            req.name[..name.len()].copy_from_slice(name.as_bytes());
+            // SAFETY: TUNSETIFF reads and writes one `struct ifreq`, which `req` is (repr(C),
+            // 40 bytes); the fd is a tun fd this function owns.
+            let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETIFF as _, &mut req as *mut IfReq) };
+            if r < 0 {
+                let err = io::Error::last_os_error();
+                return Err(match err.raw_os_error() {
+                    Some(libc::EPERM) | Some(libc::EACCES) => TapError::Permission(name.to_string()),
+                    Some(libc::EBUSY) => TapError::Busy(name.to_string()),
+                    Some(libc::EINVAL) => TapError::Mismatch { name: name.to_string(), queues },
+                    _ => TapError::Flags { name: name.to_string(), queues, err },
+                });
+            }
+            let hdr: libc::c_int = VNET_HDR_LEN as libc::c_int;
+            // SAFETY: TUNSETVNETHDRSZ reads one int from the pointer, which points at `hdr`.
+            let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETVNETHDRSZ as _, &hdr as *const libc::c_int) };
+            if r < 0 {
+                let err = io::Error::last_os_error();
+                return Err(TapError::Ioctl { name: name.to_string(), what: "setting the vnet header size", err });
+            }
+            files.push(f);
+        }
+        let mut tap = Tap { name: name.to_string(), queues: files };
+        // No offloads until the driver accepts them.
+        tap.set_offload(false).map_err(|err| TapError::Ioctl {
+            name: name.to_string(),
+            what: "clearing offloads",
+            err,
+        })?;
+        Ok(tap)
+    }
+
+    /// Attaches `queues` queues of tap `name`, which must exist already (a tap the host set up,
+    /// rather than a new one nobody configured).
+    pub fn attach(name: &str, queues: usize) -> Result<Self, TapError> {
+        check_name(name)?;
+        let dir = std::path::Path::new("/sys/class/net").join(name);
+        if !dir.exists() {
+            return Err(TapError::Unknown(name.to_string()));
+        }
+        if !dir.join("tun_flags").exists() {
+            return Err(TapError::NotTap(name.to_string()));
+        }
+        Self::open(name, queues)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl NetBackend for Tap {
+    fn pairs(&self) -> usize {
+        self.queues.len()
+    }
+
+    fn recv(&mut self, pair: usize, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        let f = self.queues.get_mut(pair).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        match f.read(buf) {
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn send(&mut self, pair: usize, frame: &[u8]) -> io::Result<()> {
+        let f = self.queues.get_mut(pair).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // A tap write takes one whole frame or fails (a full queue drops it).
+        f.write(frame).map(|_| ())
+    }
+
+    fn fd(&self, pair: usize) -> Option<RawFd> {
+        self.queues.get(pair).map(|f| f.as_raw_fd())
+    }
+
+    fn set_offload(&mut self, csum: bool) -> io::Result<()> {
+        let flags: libc::c_uint = if csum { TUN_F_CSUM } else { 0 };
+        for f in &self.queues {
+            // SAFETY: TUNSETOFFLOAD takes its argument by value; the fd is one of this tap's.
+            let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETOFFLOAD as _, flags as libc::c_ulong) };
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked_first() {
+        for bad in ["", "a/b", "sixteen-chars-xx", "with space", "a:1"] {
+            let e = Tap::open(bad, 1).unwrap_err();
+            assert!(matches!(e, TapError::Name(_)), "{bad:?}: {e}");
+        }
+    }
+
+    /// Opens a fresh tap; skips (None) where tun or TUNSETIFF is not available.
+    fn try_open(name: &str, queues: usize) -> Option<Tap> {
+        match Tap::open(name, queues) {
+            Ok(t) => Some(t),
+            Err(e @ (TapError::Open(_) | TapError::Permission(_))) => {
+                eprintln!("skipping: {e}");
+                None
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn attaches_a_multiqueue_tap_and_refuses_a_busy_one() {
+        let name = format!("kt{}", std::process::id());
+        let Some(mut tap) = try_open(&name, 2) else { return };
+        assert_eq!(tap.pairs(), 2);
+        assert!(tap.fd(0).is_some() && tap.fd(1).is_some() && tap.fd(2).is_none());
+        let mut buf = [0u8; 64];
+        assert_eq!(tap.recv(0, &mut buf).unwrap(), None, "nothing waits on a fresh tap");
+        tap.set_offload(true).unwrap();
+        tap.set_offload(false).unwrap();
+        // The same tap single-queue: its flags differ from the multi-queue one's.
+        let e = Tap::open(&name, 1).unwrap_err();
+        assert!(matches!(e, TapError::Mismatch { queues: 1, .. }), "{e}");
+        // attach: only taps that exist.
+        assert_eq!(Tap::attach(&name, 2).unwrap().pairs(), 2);
+        let e = Tap::attach("kumo-no-such", 1).unwrap_err().to_string();
+        assert_eq!(e, "no network interface named kumo-no-such (create it with `ip tuntap add kumo-no-such mode tap`)");
+        let e = Tap::attach("lo", 1).unwrap_err().to_string();
+        assert_eq!(e, "lo is a network interface but not a tap");
+
+        let single = format!("ks{}", std::process::id());
+        let Some(_a) = try_open(&single, 1) else { return };
+        let e = Tap::open(&single, 1).unwrap_err();
+        assert!(matches!(e, TapError::Busy(_)), "{e}");
+        assert!(e.to_string().starts_with(&format!("tap {single} is busy")), "{e}");
+    }
+
+    fn ip(args: &[&str]) -> bool {
+        std::process::Command::new("ip").args(args).output().map(|o| o.status.success()).unwrap_or(false)
+    }
+
+    /// Waits (bounded) for `fd` to become readable.
+    fn readable(fd: RawFd) -> bool {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut p, 1, 10_000) > 0 }
+    }
+
+    #[test]
+    fn frames_cross_between_guest_memory_and_the_host() {
+        use std::sync::Arc;
+        use vm_memory::{Bytes, GuestAddress};
+
+        use crate::virtio::net::{Net, NetConfig};
+        use crate::virtio::pci_transport::VirtioPciTransport;
+        use crate::virtio::testutil::*;
+        use crate::virtio::VIRTIO_F_VERSION_1;
+
+        let pid = std::process::id();
+        let name = format!("kn{pid}");
+        let Some(tap) = try_open(&name, 1) else { return };
+        let subnet = format!("10.197.{}", pid % 250);
+        if !ip(&["link", "set", &name, "up"]) || !ip(&["addr", "add", &format!("{subnet}.1/24"), "dev", &name]) {
+            eprintln!("skipping: cannot configure {name} with `ip`");
+            return;
+        }
+        let mac = [0x52, 0x54, 0, 0xaa, 0xbb, 0xcc];
+        let net = Net::new(NetConfig { mac, pairs: 1, csum: false }, tap).unwrap();
+        let mem = memory();
+        let irqs = Arc::new(Irqs::default());
+        let mut t = VirtioPciTransport::new("net0", net, mem.clone(), shared(&irqs), 4);
+        let mut qs: Vec<GuestQueue> = (0..2).map(|i| GuestQueue::new(i, 16)).collect();
+        bring_up(&mut t, VIRTIO_F_VERSION_1, &qs);
+
+        // TX: a broadcast frame from the guest is received by the host's interface.
+        let stat = format!("/sys/class/net/{name}/statistics/rx_packets");
+        let count = || std::fs::read_to_string(&stat).unwrap().trim().parse::<u64>().unwrap();
+        let before = count();
+        let mut f = vec![0u8; VNET_HDR_LEN];
+        f.extend([0xff; 6]);
+        f.extend(mac);
+        f.extend([0x88, 0xb5]); // the local experimental ethertype
+        f.extend([0x5a; 46]);
+        mem.write_slice(&f, GuestAddress(BUF_BASE)).unwrap();
+        qs[1].add_chain(&mem, &[(BUF_BASE, f.len() as u32, false)]);
+        kick(&mut t, 1);
+        assert_eq!(t.device().counters().tx_frames, 1);
+        assert_eq!(count(), before + 1);
+
+        // RX: the host ARPs for a neighbour on the tap's subnet; the request lands in a guest
+        // buffer with its vnet header (IPv6 chatter from the link coming up may come first).
+        let sock = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        sock.send_to(b"x", format!("{subnet}.2:9")).unwrap();
+        let target: Vec<u8> = subnet.split('.').map(|b| b.parse::<u8>().unwrap()).chain([2]).collect();
+        let fd = t.device().backend().fd(0).unwrap();
+        let mut found = false;
+        for i in 0..32u64 {
+            let buf = BUF_BASE + 0x1_0000 + i * 0x1000;
+            qs[0].add_chain(&mem, &[(buf, 2048, true)]);
+            kick(&mut t, 0);
+            while qs[0].used_idx(&mem) == i as u16 {
+                if !readable(fd) {
+                    panic!("no frame from {name} within the poll bound");
+                }
+                t.device_mut().backend_ready(0);
+            }
+            let (_, len) = qs[0].used_elem(&mem, i as u16);
+            let mut got = vec![0u8; len as usize];
+            mem.read_slice(&mut got, GuestAddress(buf)).unwrap();
+            let eth = &got[VNET_HDR_LEN..];
+            // ARP: ethertype 0x0806, target protocol address at 24..28 of the ARP body.
+            if eth.len() >= 42 && eth[12..14] == [0x08, 0x06] && eth[14 + 24..14 + 28] == target[..] {
+                assert_eq!(eth[..6], [0xff; 6], "an ARP request is broadcast");
+                found = true;
+                break;
+            }
+        }
+        assert!(found, "the host's ARP request reached the guest");
+        assert!(!irqs.take().is_empty());
+    }
+}
