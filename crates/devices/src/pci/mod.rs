@@ -13,6 +13,8 @@ mod allocator;
 mod bus;
 mod config;
 mod msix;
+#[cfg(test)]
+mod tests;
 
 use std::sync::{Arc, Mutex};
 

@@ -274,6 +274,34 @@ impl Msix {
         data.copy_from_slice(&bytes[at..at + len]);
     }
 
+    /// A device's BAR read: answered here (true) if it falls in the table or the PBA.
+    pub fn read_bar(&self, bar: usize, offset: u64, data: &mut [u8]) -> bool {
+        if let Some(o) = Self::inside(self.table, self.table_len(), bar, offset) {
+            self.read_table(o, data);
+        } else if let Some(o) = Self::inside(self.pba_at, self.pba_len(), bar, offset) {
+            self.read_pba(o, data);
+        } else {
+            return false;
+        }
+        true
+    }
+
+    /// A device's BAR write: taken here (true) if it falls in the table or the PBA (read-only).
+    pub fn write_bar(&mut self, bar: usize, offset: u64, data: &[u8]) -> bool {
+        if let Some(o) = Self::inside(self.table, self.table_len(), bar, offset) {
+            self.write_table(o, data);
+            true
+        } else {
+            Self::inside(self.pba_at, self.pba_len(), bar, offset).is_some()
+        }
+    }
+
+    /// `offset` relative to a structure at `at` of `len` bytes, if it lies there.
+    fn inside(at: (u8, u32), len: u64, bar: usize, offset: u64) -> Option<u64> {
+        let rel = offset.checked_sub(u64::from(at.1))?;
+        (bar == usize::from(at.0) && rel < len).then_some(rel)
+    }
+
     pub fn state(&self) -> MsixState {
         MsixState {
             enabled: self.enabled,
