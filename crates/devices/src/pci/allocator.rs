@@ -63,6 +63,17 @@ impl BarAllocator {
         self.take(spec, AllocPolicy::ExactMatch(addr)).map(|_| ())
     }
 
+    /// Takes the ranges of every placed BAR of `config`: after a restore, before placing any
+    /// new device.
+    pub fn reserve_placed(&mut self, config: &PciConfig) -> Result<(), PciError> {
+        for (i, spec) in config.bars() {
+            if let Some(addr) = config.bar_mapped(i) {
+                self.reserve(spec, addr)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Gives back a BAR's range.
     pub fn free(&mut self, spec: BarSpec, addr: u64) -> Result<(), PciError> {
         let bad = |e: vm_allocator::Error| PciError::Allocator(format!("freeing {addr:#x}+{:#x}: {e}", spec.size));
@@ -156,6 +167,11 @@ mod tests {
         assert_eq!(c.bar_mapped(0), Some(BASE + 0x4000));
         assert_eq!(c.read(0x10, 4), (BASE + 0x4000) as u32);
         assert_eq!(c.read(0x18, 4), BASE as u32 | 0xc);
+        // The same placement, taken again after a restore.
+        let mut again = BarAllocator::new((BASE, 0x10_0000)).unwrap();
+        again.reserve_placed(&c).unwrap();
+        assert_eq!(again.allocate(BarSpec::mem32(0x1000)).unwrap(), BASE + 0x5000);
+        assert!(again.reserve_placed(&c).is_err(), "already taken");
         // A device that does not fit takes nothing.
         let mut small = BarAllocator::new((BASE, 0x4000)).unwrap();
         assert!(small.place(&mut c).is_err());

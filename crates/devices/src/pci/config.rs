@@ -132,6 +132,11 @@ impl PciConfig {
         }
     }
 
+    /// The INTx pin (1 = INTA#, the default; 0 for a function that raises only MSI-X).
+    pub fn set_interrupt_pin(&mut self, pin: u8) {
+        self.regs[15] = (self.regs[15] & !0xff00) | u32::from(pin.min(4)) << 8;
+    }
+
     /// Declares BAR `index` (a 64-bit BAR takes `index + 1` too). Sizes are powers of two, at
     /// least 16 bytes for memory and 4 for I/O; I/O BARs are at most 64 KiB.
     pub fn add_bar(&mut self, index: usize, spec: BarSpec) -> Result<(), PciError> {
@@ -307,6 +312,8 @@ mod tests {
         assert_eq!(c.read(4, 2), 0x0547, "command: only its defined bits");
         c.write(15, 0, &[0x0b]);
         assert_eq!(c.read(0x3c, 2), 0x010b, "line is writable, pin is not");
+        c.set_interrupt_pin(0);
+        assert_eq!(c.read(0x3c, 2), 0x000b, "an MSI-X only function");
         assert_eq!(c.read(0x3d, 4), u32::MAX, "a read crossing the dword");
         assert_eq!(c.read_reg(2000), u32::MAX);
     }
