@@ -1,7 +1,8 @@
 //! PCI as register logic: configuration spaces ([`PciConfig`]), a bus of functions behind a host
 //! bridge ([`PciBus`], [`PciRoot`]) reached through configuration mechanism #1
 //! ([`PciConfigIo`], ports 0xCF8..0xCFF) and ECAM ([`PciConfigMmio`]), BAR placement
-//! ([`BarAllocator`]) and MSI-X ([`Msix`]).
+//! ([`BarAllocator`]) and MSI-X ([`Msix`]). [`PciFunction`] makes a PCI function of any
+//! register block (`BusDevice` + persist) with MSI-X in the same BAR.
 //!
 //! Nothing here touches KVM. What the guest does that the VMM must act on is reported through
 //! traits the VMM implements: a BAR the guest moved ([`BarRelocation`]: move the device's range
@@ -12,6 +13,7 @@
 mod allocator;
 mod bus;
 mod config;
+mod function;
 mod msix;
 #[cfg(test)]
 mod tests;
@@ -21,6 +23,7 @@ use std::sync::{Arc, Mutex};
 pub use allocator::BarAllocator;
 pub use bus::{BarRelocation, PciBarRegion, PciBus, PciConfigIo, PciConfigMmio, PciRoot, PlacedBar, ECAM_BUS0_SIZE};
 pub use config::{PciConfig, PciConfigState, PciIds, CONFIG_DWORDS, FIRST_CAP};
+pub use function::{PciFunction, PciFunctionState, SharedMsix};
 pub use msix::{MsiMessage, Msix, MsixEntry, MsixRouting, MsixState, MSIX_CAP_ID, MSIX_ENTRY_SIZE};
 
 use crate::persist::PersistDyn;
