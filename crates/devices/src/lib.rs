@@ -8,6 +8,7 @@
 
 pub mod bus;
 pub mod debug_port;
+pub mod pci;
 pub mod persist;
 pub mod serial;
 pub mod virtio;
