@@ -287,3 +287,30 @@ fn an_empty_vmm_waits_refuses_what_needs_a_vm_and_ends_on_a_signal() {
         assert!(!sock.exists(), "SIG{sig}: the API socket is removed");
     }
 }
+
+/// A parent that went away closes kumo's stdout and stderr: a signal still shuts the VM down
+/// (no message it fails to print may stop it).
+#[test]
+fn a_signal_shuts_down_a_vm_whose_output_readers_are_gone() {
+    if !kvm_or_skip("a_signal_shuts_down_a_vm_whose_output_readers_are_gone") {
+        return;
+    }
+    let dir = TestDir::new();
+    let sock = dir.path("orphan.sock");
+    let s = sock.to_str().unwrap();
+    let mut child = std::process::Command::new(kumo_bin())
+        .args(["run", "--guest", "memtouch", "pages=64", "until_input=1", "report_ms=20", "--api-socket", s])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, || kumo(&["--api-socket", s, "ping"]).status.success().then_some(()));
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let vm = Kid::from_child(child);
+    vm.signal("TERM");
+    let (code, _, _) = vm.finish(PATIENCE);
+    assert_eq!(code, Some(0));
+    assert!(!sock.exists(), "the API socket is removed");
+}

@@ -32,7 +32,8 @@ pub struct ConsoleOut {
 
 impl Write for ConsoleOut {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        io::stdout().write_all(buf)?;
+        // A closed stdout (its reader gone) must not stop the guest or the socket's clients.
+        let _ = io::stdout().write_all(buf);
         let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
         // A client whose queue is full (or whose writer has ended) is dropped.
         clients.retain(|c| c.try_send(buf.to_vec()).is_ok());

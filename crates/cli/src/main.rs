@@ -1,6 +1,15 @@
 //! `kumo`: run VMs, list guest programs, talk to a running VM's control API; `kumo bench` runs
 //! the separate `kumo-bench` binary (crates/bench), so no benchmark code is linked in here.
 
+/// `eprintln!` that never panics: stderr may be closed (a parent that went away), and a message
+/// must not take the VM (or the signal thread that shuts it down) with it.
+macro_rules! note {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod console;
 mod migrate;
 
@@ -281,9 +290,9 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
             }
             // An empty VMM: its API says what it becomes (vm.restore, vm.receive-migration).
             (None, Some(p)) => {
-                let api = kumo_vmm::api::VmApi::empty(|line| eprintln!("kumo: {line}"), serial.clone());
+                let api = kumo_vmm::api::VmApi::empty(|line| note!("kumo: {line}"), serial.clone());
                 let server = ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?;
-                eprintln!("kumo: no VM yet: waiting for vm.restore or vm.receive-migration on {}", p.display());
+                note!("kumo: no VM yet: waiting for vm.restore or vm.receive-migration on {}", p.display());
                 let vm = api.wait_vm()?;
                 signals.watch(&vm);
                 (vm, Some(server))
@@ -312,14 +321,14 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     }
     let assists = vm.assist_counts();
     if assists.total() > 0 {
-        eprintln!("kumo: emulation assists: {}", assists.summary());
+        note!("kumo: emulation assists: {}", assists.summary());
     }
     use kumo_vmm::Outcome::*;
     match &report.outcome {
-        Reset(why) => eprintln!("kumo: guest reset: {why}"),
-        Error(e) => eprintln!("kumo: error: {e}"),
-        TimedOut => eprintln!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or_default().as_secs_f64()),
-        Migrated(to) => eprintln!("kumo: VM migrated to {to}; this copy stopped"),
+        Reset(why) => note!("kumo: guest reset: {why}"),
+        Error(e) => note!("kumo: error: {e}"),
+        TimedOut => note!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or_default().as_secs_f64()),
+        Migrated(to) => note!("kumo: VM migrated to {to}; this copy stopped"),
         _ => {}
     }
     Ok(report.outcome.exit_code())
@@ -348,12 +357,12 @@ fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
             let name = if sig == SIGTERM { "SIGTERM" } else { "SIGINT" };
             match watched.get().map(std::sync::Weak::upgrade) {
                 Some(Some(vm)) => {
-                    eprintln!("kumo: {name}: shutting the VM down");
+                    note!("kumo: {name}: shutting the VM down");
                     vm.shutdown();
                 }
                 Some(None) => return, // the VM has ended: `run` is returning anyway
                 None => {
-                    eprintln!("kumo: {name}: no VM yet; exiting");
+                    note!("kumo: {name}: no VM yet; exiting");
                     for p in &sockets {
                         let _ = std::fs::remove_file(p);
                     }
@@ -504,7 +513,7 @@ fn init_logging(verbose: u8, log_file: Option<&std::path::Path>) -> Result<(), S
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Err(e) = init_logging(cli.verbose, cli.log_file.as_deref()) {
-        eprintln!("kumo: error: {e}");
+        note!("kumo: error: {e}");
         return ExitCode::from(1);
     }
     let not_applying = match cli.cmd {
@@ -515,7 +524,7 @@ fn main() -> ExitCode {
         _ => None,
     };
     if let Some((flag, cmd)) = not_applying {
-        eprintln!("kumo: error: {flag} does not apply to `kumo {cmd}`");
+        note!("kumo: error: {flag} does not apply to `kumo {cmd}`");
         return ExitCode::from(2);
     }
     let r = match cli.cmd {
@@ -536,7 +545,7 @@ fn main() -> ExitCode {
     match r {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("kumo: error: {e}");
+            note!("kumo: error: {e}");
             ExitCode::from(1)
         }
     }

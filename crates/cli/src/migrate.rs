@@ -214,7 +214,7 @@ impl Output {
     fn note(&self, msg: &str) {
         match self {
             Output::Bar(bar) => bar.println(format!("kumo: {msg}")),
-            _ => eprintln!("kumo: {msg}"),
+            _ => note!("kumo: {msg}"),
         }
     }
 
@@ -243,7 +243,7 @@ impl Output {
                     *last_progress = Some(Instant::now());
                 }
                 if let Some(line) = describe(e) {
-                    eprintln!("kumo: {line}");
+                    note!("kumo: {line}");
                 }
             }
         }
@@ -373,5 +373,5 @@ fn print_report(s: &SendReport) {
 /// console on `serial`. The destination side lives beside the source side in
 /// `kumo_vmm::migration` ([`Incoming`]).
 pub fn incoming(inc: &Incoming, serial: Box<dyn std::io::Write + Send>) -> Result<RunningVm, String> {
-    inc.receive(&|line| eprintln!("kumo: {line}"), serial).map(|(vm, _)| vm)
+    inc.receive(&|line| note!("kumo: {line}"), serial).map(|(vm, _)| vm)
 }
