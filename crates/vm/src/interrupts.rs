@@ -14,6 +14,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
+use kumo_devices::pci::MsixRouting;
+
 use kvm_bindings::{
     kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
     KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI, KVM_MAX_IRQ_ROUTES,
@@ -46,12 +48,9 @@ fn kvm(op: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error) -> IrqError 
     move |errno| IrqError::Kvm { op, errno }
 }
 
-/// An MSI message as a guest writes it into an MSI capability or an MSI-X table entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub struct MsiMessage {
-    pub address: u64,
-    pub data: u32,
-}
+/// An MSI message as a guest writes it into an MSI-X table entry: the PCI layer's type, so a
+/// vector's message reaches a route unchanged.
+pub use kumo_devices::pci::MsiMessage;
 
 /// Where one GSI goes. A GSI may have several (legacy GSIs below 16 go to the PIC and the IOAPIC).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -323,6 +322,87 @@ impl Interrupts {
     }
 }
 
+/// One PCI function's MSI-X vectors delivered by KVM (the PCI layer's [`MsixRouting`]): a
+/// vector that has a message gets its own GSI, MSI route and irqfd; a new message rewrites that
+/// route alone, so re-targeting one queue's vector to another vCPU leaves the others' routes
+/// and irqfds untouched; a vector that must not be delivered (masked, disabled) loses its route
+/// and GSI. Delivery is a write to the vector's irqfd: KVM injects it, with no hop through a
+/// VMM thread.
+pub struct MsixVectors {
+    irq: Arc<Interrupts>,
+    vectors: Mutex<BTreeMap<u16, (u32, EventFd)>>,
+}
+
+impl MsixVectors {
+    pub fn new(irq: Arc<Interrupts>) -> MsixVectors {
+        MsixVectors { irq, vectors: Mutex::default() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, (u32, EventFd)>> {
+        self.vectors.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The GSI vector `vector` is routed through, if it has a message.
+    pub fn gsi(&self, vector: u16) -> Option<u32> {
+        self.lock().get(&vector).map(|(gsi, _)| *gsi)
+    }
+
+    fn route(&self, vector: u16, msg: Option<MsiMessage>) -> Result<()> {
+        let mut v = self.lock();
+        match (v.get(&vector).map(|(gsi, _)| *gsi), msg) {
+            (Some(gsi), Some(m)) => self.irq.update_msi(gsi, m),
+            (None, Some(m)) => {
+                let gsi = self.irq.allocate_msi(m)?;
+                let evt = match EventFd::new(libc::EFD_NONBLOCK) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = self.irq.release_msi(gsi);
+                        return Err(IrqError::Kvm { op: "eventfd", errno: e.into() });
+                    }
+                };
+                if let Err(e) = self.irq.register_irqfd(&evt, gsi) {
+                    let _ = self.irq.release_msi(gsi);
+                    return Err(e);
+                }
+                v.insert(vector, (gsi, evt));
+                Ok(())
+            }
+            (Some(gsi), None) => {
+                if let Some((_, evt)) = v.remove(&vector) {
+                    self.irq.unregister_irqfd(&evt, gsi)?;
+                }
+                self.irq.release_msi(gsi)
+            }
+            (None, None) => Ok(()),
+        }
+    }
+}
+
+impl MsixRouting for MsixVectors {
+    fn update(&self, vector: u16, msg: Option<MsiMessage>) {
+        // The guest's write cannot fail; a route KVM refuses leaves that vector undelivered.
+        if let Err(e) = self.route(vector, msg) {
+            tracing::warn!(vector, "MSI-X vector not routed: {e}");
+        }
+    }
+
+    fn trigger(&self, vector: u16) {
+        if let Some((_, evt)) = self.lock().get(&vector) {
+            let _ = evt.write(1);
+        }
+    }
+}
+
+impl Drop for MsixVectors {
+    fn drop(&mut self) {
+        let vectors = std::mem::take(&mut *self.lock());
+        for (gsi, evt) in vectors.into_values() {
+            let _ = self.irq.unregister_irqfd(&evt, gsi);
+            let _ = self.irq.release_msi(gsi);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -402,6 +482,39 @@ mod tests {
             irq.register_ioeventfd(&door, IoAddress::Mmio(0xd000_0000), Datamatch::U16(3)).unwrap();
             irq.register_ioeventfd(&door, IoAddress::Pio(0x600), Datamatch::Any).unwrap();
             irq.unregister_ioeventfd(&door, IoAddress::Mmio(0xd000_0000), Datamatch::U16(3)).unwrap();
+        }
+    }
+
+    #[test]
+    fn msix_vectors_get_their_own_routes_and_move_alone() {
+        if !kvm_available() {
+            eprintln!("skipping msix_vectors_get_their_own_routes_and_move_alone: /dev/kvm not available");
+            return;
+        }
+        for mode in [IrqchipMode::Kernel, IrqchipMode::Split] {
+            let vm = Vm::new(2, 16 << 20, mode).unwrap();
+            let v = MsixVectors::new(vm.interrupts.clone());
+            let to = |apic: u64, vector: u32| MsiMessage { address: 0xfee0_0000 | (apic << 12), data: vector };
+            v.update(0, Some(to(0, 0x40)));
+            v.update(1, Some(to(0, 0x41)));
+            let (g0, g1) = (v.gsi(0).unwrap(), v.gsi(1).unwrap());
+            assert_ne!(g0, g1);
+            // Vector 0 moves to vCPU 1: its GSI keeps, its route changes, vector 1's does not.
+            v.update(0, Some(to(1, 0x40)));
+            assert_eq!(v.gsi(0), Some(g0));
+            assert_eq!(vm.interrupts.routes(g0), [Route::Msi(to(1, 0x40))]);
+            assert_eq!(vm.interrupts.routes(g1), [Route::Msi(to(0, 0x41))]);
+            v.trigger(0);
+            v.trigger(7); // no message: nothing to deliver, nothing happens
+                          // Masked: the route and its GSI go; unmasked again: a route comes back.
+            v.update(1, None);
+            assert_eq!(v.gsi(1), None);
+            assert!(vm.interrupts.routes(g1).is_empty());
+            v.update(1, Some(to(0, 0x42)));
+            let g1 = v.gsi(1).unwrap();
+            assert_eq!(vm.interrupts.routes(g1), [Route::Msi(to(0, 0x42))]);
+            drop(v);
+            assert!(vm.interrupts.routes(g0).is_empty() && vm.interrupts.routes(g1).is_empty(), "{mode}");
         }
     }
 }

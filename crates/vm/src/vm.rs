@@ -46,7 +46,7 @@ pub struct Vm {
     pub memory: Memory,
     pub irqchip: IrqchipMode,
     /// GSI routing, irqfds and ioeventfds: the only way devices' interrupts reach KVM.
-    pub interrupts: Interrupts,
+    pub interrupts: Arc<Interrupts>,
     pub ncpus: u32,
     msr_list: Arc<Vec<u32>>,
     /// Whether KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 is enabled (see `dirty`).
@@ -136,7 +136,7 @@ impl Vm {
         let fd = Arc::new(fd);
         Ok(Vm {
             kvm,
-            interrupts: Interrupts::new(fd.clone(), irqchip),
+            interrupts: Arc::new(Interrupts::new(fd.clone(), irqchip)),
             fd,
             memory,
             irqchip,

@@ -23,8 +23,8 @@ const CONTROL_ENABLE: u16 = 1 << 15;
 const CONTROL_MASK: u16 = 1 << 14;
 const ENTRY_MASKED: u32 = 1;
 
-/// An MSI message: what the guest programmed into a table entry. The same shape as
-/// `kumo_vm::interrupts::MsiMessage`.
+/// An MSI message: what the guest programmed into a table entry. `kumo_vm::interrupts` routes
+/// this same type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct MsiMessage {
     pub address: u64,
