@@ -172,6 +172,35 @@ struct Active {
     queues: Vec<Queue>,
 }
 
+/// The next available chain of queue `qi`, or `Ok(None)` when the driver has made none
+/// available. A broken ring (an avail index that cannot be read or jumps past the queue size, a
+/// head outside the descriptor table) sets DEVICE_NEEDS_RESET and answers `Err`: the queue is
+/// not served again until the driver resets the device.
+fn next_chain<'m>(
+    q: &mut Queue,
+    mem: &'m GuestMemory,
+    irq: &DeviceInterrupt,
+    qi: usize,
+    what: &str,
+) -> Result<Option<virtio_queue::DescriptorChain<&'m GuestMemory>>, ()> {
+    let chain = match q.iter(mem) {
+        Ok(mut it) => it.next(),
+        Err(e) => {
+            tracing::warn!(queue = qi, "virtio-net: {what} ring: {e}");
+            irq.needs_reset();
+            return Err(());
+        }
+    };
+    match chain {
+        Some(c) if c.head_index() >= q.size() => {
+            tracing::warn!(queue = qi, head = c.head_index(), "virtio-net: {what} ring: head outside the table");
+            irq.needs_reset();
+            Err(())
+        }
+        c => Ok(c),
+    }
+}
+
 /// A virtio-net device over backend `B`.
 pub struct Net<B: NetBackend> {
     config: NetConfig,
@@ -281,20 +310,9 @@ impl<B: NetBackend> Net<B> {
             let mut chains = Vec::new();
             let mut room = 0usize;
             while room < n && chains.len() < max_chains {
-                let chain = match q.iter(mem) {
-                    Ok(mut it) => it.next(),
-                    Err(e) => {
-                        tracing::warn!(queue = qi, "virtio-net: RX ring: {e}");
-                        a.irq.needs_reset();
-                        break 'frames;
-                    }
-                };
+                let Ok(chain) = next_chain(q, mem, &a.irq, qi, "RX") else { break 'frames };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
-                if head >= q.size() {
-                    a.irq.needs_reset();
-                    break 'frames;
-                }
                 match chain.writer::<()>(mem) {
                     Ok(w) => {
                         room += w.available_bytes();
@@ -375,20 +393,9 @@ impl<B: NetBackend> Net<B> {
                 break;
             }
             loop {
-                let chain = match q.iter(mem) {
-                    Ok(mut it) => it.next(),
-                    Err(e) => {
-                        tracing::warn!(queue = qi, "virtio-net: TX ring: {e}");
-                        a.irq.needs_reset();
-                        break 'outer;
-                    }
-                };
+                let Ok(chain) = next_chain(q, mem, &a.irq, qi, "TX") else { break 'outer };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
-                if head >= q.size() {
-                    a.irq.needs_reset();
-                    break 'outer;
-                }
                 let n = match chain.reader::<()>(mem) {
                     Ok(mut r) => {
                         let n = r.available_bytes();
@@ -445,19 +452,9 @@ impl<B: NetBackend> Net<B> {
         let Some(q) = a.queues.get_mut(qi).filter(|q| q.ready()) else { return };
         let mem = &a.mem;
         loop {
-            let chain = match q.iter(mem) {
-                Ok(mut it) => it.next(),
-                Err(_) => {
-                    a.irq.needs_reset();
-                    return;
-                }
-            };
+            let Ok(chain) = next_chain(q, mem, &a.irq, qi, "control") else { return };
             let Some(chain) = chain else { break };
             let head = chain.head_index();
-            if head >= q.size() {
-                a.irq.needs_reset();
-                return;
-            }
             let mut cmd = [0u8; 4];
             let got = chain.clone().reader::<()>(mem).ok().and_then(|mut r| {
                 let n = r.available_bytes().min(4);
