@@ -288,16 +288,7 @@ impl PciConfig {
 mod tests {
     use super::*;
 
-    pub(crate) fn ids() -> PciIds {
-        PciIds {
-            vendor: 0x1af4,
-            device: 0x1041,
-            class: (0x02, 0x00, 0x00),
-            revision: 1,
-            subsystem_vendor: 0x1af4,
-            subsystem: 0x1100,
-        }
-    }
+    use crate::pci::tests::nic_ids as ids;
 
     #[test]
     fn header_fields_are_read_only_where_they_should_be() {

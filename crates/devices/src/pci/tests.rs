@@ -30,6 +30,18 @@ impl Log {
     }
 }
 
+/// A virtio-net function's ids (also used by the config space's own tests).
+pub(crate) fn nic_ids() -> PciIds {
+    PciIds {
+        vendor: 0x1af4,
+        device: 0x1041,
+        class: (0x02, 0x00, 0x00),
+        revision: 1,
+        subsystem_vendor: 0x1af4,
+        subsystem: 0x1100,
+    }
+}
+
 struct Nic {
     config: PciConfig,
     msix: Msix,
@@ -45,15 +57,7 @@ struct NicState {
 
 impl Nic {
     fn new(routing: Arc<dyn MsixRouting>) -> Nic {
-        let ids = PciIds {
-            vendor: 0x1af4,
-            device: 0x1041,
-            class: (0x02, 0x00, 0x00),
-            revision: 1,
-            subsystem_vendor: 0x1af4,
-            subsystem: 0x1100,
-        };
-        let mut config = PciConfig::new(ids);
+        let mut config = PciConfig::new(nic_ids());
         config.add_bar(0, BarSpec::mem64(0x4000, false)).unwrap();
         let mut msix = Msix::new(4, (0, TABLE), (0, PBA), routing).unwrap();
         msix.add_capability(&mut config).unwrap();
