@@ -201,6 +201,22 @@ fn next_chain<'m>(
     }
 }
 
+/// Interrupts the driver for queue `qi`'s used buffers unless it asked not to be (EVENT_IDX);
+/// true if it was. An unreadable ring sets DEVICE_NEEDS_RESET.
+fn notify_used(q: &mut Queue, mem: &GuestMemory, irq: &DeviceInterrupt, qi: usize) -> bool {
+    match q.needs_notification(mem) {
+        Ok(true) => {
+            irq.signal_used(qi);
+            true
+        }
+        Ok(false) => false,
+        Err(_) => {
+            irq.needs_reset();
+            false
+        }
+    }
+}
+
 /// A virtio-net device over backend `B`.
 pub struct Net<B: NetBackend> {
     config: NetConfig,
@@ -368,15 +384,8 @@ impl<B: NetBackend> Net<B> {
                 used = true;
             }
         }
-        if used {
-            match q.needs_notification(mem) {
-                Ok(true) => {
-                    self.counters.interrupts += 1;
-                    a.irq.signal_used(qi);
-                }
-                Ok(false) => {}
-                Err(_) => a.irq.needs_reset(),
-            }
+        if used && notify_used(q, mem, &a.irq, qi) {
+            self.counters.interrupts += 1;
         }
         drained
     }
@@ -433,15 +442,8 @@ impl<B: NetBackend> Net<B> {
                 }
             }
         }
-        if used {
-            match q.needs_notification(mem) {
-                Ok(true) => {
-                    self.counters.interrupts += 1;
-                    a.irq.signal_used(qi);
-                }
-                Ok(false) => {}
-                Err(_) => a.irq.needs_reset(),
-            }
+        if used && notify_used(q, mem, &a.irq, qi) {
+            self.counters.interrupts += 1;
         }
     }
 
@@ -484,9 +486,7 @@ impl<B: NetBackend> Net<B> {
                 return;
             }
         }
-        if let Ok(true) = q.needs_notification(mem) {
-            a.irq.signal_used(qi);
-        }
+        notify_used(q, mem, &a.irq, qi);
     }
 }
 
