@@ -313,6 +313,7 @@ fn crafted_headers_get_a_failed_reply() {
             memory,
             irqchip: IrqchipMode::Kernel,
             payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
+            net: vec![],
         };
         VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
     };

@@ -53,6 +53,7 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         memory: 128 << 20,
         irqchip: Default::default(),
         payload: Payload::Guest { name: "memtouch".into(), args: args.iter().map(|s| s.to_string()).collect() },
+        net: vec![],
     }
 }
 

@@ -63,6 +63,44 @@ pub struct VmInfo {
     pub pid: u32,
     pub uptime_ms: u64,
     pub kumo_version: String,
+    /// The VM's NICs, net0 first.
+    #[serde(default)]
+    pub net: Vec<NetInfo>,
+}
+
+/// A NIC in [`VmInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetInfo {
+    /// `net0`, `net1`, ...: its name in snapshots.
+    pub id: String,
+    /// The host tap it is attached to.
+    pub tap: String,
+    pub mac: String,
+    /// Queue pairs.
+    pub queues: u16,
+    /// Its interrupt path: `direct`, `dedicated` (to `vcpu`) or `shared`.
+    pub irq: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpu: Option<u32>,
+    /// Its PCI address, e.g. `0000:00:01.0`.
+    pub pci: String,
+    /// The guest's driver has it running (virtio DRIVER_OK).
+    pub driver_ok: bool,
+    pub counters: NetCounters,
+}
+
+/// A NIC's frame counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetCounters {
+    pub rx_frames: u64,
+    pub rx_bytes: u64,
+    /// Frames the guest gave no (or too small) buffers for, or a bad chain.
+    pub rx_dropped: u64,
+    pub tx_frames: u64,
+    pub tx_bytes: u64,
+    pub tx_dropped: u64,
+    /// Interrupts it raised.
+    pub interrupts: u64,
 }
 
 /// What a client asked for, decoded from method + path (+ JSON body).

@@ -600,6 +600,7 @@ mod tests {
                 pid: 4242,
                 uptime_ms: 1234,
                 kumo_version: KUMO_VERSION.into(),
+                net: Vec::new(),
             }
         }
         fn calls(&self) -> Vec<ApiRequest> {

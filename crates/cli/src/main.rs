@@ -21,7 +21,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use kumo_api::{ApiClient, ApiServer};
 use kumo_vmm::config::IrqchipMode;
-use kumo_vmm::{ConfigFile, Payload, RunningVm, VmConfig};
+use kumo_vmm::{ConfigFile, NetSpec, Payload, RunningVm, VmConfig};
 
 const LOG_HELP: &str = "\
 Logging: warnings and errors go to stderr. -v adds info, -vv debug; without -v the KUMO_LOG
@@ -168,6 +168,13 @@ struct RunArgs {
     /// as stdin is. E.g. `socat - UNIX-CONNECT:PATH`.
     #[arg(long, value_name = "PATH")]
     console_socket: Option<PathBuf>,
+    /// A virtio-net NIC on an existing host tap (repeatable; net0 first):
+    /// tap=NAME[,mac=52:54:00:..][,queues=N][,irq=direct|shared|dedicated][,vcpu=N].
+    /// irq picks its interrupt path: direct (KVM delivers where the guest's driver aims),
+    /// dedicated,vcpu=N (KVM delivers to vCPU N alone) or shared (one kumo dispatcher thread,
+    /// to vCPU 0). Given, it replaces a config file's NICs.
+    #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
+    net: Vec<String>,
     /// Guest arguments, key=value (with --guest).
     #[arg(value_name = "KEY=VALUE")]
     guest_args: Vec<String>,
@@ -201,6 +208,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 ("--irqchip", a.irqchip.is_some()),
                 ("--initrd", a.initrd.is_some()),
                 ("--cmdline", a.cmdline.is_some()),
+                ("--net", !a.net.is_empty()),
                 ("guest arguments", !a.guest_args.is_empty()),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
@@ -240,6 +248,11 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
         memory: a.memory.or(file.memory).unwrap_or(256 << 20),
         irqchip,
         payload,
+        net: if a.net.is_empty() {
+            file.net
+        } else {
+            a.net.iter().map(|s| NetSpec::parse(s)).collect::<Result<_, _>>().map_err(|e| e.to_string())?
+        },
     }))
 }
 

@@ -330,7 +330,7 @@ impl Interrupts {
 /// VMM thread.
 pub struct MsixVectors {
     irq: Arc<Interrupts>,
-    vectors: Mutex<BTreeMap<u16, (u32, EventFd)>>,
+    vectors: Mutex<BTreeMap<u16, (u32, EventFd, MsiMessage)>>,
 }
 
 impl MsixVectors {
@@ -338,19 +338,30 @@ impl MsixVectors {
         MsixVectors { irq, vectors: Mutex::default() }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, (u32, EventFd)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, (u32, EventFd, MsiMessage)>> {
         self.vectors.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The GSI vector `vector` is routed through, if it has a message.
     pub fn gsi(&self, vector: u16) -> Option<u32> {
-        self.lock().get(&vector).map(|(gsi, _)| *gsi)
+        self.lock().get(&vector).map(|(gsi, _, _)| *gsi)
+    }
+
+    /// The message vector `vector` is routed to, if it has one.
+    pub fn message(&self, vector: u16) -> Option<MsiMessage> {
+        self.lock().get(&vector).map(|(_, _, m)| *m)
     }
 
     fn route(&self, vector: u16, msg: Option<MsiMessage>) -> Result<()> {
         let mut v = self.lock();
-        match (v.get(&vector).map(|(gsi, _)| *gsi), msg) {
-            (Some(gsi), Some(m)) => self.irq.update_msi(gsi, m),
+        match (v.get(&vector).map(|(gsi, _, _)| *gsi), msg) {
+            (Some(gsi), Some(m)) => {
+                self.irq.update_msi(gsi, m)?;
+                if let Some(e) = v.get_mut(&vector) {
+                    e.2 = m;
+                }
+                Ok(())
+            }
             (None, Some(m)) => {
                 let gsi = self.irq.allocate_msi(m)?;
                 let evt = match EventFd::new(libc::EFD_NONBLOCK) {
@@ -364,11 +375,11 @@ impl MsixVectors {
                     let _ = self.irq.release_msi(gsi);
                     return Err(e);
                 }
-                v.insert(vector, (gsi, evt));
+                v.insert(vector, (gsi, evt, m));
                 Ok(())
             }
             (Some(gsi), None) => {
-                if let Some((_, evt)) = v.remove(&vector) {
+                if let Some((_, evt, _)) = v.remove(&vector) {
                     self.irq.unregister_irqfd(&evt, gsi)?;
                 }
                 self.irq.release_msi(gsi)
@@ -387,7 +398,7 @@ impl MsixRouting for MsixVectors {
     }
 
     fn trigger(&self, vector: u16) {
-        if let Some((_, evt)) = self.lock().get(&vector) {
+        if let Some((_, evt, _)) = self.lock().get(&vector) {
             let _ = evt.write(1);
         }
     }
@@ -396,7 +407,7 @@ impl MsixRouting for MsixVectors {
 impl Drop for MsixVectors {
     fn drop(&mut self) {
         let vectors = std::mem::take(&mut *self.lock());
-        for (gsi, evt) in vectors.into_values() {
+        for (gsi, evt, _) in vectors.into_values() {
             let _ = self.irq.unregister_irqfd(&evt, gsi);
             let _ = self.irq.release_msi(gsi);
         }

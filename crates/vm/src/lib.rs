@@ -14,6 +14,7 @@ pub mod boot;
 pub mod cpuid;
 pub mod dirty;
 pub mod emulate;
+pub mod interrupt_paths;
 pub mod interrupts;
 pub mod layout;
 pub mod memory;

@@ -76,6 +76,7 @@ impl VmApi {
                 pid: std::process::id(),
                 uptime_ms: e.since.elapsed().as_millis() as u64,
                 kumo_version: KUMO_VERSION.to_string(),
+                net: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration.status())?)),
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
@@ -159,6 +160,7 @@ impl VmApi {
                 pid: std::process::id(),
                 uptime_ms: inc.since.elapsed().as_millis() as u64,
                 kumo_version: KUMO_VERSION.to_string(),
+                net: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&inc.status())?)),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
@@ -183,6 +185,7 @@ pub fn info(vm: &RunningVm) -> VmInfo {
         pid: std::process::id(),
         uptime_ms: vm.uptime().as_millis() as u64,
         kumo_version: KUMO_VERSION.to_string(),
+        net: vm.nics(),
     }
 }
 

@@ -56,6 +56,100 @@ pub struct VmConfig {
     #[serde(default)]
     pub irqchip: IrqchipMode,
     pub payload: Payload,
+    /// NICs, in PCI slot order (`net0` first).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net: Vec<NetSpec>,
+}
+
+/// One virtio-net NIC on a host tap: `tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetSpec {
+    /// An existing tap on the host.
+    pub tap: String,
+    /// `aa:bb:cc:dd:ee:ff`; default: 52:54:00 and three bytes derived from the tap's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// Queue pairs.
+    #[serde(default = "one")]
+    pub queues: u16,
+    /// The interrupt path of its queues (seed 000).
+    #[serde(default)]
+    pub irq: kumo_vm::interrupt_paths::IrqPath,
+}
+
+fn one() -> u16 {
+    1
+}
+
+impl NetSpec {
+    /// Parses the `--net` syntax.
+    pub fn parse(s: &str) -> Result<NetSpec, Error> {
+        let bad = |m: String| Error::Config(format!("--net {s}: {m}"));
+        let (mut tap, mut mac, mut queues, mut irq, mut vcpu) = (None, None, 1u16, None, None);
+        for part in s.split(',') {
+            let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
+            match k {
+                "tap" => tap = Some(v.to_string()),
+                "mac" => mac = Some(v.to_string()),
+                "queues" => queues = v.parse().map_err(|_| bad(format!("queues `{v}` is not a number")))?,
+                "irq" => irq = Some(v.to_string()),
+                "vcpu" => vcpu = Some(v.parse::<u32>().map_err(|_| bad(format!("vcpu `{v}` is not a number")))?),
+                _ => return Err(bad(format!("unknown key `{k}` (tap, mac, queues, irq, vcpu)"))),
+            }
+        }
+        use kumo_vm::interrupt_paths::IrqPath;
+        let irq = match (irq.as_deref(), vcpu) {
+            (None | Some("direct"), None) => IrqPath::Direct,
+            (Some("shared"), None) => IrqPath::Shared,
+            (Some("dedicated"), Some(vcpu)) => IrqPath::Dedicated { vcpu },
+            (Some("dedicated"), None) => return Err(bad("irq=dedicated needs vcpu=N".into())),
+            (None | Some("direct" | "shared"), Some(_)) => {
+                return Err(bad("vcpu=N goes with irq=dedicated".into()));
+            }
+            (Some(p), _) => return Err(bad(format!("unknown irq path `{p}` (direct, dedicated, shared)"))),
+        };
+        let spec = NetSpec { tap: tap.ok_or_else(|| bad("tap=NAME is required".into()))?, mac, queues, irq };
+        spec.mac().map_err(bad)?;
+        Ok(spec)
+    }
+
+    /// The NIC's MAC address.
+    pub fn mac(&self) -> Result<[u8; 6], String> {
+        match &self.mac {
+            Some(m) => {
+                let mac = kumo_devices::virtio::net::parse_mac(m)?;
+                if mac[0] & 1 != 0 {
+                    return Err(format!("bad MAC {m}: a multicast address"));
+                }
+                Ok(mac)
+            }
+            None => {
+                // FNV-1a of the tap's name: stable across runs and migrations, distinct per tap.
+                let h = self
+                    .tap
+                    .bytes()
+                    .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+                Ok([0x52, 0x54, 0x00, (h >> 16) as u8, (h >> 8) as u8, h as u8])
+            }
+        }
+    }
+
+    /// Checks what can be checked without the host: queue count, the vCPU of a dedicated path.
+    pub fn validate(&self, cpus: u32) -> Result<(), Error> {
+        let bad = |m: String| Error::Config(format!("NIC on tap {}: {m}", self.tap));
+        let max = kumo_devices::virtio::net::MAX_PAIRS;
+        if self.queues == 0 || self.queues > max {
+            return Err(bad(format!("queues={} is not 1..={max}", self.queues)));
+        }
+        if let kumo_vm::interrupt_paths::IrqPath::Dedicated { vcpu } = self.irq {
+            if vcpu >= cpus {
+                return Err(bad(format!("irq=dedicated,vcpu={vcpu}: the VM has {cpus} vCPUs")));
+            }
+        }
+        self.mac().map_err(bad)?;
+        Ok(())
+    }
 }
 
 fn default_cpus() -> u32 {
@@ -87,6 +181,8 @@ pub struct ConfigFile {
     pub memory: Option<u64>,
     pub irqchip: Option<IrqchipMode>,
     pub payload: Option<Payload>,
+    #[serde(default)]
+    pub net: Vec<NetSpec>,
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -130,6 +226,7 @@ impl VmConfig {
     /// Checks what can be checked before touching KVM: the shape and the payload.
     pub fn validate(&self) -> Result<(), Error> {
         self.validate_shape()?;
+        self.validate_net()?;
         match &self.payload {
             Payload::Guest { name, args } => {
                 kumo_guests::find(name)?.command_line(args)?;
@@ -147,6 +244,20 @@ impl VmConfig {
                         }
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the NICs: each on its own tap, within PCI's 31 device numbers.
+    pub fn validate_net(&self) -> Result<(), Error> {
+        if self.net.len() > 30 {
+            return Err(Error::Config(format!("{} NICs: at most 30 fit on PCI bus 0", self.net.len())));
+        }
+        for (i, n) in self.net.iter().enumerate() {
+            n.validate(self.cpus)?;
+            if self.net[..i].iter().any(|m| m.tap == n.tap) {
+                return Err(Error::Config(format!("tap {} is given to two NICs", n.tap)));
             }
         }
         Ok(())
@@ -211,7 +322,13 @@ mod tests {
             name: name.into(),
             args: args.iter().map(|s| s.to_string()).collect(),
         };
-        let ok = VmConfig { cpus: 1, memory: 64 << 20, irqchip: IrqchipMode::Kernel, payload: guest("hello", &[]) };
+        let ok = VmConfig {
+            cpus: 1,
+            memory: 64 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: guest("hello", &[]),
+            net: vec![],
+        };
         ok.validate().unwrap();
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
         assert!(VmConfig { cpus: 9999, ..ok.clone() }.validate().unwrap_err().to_string().contains("kumo's limit"));
@@ -244,7 +361,13 @@ mod tests {
         let host = HostLimits { memory: HostMemory { total: 24 << 30 }, kvm_max_vcpus: Some(128) };
         let guest = |name: &str| Payload::Guest { name: name.into(), args: vec![] };
         let kernel = Payload::Kernel { path: "/k".into(), initrd: None, cmdline: None };
-        let vm = |cpus, memory, payload: Payload| VmConfig { cpus, memory, irqchip: IrqchipMode::Kernel, payload };
+        let vm = |cpus, memory, payload: Payload| VmConfig {
+            cpus,
+            memory,
+            irqchip: IrqchipMode::Kernel,
+            payload,
+            net: vec![],
+        };
         for ok in [
             vm(1, 8 << 20, guest("hello")),
             vm(64, 1 << 30, guest("memtouch")),
@@ -285,6 +408,7 @@ mod tests {
                 memory,
                 irqchip: IrqchipMode::Kernel,
                 payload: Payload::Guest { name: guest.into(), args: vec![] },
+                net: vec![],
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };

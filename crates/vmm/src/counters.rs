@@ -35,6 +35,9 @@ pub struct Exits {
 pub struct Interrupts {
     /// COM1's interrupts (signals of its irqfd).
     pub serial: u64,
+    /// Interrupts the shared path's dispatcher thread injected (seed 000), if a NIC uses it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shared_path: Option<u64>,
 }
 
 /// Body of `GET /api/v1/vm.counters`.
@@ -45,6 +48,9 @@ pub struct Counters {
     /// zero included).
     pub assists: BTreeMap<String, u64>,
     pub interrupts: Interrupts,
+    /// Each NIC's frame and interrupt counts, by id.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub net: BTreeMap<String, kumo_api::NetCounters>,
     /// Bytes of the last migration from this VM, if one ran (`vm.migration`'s report).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub migration: Option<MigrationBytes>,
@@ -111,7 +117,8 @@ pub fn collect(vm: &RunningVm, migration: &MigrationStatus) -> Counters {
     Counters {
         exits,
         assists,
-        interrupts: Interrupts { serial: vm.serial_interrupts() },
+        interrupts: Interrupts { serial: vm.serial_interrupts(), shared_path: vm.shared_path_injected() },
+        net: vm.nics().into_iter().map(|n| (n.id, n.counters)).collect(),
         migration: migration_bytes(migration),
     }
 }

@@ -4,8 +4,9 @@
 //! snapshots carry (`persist`). A new device (virtio-net over PCI, a userspace APIC) is added
 //! here and in nothing else in `RunningVm`.
 //!
-//! Today's devices: COM1 (8250 UART on port 0x3f8, IRQ 4 through an irqfd) and the debug port
-//! (guest exit and timing markers, ports 0x501–0x502).
+//! Today's devices: COM1 (8250 UART on port 0x3f8, IRQ 4 through an irqfd), the debug port
+//! (guest exit and timing markers, ports 0x501–0x502), PCI bus 0 with its host bridge
+//! (`pci`), and virtio-net NICs on host taps (`nic`), each on its seed-000 interrupt path.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -16,11 +17,15 @@ use kumo_devices::persist::check_ids;
 use kumo_devices::{
     Buses, DebugPort, DeviceStates, PersistDyn, PersistError, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT,
 };
+use kumo_vm::interrupt_paths::{IrqPath, SharedDispatcher};
 use kumo_vm::Vm;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::config::NetSpec;
 use crate::event_loop::{EventHandler, EventLoop, Interest};
+use crate::nic::Nic;
+use crate::pci::Pci;
 use crate::{Error, Result};
 
 fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -41,11 +46,15 @@ pub struct DeviceManager {
     /// The devices whose state snapshots carry (the debug port has none).
     persist: Vec<Arc<Mutex<dyn PersistDyn>>>,
     events: EventLoop,
+    nics: Vec<Nic>,
+    pci: Pci,
+    /// The shared interrupt path's thread, if a device uses it.
+    dispatcher: Option<Arc<SharedDispatcher>>,
 }
 
 impl DeviceManager {
-    /// Creates the devices of `vm`, with COM1's output going to `console`.
-    pub fn new(vm: &Vm, console: Box<dyn Write + Send>) -> Result<DeviceManager> {
+    /// Creates the devices of `vm`, with COM1's output going to `console`, and its NICs.
+    pub fn new(vm: &Vm, console: Box<dyn Write + Send>, nets: &[NetSpec]) -> Result<DeviceManager> {
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("serial interrupt"))?;
         // With a split irqchip there is no in-kernel IOAPIC pin: the serial then runs polled.
         vm.interrupts.register_irqfd(&irq, COM1_IRQ).map_err(kumo_vm::Error::from)?;
@@ -58,15 +67,77 @@ impl DeviceManager {
         buses.pio.insert(COM1_PORT.into(), 8, serial.clone()).map_err(bus_err)?;
         buses.pio.insert(EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort))).map_err(bus_err)?;
 
+        let mut pci = Pci::new(&vm.memory.layout, vm.interrupts.clone(), &mut buses)?;
+        let dispatcher = if nets.iter().any(|n| n.irq == IrqPath::Shared) {
+            Some(SharedDispatcher::start(vm.fd.clone()).map_err(dev_err("interrupt dispatcher"))?)
+        } else {
+            None
+        };
+        let nics = nets
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| Nic::new(i, spec, &vm.memory.guest, vm.interrupts.clone(), dispatcher.clone(), &mut pci))
+            .collect::<Result<Vec<_>>>()?;
+        let mut persist: Vec<Arc<Mutex<dyn PersistDyn>>> = vec![serial.clone()];
+        persist.extend(pci.persist_list());
+
         let events = EventLoop::start("devices").map_err(dev_err("device event loop"))?;
         Ok(DeviceManager {
             buses: Arc::new(buses),
-            persist: vec![serial.clone()],
+            persist,
             serial,
             serial_drained: drained,
             console_attached: AtomicBool::new(false),
             events,
+            nics,
+            pci,
+            dispatcher,
         })
+    }
+
+    /// Stops devices that work outside the vCPU threads (the NICs) from touching guest memory;
+    /// returns once they are out of it. Called whenever the vCPUs have stopped.
+    pub fn pause(&self) {
+        for n in &self.nics {
+            n.pause();
+        }
+    }
+
+    /// Lets them run again.
+    pub fn resume(&self) {
+        for n in &self.nics {
+            n.resume();
+        }
+    }
+
+    /// Whether the host hands frames to this process's tap queues (multi-queue taps): off on a
+    /// migration's destination until it runs, and on its source once it stopped for good.
+    pub fn set_taps_attached(&self, on: bool) {
+        for n in &self.nics {
+            n.set_tap_attached(on);
+        }
+    }
+
+    /// The NICs as `vm.info` shows them.
+    pub fn nics(&self) -> Vec<kumo_api::NetInfo> {
+        self.nics.iter().map(Nic::info).collect()
+    }
+
+    /// Interrupts the shared path's dispatcher injected, if there is one.
+    pub fn shared_path_injected(&self) -> Option<u64> {
+        self.dispatcher.as_ref().map(|d| d.counters().injected.load(Ordering::Relaxed))
+    }
+
+    /// Shows or hides NIC `id`'s link to the guest.
+    pub fn set_link(&self, id: &str, up: bool) -> Result<()> {
+        let n = self.nics.iter().find(|n| n.id() == id).ok_or_else(|| Error::Devices(format!("no NIC {id}")))?;
+        n.set_link(up);
+        Ok(())
+    }
+
+    /// The PCI bus (BAR placement, ECAM base).
+    pub fn pci(&self) -> &Pci {
+        &self.pci
     }
 
     /// The buses the vCPU threads dispatch to.
@@ -112,6 +183,8 @@ impl DeviceManager {
             let id = d.id();
             d.restore_value(states[&id].clone())?;
         }
+        // BARs are where the guest had them: the window and doorbells follow.
+        self.pci.refresh();
         Ok(())
     }
 
@@ -220,7 +293,7 @@ mod tests {
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let dm = DeviceManager::new(&vm, Box::new(std::io::sink())).unwrap();
+        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[]).unwrap();
         let (mut user, end) = UnixStream::pair().unwrap();
         dm.attach_console_input(end.into()).unwrap();
         let (other, _keep) = UnixStream::pair().unwrap();
@@ -240,15 +313,15 @@ mod tests {
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let a = DeviceManager::new(&vm, Box::new(std::io::sink())).unwrap();
+        let a = DeviceManager::new(&vm, Box::new(std::io::sink()), &[]).unwrap();
         a.buses().pio.write(u64::from(COM1_PORT) + 7, &[0x5a]); // scratch register
         a.serial_input(b"hi");
         let states: DeviceStates =
             serde_json::from_str(&serde_json::to_string(&a.save_states().unwrap()).unwrap()).unwrap();
-        assert_eq!(states.keys().collect::<Vec<_>>(), ["com1"]);
+        assert_eq!(states.keys().collect::<Vec<_>>(), ["com1", "pci-root"]);
 
         let vm_b = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let b = DeviceManager::new(&vm_b, Box::new(std::io::sink())).unwrap();
+        let b = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[]).unwrap();
         let mut extra = states.clone();
         extra.insert("net0".into(), serde_json::json!({}));
         let e = b.restore_states(&extra).unwrap_err().to_string();
@@ -269,7 +342,7 @@ mod tests {
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let dm = DeviceManager::new(&vm, Box::new(std::io::sink())).unwrap();
+        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[]).unwrap();
         let f = vmm_sys_util::tempfile::TempFile::new().unwrap();
         let fd: OwnedFd = f.into_file().into();
         let e = dm.attach_console_input(fd).unwrap_err().to_string();

@@ -2,7 +2,7 @@
 //! resume, save and restore state, shut down. The control API and the CLI sit on top.
 //! - `vmm`: `RunningVm`, its vCPU threads and run-state control;
 //! - `device_manager`: the devices, their buses and interrupt wiring; `event_loop`: the device
-//!   event thread;
+//!   event thread; `pci`: PCI bus 0 and BAR placement; `nic`: a virtio-net NIC on a tap;
 //! - `persist`: the `Snapshot` every component saves into;
 //! - `snapshot`: snapshots to and restores from files; `counters`: the VM's counters;
 //!   `event_monitor`: the lifecycle event monitor;
@@ -17,11 +17,13 @@ pub mod event_loop;
 pub mod event_monitor;
 pub mod lifecycle;
 pub mod migration;
+pub mod nic;
+pub mod pci;
 pub mod persist;
 pub mod snapshot;
 pub mod vmm;
 
-pub use config::{ConfigFile, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
+pub use config::{ConfigFile, NetSpec, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
 pub use vmm::{monotonic_ns, Outcome, RunReport, RunningVm, Snapshot, Timings};
 
 #[derive(Debug, thiserror::Error)]

@@ -342,7 +342,11 @@ impl RunningVm {
         }
 
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
-        let devices = DeviceManager::new(&vm, Box::new(sink))?;
+        let devices = DeviceManager::new(&vm, Box::new(sink), &config.net)?;
+        if incoming {
+            devices.pause();
+            devices.set_taps_attached(false);
+        }
 
         let exits = vcpus.iter().map(|v| v.exit_counters()).collect();
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
@@ -489,6 +493,8 @@ impl RunningVm {
             if c.parked == c.live {
                 c.paused = true;
                 drop(c);
+                // With the vCPUs stopped, devices stop writing guest memory too.
+                self.devices.pause();
                 crate::event_monitor::vm_event(
                     "paused",
                     serde_json::json!({"by": if migration { "vmm" } else { "user" }}),
@@ -523,6 +529,7 @@ impl RunningVm {
             return Err(Error::State("not paused"));
         }
         c.paused = false;
+        self.devices.resume();
         self.shared.request.store(RUN, Ordering::Release);
         self.shared.cv.notify_all();
         drop(c);
@@ -575,7 +582,14 @@ impl RunningVm {
 
     /// Resumes an incoming VM once its state is restored, unless it left its source paused.
     pub fn resume_incoming(&self) -> Result<()> {
+        self.devices.set_taps_attached(true);
         self.resume_as(true)
+    }
+
+    /// Lets or stops frames reaching this process's tap queues (a migration's source stopping
+    /// for good hands them to its destination; see `DeviceManager::set_taps_attached`).
+    pub fn set_taps_attached(&self, on: bool) {
+        self.devices.set_taps_attached(on);
     }
 
     fn require_paused(&self) -> Result<()> {
@@ -640,6 +654,16 @@ impl RunningVm {
     }
 
     /// Interrupts COM1 raised so far.
+    /// The NICs, as `vm.info` shows them.
+    pub fn nics(&self) -> Vec<kumo_api::NetInfo> {
+        self.devices.nics()
+    }
+
+    /// Interrupts the shared interrupt path's dispatcher injected (None: no device uses it).
+    pub fn shared_path_injected(&self) -> Option<u64> {
+        self.devices.shared_path_injected()
+    }
+
     pub fn serial_interrupts(&self) -> u64 {
         lock(self.devices.serial()).interrupts_raised()
     }

@@ -14,12 +14,15 @@ use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use virtio_queue::Queue;
+use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::GuestMemoryMmap;
 
 pub use pci_transport::{VirtioPciCap, VirtioPciTransport};
 
-/// The guest memory devices work on.
-pub type GuestMemory = GuestMemoryMmap<()>;
+/// The guest memory devices work on: the VM's own (`kumo_vm::GuestMemory`), whose per-page
+/// bitmap records every write a device makes, so a live migration resends RX buffers and used
+/// rings the device filled after the page was sent.
+pub type GuestMemory = GuestMemoryMmap<AtomicBitmap>;
 
 /// `device_status` bits (virtio 1.2, 2.1).
 pub mod status {

@@ -48,9 +48,13 @@ impl SourceVm for RunningVm {
         self.vm().fetch_dirty(into).map_err(|e| VmError::new(VmOp::FetchDirty, e))
     }
     fn pause(&self) -> Result<(), VmError> {
-        self.migration_pause().map_err(|e| VmError::new(VmOp::Pause, e))
+        self.migration_pause().map_err(|e| VmError::new(VmOp::Pause, e))?;
+        // From here frames go to the destination's tap queues, which wait until it runs.
+        self.set_taps_attached(false);
+        Ok(())
     }
     fn resume(&self) -> Result<(), VmError> {
+        self.set_taps_attached(true);
         self.migration_resume().map_err(|e| VmError::new(VmOp::Resume, e))
     }
     fn save_state(&self) -> Result<Vec<u8>, VmError> {

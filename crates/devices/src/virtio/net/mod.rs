@@ -329,7 +329,7 @@ impl<B: NetBackend> Net<B> {
                 let Ok(chain) = next_chain(q, mem, &a.irq, qi, "RX") else { break 'frames };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
-                match chain.writer::<()>(mem) {
+                match chain.writer(mem) {
                     Ok(w) => {
                         room += w.available_bytes();
                         chains.push((head, Some(w)));
@@ -405,7 +405,7 @@ impl<B: NetBackend> Net<B> {
                 let Ok(chain) = next_chain(q, mem, &a.irq, qi, "TX") else { break 'outer };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
-                let n = match chain.reader::<()>(mem) {
+                let n = match chain.reader(mem) {
                     Ok(mut r) => {
                         let n = r.available_bytes();
                         if (VNET_HDR_LEN..=MAX_FRAME_LEN).contains(&n) && r.read_exact(&mut self.buf[..n]).is_ok() {
@@ -458,7 +458,7 @@ impl<B: NetBackend> Net<B> {
             let Some(chain) = chain else { break };
             let head = chain.head_index();
             let mut cmd = [0u8; 4];
-            let got = chain.clone().reader::<()>(mem).ok().and_then(|mut r| {
+            let got = chain.clone().reader(mem).ok().and_then(|mut r| {
                 let n = r.available_bytes().min(4);
                 r.read_exact(&mut cmd[..n]).ok().map(|_| n)
             });
@@ -477,7 +477,7 @@ impl<B: NetBackend> Net<B> {
                 _ => false,
             };
             let ack = if ok { vn::VIRTIO_NET_OK } else { vn::VIRTIO_NET_ERR } as u8;
-            let len = match chain.writer::<()>(mem) {
+            let len = match chain.writer(mem) {
                 Ok(mut w) if w.available_bytes() >= 1 => w.write_all(&[ack]).map(|_| 1).unwrap_or(0),
                 _ => 0,
             };

@@ -17,6 +17,9 @@ const TUN_PATH: &str = "/dev/net/tun";
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
 const TUNSETVNETHDRSZ: libc::c_ulong = 0x4004_54d8;
+const TUNSETQUEUE: libc::c_ulong = 0x4004_54d9;
+const IFF_ATTACH_QUEUE: libc::c_short = 0x0200;
+const IFF_DETACH_QUEUE: libc::c_short = 0x0400;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 const IFF_VNET_HDR: libc::c_short = 0x4000;
@@ -60,6 +63,8 @@ pub enum TapError {
 pub struct Tap {
     name: String,
     queues: Vec<File>,
+    multi_queue: bool,
+    attached: bool,
 }
 
 fn check_name(name: &str) -> Result<(), TapError> {
@@ -74,8 +79,13 @@ fn check_name(name: &str) -> Result<(), TapError> {
 }
 
 impl Tap {
-    /// Attaches `queues` queues of tap `name`.
+    /// Attaches `queues` queues of tap `name` (created if it does not exist; multi-queue when
+    /// `queues` > 1).
     pub fn open(name: &str, queues: usize) -> Result<Self, TapError> {
+        Self::open_with(name, queues, queues > 1)
+    }
+
+    fn open_with(name: &str, queues: usize, multi_queue: bool) -> Result<Self, TapError> {
         check_name(name)?;
         let queues = queues.max(1);
         let mut files = Vec::with_capacity(queues);
@@ -87,7 +97,7 @@ impl Tap {
                 .open(TUN_PATH)
                 .map_err(TapError::Open)?;
             let mut req = IfReq { name: [0; libc::IFNAMSIZ], flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR, _pad: [0; 22] };
-            if queues > 1 {
+            if multi_queue {
                 req.flags |= IFF_MULTI_QUEUE;
             }
             req.name[..name.len()].copy_from_slice(name.as_bytes());
@@ -112,7 +122,7 @@ impl Tap {
             }
             files.push(f);
         }
-        let mut tap = Tap { name: name.to_string(), queues: files };
+        let mut tap = Tap { name: name.to_string(), queues: files, multi_queue, attached: true };
         // No offloads until the driver accepts them.
         tap.set_offload(false).map_err(|err| TapError::Ioctl {
             name: name.to_string(),
@@ -123,21 +133,48 @@ impl Tap {
     }
 
     /// Attaches `queues` queues of tap `name`, which must exist already (a tap the host set up,
-    /// rather than a new one nobody configured).
+    /// rather than a new one nobody configured). A tap made `multi_queue` is attached that way
+    /// even for one queue: then two processes may hold it at once, which a migration between two
+    /// kumo processes on one host needs.
     pub fn attach(name: &str, queues: usize) -> Result<Self, TapError> {
         check_name(name)?;
         let dir = std::path::Path::new("/sys/class/net").join(name);
         if !dir.exists() {
             return Err(TapError::Unknown(name.to_string()));
         }
-        if !dir.join("tun_flags").exists() {
-            return Err(TapError::NotTap(name.to_string()));
+        let flags = std::fs::read_to_string(dir.join("tun_flags")).map_err(|_| TapError::NotTap(name.to_string()))?;
+        let flags = i64::from_str_radix(flags.trim().trim_start_matches("0x"), 16).unwrap_or(0);
+        let multi = flags & i64::from(IFF_MULTI_QUEUE) != 0;
+        if queues > 1 && !multi {
+            return Err(TapError::Busy(name.to_string()));
         }
-        Self::open(name, queues)
+        Self::open_with(name, queues, multi)
     }
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Attaches or detaches this process's queues of a multi-queue tap: the kernel hands frames
+    /// only to attached queues, so a migration's destination keeps its queues detached until it
+    /// runs, and its source detaches them when it stops for good. A single-queue tap always
+    /// stays attached (Ok, nothing done).
+    pub fn set_attached(&mut self, on: bool) -> io::Result<()> {
+        if !self.multi_queue || self.attached == on {
+            return Ok(());
+        }
+        for f in &self.queues {
+            let flags = if on { IFF_ATTACH_QUEUE } else { IFF_DETACH_QUEUE };
+            let mut req = IfReq { name: [0; libc::IFNAMSIZ], flags, _pad: [0; 22] };
+            // SAFETY: TUNSETQUEUE reads one `struct ifreq` (only its flags), which `req` is; the
+            // fd is one of this tap's.
+            let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETQUEUE as _, &mut req as *mut IfReq) };
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        self.attached = on;
+        Ok(())
     }
 }
 
@@ -215,8 +252,13 @@ mod tests {
         // The same tap single-queue: its flags differ from the multi-queue one's.
         let e = Tap::open(&name, 1).unwrap_err();
         assert!(matches!(e, TapError::Mismatch { queues: 1, .. }), "{e}");
-        // attach: only taps that exist.
+        // attach: only taps that exist; a multi-queue tap is attached as one even for 1 queue.
         assert_eq!(Tap::attach(&name, 2).unwrap().pairs(), 2);
+        let mut one = Tap::attach(&name, 1).unwrap();
+        assert_eq!(one.pairs(), 1);
+        one.set_attached(false).unwrap();
+        one.set_attached(false).unwrap();
+        one.set_attached(true).unwrap();
         let e = Tap::attach("kumo-no-such", 1).unwrap_err().to_string();
         assert_eq!(e, "no network interface named kumo-no-such (create it with `ip tuntap add kumo-no-such mode tap`)");
         let e = Tap::attach("lo", 1).unwrap_err().to_string();
@@ -226,6 +268,8 @@ mod tests {
         let Some(_a) = try_open(&single, 1) else { return };
         let e = Tap::open(&single, 1).unwrap_err();
         assert!(matches!(e, TapError::Busy(_)), "{e}");
+        let e = Tap::attach(&single, 2).unwrap_err();
+        assert!(matches!(e, TapError::Busy(_)), "more queues than a single-queue tap has: {e}");
         assert!(e.to_string().starts_with(&format!("tap {single} is busy")), "{e}");
     }
 

@@ -1,0 +1,341 @@
+//! A virtio-net NIC on a host tap, wired into a VM: the PCI function (`kumo_devices`' virtio PCI
+//! transport and MSI-X in one 32 KiB BAR), its interrupt path (`kumo_vm::interrupt_paths`), its
+//! doorbells as ioeventfds, and its own event-loop thread that moves frames between the tap and
+//! the guest's rings.
+//!
+//! The NIC's thread only touches guest memory while the VM runs: [`Nic::pause`] (called whenever
+//! the vCPUs stop: pause, snapshot, a migration's stop phase) waits for it to be out of the
+//! device, and frames that arrive meanwhile wait in the tap's queue until [`Nic::resume`].
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kumo_devices::pci::{BarMove, BarSpec, Msix, PciConfig, PciDevice, PciFunction, PciIds, SharedMsix};
+use kumo_devices::virtio::net::tap::Tap;
+use kumo_devices::virtio::net::{Net, NetBackend, NetConfig};
+use kumo_devices::virtio::pci_transport::{NOTIFY_LEN, NOTIFY_OFFSET};
+use kumo_devices::virtio::{status, GuestMemory, Interrupt, VirtioDevice, VirtioPciTransport, NO_VECTOR};
+use kumo_devices::{PersistDyn, PersistError};
+use kumo_vm::interrupt_paths::{IrqPath, PathRouting, SharedDispatcher};
+use kumo_vm::interrupts::Interrupts;
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::config::NetSpec;
+use crate::event_loop::{EventHandler, EventLoop, Interest};
+use crate::pci::Pci;
+use crate::{Error, Result};
+
+/// The BAR: the virtio registers (0x4000), then the MSI-X table and PBA.
+const BAR_SIZE: u64 = 0x8000;
+const MSIX_TABLE: u32 = 0x4000;
+const MSIX_PBA: u32 = 0x6000;
+
+type Transport = VirtioPciTransport<Net<Tap>>;
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The virtio transport's interrupts, through MSI-X (no INTx: the function has no pin).
+struct MsixInterrupt(SharedMsix);
+
+impl Interrupt for MsixInterrupt {
+    fn trigger(&self, vector: u16) {
+        if vector != NO_VECTOR {
+            lock(&self.0).fire(vector);
+        }
+    }
+}
+
+/// The PCI function, which also tells the NIC's thread when the driver did something it must
+/// look at (DRIVER_OK, a doorbell written through the BAR rather than its ioeventfd).
+struct NicFunction {
+    f: PciFunction<Transport>,
+    kick: EventFd,
+}
+
+impl NicFunction {
+    fn transport(&mut self) -> &mut Transport {
+        self.f.device_mut()
+    }
+}
+
+impl PersistDyn for NicFunction {
+    fn id(&self) -> String {
+        self.f.id()
+    }
+
+    fn save_value(&self) -> std::result::Result<serde_json::Value, PersistError> {
+        self.f.save_value()
+    }
+
+    fn restore_value(&mut self, state: serde_json::Value) -> std::result::Result<(), PersistError> {
+        self.f.restore_value(state)?;
+        let _ = self.kick.write(1);
+        Ok(())
+    }
+}
+
+impl PciDevice for NicFunction {
+    fn config(&self) -> &PciConfig {
+        self.f.config()
+    }
+
+    fn config_mut(&mut self) -> &mut PciConfig {
+        self.f.config_mut()
+    }
+
+    fn read_config(&mut self, reg: usize) -> u32 {
+        self.f.read_config(reg)
+    }
+
+    fn write_config(&mut self, reg: usize, byte: usize, data: &[u8]) -> Option<BarMove> {
+        self.f.write_config(reg, byte, data)
+    }
+
+    fn read_bar(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
+        self.f.read_bar(bar, offset, data)
+    }
+
+    fn write_bar(&mut self, bar: usize, offset: u64, data: &[u8]) {
+        let before = self.f.device().status();
+        self.f.write_bar(bar, offset, data);
+        let doorbell = (NOTIFY_OFFSET..NOTIFY_OFFSET + NOTIFY_LEN).contains(&offset);
+        if doorbell || self.f.device().status() != before {
+            let _ = self.kick.write(1);
+        }
+    }
+}
+
+/// Pause state shared by the NIC's thread and the VMM.
+struct Control {
+    paused: AtomicBool,
+    kick: EventFd,
+}
+
+/// One NIC of a VM.
+pub struct Nic {
+    id: String,
+    spec: NetSpec,
+    slot: u8,
+    function: Arc<Mutex<NicFunction>>,
+    routing: Arc<PathRouting>,
+    ctl: Arc<Control>,
+    _events: EventLoop,
+}
+
+impl Nic {
+    /// Attaches tap `spec.tap`, puts NIC `index` (`net<index>`) on `pci` and starts its thread.
+    pub fn new(
+        index: usize,
+        spec: &NetSpec,
+        mem: &GuestMemory,
+        irq: Arc<Interrupts>,
+        dispatcher: Option<Arc<SharedDispatcher>>,
+        pci: &mut Pci,
+    ) -> Result<Nic> {
+        let id = format!("net{index}");
+        let dev_err = |m: String| Error::Devices(format!("{id} (tap {}): {m}", spec.tap));
+        let mac = spec.mac().map_err(dev_err)?;
+        let tap = Tap::attach(&spec.tap, usize::from(spec.queues)).map_err(|e| Error::Devices(e.to_string()))?;
+        let net =
+            Net::new(NetConfig { mac, pairs: spec.queues, csum: false }, tap).map_err(|e| dev_err(e.to_string()))?;
+        let queues = net.queue_max_sizes().len();
+        let vectors = queues as u16 + 1;
+        let routing = Arc::new(PathRouting::new(spec.irq, irq, dispatcher).map_err(dev_err)?);
+        let msix =
+            Msix::new(vectors, (0, MSIX_TABLE), (0, MSIX_PBA), routing.clone()).map_err(|e| dev_err(e.to_string()))?;
+        let msix: SharedMsix = Arc::new(Mutex::new(msix));
+        let transport = Transport::new(id.clone(), net, mem.clone(), Arc::new(MsixInterrupt(msix.clone())), vectors);
+        let caps: Vec<Vec<u8>> = transport.capabilities(0).iter().map(|c| c.to_bytes()).collect();
+        let doorbells = transport.notify_offsets();
+        let ids = PciIds {
+            vendor: 0x1af4,
+            device: transport.pci_device_id(),
+            class: (0x02, 0x00, 0x00),
+            revision: 1,
+            subsystem_vendor: 0x1af4,
+            subsystem: 0x0001,
+        };
+        let f = PciFunction::new(ids, 0, BarSpec::mem32(BAR_SIZE), transport, Some(msix), &caps)
+            .map_err(|e| dev_err(e.to_string()))?;
+        let evt = || EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err(format!("eventfd: {e}")));
+        let ctl = Arc::new(Control { paused: AtomicBool::new(false), kick: evt()? });
+        let kick = ctl.kick.try_clone().map_err(|e| dev_err(format!("eventfd: {e}")))?;
+        let function = Arc::new(Mutex::new(NicFunction { f, kick }));
+        let slot = pci.add(function.clone())?;
+
+        // Doorbells: one eventfd per queue, registered with KVM by the PCI layer (it follows the
+        // BAR), read by the NIC's thread.
+        let bells: Vec<EventFd> = (0..queues).map(|_| evt()).collect::<Result<_>>()?;
+        let clones = bells.iter().map(|e| e.try_clone()).collect::<std::io::Result<Vec<_>>>();
+        let clones = clones.map_err(|e| dev_err(format!("eventfd: {e}")))?;
+        pci.add_doorbells(slot, 0, doorbells.into_iter().zip(clones).collect());
+
+        let events = EventLoop::start(&id).map_err(|e| dev_err(format!("event loop: {e}")))?;
+        let tap_fds: Vec<i32> = {
+            let mut f = lock(&function);
+            let net = f.transport().device_mut();
+            (0..usize::from(spec.queues)).filter_map(|p| net.backend().fd(p)).collect()
+        };
+        let mut fds = vec![(ctl.kick.as_raw_fd(), EventSet::IN)];
+        fds.extend(bells.iter().map(|b| (b.as_raw_fd(), EventSet::IN)));
+        fds.extend(tap_fds.iter().map(|&fd| (fd, EventSet::IN)));
+        let handler = NicHandler {
+            function: function.clone(),
+            ctl: ctl.clone(),
+            bells,
+            pairs: usize::from(spec.queues),
+            tap_on: vec![true; usize::from(spec.queues)],
+        };
+        events.add(&fds, Box::new(handler)).map_err(|e| dev_err(format!("event loop: {e}")))?;
+        Ok(Nic { id, spec: spec.clone(), slot, function, routing, ctl, _events: events })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Stops the NIC's thread from touching guest memory; returns once it is out of the device.
+    pub fn pause(&self) {
+        self.ctl.paused.store(true, Ordering::Release);
+        drop(lock(&self.function));
+    }
+
+    /// Lets it run again, catching up on doorbells and frames that came meanwhile.
+    pub fn resume(&self) {
+        self.ctl.paused.store(false, Ordering::Release);
+        let _ = self.ctl.kick.write(1);
+    }
+
+    /// Attaches or detaches its tap queues (see `Tap::set_attached`): a migration moves which
+    /// process's queues the kernel hands frames to.
+    pub fn set_tap_attached(&self, on: bool) {
+        if let Err(e) = lock(&self.function).transport().device_mut().backend_mut().set_attached(on) {
+            tracing::warn!(
+                "{}: cannot {} tap {}'s queues: {e}",
+                self.id,
+                if on { "attach" } else { "detach" },
+                self.spec.tap
+            );
+        }
+    }
+
+    /// Shows or hides the link to the guest (a config-change interrupt).
+    pub fn set_link(&self, up: bool) {
+        lock(&self.function).transport().device_mut().set_link(up);
+    }
+
+    /// The NIC as `vm.info` shows it.
+    pub fn info(&self) -> kumo_api::NetInfo {
+        let mut f = lock(&self.function);
+        let driver_ok = f.transport().status() & status::DRIVER_OK != 0;
+        let net = f.transport().device();
+        let (cfg, c) = (net.config(), net.counters());
+        let (irq, vcpu) = match self.routing.path() {
+            IrqPath::Direct => ("direct", None),
+            IrqPath::Dedicated { vcpu } => ("dedicated", Some(vcpu)),
+            IrqPath::Shared => ("shared", None),
+        };
+        kumo_api::NetInfo {
+            id: self.id.clone(),
+            tap: self.spec.tap.clone(),
+            mac: cfg.mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"),
+            queues: cfg.pairs,
+            irq: irq.into(),
+            vcpu,
+            pci: format!("0000:00:{:02x}.0", self.slot),
+            driver_ok,
+            counters: kumo_api::NetCounters {
+                rx_frames: c.rx_frames,
+                rx_bytes: c.rx_bytes,
+                rx_dropped: c.rx_dropped,
+                tx_frames: c.tx_frames,
+                tx_bytes: c.tx_bytes,
+                tx_dropped: c.tx_dropped,
+                interrupts: self.routing.raised(),
+            },
+        }
+    }
+}
+
+/// The NIC's event handler. Sources: 0 the kick, then one doorbell per queue, then one tap fd
+/// per queue pair.
+struct NicHandler {
+    function: Arc<Mutex<NicFunction>>,
+    ctl: Arc<Control>,
+    bells: Vec<EventFd>,
+    pairs: usize,
+    /// Whether each pair's tap fd is watched: not while the guest has no RX buffers for it.
+    tap_on: Vec<bool>,
+}
+
+impl NicHandler {
+    fn tap_source(&self, pair: usize) -> usize {
+        1 + self.bells.len() + pair
+    }
+
+    fn watch_tap(&mut self, pair: usize, on: bool, interest: &mut Interest) {
+        if self.tap_on[pair] != on {
+            self.tap_on[pair] = on;
+            interest.set(self.tap_source(pair), if on { EventSet::IN } else { EventSet::empty() });
+        }
+    }
+
+    /// Moves what the tap holds for `pair` into the guest; stops watching the fd if the guest
+    /// has no room (its RX doorbell or the kick starts it again).
+    fn rx(&mut self, f: &mut NicFunction, pair: usize, interest: &mut Interest) {
+        let running = f.transport().status() & status::DRIVER_OK != 0;
+        let moved = running && f.transport().device_mut().backend_ready(pair);
+        self.watch_tap(pair, moved, interest);
+    }
+}
+
+impl EventHandler for NicHandler {
+    fn handle(&mut self, source: usize, _events: EventSet, interest: &mut Interest) {
+        let function = self.function.clone();
+        let mut f = lock(&function);
+        if self.ctl.paused.load(Ordering::Acquire) {
+            // Leave doorbells and frames where they are; the kick on resume catches up.
+            match source {
+                0 => drop(self.ctl.kick.read()),
+                s if s <= self.bells.len() => drop(self.bells[s - 1].read()),
+                _ => {}
+            }
+            for p in 0..self.pairs {
+                self.watch_tap(p, false, interest);
+            }
+            return;
+        }
+        match source {
+            0 => {
+                let _ = self.ctl.kick.read();
+                // Resumed, restored, DRIVER_OK, or a doorbell that came through the BAR: look
+                // at every queue.
+                for q in 0..self.bells.len() {
+                    f.transport().queue_notify(q);
+                }
+                for p in 0..self.pairs {
+                    self.rx(&mut f, p, interest);
+                }
+            }
+            s if s <= self.bells.len() => {
+                let q = s - 1;
+                let _ = self.bells[q].read();
+                f.transport().queue_notify(q);
+                // An RX doorbell means new buffers: frames the tap holds can go in.
+                if q % 2 == 0 && q / 2 < self.pairs {
+                    self.rx(&mut f, q / 2, interest);
+                }
+            }
+            s => {
+                let pair = s - 1 - self.bells.len();
+                if pair < self.pairs {
+                    self.rx(&mut f, pair, interest);
+                }
+            }
+        }
+    }
+}
