@@ -146,7 +146,7 @@ int vnet_needs_reset(struct nic *n);
 void net_input(struct nic *n, u8 *frame, u32 len);
 void net_send_udp(struct nic *n, const u8 *dst_mac, u32 dst_ip, u16 sport, u16 dport,
                   const u8 *payload, u32 len);
-/* MAC of ip on n's link: ARP with retries (5 x 200 ms). 0 if nobody answered. */
+/* MAC of ip on n's link: ARP with retries (5 x 200 ms, then 5 x 1 s). 0 if nobody answered. */
 int net_resolve(struct net_ctx *c, struct nic *n, u32 ip, u8 *mac);
 /* Processes every NIC of the context; returns the number of frames handled. */
 int net_poll(struct net_ctx *c);

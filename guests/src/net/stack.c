@@ -221,11 +221,11 @@ int net_wait(struct net_ctx *c, u64 deadline) {
 
 int net_resolve(struct net_ctx *c, struct nic *n, u32 ip, u8 *mac) {
     static const u8 zero[6];
-    for (int attempt = 0; attempt < 5; attempt++) {
+    for (int attempt = 0; attempt < 10; attempt++) {
         if (arp_lookup(n, ip, mac))
             return 1;
         arp_send(n, 1, bcast, zero, ip);
-        u64 deadline = rdtsc() + net_us_to_tsc(200000);
+        u64 deadline = rdtsc() + net_us_to_tsc(attempt < 5 ? 200000 : 1000000);
         while (rdtsc() < deadline) {
             net_wait(c, deadline);
             net_poll(c);
