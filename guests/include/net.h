@@ -105,6 +105,7 @@ extern struct nic net_nics[NET_MAX_NICS];
 extern int net_nnics;
 extern volatile u32 net_wake[KUMO_MAX_CPUS];
 extern volatile u32 net_irqs[2];
+extern volatile u32 net_forwarded;
 
 /* boot.c: the common kmain. Parses the common parameters (ip from `ip`, default default_ip),
  * scans PCI, installs the handlers and runs app(ctx) in ring 3 on vCPU `cpu` with NIC 0 up;
@@ -157,6 +158,10 @@ u64 net_us_to_tsc(u64 us);
 u64 net_tsc_to_us(u64 tsc);
 void net_print_ip(u32 ip);
 void net_print_up(struct nic *n);
+/* `NAME: irqs nic0=N forwarded=F [sink_irqs=S sink_frames=K]`: interrupts taken for NIC 0, how
+ * many of them arrived on another vCPU than NIC 0's consumer and were forwarded by IPI, and the
+ * sink's figures. */
+void net_report_irqs(struct net_ctx *c);
 u16 net_csum(const void *data, u32 len, u32 sum);
 
 #endif

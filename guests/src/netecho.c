@@ -26,6 +26,7 @@ static u64 run(struct net_ctx *c) {
             net_wait(c, 0);
     }
     vnet_tx_drain(n, rdtsc() + net_us_to_tsc(1000000));
+    net_report_irqs(c);
     kprintf("netecho: echoed=%lu pings=%lu arps=%lu\n", echoed, n->pings, n->arps);
     return 0;
 }

@@ -67,6 +67,7 @@ static u64 run(struct net_ctx *c) {
     sort(rtt, ok);
     u64 p50 = ok ? net_tsc_to_us(rtt[ok / 2]) : 0, p99 = ok ? net_tsc_to_us(rtt[ok * 99 / 100]) : 0;
     u64 mn = ok ? net_tsc_to_us(rtt[0]) : 0, mx = ok ? net_tsc_to_us(rtt[ok - 1]) : 0;
+    net_report_irqs(c);
     kprintf("udpping: count=%lu lost=%lu p50_us=%lu p99_us=%lu min_us=%lu max_us=%lu\n", count, lost, p50, p99, mn, mx);
     return 0;
 }

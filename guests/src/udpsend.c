@@ -46,6 +46,7 @@ static u64 run(struct net_ctx *c) {
     for (int i = 0; i < 3; i++)
         net_send_udp(n, mac, (u32)peer, LOCAL_PORT, (u16)port, payload, (u32)size);
     vnet_tx_drain(n, rdtsc() + net_us_to_tsc(2000000));
+    net_report_irqs(c);
     kprintf("udpsend: sent=%lu\n", count);
     return 0;
 }

@@ -60,6 +60,7 @@ static u64 run(struct net_ctx *c) {
             net_wait(c, 0);
     }
     u64 expect = total > received ? total : received;
+    net_report_irqs(c);
     kprintf("udpsink: received=%lu lost=%lu reordered=%lu dup=%lu\n", received, expect - received, reordered, dup);
     return 0;
 }

@@ -196,11 +196,26 @@ static int pending(struct net_ctx *c) {
     return 0;
 }
 
+/* A device that hit an error sets DEVICE_NEEDS_RESET (and raises a config interrupt): report
+ * it and stop. Reading the status is an exit, so it is checked only when a wait ends without
+ * a frame. */
+static void check_reset(struct net_ctx *c) {
+    for (int i = 0; i < c->n; i++)
+        if (vnet_needs_reset(c->nics[i])) {
+            kprintf("%s: nic %d: device needs reset (DEVICE_NEEDS_RESET)\n", net_prog, c->nics[i]->index);
+            kumo_exit(4);
+        }
+}
+
 int net_wait(struct net_ctx *c, u64 deadline) {
     if (!c->irq) {
-        while (!pending(c)) {
-            if (deadline && rdtsc() >= deadline)
+        for (u64 spins = 1; !pending(c); spins++) {
+            if (deadline && rdtsc() >= deadline) {
+                check_reset(c);
                 return 0;
+            }
+            if (!(spins & 0xfffff))
+                check_reset(c);
             cpu_relax();
         }
         return 1;
@@ -212,10 +227,14 @@ int net_wait(struct net_ctx *c, u64 deadline) {
         mb(); /* used_event written before the used index is read again */
         if (pending(c))
             return 1;
-        if (deadline && rdtsc() >= deadline)
+        if (deadline && rdtsc() >= deadline) {
+            check_reset(c);
             return 0;
+        }
         /* Halts unless an interrupt came since `seen` was read (checked with interrupts off). */
         kumo_wait_change(&net_wake[c->cpu], seen, deadline);
+        if (!pending(c))
+            check_reset(c); /* a timer, a config change or a stray interrupt */
     }
 }
 
@@ -241,6 +260,14 @@ u64 net_us_to_tsc(u64 us) { return us * khz() / 1000; }
 u64 net_tsc_to_us(u64 tsc) { return tsc * 1000 / khz(); }
 
 void net_print_ip(u32 ip) { kprintf("%u.%u.%u.%u", ip >> 24, (ip >> 16) & 255, (ip >> 8) & 255, ip & 255); }
+
+void net_report_irqs(struct net_ctx *c) {
+    (void)c;
+    kprintf("%s: irqs nic0=%u forwarded=%u", net_prog, net_irqs[0], net_forwarded);
+    if (net_cfg.sink && net_nnics > 1)
+        kprintf(" sink_irqs=%u sink_frames=%lu", net_irqs[1], net_nics[1].rx_frames);
+    kputs("\n");
+}
 
 void net_print_up(struct nic *n) {
     kprintf("%s: up nic=%d mac=", net_prog, n->index);
