@@ -7,7 +7,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const GUESTS: &[&str] = &["hello", "memtouch", "smp"];
+const GUESTS: &[&str] = &["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend"];
+/// Guests linked with the network driver and stack (guests/src/net/).
+const NET_GUESTS: &[&str] = &["netecho", "udpping", "udpsink", "udpsend"];
+const NET_SOURCES: &[&str] = &["net/boot.c", "net/pci.c", "net/virtio.c", "net/stack.c"];
 const CFLAGS: &[&str] = &[
     "-m64",
     "-O2",
@@ -76,6 +79,7 @@ fn main() {
             .arg(&elf)
             .args(&runtime)
             .arg(src.join(format!("src/{name}.c")))
+            .args(NET_SOURCES.iter().filter(|_| NET_GUESTS.contains(name)).map(|f| src.join("src").join(f)))
             .status()
             .unwrap_or_else(|e| panic!("cannot run {cc} to build guest {name}: {e}"));
         assert!(status.success(), "building guest {name} with {cc} failed");

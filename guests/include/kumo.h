@@ -72,7 +72,8 @@ __attribute__((noreturn)) void kumo_exit(u32 code);
 
 /* Command line parameters. */
 int kumo_param(const struct kumo_boot_info *bi, const char *key, char *out, int outlen);
-/* Returns 1 and sets *v if key is present and numeric, 0 if absent, -1 if malformed. */
+/* Returns 1 and sets *v if key is present and numeric (decimal, or hex with 0x), 0 if absent,
+ * -1 if malformed. */
 int kumo_param_u64(const struct kumo_boot_info *bi, const char *key, u64 *v);
 int kstreq(const char *a, const char *b);
 
@@ -91,6 +92,10 @@ __attribute__((noreturn)) void kumo_enter_user(u64 (*fn)(u64), u64 arg);
  * a `hlt` that faults into the runtime, which arms the LAPIC TSC-deadline timer and halts. */
 #define KUMO_TIMER_VECTOR 0x30
 void kumo_idle_until(u64 tsc);
+/* From ring 3: halt once until any interrupt arrives or the TSC reaches `tsc` (0: no deadline),
+ * unless *word != seen already (word may be 0). The comparison is made with interrupts off, so
+ * an interrupt handler that bumps *word between the caller's check and the halt is not missed. */
+void kumo_wait_change(const volatile u32 *word, u32 seen, u64 tsc);
 
 /* Per-vCPU stacks, defined by the runtime. */
 #define KUMO_MAX_CPUS 64

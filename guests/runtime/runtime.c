@@ -90,7 +90,11 @@ void kumo_enter_user(u64 (*fn)(u64), u64 arg) {
 
 void kumo_idle_until(u64 tsc) {
     while (rdtsc() < tsc)
-        __asm__ volatile("hlt" ::"a"((u32)tsc), "d"((u32)(tsc >> 32)) : "memory");
+        __asm__ volatile("hlt" ::"a"((u32)tsc), "d"((u32)(tsc >> 32)), "S"(0UL) : "memory");
+}
+
+void kumo_wait_change(const volatile u32 *word, u32 seen, u64 tsc) {
+    __asm__ volatile("hlt" ::"a"((u32)tsc), "d"((u32)(tsc >> 32)), "S"(word), "D"(seen) : "memory");
 }
 
 void kumo_exit(u32 code) {
@@ -169,11 +173,17 @@ int kumo_param_u64(const struct kumo_boot_info *bi, const char *key, u64 *v) {
     char buf[32];
     if (!kumo_param(bi, key, buf, sizeof(buf)))
         return 0;
-    u64 r = 0;
-    if (!buf[0]) return -1;
-    for (char *c = buf; *c; c++) {
-        if (*c < '0' || *c > '9') return -1;
-        r = r * 10 + (u64)(*c - '0');
+    u64 r = 0, base = 10;
+    char *c = buf;
+    if (c[0] == '0' && (c[1] == 'x' || c[1] == 'X')) { base = 16; c += 2; }
+    if (!*c) return -1;
+    for (; *c; c++) {
+        u64 d;
+        if (*c >= '0' && *c <= '9') d = (u64)(*c - '0');
+        else if (base == 16 && *c >= 'a' && *c <= 'f') d = (u64)(*c - 'a' + 10);
+        else if (base == 16 && *c >= 'A' && *c <= 'F') d = (u64)(*c - 'A' + 10);
+        else return -1;
+        r = r * base + d;
     }
     *v = r;
     return 1;

@@ -55,7 +55,9 @@ kumo_exc\vec:
     EXC_NOERR 18
     EXC_NOERR 19
 /* #GP. Ring-3 code idles by executing `hlt` (which faults) with a TSC deadline in edx:eax:
- * arm the LAPIC TSC-deadline timer, halt until an interrupt, resume after the hlt. Kept to a
+ * arm the LAPIC TSC-deadline timer, halt until an interrupt, resume after the hlt. With rsi
+ * non-zero (kumo_wait_change), first compare the u32 at rsi with edi and return at once if it
+ * differs: interrupts are off here, so a wake-up just before the hlt is not lost. Kept to a
  * few instructions: each one is emulated on nested KVM. Anything else is a real fault. */
     .globl kumo_exc13
 kumo_exc13:
@@ -65,12 +67,16 @@ kumo_exc13:
     movq 16(%rsp), %rcx         /* its RIP */
     cmpb $0xf4, (%rcx)          /* hlt? */
     jne 6f
-    movl $0x6e0, %ecx           /* IA32_TSC_DEADLINE <- edx:eax */
+    testq %rsi, %rsi            /* kumo_wait_change: rsi = word, edi = the value seen */
+    jz 7f
+    cmpl (%rsi), %edi           /* changed since (an interrupt came): do not halt */
+    jne 8f
+7:  movl $0x6e0, %ecx           /* IA32_TSC_DEADLINE <- edx:eax */
     wrmsr
     sti
     hlt
     cli
-    popq %rcx
+8:  popq %rcx
     addq $1, 8(%rsp)            /* resume after the hlt */
     addq $8, %rsp               /* drop the error code */
     iretq

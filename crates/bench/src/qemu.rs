@@ -73,6 +73,8 @@ pub struct QemuSpec {
     pub prealloc: bool,
     /// `-S`: the vCPU does not start (the CPU model probe).
     pub paused: bool,
+    /// More QEMU arguments, appended as given (e.g. a `-device`/`-netdev` pair for a NIC).
+    pub extra_args: Vec<String>,
 }
 
 impl QemuSpec {
@@ -84,6 +86,7 @@ impl QemuSpec {
             cpu: String::new(),
             prealloc: false,
             paused: false,
+            extra_args: Vec::new(),
         }
     }
 }
@@ -149,6 +152,7 @@ impl QemuVm {
         if spec.paused {
             cmd.arg("-S");
         }
+        cmd.args(&spec.extra_args);
         if let Some(port) = incoming_port {
             cmd.args(["-incoming", &format!("tcp:127.0.0.1:{port}")]);
         }

@@ -5,6 +5,7 @@
 mod elf;
 mod manifest;
 pub mod memtouch;
+pub mod net;
 
 pub use elf::image_end;
 pub use manifest::{Manifest, Param, ParamKind};
@@ -101,9 +102,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_three_guests_are_built_with_manifests() {
+    fn the_guests_are_built_with_manifests() {
         let names: Vec<_> = all().unwrap().into_iter().map(|g| g.manifest.name).collect();
-        assert_eq!(names, ["hello", "memtouch", "smp"]);
+        assert_eq!(names, ["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend"]);
         let m = find("memtouch").unwrap().manifest;
         assert!(m.params.iter().any(|p| p.key == "pages" && p.default == "1024"));
         assert!(m
@@ -111,6 +112,21 @@ mod tests {
             .iter()
             .any(|p| p.key == "mode" && p.kind == ParamKind::Choice(vec!["random".into(), "seq".into()])));
         assert_eq!(find("smp").unwrap().manifest.min_cpus, 2);
+    }
+
+    #[test]
+    fn network_guests_take_addresses_and_interrupt_routing() {
+        for name in ["netecho", "udpping", "udpsink", "udpsend"] {
+            let g = find(name).unwrap();
+            let line = g.command_line(&["ip=10.0.0.5".into(), "wait=poll".into(), "vector=0xd0".into()]).unwrap();
+            assert_eq!(line, "ip=10.0.0.5 wait=poll vector=0xd0");
+            assert!(g.command_line(&["ip=10.0.0".into()]).unwrap_err().to_string().contains("IPv4"));
+            assert!(g.command_line(&["wait=spin".into()]).is_err());
+            for key in ["cpu", "sink", "ip1"] {
+                assert!(g.manifest.params.iter().any(|p| p.key == key), "{name} lacks {key}");
+            }
+        }
+        assert!(find("udpping").unwrap().command_line(&["peer=10.0.0.1".into(), "count=5".into()]).is_ok());
     }
 
     #[test]
@@ -125,7 +141,10 @@ mod tests {
     #[test]
     fn unknown_guest_lists_the_built_ones() {
         let e = find("nope").unwrap_err();
-        assert_eq!(e.to_string(), "unknown guest `nope`; built guests: hello, memtouch, smp");
+        assert_eq!(
+            e.to_string(),
+            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend"
+        );
     }
 
     #[test]

@@ -4,7 +4,10 @@ use serde::Serialize;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum ParamKind {
+    /// Decimal, or hexadecimal with `0x`.
     U64,
+    /// An IPv4 address `a.b.c.d`.
+    Ipv4,
     Choice(Vec<String>),
 }
 
@@ -29,8 +32,16 @@ impl Param {
     pub fn check(&self, value: &str) -> Result<(), String> {
         match &self.kind {
             ParamKind::U64 => {
-                value.parse::<u64>().map(|_| ()).map_err(|_| format!("`{}` wants a number, got `{value}`", self.key))
+                let n = match value.strip_prefix("0x").or_else(|| value.strip_prefix("0X")) {
+                    Some(hex) => u64::from_str_radix(hex, 16).ok(),
+                    None => value.parse::<u64>().ok(),
+                };
+                n.map(|_| ()).ok_or_else(|| format!("`{}` wants a number, got `{value}`", self.key))
             }
+            ParamKind::Ipv4 => value
+                .parse::<std::net::Ipv4Addr>()
+                .map(|_| ())
+                .map_err(|_| format!("`{}` wants an IPv4 address a.b.c.d, got `{value}`", self.key)),
             ParamKind::Choice(c) if c.iter().any(|x| x == value) => Ok(()),
             ParamKind::Choice(c) => Err(format!("`{}` is one of {}, got `{value}`", self.key, c.join(", "))),
         }
@@ -40,6 +51,7 @@ impl Param {
     pub fn kind_str(&self) -> String {
         match &self.kind {
             ParamKind::U64 => "u64".into(),
+            ParamKind::Ipv4 => "ipv4".into(),
             ParamKind::Choice(c) => c.join("|"),
         }
     }
@@ -65,6 +77,8 @@ impl Manifest {
                     };
                     let kind = if kind == "u64" {
                         ParamKind::U64
+                    } else if kind == "ipv4" {
+                        ParamKind::Ipv4
                     } else {
                         ParamKind::Choice(kind.split('|').map(String::from).collect())
                     };
@@ -95,6 +109,20 @@ mod tests {
         assert_eq!((m.min_cpus, m.max_cpus), (1, 4));
         assert_eq!(m.params[1].kind, ParamKind::Choice(vec!["a".into(), "b".into()]));
         assert_eq!(m.params[0].help, "count");
+    }
+
+    #[test]
+    fn ipv4_and_hex_values() {
+        let m = Manifest::parse(b"name=x\nparam=ip:ipv4:10.0.0.2:addr\nparam=v:u64:0xe0:vector\0").unwrap();
+        assert_eq!(m.params[0].kind, ParamKind::Ipv4);
+        assert_eq!(m.params[0].kind_str(), "ipv4");
+        assert!(m.params[0].check("192.168.1.20").is_ok());
+        assert!(m.params[0].check("10.0.0.256").unwrap_err().contains("IPv4"));
+        assert!(m.params[0].check("10.0.0").is_err());
+        assert!(m.params[1].check("0xff").is_ok());
+        assert!(m.params[1].check("224").is_ok());
+        assert!(m.params[1].check("0xzz").is_err());
+        assert!(Manifest::parse(b"name=x\nparam=ip:ipv4:nope:addr").is_err());
     }
 
     #[test]

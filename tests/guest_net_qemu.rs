@@ -1,0 +1,203 @@
+//! End to end under QEMU: kumo's guest network driver and stack (guests/src/net/) on QEMU's
+//! virtio-net-pci (modern only, MSI-X) over a host tap. The host pings `netecho` and gets UDP
+//! datagrams echoed; `udpping` measures round trips to a UDP echo service on the host;
+//! `udpsend`'s stream reaches a host socket. The guest driver uses only the PCI and virtio
+//! specs, so the same programs run on kumo's own NIC.
+//!
+//! Needs QEMU, /dev/kvm and the right to create a tap (root, `ip`); skips, saying why, when one
+//! is missing. The host's `ping` part is skipped (with a message) where `ping` is not installed.
+//! Outcomes only: no durations are asserted, and every wait is a safety net far above need.
+
+use kumo_bench::qemu::{self, QemuSpec, QemuVm};
+use kumo_guests::net;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A safety net against hangs only: far above what anything takes, even on a busy machine.
+const LIMIT: Duration = Duration::from_secs(300);
+const GUEST_MAC: &str = "52:54:00:12:34:56";
+
+fn qemu_or_skip(test: &str) -> bool {
+    match qemu::qemu_binary().and_then(|_| qemu::kvm_usable()) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("skipping {test}: {e}");
+            false
+        }
+    }
+}
+
+fn sv(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let o = Command::new("ip").args(args).output().map_err(|e| format!("cannot run `ip`: {e}"))?;
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(format!("`ip {}`: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()))
+    }
+}
+
+/// A host tap with an address, deleted on drop.
+struct Tap {
+    name: String,
+}
+
+impl Tap {
+    fn create(name: &str, host_cidr: &str) -> Result<Tap, String> {
+        ip(&["tuntap", "add", "dev", name, "mode", "tap"])?;
+        let tap = Tap { name: name.into() };
+        ip(&["addr", "add", host_cidr, "dev", name])?;
+        ip(&["link", "set", name, "up"])?;
+        Ok(tap)
+    }
+}
+
+impl Drop for Tap {
+    fn drop(&mut self) {
+        let _ = ip(&["link", "del", &self.name]);
+    }
+}
+
+/// A UDP echo service on the host, stopped on drop.
+struct HostEcho {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HostEcho {
+    fn start(addr: SocketAddrV4) -> HostEcho {
+        let sock = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+        sock.set_read_timeout(Some(Duration::from_millis(100))).expect("read timeout");
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while !s.load(Ordering::Relaxed) {
+                if let Ok((n, from)) = sock.recv_from(&mut buf) {
+                    let _ = sock.send_to(&buf[..n], from);
+                }
+            }
+        });
+        HostEcho { stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for HostEcho {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn nic_args(tap: &str) -> Vec<String> {
+    sv(&[
+        "-device",
+        &format!("virtio-net-pci,netdev=n0,disable-legacy=on,mac={GUEST_MAC}"),
+        "-netdev",
+        &format!("tap,id=n0,ifname={tap},script=no,downscript=no"),
+    ])
+}
+
+/// Boots `guest` with `args` and NIC 0 on `tap`; returns once the guest says NIC 0 is up.
+fn boot(guest: &str, args: &[String], tap: &str, guest_ip: Ipv4Addr) -> QemuVm {
+    let spec = QemuSpec { extra_args: nic_args(tap), ..QemuSpec::new(guest, 64, args) };
+    let mut vm = QemuVm::spawn(&spec, None).unwrap_or_else(|e| panic!("{e}"));
+    let out = vm.wait_serial(": up nic=0", LIMIT).unwrap_or_else(|e| panic!("{e}"));
+    let (mac, ip) = net::ready_line(&out).unwrap_or_else(|| panic!("no ready line:\n{out}"));
+    assert_eq!(mac, [0x52, 0x54, 0, 0x12, 0x34, 0x56], "{out}");
+    assert_eq!(ip, guest_ip, "{out}");
+    vm
+}
+
+fn have_ping() -> bool {
+    Command::new("ping").arg("-V").output().map(|o| o.status.success()).unwrap_or(false)
+}
+
+#[test]
+fn guests_talk_udp_and_icmp_over_qemu_virtio_net() {
+    let test = "guests_talk_udp_and_icmp_over_qemu_virtio_net";
+    if !qemu_or_skip(test) {
+        return;
+    }
+    // A subnet and tap of this process's own, so parallel runs do not collide.
+    let id = std::process::id();
+    let (net3, tap_name) = ((id % 250) as u8, format!("kgn{}", id % 100_000));
+    let host = Ipv4Addr::new(10, 211, net3, 1);
+    let guest = Ipv4Addr::new(10, 211, net3, 2);
+    let tap = match Tap::create(&tap_name, &format!("{host}/24")) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("skipping {test}: cannot create a tap: {e}");
+            return;
+        }
+    };
+    let g = guest.to_string();
+
+    // netecho: the host pings it and gets UDP datagrams echoed; it exits after 4 echoes.
+    let mut vm = boot("netecho", &sv(&[&format!("ip={g}"), "count=4"]), &tap.name, guest);
+    let pinged = have_ping();
+    if pinged {
+        let o = Command::new("ping").args(["-c", "3", "-i", "0.2", "-W", "30", &g]).output().expect("run ping");
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success() && text.contains("3 received"), "ping {g}:\n{text}\n{}", vm.serial());
+    } else {
+        eprintln!("{test}: `ping` is not installed: the ICMP part is skipped");
+    }
+    let sock = UdpSocket::bind(SocketAddrV4::new(host, 0)).expect("bind a host UDP socket");
+    sock.set_read_timeout(Some(LIMIT)).expect("read timeout");
+    for i in 0..4u8 {
+        let msg = [i; 100];
+        sock.send_to(&msg, SocketAddrV4::new(guest, 7)).expect("send to netecho");
+        let mut buf = [0u8; 2048];
+        let (n, from) = sock.recv_from(&mut buf).unwrap_or_else(|e| panic!("no echo: {e}\n{}", vm.serial()));
+        assert_eq!(&buf[..n], &msg[..]);
+        assert_eq!(from, SocketAddrV4::new(guest, 7).into());
+    }
+    assert_eq!(vm.wait_exit(LIMIT), Ok(0));
+    let e = net::parse_netecho(&vm.serial()).unwrap_or_else(|| panic!("no result line:\n{}", vm.serial()));
+    assert_eq!(e.echoed, 4);
+    if pinged {
+        assert!(e.pings >= 3, "{e:?}");
+    }
+    drop(vm);
+
+    // udpping to an echo service on the host: every request answered (the timeout is a safety
+    // net, so a slow host cannot turn into losses).
+    let echo = HostEcho::start(SocketAddrV4::new(host, 7));
+    let args = sv(&[&format!("ip={g}"), &format!("peer={host}"), "count=20", "timeout_ms=60000"]);
+    let mut vm = boot("udpping", &args, &tap.name, guest);
+    assert_eq!(vm.wait_exit(LIMIT), Ok(0), "{}", vm.serial());
+    let p = net::parse_udpping(&vm.serial()).unwrap_or_else(|| panic!("no result line:\n{}", vm.serial()));
+    assert_eq!((p.count, p.lost), (20, 0), "{p:?}");
+    assert!(p.min_us <= p.p50_us && p.p50_us <= p.p99_us && p.p99_us <= p.max_us, "{p:?}");
+    drop((vm, echo));
+
+    // udpsend's stream reaches a host socket: its datagrams and the end marker, in its format.
+    let sink = UdpSocket::bind(SocketAddrV4::new(host, 9)).expect("bind the host sink");
+    sink.set_read_timeout(Some(LIMIT)).expect("read timeout");
+    let args = sv(&[&format!("ip={g}"), &format!("peer={host}"), "count=50", "size=200", "gap_us=100"]);
+    let mut vm = boot("udpsend", &args, &tap.name, guest);
+    let (mut got, mut buf) = (Vec::new(), [0u8; 2048]);
+    loop {
+        let (n, _) = sink.recv_from(&mut buf).unwrap_or_else(|e| panic!("stream stopped: {e}\n{}", vm.serial()));
+        assert_eq!(n, 200);
+        let (seq, total) = net::parse_stream_payload(&buf[..n]).expect("a stream header");
+        assert_eq!(total, 50);
+        if seq == net::STREAM_END {
+            break;
+        }
+        got.push(seq);
+    }
+    assert_eq!(vm.wait_exit(LIMIT), Ok(0));
+    assert_eq!(net::parse_udpsend(&vm.serial()), Some(50));
+    assert!(!got.is_empty() && got.iter().all(|&s| s < 50), "{got:?}");
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order or duplicated: {got:?}");
+}
