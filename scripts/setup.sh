@@ -10,6 +10,8 @@ command -v dpkg-deb >/dev/null 2>&1 || need+=(dpkg)
 command -v xz >/dev/null 2>&1 || need+=(xz-utils)
 command -v zstd >/dev/null 2>&1 || need+=(zstd)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+# The network tests ping kumo's guests from the host.
+command -v ping >/dev/null 2>&1 || need+=(iputils-ping)
 # `kumo bench migrate` draws its PNG with this font.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if ((${#need[@]})); then

@@ -8,12 +8,14 @@
 //! is missing. The host's `ping` part is skipped (with a message) where `ping` is not installed.
 //! Outcomes only: no durations are asserted, and every wait is a safety net far above need.
 
+#[path = "common/net.rs"]
+mod hostnet;
+
+use hostnet::{have_ping, HostEcho, Tap};
 use kumo_bench::qemu::{self, QemuSpec, QemuVm};
 use kumo_guests::net;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// A safety net against hangs only: far above what anything takes, even on a busy machine.
@@ -34,69 +36,6 @@ fn sv(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
-fn ip(args: &[&str]) -> Result<(), String> {
-    let o = Command::new("ip").args(args).output().map_err(|e| format!("cannot run `ip`: {e}"))?;
-    if o.status.success() {
-        Ok(())
-    } else {
-        Err(format!("`ip {}`: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()))
-    }
-}
-
-/// A host tap with an address, deleted on drop.
-struct Tap {
-    name: String,
-}
-
-impl Tap {
-    fn create(name: &str, host_cidr: &str) -> Result<Tap, String> {
-        ip(&["tuntap", "add", "dev", name, "mode", "tap"])?;
-        let tap = Tap { name: name.into() };
-        ip(&["addr", "add", host_cidr, "dev", name])?;
-        ip(&["link", "set", name, "up"])?;
-        Ok(tap)
-    }
-}
-
-impl Drop for Tap {
-    fn drop(&mut self) {
-        let _ = ip(&["link", "del", &self.name]);
-    }
-}
-
-/// A UDP echo service on the host, stopped on drop.
-struct HostEcho {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl HostEcho {
-    fn start(addr: SocketAddrV4) -> HostEcho {
-        let sock = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
-        sock.set_read_timeout(Some(Duration::from_millis(100))).expect("read timeout");
-        let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let mut buf = [0u8; 2048];
-            while !s.load(Ordering::Relaxed) {
-                if let Ok((n, from)) = sock.recv_from(&mut buf) {
-                    let _ = sock.send_to(&buf[..n], from);
-                }
-            }
-        });
-        HostEcho { stop, thread: Some(thread) }
-    }
-}
-
-impl Drop for HostEcho {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 fn nic_args(tap: &str) -> Vec<String> {
     sv(&[
         "-device",
@@ -115,10 +54,6 @@ fn boot(guest: &str, args: &[String], tap: &str, guest_ip: Ipv4Addr) -> QemuVm {
     assert_eq!(mac, [0x52, 0x54, 0, 0x12, 0x34, 0x56], "{out}");
     assert_eq!(ip, guest_ip, "{out}");
     vm
-}
-
-fn have_ping() -> bool {
-    Command::new("ping").arg("-V").output().map(|o| o.status.success()).unwrap_or(false)
 }
 
 #[test]
