@@ -99,20 +99,24 @@ fn guests_talk_udp_and_icmp_over_qemu_virtio_net() {
     assert_eq!(vm.wait_exit(LIMIT), Ok(0));
     let e = net::parse_netecho(&vm.serial()).unwrap_or_else(|| panic!("no result line:\n{}", vm.serial()));
     assert_eq!(e.echoed, 4);
+    // Interrupt mode: NIC 0's MSI-X interrupts arrived, on the consumer vCPU itself.
+    let irqs = net::parse_irqs(&vm.serial()).unwrap_or_else(|| panic!("no irqs line:\n{}", vm.serial()));
+    assert!(irqs.nic0 > 0 && irqs.forwarded == 0, "{irqs:?}");
     if pinged {
         assert!(e.pings >= 3, "{e:?}");
     }
     drop(vm);
 
-    // udpping to an echo service on the host: every request answered (the timeout is a safety
-    // net, so a slow host cannot turn into losses).
+    // udpping to an echo service on the host, polling (netecho and udpsend wait for interrupts):
+    // every request answered (the timeout is a safety net: a slow host cannot turn into losses).
     let echo = HostEcho::start(SocketAddrV4::new(host, 7));
-    let args = sv(&[&format!("ip={g}"), &format!("peer={host}"), "count=20", "timeout_ms=60000"]);
+    let args = sv(&[&format!("ip={g}"), &format!("peer={host}"), "count=20", "timeout_ms=60000", "wait=poll"]);
     let mut vm = boot("udpping", &args, &tap.name, guest);
     assert_eq!(vm.wait_exit(LIMIT), Ok(0), "{}", vm.serial());
     let p = net::parse_udpping(&vm.serial()).unwrap_or_else(|| panic!("no result line:\n{}", vm.serial()));
     assert_eq!((p.count, p.lost), (20, 0), "{p:?}");
     assert!(p.min_us <= p.p50_us && p.p50_us <= p.p99_us && p.p99_us <= p.max_us, "{p:?}");
+    assert_eq!(net::parse_irqs(&vm.serial()).map(|i| i.nic0), Some(0), "polling takes no interrupts");
     drop((vm, echo));
 
     // udpsend's stream reaches a host socket: its datagrams and the end marker, in its format.

@@ -41,6 +41,17 @@ pub struct NetEcho {
     pub arps: u64,
 }
 
+/// `NAME: irqs nic0=N forwarded=F [sink_irqs=S sink_frames=K]`, printed by every network
+/// guest before its result line: interrupts taken for NIC 0, how many of them the VMM delivered
+/// to another vCPU than NIC 0's consumer (forwarded there by IPI), and the sink NIC's figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Irqs {
+    pub nic0: u64,
+    pub forwarded: u64,
+    pub sink_irqs: Option<u64>,
+    pub sink_frames: Option<u64>,
+}
+
 /// Sequence number of a stream's end marker (sent 3 times after the last datagram).
 pub const STREAM_END: u64 = u64::MAX;
 /// Bytes of a stream payload's header: sequence number, then total count (both LE u64).
@@ -135,6 +146,17 @@ pub fn parse_udpsend(output: &str) -> Option<u64> {
     num(output, "udpsend: sent=", "sent")
 }
 
+pub fn parse_irqs(output: &str) -> Option<Irqs> {
+    let line = output.lines().rev().find(|l| l.contains(": irqs nic0="))?;
+    let get = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)?.strip_prefix('=')?.parse().ok());
+    Some(Irqs {
+        nic0: get("nic0")?,
+        forwarded: get("forwarded")?,
+        sink_irqs: get("sink_irqs"),
+        sink_frames: get("sink_frames"),
+    })
+}
+
 pub fn parse_netecho(output: &str) -> Option<NetEcho> {
     let p = "netecho: echoed=";
     Some(NetEcho { echoed: num(output, p, "echoed")?, pings: num(output, p, "pings")?, arps: num(output, p, "arps")? })
@@ -194,6 +216,22 @@ mod tests {
             parse_netecho("netecho: echoed=3 pings=10 arps=2\n"),
             Some(NetEcho { echoed: 3, pings: 10, arps: 2 })
         );
+    }
+
+    #[test]
+    fn irqs_line() {
+        let out =
+            "netecho: irqs nic0=911 forwarded=3 sink_irqs=6846 sink_frames=252827\nnetecho: echoed=1 pings=0 arps=1\n";
+        assert_eq!(
+            parse_irqs(out),
+            Some(Irqs { nic0: 911, forwarded: 3, sink_irqs: Some(6846), sink_frames: Some(252827) })
+        );
+        assert_eq!(
+            parse_irqs("udpping: irqs nic0=984 forwarded=0\n"),
+            Some(Irqs { nic0: 984, forwarded: 0, sink_irqs: None, sink_frames: None })
+        );
+        assert_eq!(parse_irqs("udpping: irqs nic0=x forwarded=0"), None);
+        assert_eq!(parse_irqs(BOOT), None);
     }
 
     #[test]

@@ -158,6 +158,7 @@ static void bring_up(struct net_ctx *c, struct nic *n, int irq, u8 vector, u32 a
 }
 
 static u32 apic_ids[KUMO_MAX_CPUS];
+static volatile u32 sink_up;
 
 /* Ring 3, every vCPU. */
 static u64 role(u64 cpu) {
@@ -168,6 +169,10 @@ static u64 role(u64 cpu) {
     if (sink)
         net_nics[1].ip = net_cfg.ip1;
     if (cpu == net_cfg.cpu) {
+        /* The sink on vCPU 0 comes up first: after that only this vCPU prints (lines from two
+         * vCPUs would interleave character by character). */
+        while (sink && cpu != 0 && !__atomic_load_n(&sink_up, __ATOMIC_ACQUIRE))
+            cpu_relax();
         u32 id = apic_ids[cpu];
         net_isr_apic0 = id;
         net_nics[0].ip = net_cfg.ip;
@@ -179,6 +184,7 @@ static u64 role(u64 cpu) {
     if (cpu == 0 && sink) {
         c.irq = 1;
         bring_up(&c, &net_nics[1], 1, net_cfg.vector1, apic_ids[0]);
+        __atomic_store_n(&sink_up, 1, __ATOMIC_RELEASE);
         for (;;) {
             net_poll(&c);
             net_wait(&c, 0);
