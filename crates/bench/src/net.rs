@@ -41,6 +41,10 @@ pub struct Args {
     /// Runs per measurement (medians are reported) [default: 3 with --quick, else 5].
     #[arg(long)]
     runs: Option<usize>,
+    /// The interference: datagrams per second flooded at the guest's second NIC (0: as fast as
+    /// the host sends them, which on a small host also starves the vCPUs of CPU time).
+    #[arg(long, default_value_t = 20_000)]
+    flood_pps: u64,
 }
 
 /// Every kumo child stops by itself after this long (s), even if the bench is killed.
@@ -101,12 +105,13 @@ pub struct Plan {
     /// Datagrams per stream run, and their size.
     pub stream_count: u64,
     pub stream_size: usize,
-    /// The interference flood's datagram size.
+    /// The interference flood's datagram size and rate (0: flat out).
     pub flood_size: usize,
+    pub flood_pps: u64,
 }
 
 impl Plan {
-    pub fn new(quick: bool, runs: Option<usize>) -> Plan {
+    pub fn new(quick: bool, runs: Option<usize>, flood_pps: u64) -> Plan {
         let (r, rtt, stream) = if quick { (3, 1000, 20_000) } else { (5, 5000, 100_000) };
         Plan {
             runs: runs.unwrap_or(r).max(1),
@@ -115,6 +120,7 @@ impl Plan {
             stream_count: stream,
             stream_size: 1024,
             flood_size: 1024,
+            flood_pps,
         }
     }
 }
@@ -131,6 +137,9 @@ pub struct Ctx {
     pub tap1: String,
     pub tap_a: String,
     pub tap_b: String,
+    /// API sockets; removed at the end.
+    pub dir: vmm_sys_util::tempdir::TempDir,
+    seq: std::sync::atomic::AtomicU32,
 }
 
 fn sv<S: AsRef<str>>(v: &[S]) -> Vec<String> {
@@ -272,21 +281,56 @@ struct Nic<'a> {
     irq: String,
 }
 
+/// A kumo VM process and its API socket.
+pub struct KumoVm {
+    pub proc: Proc,
+    kumo: PathBuf,
+    api: PathBuf,
+}
+
+impl std::ops::Deref for KumoVm {
+    type Target = Proc;
+    fn deref(&self) -> &Proc {
+        &self.proc
+    }
+}
+
+impl std::ops::DerefMut for KumoVm {
+    fn deref_mut(&mut self) -> &mut Proc {
+        &mut self.proc
+    }
+}
+
+impl KumoVm {
+    /// `kumo counters` (at most 10 s); None if unreadable.
+    pub fn counters(&self) -> Option<serde_json::Value> {
+        let argv = sv(&[&self.kumo.display().to_string(), "--api-socket", &self.api.display().to_string(), "counters"]);
+        let mut p = Proc::spawn(None, &argv).ok()?;
+        if p.wait_exit(Duration::from_secs(10)).ok()? != 0 {
+            return None;
+        }
+        let text: Vec<String> = p.stdout().into_iter().map(|(_, l)| l).collect();
+        serde_json::from_str(&text.join("\n")).ok()
+    }
+}
+
 /// `kumo run` of `guest` with `cpus` vCPUs and `nics`, in the VM namespace.
-fn kumo_vm(ctx: &Ctx, guest: &str, cpus: u32, nics: &[Nic], guest_args: &[String]) -> Result<Proc, String> {
-    let mut argv = sv(&[&ctx.kumo.display().to_string(), "run", "--guest", guest, "--cpus", &cpus.to_string()]);
-    argv.extend(sv(&["--timeout", LIFETIME]));
+fn kumo_vm(ctx: &Ctx, guest: &str, cpus: u32, nics: &[Nic], guest_args: &[String]) -> Result<KumoVm, String> {
+    let api =
+        ctx.dir.as_path().join(format!("api-{}.sock", ctx.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let mut argv = sv(&[&ctx.kumo.display().to_string(), "--api-socket", &api.display().to_string()]);
+    argv.extend(sv(&["run", "--guest", guest, "--cpus", &cpus.to_string(), "--timeout", LIFETIME]));
     for n in nics {
         argv.push("--net".into());
         argv.push(format!("tap={},mac={},{}", n.tap, n.mac, n.irq));
     }
     argv.push("--".into());
     argv.extend(guest_args.iter().cloned());
-    Proc::spawn(Some(&ctx.ns), &argv)
+    Ok(KumoVm { proc: Proc::spawn(Some(&ctx.ns), &argv)?, kumo: ctx.kumo.clone(), api })
 }
 
 /// Waits for `<guest>: up nic=N` of a guest program.
-fn wait_up(vm: &mut Proc, guest: &str, nic: u32) -> Result<Instant, String> {
+fn wait_up(vm: &mut KumoVm, guest: &str, nic: u32) -> Result<Instant, String> {
     let want = format!("{guest}: up nic={nic}");
     vm.wait_line(BOOT_LIMIT, &want, |l| l.contains(&want).then_some(())).map(|(at, _)| at)
 }
@@ -335,13 +379,16 @@ pub struct RttRow {
     pub rtt: Runs,
     /// The flooder's send rate on NIC 1 (median over the runs), with interference.
     pub flood_pps: Option<f64>,
+    /// `kumo counters` of the VM after all its runs (in the interference row; its NICs'
+    /// interrupts per path), None if they could not be read.
+    pub counters: Option<serde_json::Value>,
 }
 
 /// Host ↔ guest round trips on `path` with `cpus` vCPUs (the consumer on the last): one VM
 /// with NIC 0 on `path` and NIC 1 (shared) for the flood; each run measures unloaded, then with
 /// the flood on NIC 1. Returns the (unloaded, interference) rows; a failure fills their errors.
 pub fn host_rtt(ctx: &Ctx, path: IrqPath, cpus: u32) -> [RttRow; 2] {
-    let row = |load| RttRow { path, cpus, load, rtt: Runs::default(), flood_pps: None };
+    let row = |load| RttRow { path, cpus, load, rtt: Runs::default(), flood_pps: None, counters: None };
     let (mut quiet, mut loud) = (row(Load::Unloaded), row(Load::Interference));
     if let Err(e) = host_rtt_into(ctx, path, cpus, &mut quiet, &mut loud) {
         quiet.rtt.errors.push(e.clone());
@@ -373,7 +420,15 @@ fn host_rtt_into(ctx: &Ctx, path: IrqPath, cpus: u32, quiet: &mut RttRow, loud: 
     let mut pps = vec![];
     for _ in 0..ctx.plan.runs {
         quiet.rtt.push(host_rtt_tool(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan));
-        let flood_args = sv(&["flood", "--to", &format!("{GUEST1}:9"), "--size", &ctx.plan.flood_size.to_string()]);
+        let flood_args = sv(&[
+            "flood",
+            "--to",
+            &format!("{GUEST1}:9"),
+            "--size",
+            &ctx.plan.flood_size.to_string(),
+            "--pps",
+            &ctx.plan.flood_pps.to_string(),
+        ]);
         let mut flood = tool(&ctx.bench, &ctx.ns, &flood_args)?;
         wait_ready(&mut flood)?;
         loud.rtt.push(host_rtt_tool(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan));
@@ -384,12 +439,15 @@ fn host_rtt_into(ctx: &Ctx, path: IrqPath, cpus: u32, quiet: &mut RttRow, loud: 
         }
     }
     loud.flood_pps = median(&pps);
+    loud.counters = vm.counters();
     Ok(())
 }
 
 #[derive(Serialize, Clone, Debug)]
 pub struct PingPong {
     pub path: IrqPath,
+    /// `kumo counters` of the `netecho` VM after all runs.
+    pub counters: Option<serde_json::Value>,
     /// Time per ping-pong iteration (one UDP round trip VM ↔ VM), per `udpping` run.
     #[serde(flatten)]
     pub rtt: Runs,
@@ -397,7 +455,7 @@ pub struct PingPong {
 
 /// Two VMs on a bridge, both NICs on `path`: `netecho` in VM A, `udpping` runs in VM B.
 pub fn vm_pingpong(ctx: &Ctx, path: IrqPath) -> PingPong {
-    let mut p = PingPong { path, rtt: Runs::default() };
+    let mut p = PingPong { path, rtt: Runs::default(), counters: None };
     let r = (|| -> Result<(), String> {
         let nic = [Nic { tap: &ctx.tap_a, mac: MAC_A, irq: path.net_irq(0) }];
         let mut a = kumo_vm(ctx, "netecho", 1, &nic, &sv(&[format!("ip={VM_A}"), "wait=irq".into()]))?;
@@ -405,6 +463,7 @@ pub fn vm_pingpong(ctx: &Ctx, path: IrqPath) -> PingPong {
         for _ in 0..ctx.plan.runs {
             p.rtt.push(udpping_once(ctx, path));
         }
+        p.counters = a.counters();
         Ok(())
     })();
     if let Err(e) = r {
@@ -944,6 +1003,9 @@ pub fn vm_net(g: &mut NetGuard, kumo: PathBuf, bench: PathBuf, plan: Plan) -> Re
         tap_a: host::name("ta"),
         tap_b: host::name("tb"),
         ns,
+        dir: vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-bench-net-"))
+            .map_err(|e| format!("cannot create a temporary directory: {e}"))?,
+        seq: Default::default(),
     };
     g.tap(&ctx.ns, &ctx.tap0, Some(&cidr(HOST0)))?;
     g.tap(&ctx.ns, &ctx.tap1, Some(&cidr(HOST1)))?;
@@ -981,7 +1043,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let t0 = Instant::now();
     let (json, png) = (crate::out_file(out, "net.json")?, out.join("net.png"));
     let bench = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
-    let plan = Plan::new(a.quick, a.runs);
+    let plan = Plan::new(a.quick, a.runs, a.flood_pps);
     host::cleanup_on_signals()?;
     host::sweep_stale();
     let mut r = Report {
@@ -1069,7 +1131,7 @@ mod tests {
     }
 
     fn sample_report() -> Report {
-        let mut r = Report { bench: "net", plan: Some(Plan::new(true, None)), ..Default::default() };
+        let mut r = Report { bench: "net", plan: Some(Plan::new(true, None, 20_000)), ..Default::default() };
         let mut v = Veth::default();
         v.stream.push(Ok(SinkResult {
             received: 10,
@@ -1087,10 +1149,10 @@ mod tests {
             (IrqPath::Dedicated, 2, Load::Interference, 120.0),
             (IrqPath::Dedicated, 1, Load::Interference, 999.0),
         ] {
-            r.rtt.push(RttRow { path, cpus, load, rtt: runs(p99 / 2.0, p99), flood_pps: None });
+            r.rtt.push(RttRow { path, cpus, load, rtt: runs(p99 / 2.0, p99), flood_pps: None, counters: None });
         }
-        r.pingpong.push(PingPong { path: IrqPath::Shared, rtt: runs(80.0, 160.0) });
-        r.pingpong.push(PingPong { path: IrqPath::Dedicated, rtt: runs(60.0, 120.0) });
+        r.pingpong.push(PingPong { path: IrqPath::Shared, rtt: runs(80.0, 160.0), counters: None });
+        r.pingpong.push(PingPong { path: IrqPath::Dedicated, rtt: runs(60.0, 120.0), counters: None });
         let mut s = Stream::default();
         s.push(Ok(SinkResult { received: 10, mb_per_s: 25.0, ..Default::default() }));
         r.throughput.push(Throughput {

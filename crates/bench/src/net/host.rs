@@ -17,6 +17,8 @@ const PREFIX: &str = "kbn";
 
 /// Undo commands of all live [`NetGuard`]s, for the signal handler.
 static UNDO: Mutex<Vec<Vec<String>>> = Mutex::new(Vec::new());
+/// Pids of all live [`Proc`]s, killed by the signal handler (their drops do not run then).
+static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
 /// Runs `ip ARGS`; the error is ip's own one line.
 pub fn ip(args: &[&str]) -> Result<(), String> {
@@ -65,13 +67,17 @@ pub fn sweep_stale() {
     }
 }
 
-/// On SIGINT/SIGTERM/SIGHUP: undo every live guard's changes, then exit 130.
+/// On SIGINT/SIGTERM/SIGHUP: kill the children, undo every live guard's changes, exit 130.
 pub fn cleanup_on_signals() -> Result<(), String> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut s = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
         .map_err(|e| format!("cannot handle signals: {e}"))?;
     std::thread::spawn(move || {
         if let Some(sig) = s.forever().next() {
+            let pids: Vec<String> = CHILDREN.lock().map(|c| c.iter().map(u32::to_string).collect()).unwrap_or_default();
+            if !pids.is_empty() {
+                let _ = Command::new("kill").arg("-KILL").args(&pids).stderr(Stdio::null()).status();
+            }
             let undo: Vec<Vec<String>> = UNDO.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
             for c in undo.iter().rev() {
                 run_quiet(c);
@@ -176,6 +182,10 @@ impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let pid = self.child.id();
+        if let Ok(mut c) = CHILDREN.lock() {
+            c.retain(|p| *p != pid);
+        }
     }
 }
 
@@ -209,6 +219,9 @@ impl Proc {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| format!("cannot start {what}: {e}"))?;
+        if let Ok(mut c) = CHILDREN.lock() {
+            c.push(child.id());
+        }
         let (out, err): (Lines, Lines) = (Arc::default(), Arc::default());
         let mut readers = vec![];
         if let Some(o) = child.stdout.take() {

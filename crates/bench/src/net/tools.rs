@@ -290,13 +290,23 @@ pub fn stream_sink(sock: &UdpSocket, first: Duration, idle: Duration) -> Result<
     })
 }
 
-/// Sends `size`-byte datagrams to `peer` as fast as the socket takes them until `stop`;
-/// returns how many were sent. Refused sends are skipped.
-pub fn flood(sock: &UdpSocket, peer: SocketAddr, size: usize, stop: &AtomicBool) -> u64 {
+/// Sends `size`-byte datagrams to `peer` until `stop`, `pps` per second (0: as fast as the
+/// socket takes them); returns how many were sent. Refused sends are skipped.
+pub fn flood(sock: &UdpSocket, peer: SocketAddr, size: usize, pps: u64, stop: &AtomicBool) -> u64 {
     let buf = vec![0xa5u8; size.max(16)];
-    let mut n = 0u64;
+    let (mut n, mut tried, t0) = (0u64, 0u64, Instant::now());
     while !stop.load(Ordering::Relaxed) {
-        for _ in 0..64 {
+        if pps > 0 {
+            // Paced from the start in batches of 16, sleeping while ahead.
+            let due = t0 + Duration::from_secs_f64(tried as f64 / pps as f64);
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep((due - now).min(Duration::from_millis(10)));
+                continue;
+            }
+        }
+        for _ in 0..16 {
+            tried += 1;
             if sock.send_to(&buf, peer).is_ok() {
                 n += 1;
             }
@@ -316,12 +326,10 @@ pub struct ToolArgs {
 
 #[derive(clap::Subcommand)]
 enum Tool {
-    /// Echo UDP on ADDR until killed or --secs.
+    /// Echo UDP on ADDR until stdin closes.
     Echo {
         #[arg(long)]
         bind: SocketAddr,
-        #[arg(long, default_value_t = 600)]
-        secs: u64,
     },
     /// Receive one stream on ADDR; prints a SinkResult.
     Sink {
@@ -349,6 +357,9 @@ enum Tool {
         to: SocketAddr,
         #[arg(long, default_value_t = 1024)]
         size: usize,
+        /// Datagrams per second; 0: as fast as possible.
+        #[arg(long, default_value_t = 0)]
+        pps: u64,
     },
     /// Round trips to an echo at ADDR; prints a Latency.
     Rtt {
@@ -375,6 +386,11 @@ fn print_json<T: Serialize>(v: &T) -> Result<i32, String> {
     Ok(0)
 }
 
+/// Returns once the parent closes stdin or goes away: the echo and the flood stop then.
+fn until_stdin_closes() {
+    let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+}
+
 /// Runs one tool (the hidden `net-tool` subcommand).
 pub fn run(a: ToolArgs) -> Result<i32, String> {
     use std::io::Write;
@@ -383,17 +399,17 @@ pub fn run(a: ToolArgs) -> Result<i32, String> {
         let _ = std::io::stdout().flush();
     };
     match a.tool {
-        Tool::Echo { bind: addr, secs } => {
+        Tool::Echo { bind: addr } => {
             let sock = bind(addr)?;
-            ready();
             let stop = AtomicBool::new(false);
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    std::thread::sleep(Duration::from_secs(secs));
-                    stop.store(true, Ordering::Relaxed);
-                });
-                echo_server(&sock, &stop).map(|n| println!("{{\"echoed\":{n}}}"))
-            })?;
+            let n = std::thread::scope(|s| {
+                let h = s.spawn(|| echo_server(&sock, &stop));
+                ready();
+                until_stdin_closes();
+                stop.store(true, Ordering::Relaxed);
+                h.join().map_err(|_| "the echo thread panicked".to_string())
+            })??;
+            println!("{{\"echoed\":{n}}}");
             Ok(0)
         }
         Tool::Sink { bind: addr, first_ms, idle_ms } => {
@@ -405,15 +421,14 @@ pub fn run(a: ToolArgs) -> Result<i32, String> {
             let sock = bind(any_port(to))?;
             print_json(&stream_send(&sock, to, count, size, Duration::from_micros(gap_us))?)
         }
-        Tool::Flood { to, size } => {
+        Tool::Flood { to, size, pps } => {
             let sock = bind(any_port(to))?;
             let stop = AtomicBool::new(false);
             let t0 = Instant::now();
             let sent = std::thread::scope(|s| {
-                let h = s.spawn(|| flood(&sock, to, size, &stop));
+                let h = s.spawn(|| flood(&sock, to, size, pps, &stop));
                 ready();
-                // Runs until the parent closes stdin (or goes away).
-                let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+                until_stdin_closes();
                 stop.store(true, Ordering::Relaxed);
                 h.join().map_err(|_| "the flood thread panicked".to_string())
             })?;
@@ -512,12 +527,26 @@ mod tests {
     }
 
     #[test]
+    fn paced_flooder_sends_until_stopped() {
+        let (target, f) = (lo(), lo());
+        let addr = target.local_addr().expect("addr");
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let h = s.spawn(|| flood(&f, addr, 32, 1000, &stop));
+            let mut buf = [0u8; 64];
+            assert_eq!(target.recv(&mut buf).expect("a flooded datagram"), 32);
+            stop.store(true, Ordering::Relaxed);
+            assert!(h.join().expect("flood thread") >= 1);
+        });
+    }
+
+    #[test]
     fn flooder_sends_until_stopped() {
         let (target, f) = (lo(), lo());
         let addr = target.local_addr().expect("addr");
         let stop = AtomicBool::new(false);
         let n = std::thread::scope(|s| {
-            let h = s.spawn(|| flood(&f, addr, 64, &stop));
+            let h = s.spawn(|| flood(&f, addr, 64, 0, &stop));
             let mut buf = [0u8; 128];
             let got = target.recv(&mut buf).expect("a flooded datagram");
             stop.store(true, Ordering::Relaxed);
