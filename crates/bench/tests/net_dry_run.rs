@@ -21,7 +21,7 @@ case "$*" in
  *"--guest udpping"*) echo "udpping: count=100 lost=0 p50_us=50 p99_us=90 min_us=40 max_us=200"; exit 0;;
  *"--guest udpsink"*) echo "udpsink: up nic=0"; sleep 0.2; echo "udpsink: received=100 lost=0 reordered=0 dup=0"; exit 0;;
  *"--guest udpsend"*"peer=10.0.0.1"*) echo "udpsend: up"; exec "$BENCH" net-tool send --to 10.0.0.1:9 --count 100;;
- *"--guest udpsend"*) echo "udpsend: up"; exit 0;;
+ *"--guest udpsend"*) echo "udpsend: up"; echo "udpsend: sent=100"; exit 0;;
 esac
 echo "fake kumo: unexpected $*" >&2; exit 2
 "#;
