@@ -113,7 +113,7 @@ pub struct Plan {
 
 impl Plan {
     pub fn new(quick: bool, runs: Option<usize>, flood_pps: u64) -> Plan {
-        let (r, rtt, stream) = if quick { (3, 1000, 20_000) } else { (5, 5000, 100_000) };
+        let (r, rtt, stream) = if quick { (3, 3000, 50_000) } else { (5, 10_000, 200_000) };
         Plan {
             runs: runs.unwrap_or(r).max(1),
             rtt_count: rtt,
@@ -785,17 +785,21 @@ pub fn tables(r: &Report) -> String {
         let _ = writeln!(s, "\nVM measurements skipped: {why}");
         return s;
     }
-    let _ = writeln!(s, "\n2. host <-> guest UDP round trip (netecho; interference: NIC 1 flooded from the host)");
     let _ = writeln!(
         s,
-        "   {:<10} {:>5} {:<13} {:>9} {:>9} {:>6} {:>5} {:>11}",
-        "path", "vCPUs", "load", "p50_us", "p99_us", "lost", "runs", "flood_pps"
+        "\n2. host <-> guest UDP round trip (netecho; interference: NIC 1, shared path, flooded from the host;"
+    );
+    let _ = writeln!(s, "   nic1_irqs: NIC 1's interrupts over all runs of the VM, from kumo counters)");
+    let _ = writeln!(
+        s,
+        "   {:<10} {:>5} {:<13} {:>9} {:>9} {:>6} {:>5} {:>11} {:>10}",
+        "path", "vCPUs", "load", "p50_us", "p99_us", "lost", "runs", "flood_pps", "nic1_irqs"
     );
     for x in &r.rtt {
         let lost: u64 = x.rtt.runs.iter().map(|l| l.lost).sum();
         let _ = writeln!(
             s,
-            "   {:<10} {:>5} {:<13} {:>9} {:>9} {:>6} {:>5} {:>11}",
+            "   {:<10} {:>5} {:<13} {:>9} {:>9} {:>6} {:>5} {:>11} {:>10}",
             x.path.label(),
             x.cpus,
             if x.load == Load::Unloaded { "unloaded" } else { "interference" },
@@ -803,7 +807,11 @@ pub fn tables(r: &Report) -> String {
             opt(x.rtt.p99_us, 1),
             lost,
             x.rtt.runs.len(),
-            opt(x.flood_pps, 0)
+            opt(x.flood_pps, 0),
+            x.counters
+                .as_ref()
+                .and_then(|c| c["net"]["net1"]["interrupts"].as_u64())
+                .map_or("n/a".into(), |n| n.to_string())
         );
         for e in &x.rtt.errors {
             let _ = writeln!(s, "      FAILED: {e}");
