@@ -25,6 +25,12 @@ enum Which {
     /// Live migration between kumo processes: throughput against raw loopback TCP, downtime,
     /// the dirty-page model, correctness, QEMU; writes migrate.json and migrate.png.
     Migrate(kumo_bench::migrate::Args),
+    /// The NIC's interrupt paths (seed 000): host<->guest UDP round trips per path, unloaded and
+    /// with interference, VM<->VM ping-pong, throughput against veth; writes net.json and net.png.
+    Net(kumo_bench::net::Args),
+    /// Host-side UDP tools of `net` (run inside network namespaces).
+    #[command(hide = true)]
+    NetTool(kumo_bench::net::tools::ToolArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +38,8 @@ fn main() -> ExitCode {
     let r = match cli.which {
         Which::Boot(a) => kumo_bench::boot::run(a, &cli.out),
         Which::Migrate(a) => kumo_bench::migrate::run(a, &cli.out),
+        Which::Net(a) => kumo_bench::net::run(a, &cli.out),
+        Which::NetTool(a) => kumo_bench::net::tools::run(a),
     };
     match r {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
