@@ -45,6 +45,9 @@ pub struct Args {
     /// the host sends them, which on a small host also starves the vCPUs of CPU time).
     #[arg(long, default_value_t = 20_000)]
     flood_pps: u64,
+    /// The interference's datagram size (bytes of UDP payload).
+    #[arg(long, default_value_t = 1024)]
+    flood_size: usize,
 }
 
 /// Every kumo child stops by itself after this long (s), even if the bench is killed.
@@ -92,6 +95,17 @@ impl IrqPath {
         match self {
             IrqPath::Shared => "irq=shared".into(),
             IrqPath::Dedicated => format!("irq=dedicated,vcpu={vcpu}"),
+        }
+    }
+
+    /// The `irq=` part of `--net` for the other devices (the interference NIC): on the shared
+    /// path every device's interrupts go through the dispatcher (Xen's event channel); with the
+    /// seed's fix no device's interrupt goes through a kumo thread, and the others are
+    /// delivered by KVM where the guest aims them (vCPU 0, a lower vector class).
+    fn others_irq(self) -> String {
+        match self {
+            IrqPath::Shared => "irq=shared".into(),
+            IrqPath::Dedicated => "irq=direct".into(),
         }
     }
 }
@@ -154,7 +168,15 @@ fn cidr(addr: &str) -> String {
 
 /// `kumo-bench net-tool ARGS` in namespace `ns`.
 fn tool(bench: &Path, ns: &str, args: &[String]) -> Result<Proc, String> {
+    tool_on(bench, ns, args, None)
+}
+
+/// [`tool`] on host CPU `cpu` (`taskset`), if given.
+fn tool_on(bench: &Path, ns: &str, args: &[String], cpu: Option<usize>) -> Result<Proc, String> {
     let mut argv = vec![bench.display().to_string(), "net-tool".into()];
+    if let Some(c) = cpu {
+        argv.splice(0..0, ["taskset".to_string(), "-c".into(), c.to_string()]);
+    }
     argv.extend(args.iter().cloned());
     Proc::spawn(Some(ns), &argv)
 }
@@ -232,7 +254,51 @@ fn veth_rtt_once(bench: &Path, plan: &Plan, na: &str, nb: &str) -> Result<Latenc
 }
 
 /// The host RTT client (in `ns`) against `addr:7`.
+/// Host CPUs for the round-trip measurements when there are at least two: the measured path
+/// (the consumer vCPU, NIC 0's thread, the host client) on one, the interference (the flooder,
+/// NIC 1's thread, the other vCPU, the shared path's dispatcher) on the other, the same for
+/// every path. On a 2-core host the interference would otherwise take the CPU time the path
+/// under test needs, and the comparison would measure the host's scheduler, not the path.
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    measured: usize,
+    interference: usize,
+}
+
+fn placement() -> Option<Placement> {
+    let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    (n >= 2).then_some(Placement { measured: 1, interference: 0 })
+}
+
+/// Pins kumo `pid`'s threads by name (`vcpuN`, `net0`, `net1`, `irq-dispatch`) per `p`.
+fn pin_kumo_threads(pid: u32, consumer: u32, p: Placement) -> Result<(), String> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).map_err(|e| format!("kumo's threads: {e}"))?;
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let cpu = match comm.trim() {
+            "net0" => p.measured,
+            c if c == format!("vcpu{consumer}") => p.measured,
+            "net1" | "irq-dispatch" => p.interference,
+            c if c.starts_with("vcpu") => p.interference,
+            _ => continue,
+        };
+        let tid = t.file_name().to_string_lossy().to_string();
+        let o = std::process::Command::new("taskset")
+            .args(["-pc", &cpu.to_string(), &tid])
+            .output()
+            .map_err(|e| format!("taskset: {e}"))?;
+        if !o.status.success() {
+            return Err(format!("taskset -pc {cpu} {tid}: {}", String::from_utf8_lossy(&o.stderr).trim()));
+        }
+    }
+    Ok(())
+}
+
 fn host_rtt_tool(bench: &Path, ns: &str, addr: &str, plan: &Plan) -> Result<Latency, String> {
+    host_rtt_tool_on(bench, ns, addr, plan, None)
+}
+
+fn host_rtt_tool_on(bench: &Path, ns: &str, addr: &str, plan: &Plan, cpu: Option<usize>) -> Result<Latency, String> {
     let args = [
         "rtt".to_string(),
         "--to".into(),
@@ -242,7 +308,7 @@ fn host_rtt_tool(bench: &Path, ns: &str, addr: &str, plan: &Plan) -> Result<Late
         "--size".into(),
         plan.rtt_size.to_string(),
     ];
-    tool(bench, ns, &args)?.json_result(Duration::from_secs(600))
+    tool_on(bench, ns, &args, cpu)?.json_result(Duration::from_secs(600))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -402,7 +468,7 @@ fn host_rtt_into(ctx: &Ctx, path: IrqPath, cpus: u32, quiet: &mut RttRow, loud: 
     let consumer = cpus.saturating_sub(1);
     let nics = [
         Nic { tap: &ctx.tap0, mac: MAC0, irq: path.net_irq(consumer) },
-        Nic { tap: &ctx.tap1, mac: MAC1, irq: IrqPath::Shared.net_irq(0) },
+        Nic { tap: &ctx.tap1, mac: MAC1, irq: path.others_irq() },
     ];
     let mut args = sv(&[
         format!("ip={GUEST0}"),
@@ -418,9 +484,14 @@ fn host_rtt_into(ctx: &Ctx, path: IrqPath, cpus: u32, quiet: &mut RttRow, loud: 
     let mut vm = kumo_vm(ctx, "netecho", cpus, &nics, &args)?;
     wait_up(&mut vm, "netecho", 0)?;
     wait_up(&mut vm, "netecho", 1)?;
+    let place = placement();
+    if let Some(p) = place {
+        pin_kumo_threads(vm.proc.pid(), consumer, p)?;
+    }
+    let (measured, interference) = (place.map(|p| p.measured), place.map(|p| p.interference));
     let mut pps = vec![];
     for _ in 0..ctx.plan.runs {
-        quiet.rtt.push(host_rtt_tool(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan));
+        quiet.rtt.push(host_rtt_tool_on(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan, measured));
         let flood_args = sv(&[
             "flood",
             "--to",
@@ -430,9 +501,9 @@ fn host_rtt_into(ctx: &Ctx, path: IrqPath, cpus: u32, quiet: &mut RttRow, loud: 
             "--pps",
             &ctx.plan.flood_pps.to_string(),
         ]);
-        let mut flood = tool(&ctx.bench, &ctx.ns, &flood_args)?;
+        let mut flood = tool_on(&ctx.bench, &ctx.ns, &flood_args, interference)?;
         wait_ready(&mut flood)?;
-        loud.rtt.push(host_rtt_tool(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan));
+        loud.rtt.push(host_rtt_tool_on(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan, measured));
         flood.close_stdin();
         let f: serde_json::Value = flood.json_result(Duration::from_secs(30))?;
         if let (Some(n), Some(s)) = (f["sent"].as_f64(), f["secs"].as_f64()) {
@@ -787,7 +858,7 @@ pub fn tables(r: &Report) -> String {
     }
     let _ = writeln!(
         s,
-        "\n2. host <-> guest UDP round trip (netecho; interference: NIC 1, shared path, flooded from the host;"
+        "\n2. host <-> guest UDP round trip (netecho; interference: NIC 1 flooded from the host, on the shared path\n   in the shared rows and delivered by KVM to vCPU 0 in the dedicated rows; with 2+ host CPUs the\n   path under test and the interference are pinned to different host CPUs, the same for every row;"
     );
     let _ = writeln!(s, "   nic1_irqs: NIC 1's interrupts over all runs of the VM, from kumo counters)");
     let _ = writeln!(
@@ -1070,7 +1141,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let t0 = Instant::now();
     let (json, png) = (crate::out_file(out, "net.json")?, out.join("net.png"));
     let bench = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
-    let plan = Plan::new(a.quick, a.runs, a.flood_pps);
+    let plan = Plan { flood_size: a.flood_size, ..Plan::new(a.quick, a.runs, a.flood_pps) };
     host::cleanup_on_signals()?;
     host::sweep_stale();
     let mut r = Report {

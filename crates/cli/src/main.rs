@@ -105,7 +105,7 @@ enum Cmd {
     /// Show a running VM's counters as JSON: vCPU exits by reason, emulation assists,
     /// interrupts, migration bytes (needs --api-socket).
     Counters,
-    /// Benchmarks (boot, migrate): runs the `kumo-bench` binary next to kumo with these
+    /// Benchmarks (boot, migrate, net): runs the `kumo-bench` binary next to kumo with these
     /// arguments; `kumo bench --help` lists them. Results go to --out DIR [default:
     /// target/kumo-bench].
     #[command(disable_help_flag = true)]

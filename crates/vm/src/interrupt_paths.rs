@@ -12,6 +12,10 @@
 //!
 //! [`PathRouting`] is the PCI layer's `MsixRouting` for any of the three, so a device is wired
 //! the same way whatever its path.
+//!
+//! The dedicated path is also *prioritized* on the host: the device's own I/O thread and the
+//! vCPU it names run at [`DEDICATED_NICE`] ([`prioritize_this_thread`]), so a busy host (another
+//! device's thread, a flooding sender) does not queue them behind its work.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +50,24 @@ impl std::fmt::Display for IrqPath {
             IrqPath::Dedicated { vcpu } => write!(f, "dedicated (vCPU {vcpu})"),
             IrqPath::Shared => write!(f, "shared"),
         }
+    }
+}
+
+/// The nice value of a dedicated path's host threads (its device thread and vCPU).
+pub const DEDICATED_NICE: i32 = -10;
+
+/// Raises the calling thread to [`DEDICATED_NICE`] (on Linux, nice values are per thread).
+/// Needs CAP_SYS_NICE; without it the path still works, unprioritized, and this says why once.
+pub fn prioritize_this_thread(what: &str) {
+    // SAFETY: setpriority with PRIO_PROCESS and who = 0 only changes the calling thread's nice
+    // value; it takes no pointers.
+    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, DEDICATED_NICE) };
+    if r != 0 {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        let e = std::io::Error::last_os_error();
+        WARNED.call_once(|| {
+            tracing::warn!("dedicated interrupt path: {what} not prioritized (nice {DEDICATED_NICE}): {e}")
+        });
     }
 }
 

@@ -73,11 +73,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl EventLoop {
     /// Starts the loop's thread (named `name`).
     pub fn start(name: &str) -> std::io::Result<EventLoop> {
+        Self::start_with(name, || {})
+    }
+
+    /// [`EventLoop::start`], running `setup` on the new thread first (e.g. to set its priority).
+    pub fn start_with(name: &str, setup: impl FnOnce() + Send + 'static) -> std::io::Result<EventLoop> {
         let state = Arc::new(State { epoll: Epoll::new()?, slots: Mutex::new(HashMap::new()), next_id: Mutex::new(0) });
         let stop = EventFd::new(libc::EFD_NONBLOCK)?;
         state.epoll.ctl(ControlOperation::Add, stop.as_raw_fd(), EpollEvent::new(EventSet::IN, STOP))?;
         let st = state.clone();
-        let thread = std::thread::Builder::new().name(name.into()).spawn(move || run(&st))?;
+        let thread = std::thread::Builder::new().name(name.into()).spawn(move || {
+            setup();
+            run(&st)
+        })?;
         Ok(EventLoop { state, stop, thread: Some(thread) })
     }
 

@@ -174,7 +174,14 @@ impl Nic {
         let clones = clones.map_err(|e| dev_err(format!("eventfd: {e}")))?;
         pci.add_doorbells(slot, 0, doorbells.into_iter().zip(clones).collect());
 
-        let events = EventLoop::start(&id).map_err(|e| dev_err(format!("event loop: {e}")))?;
+        let dedicated = matches!(spec.irq, IrqPath::Dedicated { .. });
+        let what = format!("{id}'s thread");
+        let events = EventLoop::start_with(&id, move || {
+            if dedicated {
+                kumo_vm::interrupt_paths::prioritize_this_thread(&what);
+            }
+        })
+        .map_err(|e| dev_err(format!("event loop: {e}")))?;
         let tap_fds: Vec<i32> = {
             let mut f = lock(&function);
             let net = f.transport().device_mut();

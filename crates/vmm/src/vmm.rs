@@ -353,13 +353,29 @@ impl RunningVm {
         let vm = RunningVm { vm, config, vcpus, shared, devices, started: Instant::now(), exits };
         kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
+        // The vCPUs a NIC's dedicated interrupt path names run prioritized (seed 000).
+        let dedicated: Vec<u32> = vm
+            .config
+            .net
+            .iter()
+            .filter_map(|n| match n.irq {
+                kumo_vm::interrupt_paths::IrqPath::Dedicated { vcpu } => Some(vcpu),
+                _ => None,
+            })
+            .collect();
         for v in &vm.vcpus {
             let (v, bus, sh) = (v.clone(), vm.devices.buses().clone(), vm.shared.clone());
             let id = lock(&v).id;
+            let prioritized = dedicated.contains(&id);
             lock(&vm.shared.ctl).live += 1;
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
-                .spawn(move || vcpu_thread(v, bus, sh))
+                .spawn(move || {
+                    if prioritized {
+                        kumo_vm::interrupt_paths::prioritize_this_thread(&format!("vCPU {id}"));
+                    }
+                    vcpu_thread(v, bus, sh)
+                })
                 .map_err(Error::Thread);
             match t {
                 Ok(t) => lock(&vm.shared.threads).push(t),

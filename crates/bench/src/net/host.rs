@@ -204,6 +204,11 @@ fn collect<R: std::io::Read + Send + 'static>(r: R, lines: Lines) -> std::thread
 }
 
 impl Proc {
+    /// The process id (`ip netns exec` execs its command, so it is the command's).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts `argv` (in namespace `ns` if given, through `ip netns exec`).
     pub fn spawn(ns: Option<&str>, argv: &[String]) -> Result<Proc, String> {
         let mut full: Vec<String> = match ns {
