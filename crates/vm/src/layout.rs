@@ -37,6 +37,7 @@ pub const EBDA_START: u64 = 0x9fc00;
 pub const ACPI_START: u64 = 0xe_0000;
 /// End (exclusive) of the ACPI table area.
 pub const ACPI_END: u64 = 0x10_0000;
+const _: () = assert!(EBDA_START < ACPI_START && ACPI_END <= HIMEM_START, "ACPI tables sit in the reserved low area");
 /// Where kernels and kumo guests are loaded.
 pub const HIMEM_START: u64 = 0x10_0000;
 /// Start of the MMIO hole below 4 GiB.
@@ -263,7 +264,6 @@ mod tests {
             assert!(w[0].0 + w[0].1 <= w[1].0, "{:x?} overlaps {:x?}", w[0], w[1]);
         }
         assert!(TSS_START + MAX_VCPUS as u64 * TSS_STRIDE <= EBDA_START);
-        assert!(EBDA_START < ACPI_START && ACPI_END <= HIMEM_START);
         assert!((GDT_FIRST_TSS as u64 + 2 * MAX_VCPUS as u64) * 8 <= GDT_SIZE);
     }
 }
