@@ -6,7 +6,7 @@
 //! |-------|---------------|
 //! | RSDP (v2) | at 0xE0000, where a legacy scan finds it; points at the XSDT. Linux is also told its address in `boot_params.acpi_rsdp_addr` / PVH `rsdp_paddr` |
 //! | XSDT  | the addresses of FADT, MADT, MCFG, SRAT, SLIT |
-//! | FADT  | hardware-reduced ACPI (kumo emulates no PM1 blocks, SCI, PM timer, FACS); IA-PC boot flags: no VGA, no CMOS RTC, no 8042; points at the DSDT through `X_DSDT` |
+//! | FADT  | hardware-reduced ACPI (kumo emulates no PM1 blocks, SCI, PM timer, FACS), SCI_INT 9 (Linux in PIC mode marks it level-triggered); IA-PC boot flags: no VGA, no CMOS RTC, no 8042; points at the DSDT through `X_DSDT` |
 //! | DSDT  | `\_SB.PCI0` (PNP0A08, bus 0, config ports 0xCF8, I/O windows, the 32-bit BAR window) and `\_SB.MRES` (PNP0C02) reserving the ECAM area, so Linux uses MMCONFIG; empty without PCI |
 //! | MADT  | LAPIC address, one local APIC entry per vCPU (APIC ID = vCPU index), the IOAPIC at 0xFEC00000 with the in-kernel irqchip, an override for the timer (ISA IRQ 0 → GSI 0, kumo routes GSI n to IOAPIC pin n) and LINT1 as NMI |
 //! | MCFG  | ECAM of segment 0, bus 0 (`Pci::ecam_base()`) |
@@ -218,6 +218,10 @@ fn fadt(dsdt: u64) -> Vec<u8> {
     // IA-PC boot architecture: no VGA (bit 2), no CMOS RTC (bit 5); 8042 (bit 1) and legacy
     // devices (bit 0) clear because kumo has neither; MSI allowed (bit 3 clear).
     b.iapc_boot_arch = ((1u16 << 2) | (1 << 5)).into();
+    // Hardware-reduced ACPI has no SCI, but Linux in PIC mode (`noapic`, kumo's default command
+    // line) still marks the FADT's SCI level-triggered in the ELCR: left at 0, that would be the
+    // timer's IRQ. 9 is the PC's SCI and unused in kumo.
+    b.sci_int = 9u16.into();
     bytes(&b.finalize())
 }
 

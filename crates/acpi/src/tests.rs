@@ -83,6 +83,7 @@ fn fadt_is_hardware_reduced_and_points_at_the_dsdt() {
     let flags = u32_at(f, 112);
     assert_ne!(flags & (1 << 20), 0, "HW_REDUCED_ACPI");
     assert_eq!(u16_at(f, 109), (1 << 2) | (1 << 5), "IA-PC boot arch: no VGA, no CMOS RTC");
+    assert_eq!(u16_at(f, 46), 9, "SCI_INT");
     let x_dsdt = u64_at(f, 140);
     assert_eq!(t.find(b"DSDT").unwrap().0, x_dsdt);
     table(&t, b"DSDT");
