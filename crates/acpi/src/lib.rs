@@ -39,7 +39,23 @@
 //! smpboot: Allowing 2 CPUs, 0 hotplug CPUs
 //! ```
 //!
-//! and no "ACPI BIOS Error". Without a topology the SRAT/SLIT lines give way to "No NUMA
+//! and no "ACPI BIOS Error". With a NIC and without `noapic` (no topology), it went on to:
+//!
+//! ```text
+//! IOAPIC[0]: apic_id 0, version 17, address 0xfec00000, GSI 0-23
+//! ACPI: INT_SRC_OVR (bus 0 bus_irq 0 global_irq 0 dfl dfl)
+//! ACPI: Using ACPI (MADT) for SMP configuration information
+//! ACPI: Interpreter enabled
+//! ACPI: PM: (supports S0)
+//! ACPI: Using IOAPIC for interrupt routing
+//! PCI: MMCONFIG at [mem 0xfeb00000-0xfebfffff] reserved in ACPI motherboard resources
+//! ACPI: PCI Root Bridge [PCI0] (domain 0000 [bus 00])
+//! pci_bus 0000:00: root bus resource [mem 0xc0000000-0xfeafffff window]
+//! pci 0000:00:01.0: [1af4:1041] type 00 class 0x020000
+//! PCI: Using ACPI for IRQ routing
+//! ```
+//!
+//! Without a topology the SRAT/SLIT lines give way to "No NUMA
 //! configuration found" / "Faking a node at [mem 0x0000000000000000-0x000000001fffffff]".
 
 mod topology;
