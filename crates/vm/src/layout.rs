@@ -32,6 +32,12 @@ pub const TSS_START: u64 = 0x80000;
 pub const TSS_STRIDE: u64 = 512;
 /// Extended BIOS data area start: end of usable low memory.
 pub const EBDA_START: u64 = 0x9fc00;
+/// ACPI tables (`kumo-acpi`): the RSDP at the start, where a legacy scan of 0xE0000–0xFFFFF finds
+/// it, the other tables after it. Inside the reserved `[EBDA_START, 1 MiB)` entry of the e820 map.
+pub const ACPI_START: u64 = 0xe_0000;
+/// End (exclusive) of the ACPI table area.
+pub const ACPI_END: u64 = 0x10_0000;
+const _: () = assert!(EBDA_START < ACPI_START && ACPI_END <= HIMEM_START, "ACPI tables sit in the reserved low area");
 /// Where kernels and kumo guests are loaded.
 pub const HIMEM_START: u64 = 0x10_0000;
 /// Start of the MMIO hole below 4 GiB.

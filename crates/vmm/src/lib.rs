@@ -9,6 +9,7 @@
 //! - `config`, `api` (the control API's handler), `migration` (source and destination sides);
 //! - `lifecycle`: an empty VMM, which its API tells to restore a snapshot or receive a VM.
 
+pub mod acpi;
 pub mod api;
 pub mod config;
 pub mod counters;
@@ -44,6 +45,8 @@ pub enum Error {
     Devices(String),
     #[error("state: {0}")]
     Persist(#[from] kumo_devices::PersistError),
+    #[error(transparent)]
+    Acpi(#[from] kumo_acpi::AcpiError),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

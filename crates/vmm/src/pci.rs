@@ -177,6 +177,12 @@ impl Pci {
         self.ecam_base
     }
 
+    /// The 32-bit window BARs are placed in (below the ECAM).
+    pub fn bar_window(&self) -> std::ops::Range<u64> {
+        let (start, len) = self.placement.window;
+        start..start + len
+    }
+
     /// Places `dev`'s BARs and puts it on the bus at the lowest free device number.
     pub fn add(&mut self, dev: Arc<Mutex<dyn kumo_devices::pci::PciDevice>>) -> Result<u8> {
         let err = |e: kumo_devices::pci::PciError| Error::Devices(format!("PCI: {e}"));

@@ -343,6 +343,9 @@ impl RunningVm {
 
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
         let devices = DeviceManager::new(&vm, Box::new(sink), &config.net)?;
+        if !incoming {
+            crate::acpi::install(&vm, &devices, entries[0], None)?;
+        }
         if incoming {
             devices.pause();
             devices.set_taps_attached(false);

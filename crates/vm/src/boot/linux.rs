@@ -107,6 +107,8 @@ pub enum LinuxError {
     CmdlineWrite(linux_loader::loader::Error),
     #[error("cannot write the boot parameters to guest memory: {0}")]
     BootParams(linux_loader::configurator::Error),
+    #[error("cannot write the ACPI RSDP address into the boot parameters: {0}")]
+    AcpiRsdp(vm_memory::GuestMemoryError),
 }
 
 /// e820 / PVH memory map entry type: usable RAM.
@@ -319,6 +321,25 @@ fn load_elf(
     }
 }
 
+/// Tells a kernel loaded by [`load_linux`] where the ACPI RSDP is: `boot_params.acpi_rsdp_addr`
+/// on the 64-bit boot protocol (read by kernels of protocol 2.14+; older ones scan
+/// 0xE0000–0xFFFFF, where kumo puts the RSDP too), `hvm_start_info.rsdp_paddr` on PVH.
+pub fn set_acpi_rsdp(mem: &crate::GuestMemory, entry: &LinuxEntry, rsdp: u64) -> Result<(), LinuxError> {
+    let err = LinuxError::AcpiRsdp;
+    match *entry {
+        LinuxEntry::BzImage64 { boot_params: at, .. } => {
+            let mut p: boot_params = mem.read_obj(GuestAddress(at)).map_err(err)?;
+            p.acpi_rsdp_addr = rsdp;
+            mem.write_obj(p, GuestAddress(at)).map_err(err)
+        }
+        LinuxEntry::Pvh { start_info: at, .. } => {
+            let mut si: hvm_start_info = mem.read_obj(GuestAddress(at)).map_err(err)?;
+            si.rsdp_paddr = rsdp;
+            mem.write_obj(si, GuestAddress(at)).map_err(err)
+        }
+    }
+}
+
 enum ElfProbeError {
     NotX86_64,
     Empty,
@@ -497,6 +518,38 @@ mod tests {
                 E820Entry { addr: HIMEM_START, size: 512 * MIB - HIMEM_START, kind: E820_RAM },
             ]
         );
+    }
+
+    #[test]
+    fn e820_reserves_the_acpi_area() {
+        use crate::layout::{ACPI_END, ACPI_START};
+        for mem in [8 * MIB, 512 * MIB, 6 * GIB] {
+            let m = e820_map(&MemoryLayout::new(mem));
+            assert!(
+                m.iter().any(|e| e.kind == E820_RESERVED && e.addr <= ACPI_START && ACPI_END <= e.addr + e.size),
+                "{m:x?}"
+            );
+            assert!(!m.iter().any(|e| e.kind == E820_RAM && e.addr < ACPI_END && ACPI_START < e.addr + e.size));
+        }
+    }
+
+    #[test]
+    fn rsdp_address_reaches_boot_params_and_pvh_start_info() {
+        let mem = guest_mem(64 * MIB);
+        let k = TempFile::new("bz-rsdp", &fake_bzimage());
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", layout: &MemoryLayout::new(64 * MIB) };
+        let entry = load_linux(&mem, &cfg).unwrap();
+        set_acpi_rsdp(&mem, &entry, 0xe_0000).unwrap();
+        let bp: boot_params = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
+        assert_eq!(({ bp.acpi_rsdp_addr }, { bp.hdr.header }), (0xe_0000, KERNEL_HDR_MAGIC));
+
+        let mem = guest_mem(64 * MIB);
+        let k = TempFile::new("elf-rsdp", &fake_elf(true));
+        let cfg = LinuxBootConfig { kernel: &k.0, initrd: None, cmdline: "", layout: &MemoryLayout::new(64 * MIB) };
+        let entry = load_linux(&mem, &cfg).unwrap();
+        set_acpi_rsdp(&mem, &entry, 0xe_0000).unwrap();
+        let si: hvm_start_info = mem.read_obj(GuestAddress(PVH_INFO_START)).unwrap();
+        assert_eq!((si.rsdp_paddr, si.magic), (0xe_0000, XEN_HVM_START_MAGIC_VALUE));
     }
 
     #[test]

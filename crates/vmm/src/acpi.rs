@@ -1,0 +1,32 @@
+//! Gives a new VM its ACPI tables (`kumo-acpi`) and tells a Linux payload where they are.
+
+use kumo_acpi::{AcpiConfig, NumaTopology, PciHost};
+use kumo_vm::linux::{set_acpi_rsdp, LinuxEntry};
+use kumo_vm::{Entry, Vm};
+
+use crate::device_manager::DeviceManager;
+use crate::Result;
+
+/// Writes the tables for `vm` (its vCPUs, irqchip, PCI host bridge and, with `numa`, its NUMA
+/// nodes) and, when vCPU 0 enters Linux (`entry`), puts the RSDP address in its boot
+/// parameters. kumo's own guests find the RSDP by the legacy scan of 0xE0000–0xFFFFF.
+pub fn install(vm: &Vm, devices: &DeviceManager, entry: Option<Entry>, numa: Option<&NumaTopology>) -> Result<()> {
+    let pci = devices.pci();
+    let cfg = AcpiConfig {
+        cpus: vm.ncpus,
+        layout: &vm.memory.layout,
+        irqchip: vm.irqchip,
+        pci: Some(PciHost { ecam_base: pci.ecam_base(), mmio32: pci.bar_window() }),
+        numa,
+    };
+    let rsdp = kumo_acpi::write(&vm.memory.guest, &cfg)?;
+    let linux = match entry {
+        Some(Entry::Linux64 { rip, boot_params }) => Some(LinuxEntry::BzImage64 { entry: rip, boot_params }),
+        Some(Entry::Pvh { rip, start_info }) => Some(LinuxEntry::Pvh { entry: rip, start_info }),
+        _ => None,
+    };
+    if let Some(l) = linux {
+        set_acpi_rsdp(&vm.memory.guest, &l, rsdp).map_err(kumo_vm::Error::from)?;
+    }
+    Ok(())
+}
