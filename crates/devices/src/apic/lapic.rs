@@ -799,7 +799,8 @@ pub struct TimerState {
     pub initial_count: u32,
     pub divide: u32,
     pub armed: bool,
-    /// Time since the count was loaded or the period began.
+    /// Time since the count was loaded (one-shot) or the current period began (periodic).
+    /// Restoring needs a clock at least this far from its origin (a monotonic clock is).
     pub elapsed_ns: u64,
     /// The guest TSC deadline (the guest TSC migrates with the vCPU).
     pub tsc_deadline: u64,
@@ -853,7 +854,7 @@ impl Persist for LocalApic {
                 initial_count: self.timer.initial,
                 divide: self.timer.divide,
                 armed: self.timer.armed,
-                elapsed_ns: now.saturating_sub(self.timer.start_ns),
+                elapsed_ns: self.timer.phase_ns(self.timer_mode(), now),
                 tsc_deadline: self.timer.tsc_deadline,
             },
         })

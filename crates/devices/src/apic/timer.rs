@@ -105,6 +105,17 @@ impl Timer {
         true
     }
 
+    /// Time since the count was loaded (one-shot) or since the current period began
+    /// (periodic, so it stays below a period however long the host left it alone).
+    pub fn phase_ns(&self, mode: TimerMode, now: u64) -> u64 {
+        let elapsed = now.saturating_sub(self.start_ns);
+        if mode == TimerMode::Periodic && self.armed {
+            elapsed % self.period_ns(mode).max(1)
+        } else {
+            elapsed
+        }
+    }
+
     pub fn write_initial(&mut self, mode: TimerMode, value: u32, now: u64) {
         if mode == TimerMode::TscDeadline {
             return;
