@@ -40,7 +40,7 @@ pub struct Ipi {
     pub vector: u8,
     pub level_triggered: bool,
     pub dest: Destination,
-    /// The sender's initial APIC id (for the shorthands).
+    /// The sender's initial APIC id (for the shorthands); `u32::MAX` for an MSI.
     pub source: u32,
 }
 
@@ -89,6 +89,33 @@ pub fn matches(apic: &ApicAddress, dest: u32, mode: DestMode) -> bool {
 }
 
 impl Ipi {
+    /// The interrupt an MSI message (a device's, or an IOAPIC redirection entry's) asks for:
+    /// destination in address bits 19:12 (and 63:40, the extended destination id, for
+    /// x2APIC ids above 255), logical if bit 2; vector, delivery mode and trigger in the data.
+    /// `None` for the modes an MSI cannot carry to kumo (SMI, reserved), or a vector 0–15.
+    pub fn from_msi(address: u64, data: u32) -> Option<Ipi> {
+        let vector = data as u8;
+        let mode = match (data >> 8) & 7 {
+            0b000 => DeliveryMode::Fixed,
+            0b001 => DeliveryMode::LowestPriority,
+            0b100 => DeliveryMode::Nmi,
+            0b101 => DeliveryMode::Init,
+            _ => return None,
+        };
+        if matches!(mode, DeliveryMode::Fixed | DeliveryMode::LowestPriority) && vector < 16 {
+            return None;
+        }
+        let dest_id = ((address >> 12) & 0xFF) as u32 | ((address >> 32) as u32 & 0xFFFF_FF00);
+        let dest_mode = if address & (1 << 2) != 0 { DestMode::Logical } else { DestMode::Physical };
+        Some(Ipi {
+            mode,
+            vector,
+            level_triggered: data & (1 << 15) != 0,
+            dest: Destination::Field(dest_id, dest_mode),
+            source: u32::MAX,
+        })
+    }
+
     /// The indexes in `apics` this IPI reaches. A destination no APIC has reaches no one; a
     /// lowest-priority IPI reaches only the first match.
     pub fn targets(&self, apics: &[ApicAddress]) -> Vec<usize> {

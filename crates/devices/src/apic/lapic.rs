@@ -744,6 +744,10 @@ impl LocalApic {
             }
             X2APIC_MSR_FIRST..=X2APIC_MSR_LAST => {
                 let reg = self.x2apic_reg(msr)?;
+                // Bits 63:32 are reserved in every x2APIC register but the ICR.
+                if reg != Reg::IcrLow && value >> 32 != 0 {
+                    return Err(ApicError { msr, why: Refused::ReservedBits.why() });
+                }
                 self.write_reg(reg, value, true).map_err(|r| ApicError { msr, why: r.why() })
             }
             _ => Err(ApicError { msr, why: "not an APIC MSR" }),

@@ -651,6 +651,9 @@ fn bad_input_register_accesses() {
     assert_eq!(x.write_msr(0x80B, 1).unwrap_err().why, "reserved bits set");
     assert_eq!(x.write_msr(0x828, 1).unwrap_err().why, "reserved bits set");
     assert_eq!(x.read_msr(0x809).unwrap_err().to_string(), "APIC MSR 0x809: reserved register");
+    // Bits 63:32 are reserved but in the ICR.
+    assert_eq!(x.write_msr(0x808, 1 << 32).unwrap_err().why, "reserved bits set");
+    assert_eq!(x.read_msr(0x808), Ok(0));
     for m in X2APIC_MSR_FIRST..=X2APIC_MSR_LAST {
         let _ = x.read_msr(m);
         let _ = x.write_msr(m, u64::MAX);
@@ -715,4 +718,27 @@ fn tsc_deadline_survives_save_restore() {
     b.restore(&s).unwrap();
     assert_eq!(b.read_msr(TSC_DEADLINE_MSR), Ok(T0 + 5000));
     assert_eq!(b.next_deadline(), Some(T0 + 5000));
+}
+
+#[test]
+fn msi_messages_become_interrupts() {
+    let fixed = Ipi::from_msi(0xFEE0_3000, 0x0000_0041).unwrap();
+    assert_eq!(fixed.mode, DeliveryMode::Fixed);
+    assert_eq!(fixed.vector, 0x41);
+    assert_eq!(fixed.dest, Destination::Field(3, DestMode::Physical));
+    let level = Ipi::from_msi(0xFEE0_C004, 0x0000_8151).unwrap();
+    assert_eq!((level.mode, level.level_triggered), (DeliveryMode::LowestPriority, true));
+    assert_eq!(level.dest, Destination::Field(0x0C, DestMode::Logical));
+    // Extended destination id: x2APIC id 0x1_0005.
+    let ext = Ipi::from_msi((0x1_0000u64 << 32) | 0xFEE0_5000, 0x41).unwrap();
+    assert_eq!(ext.dest, Destination::Field(0x1_0005, DestMode::Physical));
+    assert_eq!(Ipi::from_msi(0xFEE0_0000, 0x400).unwrap().mode, DeliveryMode::Nmi);
+    // SMI, reserved modes, ExtINT, an illegal vector: not delivered.
+    for data in [0x241, 0x341, 0x641, 0x741, 0x05] {
+        assert_eq!(Ipi::from_msi(0xFEE0_0000, data), None, "{data:#x}");
+    }
+    // An MSI is no APIC's own: the shorthands never apply, and it reaches its destination.
+    let c = clock(GHZ);
+    let addrs: Vec<ApicAddress> = (0..4).map(|i| LocalApic::new(i, i == 0, c.clone()).address()).collect();
+    assert_eq!(fixed.targets(&addrs), vec![3]);
 }
