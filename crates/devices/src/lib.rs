@@ -6,6 +6,7 @@
 //! vCPU, and save their state through the one persist pattern (`persist`), which the vCPUs and
 //! the VM-wide state in `kumo-vm` use as well.
 
+pub mod apic;
 pub mod bus;
 pub mod debug_port;
 pub mod pci;
