@@ -348,7 +348,10 @@ pub fn mirror(host: &HostTopology, vcpus: u32, memory: u64) -> Result<MirrorPlan
         plan.pins.extend_from_slice(&orders[i][..counts[i]]);
         let vcpus = (first..plan.pins.len() as u32).collect();
         plan.nodes.push(MirrorNode { id: g as u32, host_node: hn.id, vcpus, memory: shares[i] });
-        plan.distances.push(kept.iter().map(|&j| host.distances[i][j]).collect());
+        // A hand-built HostTopology may lack rows: fall back to Linux's defaults, never panic.
+        let distance =
+            |j: usize| host.distances.get(i).and_then(|r| r.get(j)).copied().unwrap_or(if i == j { 10 } else { 20 });
+        plan.distances.push(kept.iter().map(|&j| distance(j)).collect());
     }
     Ok(plan)
 }
