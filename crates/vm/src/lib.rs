@@ -7,6 +7,8 @@
 //! - memory: `memory` (memfd-backed guest RAM), `layout` (the `MemoryLayout` and fixed boot
 //!   addresses), `dirty` (dirty logging for migration);
 //! - boot: `boot` (GDT, TSS, page tables, entry registers) and its Linux loader `boot::linux`;
+//! - the host: `host_topology` (NUMA nodes, CPUs and distances read from sysfs, the
+//!   `--numa mirror` planner, vCPU pin specs, pinning a thread to a host CPU);
 //! - emulation assists: `emulate` (the one x86 decoder and what kumo carries out when nested KVM
 //!   cannot).
 
@@ -14,6 +16,7 @@ pub mod boot;
 pub mod cpuid;
 pub mod dirty;
 pub mod emulate;
+pub mod host_topology;
 pub mod interrupt_paths;
 pub mod interrupts;
 pub mod layout;
