@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 pub use kumo_vm::{parse_size, IrqchipMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
+pub use crate::guest_numa::{NumaConfig, NumaDistance, NumaNodeSpec};
 use crate::Error;
 
 /// What the VM boots.
@@ -59,6 +60,9 @@ pub struct VmConfig {
     /// NICs, in PCI slot order (`net0` first).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net: Vec<NetSpec>,
+    /// Guest NUMA nodes (`--numa`); none: Linux sees one node (no SRAT).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<NumaConfig>,
 }
 
 /// One virtio-net NIC on a host tap: `tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`.
@@ -159,7 +163,7 @@ fn default_memory() -> u64 {
     256 << 20
 }
 
-fn size_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+pub(crate) fn size_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Size {
@@ -183,6 +187,8 @@ pub struct ConfigFile {
     pub payload: Option<Payload>,
     #[serde(default)]
     pub net: Vec<NetSpec>,
+    #[serde(default)]
+    pub numa: Option<NumaConfig>,
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -227,6 +233,7 @@ impl VmConfig {
     pub fn validate(&self) -> Result<(), Error> {
         self.validate_shape()?;
         self.validate_net()?;
+        self.validate_numa()?;
         match &self.payload {
             Payload::Guest { name, args } => {
                 kumo_guests::find(name)?.command_line(args)?;
@@ -261,6 +268,25 @@ impl VmConfig {
             }
         }
         Ok(())
+    }
+
+    /// Checks the guest NUMA nodes, if any: the topology and that each host node exists.
+    pub fn validate_numa(&self) -> Result<(), Error> {
+        self.validate_numa_on(Path::new(crate::guest_numa::HOST_NODE_SYSFS))
+    }
+
+    /// [`Self::validate_numa`] with the host's nodes listed under `sysfs`.
+    pub fn validate_numa_on(&self, sysfs: &Path) -> Result<(), Error> {
+        if let Some(n) = &self.numa {
+            n.topology(self.cpus, self.memory)?;
+            n.check_host_nodes(sysfs)?;
+        }
+        Ok(())
+    }
+
+    /// The guest NUMA topology for the ACPI tables, or None without `numa`.
+    pub fn numa_topology(&self) -> Result<Option<kumo_acpi::NumaTopology>, Error> {
+        self.numa.as_ref().map(|n| n.topology(self.cpus, self.memory)).transpose()
     }
 
     /// A short description of the payload, e.g. `guest:memtouch`.
@@ -328,6 +354,7 @@ mod tests {
             irqchip: IrqchipMode::Kernel,
             payload: guest("hello", &[]),
             net: vec![],
+            numa: None,
         };
         ok.validate().unwrap();
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
@@ -367,6 +394,7 @@ mod tests {
             irqchip: IrqchipMode::Kernel,
             payload,
             net: vec![],
+            numa: None,
         };
         for ok in [
             vm(1, 8 << 20, guest("hello")),
@@ -409,6 +437,8 @@ mod tests {
                 irqchip: IrqchipMode::Kernel,
                 payload: Payload::Guest { name: guest.into(), args: vec![] },
                 net: vec![],
+                numa: None,
+            numa: None,
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };
