@@ -438,7 +438,6 @@ mod tests {
                 payload: Payload::Guest { name: guest.into(), args: vec![] },
                 net: vec![],
                 numa: None,
-            numa: None,
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };
@@ -459,6 +458,49 @@ mod tests {
         let mut d = desc(2, 64 << 20, "memtouch");
         d.cpus = 3;
         assert!(from(&d).unwrap_err().contains("contradicts"));
+    }
+
+    #[test]
+    fn numa_in_files_and_streams() {
+        let t = ConfigFile::load(&write(
+            "n.toml",
+            "cpus = 2\nmemory = \"512M\"\n[[numa.nodes]]\nid = 0\ncpus = [0]\nmemory = \"256M\"\nhost_node = 0\n\
+             [[numa.nodes]]\nid = 1\ncpus = [1]\nmemory = 268435456\n\
+             [[numa.distances]]\nsrc = 0\ndst = 1\nvalue = 21\n",
+        ))
+        .unwrap();
+        let numa = t.numa.unwrap();
+        assert_eq!(numa.nodes[0], NumaNodeSpec { id: 0, cpus: vec![0], memory: 256 << 20, host_node: Some(0) });
+        assert_eq!(numa.nodes[1].memory, 256 << 20);
+        assert_eq!(numa.distances, vec![NumaDistance { src: 0, dst: 1, value: 21 }]);
+        let c = VmConfig {
+            cpus: 2,
+            memory: 512 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
+            net: vec![],
+            numa: Some(numa),
+        };
+        // A config travels in migration streams and snapshots: the topology survives the trip,
+        // and a config without NUMA nodes reads and writes as before.
+        let back: VmConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        assert_eq!(back.numa_topology().unwrap().unwrap().nodes[1].memory, vec![(256 << 20, 256 << 20)]);
+        let plain = VmConfig { numa: None, ..c.clone() };
+        assert!(!serde_json::to_string(&plain).unwrap().contains("numa"));
+        let old: VmConfig =
+            serde_json::from_str(r#"{"cpus": 1, "memory": 67108864, "payload": {"guest": {"name": "hello"}}}"#).unwrap();
+        assert_eq!(old.numa, None);
+        // Host nodes are looked up under the given sysfs root.
+        let root = std::env::temp_dir().join(format!("kumo-cfg-sysfs-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let e = c.validate_numa_on(&root).unwrap_err().to_string();
+        assert!(e.contains("NUMA node 0: host node 0 does not exist"), "{e}");
+        std::fs::create_dir_all(root.join("node0")).unwrap();
+        c.validate_numa_on(&root).unwrap();
+        let e = VmConfig { memory: 1 << 30, ..c }.validate_numa_on(&root).unwrap_err().to_string();
+        assert!(e.contains("sums to 512 MiB, not the VM's memory of 1 GiB"), "{e}");
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
