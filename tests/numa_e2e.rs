@@ -14,9 +14,18 @@ fn bad_numa_options_are_one_line_errors() {
         (&["--numa", n0, "--numa", "node=1,cpus=0-1,memory=128M"], "cpu 0 is in two NUMA nodes: 0 and 1"),
         (&["--numa", n0, "--numa", "node=1,memory=128M"], "cpu 1 is in no NUMA node"),
         (&["--numa", n0, "--numa", "node=1,cpus=1:5,memory=128M"], "cpu 5 does not exist (the VM has 2 vCPUs)"),
-        (&["--numa", n0, "--numa", "node=1,cpus=1,memory=64M"], "NUMA node memory sums to 192 MiB, not the VM's memory of 256 MiB"),
-        (&["--numa", n0, "--numa", "node=1,cpus=1,memory=128M,host-node=4095"], "NUMA node 1: host node 4095 does not exist"),
-        (&["--numa", n0, "--numa", n1, "--numa-distance", "0:1=20", "--numa-distance", "1:0=30"], "not symmetric: 0->1 is 20 but 1->0 is 30"),
+        (
+            &["--numa", n0, "--numa", "node=1,cpus=1,memory=64M"],
+            "NUMA node memory sums to 192 MiB, not the VM's memory of 256 MiB",
+        ),
+        (
+            &["--numa", n0, "--numa", "node=1,cpus=1,memory=128M,host-node=4095"],
+            "NUMA node 1: host node 4095 does not exist",
+        ),
+        (
+            &["--numa", n0, "--numa", n1, "--numa-distance", "0:1=20", "--numa-distance", "1:0=30"],
+            "not symmetric: 0->1 is 20 but 1->0 is 30",
+        ),
         (&["--numa", n0, "--numa", n1, "--numa-distance", "0:0=12"], "from node 0 to itself is 12, must be 10"),
         (&["--numa", n0, "--numa", n1, "--numa-distance", "0:1=255"], "distances between nodes must be 11..=254"),
         (&["--numa", "node=0,cpus=0,1,memory=256M"], "`1` is not key=value"),

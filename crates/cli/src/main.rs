@@ -261,7 +261,11 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
         // TODO(integrator): `--numa mirror` (the host-mirroring planner) goes here; until then
         // NumaNodeSpec::parse refuses it with a "not yet implemented" error.
         specs => Some(kumo_vmm::NumaConfig {
-            nodes: specs.iter().map(|s| kumo_vmm::config::NumaNodeSpec::parse(s)).collect::<Result<_, _>>().map_err(err)?,
+            nodes: specs
+                .iter()
+                .map(|s| kumo_vmm::config::NumaNodeSpec::parse(s))
+                .collect::<Result<_, _>>()
+                .map_err(err)?,
             distances: Vec::new(),
         }),
     };

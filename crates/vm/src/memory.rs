@@ -196,7 +196,7 @@ fn host_run(mem: &GuestMemory, gpa: u64, len: u64, what: &str) -> Result<*mut u8
 /// shared memfd mapping, so the policy lives in the file and holds for every mapping of it.
 pub fn bind_to_host_node(mem: &GuestMemory, gpa: u64, len: u64, node: u32) -> Result<()> {
     const MPOL_MF_MOVE: libc::c_uint = 1 << 1;
-    if gpa % 4096 != 0 || len % 4096 != 0 || len == 0 {
+    if !gpa.is_multiple_of(4096) || !len.is_multiple_of(4096) || len == 0 {
         return Err(Error::Memory(format!("bind {gpa:#x}+{len:#x}: not whole 4 KiB pages")));
     }
     let host = host_run(mem, gpa, len, "bind")?;

@@ -489,7 +489,8 @@ mod tests {
         let plain = VmConfig { numa: None, ..c.clone() };
         assert!(!serde_json::to_string(&plain).unwrap().contains("numa"));
         let old: VmConfig =
-            serde_json::from_str(r#"{"cpus": 1, "memory": 67108864, "payload": {"guest": {"name": "hello"}}}"#).unwrap();
+            serde_json::from_str(r#"{"cpus": 1, "memory": 67108864, "payload": {"guest": {"name": "hello"}}}"#)
+                .unwrap();
         assert_eq!(old.numa, None);
         // Host nodes are looked up under the given sysfs root.
         let root = std::env::temp_dir().join(format!("kumo-cfg-sysfs-{}", std::process::id()));

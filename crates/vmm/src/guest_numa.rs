@@ -134,7 +134,8 @@ impl NumaConfig {
                     )));
                 }
             }
-            if let Some(e) = self.distances[..i].iter().find(|e| e.src == d.src && e.dst == d.dst && e.value != d.value) {
+            if let Some(e) = self.distances[..i].iter().find(|e| e.src == d.src && e.dst == d.dst && e.value != d.value)
+            {
                 return Err(Error::Config(format!(
                     "NUMA distance {}:{} is given twice: {} and {}",
                     d.src, d.dst, e.value, d.value
@@ -242,7 +243,11 @@ mod tests {
             (two(n0, "node=1,cpus=0-1,memory=256M"), vec![], "cpu 0 is in two NUMA nodes: 0 and 1"),
             (two(n0, "node=1,memory=256M"), vec![], "cpu 1 is in no NUMA node"),
             (two(n0, "node=1,cpus=1-2,memory=256M"), vec![], "cpu 2 does not exist (the VM has 2 vCPUs)"),
-            (two(n0, "node=1,cpus=1,memory=128M"), vec![], "NUMA node memory sums to 384 MiB, not the VM's memory of 512 MiB"),
+            (
+                two(n0, "node=1,cpus=1,memory=128M"),
+                vec![],
+                "NUMA node memory sums to 384 MiB, not the VM's memory of 512 MiB",
+            ),
             (two(n0, "node=2,cpus=1,memory=256M"), vec![], "ids must be 0..2"),
             (two(n0, n1), vec!["0:1=20", "1:0=30"], "not symmetric: 0->1 is 20 but 1->0 is 30"),
             (two(n0, n1), vec!["1:1=11"], "from node 1 to itself is 11, must be 10"),
