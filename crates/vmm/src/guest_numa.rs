@@ -201,6 +201,23 @@ impl NumaConfig {
         }
         out
     }
+
+    /// The nodes as `vm.info` shows them (empty if the topology does not check, which a running
+    /// VM's cannot).
+    pub fn info(&self, cpus: u32, memory: u64) -> Vec<kumo_api::NumaNodeInfo> {
+        let Ok(topo) = self.topology(cpus, memory) else { return Vec::new() };
+        let ids: Vec<u32> = topo.nodes.iter().map(|n| n.id).collect();
+        topo.nodes
+            .iter()
+            .map(|n| kumo_api::NumaNodeInfo {
+                id: n.id,
+                cpus: n.cpus.clone(),
+                memory_bytes: n.memory.iter().map(|r| r.1).sum(),
+                host_node: self.nodes.iter().find(|s| s.id == n.id).and_then(|s| s.host_node),
+                distances: ids.iter().map(|&b| topo.distance(n.id, b)).collect(),
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -287,6 +304,9 @@ mod tests {
         c.check_host_nodes(&root).unwrap();
         let t = c.topology(2, 512 * MIB).unwrap();
         assert_eq!(c.bindings(&t), vec![(0, 256 * MIB, 0), (256 * MIB, 256 * MIB, 0)]);
+        let info = c.info(2, 512 * MIB);
+        assert_eq!((info[1].id, &info[1].cpus, info[1].memory_bytes), (1, &vec![1], 256 * MIB));
+        assert_eq!((info[1].host_node, &info[1].distances), (Some(0), &vec![20, 10]));
         let c = cfg(&["node=0,cpus=0,memory=256M,host-node=0", "node=1,cpus=1,memory=256M,host-node=1"], &[]).unwrap();
         let e = c.check_host_nodes(&root).unwrap_err().to_string();
         assert!(e.contains("NUMA node 1: host node 1 does not exist (no ") && e.contains("node1)"), "{e}");
