@@ -221,6 +221,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 ("--cmdline", a.cmdline.is_some()),
                 ("--net", !a.net.is_empty()),
                 ("--numa", !a.numa.is_empty()),
+                ("--numa-distance", !a.numa_distance.is_empty()),
                 ("guest arguments", !a.guest_args.is_empty()),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
