@@ -314,6 +314,7 @@ fn crafted_headers_get_a_failed_reply() {
             irqchip: IrqchipMode::Kernel,
             payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
             net: vec![],
+            numa: None,
         };
         VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
     };

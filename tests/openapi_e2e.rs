@@ -109,8 +109,19 @@ fn every_route_answers_as_the_document_says() {
     let dir = TestDir::new();
     let sock = dir.path("src.sock");
     let s = sock.to_str().unwrap();
-    let src =
-        Kid::spawn(&["run", "--guest", "memtouch", "pages=256", "until_input=1", "--memory", "64M", "--api-socket", s]);
+    let src = Kid::spawn(&[
+        "run",
+        "--guest",
+        "memtouch",
+        "pages=256",
+        "until_input=1",
+        "--memory",
+        "64M",
+        "--api-socket",
+        s,
+        "--numa",
+        "node=0,cpus=0,memory=64M",
+    ]);
     src.wait_stdout("memtouch: pages=", PATIENCE);
     api_up(&sock);
 

@@ -54,6 +54,7 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         irqchip: Default::default(),
         payload: Payload::Guest { name: "memtouch".into(), args: args.iter().map(|s| s.to_string()).collect() },
         net: vec![],
+        numa: None,
     }
 }
 

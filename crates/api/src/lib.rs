@@ -66,6 +66,24 @@ pub struct VmInfo {
     /// The VM's NICs, net0 first.
     #[serde(default)]
     pub net: Vec<NetInfo>,
+    /// The guest's NUMA nodes (`--numa`), node 0 first; empty without them.
+    #[serde(default)]
+    pub numa: Vec<NumaNodeInfo>,
+}
+
+/// A guest NUMA node in [`VmInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NumaNodeInfo {
+    /// Node id, its ACPI proximity domain.
+    pub id: u32,
+    /// Its vCPUs.
+    pub cpus: Vec<u32>,
+    pub memory_bytes: u64,
+    /// The host node its memory is bound to, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_node: Option<u32>,
+    /// Its distance to each node, node 0 first (its SLIT row).
+    pub distances: Vec<u8>,
 }
 
 /// A NIC in [`VmInfo`].

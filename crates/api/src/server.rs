@@ -601,6 +601,7 @@ mod tests {
                 uptime_ms: 1234,
                 kumo_version: KUMO_VERSION.into(),
                 net: Vec::new(),
+                numa: Vec::new(),
             }
         }
         fn calls(&self) -> Vec<ApiRequest> {

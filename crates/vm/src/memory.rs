@@ -162,23 +162,68 @@ impl Memory {
 /// (`MADV_POPULATE_WRITE`). On nested hosts a demand fault per page costs several times more:
 /// a migration receiver populates each incoming run of pages before copying it.
 pub fn populate(mem: &GuestMemory, gpa: u64, len: u64) -> Result<()> {
-    use vm_memory::GuestMemoryBackend;
     const MADV_POPULATE_WRITE: libc::c_int = 23; // Linux 5.14
-    let host = mem
-        .get_host_address(vm_memory::GuestAddress(gpa))
-        .map_err(|e| Error::Memory(format!("populate {gpa:#x}: {e}")))?;
-    // The run must lie inside one region: check its last byte maps contiguously.
-    let last = mem
-        .get_host_address(vm_memory::GuestAddress(gpa + len - 1))
-        .map_err(|e| Error::Memory(format!("populate {gpa:#x}+{len:#x}: {e}")))?;
-    if last as usize != host as usize + len as usize - 1 {
-        return Err(Error::Memory(format!("populate {gpa:#x}+{len:#x} spans two regions")));
-    }
-    // SAFETY: the range lies within one live mapping of guest memory (checked above);
+    let host = host_run(mem, gpa, len, "populate")?;
+    // SAFETY: the range lies within one live mapping of guest memory (checked by host_run);
     // MADV_POPULATE_WRITE only faults pages in, it does not change their contents.
     let r = unsafe { libc::madvise(host as *mut libc::c_void, len as usize, MADV_POPULATE_WRITE) };
     if r != 0 {
         return Err(Error::Memory(format!("madvise(POPULATE_WRITE): {}", std::io::Error::last_os_error())));
+    }
+    Ok(())
+}
+
+/// The host address of `[gpa, gpa + len)`, which must lie inside one region (`what` names the
+/// caller in errors).
+fn host_run(mem: &GuestMemory, gpa: u64, len: u64, what: &str) -> Result<*mut u8> {
+    use vm_memory::GuestMemoryBackend;
+    let host = mem
+        .get_host_address(vm_memory::GuestAddress(gpa))
+        .map_err(|e| Error::Memory(format!("{what} {gpa:#x}: {e}")))?;
+    // The run must lie inside one region: check its last byte maps contiguously.
+    let last = mem
+        .get_host_address(vm_memory::GuestAddress(gpa + len.max(1) - 1))
+        .map_err(|e| Error::Memory(format!("{what} {gpa:#x}+{len:#x}: {e}")))?;
+    if last as usize != host as usize + len.max(1) as usize - 1 {
+        return Err(Error::Memory(format!("{what} {gpa:#x}+{len:#x} spans two regions")));
+    }
+    Ok(host)
+}
+
+/// Binds guest memory `[gpa, gpa + len)` (page-aligned, inside one region) to host NUMA node
+/// `node` with `mbind(MPOL_BIND)`: pages faulted from now on come from that node, and pages
+/// already there are moved (`MPOL_MF_MOVE`, those only this process maps). Guest memory is a
+/// shared memfd mapping, so the policy lives in the file and holds for every mapping of it.
+pub fn bind_to_host_node(mem: &GuestMemory, gpa: u64, len: u64, node: u32) -> Result<()> {
+    const MPOL_MF_MOVE: libc::c_uint = 1 << 1;
+    if !gpa.is_multiple_of(4096) || !len.is_multiple_of(4096) || len == 0 {
+        return Err(Error::Memory(format!("bind {gpa:#x}+{len:#x}: not whole 4 KiB pages")));
+    }
+    let host = host_run(mem, gpa, len, "bind")?;
+    let bits = u64::BITS as usize;
+    let mut mask = vec![0u64; node as usize / bits + 1];
+    mask[node as usize / bits] |= 1 << (node as usize % bits);
+    // The kernel reads maxnode - 1 bits of the mask.
+    let maxnode = (mask.len() * bits + 1) as libc::c_ulong;
+    // SAFETY: the range lies within one live mapping of guest memory (checked by host_run) and
+    // `mask` holds maxnode - 1 bits; mbind changes only the placement policy of those pages.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mbind,
+            host as *mut libc::c_void,
+            len as libc::c_ulong,
+            libc::MPOL_BIND,
+            mask.as_ptr(),
+            maxnode,
+            MPOL_MF_MOVE,
+        )
+    };
+    if r != 0 {
+        return Err(Error::Memory(format!(
+            "cannot bind guest memory [{gpa:#x}, {:#x}) to host node {node}: mbind: {}",
+            gpa + len,
+            std::io::Error::last_os_error()
+        )));
     }
     Ok(())
 }
@@ -348,6 +393,52 @@ mod tests {
         populate(&m.guest, 0x10_0000, 0x40_0000).unwrap();
         assert_eq!(m.guest.read_obj::<u64>(GuestAddress(0x10_0000)).unwrap(), 0, "contents unchanged");
         assert!(populate(&m.guest, 0xff_f000, 0x2000).is_err(), "past the end of memory");
+    }
+
+    /// `/proc/self/numa_maps` lines of the mappings starting in `[start, end)`.
+    fn numa_maps(start: usize, end: usize) -> Vec<String> {
+        let text = std::fs::read_to_string("/proc/self/numa_maps").unwrap();
+        text.lines()
+            .filter(|l| {
+                let a = l.split_whitespace().next().and_then(|a| usize::from_str_radix(a, 16).ok());
+                a.is_some_and(|a| (start..end).contains(&a))
+            })
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn bind_to_host_node_sets_the_policy_of_each_range() {
+        if !std::path::Path::new("/sys/devices/system/node/node0").is_dir() {
+            eprintln!("skipping bind_to_host_node_sets_the_policy_of_each_range: no host NUMA node 0");
+            return;
+        }
+        use vm_memory::GuestMemoryBackend;
+        let m = Memory::new(16 << 20).unwrap();
+        // A page touched before the bind is moved; the rest are faulted after it.
+        m.guest.write_obj(1u64, GuestAddress(0x9000)).unwrap();
+        let base = m.guest.get_host_address(GuestAddress(0)).unwrap() as usize;
+        let at = |off: usize| {
+            numa_maps(base, base + (16 << 20))
+                .into_iter()
+                .rfind(|l| usize::from_str_radix(l.split(' ').next().unwrap(), 16).unwrap() <= base + off)
+                .unwrap_or_else(|| panic!("no numa_maps line for {:#x}", base + off))
+        };
+        // Two guest nodes, both on this one-node host's node 0: the first alone bound, the
+        // mapping is split where the policy changes.
+        bind_to_host_node(&m.guest, 0, 8 << 20, 0).unwrap();
+        assert!(at(0).contains(" bind:0 "), "{}", at(0));
+        assert!(at(8 << 20).contains(" default "), "{}", at(8 << 20));
+        bind_to_host_node(&m.guest, 8 << 20, 8 << 20, 0).unwrap();
+        m.guest.write_obj(2u64, GuestAddress(0xa0_0000)).unwrap();
+        for off in [0, 8 << 20, (16 << 20) - 4096] {
+            assert!(at(off).contains(" bind:0 "), "{}", at(off));
+        }
+        assert!(at(0).contains(" N0="), "pages on node 0: {}", at(0));
+        assert!(bind_to_host_node(&m.guest, 0x1000, 0x800, 0).unwrap_err().to_string().contains("4 KiB pages"));
+        assert!(bind_to_host_node(&m.guest, 15 << 20, 2 << 20, 0).is_err(), "past the end of memory");
+        let e = bind_to_host_node(&m.guest, 0, 4096, 1000).unwrap_err().to_string();
+        assert!(e.contains("to host node 1000: mbind"), "{e}");
     }
 
     #[test]

@@ -77,6 +77,7 @@ impl VmApi {
                 uptime_ms: e.since.elapsed().as_millis() as u64,
                 kumo_version: KUMO_VERSION.to_string(),
                 net: Vec::new(),
+                numa: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration.status())?)),
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
@@ -161,6 +162,7 @@ impl VmApi {
                 uptime_ms: inc.since.elapsed().as_millis() as u64,
                 kumo_version: KUMO_VERSION.to_string(),
                 net: Vec::new(),
+                numa: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&inc.status())?)),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
@@ -186,6 +188,7 @@ pub fn info(vm: &RunningVm) -> VmInfo {
         uptime_ms: vm.uptime().as_millis() as u64,
         kumo_version: KUMO_VERSION.to_string(),
         net: vm.nics(),
+        numa: c.numa.as_ref().map(|n| n.info(c.cpus, c.memory)).unwrap_or_default(),
     }
 }
 

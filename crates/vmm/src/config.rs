@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 pub use kumo_vm::{parse_size, IrqchipMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
+pub use crate::guest_numa::{NumaConfig, NumaDistance, NumaNodeSpec};
 use crate::Error;
 
 /// What the VM boots.
@@ -59,6 +60,9 @@ pub struct VmConfig {
     /// NICs, in PCI slot order (`net0` first).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net: Vec<NetSpec>,
+    /// Guest NUMA nodes (`--numa`); none: Linux sees one node (no SRAT).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<NumaConfig>,
 }
 
 /// One virtio-net NIC on a host tap: `tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`.
@@ -159,7 +163,7 @@ fn default_memory() -> u64 {
     256 << 20
 }
 
-fn size_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+pub(crate) fn size_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Size {
@@ -183,6 +187,8 @@ pub struct ConfigFile {
     pub payload: Option<Payload>,
     #[serde(default)]
     pub net: Vec<NetSpec>,
+    #[serde(default)]
+    pub numa: Option<NumaConfig>,
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -227,6 +233,7 @@ impl VmConfig {
     pub fn validate(&self) -> Result<(), Error> {
         self.validate_shape()?;
         self.validate_net()?;
+        self.validate_numa()?;
         match &self.payload {
             Payload::Guest { name, args } => {
                 kumo_guests::find(name)?.command_line(args)?;
@@ -261,6 +268,25 @@ impl VmConfig {
             }
         }
         Ok(())
+    }
+
+    /// Checks the guest NUMA nodes, if any: the topology and that each host node exists.
+    pub fn validate_numa(&self) -> Result<(), Error> {
+        self.validate_numa_on(Path::new(crate::guest_numa::HOST_NODE_SYSFS))
+    }
+
+    /// [`Self::validate_numa`] with the host's nodes listed under `sysfs`.
+    pub fn validate_numa_on(&self, sysfs: &Path) -> Result<(), Error> {
+        if let Some(n) = &self.numa {
+            n.topology(self.cpus, self.memory)?;
+            n.check_host_nodes(sysfs)?;
+        }
+        Ok(())
+    }
+
+    /// The guest NUMA topology for the ACPI tables, or None without `numa`.
+    pub fn numa_topology(&self) -> Result<Option<kumo_acpi::NumaTopology>, Error> {
+        self.numa.as_ref().map(|n| n.topology(self.cpus, self.memory)).transpose()
     }
 
     /// A short description of the payload, e.g. `guest:memtouch`.
@@ -328,6 +354,7 @@ mod tests {
             irqchip: IrqchipMode::Kernel,
             payload: guest("hello", &[]),
             net: vec![],
+            numa: None,
         };
         ok.validate().unwrap();
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
@@ -367,6 +394,7 @@ mod tests {
             irqchip: IrqchipMode::Kernel,
             payload,
             net: vec![],
+            numa: None,
         };
         for ok in [
             vm(1, 8 << 20, guest("hello")),
@@ -409,6 +437,7 @@ mod tests {
                 irqchip: IrqchipMode::Kernel,
                 payload: Payload::Guest { name: guest.into(), args: vec![] },
                 net: vec![],
+                numa: None,
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };
@@ -429,6 +458,50 @@ mod tests {
         let mut d = desc(2, 64 << 20, "memtouch");
         d.cpus = 3;
         assert!(from(&d).unwrap_err().contains("contradicts"));
+    }
+
+    #[test]
+    fn numa_in_files_and_streams() {
+        let t = ConfigFile::load(&write(
+            "n.toml",
+            "cpus = 2\nmemory = \"512M\"\n[[numa.nodes]]\nid = 0\ncpus = [0]\nmemory = \"256M\"\nhost_node = 0\n\
+             [[numa.nodes]]\nid = 1\ncpus = [1]\nmemory = 268435456\n\
+             [[numa.distances]]\nsrc = 0\ndst = 1\nvalue = 21\n",
+        ))
+        .unwrap();
+        let numa = t.numa.unwrap();
+        assert_eq!(numa.nodes[0], NumaNodeSpec { id: 0, cpus: vec![0], memory: 256 << 20, host_node: Some(0) });
+        assert_eq!(numa.nodes[1].memory, 256 << 20);
+        assert_eq!(numa.distances, vec![NumaDistance { src: 0, dst: 1, value: 21 }]);
+        let c = VmConfig {
+            cpus: 2,
+            memory: 512 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
+            net: vec![],
+            numa: Some(numa),
+        };
+        // A config travels in migration streams and snapshots: the topology survives the trip,
+        // and a config without NUMA nodes reads and writes as before.
+        let back: VmConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        assert_eq!(back.numa_topology().unwrap().unwrap().nodes[1].memory, vec![(256 << 20, 256 << 20)]);
+        let plain = VmConfig { numa: None, ..c.clone() };
+        assert!(!serde_json::to_string(&plain).unwrap().contains("numa"));
+        let old: VmConfig =
+            serde_json::from_str(r#"{"cpus": 1, "memory": 67108864, "payload": {"guest": {"name": "hello"}}}"#)
+                .unwrap();
+        assert_eq!(old.numa, None);
+        // Host nodes are looked up under the given sysfs root.
+        let root = std::env::temp_dir().join(format!("kumo-cfg-sysfs-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let e = c.validate_numa_on(&root).unwrap_err().to_string();
+        assert!(e.contains("NUMA node 0: host node 0 does not exist"), "{e}");
+        std::fs::create_dir_all(root.join("node0")).unwrap();
+        c.validate_numa_on(&root).unwrap();
+        let e = VmConfig { memory: 1 << 30, ..c }.validate_numa_on(&root).unwrap_err().to_string();
+        assert!(e.contains("sums to 512 MiB, not the VM's memory of 1 GiB"), "{e}");
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod counters;
 pub mod device_manager;
 pub mod event_loop;
 pub mod event_monitor;
+pub mod guest_numa;
 pub mod lifecycle;
 pub mod migration;
 pub mod nic;
@@ -24,7 +25,7 @@ pub mod persist;
 pub mod snapshot;
 pub mod vmm;
 
-pub use config::{ConfigFile, NetSpec, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
+pub use config::{ConfigFile, NetSpec, NumaConfig, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
 pub use vmm::{monotonic_ns, Outcome, RunReport, RunningVm, Snapshot, Timings};
 
 #[derive(Debug, thiserror::Error)]

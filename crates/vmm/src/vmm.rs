@@ -262,15 +262,23 @@ impl RunningVm {
         let start_ns = monotonic_ns();
         if incoming {
             config.validate_shape()?;
+            config.validate_numa()?;
         } else {
             config.validate()?;
         }
+        let numa = config.numa_topology()?;
         let vm = match memfd {
             Some(f) => Vm::with_memory(config.cpus, kumo_vm::Memory::from_file(f, config.memory)?, config.irqchip)?,
             None => Vm::new(config.cpus, config.memory, config.irqchip)?,
         };
         let mem = &vm.memory.guest;
         let layout = &vm.memory.layout;
+        // Before anything is written: the guest's pages are then faulted on their host node.
+        if let (Some(n), Some(t)) = (&config.numa, &numa) {
+            for (gpa, len, node) in n.bindings(t) {
+                kumo_vm::memory::bind_to_host_node(mem, gpa, len, node)?;
+            }
+        }
         // An incoming VM's memory comes from the source (for a local migration it *is* the
         // source's memory): writing boot structures would clobber the guest.
         if !incoming {
@@ -344,7 +352,7 @@ impl RunningVm {
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
         let devices = DeviceManager::new(&vm, Box::new(sink), &config.net)?;
         if !incoming {
-            crate::acpi::install(&vm, &devices, entries[0], None)?;
+            crate::acpi::install(&vm, &devices, entries[0], numa.as_ref())?;
         }
         if incoming {
             devices.pause();
