@@ -29,11 +29,15 @@ fn bad_numa_options_are_one_line_errors() {
         (&["--numa", n0, "--numa", n1, "--numa-distance", "0:0=12"], "from node 0 to itself is 12, must be 10"),
         (&["--numa", n0, "--numa", n1, "--numa-distance", "0:1=255"], "distances between nodes must be 11..=254"),
         (&["--numa", "node=0,cpus=0,1,memory=256M"], "`1` is not key=value"),
-        (&["--numa", "mirror"], "--numa mirror: not yet implemented"),
+        (&["--numa", "mirror", "--numa", n1], "--numa mirror is given alone"),
+        (&["--numa", "mirror", "--cpus", "4096"], "4096 vCPUs but this host has"),
         (&["--numa-distance", "0:1=20"], "--numa-distance given, but no NUMA nodes"),
     ];
     for (flags, want) in cases {
-        let mut args = vec!["run", "--cpus", "2", "--memory", "256M"];
+        let mut args = vec!["run", "--memory", "256M"];
+        if !flags.contains(&"--cpus") {
+            args.extend_from_slice(&["--cpus", "2"]);
+        }
         args.extend_from_slice(flags);
         args.extend_from_slice(&["--guest", "hello"]);
         let o = kumo(&args);
@@ -41,4 +45,48 @@ fn bad_numa_options_are_one_line_errors() {
         assert_eq!(o.status.code(), Some(1), "{flags:?}: {err}");
         assert!(err.contains(want) && err.trim().lines().count() == 1, "{flags:?}: want `{want}` in `{err}`");
     }
+}
+
+/// `--numa mirror` reproduces this host's nodes and pins each vCPU to a host CPU of its own.
+#[test]
+fn numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes() {
+    if !kvm_or_skip("numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes") {
+        return;
+    }
+    let host = match kumo_vm::host_topology::HostTopology::read_live() {
+        Ok(h) => h,
+        Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
+    };
+    let dir = TestDir::new();
+    let sock = dir.arg("api.sock");
+    let mut vm = Kid::spawn(&[
+        "run",
+        "--api-socket",
+        &sock,
+        "--cpus",
+        "1",
+        "--numa",
+        "mirror",
+        "--guest",
+        "memtouch",
+        "until_input=1",
+    ]);
+    vm.wait_stdout("memtouch: pages=", PATIENCE);
+    let info = eventually(PATIENCE, || kumo_api::ApiClient::new(&sock).info().ok());
+    let nodes = info.numa;
+    assert!(!nodes.is_empty() && nodes.len() <= host.nodes.len(), "{nodes:?}");
+    assert_eq!(nodes.iter().map(|n| n.memory_bytes).sum::<u64>(), 256 << 20, "{nodes:?}");
+    // vCPU 0's thread is pinned to one host CPU, the one the plan chose.
+    let plan = kumo_vm::host_topology::mirror(&host, 1, 256 << 20).unwrap();
+    let task = std::fs::read_dir(format!("/proc/{}/task", vm.id()))
+        .unwrap()
+        .flatten()
+        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "vcpu0"))
+        .expect("a vcpu0 thread");
+    let status = std::fs::read_to_string(task.path().join("status")).unwrap();
+    let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string();
+    assert_eq!(allowed, plan.pins[0].to_string(), "{status}");
+    vm.stop_guest();
+    let (code, out, err) = vm.wait();
+    assert_eq!(code, Some(0), "{out}\n{err}");
 }

@@ -55,6 +55,7 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         payload: Payload::Guest { name: "memtouch".into(), args: args.iter().map(|s| s.to_string()).collect() },
         net: vec![],
         numa: None,
+        pins: vec![],
     }
 }
 

@@ -257,10 +257,19 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
         None => file.irqchip.unwrap_or_default(),
     };
     let err = |e: kumo_vmm::Error| e.to_string();
+    let cpus = a.cpus.or(file.cpus).unwrap_or(1);
+    let memory = a.memory.or(file.memory).unwrap_or(256 << 20);
+    let mut pins = Vec::new();
     let mut numa = match a.numa.as_slice() {
         [] => file.numa,
-        // TODO(integrator): `--numa mirror` (the host-mirroring planner) goes here; until then
-        // NumaNodeSpec::parse refuses it with a "not yet implemented" error.
+        [m] if m.trim() == "mirror" => {
+            // Full vNUMA: the host's nodes and distances, each vCPU pinned to a host CPU.
+            use kumo_vm::host_topology::{mirror, HostTopology};
+            let host = HostTopology::read_live().map_err(|e| format!("--numa mirror: {e}"))?;
+            let plan = mirror(&host, cpus, memory).map_err(|e| e.to_string())?;
+            pins.clone_from(&plan.pins);
+            Some(kumo_vmm::NumaConfig::from_mirror(&plan))
+        }
         specs => Some(kumo_vmm::NumaConfig {
             nodes: specs
                 .iter()
@@ -280,8 +289,8 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             .map_err(err)?;
     }
     Ok(Some(VmConfig {
-        cpus: a.cpus.or(file.cpus).unwrap_or(1),
-        memory: a.memory.or(file.memory).unwrap_or(256 << 20),
+        cpus,
+        memory,
         irqchip,
         payload,
         net: if a.net.is_empty() {
@@ -290,6 +299,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             a.net.iter().map(|s| NetSpec::parse(s)).collect::<Result<_, _>>().map_err(|e| e.to_string())?
         },
         numa,
+        pins,
     }))
 }
 

@@ -63,6 +63,10 @@ pub struct VmConfig {
     /// Guest NUMA nodes (`--numa`); none: Linux sees one node (no SRAT).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa: Option<NumaConfig>,
+    /// Host CPU of each vCPU (`pins[v]`, from `--numa mirror`); empty: not pinned. A property
+    /// of this host, so not carried to a migration's destination.
+    #[serde(skip)]
+    pub pins: Vec<u32>,
 }
 
 /// One virtio-net NIC on a host tap: `tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`.
@@ -355,6 +359,7 @@ mod tests {
             payload: guest("hello", &[]),
             net: vec![],
             numa: None,
+            pins: vec![],
         };
         ok.validate().unwrap();
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
@@ -395,6 +400,7 @@ mod tests {
             payload,
             net: vec![],
             numa: None,
+            pins: vec![],
         };
         for ok in [
             vm(1, 8 << 20, guest("hello")),
@@ -438,6 +444,7 @@ mod tests {
                 payload: Payload::Guest { name: guest.into(), args: vec![] },
                 net: vec![],
                 numa: None,
+                pins: vec![],
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };
@@ -480,6 +487,7 @@ mod tests {
             payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
             net: vec![],
             numa: Some(numa),
+            pins: vec![],
         };
         // A config travels in migration streams and snapshots: the topology survives the trip,
         // and a config without NUMA nodes reads and writes as before.

@@ -79,8 +79,7 @@ impl NumaNodeSpec {
     pub fn parse(s: &str) -> Result<NumaNodeSpec, Error> {
         let bad = |m: String| Error::Config(format!("--numa {s}: {m}"));
         if s.trim() == "mirror" {
-            // TODO(integrator): the host-mirroring planner replaces this.
-            return Err(Error::Config("--numa mirror: not yet implemented (give the nodes with --numa node=…)".into()));
+            return Err(Error::Config("--numa mirror is given alone, not among --numa node=… specs".into()));
         }
         let (mut id, mut cpus, mut memory, mut host_node) = (None, None, None, None);
         for part in s.split(',') {
@@ -100,6 +99,27 @@ impl NumaNodeSpec {
             memory: memory.ok_or_else(|| bad("memory=SIZE is required".into()))?,
             host_node,
         })
+    }
+}
+
+impl NumaConfig {
+    /// The guest topology of a `--numa mirror` plan: guest node i is host node i (memory bound
+    /// to it), with the host's distances.
+    pub fn from_mirror(plan: &kumo_vm::host_topology::MirrorPlan) -> NumaConfig {
+        let nodes = plan
+            .nodes
+            .iter()
+            .map(|n| NumaNodeSpec { id: n.id, cpus: n.vcpus.clone(), memory: n.memory, host_node: Some(n.host_node) })
+            .collect();
+        let mut distances = Vec::new();
+        for (i, row) in plan.distances.iter().enumerate() {
+            for (j, &value) in row.iter().enumerate() {
+                if i != j {
+                    distances.push(NumaDistance { src: i as u32, dst: j as u32, value });
+                }
+            }
+        }
+        NumaConfig { nodes, distances }
     }
 }
 
@@ -285,7 +305,7 @@ mod tests {
             ("node=x,cpus=0,memory=1G", "node `x` is not a number"),
             ("node=0,cpu=0,memory=1G", "unknown key `cpu`"),
             ("node=0,cpus=0,memory=lots", "not a size"),
-            ("mirror", "--numa mirror: not yet implemented"),
+            ("mirror", "--numa mirror is given alone"),
         ] {
             let e = NumaNodeSpec::parse(spec).unwrap_err().to_string();
             assert!(e.contains(want) && !e.contains('\n'), "want {want:?}, got {e:?}");

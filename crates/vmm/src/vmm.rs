@@ -378,10 +378,16 @@ impl RunningVm {
             let (v, bus, sh) = (v.clone(), vm.devices.buses().clone(), vm.shared.clone());
             let id = lock(&v).id;
             let prioritized = dedicated.contains(&id);
+            let pin = vm.config.pins.get(id as usize).copied();
             lock(&vm.shared.ctl).live += 1;
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
                 .spawn(move || {
+                    if let Some(cpu) = pin {
+                        if let Err(e) = kumo_vm::host_topology::pin_thread(cpu) {
+                            tracing::warn!("vCPU {id} not pinned to host CPU {cpu}: {e}");
+                        }
+                    }
                     if prioritized {
                         kumo_vm::interrupt_paths::prioritize_this_thread(&format!("vCPU {id}"));
                     }
