@@ -90,3 +90,51 @@ fn numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes() {
     let (code, out, err) = vm.wait();
     assert_eq!(code, Some(0), "{out}\n{err}");
 }
+
+/// The `numa` guest prints exactly the configured topology, read from kumo's SRAT and SLIT, and
+/// measures every vCPU against every node.
+#[test]
+fn the_numa_guest_sees_the_configured_topology() {
+    if !kvm_or_skip("the_numa_guest_sees_the_configured_topology") {
+        return;
+    }
+    use kumo_guests::numa::{parse_accesses, parse_topology, Node};
+    let o = kumo(&[
+        "run",
+        "--cpus",
+        "3",
+        "--memory",
+        "256M",
+        "--numa",
+        "node=0,cpus=0,memory=64M",
+        "--numa",
+        "node=1,cpus=1-2,memory=192M",
+        "--numa-distance",
+        "0:1=21",
+        "--guest",
+        "numa",
+        "mib=2",
+    ]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
+    let t = parse_topology(&out).unwrap_or_else(|| panic!("no topology:\n{out}"));
+    assert_eq!(
+        t.nodes,
+        [
+            Node { id: 0, cpus: vec![0], memory: vec![(0, 64 << 20)] },
+            Node { id: 1, cpus: vec![1, 2], memory: vec![(64 << 20, 256 << 20)] },
+        ],
+        "{out}"
+    );
+    assert_eq!(t.distances, [[10, 21], [21, 10]]);
+    let mut seen: Vec<(u32, u32)> = parse_accesses(&out).iter().map(|a| (a.vcpu, a.node)).collect();
+    seen.sort();
+    assert_eq!(seen, [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)], "{out}");
+
+    // Without --numa: one node with every vCPU and all RAM, as Linux would fake it.
+    let o = kumo(&["run", "--cpus", "2", "--memory", "128M", "--guest", "numa", "measure=0"]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
+    let t = parse_topology(&out).unwrap_or_else(|| panic!("no topology:\n{out}"));
+    assert_eq!(t.nodes, [Node { id: 0, cpus: vec![0, 1], memory: vec![(0, 128 << 20)] }], "{out}");
+}
