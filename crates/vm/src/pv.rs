@@ -173,7 +173,9 @@ impl PvRequest {
             match part.split_once('=') {
                 None if part == "dedicated" => r = PvRequest::from_set(PvSet::DEDICATED),
                 None if part == "shared" => r = PvRequest::from_set(PvSet::SHARED),
-                None => return Err(bad(format!("`{part}` is neither a preset (dedicated, shared) nor FEATURE=on|off"))),
+                None => {
+                    return Err(bad(format!("`{part}` is neither a preset (dedicated, shared) nor FEATURE=on|off")))
+                }
                 Some((k, v)) => {
                     let on = match v {
                         "on" => true,
@@ -225,6 +227,21 @@ fn set_by_name(s: &mut PvSet, name: &str, on: bool) {
 /// KVM's supported EAX of leaf 0x4000_0001 in `cpuid`, if the leaf is there.
 pub fn supported_eax(cpuid: &CpuId) -> Option<u32> {
     cpuid.as_slice().iter().find(|e| e.function == FEATURES_LEAF).map(|e| e.eax)
+}
+
+/// This host's KVM_GET_SUPPORTED_CPUID EAX of leaf 0x4000_0001 (see `supported_eax`).
+pub fn host_supported_eax(kvm: &kvm_ioctls::Kvm) -> crate::Result<Option<u32>> {
+    let c = kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(|e| crate::Error::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
+    Ok(supported_eax(&c))
+}
+
+/// Whether `pins` (host CPU of each vCPU, `pins[v]`) gives each of `ncpus` vCPUs a host CPU
+/// of its own: then the PV defaults are those for dedicated vCPUs.
+pub fn pins_dedicated(pins: &[u32], ncpus: u32) -> bool {
+    let pairs: Vec<(u32, u32)> = pins.iter().enumerate().map(|(v, &h)| (v as u32, h)).collect();
+    !pairs.is_empty() && crate::host_topology::is_dedicated(&pairs, ncpus)
 }
 
 /// Writes `set` into leaf 0x4000_0001 of `cpuid`; bits outside the controlled ones (clock
@@ -322,6 +339,14 @@ mod tests {
             let e = PvRequest::parse(s).unwrap_err().to_string();
             assert!(!e.contains('\n') && e.starts_with("--pv "), "{e}");
         }
+    }
+
+    #[test]
+    fn dedicated_needs_a_host_cpu_per_vcpu() {
+        assert!(pins_dedicated(&[2, 3], 2));
+        assert!(!pins_dedicated(&[2, 2], 2));
+        assert!(!pins_dedicated(&[2], 2));
+        assert!(!pins_dedicated(&[], 2));
     }
 
     #[test]
