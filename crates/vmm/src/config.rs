@@ -529,4 +529,28 @@ mod tests {
         assert!(e.contains("too large"), "{e}");
         assert_eq!(ConfigFile::load(&write("g.toml", "memory = \"1.5G\"\n")).unwrap().memory, Some(3 << 29));
     }
+
+    /// The PV choice travels in migration streams and snapshots; a config without one reads
+    /// and writes as before (no `pv` key).
+    #[test]
+    fn pv_travels_and_old_configs_read_as_before() {
+        use kumo_vm::pv::{PvRequest, PvSet};
+        let c = VmConfig {
+            cpus: 1,
+            memory: 64 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: Payload::Guest { name: "hello".into(), args: vec![] },
+            net: vec![],
+            numa: None,
+            pins: vec![],
+            pv: Default::default(),
+        };
+        let v = serde_json::to_value(&c).unwrap();
+        assert!(v.get("pv").is_none(), "{v}");
+        assert_eq!(serde_json::from_value::<VmConfig>(v).unwrap(), c);
+        let c = VmConfig { pv: PvRequest::from_set(PvSet::DEDICATED), ..c };
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["pv"]["realtime"], true);
+        assert_eq!(serde_json::from_value::<VmConfig>(v).unwrap(), c);
+    }
 }
