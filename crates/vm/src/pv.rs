@@ -52,12 +52,14 @@ const CONTROLLED_EAX: u32 =
     bits::STEAL_TIME | bits::PV_UNHALT | bits::PV_TLB_FLUSH | bits::POLL_CONTROL | bits::PV_SEND_IPI;
 
 impl PvSet {
-    /// Dedicated vCPUs: the realtime hint (Linux then skips PV spinlocks, PV TLB flush and PV
-    /// sched-yield, and loads cpuidle-haltpoll), poll control so the guest's haltpoll can turn
-    /// KVM's host-side polling off; no steal time, no PV unhalt.
+    /// Dedicated vCPUs: the realtime hint (Linux then uses native qspinlocks instead of the PV
+    /// halt-and-kick path, skips PV TLB flush and PV sched-yield, and loads cpuidle-haltpoll),
+    /// poll control so the guest's haltpoll can turn KVM's host-side polling off, no steal
+    /// time. PV unhalt stays advertised: older Linux checks it before the hint and, without
+    /// it, keeps the test-and-set `virt_spin_lock` instead of native qspinlocks.
     pub const DEDICATED: PvSet = PvSet {
         steal_time: false,
-        pv_unhalt: false,
+        pv_unhalt: true,
         tlb_flush: false,
         poll_control: true,
         pv_ipi: false,
@@ -306,8 +308,8 @@ mod tests {
         apply(&mut c, &set);
         let (eax, edx) = leaf(&c);
         assert_eq!(edx, bits::HINTS_REALTIME);
-        assert_eq!(eax & (bits::STEAL_TIME | bits::PV_UNHALT | bits::PV_TLB_FLUSH | bits::PV_SEND_IPI), 0);
-        assert_ne!(eax & bits::POLL_CONTROL, 0);
+        assert_eq!(eax & (bits::STEAL_TIME | bits::PV_TLB_FLUSH | bits::PV_SEND_IPI), 0);
+        assert_eq!(eax & (bits::POLL_CONTROL | bits::PV_UNHALT), bits::POLL_CONTROL | bits::PV_UNHALT);
     }
 
     #[test]
