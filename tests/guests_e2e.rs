@@ -316,6 +316,7 @@ fn crafted_headers_get_a_failed_reply() {
             net: vec![],
             numa: None,
             pins: vec![],
+            pv: Default::default(),
         };
         VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
     };

@@ -56,6 +56,7 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         net: vec![],
         numa: None,
         pins: vec![],
+        pv: Default::default(),
     }
 }
 

@@ -186,6 +186,13 @@ struct RunArgs {
     /// otherwise. Given, it replaces a config file's distances.
     #[arg(long, value_name = "SRC:DST=VALUE", conflicts_with_all = ["incoming", "restore"])]
     numa_distance: Vec<String>,
+    /// KVM paravirtual features (docs/pv-features.md): `dedicated` or `shared` (presets) and/or
+    /// FEATURE=on|off, comma-separated, later items overriding; features: steal-time,
+    /// pv-unhalt, tlb-flush, poll-control, pv-ipi, realtime (the KVM_HINTS_REALTIME hint).
+    /// Unset ones: `dedicated` when every vCPU has a host CPU of its own (--numa mirror), else
+    /// `shared`. Given, it replaces a config file's pv.
+    #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
+    pv: Option<String>,
     /// Guest arguments, key=value (with --guest).
     #[arg(value_name = "KEY=VALUE")]
     guest_args: Vec<String>,
@@ -222,6 +229,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 ("--net", !a.net.is_empty()),
                 ("--numa", !a.numa.is_empty()),
                 ("--numa-distance", !a.numa_distance.is_empty()),
+                ("--pv", a.pv.is_some()),
                 ("guest arguments", !a.guest_args.is_empty()),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
@@ -300,6 +308,10 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
         },
         numa,
         pins,
+        pv: match &a.pv {
+            Some(s) => kumo_vm::pv::PvRequest::parse(s).map_err(|e| e.to_string())?,
+            None => file.pv.unwrap_or_default(),
+        },
     }))
 }
 

@@ -21,6 +21,7 @@ pub mod interrupt_paths;
 pub mod interrupts;
 pub mod layout;
 pub mod memory;
+pub mod pv;
 pub mod state;
 pub mod vcpu;
 pub mod vm;

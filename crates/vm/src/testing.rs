@@ -35,7 +35,7 @@ impl RawGuest {
             vm.memory.guest.write_slice(bytes, GuestAddress(*addr)).unwrap();
         }
         let vcpu = vm.create_vcpu(0).unwrap();
-        vcpu.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: CODE })).unwrap();
+        vcpu.configure(&vm.kvm, 1, Some(Entry::KumoGuest { rip: CODE }), &crate::pv::PvSet::SHARED).unwrap();
         let mut buses = Buses::default();
         buses.pio.insert(kumo_devices::EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort))).unwrap();
         Some(RawGuest { vm, vcpu, buses })

@@ -86,12 +86,14 @@ impl Vcpu {
         self.assists
     }
 
-    /// Sets CPUID, MSRs, LAPIC LINT pins and, if `entry` is given, the boot register state.
-    /// vCPUs without an entry stay in KVM's reset state (an AP waiting for INIT/SIPI).
-    pub fn configure(&self, kvm: &Kvm, ncpus: u32, entry: Option<Entry>) -> Result<()> {
+    /// Sets CPUID (with the PV features `pv`), MSRs, LAPIC LINT pins and, if `entry` is given,
+    /// the boot register state. vCPUs without an entry stay in KVM's reset state (an AP waiting
+    /// for INIT/SIPI).
+    pub fn configure(&self, kvm: &Kvm, ncpus: u32, entry: Option<Entry>, pv: &crate::pv::PvSet) -> Result<()> {
         let mut c =
             kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(|e| Error::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
         cpuid::filter(&mut c, self.id, ncpus);
+        crate::pv::apply(&mut c, pv);
         self.fd.set_cpuid2(&c).map_err(|e| Error::Kvm("KVM_SET_CPUID2", e))?;
 
         let msrs = Msrs::from_entries(&[kvm_msr_entry {
@@ -124,6 +126,11 @@ impl Vcpu {
             }
         }
         Ok(())
+    }
+
+    /// The CPUID KVM holds for this vCPU (KVM_GET_CPUID2).
+    pub fn cpuid(&self) -> Result<kvm_bindings::CpuId> {
+        self.fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(|e| Error::Kvm("KVM_GET_CPUID2", e))
     }
 
     pub fn regs(&self) -> Result<kvm_bindings::kvm_regs> {

@@ -67,6 +67,11 @@ pub struct VmConfig {
     /// of this host, so not carried to a migration's destination.
     #[serde(skip)]
     pub pins: Vec<u32>,
+    /// KVM paravirtual features (`--pv`, docs/pv-features.md); unset ones follow the vCPUs'
+    /// placement. The VMM stores the resolved set here at boot, so a migration stream carries
+    /// it and the guest's CPUID does not change on the destination.
+    #[serde(default, skip_serializing_if = "kumo_vm::pv::PvRequest::is_default")]
+    pub pv: kumo_vm::pv::PvRequest,
 }
 
 /// One virtio-net NIC on a host tap: `tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`.
@@ -193,6 +198,8 @@ pub struct ConfigFile {
     pub net: Vec<NetSpec>,
     #[serde(default)]
     pub numa: Option<NumaConfig>,
+    #[serde(default)]
+    pub pv: Option<kumo_vm::pv::PvRequest>,
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -360,6 +367,7 @@ mod tests {
             net: vec![],
             numa: None,
             pins: vec![],
+            pv: Default::default(),
         };
         ok.validate().unwrap();
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
@@ -401,6 +409,7 @@ mod tests {
             net: vec![],
             numa: None,
             pins: vec![],
+            pv: Default::default(),
         };
         for ok in [
             vm(1, 8 << 20, guest("hello")),
@@ -445,6 +454,7 @@ mod tests {
                 net: vec![],
                 numa: None,
                 pins: vec![],
+                pv: Default::default(),
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };
@@ -488,6 +498,7 @@ mod tests {
             net: vec![],
             numa: Some(numa),
             pins: vec![],
+            pv: Default::default(),
         };
         // A config travels in migration streams and snapshots: the topology survives the trip,
         // and a config without NUMA nodes reads and writes as before.
@@ -517,5 +528,29 @@ mod tests {
         let e = ConfigFile::load(&write("f.toml", "memory = \"99999999999T\"\n")).unwrap_err().to_string();
         assert!(e.contains("too large"), "{e}");
         assert_eq!(ConfigFile::load(&write("g.toml", "memory = \"1.5G\"\n")).unwrap().memory, Some(3 << 29));
+    }
+
+    /// The PV choice travels in migration streams and snapshots; a config without one reads
+    /// and writes as before (no `pv` key).
+    #[test]
+    fn pv_travels_and_old_configs_read_as_before() {
+        use kumo_vm::pv::{PvRequest, PvSet};
+        let c = VmConfig {
+            cpus: 1,
+            memory: 64 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: Payload::Guest { name: "hello".into(), args: vec![] },
+            net: vec![],
+            numa: None,
+            pins: vec![],
+            pv: Default::default(),
+        };
+        let v = serde_json::to_value(&c).unwrap();
+        assert!(v.get("pv").is_none(), "{v}");
+        assert_eq!(serde_json::from_value::<VmConfig>(v).unwrap(), c);
+        let c = VmConfig { pv: PvRequest::from_set(PvSet::DEDICATED), ..c };
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["pv"]["realtime"], true);
+        assert_eq!(serde_json::from_value::<VmConfig>(v).unwrap(), c);
     }
 }

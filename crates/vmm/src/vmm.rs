@@ -254,7 +254,7 @@ impl RunningVm {
     }
 
     fn build(
-        config: VmConfig,
+        mut config: VmConfig,
         serial: Box<dyn Write + Send>,
         incoming: bool,
         memfd: Option<std::fs::File>,
@@ -304,6 +304,15 @@ impl RunningVm {
             timings: Mutex::new(Timings { start_ns, ..Default::default() }),
         });
 
+        // PV features: resolved once and stored fully set, so a migration stream carries the
+        // guest's CPUID as it is here (the destination's pins do not change it).
+        let dedicated = kumo_vm::pv::pins_dedicated(&config.pins, config.cpus);
+        let pv = config
+            .pv
+            .resolve(kumo_vm::pv::host_supported_eax(&vm.kvm)?, dedicated)
+            .map_err(|e| Error::Config(e.to_string()))?;
+        config.pv = kumo_vm::pv::PvRequest::from_set(pv);
+        tracing::info!(pv = %pv.describe(), dedicated, "paravirtual features");
         let vcpus: Vec<Vcpu> = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;
         let entries: Vec<Option<Entry>> = match &config.payload {
             // Memory and registers arrive with the migration stream.
@@ -346,7 +355,7 @@ impl RunningVm {
             }
         };
         for (v, e) in vcpus.iter().zip(&entries) {
-            v.configure(&vm.kvm, config.cpus, *e)?;
+            v.configure(&vm.kvm, config.cpus, *e, &pv)?;
         }
 
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
