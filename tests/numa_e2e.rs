@@ -130,16 +130,8 @@ fn cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them() {
     }
     let dir = TestDir::new();
     let sock = dir.arg("api.sock");
-    let mut vm = Kid::spawn(&[
-        "run",
-        "--api-socket",
-        &sock,
-        "--cpus",
-        "2,pin=0@0,1@1",
-        "--guest",
-        "memtouch",
-        "until_input=1",
-    ]);
+    let mut vm =
+        Kid::spawn(&["run", "--api-socket", &sock, "--cpus", "2,pin=0@0,1@1", "--guest", "memtouch", "until_input=1"]);
     vm.wait_stdout("memtouch: pages=", PATIENCE);
     let c = kumo_api::ApiClient::new(&sock);
     let info = eventually(PATIENCE, || c.info().ok());
