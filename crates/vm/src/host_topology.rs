@@ -397,22 +397,25 @@ pub fn parse_pins(spec: &str, vcpus: u32, online: &[u32]) -> Result<Vec<(u32, u3
 }
 
 /// Parses the value of `--cpus`: `N` or `N,pin=SPEC` ([`parse_pins`] reads `SPEC`, so
-/// `--cpus 2,pin=0@0,1@1` and `--cpus 2,pin=0@0:1@1` both work). Returns the vCPU count and,
-/// per vCPU, its host CPU (`None`: not pinned, it floats); no `pin=`: all `None`.
+/// `--cpus 2,pin=0@0,1@1` and `--cpus 2,pin=0@0:1@1` both work). Returns the vCPU count and
+/// `pins[v]`, the host CPU of vCPU `v` (`None`, or past the end: not pinned, it floats); no
+/// `pin=`: empty. The count itself is checked where the VM is (at least 1, KVM's limit).
 pub fn parse_cpus_arg(arg: &str, online: &[u32]) -> std::result::Result<(u32, Vec<Option<u32>>), String> {
     let (n, rest) = arg.split_once(',').unwrap_or((arg, ""));
-    let n: u32 = match n.trim().parse() {
-        Ok(n) if n > 0 => n,
-        _ => return Err(format!("--cpus {arg}: {n:?} is not a vCPU count (give N or N,pin=V@H:V@H)")),
-    };
-    let mut pins = vec![None; n as usize];
+    let n: u32 = n
+        .trim()
+        .parse()
+        .map_err(|_| format!("--cpus {arg}: {n:?} is not a vCPU count (give N or N,pin=V@H:V@H)"))?;
     if rest.is_empty() {
-        return Ok((n, pins));
+        return Ok((n, Vec::new()));
     }
     let spec = rest
         .strip_prefix("pin=")
         .ok_or_else(|| format!("--cpus {arg}: {rest:?} is not pin=SPEC (give N or N,pin=V@H:V@H)"))?;
-    for (v, h) in parse_pins(spec, n, online).map_err(|e| format!("--cpus: {e}"))? {
+    let pairs = parse_pins(spec, n, online).map_err(|e| format!("--cpus: {e}"))?;
+    // Sized by the pinned vCPUs (each below n), not by n: a huge n is refused later, not here.
+    let mut pins = vec![None; pairs.last().map_or(0, |&(v, _)| v as usize + 1)];
+    for (v, h) in pairs {
         pins[v as usize] = Some(h);
     }
     Ok((n, pins))

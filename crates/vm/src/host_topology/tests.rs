@@ -326,11 +326,14 @@ fn pins_this_thread_to_cpu_0() {
 #[test]
 fn cpus_arg() {
     let online = [0, 1, 2, 3];
-    assert_eq!(parse_cpus_arg("2", &online).unwrap(), (2, vec![None, None]));
+    assert_eq!(parse_cpus_arg("2", &online).unwrap(), (2, vec![]));
+    // The count's own limits are the VM's to check, with their own messages.
+    assert_eq!(parse_cpus_arg("0", &online).unwrap(), (0, vec![]));
+    assert_eq!(parse_cpus_arg("4294967295", &online).unwrap(), (u32::MAX, vec![]));
     assert_eq!(parse_cpus_arg("2,pin=0@2,1@3", &online).unwrap(), (2, vec![Some(2), Some(3)]));
     assert_eq!(parse_cpus_arg("2,pin=0@0:1@1", &online).unwrap(), (2, vec![Some(0), Some(1)]));
     // Only some vCPUs pinned: the others float.
-    assert_eq!(parse_cpus_arg("3,pin=1@3", &online).unwrap(), (3, vec![None, Some(3), None]));
+    assert_eq!(parse_cpus_arg("3,pin=1@3", &online).unwrap(), (3, vec![None, Some(3)]));
     let bad = |arg: &str, want: &str| {
         let e = parse_cpus_arg(arg, &online).unwrap_err();
         assert!(e.contains(want), "{arg:?}: {e}");
@@ -343,7 +346,7 @@ fn cpus_arg() {
     bad("2,pin=", "empty");
     bad("2,affinity=0@1", "is not pin=SPEC");
     bad("two", "is not a vCPU count");
-    bad("0", "is not a vCPU count");
+    bad("-1", "is not a vCPU count");
     bad("", "is not a vCPU count");
 }
 
