@@ -402,10 +402,8 @@ pub fn parse_pins(spec: &str, vcpus: u32, online: &[u32]) -> Result<Vec<(u32, u3
 /// `pin=`: empty. The count itself is checked where the VM is (at least 1, KVM's limit).
 pub fn parse_cpus_arg(arg: &str, online: &[u32]) -> std::result::Result<(u32, Vec<Option<u32>>), String> {
     let (n, rest) = arg.split_once(',').unwrap_or((arg, ""));
-    let n: u32 = n
-        .trim()
-        .parse()
-        .map_err(|_| format!("--cpus {arg}: {n:?} is not a vCPU count (give N or N,pin=V@H:V@H)"))?;
+    let n: u32 =
+        n.trim().parse().map_err(|_| format!("--cpus {arg}: {n:?} is not a vCPU count (give N or N,pin=V@H:V@H)"))?;
     if rest.is_empty() {
         return Ok((n, Vec::new()));
     }
