@@ -1,5 +1,6 @@
-//! End to end: `kumo run --numa …` refuses bad guest NUMA topologies with one-line errors
-//! (exit status 1) before any VM is built, so these cases need no /dev/kvm.
+//! End to end: `kumo run --numa …` and `--cpus N,pin=…` refuse bad topologies and pins with
+//! one-line errors (exit status 1) before any VM is built, so these cases need no /dev/kvm;
+//! `--numa mirror` and `--cpus N,pin=` pin vCPU threads, and `vm.pin` re-pins them (KVM).
 
 mod common;
 
@@ -32,6 +33,13 @@ fn bad_numa_options_are_one_line_errors() {
         (&["--numa", "mirror", "--numa", n1], "--numa mirror is given alone"),
         (&["--numa", "mirror", "--cpus", "4096"], "4096 vCPUs but this host has"),
         (&["--numa-distance", "0:1=20"], "--numa-distance given, but no NUMA nodes"),
+        (&["--cpus", "2,pin=0@0,0@1"], "vCPU 0 is pinned twice"),
+        (&["--cpus", "2,pin=0@4095"], "host CPU 4095 is not online"),
+        (&["--cpus", "2,pin=2@0"], "vCPU 2 does not exist (the VM has 2 vCPUs)"),
+        (&["--cpus", "2,pin=zero@one"], "is not vCPU@hostCPU"),
+        (&["--cpus", "2,pinned=0@0"], "is not pin=SPEC"),
+        (&["--cpus", "two"], "is not a vCPU count"),
+        (&["--numa", "mirror", "--cpus", "1,pin=0@0"], "--cpus N,pin= and --numa mirror both pin vCPUs"),
     ];
     for (flags, want) in cases {
         let mut args = vec!["run", "--memory", "256M"];
@@ -137,4 +145,72 @@ fn the_numa_guest_sees_the_configured_topology() {
     assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
     let t = parse_topology(&out).unwrap_or_else(|| panic!("no topology:\n{out}"));
     assert_eq!(t.nodes, [Node { id: 0, cpus: vec![0, 1], memory: vec![(0, 128 << 20)] }], "{out}");
+}
+
+/// The `Cpus_allowed_list` of each `vcpuN` thread of process `pid`, vCPU 0 first.
+fn vcpu_affinities(pid: u32, vcpus: u32) -> Vec<String> {
+    (0..vcpus)
+        .map(|v| {
+            let task = std::fs::read_dir(format!("/proc/{pid}/task"))
+                .unwrap()
+                .flatten()
+                .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == format!("vcpu{v}")))
+                .unwrap_or_else(|| panic!("no vcpu{v} thread"));
+            let status = std::fs::read_to_string(task.path().join("status")).unwrap();
+            status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string()
+        })
+        .collect()
+}
+
+/// `--cpus 2,pin=0@0,1@1` pins each vCPU thread at start; `vm.pin` re-pins vCPU 1 and unpins
+/// it, running and paused, and `vm.info` reads each pin back.
+#[test]
+fn cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them() {
+    if !kvm_or_skip("cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them") {
+        return;
+    }
+    let online = match kumo_vm::host_topology::HostTopology::read_live() {
+        Ok(h) => h.online_cpus(),
+        Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
+    };
+    if !(online.contains(&0) && online.contains(&1)) || kumo_vm::host_topology::thread_affinity().unwrap().len() < 2 {
+        return eprintln!("skipping: needs host CPUs 0 and 1 online and allowed");
+    }
+    let dir = TestDir::new();
+    let sock = dir.arg("api.sock");
+    let mut vm =
+        Kid::spawn(&["run", "--api-socket", &sock, "--cpus", "2,pin=0@0,1@1", "--guest", "memtouch", "until_input=1"]);
+    vm.wait_stdout("memtouch: pages=", PATIENCE);
+    let c = kumo_api::ApiClient::new(&sock);
+    let info = eventually(PATIENCE, || c.info().ok());
+    assert_eq!(info.vcpu_pins, [Some(0), Some(1)]);
+    assert_eq!(vcpu_affinities(vm.id(), 2), ["0", "1"]);
+
+    // Re-pinned through the API, then through `kumo pin` while paused.
+    c.pin(1, Some(0)).unwrap();
+    assert_eq!(vcpu_affinities(vm.id(), 2), ["0", "0"]);
+    assert_eq!(c.info().unwrap().vcpu_pins, [Some(0), Some(0)]);
+    c.pause().unwrap();
+    let o = kumo(&["--api-socket", &sock, "pin", "--vcpu", "1", "--cpu", "none"]);
+    assert_eq!(o.status.code(), Some(0), "{:?}", text(&o));
+    assert_eq!(c.info().unwrap().vcpu_pins, [Some(0), None]);
+    assert_ne!(vcpu_affinities(vm.id(), 2)[1], "0");
+    c.resume().unwrap();
+
+    // Bad requests are 400s with a message naming the problem; the pins stay.
+    for (vcpu, cpu, want) in [(2, Some(0), "vCPU 2 does not exist"), (0, Some(4095), "host CPU 4095 is not online")] {
+        let body = serde_json::json!({"vcpu": vcpu, "cpu": cpu});
+        let (status, b) = c.request("PUT", "/api/v1/vm.pin", Some(&body)).unwrap();
+        assert_eq!(status, 400, "{body}");
+        assert!(b.unwrap()["error"].as_str().unwrap().contains(want), "{body}");
+    }
+    let o = kumo(&["--api-socket", &sock, "pin", "--vcpu", "5", "--cpu", "0"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("vCPU 5 does not exist") && err.trim().lines().count() == 1, "{err}");
+    assert_eq!(c.info().unwrap().vcpu_pins, [Some(0), None]);
+
+    vm.stop_guest();
+    let (code, out, err) = vm.wait();
+    assert_eq!(code, Some(0), "{out}\n{err}");
 }

@@ -137,6 +137,12 @@ fn every_route_answers_as_the_document_says() {
     assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "paused");
     c.call(&sock, "PUT", "/api/v1/vm.resume", None, 204);
     c.call(&sock, "PUT", "/api/v1/vm.resume", None, 409);
+    // Re-pinning: while running, paused and unpinned; a vCPU or host CPU that is not there: 400.
+    c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 0, "cpu": 0})), 204);
+    c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 1, "cpu": 0})), 400);
+    c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 0, "cpu": 4095})), 400);
+    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["vcpu_pins"], json!([0]));
+    c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 0, "cpu": null})), 204);
     let snap = dir.path("vm.snap");
     c.call(&sock, "PUT", "/api/v1/vm.snapshot", Some(json!({ "path": snap.to_str().unwrap() })), 200);
     c.call(&sock, "PUT", "/api/v1/vm.snapshot", Some(json!({ "path": "relative.snap" })), 400);

@@ -146,6 +146,13 @@ impl ApiClient {
         serde_json::from_value(v).map_err(|e| self.bad(format!("invalid vm.restore answer: {e}")))
     }
 
+    /// `PUT /api/v1/vm.pin`: pins vCPU `vcpu` to host CPU `cpu` (`None`: unpins it).
+    pub fn pin(&self, vcpu: u32, cpu: Option<u32>) -> Result<(), ClientError> {
+        let body = serde_json::to_value(crate::PinRequest { vcpu, cpu })
+            .map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
+        self.call("PUT", paths::PIN, Some(&body)).map(drop)
+    }
+
     /// The VM's counters (vCPU exits by reason, assists, interrupts, migration bytes).
     pub fn counters(&self) -> Result<Value, ClientError> {
         self.call("GET", paths::COUNTERS, None)?.ok_or_else(|| self.bad("empty vm.counters answer"))

@@ -37,6 +37,8 @@ pub mod paths {
     pub const RECEIVE_MIGRATION: &str = "/api/v1/vm.receive-migration";
     /// An empty VMM runs the VM saved in a snapshot file.
     pub const RESTORE: &str = "/api/v1/vm.restore";
+    /// Re-pins (or unpins) one vCPU to a host CPU.
+    pub const PIN: &str = "/api/v1/vm.pin";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -69,6 +71,9 @@ pub struct VmInfo {
     /// The guest's NUMA nodes (`--numa`), node 0 first; empty without them.
     #[serde(default)]
     pub numa: Vec<NumaNodeInfo>,
+    /// Each vCPU's host CPU as its thread's affinity reads (`null`: it floats), vCPU 0 first.
+    #[serde(default)]
+    pub vcpu_pins: Vec<Option<u32>>,
 }
 
 /// A guest NUMA node in [`VmInfo`].
@@ -148,6 +153,17 @@ pub enum ApiRequest {
     ReceiveMigration(ReceiveMigrationRequest),
     /// An empty VMM: run the VM saved in a snapshot file.
     Restore(RestoreRequest),
+    /// Pin one vCPU to a host CPU, or unpin it.
+    Pin(PinRequest),
+}
+
+/// Body of `PUT /api/v1/vm.pin`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PinRequest {
+    pub vcpu: u32,
+    /// The host CPU it may run on from now; `null`: unpinned, it floats.
+    pub cpu: Option<u32>,
 }
 
 /// Body of `PUT /api/v1/vm.receive-migration` (Cloud Hypervisor's field name).

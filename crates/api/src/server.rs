@@ -74,6 +74,7 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "GET", path: paths::MIGRATION_EVENTS, build: |_| Ok(ApiRequest::MigrationEvents) },
     Route { method: "PUT", path: paths::RECEIVE_MIGRATION, build: |b| Ok(ApiRequest::ReceiveMigration(json_body(b)?)) },
     Route { method: "PUT", path: paths::RESTORE, build: |b| Ok(ApiRequest::Restore(json_body(b)?)) },
+    Route { method: "PUT", path: paths::PIN, build: |b| Ok(ApiRequest::Pin(json_body(b)?)) },
 ];
 
 /// Every (method, path) the server answers, in route-table order: what docs/openapi.yaml must
@@ -602,6 +603,7 @@ mod tests {
                 kumo_version: KUMO_VERSION.into(),
                 net: Vec::new(),
                 numa: Vec::new(),
+                vcpu_pins: vec![Some(0), None],
             }
         }
         fn calls(&self) -> Vec<ApiRequest> {
@@ -640,6 +642,8 @@ mod tests {
                 ApiRequest::CancelMigration => Err(ApiError::conflict("no migration is running")),
                 ApiRequest::ReceiveMigration(r) => Ok(ApiResponse::Json(serde_json::to_value(r).unwrap())),
                 ApiRequest::Restore(r) => Ok(ApiResponse::Json(serde_json::json!({"path": r.source_url}))),
+                ApiRequest::Pin(p) if p.vcpu >= 2 => Err(ApiError::bad_request("vCPU does not exist")),
+                ApiRequest::Pin(_) => Ok(ApiResponse::Ok),
                 ApiRequest::MigrationEvents => Ok(ApiResponse::Stream(crate::JsonLines::new(|sink| {
                     for i in 0..3 {
                         if !sink(&serde_json::json!({ "n": i })) {
@@ -711,6 +715,25 @@ mod tests {
             assert!(b.unwrap()["error"].as_str().unwrap().contains(want), "{path} {body}");
         }
         assert_eq!(f.client.request("PUT", paths::RESTORE, None).unwrap().0, 400);
+    }
+
+    #[test]
+    fn pin_route_carries_vcpu_and_cpu_or_null() {
+        let f = start();
+        f.client.pin(1, Some(0)).unwrap();
+        f.client.pin(0, None).unwrap();
+        assert_eq!(
+            f.vm.calls(),
+            [
+                ApiRequest::Pin(crate::PinRequest { vcpu: 1, cpu: Some(0) }),
+                ApiRequest::Pin(crate::PinRequest { vcpu: 0, cpu: None })
+            ]
+        );
+        assert!(f.client.pin(5, Some(0)).is_err());
+        for body in [serde_json::json!({"cpu": 0}), serde_json::json!({"vcpu": 0, "cpu": 0, "x": 1})] {
+            assert_eq!(f.client.request("PUT", paths::PIN, Some(&body)).unwrap().0, 400, "{body}");
+        }
+        assert_eq!(f.client.info().unwrap().vcpu_pins, [Some(0), None]);
     }
 
     struct Fixture {

@@ -102,6 +102,15 @@ enum Cmd {
         #[arg(long, value_name = "FILE")]
         from: PathBuf,
     },
+    /// Pin a running or paused VM's vCPU to a host CPU, or unpin it (needs --api-socket).
+    Pin {
+        /// The vCPU.
+        #[arg(long)]
+        vcpu: u32,
+        /// The host CPU, or `none` to unpin (the vCPU floats).
+        #[arg(long, value_name = "CPU|none")]
+        cpu: String,
+    },
     /// Show a running VM's counters as JSON: vCPU exits by reason, emulation assists,
     /// interrupts, migration bytes (needs --api-socket).
     Counters,
@@ -144,9 +153,10 @@ struct RunArgs {
     /// A built guest program (see `kumo guests`); its key=value arguments follow.
     #[arg(long, value_name = "NAME")]
     guest: Option<String>,
-    /// Number of vCPUs [default: 1].
-    #[arg(long)]
-    cpus: Option<u32>,
+    /// Number of vCPUs [default: 1], optionally pinned: N,pin=V@H:V@H (or V@H,V@H; ranges
+    /// A-B@C-D); vCPUs not named float. Not with --numa mirror (it pins every vCPU itself).
+    #[arg(long, value_name = "N[,pin=SPEC]")]
+    cpus: Option<String>,
     /// Memory size, e.g. 256M, 1.5G [default: 256M]: a multiple of 4 KiB, at least 8M, at most
     /// this host's MemTotal less max(512 MiB, 5 %).
     #[arg(long, value_parser = parse_size)]
@@ -265,17 +275,29 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
         None => file.irqchip.unwrap_or_default(),
     };
     let err = |e: kumo_vmm::Error| e.to_string();
-    let cpus = a.cpus.or(file.cpus).unwrap_or(1);
+    let (cpus, mut pins) = match &a.cpus {
+        Some(arg) => {
+            let online = kumo_vm::host_topology::HostTopology::read_live()
+                .map(|t| t.online_cpus())
+                .map_err(|e| format!("--cpus: cannot read the host's CPUs: {e}"))?;
+            kumo_vm::host_topology::parse_cpus_arg(arg, &online)?
+        }
+        None => (file.cpus.unwrap_or(1), Vec::new()),
+    };
     let memory = a.memory.or(file.memory).unwrap_or(256 << 20);
-    let mut pins = Vec::new();
     let mut numa = match a.numa.as_slice() {
         [] => file.numa,
         [m] if m.trim() == "mirror" => {
             // Full vNUMA: the host's nodes and distances, each vCPU pinned to a host CPU.
             use kumo_vm::host_topology::{mirror, HostTopology};
             let host = HostTopology::read_live().map_err(|e| format!("--numa mirror: {e}"))?;
+            // Explicit pins are refused rather than merged: mirror's nodes are built from its
+            // own vCPU→host CPU choice, other pins would break the node a vCPU sits in.
+            if pins.iter().any(Option::is_some) {
+                return Err("--cpus N,pin= and --numa mirror both pin vCPUs; give one of them".into());
+            }
             let plan = mirror(&host, cpus, memory).map_err(|e| e.to_string())?;
-            pins.clone_from(&plan.pins);
+            pins = plan.pins.iter().copied().map(Some).collect();
             Some(kumo_vmm::NumaConfig::from_mirror(&plan))
         }
         specs => Some(kumo_vmm::NumaConfig {
@@ -337,7 +359,12 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     let (vm, _api) = match (&a.incoming, &a.restore) {
         // A destination's API is up while the VM arrives (`vm.info` says `receiving`).
         (Some(addr), _) => {
-            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, a.cpus)?;
+            let cpus = a
+                .cpus
+                .as_deref()
+                .map(|c| c.trim().parse::<u32>().map_err(|_| format!("--cpus {c}: with --incoming give a plain vCPU count (pin= is not carried)")))
+                .transpose()?;
+            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus)?;
             let api = kumo_vmm::api::VmApi::incoming(&inc);
             let server = match &api_socket {
                 Some(p) => Some(ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?),
@@ -542,6 +569,13 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
                 c.clone().with_timeout(Duration::from_secs(24 * 3600)).restore(&req).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
+        Cmd::Pin { vcpu, cpu } => {
+            let cpu = match cpu.trim() {
+                "none" => None,
+                h => Some(h.parse::<u32>().map_err(|_| format!("--cpu {h}: not a host CPU number or none"))?),
+            };
+            c.pin(*vcpu, cpu).map_err(|e| e.to_string())?;
+        }
         Cmd::Counters => {
             let v = c.counters().map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
@@ -612,6 +646,7 @@ fn main() -> ExitCode {
         | Cmd::Snapshot { .. }
         | Cmd::ReceiveMigration { .. }
         | Cmd::Restore { .. }
+        | Cmd::Pin { .. }
         | Cmd::Counters) => client_cmd(c, cli.api_socket),
     };
     match r {

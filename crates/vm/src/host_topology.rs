@@ -396,6 +396,29 @@ pub fn parse_pins(spec: &str, vcpus: u32, online: &[u32]) -> Result<Vec<(u32, u3
     Ok(pins)
 }
 
+/// Parses the value of `--cpus`: `N` or `N,pin=SPEC` ([`parse_pins`] reads `SPEC`, so
+/// `--cpus 2,pin=0@0,1@1` and `--cpus 2,pin=0@0:1@1` both work). Returns the vCPU count and
+/// `pins[v]`, the host CPU of vCPU `v` (`None`, or past the end: not pinned, it floats); no
+/// `pin=`: empty. The count itself is checked where the VM is (at least 1, KVM's limit).
+pub fn parse_cpus_arg(arg: &str, online: &[u32]) -> std::result::Result<(u32, Vec<Option<u32>>), String> {
+    let (n, rest) = arg.split_once(',').unwrap_or((arg, ""));
+    let n: u32 =
+        n.trim().parse().map_err(|_| format!("--cpus {arg}: {n:?} is not a vCPU count (give N or N,pin=V@H:V@H)"))?;
+    if rest.is_empty() {
+        return Ok((n, Vec::new()));
+    }
+    let spec = rest
+        .strip_prefix("pin=")
+        .ok_or_else(|| format!("--cpus {arg}: {rest:?} is not pin=SPEC (give N or N,pin=V@H:V@H)"))?;
+    let pairs = parse_pins(spec, n, online).map_err(|e| format!("--cpus: {e}"))?;
+    // Sized by the pinned vCPUs (each below n), not by n: a huge n is refused later, not here.
+    let mut pins = vec![None; pairs.last().map_or(0, |&(v, _)| v as usize + 1)];
+    for (v, h) in pairs {
+        pins[v as usize] = Some(h);
+    }
+    Ok((n, pins))
+}
+
 /// Whether `pins` gives each of `vcpus` vCPUs a host CPU of its own: the dedicated case where
 /// the PV hints for an overcommitted host (PV halt, steal time) should be off.
 pub fn is_dedicated(pins: &[(u32, u32)], vcpus: u32) -> bool {
@@ -428,6 +451,49 @@ pub fn pin_thread(cpu: u32) -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Sets the CPUs thread `tid` (a kernel thread id; 0: the calling thread) may run on: how a
+/// vCPU is re-pinned (or, with every online CPU, unpinned) from the API thread without waking it.
+pub fn set_affinity(tid: i32, cpus: &[u32]) -> std::io::Result<()> {
+    if let Some(&c) = cpus.iter().find(|&&c| c as usize >= libc::CPU_SETSIZE as usize) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("host CPU {c} is beyond CPU_SETSIZE"),
+        ));
+    }
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it (every cpu checked
+    // below CPU_SETSIZE above) and sched_setaffinity reads exactly size_of it.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c as usize, &mut set);
+        }
+        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The host CPUs thread `tid` (0: the calling thread) may run on, ascending.
+pub fn affinity_of(tid: i32) -> std::io::Result<Vec<u32>> {
+    // SAFETY: sched_getaffinity writes at most size_of cpu_set_t into a set we own;
+    // CPU_ISSET reads it for cpu < CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((0..libc::CPU_SETSIZE as u32).filter(|&c| libc::CPU_ISSET(c as usize, &set)).collect())
+    }
+}
+
+/// The calling thread's kernel thread id.
+pub fn this_tid() -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
 }
 
 /// The host CPUs the calling thread may run on (`sched_getaffinity`), ascending.

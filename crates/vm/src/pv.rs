@@ -239,10 +239,10 @@ pub fn host_supported_eax(kvm: &kvm_ioctls::Kvm) -> crate::Result<Option<u32>> {
     Ok(supported_eax(&c))
 }
 
-/// Whether `pins` (host CPU of each vCPU, `pins[v]`) gives each of `ncpus` vCPUs a host CPU
-/// of its own: then the PV defaults are those for dedicated vCPUs.
-pub fn pins_dedicated(pins: &[u32], ncpus: u32) -> bool {
-    let pairs: Vec<(u32, u32)> = pins.iter().enumerate().map(|(v, &h)| (v as u32, h)).collect();
+/// Whether `pins` (host CPU of each vCPU, `pins[v]`; `None` floats) gives each of `ncpus` vCPUs
+/// a host CPU of its own: then the PV defaults are those for dedicated vCPUs.
+pub fn pins_dedicated(pins: &[Option<u32>], ncpus: u32) -> bool {
+    let pairs: Vec<(u32, u32)> = pins.iter().enumerate().filter_map(|(v, h)| h.map(|h| (v as u32, h))).collect();
     !pairs.is_empty() && crate::host_topology::is_dedicated(&pairs, ncpus)
 }
 
@@ -345,9 +345,10 @@ mod tests {
 
     #[test]
     fn dedicated_needs_a_host_cpu_per_vcpu() {
-        assert!(pins_dedicated(&[2, 3], 2));
-        assert!(!pins_dedicated(&[2, 2], 2));
-        assert!(!pins_dedicated(&[2], 2));
+        assert!(pins_dedicated(&[Some(2), Some(3)], 2));
+        assert!(!pins_dedicated(&[Some(2), Some(2)], 2));
+        assert!(!pins_dedicated(&[Some(2)], 2));
+        assert!(!pins_dedicated(&[Some(2), None], 2), "a floating vCPU is not dedicated");
         assert!(!pins_dedicated(&[], 2));
     }
 

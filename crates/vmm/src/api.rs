@@ -78,6 +78,7 @@ impl VmApi {
                 kumo_version: KUMO_VERSION.to_string(),
                 net: Vec::new(),
                 numa: Vec::new(),
+                vcpu_pins: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration.status())?)),
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
@@ -163,6 +164,7 @@ impl VmApi {
                 kumo_version: KUMO_VERSION.to_string(),
                 net: Vec::new(),
                 numa: Vec::new(),
+                vcpu_pins: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&inc.status())?)),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
@@ -189,6 +191,7 @@ pub fn info(vm: &RunningVm) -> VmInfo {
         kumo_version: KUMO_VERSION.to_string(),
         net: vm.nics(),
         numa: c.numa.as_ref().map(|n| n.info(c.cpus, c.memory)).unwrap_or_default(),
+        vcpu_pins: vm.vcpu_pins(),
     }
 }
 
@@ -279,6 +282,15 @@ impl ApiHandler for VmApi {
             }
             ApiRequest::Counters => {
                 Ok(ApiResponse::Json(to_json(&crate::counters::collect(&vm, &self.migration_status()))?))
+            }
+            ApiRequest::Pin(p) => {
+                use crate::vmm::PinError;
+                match vm.pin_vcpu(p.vcpu, p.cpu) {
+                    Ok(()) => Ok(ApiResponse::Ok),
+                    Err(e @ PinError::Bad(_)) => Err(ApiError::bad_request(e.to_string())),
+                    Err(e @ PinError::NoThread(_)) => Err(ApiError::conflict(e.to_string())),
+                    Err(e) => Err(ApiError::internal(e.to_string())),
+                }
             }
             ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))

@@ -63,10 +63,11 @@ pub struct VmConfig {
     /// Guest NUMA nodes (`--numa`); none: Linux sees one node (no SRAT).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa: Option<NumaConfig>,
-    /// Host CPU of each vCPU (`pins[v]`, from `--numa mirror`); empty: not pinned. A property
-    /// of this host, so not carried to a migration's destination.
+    /// Host CPU of each vCPU (`pins[v]`, from `--cpus N,pin=` or `--numa mirror`); `None` or
+    /// past the end: not pinned, it floats. A property of this host, so not carried to a
+    /// migration's destination.
     #[serde(skip)]
-    pub pins: Vec<u32>,
+    pub pins: Vec<Option<u32>>,
     /// KVM paravirtual features (`--pv`, docs/pv-features.md); unset ones follow the vCPUs'
     /// placement. The VMM stores the resolved set here at boot, so a migration stream carries
     /// it and the guest's CPUID does not change on the destination.

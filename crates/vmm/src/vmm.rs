@@ -115,6 +115,10 @@ struct Shared {
     ctl: Mutex<Control>,
     cv: Condvar,
     timings: Mutex<Timings>,
+    /// Each vCPU thread's kernel thread id, once it has started: `vm.pin` sets its affinity.
+    vcpu_tids: Mutex<Vec<Option<i32>>>,
+    /// Where an unpinned vCPU runs: the VMM's affinity when the VM was built.
+    float_cpus: Vec<u32>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -302,6 +306,8 @@ impl RunningVm {
             }),
             cv: Condvar::new(),
             timings: Mutex::new(Timings { start_ns, ..Default::default() }),
+            vcpu_tids: Mutex::new(vec![None; config.cpus as usize]),
+            float_cpus: kumo_vm::host_topology::thread_affinity().unwrap_or_default(),
         });
 
         // PV features: resolved once and stored fully set, so a migration stream carries the
@@ -387,7 +393,7 @@ impl RunningVm {
             let (v, bus, sh) = (v.clone(), vm.devices.buses().clone(), vm.shared.clone());
             let id = lock(&v).id;
             let prioritized = dedicated.contains(&id);
-            let pin = vm.config.pins.get(id as usize).copied();
+            let pin = vm.config.pins.get(id as usize).copied().flatten();
             lock(&vm.shared.ctl).live += 1;
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
@@ -400,7 +406,12 @@ impl RunningVm {
                     if prioritized {
                         kumo_vm::interrupt_paths::prioritize_this_thread(&format!("vCPU {id}"));
                     }
-                    vcpu_thread(v, bus, sh)
+                    // After the start pin, so a vm.pin that finds the tid wins over it; cleared
+                    // at exit so a reused tid is never re-pinned.
+                    let tids = sh.clone();
+                    set_tid(&tids, id, Some(kumo_vm::host_topology::this_tid()));
+                    vcpu_thread(v, bus, sh);
+                    set_tid(&tids, id, None);
                 })
                 .map_err(Error::Thread);
             match t {
@@ -420,6 +431,50 @@ impl RunningVm {
             );
         }
         Ok(vm)
+    }
+
+    /// Pins vCPU `vcpu` to host CPU `cpu` (`None`: unpins it, it floats over the CPUs the VMM
+    /// had at start), running or paused: its thread's affinity is set by tid, so the vCPU need
+    /// not be woken. Errors are one line, for a 400 (bad vCPU or CPU) or 409 (no thread).
+    pub fn pin_vcpu(&self, vcpu: u32, cpu: Option<u32>) -> std::result::Result<(), PinError> {
+        use kumo_vm::host_topology::{format_cpulist, set_affinity, HostTopology};
+        if vcpu >= self.config.cpus {
+            return Err(PinError::Bad(format!("vCPU {vcpu} does not exist (the VM has {} vCPUs)", self.config.cpus)));
+        }
+        let cpus = match cpu {
+            Some(h) => {
+                let online = HostTopology::read_live()
+                    .map(|t| t.online_cpus())
+                    .map_err(|e| PinError::Failed(format!("cannot read the host's CPUs: {e}")))?;
+                if !online.contains(&h) {
+                    return Err(PinError::Bad(format!(
+                        "host CPU {h} is not online (online: {})",
+                        format_cpulist(&online)
+                    )));
+                }
+                vec![h]
+            }
+            None => self.shared.float_cpus.clone(),
+        };
+        let tids = lock(&self.shared.vcpu_tids);
+        let tid = tids
+            .get(vcpu as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| PinError::NoThread(format!("vCPU {vcpu} has no running thread")))?;
+        set_affinity(tid, &cpus).map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
+    }
+
+    /// Each vCPU's host CPU as its thread's affinity reads now: `Some(cpu)` when it may run on
+    /// one CPU only, `None` when it floats (or has no thread).
+    pub fn vcpu_pins(&self) -> Vec<Option<u32>> {
+        lock(&self.shared.vcpu_tids)
+            .iter()
+            .map(|t| match t.map(kumo_vm::host_topology::affinity_of) {
+                Some(Ok(c)) if c.len() == 1 => Some(c[0]),
+                _ => None,
+            })
+            .collect()
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -776,6 +831,25 @@ impl Drop for RunningVm {
         self.shared.finish(Outcome::Shutdown);
         self.stop_threads();
     }
+}
+
+fn set_tid(shared: &Shared, id: u32, tid: Option<i32>) {
+    if let Some(t) = lock(&shared.vcpu_tids).get_mut(id as usize) {
+        *t = tid;
+    }
+}
+
+/// Why `vm.pin` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PinError {
+    /// No such vCPU or host CPU (400).
+    #[error("{0}")]
+    Bad(String),
+    /// The vCPU's thread is not running (409).
+    #[error("{0}")]
+    NoThread(String),
+    #[error("{0}")]
+    Failed(String),
 }
 
 fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: Arc<Shared>) {

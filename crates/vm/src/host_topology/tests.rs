@@ -322,3 +322,43 @@ fn pins_this_thread_to_cpu_0() {
     .unwrap();
     assert!(pin_thread(100_000).is_err());
 }
+
+#[test]
+fn cpus_arg() {
+    let online = [0, 1, 2, 3];
+    assert_eq!(parse_cpus_arg("2", &online).unwrap(), (2, vec![]));
+    // The count's own limits are the VM's to check, with their own messages.
+    assert_eq!(parse_cpus_arg("0", &online).unwrap(), (0, vec![]));
+    assert_eq!(parse_cpus_arg("4294967295", &online).unwrap(), (u32::MAX, vec![]));
+    assert_eq!(parse_cpus_arg("2,pin=0@2,1@3", &online).unwrap(), (2, vec![Some(2), Some(3)]));
+    assert_eq!(parse_cpus_arg("2,pin=0@0:1@1", &online).unwrap(), (2, vec![Some(0), Some(1)]));
+    // Only some vCPUs pinned: the others float.
+    assert_eq!(parse_cpus_arg("3,pin=1@3", &online).unwrap(), (3, vec![None, Some(3)]));
+    let bad = |arg: &str, want: &str| {
+        let e = parse_cpus_arg(arg, &online).unwrap_err();
+        assert!(e.contains(want), "{arg:?}: {e}");
+        assert!(!e.contains('\n'), "{arg:?}: not one line: {e}");
+    };
+    bad("2,pin=0@1,0@2", "vCPU 0 is pinned twice");
+    bad("2,pin=0@1,1@9", "host CPU 9 is not online");
+    bad("2,pin=0@1,2@2", "vCPU 2 does not exist");
+    bad("2,pin=zz", "is not vCPU@hostCPU");
+    bad("2,pin=", "empty");
+    bad("2,affinity=0@1", "is not pin=SPEC");
+    bad("two", "is not a vCPU count");
+    bad("-1", "is not a vCPU count");
+    bad("", "is not a vCPU count");
+}
+
+#[test]
+fn affinity_of_this_thread_reads_back() {
+    let before = affinity_of(0).unwrap();
+    assert_eq!(before, thread_affinity().unwrap());
+    assert!(!before.is_empty());
+    let tid = this_tid();
+    set_affinity(tid, &before[..1]).unwrap();
+    assert_eq!(affinity_of(tid).unwrap(), &before[..1]);
+    set_affinity(tid, &before).unwrap();
+    assert_eq!(affinity_of(0).unwrap(), before);
+    assert!(set_affinity(tid, &[u32::MAX]).is_err());
+}
