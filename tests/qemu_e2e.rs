@@ -121,6 +121,10 @@ fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
     src.wait_serial("memtouch: progress", LIMIT).unwrap();
     let m = qemu::migrate_to(&mut src, &dst, port, Some(100), LIMIT).unwrap();
     eprintln!("{}", serde_json::to_string(&m).unwrap());
+    // The source reports `completed` before the destination has loaded the device state (the
+    // UART's with it): a byte typed before then can be overwritten. The destination's own first
+    // progress line shows the guest runs there.
+    dst.wait_serial("memtouch: progress", LIMIT).unwrap();
     dst.send_input(b"q").unwrap();
     let out = dst.wait_serial("memtouch: checksum=", LIMIT).unwrap();
     let writes = kumo_guests::memtouch::check_output(&out, pages, seed, true).unwrap_or_else(|e| panic!("{e}"));
