@@ -22,16 +22,6 @@ use std::time::Duration;
 const LIMIT: Duration = Duration::from_secs(300);
 const GUEST_MAC: &str = "52:54:00:12:34:56";
 
-fn qemu_or_skip(test: &str) -> bool {
-    match qemu::qemu_binary().and_then(|_| qemu::kvm_usable()) {
-        Ok(()) => true,
-        Err(e) => {
-            eprintln!("skipping {test}: {e}");
-            false
-        }
-    }
-}
-
 fn sv(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
@@ -59,7 +49,7 @@ fn boot(guest: &str, args: &[String], tap: &str, guest_ip: Ipv4Addr) -> QemuVm {
 #[test]
 fn guests_talk_udp_and_icmp_over_qemu_virtio_net() {
     let test = "guests_talk_udp_and_icmp_over_qemu_virtio_net";
-    if !qemu_or_skip(test) {
+    if !qemu::usable_or_skip(test) {
         return;
     }
     // A subnet and tap of this process's own, so parallel runs do not collide.

@@ -8,16 +8,6 @@ use std::time::Duration;
 /// A safety net against hangs only: far above what anything takes, even on a busy machine.
 const LIMIT: Duration = Duration::from_secs(300);
 
-fn qemu_or_skip(test: &str) -> bool {
-    match qemu::qemu_binary().and_then(|_| qemu::kvm_usable()) {
-        Ok(()) => true,
-        Err(e) => {
-            eprintln!("skipping {test}: {e}");
-            false
-        }
-    }
-}
-
 fn sv(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
@@ -37,7 +27,7 @@ fn checksum(out: &str, key: &str) -> u64 {
 
 #[test]
 fn the_cpu_probe_finds_a_model_that_boots() {
-    if !qemu_or_skip("the_cpu_probe_finds_a_model_that_boots") {
+    if !qemu::usable_or_skip("the_cpu_probe_finds_a_model_that_boots") {
         return;
     }
     // The harness and `kumo bench migrate` use this model for every VM (QemuSpec's default).
@@ -50,7 +40,7 @@ fn the_cpu_probe_finds_a_model_that_boots() {
 
 #[test]
 fn a_paused_and_resumed_qemu_guest_stops_when_typed_at() {
-    if !qemu_or_skip("a_paused_and_resumed_qemu_guest_stops_when_typed_at") {
+    if !qemu::usable_or_skip("a_paused_and_resumed_qemu_guest_stops_when_typed_at") {
         return;
     }
     // What `kumo bench migrate` does with QEMU's guests: boot, pause (QMP stop), resume, read
@@ -74,7 +64,7 @@ fn a_paused_and_resumed_qemu_guest_stops_when_typed_at() {
 
 #[test]
 fn hello_boots_under_qemu_and_exits_zero() {
-    if !qemu_or_skip("hello_boots_under_qemu_and_exits_zero") {
+    if !qemu::usable_or_skip("hello_boots_under_qemu_and_exits_zero") {
         return;
     }
     let mut vm = QemuVm::spawn(&QemuSpec::new("hello", 128, &[]), None).unwrap();
@@ -88,7 +78,7 @@ fn hello_boots_under_qemu_and_exits_zero() {
 
 #[test]
 fn memtouch_under_qemu_matches_the_reference_model() {
-    if !qemu_or_skip("memtouch_under_qemu_matches_the_reference_model") {
+    if !qemu::usable_or_skip("memtouch_under_qemu_matches_the_reference_model") {
         return;
     }
     let args = sv(&["pages=3000", "writes=20000", "seed=7", "rate=40000"]);
@@ -107,7 +97,7 @@ fn memtouch_under_qemu_matches_the_reference_model() {
 
 #[test]
 fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
-    if !qemu_or_skip("qemu_live_migration_of_a_writing_memtouch_keeps_its_memory") {
+    if !qemu::usable_or_skip("qemu_live_migration_of_a_writing_memtouch_keeps_its_memory") {
         return;
     }
     // Random writes over 80 MiB at 20,000 pages/s until the test types at the guest, which it
@@ -143,7 +133,7 @@ fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
 #[test]
 #[ignore]
 fn measure_idle_2gib_prefilled() {
-    if !qemu_or_skip("measure_idle_2gib_prefilled") {
+    if !qemu::usable_or_skip("measure_idle_2gib_prefilled") {
         return;
     }
     let args = sv(&["pages=1000", "writes=1000", "prefill=1", "hold_ms=40000", "seed=2048"]);
@@ -163,7 +153,7 @@ fn measure_idle_2gib_prefilled() {
 #[test]
 #[ignore]
 fn measure_loaded_2gib() {
-    if !qemu_or_skip("measure_loaded_2gib") {
+    if !qemu::usable_or_skip("measure_loaded_2gib") {
         return;
     }
     let args = sv(&["pages=100000", "mode=random", "rate=52500", "prefill=1", "duration_ms=40000", "report_ms=100"]);

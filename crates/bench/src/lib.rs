@@ -12,6 +12,17 @@ pub mod qemu;
 
 use std::path::{Path, PathBuf};
 
+/// The font the plots draw with (`scripts/setup.sh` installs fonts-dejavu-core).
+pub(crate) const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
+
+/// Registers [`FONT`] as plotters' "sans-serif" (plotters has no font of its own here).
+pub fn register_plot_font() -> Result<(), String> {
+    use plotters::style::FontStyle;
+    let font = std::fs::read(FONT).map_err(|e| format!("no font at {FONT} ({e}); install fonts-dejavu-core"))?;
+    plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(font.into_boxed_slice()))
+        .map_err(|_| format!("{FONT} is not a usable font"))
+}
+
 /// The `kumo` binary the benchmarks run: `$KUMO_BIN` (set by `kumo bench`), else `kumo` next to
 /// this executable (both live in cargo's target directory).
 pub fn kumo_binary() -> Result<PathBuf, String> {

@@ -52,7 +52,6 @@ const LOADED_PAGES: u64 = 100_000;
 const LOADED_RATE: u64 = 52_500;
 /// Safety net: every kumo child stops by itself after this long (s), even if we are killed.
 const LIFETIME: &str = "900";
-const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 
 #[derive(Clone, Copy)]
 struct Engine {
@@ -1851,9 +1850,7 @@ fn targets(r: &Report) -> Vec<Target> {
 
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
-    let font = std::fs::read(FONT).map_err(|e| format!("no font at {FONT} ({e}); install fonts-dejavu-core"))?;
-    plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(font.into_boxed_slice()))
-        .map_err(|_| format!("{FONT} is not a usable font"))?;
+    crate::register_plot_font()?;
     fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
         format!("cannot draw: {err}")
     }

@@ -52,7 +52,6 @@ pub struct Args {
 
 /// Every kumo child stops by itself after this long (s), even if the bench is killed.
 const LIFETIME: &str = "600";
-const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 /// The guests this bench runs.
 const GUESTS: [&str; 4] = ["netecho", "udpping", "udpsend", "udpsink"];
 const BOOT_LIMIT: Duration = Duration::from_secs(60);
@@ -947,9 +946,7 @@ pub fn tables(r: &Report) -> String {
 
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
-    let font = std::fs::read(FONT).map_err(|e| format!("no font at {FONT} ({e}); install fonts-dejavu-core"))?;
-    plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(font.into_boxed_slice()))
-        .map_err(|_| format!("{FONT} is not a usable font"))?;
+    crate::register_plot_font()?;
     fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
         format!("cannot draw: {err}")
     }
@@ -1342,8 +1339,8 @@ mod tests {
 
     #[test]
     fn plot_draws_a_png() {
-        if !Path::new(FONT).exists() {
-            eprintln!("skipping: no font at {FONT}");
+        if !Path::new(crate::FONT).exists() {
+            eprintln!("skipping: no font at {}", crate::FONT);
             return;
         }
         let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-net-plot-"))

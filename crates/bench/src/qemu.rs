@@ -48,6 +48,17 @@ pub fn qemu_binary() -> Result<PathBuf, String> {
 }
 
 /// Ok if QEMU can use KVM here: kumo's own check, /dev/kvm opens read-write.
+/// For tests: true if QEMU and /dev/kvm are usable; otherwise prints why `test` skips.
+pub fn usable_or_skip(test: &str) -> bool {
+    match qemu_binary().and_then(|_| kvm_usable()) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("skipping {test}: {e}");
+            false
+        }
+    }
+}
+
 pub fn kvm_usable() -> Result<(), String> {
     kumo_vm::vm::open_kvm().map(drop).map_err(|e| e.to_string())
 }
