@@ -128,13 +128,6 @@ impl DeviceManager {
         self.dispatcher.as_ref().map(|d| d.counters().injected.load(Ordering::Relaxed))
     }
 
-    /// Shows or hides NIC `id`'s link to the guest.
-    pub fn set_link(&self, id: &str, up: bool) -> Result<()> {
-        let n = self.nics.iter().find(|n| n.id() == id).ok_or_else(|| Error::Devices(format!("no NIC {id}")))?;
-        n.set_link(up);
-        Ok(())
-    }
-
     /// The PCI bus (BAR placement, ECAM base).
     pub fn pci(&self) -> &Pci {
         &self.pci

@@ -230,11 +230,6 @@ impl Nic {
         }
     }
 
-    /// Shows or hides the link to the guest (a config-change interrupt).
-    pub fn set_link(&self, up: bool) {
-        lock(&self.function).transport().device_mut().set_link(up);
-    }
-
     /// The NIC as `vm.info` shows it.
     pub fn info(&self) -> kumo_api::NetInfo {
         let mut f = lock(&self.function);

@@ -214,11 +214,6 @@ impl Pci {
             .map(|(_, d)| Arc::new(Mutex::new(PciPersist(d.clone()))) as Arc<Mutex<dyn PersistDyn>>)
             .collect()
     }
-
-    /// Where each BAR is now: `(slot, bar, address, size)`.
-    pub fn bars(&self) -> Vec<(u8, usize, u64, u64)> {
-        self.placement.bars().iter().map(|b| (b.slot, b.bar, b.addr, b.size)).collect()
-    }
 }
 
 impl Drop for Pci {
