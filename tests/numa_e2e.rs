@@ -185,6 +185,9 @@ fn cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them() {
     let info = eventually(PATIENCE, || c.info().ok());
     assert_eq!(info.vcpu_pins, [Some(0), Some(1)]);
     assert_eq!(vcpu_affinities(vm.id(), 2), ["0", "1"]);
+    // Each vCPU has a host CPU of its own: the dedicated PV defaults (realtime hint on).
+    let pv = info.pv.expect("vm.info has the PV features");
+    assert!(pv.realtime && !pv.steal_time, "{pv:?}");
 
     // Re-pinned through the API, then through `kumo pin` while paused.
     c.pin(1, Some(0)).unwrap();
@@ -213,4 +216,41 @@ fn cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them() {
     vm.stop_guest();
     let (code, out, err) = vm.wait();
     assert_eq!(code, Some(0), "{out}\n{err}");
+}
+
+/// A node's `pin=`: node 0's vCPU onto its host node's CPUs, node 1's onto a listed CPU; a
+/// node pin beside `--cpus N,pin=` is a one-line error.
+#[test]
+fn numa_nodes_pin_their_vcpus() {
+    if !kvm_or_skip("numa_nodes_pin_their_vcpus") {
+        return;
+    }
+    let host = match kumo_vm::host_topology::HostTopology::read_live() {
+        Ok(h) => h,
+        Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
+    };
+    let Some(node0) = host.nodes.first() else { return eprintln!("skipping: no host node") };
+    let first = host.fill_order(node0)[0];
+    let other = *host.online_cpus().last().unwrap();
+    if kumo_vm::host_topology::thread_affinity().unwrap().len() < host.online_cpus().len() {
+        return eprintln!("skipping: this process may not run on every online CPU");
+    }
+    let dir = TestDir::new();
+    let sock = dir.arg("api.sock");
+    let n0 = format!("node=0,cpus=0,memory=128M,host-node={},pin=host-node", node0.id);
+    let n1 = format!("node=1,cpus=1,memory=128M,pin={other}");
+    let args = ["run", "--api-socket", &sock, "--cpus", "2", "--memory", "256M", "--numa", &n0, "--numa", &n1];
+    let mut vm = Kid::spawn(&[&args[..], &["--guest", "memtouch", "until_input=1"]].concat());
+    vm.wait_stdout("memtouch: pages=", PATIENCE);
+    let info = eventually(PATIENCE, || kumo_api::ApiClient::new(&sock).info().ok());
+    assert_eq!(info.vcpu_pins, [Some(first), Some(other)]);
+    assert_eq!(vcpu_affinities(vm.id(), 2), [first.to_string(), other.to_string()]);
+    vm.stop_guest();
+    let (code, out, err) = vm.wait();
+    assert_eq!(code, Some(0), "{out}\n{err}");
+
+    let o = kumo(&["run", "--cpus", "2,pin=0@0", "--memory", "256M", "--numa", &n0, "--numa", &n1, "--guest", "hello"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("a NUMA node's pin= both pin vCPUs") && err.trim().lines().count() == 1, "{err}");
 }

@@ -127,7 +127,8 @@ fn every_route_answers_as_the_document_says() {
 
     // The VM before any migration.
     c.call(&sock, "GET", "/api/v1/vmm.ping", None, 200);
-    c.call(&sock, "GET", "/api/v1/vm.info", None, 200);
+    let info = c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json();
+    assert_eq!(info["pv"]["realtime"], false, "an unpinned vCPU gets the shared PV defaults: {info}");
     c.call(&sock, "GET", "/api/v1/vm.counters", None, 200);
     c.call(&sock, "GET", "/api/v1/vm.migration", None, 200);
     c.call(&sock, "GET", "/api/v1/vm.migration-events", None, 200);

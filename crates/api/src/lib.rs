@@ -74,6 +74,23 @@ pub struct VmInfo {
     /// Each vCPU's host CPU as its thread's affinity reads (`null`: it floats), vCPU 0 first.
     #[serde(default)]
     pub vcpu_pins: Vec<Option<u32>>,
+    /// The KVM paravirtual features the guest's CPUID offers (`--pv`, resolved); absent before
+    /// a VM exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pv: Option<PvInfo>,
+}
+
+/// The paravirtual features in [`VmInfo`]: each on or off as the guest's CPUID leaf
+/// 0x40000001 has it (docs/pv-features.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PvInfo {
+    pub steal_time: bool,
+    pub pv_unhalt: bool,
+    pub tlb_flush: bool,
+    pub poll_control: bool,
+    pub pv_ipi: bool,
+    /// `KVM_HINTS_REALTIME`: the vCPUs are dedicated.
+    pub realtime: bool,
 }
 
 /// A guest NUMA node in [`VmInfo`].

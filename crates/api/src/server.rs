@@ -604,6 +604,7 @@ mod tests {
                 net: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: vec![Some(0), None],
+                pv: None,
             }
         }
         fn calls(&self) -> Vec<ApiRequest> {

@@ -185,10 +185,13 @@ struct RunArgs {
     /// to vCPU 0). Given, it replaces a config file's NICs.
     #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
     net: Vec<String>,
-    /// A guest NUMA node (repeatable): node=ID,cpus=LIST,memory=SIZE[,host-node=N]. LIST is
-    /// CPU ranges or single CPUs joined by `:` (0-3, 0:2, 0-1:4-5); every vCPU in one node, the
-    /// sizes adding up to --memory, laid out in node order from address 0. host-node=N binds
-    /// the node's memory to host node N (mbind). Given, it replaces a config file's nodes.
+    /// A guest NUMA node (repeatable): node=ID,cpus=LIST,memory=SIZE[,host-node=N]
+    /// [,pin=host-node|LIST]. LIST is CPU ranges or single CPUs joined by `:` (0-3, 0:2,
+    /// 0-1:4-5); every vCPU in one node, the sizes adding up to --memory, laid out in node order
+    /// from address 0. host-node=N binds the node's memory to host node N (mbind). pin= pins
+    /// the node's vCPUs in order to those host CPUs, or to host node N's CPUs (one per core
+    /// first). `--numa mirror` reproduces the host's nodes and pins every vCPU. Given, it
+    /// replaces a config file's nodes.
     #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
     numa: Vec<String>,
     /// Distance between two guest NUMA nodes (repeatable), SRC:DST=VALUE, e.g. 0:1=21: also
@@ -309,6 +312,15 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             distances: Vec::new(),
         }),
     };
+    if let Some(n) = numa.as_ref().filter(|n| n.pins_vcpus()) {
+        // Per-node pins, refused beside --cpus pins for the same reason as with mirror.
+        if pins.iter().any(Option::is_some) {
+            return Err("--cpus N,pin= and a NUMA node's pin= both pin vCPUs; give one of them".into());
+        }
+        let host = kumo_vm::host_topology::HostTopology::read_live()
+            .map_err(|e| format!("a NUMA node's pin=: cannot read the host's topology: {e}"))?;
+        pins = n.pins(&host).map_err(err)?;
+    }
     if !a.numa_distance.is_empty() {
         let n = numa.as_mut().ok_or("--numa-distance given, but no NUMA nodes (--numa or a config file's numa)")?;
         n.distances = a

@@ -79,6 +79,7 @@ impl VmApi {
                 net: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: Vec::new(),
+                pv: None,
             })),
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration.status())?)),
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
@@ -165,6 +166,7 @@ impl VmApi {
                 net: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: Vec::new(),
+                pv: None,
             })),
             ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&inc.status())?)),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
@@ -192,7 +194,21 @@ pub fn info(vm: &RunningVm) -> VmInfo {
         net: vm.nics(),
         numa: c.numa.as_ref().map(|n| n.info(c.cpus, c.memory)).unwrap_or_default(),
         vcpu_pins: vm.vcpu_pins(),
+        pv: pv_info(&c.pv),
     }
+}
+
+/// The resolved features as `vm.info` shows them (`None` unless every field is set, as it is
+/// once the VM is built).
+fn pv_info(r: &kumo_vm::pv::PvRequest) -> Option<kumo_api::PvInfo> {
+    Some(kumo_api::PvInfo {
+        steal_time: r.steal_time?,
+        pv_unhalt: r.pv_unhalt?,
+        tlb_flush: r.tlb_flush?,
+        poll_control: r.poll_control?,
+        pv_ipi: r.pv_ipi?,
+        realtime: r.realtime?,
+    })
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<serde_json::Value, ApiError> {

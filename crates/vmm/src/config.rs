@@ -488,7 +488,10 @@ mod tests {
         ))
         .unwrap();
         let numa = t.numa.unwrap();
-        assert_eq!(numa.nodes[0], NumaNodeSpec { id: 0, cpus: vec![0], memory: 256 << 20, host_node: Some(0) });
+        assert_eq!(
+            numa.nodes[0],
+            NumaNodeSpec { id: 0, cpus: vec![0], memory: 256 << 20, host_node: Some(0), pin: None }
+        );
         assert_eq!(numa.nodes[1].memory, 256 << 20);
         assert_eq!(numa.distances, vec![NumaDistance { src: 0, dst: 1, value: 21 }]);
         let c = VmConfig {

@@ -2,9 +2,10 @@
 //! `numa` section, turned into the `kumo_acpi::NumaTopology` the SRAT/SLIT describe, and the
 //! host nodes each node's memory is bound to.
 //!
-//! Syntax: `--numa node=ID,cpus=LIST,memory=SIZE[,host-node=N]`, where LIST is ranges `A-B` or
-//! single CPUs joined by `:` (`0-3`, `0:2`, `0-1:4-5`), since `,` separates the keys; and
-//! `--numa-distance SRC:DST=VAL`. A distance given one way also sets the other way; both ways
+//! Syntax: `--numa node=ID,cpus=LIST,memory=SIZE[,host-node=N][,pin=host-node|LIST]`, where
+//! LIST is ranges `A-B` or single CPUs joined by `:` (`0-3`, `0:2`, `0-1:4-5`), since `,`
+//! separates the keys; and `--numa-distance SRC:DST=VAL`. `pin=` pins the node's vCPUs, in
+//! order, to the given host CPUs or to its host node's CPUs (one per core first, as mirror does). A distance given one way also sets the other way; both ways
 //! given must agree. Node memory is laid out in node-id order from guest address 0.
 
 use std::path::Path;
@@ -28,7 +29,7 @@ pub struct NumaConfig {
     pub distances: Vec<NumaDistance>,
 }
 
-/// One guest node: `node=ID,cpus=LIST,memory=SIZE[,host-node=N]`.
+/// One guest node: `node=ID,cpus=LIST,memory=SIZE[,host-node=N][,pin=host-node|LIST]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NumaNodeSpec {
@@ -41,6 +42,38 @@ pub struct NumaNodeSpec {
     /// The host node its memory is bound to (`mbind(MPOL_BIND)`); none: the host's policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_node: Option<u32>,
+    /// Where the node's vCPUs run; none: as `--cpus` says (floating unless pinned there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pin: Option<NodePin>,
+}
+
+/// `pin=` of a guest node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum NodePin {
+    /// `pin=host-node`: onto the CPUs of the node's `host-node`, one vCPU per host CPU.
+    HostNode,
+    /// `pin=LIST`: the node's i-th vCPU onto the list's i-th host CPU.
+    Cpus(Vec<u32>),
+}
+
+impl TryFrom<String> for NodePin {
+    type Error = String;
+    fn try_from(s: String) -> Result<NodePin, String> {
+        match s.trim() {
+            "host-node" => Ok(NodePin::HostNode),
+            list => Ok(NodePin::Cpus(parse_cpu_list(list).map_err(|e| e.replace("cpus=", "pin="))?)),
+        }
+    }
+}
+
+impl From<NodePin> for String {
+    fn from(p: NodePin) -> String {
+        match p {
+            NodePin::HostNode => "host-node".into(),
+            NodePin::Cpus(c) => c.iter().map(u32::to_string).collect::<Vec<_>>().join(":"),
+        }
+    }
 }
 
 /// `SRC:DST=VAL`.
@@ -81,7 +114,7 @@ impl NumaNodeSpec {
         if s.trim() == "mirror" {
             return Err(Error::Config("--numa mirror is given alone, not among --numa node=… specs".into()));
         }
-        let (mut id, mut cpus, mut memory, mut host_node) = (None, None, None, None);
+        let (mut id, mut cpus, mut memory, mut host_node, mut pin) = (None, None, None, None, None);
         for part in s.split(',') {
             let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
             let n = |v: &str| v.parse::<u32>().map_err(|_| bad(format!("{k} `{v}` is not a number")));
@@ -90,7 +123,8 @@ impl NumaNodeSpec {
                 "cpus" => cpus = Some(parse_cpu_list(v).map_err(bad)?),
                 "memory" => memory = Some(kumo_vm::parse_size(v).map_err(bad)?),
                 "host-node" => host_node = Some(n(v)?),
-                _ => return Err(bad(format!("unknown key `{k}` (node, cpus, memory, host-node)"))),
+                "pin" => pin = Some(NodePin::try_from(v.to_string()).map_err(bad)?),
+                _ => return Err(bad(format!("unknown key `{k}` (node, cpus, memory, host-node, pin)"))),
             }
         }
         Ok(NumaNodeSpec {
@@ -98,6 +132,7 @@ impl NumaNodeSpec {
             cpus: cpus.unwrap_or_default(),
             memory: memory.ok_or_else(|| bad("memory=SIZE is required".into()))?,
             host_node,
+            pin,
         })
     }
 }
@@ -109,7 +144,13 @@ impl NumaConfig {
         let nodes = plan
             .nodes
             .iter()
-            .map(|n| NumaNodeSpec { id: n.id, cpus: n.vcpus.clone(), memory: n.memory, host_node: Some(n.host_node) })
+            .map(|n| NumaNodeSpec {
+                id: n.id,
+                cpus: n.vcpus.clone(),
+                memory: n.memory,
+                host_node: Some(n.host_node),
+                pin: None,
+            })
             .collect();
         let mut distances = Vec::new();
         for (i, row) in plan.distances.iter().enumerate() {
@@ -210,6 +251,62 @@ impl NumaConfig {
         Ok(())
     }
 
+    /// Whether any node says where its vCPUs run (`pin=`).
+    pub fn pins_vcpus(&self) -> bool {
+        self.nodes.iter().any(|n| n.pin.is_some())
+    }
+
+    /// `pins[v]`, the host CPU of vCPU `v`, from the nodes' `pin=` (the form `--cpus N,pin=`
+    /// gives): a node's vCPUs in ascending order onto its host CPUs in order. Refuses a list
+    /// whose length is not the node's vCPU count, a CPU `host` does not have online, and
+    /// `pin=host-node` without a `host-node` or on a host node with fewer CPUs than vCPUs.
+    pub fn pins(&self, host: &kumo_vm::host_topology::HostTopology) -> Result<Vec<Option<u32>>, Error> {
+        let mut pins: Vec<Option<u32>> = Vec::new();
+        let online = host.online_cpus();
+        for n in &self.nodes {
+            let Some(pin) = &n.pin else { continue };
+            let bad = |m: String| Error::Config(format!("NUMA node {}: pin={}: {m}", n.id, String::from(pin.clone())));
+            let mut vcpus = n.cpus.clone();
+            vcpus.sort_unstable();
+            let hosts = match pin {
+                NodePin::Cpus(list) => {
+                    if list.len() != vcpus.len() {
+                        return Err(bad(format!("{} host CPUs for the node's {} vCPUs", list.len(), vcpus.len())));
+                    }
+                    if let Some(c) = list.iter().find(|c| !online.contains(c)) {
+                        let online = kumo_vm::host_topology::format_cpulist(&online);
+                        return Err(bad(format!("host CPU {c} is not online (online: {online})")));
+                    }
+                    list.clone()
+                }
+                NodePin::HostNode => {
+                    let h = n.host_node.ok_or_else(|| bad("needs host-node=N".into()))?;
+                    let node = host
+                        .nodes
+                        .iter()
+                        .find(|x| x.id == h)
+                        .ok_or_else(|| bad(format!("host node {h} does not exist")))?;
+                    let order = host.fill_order(node);
+                    if order.len() < vcpus.len() {
+                        return Err(bad(format!(
+                            "host node {h} has {} CPUs for the node's {} vCPUs",
+                            order.len(),
+                            vcpus.len()
+                        )));
+                    }
+                    order[..vcpus.len()].to_vec()
+                }
+            };
+            for (v, h) in vcpus.into_iter().zip(hosts) {
+                if pins.len() <= v as usize {
+                    pins.resize(v as usize + 1, None);
+                }
+                pins[v as usize] = Some(h);
+            }
+        }
+        Ok(pins)
+    }
+
     /// `(guest-physical start, length, host node)` of every range bound to a host node.
     pub fn bindings(&self, topo: &NumaTopology) -> Vec<(u64, u64, u32)> {
         let mut out = Vec::new();
@@ -256,7 +353,10 @@ mod tests {
     #[test]
     fn parses_nodes_and_distances() {
         let n = NumaNodeSpec::parse("node=1,cpus=0-1:4:6-7,memory=256M,host-node=0").unwrap();
-        assert_eq!(n, NumaNodeSpec { id: 1, cpus: vec![0, 1, 4, 6, 7], memory: 256 * MIB, host_node: Some(0) });
+        assert_eq!(
+            n,
+            NumaNodeSpec { id: 1, cpus: vec![0, 1, 4, 6, 7], memory: 256 * MIB, host_node: Some(0), pin: None }
+        );
         assert_eq!(NumaDistance::parse("0:1=21").unwrap(), NumaDistance { src: 0, dst: 1, value: 21 });
         let t = cfg(&["node=1,cpus=1,memory=256M", "node=0,cpus=0,memory=256M"], &["1:0=30"])
             .unwrap()
@@ -314,6 +414,47 @@ mod tests {
             let e = NumaDistance::parse(spec).unwrap_err().to_string();
             assert!(e.contains(want), "want {want:?}, got {e:?}");
         }
+    }
+
+    #[test]
+    fn nodes_pin_their_vcpus_to_host_cpus_or_their_host_node() {
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../vm/tests/fixtures/sysfs-2node");
+        let host = kumo_vm::host_topology::HostTopology::read(&fixture).unwrap();
+        let specs = [
+            "node=0,cpus=0:2,memory=256M,host-node=0,pin=3:5",
+            "node=1,cpus=1:3,memory=256M,host-node=1,pin=host-node",
+        ];
+        let c = cfg(&specs, &[]).unwrap();
+        assert!(c.pins_vcpus());
+        assert_eq!(c.nodes[0].pin, Some(NodePin::Cpus(vec![3, 5])));
+        // Node 1's two vCPUs go to host node 1's first two cores (8 and 9), not to siblings.
+        assert_eq!(c.pins(&host).unwrap(), [Some(3), Some(8), Some(5), Some(9)]);
+        let partial = cfg(&["node=0,cpus=0,memory=256M", "node=1,cpus=1,memory=256M,pin=4"], &[]).unwrap();
+        assert_eq!(partial.pins(&host).unwrap(), [None, Some(4)]);
+        assert!(!cfg(&["node=0,cpus=0,memory=256M"], &[]).unwrap().pins_vcpus());
+        // A file says the same as the flag.
+        let json = r#"{"nodes":[{"id":0,"cpus":[0,1],"memory":"256M","host_node":1,"pin":"host-node"},
+                                 {"id":1,"cpus":[2],"memory":"256M","pin":"7"}]}"#;
+        let f: NumaConfig = serde_json::from_str(json).unwrap();
+        assert_eq!(f.pins(&host).unwrap(), [Some(8), Some(9), Some(7)]);
+        assert_eq!(serde_json::to_value(&f.nodes[1].pin).unwrap(), "7");
+        for (spec, want) in [
+            ("node=0,cpus=0-1,memory=256M,pin=3", "NUMA node 0: pin=3: 1 host CPUs for the node's 2 vCPUs"),
+            ("node=0,cpus=0,memory=256M,pin=99", "NUMA node 0: pin=99: host CPU 99 is not online (online: 0-31)"),
+            ("node=0,cpus=0,memory=256M,pin=host-node", "NUMA node 0: pin=host-node: needs host-node=N"),
+            (
+                "node=0,cpus=0,memory=256M,host-node=5,pin=host-node",
+                "NUMA node 0: pin=host-node: host node 5 does not exist",
+            ),
+        ] {
+            let e = cfg(&[spec], &[]).unwrap().pins(&host).unwrap_err().to_string();
+            assert_eq!(e, format!("config: {want}"), "{spec}");
+        }
+        let big = cfg(&["node=0,cpus=0-16,memory=256M,host-node=0,pin=host-node"], &[]).unwrap();
+        let e = big.pins(&host).unwrap_err().to_string();
+        assert_eq!(e, "config: NUMA node 0: pin=host-node: host node 0 has 16 CPUs for the node's 17 vCPUs");
+        let e = NumaNodeSpec::parse("node=0,cpus=0,memory=256M,pin=x").unwrap_err().to_string();
+        assert!(e.contains("--numa node=0,cpus=0,memory=256M,pin=x: `x` in pin=x is not a CPU number"), "{e}");
     }
 
     #[test]
