@@ -115,6 +115,49 @@ fn smp_brings_up_vcpus_and_measures_ipis() {
     }
 }
 
+/// The `sync` guest (seed 003) hands its semaphore round robin in every wait and APIC mode,
+/// with and without KVM halt polling: every hand-off and transaction happens, none is lost
+/// (a lost IPI would leave a waiter halted and the run would never end).
+#[test]
+fn sync_hands_the_semaphore_on_in_every_wait_and_apic_mode() {
+    if !kvm_or_skip("sync_hands_the_semaphore_on_in_every_wait_and_apic_mode") {
+        return;
+    }
+    let cases: &[(&str, &str, &str, &[&str])] = &[
+        ("2", "spin", "xapic", &[]),
+        ("2", "hlt", "xapic", &[]),
+        ("2", "hlt", "x2apic", &[]),
+        ("2", "poll", "xapic", &[]),
+        ("2", "hlt", "xapic", &["--halt-poll-ns", "0"]),
+        ("2", "hlt", "x2apic", &["--irqchip", "split"]),
+        ("1", "hlt", "xapic", &[]),
+    ];
+    for &(cpus, wait, apic, extra) in cases {
+        let (w, a) = (format!("wait={wait}"), format!("apic={apic}"));
+        let mut args = vec!["run", "--timeout", "600", "--cpus", cpus];
+        args.extend_from_slice(extra);
+        args.extend(["--guest", "sync", &w, &a, "handoffs=300", "txns=200", "par=2"]);
+        let (code, out, err) = Kid::spawn(&args).finish(LIMIT);
+        let case = format!("{cpus} vCPUs {wait} {apic} {extra:?}");
+        if code == Some(4) && out.contains("x2apic is not offered") {
+            eprintln!("{case}: skipped, the vCPU has no x2APIC here");
+            continue;
+        }
+        assert_eq!(code, Some(0), "{case}\nstdout:\n{out}\nstderr:\n{err}");
+        let r = kumo_guests::sync::parse(&out).unwrap_or_else(|| panic!("{case}: no result:\n{out}"));
+        assert_eq!((r.n.to_string().as_str(), r.wait.as_str(), r.apic.as_str()), (cpus, wait, apic), "{out}");
+        assert_eq!(r.txns, 200, "{out}");
+        if cpus == "2" {
+            assert_eq!(r.handoff.map(|h| h.count), Some(299), "{case}: {out}");
+            assert_eq!(r.rtt.map(|h| h.count), Some(149), "{case}: {out}");
+        } else {
+            assert_eq!((r.handoff, r.rtt), (None, None), "{out}");
+        }
+    }
+    let (_, err) = text(&kumo(&["run", "--halt-poll-ns", "5s", "--guest", "hello"]));
+    assert!(err.contains("invalid value '5s' for '--halt-poll-ns"), "{err}");
+}
+
 #[test]
 fn split_irqchip_runs_guests_too() {
     if !kvm_or_skip("split_irqchip_runs_guests_too") {
@@ -317,6 +360,7 @@ fn crafted_headers_get_a_failed_reply() {
             numa: None,
             pins: vec![],
             pv: Default::default(),
+            halt_poll_ns: None,
         };
         VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
     };

@@ -57,6 +57,7 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         numa: None,
         pins: vec![],
         pv: Default::default(),
+        halt_poll_ns: None,
     }
 }
 

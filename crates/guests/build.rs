@@ -7,7 +7,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const GUESTS: &[&str] = &["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa"];
+const GUESTS: &[&str] = &["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync"];
 /// Guests linked with the network driver and stack (guests/src/net/).
 const NET_GUESTS: &[&str] = &["netecho", "udpping", "udpsink", "udpsend"];
 const NET_SOURCES: &[&str] = &["net/boot.c", "net/pci.c", "net/virtio.c", "net/stack.c"];

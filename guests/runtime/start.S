@@ -57,8 +57,10 @@ kumo_exc\vec:
 /* #GP. Ring-3 code idles by executing `hlt` (which faults) with a TSC deadline in edx:eax:
  * arm the LAPIC TSC-deadline timer, halt until an interrupt, resume after the hlt. With rsi
  * non-zero (kumo_wait_change), first compare the u32 at rsi with edi and return at once if it
- * differs: interrupts are off here, so a wake-up just before the hlt is not lost. Kept to a
- * few instructions: each one is emulated on nested KVM. Anything else is a real fault. */
+ * differs: interrupts are off here, so a wake-up just before the hlt is not lost. A ring-3
+ * `wrmsr` to the x2APIC ICR (0x830) is done here for it (how ring 3 sends an IPI in x2APIC
+ * mode). Kept to a few instructions: each one is emulated on nested KVM. Anything else is a
+ * real fault. */
     .globl kumo_exc13
 kumo_exc13:
     testb $3, 16(%rsp)          /* CS of the interrupted code: from ring 3? */
@@ -66,7 +68,7 @@ kumo_exc13:
     pushq %rcx
     movq 16(%rsp), %rcx         /* its RIP */
     cmpb $0xf4, (%rcx)          /* hlt? */
-    jne 6f
+    jne 9f
     testq %rsi, %rsi            /* kumo_wait_change: rsi = word, edi = the value seen */
     jz 7f
     cmpl (%rsi), %edi           /* changed since (an interrupt came): do not halt */
@@ -79,6 +81,16 @@ kumo_exc13:
 8:  popq %rcx
     addq $1, 8(%rsp)            /* resume after the hlt */
     addq $8, %rsp               /* drop the error code */
+    iretq
+9:  cmpw $0x300f, (%rcx)        /* wrmsr (0f 30)? */
+    jne 6f
+    cmpl $0x830, (%rsp)         /* to the x2APIC ICR (the caller's ecx, saved above)? */
+    jne 6f
+    movl $0x830, %ecx
+    wrmsr
+    popq %rcx
+    addq $2, 8(%rsp)            /* resume after the wrmsr */
+    addq $8, %rsp
     iretq
 6:  popq %rcx
 5:  pushq $13

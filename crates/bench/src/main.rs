@@ -28,6 +28,10 @@ enum Which {
     /// The NIC's interrupt paths (seed 000): host<->guest UDP round trips per path, unloaded and
     /// with interference, VM<->VM ping-pong, throughput against veth; writes net.json and net.png.
     Net(kumo_bench::net::Args),
+    /// Synchronisation between vCPUs on each interrupt path (seed 003): semaphore hand-offs
+    /// (spin, HLT+IPI, guest polling) on the userspace APIC, the in-kernel LAPIC and with KVM
+    /// halt polling, xAPIC and x2APIC, and 1-vs-2-vCPU work; writes ipi.json and ipi.png.
+    Ipi(kumo_bench::ipi::Args),
     /// Host-side UDP tools of `net` (run inside network namespaces).
     #[command(hide = true)]
     NetTool(kumo_bench::net::tools::ToolArgs),
@@ -39,6 +43,7 @@ fn main() -> ExitCode {
         Which::Boot(a) => kumo_bench::boot::run(a, &cli.out),
         Which::Migrate(a) => kumo_bench::migrate::run(a, &cli.out),
         Which::Net(a) => kumo_bench::net::run(a, &cli.out),
+        Which::Ipi(a) => kumo_bench::ipi::run(a, &cli.out),
         Which::NetTool(a) => kumo_bench::net::tools::run(a),
     };
     match r {

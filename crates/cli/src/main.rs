@@ -206,6 +206,10 @@ struct RunArgs {
     /// `shared`. Given, it replaces a config file's pv.
     #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
     pv: Option<String>,
+    /// How long KVM polls a halted vCPU for a wake-up before it sleeps, in ns (0: never;
+    /// KVM_CAP_HALT_POLL); default: the host's kvm.halt_poll_ns.
+    #[arg(long, value_name = "NS", conflicts_with_all = ["incoming", "restore"])]
+    halt_poll_ns: Option<u32>,
     /// Guest arguments, key=value (with --guest).
     #[arg(value_name = "KEY=VALUE")]
     guest_args: Vec<String>,
@@ -243,6 +247,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 ("--numa", !a.numa.is_empty()),
                 ("--numa-distance", !a.numa_distance.is_empty()),
                 ("--pv", a.pv.is_some()),
+                ("--halt-poll-ns", a.halt_poll_ns.is_some()),
                 ("guest arguments", !a.guest_args.is_empty()),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
@@ -346,6 +351,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             Some(s) => kumo_vm::pv::PvRequest::parse(s).map_err(|e| e.to_string())?,
             None => file.pv.unwrap_or_default(),
         },
+        halt_poll_ns: a.halt_poll_ns,
     }))
 }
 

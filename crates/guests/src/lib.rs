@@ -7,6 +7,7 @@ mod manifest;
 pub mod memtouch;
 pub mod net;
 pub mod numa;
+pub mod sync;
 
 pub use elf::image_end;
 pub use manifest::{Manifest, Param, ParamKind};
@@ -105,7 +106,7 @@ mod tests {
     #[test]
     fn the_guests_are_built_with_manifests() {
         let names: Vec<_> = all().unwrap().into_iter().map(|g| g.manifest.name).collect();
-        assert_eq!(names, ["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa"]);
+        assert_eq!(names, ["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync"]);
         let m = find("memtouch").unwrap().manifest;
         assert!(m.params.iter().any(|p| p.key == "pages" && p.default == "1024"));
         assert!(m
@@ -144,7 +145,7 @@ mod tests {
         let e = find("nope").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend, numa"
+            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend, numa, sync"
         );
     }
 

@@ -73,6 +73,10 @@ pub struct VmConfig {
     /// it and the guest's CPUID does not change on the destination.
     #[serde(default, skip_serializing_if = "kumo_vm::pv::PvRequest::is_default")]
     pub pv: kumo_vm::pv::PvRequest,
+    /// KVM's halt polling for this VM in ns (`--halt-poll-ns`, KVM_CAP_HALT_POLL); none: the
+    /// host's module parameter. A tuning of this host, so not carried to a destination.
+    #[serde(skip)]
+    pub halt_poll_ns: Option<u32>,
 }
 
 /// One virtio-net NIC on a host tap: `tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`.
@@ -369,6 +373,7 @@ mod tests {
             numa: None,
             pins: vec![],
             pv: Default::default(),
+            halt_poll_ns: None,
         };
         ok.validate().unwrap();
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
@@ -411,6 +416,7 @@ mod tests {
             numa: None,
             pins: vec![],
             pv: Default::default(),
+            halt_poll_ns: None,
         };
         for ok in [
             vm(1, 8 << 20, guest("hello")),
@@ -456,6 +462,7 @@ mod tests {
                 numa: None,
                 pins: vec![],
                 pv: Default::default(),
+                halt_poll_ns: None,
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };
@@ -503,6 +510,7 @@ mod tests {
             numa: Some(numa),
             pins: vec![],
             pv: Default::default(),
+            halt_poll_ns: None,
         };
         // A config travels in migration streams and snapshots: the topology survives the trip,
         // and a config without NUMA nodes reads and writes as before.
@@ -548,6 +556,7 @@ mod tests {
             numa: None,
             pins: vec![],
             pv: Default::default(),
+            halt_poll_ns: None,
         };
         let v = serde_json::to_value(&c).unwrap();
         assert!(v.get("pv").is_none(), "{v}");

@@ -275,6 +275,9 @@ impl RunningVm {
             Some(f) => Vm::with_memory(config.cpus, kumo_vm::Memory::from_file(f, config.memory)?, config.irqchip)?,
             None => Vm::new(config.cpus, config.memory, config.irqchip)?,
         };
+        if let Some(ns) = config.halt_poll_ns {
+            vm.set_halt_poll_ns(ns)?;
+        }
         let mem = &vm.memory.guest;
         let layout = &vm.memory.layout;
         // Before anything is written: the guest's pages are then faulted on their host node.
