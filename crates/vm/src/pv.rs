@@ -5,6 +5,8 @@
 //! nested KVM, shared/NESTED-KVM.md); for dedicated vCPUs (each pinned to a host CPU of its
 //! own) `KVM_HINTS_REALTIME` and none of the features built for overcommit (seed 002).
 
+pub mod probe;
+
 use kvm_bindings::CpuId;
 use serde::{Deserialize, Serialize};
 
@@ -136,6 +138,8 @@ pub enum PvError {
     Syntax(String, String),
     #[error("--pv {0}=on: this host's KVM does not support it (KVM_GET_SUPPORTED_CPUID leaf 0x40000001)")]
     Unsupported(&'static str),
+    #[error("--pv pv-ipi=on: this host's KVM advertises PV IPI but {0}; leave pv-ipi off")]
+    PvIpiBroken(String),
 }
 
 impl PvRequest {
@@ -223,6 +227,28 @@ fn set_by_name(s: &mut PvSet, name: &str, on: bool) {
         "poll-control" => s.poll_control = on,
         "pv-ipi" => s.pv_ipi = on,
         _ => s.realtime = on,
+    }
+}
+
+/// How long the PV IPI probe waits for its vCPU before calling the hypercall hung.
+pub const PV_IPI_PROBE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Checks, with a probe VM, that the PV IPI hypercall works on this host, for a `set` that
+/// turns it on (a guest would send every IPI through it). Nothing to check otherwise.
+pub fn check_pv_ipi(kvm: &kvm_ioctls::Kvm, set: &PvSet) -> Result<(), PvError> {
+    if !set.pv_ipi {
+        return Ok(());
+    }
+    match probe::probe_pv_ipi(kvm, PV_IPI_PROBE_LIMIT) {
+        probe::PvIpiProbe::Works(_) => Ok(()),
+        probe::PvIpiProbe::Hangs => Err(PvError::PvIpiBroken(format!(
+            "KVM_HC_SEND_IPI hung a probe vCPU (no return within {} s)",
+            PV_IPI_PROBE_LIMIT.as_secs()
+        ))),
+        probe::PvIpiProbe::Refused(rc) => {
+            Err(PvError::PvIpiBroken(format!("KVM_HC_SEND_IPI returned {rc} in a probe VM")))
+        }
+        probe::PvIpiProbe::Failed(e) => Err(PvError::PvIpiBroken(format!("its probe VM failed: {e}"))),
     }
 }
 

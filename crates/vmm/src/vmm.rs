@@ -320,6 +320,7 @@ impl RunningVm {
             .pv
             .resolve(kumo_vm::pv::host_supported_eax(&vm.kvm)?, dedicated)
             .map_err(|e| Error::Config(e.to_string()))?;
+        kumo_vm::pv::check_pv_ipi(&vm.kvm, &pv).map_err(|e| Error::Config(e.to_string()))?;
         config.pv = kumo_vm::pv::PvRequest::from_set(pv);
         tracing::info!(pv = %pv.describe(), dedicated, "paravirtual features");
         let vcpus: Vec<Vcpu> = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;
