@@ -120,6 +120,8 @@ struct Report {
     command: String,
     host_cpus: usize,
     params: String,
+    /// The PV IPI hypercall on this host (`kumo_vm::pv::probe`): a fast path only where it works.
+    pv_ipi_probe: String,
     rows: Vec<Row>,
     headline: Headline,
 }
@@ -256,11 +258,23 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         }
     }
     let headline = headline(&rows);
+    let pv_ipi_probe = match kumo_vm::vm::open_kvm() {
+        Ok(kvm) => match kumo_vm::pv::probe::probe_pv_ipi(&kvm, kumo_vm::pv::PV_IPI_PROBE_LIMIT) {
+            kumo_vm::pv::probe::PvIpiProbe::Works(_) => "works (not yet a sync path: the guest sends by APIC)".into(),
+            kumo_vm::pv::probe::PvIpiProbe::Hangs => {
+                format!("hangs the vCPU (no return in {} s): refused", kumo_vm::pv::PV_IPI_PROBE_LIMIT.as_secs())
+            }
+            other => format!("unusable: {other:?}"),
+        },
+        Err(e) => format!("not probed: {e}"),
+    };
+    progress(t0, &format!("PV IPI hypercall: {pv_ipi_probe}"));
     let report = Report {
         bench: "ipi",
         command: std::env::args().collect::<Vec<_>>().join(" "),
         host_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         params: guest.join(" "),
+        pv_ipi_probe,
         rows,
         headline,
     };
@@ -380,6 +394,7 @@ fn table(r: &Report) -> String {
         );
     }
     let _ = writeln!(s, "times in microseconds unless marked; exit = a VM-exit round trip (port read), the unit");
+    let _ = writeln!(s, "KVM PV IPI hypercall: {}", r.pv_ipi_probe);
     let h = &r.headline;
     let _ = writeln!(
         s,
@@ -526,6 +541,7 @@ mod tests {
             command: "kumo-bench ipi".into(),
             host_cpus: 2,
             params: "handoffs=10".into(),
+            pv_ipi_probe: "hangs".into(),
             headline: headline(&rows),
             rows,
         };
@@ -551,6 +567,7 @@ mod tests {
             command: String::new(),
             host_cpus: 2,
             params: String::new(),
+            pv_ipi_probe: String::new(),
             headline: headline(&rows),
             rows,
         };
