@@ -91,6 +91,7 @@ struct net_cfg {
     u32 cpu;
     u8 vector, vector1;
     int sink;
+    int init_on_input;
 };
 
 #define NET_COMMON_PARAMS                                                                          \
@@ -98,7 +99,8 @@ struct net_cfg {
     "param=cpu:u64:0:vCPU whose ring-3 loop drives NIC 0 (its MSI-X entries target it)\n"         \
     "param=vector:u64:0xe0:interrupt vector of NIC 0's queues (a high priority class)\n"          \
     "param=sink:u64:0:1 = also drive NIC 1 as an interference sink on vCPU 0 (count and drop, answer ARP)\n" \
-    "param=ip1:ipv4:10.0.2.2:NIC 1's address (with sink=1)\n"
+    "param=ip1:ipv4:10.0.2.2:NIC 1's address (with sink=1)\n"                                    \
+    "param=init_on_input:u64:0:1 = initialise NIC 0's driver only when a byte arrives on the console (a NIC plugged in later)\n"
 
 extern struct kumo_boot_info *net_bi;
 extern struct nic net_nics[NET_MAX_NICS];

@@ -6,6 +6,7 @@
 //! processes ([`kumo_binary`]) and write their results into one output directory.
 
 pub mod boot;
+pub mod handover;
 pub mod ipi;
 pub mod migrate;
 pub mod net;

@@ -32,6 +32,10 @@ enum Which {
     /// (spin, HLT+IPI, guest polling) on the userspace APIC, the in-kernel LAPIC and with KVM
     /// halt polling, xAPIC and x2APIC, and 1-vs-2-vCPU work; writes ipi.json and ipi.png.
     Ipi(kumo_bench::ipi::Args),
+    /// NIC handover between running VMs (seed 001): packets lost and the outage when
+    /// `kumo net-backend` moves the NIC A -> B under a UDP stream, against unplugging it and
+    /// initialising B's driver from scratch; writes handover.json and handover.png.
+    Handover(kumo_bench::handover::Args),
     /// Host-side UDP tools of `net` (run inside network namespaces).
     #[command(hide = true)]
     NetTool(kumo_bench::net::tools::ToolArgs),
@@ -44,6 +48,7 @@ fn main() -> ExitCode {
         Which::Migrate(a) => kumo_bench::migrate::run(a, &cli.out),
         Which::Net(a) => kumo_bench::net::run(a, &cli.out),
         Which::Ipi(a) => kumo_bench::ipi::run(a, &cli.out),
+        Which::Handover(a) => kumo_bench::handover::run(a, &cli.out),
         Which::NetTool(a) => kumo_bench::net::tools::run(a),
     };
     match r {

@@ -136,6 +136,7 @@ static void parse_common(u32 default_ip) {
     }
     u64 cpu = net_param_u64("cpu", 0), vector = net_param_u64("vector", 0xe0);
     net_cfg.sink = net_param_u64("sink", 0) != 0;
+    net_cfg.init_on_input = net_param_u64("init_on_input", 0) != 0;
     if (cpu >= net_bi->ncpus || cpu >= KUMO_MAX_CPUS) {
         kprintf("%s: cpu=%lu but the VM has %u vCPUs\n", net_prog, cpu, net_bi->ncpus);
         kumo_exit(2);
@@ -176,6 +177,14 @@ static u64 role(u64 cpu) {
         u32 id = apic_ids[cpu];
         net_isr_apic0 = id;
         net_nics[0].ip = net_cfg.ip;
+        if (net_cfg.init_on_input) {
+            /* The baseline of a handover: the driver starts from scratch (reset, features,
+             * queues, DRIVER_OK) only now. Spins in ring 3 on the UART's data-ready bit. */
+            kprintf("%s: nic 0 waits for console input\n", net_prog);
+            while (!(inb(COM1 + 5) & 1))
+                cpu_relax();
+            (void)inb(COM1);
+        }
         bring_up(&c, &net_nics[0], net_cfg.irq, net_cfg.vector, id);
         if (sink && cpu == 0)
             bring_up(&c, &net_nics[1], 1, net_cfg.vector1, id);

@@ -141,6 +141,14 @@ impl NetGuard {
 
     /// A multiqueue vnet-header tap in `ns` (kumo attaches to it), with `cidr` if given, up;
     /// removed with the namespace.
+    /// A tap in this (the root) namespace with `cidr` on the host side, up.
+    pub fn host_tap(&mut self, dev: &str, cidr: &str) -> Result<(), String> {
+        ip(&["tuntap", "add", "dev", dev, "mode", "tap"])?;
+        self.remember(&["link", "del", dev]);
+        ip(&["addr", "add", cidr, "dev", dev])?;
+        ip(&["link", "set", dev, "up"])
+    }
+
     pub fn tap(&mut self, ns: &str, dev: &str, cidr: Option<&str>) -> Result<(), String> {
         ip(&["-n", ns, "tuntap", "add", "dev", dev, "mode", "tap", "multi_queue", "vnet_hdr"])?;
         if let Some(c) = cidr {
@@ -251,6 +259,12 @@ impl Proc {
         let err = self.stderr_text();
         let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
         format!("{} {msg}{}", self.what, if last.is_empty() { String::new() } else { format!(": {last}") })
+    }
+
+    /// Writes `bytes` to the child's stdin (a kumo VM's console).
+    pub fn input(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let s = self.stdin.as_mut().ok_or_else(|| format!("{}: stdin is closed", self.what))?;
+        s.write_all(bytes).and_then(|_| s.flush()).map_err(|e| format!("{}: stdin: {e}", self.what))
     }
 
     /// Closes the child's stdin (the flooder stops on EOF).
