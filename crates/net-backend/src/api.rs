@@ -159,3 +159,57 @@ pub fn request(socket: &Path, method: &str, path: &str, body: Option<&str>) -> R
     let status = head.split_whitespace().nth(1).and_then(|c| c.parse::<u16>().ok()).ok_or("malformed status line")?;
     Ok((status, body.to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kumo_devices::virtio::net::Loopback;
+
+    fn nic() -> Nic {
+        Nic::new(Box::new(Loopback::new(1)), "tap-test", [2, 0, 0, 0, 0, 1], true)
+    }
+
+    #[test]
+    fn info_lists_the_nic() {
+        let r = route(&nic(), "GET", "/api/v1/backend.info", b"");
+        assert_eq!(r.status, 200);
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["tap"], "tap-test");
+        assert_eq!(v["mac"], "02:00:00:00:00:01");
+        assert!(v["owner"].is_null());
+        assert_eq!(v["clients"].as_array().map(Vec::len), Some(0));
+    }
+
+    #[test]
+    fn refusals_are_409_with_one_line() {
+        let r = route(&nic(), "PUT", "/api/v1/backend.handover", br#"{"to": 3}"#);
+        assert_eq!(r.status, 409);
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["error"], "no client 3");
+    }
+
+    #[test]
+    fn bad_requests() {
+        let n = nic();
+        assert_eq!(route(&n, "PUT", "/api/v1/backend.handover", b"{}").status, 400);
+        assert_eq!(route(&n, "PUT", "/api/v1/backend.handover", br#"{"to": "x"}"#).status, 400);
+        assert_eq!(route(&n, "GET", "/api/v1/backend.handover", b"").status, 405);
+        assert_eq!(route(&n, "GET", "/api/v1/nope", b"").status, 404);
+    }
+
+    #[test]
+    fn request_and_serve_over_a_socket() {
+        let dir = std::env::temp_dir().join(format!("kumo-nb-api-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let path = dir.join("api.sock");
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).unwrap();
+        let n = Arc::new(nic());
+        thread::spawn(move || serve(n, l));
+        let (status, body) = request(&path, "GET", "/api/v1/backend.info", None).unwrap();
+        assert_eq!(status, 200, "{body}");
+        let (status, _) = request(&path, "PUT", "/api/v1/backend.handover", Some(r#"{"to": 1}"#)).unwrap();
+        assert_eq!(status, 409);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -664,3 +664,195 @@ impl Nic {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicI32;
+    use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+    /// A tap stand-in with an fd number (never polled: the listeners are fakes).
+    struct FakeNet;
+
+    impl NetBackend for FakeNet {
+        fn pairs(&self) -> usize {
+            1
+        }
+        fn recv(&mut self, _: usize, _: &mut [u8]) -> io::Result<Option<usize>> {
+            Ok(None)
+        }
+        fn send(&mut self, _: usize, _: &[u8]) -> io::Result<()> {
+            Ok(())
+        }
+        fn fd(&self, _: usize) -> Option<RawFd> {
+            Some(1000)
+        }
+        fn set_offload(&mut self, _: bool) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Records which fd a worker watches (-1: none).
+    struct FakeListen(AtomicI32);
+
+    impl Listen for FakeListen {
+        fn add(&self, fd: RawFd) -> io::Result<()> {
+            self.0.store(fd, Ordering::SeqCst);
+            Ok(())
+        }
+        fn del(&self, fd: RawFd) -> io::Result<()> {
+            assert_eq!(self.0.swap(-1, Ordering::SeqCst), fd, "removed a tap it did not watch");
+            Ok(())
+        }
+    }
+
+    fn mem() -> Mem {
+        GuestMemoryAtomic::new(GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap())
+    }
+
+    /// A client whose driver has started both queues (rings laid out in its own memory).
+    fn client(id: u32, started: bool) -> (Arc<Client>, Arc<FakeListen>) {
+        let c = Arc::new(Client::new(id, None));
+        let m = mem();
+        let vrings: Vec<Vring> = (0..NUM_QUEUES as u64)
+            .map(|q| {
+                let v = Vring::new(m.clone(), 256).unwrap();
+                let base = 0x1_0000 * (q + 1);
+                v.set_queue_size(256);
+                v.set_queue_info(base, base + 0x1000, base + 0x2000).unwrap();
+                v.set_queue_ready(started);
+                v.set_enabled(started);
+                v
+            })
+            .collect();
+        c.set_vrings(&vrings);
+        c.set_mem(m);
+        let l = Arc::new(FakeListen(AtomicI32::new(-1)));
+        c.set_listen(l.clone());
+        (c, l)
+    }
+
+    fn nic(auto: bool) -> Nic {
+        Nic::new(Box::new(FakeNet), "tap-test", [2, 0, 0, 0, 0, 1], auto)
+    }
+
+    fn link(n: &Nic, id: u32) -> bool {
+        let c = n.config_space(id);
+        u16::from_le_bytes([c[6], c[7]]) & 1 == 1
+    }
+
+    #[test]
+    fn first_ready_client_owns_the_nic_and_only_it_sees_link_up() {
+        let n = nic(true);
+        let (a, la) = client(1, true);
+        let (b, lb) = client(2, true);
+        let (c, _) = client(3, false);
+        for x in [&a, &b, &c] {
+            n.add_client(x.clone());
+        }
+        assert_eq!(n.owner(), None);
+        n.on_event(&c, RX as u16).unwrap(); // not ready: does not take it
+        assert_eq!(n.owner(), None);
+        n.on_event(&b, RX as u16).unwrap();
+        assert_eq!(n.owner(), Some(2));
+        n.on_event(&a, TX as u16).unwrap(); // a kick of a non-owner is ignored
+        assert_eq!(n.owner(), Some(2));
+        assert!(link(&n, 2) && !link(&n, 1) && !link(&n, 3));
+        assert_eq!(&n.config_space(1)[..6], &[2, 0, 0, 0, 0, 1]);
+        assert_eq!(lb.0.load(Ordering::SeqCst), 1000, "the owner's worker watches the tap");
+        assert_eq!(la.0.load(Ordering::SeqCst), -1);
+    }
+
+    #[test]
+    fn manual_mode_waits_for_a_handover() {
+        let n = nic(false);
+        let (a, _) = client(1, true);
+        n.add_client(a.clone());
+        n.on_event(&a, RX as u16).unwrap();
+        assert_eq!(n.owner(), None);
+        n.handover(1, Duration::ZERO).unwrap();
+        assert_eq!(n.owner(), Some(1));
+    }
+
+    #[test]
+    fn handover_moves_the_tap_and_the_link() {
+        let n = nic(false);
+        let (a, la) = client(1, true);
+        let (b, lb) = client(2, true);
+        n.add_client(a);
+        n.add_client(b);
+        n.handover(1, Duration::ZERO).unwrap();
+        let r = n.handover(2, Duration::ZERO).unwrap();
+        assert_eq!((r.from, r.to), (Some(1), 2));
+        assert_eq!(n.owner(), Some(2));
+        assert!(link(&n, 2) && !link(&n, 1));
+        assert_eq!((la.0.load(Ordering::SeqCst), lb.0.load(Ordering::SeqCst)), (-1, 1000));
+        assert_eq!(n.info().handovers, 2);
+        assert_eq!(n.max_in_flight(), 1);
+        assert_eq!(n.foreign_serves(), 0);
+    }
+
+    #[test]
+    fn refused_handovers_leave_the_owner() {
+        let n = nic(false);
+        let (a, _) = client(1, true);
+        let (b, _) = client(2, false);
+        let (c, _) = client(3, true);
+        c.set_features(VHOST_F_LOG_ALL);
+        for x in [&a, &b, &c] {
+            n.add_client(x.clone());
+        }
+        n.handover(1, Duration::ZERO).unwrap();
+        assert_eq!(n.handover(9, Duration::ZERO), Err(HandoverError::Unknown(9)));
+        assert!(matches!(n.handover(2, Duration::ZERO), Err(HandoverError::NotReady(_))));
+        assert!(matches!(n.handover(3, Duration::ZERO), Err(HandoverError::Migrating(_))));
+        assert_eq!(n.owner(), Some(1));
+        assert!(link(&n, 1));
+        // A client without rings at all is not ready either.
+        let d = Arc::new(Client::new(4, None));
+        n.add_client(d);
+        assert!(matches!(n.handover(4, Duration::ZERO), Err(HandoverError::NotReady(_))));
+        assert_eq!(n.owner(), Some(1));
+    }
+
+    #[test]
+    fn owner_disconnect_frees_the_nic_at_once() {
+        let n = nic(false);
+        let (a, la) = client(1, true);
+        let (b, _) = client(2, true);
+        n.add_client(a);
+        n.add_client(b);
+        n.handover(1, Duration::ZERO).unwrap();
+        assert_eq!(n.remove_client(1), None);
+        assert_eq!(n.owner(), None);
+        assert_eq!(la.0.load(Ordering::SeqCst), -1, "the dead owner's worker no longer watches the tap");
+        n.handover(2, Duration::ZERO).unwrap();
+        assert_eq!(n.owner(), Some(2));
+    }
+
+    #[test]
+    fn auto_failover_goes_to_the_next_ready_client() {
+        let n = nic(true);
+        let (a, _) = client(1, true);
+        let (b, _) = client(2, false);
+        let (c, lc) = client(3, true);
+        for x in [&a, &b, &c] {
+            n.add_client(x.clone());
+        }
+        n.on_event(&a, RX as u16).unwrap();
+        assert_eq!(n.owner(), Some(1));
+        assert_eq!(n.remove_client(1), Some(3), "2 is not ready, 3 is");
+        assert!(link(&n, 3));
+        assert_eq!(lc.0.load(Ordering::SeqCst), 1000);
+        // A non-owner leaving changes nothing.
+        assert_eq!(n.remove_client(2), Some(3));
+    }
+
+    #[test]
+    fn mac_parses_and_prints() {
+        let m = parse_mac("52:54:00:ab:CD:0f").unwrap();
+        assert_eq!(format_mac(&m), "52:54:00:ab:cd:0f");
+        assert!(parse_mac("52:54:00").is_err());
+        assert!(parse_mac("zz:54:00:ab:cd:0f").is_err());
+    }
+}
