@@ -110,7 +110,9 @@ impl Server {
         let up = thread::Builder::new().name(format!("nb-relay-{id}")).spawn(move || relay(&f2, &b2, Some(&c2)))?;
         relay(&back, &front, None);
         let _ = up.join();
-        let _ = daemon.wait();
+        if let Err(e) = daemon.wait() {
+            tracing::warn!("client {id}: {e}");
+        }
         self.nic.remove_client(id);
         tracing::info!("client {id} disconnected");
         Ok(id)
