@@ -96,7 +96,9 @@ impl Server {
             client.set_listen(h.clone());
         }
         // The daemon accepts on a private abstract socket that only the relay connects to.
-        let name = format!("kumo-net-backend-{}-{id}", std::process::id());
+        // Unique per process (several servers may run in one, e.g. in tests).
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let name = format!("kumo-net-backend-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
         let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
         let mut listener = Listener::from(UnixListener::bind_addr(&addr)?);
         let back = UnixStream::connect_addr(&addr)?;

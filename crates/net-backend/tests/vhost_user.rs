@@ -8,7 +8,7 @@ use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -431,18 +431,18 @@ fn exclusive_access_under_concurrent_handovers() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let got: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let completed = Arc::new(AtomicUsize::new(0));
     let mut drivers = Vec::new();
     for (i, vm) in vms.iter().enumerate() {
-        let (d, stop, got) = (vm.driver.clone(), stop.clone(), got.clone());
+        let (d, stop, got, completed) = (vm.driver.clone(), stop.clone(), got.clone(), completed.clone());
         drivers.push(thread::spawn(move || {
             let mut sent = 0u32;
-            let mut done = 0usize;
             while !stop.load(Ordering::SeqCst) {
                 let mut d = d.lock().unwrap();
                 for p in d.received() {
                     got.lock().unwrap().push(u32::from_le_bytes([p[0], p[1], p[2], p[3]]));
                 }
-                done += d.tx_done();
+                completed.fetch_add(d.tx_done(), Ordering::SeqCst);
                 if sent < TX_EACH && d.rings[1].in_flight() < QSIZE {
                     let mut p = vec![i as u8];
                     p.extend_from_slice(&sent.to_le_bytes());
@@ -452,7 +452,6 @@ fn exclusive_access_under_concurrent_handovers() {
                 drop(d);
                 thread::yield_now();
             }
-            done
         }));
     }
     // One file description for both ends' users: nonblocking, so the collector below can keep
@@ -502,12 +501,23 @@ fn exclusive_access_under_concurrent_handovers() {
             Err(e) => panic!("host recv: {e}"),
         }
     }
-    sender.join().unwrap();
     switcher.join().unwrap();
+    let mut k = 0;
+    wait_until("the sender is done", || {
+        k += 1;
+        if k % 5000 == 0 {
+            eprintln!("{:?} got {}", s.nic.info(), got.lock().unwrap().len());
+        }
+        sender.is_finished()
+    });
+    sender.join().unwrap();
     wait_until("every frame reached a VM", || got.lock().unwrap().len() >= FRAMES as usize);
+    wait_until("every transmit completes to its VM", || completed.load(Ordering::SeqCst) >= 2 * TX_EACH as usize);
     stop.store(true, Ordering::SeqCst);
-    let done: usize = drivers.into_iter().map(|d| d.join().unwrap()).sum();
-    assert_eq!(done, 2 * TX_EACH as usize, "every transmit completes to its VM");
+    for d in drivers {
+        d.join().unwrap();
+    }
+    assert_eq!(completed.load(Ordering::SeqCst), 2 * TX_EACH as usize);
 
     let mut seqs = got.lock().unwrap().clone();
     seqs.sort_unstable();
