@@ -91,7 +91,12 @@ impl Client {
         *lock(&self.listen) = Some(l);
     }
 
+    /// Nonblocking: a frontend that does not read its channel (stopped, hung) must not hold
+    /// up a handover; its config change is dropped then.
     pub fn set_req(&self, s: UnixStream) {
+        if let Err(e) = s.set_nonblocking(true) {
+            tracing::warn!("client {}: backend-request channel: {e}", self.id);
+        }
         *lock(&self.req) = Some(s);
     }
 

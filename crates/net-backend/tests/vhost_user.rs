@@ -44,8 +44,16 @@ impl NetBackend for DgramNet {
             Err(e) => Err(e),
         }
     }
+    /// Waits while the host side's queue is full (a tap would drop the frame): the tests count
+    /// every frame, and the host side always reads on its own thread.
     fn send(&mut self, _: usize, frame: &[u8]) -> io::Result<()> {
-        self.0.send(frame).map(|_| ())
+        loop {
+            match self.0.send(frame) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::yield_now(),
+                Err(e) => return Err(e),
+            }
+        }
     }
     fn fd(&self, _: usize) -> Option<RawFd> {
         Some(self.0.as_raw_fd())
@@ -479,37 +487,39 @@ fn exclusive_access_under_concurrent_handovers() {
             thread::yield_now();
         }
     });
-    // The tap side collects what the VMs transmit; a non-owner's transmits wait for its turn,
-    // so once the switcher is done the NIC keeps moving whenever nothing arrives.
-    let mut out = BTreeSet::new();
-    let mut buf = vec![0u8; 4096];
-    let end = Instant::now() + Duration::from_secs(60);
-    while out.len() < 2 * TX_EACH as usize {
-        assert!(Instant::now() < end, "timed out: {} of {} transmits reached the tap", out.len(), 2 * TX_EACH);
-        match s.host.recv(&mut buf) {
-            Ok(n) => {
-                let p = &buf[HDR..n];
-                assert!(out.insert((p[0], u32::from_le_bytes([p[1], p[2], p[3], p[4]]))), "a frame went out twice");
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if switcher.is_finished() {
-                    let next = if s.nic.owner() == Some(1) { 2 } else { 1 };
-                    s.nic.handover(next, Duration::ZERO).unwrap();
+    // The tap side collects what the VMs transmit (its own thread: a full socket would drop
+    // frames, as a full tap does, so it never waits on anything else).
+    let out: Arc<Mutex<BTreeSet<(u8, u32)>>> = Arc::default();
+    let collector = {
+        let (host, out, stop) = (s.host.try_clone().unwrap(), out.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            while !stop.load(Ordering::SeqCst) {
+                match host.recv(&mut buf) {
+                    Ok(n) => {
+                        let p = &buf[HDR..n];
+                        let new = out.lock().unwrap().insert((p[0], u32::from_le_bytes([p[1], p[2], p[3], p[4]])));
+                        assert!(new, "a frame went out twice");
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::yield_now(),
+                    Err(e) => panic!("host recv: {e}"),
                 }
-                thread::sleep(Duration::from_millis(1));
             }
-            Err(e) => panic!("host recv: {e}"),
-        }
-    }
+        })
+    };
+    // A non-owner's transmits wait for its turn, so once the switcher is done the NIC keeps
+    // moving until everything is out.
     switcher.join().unwrap();
-    let mut k = 0;
-    wait_until("the sender is done", || {
+    let mut k = 0u64;
+    wait_until("every transmit reaches the tap", || {
         k += 1;
-        if k % 5000 == 0 {
-            eprintln!("{:?} got {}", s.nic.info(), got.lock().unwrap().len());
+        if k % 50 == 0 {
+            let next = if s.nic.owner() == Some(1) { 2 } else { 1 };
+            s.nic.handover(next, Duration::ZERO).unwrap();
         }
-        sender.is_finished()
+        out.lock().unwrap().len() == 2 * TX_EACH as usize
     });
+    wait_until("the sender is done", || sender.is_finished());
     sender.join().unwrap();
     wait_until("every frame reached a VM", || got.lock().unwrap().len() >= FRAMES as usize);
     wait_until("every transmit completes to its VM", || completed.load(Ordering::SeqCst) >= 2 * TX_EACH as usize);
@@ -517,6 +527,7 @@ fn exclusive_access_under_concurrent_handovers() {
     for d in drivers {
         d.join().unwrap();
     }
+    collector.join().unwrap();
     assert_eq!(completed.load(Ordering::SeqCst), 2 * TX_EACH as usize);
 
     let mut seqs = got.lock().unwrap().clone();
