@@ -575,8 +575,7 @@ impl Nic {
         }
         let deadline = Instant::now() + wait;
         let mut st = lock(&self.state);
-        loop {
-            let Some(h) = st.handover.as_ref() else { break };
+        while let Some(h) = st.handover.as_ref() {
             if h.to != to || h.first_b.is_some() {
                 break;
             }

@@ -513,7 +513,8 @@ fn exclusive_access_under_concurrent_handovers() {
     let mut k = 0u64;
     wait_until("every transmit reaches the tap", || {
         k += 1;
-        if k % 50 == 0 {
+        if k == 50 {
+            k = 0;
             let next = if s.nic.owner() == Some(1) { 2 } else { 1 };
             s.nic.handover(next, Duration::ZERO).unwrap();
         }
