@@ -481,7 +481,15 @@ impl Nic {
             if st.pending.is_none() {
                 let State { net, buf, .. } = &mut *st;
                 match net.recv(0, buf)? {
-                    Some(len) => st.pending = Some(buf[..len].to_vec()),
+                    Some(len) => {
+                        let mut f = buf[..len].to_vec();
+                        // VERSION_1 without MRG_RXBUF: the device sets num_buffers to 1 (the tap
+                        // leaves those two header bytes alone).
+                        if let Some(nb) = f.get_mut(10..12) {
+                            nb.copy_from_slice(&1u16.to_le_bytes());
+                        }
+                        st.pending = Some(f);
+                    }
                     None => break,
                 }
             }
