@@ -80,7 +80,11 @@ fn start(name: &str, auto_own: bool) -> Setup {
     let (host, back) = UnixDatagram::pair().unwrap();
     back.set_nonblocking(true).unwrap();
     host.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let nic = Arc::new(Nic::new(Box::new(DgramNet(back)), "dgram", MAC, auto_own));
+    start_with(name, Box::new(DgramNet(back)), "dgram", auto_own, host)
+}
+
+fn start_with(name: &str, net: Box<dyn NetBackend>, tap: &str, auto_own: bool, host: UnixDatagram) -> Setup {
+    let nic = Arc::new(Nic::new(net, tap, MAC, auto_own));
     let dir = std::env::temp_dir().join(format!("kumo-nb-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -540,4 +544,161 @@ fn exclusive_access_under_concurrent_handovers() {
     assert!(info.handovers > u64::from(HANDOVERS));
     let rx: u64 = info.clients.iter().map(|c| c.rx_packets).sum();
     assert_eq!(rx, u64::from(FRAMES));
+}
+
+/// A raw packet socket on the tap's host side, for one EtherType.
+struct HostLink {
+    fd: std::os::fd::OwnedFd,
+    ifindex: i32,
+}
+
+const ETHERTYPE: u16 = 0x88b5; // IEEE local experimental
+
+impl HostLink {
+    fn open(ifname: &str) -> io::Result<Self> {
+        let name = std::ffi::CString::new(ifname).map_err(io::Error::other)?;
+        // SAFETY: if_nametoindex reads a NUL-terminated name.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) } as i32;
+        if ifindex == 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let proto = ETHERTYPE.to_be();
+        // SAFETY: socket() with constant arguments; returns a new fd or -1.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(proto)) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh fd we own.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sockaddr_ll is plain data; all-zero is a valid value.
+        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_protocol = proto;
+        sll.sll_ifindex = ifindex;
+        // SAFETY: bind reads one sockaddr_ll of the size given.
+        let r = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let tv = libc::timeval { tv_sec: 10, tv_usec: 0 };
+        // SAFETY: SO_RCVTIMEO reads one timeval.
+        unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                &tv as *const libc::timeval as *const libc::c_void,
+                std::mem::size_of::<libc::timeval>() as u32,
+            )
+        };
+        Ok(HostLink { fd, ifindex })
+    }
+
+    /// Sends an Ethernet frame to the guest's MAC with `payload`.
+    fn send(&self, payload: &[u8]) {
+        let mut f = MAC.to_vec();
+        f.extend_from_slice(&[0x02, 0, 0, 0, 0, 0x99]);
+        f.extend_from_slice(&ETHERTYPE.to_be_bytes());
+        f.extend_from_slice(payload);
+        // SAFETY: sockaddr_ll is plain data; all-zero is a valid value.
+        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_ifindex = self.ifindex;
+        sll.sll_halen = 6;
+        sll.sll_addr[..6].copy_from_slice(&MAC);
+        // SAFETY: sendto reads `f` and one sockaddr_ll of the sizes given.
+        let r = unsafe {
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                f.as_ptr() as *const libc::c_void,
+                f.len(),
+                0,
+                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        assert_eq!(r, f.len() as isize, "packet send: {}", io::Error::last_os_error());
+    }
+
+    /// The payload of the next frame of our EtherType the interface received.
+    fn recv(&self) -> Vec<u8> {
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: recv writes at most buf.len() bytes into buf.
+        let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
+        assert!(n >= 14, "packet recv: {}", io::Error::last_os_error());
+        buf[14..n as usize].to_vec()
+    }
+}
+
+/// A guest frame (vnet header stripped) of our EtherType, or None for other traffic (the
+/// kernel's own IPv6 chatter on a fresh interface).
+fn ours(f: &[u8]) -> Option<Vec<u8>> {
+    (f.len() >= 14 && f[12..14] == ETHERTYPE.to_be_bytes()).then(|| f[14..].to_vec())
+}
+
+fn eth(payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![0x02, 0, 0, 0, 0, 0x99];
+    f.extend_from_slice(&MAC);
+    f.extend_from_slice(&ETHERTYPE.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+fn wait_ours(vm: &Vm, want: &[u8]) {
+    wait_until("the VM receives our frame", || {
+        vm.received().iter().filter_map(|f| ours(f)).any(|p| p.starts_with(want))
+    });
+}
+
+/// The same over a real tap (root): frames from the host side reach the owner only, and the
+/// owner's frames reach the host, before and after a handover.
+#[test]
+fn real_tap_handover() {
+    let name = format!("kumonb{}", std::process::id() % 100_000);
+    let tap = match kumo_devices::virtio::net::tap::Tap::open(&name, 1) {
+        Ok(t) => t,
+        Err(e) => {
+            println!("skipping real_tap_handover: no tap ({e})");
+            return;
+        }
+    };
+    let up = std::process::Command::new("ip").args(["link", "set", "dev", &name, "up"]).status();
+    if !matches!(up, Ok(s) if s.success()) {
+        println!("skipping real_tap_handover: cannot bring {name} up");
+        return;
+    }
+    let link = match HostLink::open(&name) {
+        Ok(l) => l,
+        Err(e) => {
+            println!("skipping real_tap_handover: no packet socket ({e})");
+            return;
+        }
+    };
+    let (unused, _) = UnixDatagram::pair().unwrap();
+    let s = start_with("tap", Box::new(tap), &name, true, unused);
+    let mut a = Vm::start(&s);
+    wait_until("A owns the NIC", || s.nic.owner() == Some(1));
+    a.expect_config_change();
+    let mut b = Vm::start(&s);
+    wait_until("B is ready", || ready(&s.nic, 2));
+
+    link.send(b"to-a");
+    wait_ours(&a, b"to-a");
+    a.driver.lock().unwrap().transmit(&eth(b"from-a"));
+    assert!(link.recv().starts_with(b"from-a"));
+
+    s.nic.handover(2, Duration::ZERO).unwrap();
+    b.expect_config_change();
+    assert!(b.link() && !a.link());
+    link.send(b"to-b");
+    wait_ours(&b, b"to-b");
+    b.driver.lock().unwrap().transmit(&eth(b"from-b"));
+    assert!(link.recv().starts_with(b"from-b"));
+    assert!(a.received().iter().filter_map(|f| ours(f)).all(|p| !p.starts_with(b"to-b")));
 }
