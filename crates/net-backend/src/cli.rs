@@ -82,7 +82,9 @@ fn serve(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
         Some(m) => parse_mac(m)?,
         None => DEFAULT_MAC,
     };
-    let tap = Tap::open(&tap_name, 1).map_err(|e| e.to_string())?;
+    // An existing tap is attached as it was made (multi-queue or not), a missing one created.
+    let exists = std::path::Path::new("/sys/class/net").join(&tap_name).exists();
+    let tap = if exists { Tap::attach(&tap_name, 1) } else { Tap::open(&tap_name, 1) }.map_err(|e| e.to_string())?;
     let nic = Arc::new(Nic::new(Box::new(tap), &tap_name, mac, !a.manual));
     let listener = Server::bind(&socket).map_err(|e| format!("{}: {e}", socket.display()))?;
     let mut cleanup = vec![socket.clone()];

@@ -192,6 +192,9 @@ pub struct HandoverReport {
     pub first_serve_after_switch_us: Option<u64>,
     /// Frames that waited in the tap (or the backend's one-frame slot) and went to `to` at the switch.
     pub drained_at_switch: u64,
+    /// µs the NIC was served by no one inside the backend: from the handover taking the data
+    /// path (A's last in-flight transmits are completed in it) to `to`'s queues being live.
+    pub pause_us: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -202,6 +205,7 @@ struct HandoverRecord {
     switch: Instant,
     first_b: Option<Instant>,
     drained: u64,
+    pause: Duration,
 }
 
 impl HandoverRecord {
@@ -216,6 +220,7 @@ impl HandoverRecord {
                 .first_b
                 .map(|b| b.saturating_duration_since(self.switch).as_micros() as u64),
             drained_at_switch: self.drained,
+            pause_us: self.pause.as_micros() as u64,
         }
     }
 }
@@ -538,6 +543,7 @@ impl Nic {
     pub fn handover(&self, to: u32, wait: Duration) -> Result<HandoverReport, HandoverError> {
         let (old, new) = {
             let mut st = lock(&self.state);
+            let taken = Instant::now();
             let Some(b) = st.clients.get(&to).cloned() else { return Err(HandoverError::Unknown(to)) };
             if b.migrating() {
                 return Err(HandoverError::Migrating(format!("client {to} is migrating (dirty logging is on)")));
@@ -552,6 +558,7 @@ impl Nic {
                     switch: Instant::now(),
                     first_b: Some(Instant::now()),
                     drained: 0,
+                    pause: Duration::ZERO,
                 };
                 return Ok(rec.report());
             }
@@ -567,8 +574,10 @@ impl Nic {
                 _ => None,
             };
             Self::set_owner(&mut st, Some(to));
+            let switch = Instant::now();
             st.handovers += 1;
-            st.handover = Some(HandoverRecord { from, to, last_a, switch: Instant::now(), first_b: None, drained: 0 });
+            st.handover =
+                Some(HandoverRecord { from, to, last_a, switch, first_b: None, drained: 0, pause: switch - taken });
             // B's rings are used as they stand; serve what waits.
             let drained = self.serve_rx(&mut st, &b).unwrap_or(0);
             if let Some(h) = st.handover.as_mut() {
@@ -600,6 +609,7 @@ impl Nic {
             switch_us: 0,
             first_serve_after_switch_us: None,
             drained_at_switch: 0,
+            pause_us: 0,
         }))
     }
 
@@ -630,6 +640,7 @@ impl Nic {
                         switch: Instant::now(),
                         first_b: None,
                         drained: 0,
+                        pause: Duration::ZERO,
                     });
                     let _ = self.serve_rx(&mut st, &n);
                     let _ = self.serve_tx(&mut st, &n);
