@@ -123,6 +123,9 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "ARGS")]
         args: Vec<std::ffi::OsString>,
     },
+    /// The NIC as its own process: own a tap and serve VMs over vhost-user-net (one VM owns the
+    /// NIC at a time); or, with a subcommand, talk to a running one (needs --api-socket).
+    NetBackend(kumo_net_backend::cli::Args),
 }
 
 #[derive(clap::Args)]
@@ -656,6 +659,7 @@ fn main() -> ExitCode {
         Cmd::Guests { json } => guests(json),
         Cmd::Bench { args } => bench(args),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
+        Cmd::NetBackend(a) => kumo_net_backend::cli::run(a, cli.api_socket),
         ref c @ (Cmd::Info
         | Cmd::Pause
         | Cmd::Resume

@@ -1,0 +1,108 @@
+//! One client's vhost-user-net device, as the `vhost-user-backend` crate sees it.
+
+use std::io;
+use std::os::unix::io::RawFd;
+use std::sync::Arc;
+
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringEpollHandler};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS};
+use vm_memory::GuestMemoryAtomic;
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
+
+use crate::nic::{Client, Listen, Mem, Nic, Vring, NUM_QUEUES, TAP_EVENT, VHOST_F_LOG_ALL};
+
+pub const QUEUE_SIZE: usize = 256;
+
+/// Device features offered: VERSION_1, MAC, STATUS, VHOST_F_LOG_ALL (so a migrating frontend
+/// shows itself), VHOST_USER_F_PROTOCOL_FEATURES.
+pub const FEATURES: u64 = (1 << VIRTIO_F_VERSION_1)
+    | (1 << VIRTIO_NET_F_MAC)
+    | (1 << VIRTIO_NET_F_STATUS)
+    | VHOST_F_LOG_ALL
+    | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+
+/// Protocol features offered: CONFIG, BACKEND_REQ, REPLY_ACK, MQ.
+pub fn protocol_features() -> VhostUserProtocolFeatures {
+    VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::BACKEND_REQ
+        | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::MQ
+}
+
+pub struct ClientBackend {
+    pub nic: Arc<Nic>,
+    pub client: Arc<Client>,
+}
+
+impl VhostUserBackend for ClientBackend {
+    type Bitmap = ();
+    type Vring = Vring;
+
+    fn num_queues(&self) -> usize {
+        NUM_QUEUES
+    }
+
+    fn max_queue_size(&self) -> usize {
+        QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        FEATURES
+    }
+
+    fn acked_features(&self, features: u64) {
+        self.client.set_features(features);
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        protocol_features()
+    }
+
+    // No EVENT_IDX is offered: the device signals after every batch.
+    fn set_event_idx(&self, _enabled: bool) {}
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let cfg = self.nic.config_space(self.client.id);
+        let start = (offset as usize).min(cfg.len());
+        let end = (offset as usize).saturating_add(size as usize).min(cfg.len());
+        let mut v = cfg[start..end].to_vec();
+        v.resize(size as usize, 0);
+        v
+    }
+
+    fn update_memory(&self, mem: GuestMemoryAtomic<vm_memory::GuestMemoryMmap>) -> io::Result<()> {
+        self.client.set_mem(mem as Mem);
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        vec![(1 << NUM_QUEUES) - 1]
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+
+    fn handle_event(&self, device_event: u16, _evset: EventSet, vrings: &[Vring], _thread_id: usize) -> io::Result<()> {
+        self.client.set_vrings(vrings);
+        if device_event as usize >= NUM_QUEUES && device_event != TAP_EVENT {
+            return Ok(());
+        }
+        self.nic.on_event(&self.client, device_event)
+    }
+}
+
+/// The owner's worker watches the tap edge-triggered: it reads until the tap or the buffers
+/// run out, and a kick of the receive queue resumes it.
+impl Listen for VringEpollHandler<Arc<ClientBackend>> {
+    fn add(&self, fd: RawFd) -> io::Result<()> {
+        self.register_listener(fd, EventSet::IN | EventSet::EDGE_TRIGGERED, u64::from(TAP_EVENT))
+    }
+
+    fn del(&self, fd: RawFd) -> io::Result<()> {
+        self.unregister_listener(fd, EventSet::IN | EventSet::EDGE_TRIGGERED, u64::from(TAP_EVENT))
+    }
+}

@@ -1,0 +1,125 @@
+//! `kumo net-backend …`: serve a tap, or talk to a running backend.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread;
+
+use kumo_devices::virtio::net::tap::Tap;
+
+use crate::api;
+use crate::nic::{parse_mac, Nic};
+use crate::server::Server;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The tap to own (created if missing).
+    #[arg(long, value_name = "NAME")]
+    pub tap: Option<String>,
+    /// The vhost-user socket VMs connect to (`kumo run --net vhost-user=PATH`).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// The MAC in the device's config space [default: 52:54:00:12:34:56].
+    #[arg(long, value_name = "MAC")]
+    pub mac: Option<String>,
+    /// Assign the NIC only by handover: no automatic ownership by the first ready VM, and no
+    /// automatic failover when the owner disconnects.
+    #[arg(long)]
+    pub manual: bool,
+    #[command(subcommand)]
+    pub cmd: Option<Cmd>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Cmd {
+    /// Hand the NIC to client ID of a running backend (needs --api-socket); prints the outage
+    /// measured inside the backend as JSON.
+    Handover {
+        #[arg(long, value_name = "ID")]
+        to: u32,
+        /// How long to wait for the new owner's first buffer (ms).
+        #[arg(long, value_name = "MS", default_value_t = api::DEFAULT_WAIT_MS)]
+        wait_ms: u64,
+    },
+    /// Show a running backend (needs --api-socket): tap, MAC, owner, clients and counters.
+    Info,
+}
+
+pub const DEFAULT_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+
+/// Runs `kumo net-backend`; `api_socket` is kumo's global --api-socket.
+pub fn run(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
+    match a.cmd {
+        Some(Cmd::Handover { to, wait_ms }) => {
+            let sock = api_socket.ok_or("handover needs --api-socket PATH (the backend's API socket)")?;
+            let body = serde_json::json!({ "to": to, "wait_ms": wait_ms }).to_string();
+            client(&sock, "PUT", "/api/v1/backend.handover", Some(&body))
+        }
+        Some(Cmd::Info) => {
+            let sock = api_socket.ok_or("info needs --api-socket PATH (the backend's API socket)")?;
+            client(&sock, "GET", "/api/v1/backend.info", None)
+        }
+        None => serve(a, api_socket),
+    }
+}
+
+fn client(sock: &Path, method: &str, path: &str, body: Option<&str>) -> Result<i32, String> {
+    let (status, body) = api::request(sock, method, path, body)?;
+    if status == 200 {
+        println!("{body}");
+        return Ok(0);
+    }
+    let msg = serde_json::from_str::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+        .unwrap_or(body);
+    Err(msg)
+}
+
+fn serve(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
+    let tap_name = a.tap.ok_or("net-backend needs --tap NAME")?;
+    let socket = a.socket.ok_or("net-backend needs --socket PATH")?;
+    let mac = match &a.mac {
+        Some(m) => parse_mac(m)?,
+        None => DEFAULT_MAC,
+    };
+    // An existing tap is attached as it was made (multi-queue or not), a missing one created.
+    let exists = std::path::Path::new("/sys/class/net").join(&tap_name).exists();
+    let tap = if exists { Tap::attach(&tap_name, 1) } else { Tap::open(&tap_name, 1) }.map_err(|e| e.to_string())?;
+    let nic = Arc::new(Nic::new(Box::new(tap), &tap_name, mac, !a.manual));
+    let listener = Server::bind(&socket).map_err(|e| format!("{}: {e}", socket.display()))?;
+    let mut cleanup = vec![socket.clone()];
+    if let Some(p) = &api_socket {
+        let l = Server::bind(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        cleanup.push(p.clone());
+        let n = nic.clone();
+        thread::Builder::new()
+            .name("nb-api".into())
+            .spawn(move || {
+                if let Err(e) = api::serve(n, l) {
+                    tracing::error!("api: {e}");
+                }
+            })
+            .map_err(|e| e.to_string())?;
+    }
+    let server = Server::new(nic);
+    thread::Builder::new()
+        .name("nb-accept".into())
+        .spawn(move || {
+            if let Err(e) = server.serve(listener) {
+                tracing::error!("vhost-user socket: {e}");
+            }
+        })
+        .map_err(|e| e.to_string())?;
+    eprintln!(
+        "kumo net-backend: tap {tap_name}, vhost-user socket {}{}",
+        socket.display(),
+        api_socket.as_ref().map(|p| format!(", api {}", p.display())).unwrap_or_default()
+    );
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .map_err(|e| format!("signals: {e}"))?;
+    let _ = signals.forever().next();
+    for p in cleanup {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(0)
+}

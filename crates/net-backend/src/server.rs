@@ -1,0 +1,178 @@
+//! The vhost-user socket: every connection is a client with its own `VhostUserDaemon`.
+//!
+//! `vhost-user-backend` serves one connection per daemon and hides both the connection (we
+//! want the peer's pid, and to see it close) and the backend-request channel (it has no way to
+//! send CONFIG_CHANGE_MSG). So each client's messages pass through a small in-process relay:
+//! frontend ⇄ relay ⇄ daemon, message by message with their fds. The relay keeps a duplicate
+//! of the fd of VHOST_USER_SET_BACKEND_REQ_FD (to send config changes) and tells the NIC when
+//! the frontend hangs up. Only the control messages take this path; the rings and eventfds are
+//! shared with the frontend directly.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::thread;
+
+use vhost::vhost_user::Listener;
+use vhost_user_backend::VhostUserDaemon;
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+use crate::backend::ClientBackend;
+use crate::nic::{Client, Nic};
+
+const HDR_LEN: usize = 12;
+const MAX_FDS: usize = 32;
+const SET_BACKEND_REQ_FD: u32 = 21;
+/// Largest message body accepted (the memory table with its maximum of regions is ~1 KiB).
+const MAX_BODY: usize = 1 << 20;
+
+/// The peer process of a unix stream (SO_PEERCRED).
+pub fn peer_pid(s: &UnixStream) -> Option<i32> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED writes one `struct ucred` into `cred`, whose size `len` says.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    (r == 0 && cred.pid > 0).then_some(cred.pid)
+}
+
+/// Accepts frontends on `path` until the listener fails; each gets a thread.
+pub struct Server {
+    nic: Arc<Nic>,
+    next_id: AtomicU32,
+}
+
+impl Server {
+    pub fn new(nic: Arc<Nic>) -> Arc<Self> {
+        Arc::new(Server { nic, next_id: AtomicU32::new(1) })
+    }
+
+    pub fn bind(path: &Path) -> io::Result<UnixListener> {
+        if path.exists() {
+            // A stale socket of an earlier run; a live one would still refuse to be replaced
+            // by the connect test below.
+            if UnixStream::connect(path).is_ok() {
+                return Err(io::Error::new(io::ErrorKind::AddrInUse, format!("{} is in use", path.display())));
+            }
+            let _ = std::fs::remove_file(path);
+        }
+        UnixListener::bind(path)
+    }
+
+    pub fn serve(self: &Arc<Self>, listener: UnixListener) -> io::Result<()> {
+        loop {
+            let (s, _) = listener.accept()?;
+            let me = self.clone();
+            thread::Builder::new().name("nb-client".into()).spawn(move || {
+                if let Err(e) = me.serve_client(s) {
+                    tracing::warn!("client: {e}");
+                }
+            })?;
+        }
+    }
+
+    /// Serves one frontend connection until it closes; returns its id.
+    pub fn serve_client(&self, front: UnixStream) -> io::Result<u32> {
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let pid = peer_pid(&front);
+        let client = Arc::new(Client::new(id, pid));
+        let backend = Arc::new(ClientBackend { nic: self.nic.clone(), client: client.clone() });
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let mut daemon = VhostUserDaemon::new(format!("nb-client-{id}"), backend, mem)
+            .map_err(|e| io::Error::other(format!("client {id}: {e}")))?;
+        if let Some(h) = daemon.get_epoll_handlers().first() {
+            client.set_listen(h.clone());
+        }
+        // The daemon accepts on a private abstract socket that only the relay connects to.
+        // Unique per process (several servers may run in one, e.g. in tests).
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let name = format!("kumo-net-backend-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
+        let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
+        let mut listener = Listener::from(UnixListener::bind_addr(&addr)?);
+        let back = UnixStream::connect_addr(&addr)?;
+        daemon.start(&mut listener).map_err(|e| io::Error::other(format!("client {id}: {e}")))?;
+        drop(listener);
+        self.nic.add_client(client.clone());
+        tracing::info!("client {id} connected (pid {pid:?})");
+
+        let (f2, b2) = (front.try_clone()?, back.try_clone()?);
+        let c2 = client.clone();
+        let up = thread::Builder::new().name(format!("nb-relay-{id}")).spawn(move || relay(&f2, &b2, Some(&c2)))?;
+        relay(&back, &front, None);
+        let _ = up.join();
+        if let Err(e) = daemon.wait() {
+            tracing::warn!("client {id}: {e}");
+        }
+        self.nic.remove_client(id);
+        tracing::info!("client {id} disconnected");
+        Ok(id)
+    }
+}
+
+/// Copies vhost-user messages (header, body, fds) from `from` to `to` until either side closes,
+/// then shuts both down. With `client`, this is the frontend → backend direction, where the
+/// backend-request channel is picked up.
+fn relay(from: &UnixStream, to: &UnixStream, client: Option<&Arc<Client>>) {
+    if let Err(e) = relay_loop(from, to, client) {
+        tracing::debug!("relay: {e}");
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+fn relay_loop(from: &UnixStream, to: &UnixStream, client: Option<&Arc<Client>>) -> io::Result<()> {
+    let mut hdr = [0u8; HDR_LEN];
+    let mut body = Vec::new();
+    loop {
+        let fds = recv_header(from, &mut hdr)?;
+        let request = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+        let size = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]) as usize;
+        if size > MAX_BODY {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("message body of {size} bytes")));
+        }
+        body.resize(size, 0);
+        (&mut &*from).read_exact(&mut body)?;
+        if let (Some(c), SET_BACKEND_REQ_FD, Some(fd)) = (client, request, fds.first()) {
+            let dup = fd.try_clone()?;
+            c.set_req(UnixStream::from(dup));
+        }
+        let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let mut msg = Vec::with_capacity(HDR_LEN + size);
+        msg.extend_from_slice(&hdr);
+        msg.extend_from_slice(&body);
+        let sent = if raw.is_empty() { 0 } else { to.send_with_fds(&[&msg[..]], &raw).map_err(io::Error::other)? };
+        (&mut &*to).write_all(&msg[sent..])?;
+    }
+}
+
+/// Reads one 12-byte header and the fds that came with it; EOF is an error.
+fn recv_header(s: &UnixStream, hdr: &mut [u8; HDR_LEN]) -> io::Result<Vec<OwnedFd>> {
+    let mut raw = [-1 as RawFd; MAX_FDS];
+    let mut iov = [libc::iovec { iov_base: hdr.as_mut_ptr() as *mut libc::c_void, iov_len: HDR_LEN }];
+    // SAFETY: the iovec points at `hdr`, which lives across the call and may take any bytes.
+    let (n, nfds) = unsafe { s.recv_with_fds(&mut iov, &mut raw) }.map_err(io::Error::other)?;
+    let fds: Vec<OwnedFd> = raw[..nfds]
+        .iter()
+        // SAFETY: recv_with_fds handed us these fds; each is owned once, here.
+        .map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) })
+        .collect();
+    if n == 0 {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed"));
+    }
+    if n < HDR_LEN {
+        (&mut &*s).read_exact(&mut hdr[n..])?;
+    }
+    Ok(fds)
+}
