@@ -392,6 +392,70 @@ mod tests {
         assert!(matches!(j.payload, Some(Payload::Kernel { .. })));
     }
 
+    fn base() -> VmConfig {
+        VmConfig {
+            cpus: 1,
+            memory: 64 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: Payload::Guest { name: "hello".into(), args: vec![] },
+            net: vec![],
+            numa: None,
+            pins: vec![],
+            pv: Default::default(),
+        }
+    }
+
+    #[test]
+    fn net_vhost_user_parses_and_bad_input_is_one_line() {
+        let n = NetSpec::parse("vhost-user=/run/nb.sock,mac=52:54:00:aa:bb:cc").unwrap();
+        assert_eq!(n.vhost_user.as_deref(), Some(Path::new("/run/nb.sock")));
+        assert_eq!(n.tap, "");
+        assert_eq!(n.mac().unwrap(), [0x52, 0x54, 0, 0xaa, 0xbb, 0xcc]);
+        assert_eq!(n.backend_name(), "vhost-user /run/nb.sock");
+        let d = NetSpec::parse("vhost-user=/run/nb.sock,irq=dedicated,vcpu=1").unwrap();
+        assert_eq!(d.irq, kumo_vm::interrupt_paths::IrqPath::Dedicated { vcpu: 1 });
+        // The default MAC is derived from the path: stable, unicast, distinct per socket.
+        let m = NetSpec::parse("vhost-user=/a.sock").unwrap().mac().unwrap();
+        assert_eq!(m, NetSpec::parse("vhost-user=/a.sock").unwrap().mac().unwrap());
+        assert_ne!(m, NetSpec::parse("vhost-user=/b.sock").unwrap().mac().unwrap());
+        assert_eq!(m[..3], [0x52, 0x54, 0]);
+        for (arg, want) in [
+            ("vhost-user=", "needs the backend's socket path"),
+            ("vhost-user=/s,tap=t0", "exclude each other"),
+            ("mac=52:54:00:00:00:01", "tap=NAME or vhost-user=PATH is required"),
+            ("vhost-user=/s,queues=2", "one queue pair"),
+            ("vhost-user=/s,mac=01:00:00:00:00:01", "multicast"),
+            ("vhost-user=/s,sock=/t", "unknown key `sock`"),
+        ] {
+            let e = NetSpec::parse(arg).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{arg}: {e}");
+        }
+        // In config files, with either spelling; the same socket twice is refused.
+        let f = ConfigFile::load(&write(
+            "vu.toml",
+            "[[net]]\nvhost_user = \"/run/a.sock\"\n[[net]]\n\"vhost-user\" = \"/run/b.sock\"\nmac = \"52:54:00:00:00:02\"\n",
+        ))
+        .unwrap();
+        assert_eq!(f.net[0].vhost_user.as_deref(), Some(Path::new("/run/a.sock")));
+        assert_eq!(f.net[1].vhost_user.as_deref(), Some(Path::new("/run/b.sock")));
+        let mut c = VmConfig { net: f.net.clone(), ..base() };
+        c.validate_net().unwrap();
+        c.net[1].vhost_user = c.net[0].vhost_user.clone();
+        let e = c.validate_net().unwrap_err().to_string();
+        assert!(e.contains("given to two NICs"), "{e}");
+        let e = ConfigFile::load(&write("vu2.json", r#"{"net": [{"mac": "52:54:00:00:00:02"}]}"#))
+            .map(|f| VmConfig { net: f.net, ..base() }.validate_net())
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("needs a tap or a vhost-user socket"), "{e}");
+        // A tap NIC's config reads and writes as before (no vhost_user key).
+        let t = NetSpec::parse("tap=t0").unwrap();
+        let j = serde_json::to_value(&t).unwrap();
+        assert!(j.get("vhost_user").is_none(), "{j}");
+        assert_eq!(serde_json::from_value::<NetSpec>(j).unwrap(), t);
+    }
+
     #[test]
     fn bad_files_give_clear_errors() {
         let e = ConfigFile::load(&write("c.toml", "cpus = \"many\"\n")).unwrap_err().to_string();
