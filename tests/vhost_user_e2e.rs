@@ -25,6 +25,7 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 use vmm_sys_util::eventfd::EventFd;
 
 const MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
@@ -65,8 +66,14 @@ impl LoopNet {
     }
 
     /// Runs `serve` on the ring until it finds nothing more, re-arming notifications with
-    /// EVENT_IDX so no kick is missed; signals the guest if anything was used.
-    fn drain(&self, vring: &VringRwLock, mut serve: impl FnMut(&mut virtio_queue::Queue, &GuestMemoryMmap) -> bool) {
+    /// EVENT_IDX so no kick is missed while `waiting()` (work is left that needs the guest's
+    /// buffers); signals the guest if anything was used.
+    fn drain(
+        &self,
+        vring: &VringRwLock,
+        waiting: impl Fn() -> bool,
+        mut serve: impl FnMut(&mut virtio_queue::Queue, &GuestMemoryMmap) -> bool,
+    ) {
         let Some(mem) = self.0.mem.lock().unwrap().clone() else { return };
         let m = mem.memory();
         let event_idx = self.0.event_idx.load(Ordering::Relaxed);
@@ -77,7 +84,7 @@ impl LoopNet {
             while serve(q, &m) {
                 used = true;
             }
-            if !event_idx || !q.enable_notification(&*m).unwrap_or(false) {
+            if !event_idx || !waiting() || !q.enable_notification(&*m).unwrap_or(false) {
                 break;
             }
         }
@@ -90,32 +97,40 @@ impl LoopNet {
     }
 
     fn rx(&self, vring: &VringRwLock) {
-        self.drain(vring, |q, m| {
-            let Some(frame) = self.0.rx.lock().unwrap().front().cloned() else { return false };
-            let Some(chain) = q.pop_descriptor_chain(m) else { return false };
-            let head = chain.head_index();
-            let mut w = chain.writer(m).expect("RX chain");
-            let mut hdr = [0u8; VNET_HDR];
-            hdr[10] = 1; // num_buffers
-            w.write_all(&hdr).and_then(|()| w.write_all(&frame)).expect("RX buffer big enough");
-            q.add_used(m, head, (VNET_HDR + frame.len()) as u32).unwrap();
-            self.0.rx.lock().unwrap().pop_front();
-            true
-        });
+        self.drain(
+            vring,
+            || !self.0.rx.lock().unwrap().is_empty(),
+            |q, m| {
+                let Some(frame) = self.0.rx.lock().unwrap().front().cloned() else { return false };
+                let Some(chain) = q.pop_descriptor_chain(m) else { return false };
+                let head = chain.head_index();
+                let mut w = chain.writer(m).expect("RX chain");
+                let mut hdr = [0u8; VNET_HDR];
+                hdr[10] = 1; // num_buffers
+                w.write_all(&hdr).and_then(|()| w.write_all(&frame)).expect("RX buffer big enough");
+                q.add_used(m, head, (VNET_HDR + frame.len()) as u32).unwrap();
+                self.0.rx.lock().unwrap().pop_front();
+                true
+            },
+        );
     }
 
     fn tx(&self, vring: &VringRwLock) {
-        self.drain(vring, |q, m| {
-            let Some(chain) = q.pop_descriptor_chain(m) else { return false };
-            let head = chain.head_index();
-            let mut buf = Vec::new();
-            chain.reader(m).expect("TX chain").read_to_end(&mut buf).unwrap();
-            q.add_used(m, head, 0).unwrap();
-            if buf.len() > VNET_HDR {
-                let _ = self.0.tx.lock().unwrap().send(buf[VNET_HDR..].to_vec());
-            }
-            true
-        });
+        self.drain(
+            vring,
+            || true,
+            |q, m| {
+                let Some(chain) = q.pop_descriptor_chain(m) else { return false };
+                let head = chain.head_index();
+                let mut buf = Vec::new();
+                chain.reader(m).expect("TX chain").read_to_end(&mut buf).unwrap();
+                q.add_used(m, head, 0).unwrap();
+                if buf.len() > VNET_HDR {
+                    let _ = self.0.tx.lock().unwrap().send(buf[VNET_HDR..].to_vec());
+                }
+                true
+            },
+        );
     }
 }
 
@@ -157,6 +172,11 @@ impl VhostUserBackend for LoopNet {
         let mut out: Vec<u8> = c.into_iter().skip(offset as usize).take(size as usize).collect();
         out.resize(size as usize, 0);
         out
+    }
+
+    /// Lets the daemon stop its ring thread when it is dropped.
+    fn exit_event(&self, _thread: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
     }
 
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> std::io::Result<()> {
@@ -248,6 +268,7 @@ fn netecho_answers_through_a_vhost_user_backend_and_survives_its_hangup() {
     .named("kumo");
     vm.wait_stdout(": up nic=0", PATIENCE);
     let daemon = accept.join().expect("backend thread");
+    eprintln!("{test}: NIC up");
 
     // vm.info: the NIC is the backend's, with its MAC, connected and up.
     let n = info(&api).net.remove(0);
@@ -261,8 +282,20 @@ fn netecho_answers_through_a_vhost_user_backend_and_survives_its_hangup() {
     // A datagram through the backend's RX ring comes back on its TX ring.
     let payload = b"kumo vhost-user echo";
     backend.inject(udp_frame(payload));
+    eprintln!("{test}: datagram injected");
+    let mut vm = vm;
+    let t = std::time::Instant::now();
     let echo = loop {
-        let f = frames.recv_timeout(PATIENCE).expect("no frame from the guest");
+        let f = match frames.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(f) => f,
+            Err(_) => {
+                if let Some(st) = vm.child.try_wait().unwrap() {
+                    panic!("kumo ended ({st}) before the echo:\n{}\n{}", vm.stdout(), vm.stderr());
+                }
+                assert!(t.elapsed() < PATIENCE, "no echo from the guest; stdout:\n{}", vm.stdout());
+                continue;
+            }
+        };
         // Ethernet to the sender, IPv4/UDP, ports swapped, our payload.
         if f.len() >= 42 && f[12..14] == [0x08, 0x00] && f[23] == 17 {
             break f;
