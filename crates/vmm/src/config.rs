@@ -138,7 +138,7 @@ impl NetSpec {
         };
         let tap = match (tap, &vhost_user) {
             (Some(_), Some(_)) => return Err(bad("tap= and vhost-user= exclude each other".into())),
-            (None, None) => return Err(bad("tap=NAME or vhost-user=PATH is required".into())),
+            (None, None) => return Err(bad("tap=NAME is required (or vhost-user=PATH)".into())),
             (Some(t), None) if t.is_empty() => return Err(bad("tap=NAME needs a name".into())),
             (t, _) => t.unwrap_or_default(),
         };
@@ -422,7 +422,7 @@ mod tests {
         for (arg, want) in [
             ("vhost-user=", "needs the backend's socket path"),
             ("vhost-user=/s,tap=t0", "exclude each other"),
-            ("mac=52:54:00:00:00:01", "tap=NAME or vhost-user=PATH is required"),
+            ("mac=52:54:00:00:00:01", "tap=NAME is required (or vhost-user=PATH)"),
             ("vhost-user=/s,queues=2", "one queue pair"),
             ("vhost-user=/s,mac=01:00:00:00:00:01", "multicast"),
             ("vhost-user=/s,sock=/t", "unknown key `sock`"),
