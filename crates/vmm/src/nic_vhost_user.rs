@@ -250,7 +250,10 @@ impl VhostUserNet {
             c[6..8].copy_from_slice(&LINK_UP.to_le_bytes());
             c[8..10].copy_from_slice(&1u16.to_le_bytes());
         }
-        dev.refresh_config()?;
+        // A backend whose GET_CONFIG fails keeps kumo's own config (MAC, link up while connected).
+        if let Err(e) = dev.refresh_config() {
+            tracing::warn!("vhost-user {}: {e}; using kumo's own config", path.display());
+        }
         Ok((dev, req))
     }
 
@@ -261,7 +264,7 @@ impl VhostUserNet {
         }
         let (_, got) = self
             .frontend
-            .get_config(0, CONFIG_LEN as u32, VhostUserConfigFlags::WRITABLE, &[0; CONFIG_LEN])
+            .get_config(0, CONFIG_LEN as u32, VhostUserConfigFlags::empty(), &[0; CONFIG_LEN])
             .map_err(|e| vu("GET_CONFIG", e))?;
         let mut c = lock(&self.shared.config);
         if self.mac_override.is_none() && self.backend_features & VIRTIO_NET_F_MAC != 0 {
