@@ -565,16 +565,21 @@ impl EventHandler for Relay {
             }
             _ => {
                 let r = self.req.as_mut().map(|r| r.handle_request());
-                if let Some(Err(e)) = r {
-                    tracing::debug!("vhost-user backend request channel: {e}");
-                    if events.intersects(EventSet::HANG_UP | EventSet::READ_HANG_UP)
-                        || matches!(
-                            e,
-                            vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage
-                        )
-                    {
+                use vhost::vhost_user::Error as E;
+                match r {
+                    // A request kumo does not serve: answered (if asked) and consumed.
+                    Some(Err(E::ReqHandlerError(e))) => {
+                        tracing::debug!("vhost-user backend request refused: {e}");
+                    }
+                    Some(Err(e)) => {
+                        // Hung up, or a message kumo cannot make sense of: the channel is not
+                        // watched any more (a level-triggered fd in error would spin the thread).
+                        if !matches!(e, E::Disconnected | E::PartialMessage) {
+                            tracing::warn!("vhost-user backend request channel: {e}; no longer read");
+                        }
                         interest.set(QUEUES + 2, EventSet::empty());
                     }
+                    _ => {}
                 }
             }
         }
