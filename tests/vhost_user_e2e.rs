@@ -1,8 +1,9 @@
 //! End to end: kumo as a vhost-user-net frontend (`--net vhost-user=PATH`). The backend is this
 //! test's own, built on rust-vmm's `vhost-user-backend` ([`LoopNet`]): it hands frames the test
 //! injects to the guest's RX ring and gives the test every frame the guest transmits. kumo's
-//! `netecho` guest brings the NIC up and echoes a UDP datagram through it; then the backend hangs
-//! up and kumo must keep running with the NIC's link down.
+//! `netecho` guest brings the NIC up and echoes a UDP datagram through it; the backend takes the
+//! link down and up again (CONFIG_CHANGE_MSG); then it hangs up and kumo must keep running with
+//! the NIC's link down.
 //!
 //! Needs /dev/kvm; skips, saying why, where it is missing. Outcomes only: every wait is a safety
 //! net far above need, nothing races a guest timer.
@@ -11,13 +12,14 @@ mod common;
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use vhost::vhost_user::{Listener, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::{Backend, Listener, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS, VIRTIO_NET_S_LINK_UP};
@@ -40,6 +42,9 @@ struct LoopNet(Arc<Inner>);
 
 struct Inner {
     event_idx: AtomicBool,
+    link_up: AtomicBool,
+    /// The backend request channel (a duplicate of the `Backend`'s socket, which is kept).
+    req: Mutex<Option<(UnixStream, Backend)>>,
     mem: Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
     rx: Mutex<VecDeque<Vec<u8>>>,
     tx: Mutex<Sender<Vec<u8>>>,
@@ -51,6 +56,8 @@ impl LoopNet {
         let (tx, rx) = channel();
         let inner = Inner {
             event_idx: AtomicBool::new(false),
+            link_up: AtomicBool::new(true),
+            req: Mutex::new(None),
             mem: Mutex::new(None),
             rx: Mutex::new(VecDeque::new()),
             tx: Mutex::new(tx),
@@ -63,6 +70,17 @@ impl LoopNet {
     fn inject(&self, frame: Vec<u8>) {
         self.0.rx.lock().unwrap().push_back(frame);
         self.0.inject.write(1).unwrap();
+    }
+
+    /// Sets the link status in the config and tells the frontend: VHOST_USER_BACKEND_CONFIG_CHANGE_MSG
+    /// (request 2, version 1, no payload, no reply asked), written raw, since vhost's `Backend`
+    /// has no call for it.
+    fn set_link(&self, up: bool) {
+        self.0.link_up.store(up, Ordering::Release);
+        let mut req = self.0.req.lock().unwrap();
+        let (sock, _) = req.as_mut().expect("the frontend gave a backend request channel");
+        let msg: Vec<u8> = [2u32, 1, 0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        sock.write_all(&msg).expect("CONFIG_CHANGE_MSG");
     }
 
     /// Runs `serve` on the ring until it finds nothing more, re-arming notifications with
@@ -165,9 +183,20 @@ impl VhostUserBackend for LoopNet {
         self.0.event_idx.store(enabled, Ordering::Relaxed);
     }
 
+    fn set_backend_req_fd(&self, backend: Backend) {
+        let fd = backend_req_fd().expect("the backend request channel's descriptor");
+        // SAFETY: dup of an open descriptor; the duplicate is owned by the stream alone.
+        let dup = unsafe { libc::dup(fd) };
+        assert!(dup >= 0, "dup: {}", std::io::Error::last_os_error());
+        // SAFETY: `dup` was just created and nothing else owns it.
+        let sock = unsafe { UnixStream::from_raw_fd(dup) };
+        *self.0.req.lock().unwrap() = Some((sock, backend));
+    }
+
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
         let mut c = MAC.to_vec();
-        c.extend_from_slice(&(VIRTIO_NET_S_LINK_UP as u16).to_le_bytes());
+        let status = if self.0.link_up.load(Ordering::Acquire) { VIRTIO_NET_S_LINK_UP as u16 } else { 0 };
+        c.extend_from_slice(&status.to_le_bytes());
         c.extend_from_slice(&1u16.to_le_bytes());
         let mut out: Vec<u8> = c.into_iter().skip(offset as usize).take(size as usize).collect();
         out.resize(size as usize, 0);
@@ -196,6 +225,41 @@ impl VhostUserBackend for LoopNet {
         }
         Ok(())
     }
+}
+
+/// The descriptor of the backend request channel vhost received a moment ago: vhost's `Backend`
+/// does not show it. It is this process's only unix socket with no address whose peer is another
+/// process (the connection from kumo has the listener's path; the test's own sockets are named).
+fn backend_req_fd() -> Option<RawFd> {
+    let me = std::process::id() as i32;
+    let mut found = None;
+    for e in std::fs::read_dir("/proc/self/fd").ok()?.flatten() {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<RawFd>().ok()) else { continue };
+        // SAFETY: plain getsockname/getsockopt into local buffers of the sizes given.
+        let (named, peer) = unsafe {
+            let mut addr: libc::sockaddr_un = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+            if libc::getsockname(fd, &mut addr as *mut _ as *mut libc::sockaddr, &mut len) != 0
+                || i32::from(addr.sun_family) != libc::AF_UNIX
+            {
+                continue;
+            }
+            let mut cred: libc::ucred = std::mem::zeroed();
+            let mut clen = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+            let r = libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                &mut cred as *mut _ as *mut libc::c_void,
+                &mut clen,
+            );
+            (len as usize > std::mem::size_of::<libc::sa_family_t>(), if r == 0 { cred.pid } else { 0 })
+        };
+        if !named && peer != 0 && peer != me {
+            found = Some(found.map_or(fd, |f: RawFd| f.max(fd)));
+        }
+    }
+    found
 }
 
 fn csum(b: &[u8]) -> u16 {
@@ -310,6 +374,19 @@ fn netecho_answers_through_a_vhost_user_backend_and_survives_its_hangup() {
     assert_eq!(&echo[42..], payload);
     let n = info(&api).net.remove(0);
     assert!(n.counters.interrupts > 0, "the backend's calls reached the guest as interrupts: {n:?}");
+
+    // The backend says link down, then up (CONFIG_CHANGE_MSG): kumo re-reads its config.
+    backend.set_link(false);
+    let vu = eventually(PATIENCE, || {
+        let vu = info(&api).net.remove(0).vhost_user.expect("vhost_user");
+        (vu.config_changes == 1 && !vu.link_up).then_some(vu)
+    });
+    assert!(vu.connected, "{vu:?}");
+    backend.set_link(true);
+    eventually(PATIENCE, || {
+        let vu = info(&api).net.remove(0).vhost_user.expect("vhost_user");
+        (vu.config_changes == 2 && vu.link_up).then_some(())
+    });
 
     // Migration and snapshots are refused in one line; the VM goes on.
     let e = kumo_api::ApiClient::new(&api).snapshot(&dir.arg("snap")).unwrap_err().to_string();
