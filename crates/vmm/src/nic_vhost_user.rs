@@ -461,7 +461,15 @@ impl VhostUserNic {
         let Wired { function, slot, routing, ctl } =
             wire(&id, dev, spec.irq, bells, mem, irq, dispatcher, pci, &dev_err)?;
 
-        let events = EventLoop::start(&id).map_err(|e| dev_err(format!("event loop: {e}")))?;
+        // The thread is on the interrupt path: a dedicated path prioritizes it like the tap NIC's.
+        let dedicated = matches!(spec.irq, kumo_vm::interrupt_paths::IrqPath::Dedicated { .. });
+        let what = format!("{id}'s thread");
+        let events = EventLoop::start_with(&id, move || {
+            if dedicated {
+                kumo_vm::interrupt_paths::prioritize_this_thread(&what);
+            }
+        })
+        .map_err(|e| dev_err(format!("event loop: {e}")))?;
         // Sources: the calls, the main socket (hang-ups only), the config-change event, the
         // backend's request channel.
         let mut fds: Vec<_> = calls.iter().map(|c| (c.as_raw_fd(), EventSet::IN)).collect();
