@@ -6,7 +6,9 @@
 //! - **Connect** (when the VM is built): SET_OWNER, GET_FEATURES, GET/SET_PROTOCOL_FEATURES
 //!   (MQ, REPLY_ACK, BACKEND_REQ, CONFIG, whichever the backend offers), GET_QUEUE_NUM with MQ,
 //!   SET_BACKEND_REQ_FD with BACKEND_REQ, GET_CONFIG with CONFIG. A missing socket, a path that
-//!   is not a socket or a refused connection fails the VM's start with one line.
+//!   is not a socket or a refused connection fails the VM's start with one line. With REPLY_ACK
+//!   every later request asks for an ack; a backend silent for 10 s fails the request instead of
+//!   hanging a vCPU.
 //! - **DRIVER_OK**: SET_FEATURES (the driver's ∩ the backend's, plus PROTOCOL_FEATURES),
 //!   SET_MEM_TABLE (guest RAM's memfd regions), then per queue SET_VRING_NUM/ADDR/BASE,
 //!   SET_VRING_CALL, SET_VRING_KICK (the queue's doorbell ioeventfd itself: guest kicks go to
@@ -17,13 +19,15 @@
 //!   paths (direct, dedicated, shared) apply unchanged; the cost is one hop through that thread.
 //! - **Config**: MAC and link status come from GET_CONFIG (a `mac=` given to kumo overrides the
 //!   backend's); on the backend's CONFIG_CHANGE_MSG kumo re-reads it and raises the config
-//!   interrupt, so the driver sees link up/down.
+//!   interrupt, so the driver sees link up/down. The guest reads LINK_UP while the backend is
+//!   connected and (if it offers STATUS and CONFIG) its status says up.
 //! - **Reset** (status 0): SET_VRING_ENABLE 0 and GET_VRING_BASE per started queue (the backend
 //!   stops the rings).
 //! - **Disconnect** (the backend's socket hangs up): the NIC goes link down (config interrupt),
 //!   the backend's rings are forgotten, kumo runs on; DEVICE_NEEDS_RESET is not set, since a
 //!   reset could not bring the backend back. There is no reconnect.
-//! - **Migration and snapshots** are refused: the rings' state lives in the backend.
+//! - **Migration and snapshots** are refused: the rings' state lives in the backend. A VM pause
+//!   does not stop the backend (kumo's thread never touches guest memory for this NIC).
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
