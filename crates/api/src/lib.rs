@@ -113,7 +113,7 @@ pub struct NumaNodeInfo {
 pub struct NetInfo {
     /// `net0`, `net1`, ...: its name in snapshots.
     pub id: String,
-    /// The host tap it is attached to.
+    /// The host tap it is attached to; empty for a NIC a vhost-user backend serves.
     pub tap: String,
     pub mac: String,
     /// Queue pairs.
@@ -126,7 +126,29 @@ pub struct NetInfo {
     pub pci: String,
     /// The guest's driver has it running (virtio DRIVER_OK).
     pub driver_ok: bool,
+    /// Frames are counted only by a NIC kumo serves itself (a tap); a vhost-user NIC counts
+    /// its interrupts alone.
     pub counters: NetCounters,
+    /// Set for a NIC whose queues a vhost-user backend serves (`--net vhost-user=PATH`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vhost_user: Option<VhostUserInfo>,
+}
+
+/// A vhost-user NIC's connection to its backend.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VhostUserInfo {
+    /// The backend's unix socket.
+    pub socket: String,
+    /// The backend is connected (false once it hung up; kumo does not reconnect).
+    pub connected: bool,
+    /// The link status the guest reads: connected and, if the backend reports a status, up.
+    pub link_up: bool,
+    /// Virtio features the backend offered (GET_FEATURES).
+    pub features: u64,
+    /// vhost-user protocol features negotiated.
+    pub protocol_features: u64,
+    /// Config changes the backend announced (CONFIG_CHANGE_MSG).
+    pub config_changes: u64,
 }
 
 /// A NIC's frame counts.

@@ -182,7 +182,9 @@ struct RunArgs {
     #[arg(long, value_name = "PATH")]
     console_socket: Option<PathBuf>,
     /// A virtio-net NIC on an existing host tap (repeatable; net0 first):
-    /// tap=NAME[,mac=52:54:00:..][,queues=N][,irq=direct|shared|dedicated][,vcpu=N].
+    /// tap=NAME[,mac=52:54:00:..][,queues=N][,irq=direct|shared|dedicated][,vcpu=N],
+    /// or served by a vhost-user-net backend listening on a unix socket:
+    /// vhost-user=PATH[,mac=..][,irq=..][,vcpu=N] (one queue pair).
     /// irq picks its interrupt path: direct (KVM delivers where the guest's driver aims),
     /// dedicated,vcpu=N (KVM delivers to vCPU N alone) or shared (one kumo dispatcher thread,
     /// to vCPU 0). Given, it replaces a config file's NICs.

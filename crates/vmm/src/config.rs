@@ -79,12 +79,18 @@ pub struct VmConfig {
     pub halt_poll_ns: Option<u32>,
 }
 
-/// One virtio-net NIC on a host tap: `tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`.
+/// One virtio-net NIC, on a host tap (`tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`)
+/// or served by a vhost-user backend (`vhost-user=PATH[,mac=..][,irq=PATH][,vcpu=N]`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NetSpec {
-    /// An existing tap on the host.
+    /// An existing tap on the host; empty for a vhost-user NIC.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tap: String,
+    /// The unix socket of a vhost-user-net backend that serves this NIC's queues (instead of a
+    /// tap). In files `vhost_user` (or `vhost-user`).
+    #[serde(default, alias = "vhost-user", skip_serializing_if = "Option::is_none")]
+    pub vhost_user: Option<std::path::PathBuf>,
     /// `aa:bb:cc:dd:ee:ff`; default: 52:54:00 and three bytes derived from the tap's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
@@ -105,15 +111,22 @@ impl NetSpec {
     pub fn parse(s: &str) -> Result<NetSpec, Error> {
         let bad = |m: String| Error::Config(format!("--net {s}: {m}"));
         let (mut tap, mut mac, mut queues, mut irq, mut vcpu) = (None, None, 1u16, None, None);
+        let mut vhost_user = None;
         for part in s.split(',') {
             let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
             match k {
                 "tap" => tap = Some(v.to_string()),
+                "vhost-user" | "vhost_user" => {
+                    if v.is_empty() {
+                        return Err(bad("vhost-user=PATH needs the backend's socket path".into()));
+                    }
+                    vhost_user = Some(std::path::PathBuf::from(v))
+                }
                 "mac" => mac = Some(v.to_string()),
                 "queues" => queues = v.parse().map_err(|_| bad(format!("queues `{v}` is not a number")))?,
                 "irq" => irq = Some(v.to_string()),
                 "vcpu" => vcpu = Some(v.parse::<u32>().map_err(|_| bad(format!("vcpu `{v}` is not a number")))?),
-                _ => return Err(bad(format!("unknown key `{k}` (tap, mac, queues, irq, vcpu)"))),
+                _ => return Err(bad(format!("unknown key `{k}` (tap, vhost-user, mac, queues, irq, vcpu)"))),
             }
         }
         use kumo_vm::interrupt_paths::IrqPath;
@@ -127,9 +140,36 @@ impl NetSpec {
             }
             (Some(p), _) => return Err(bad(format!("unknown irq path `{p}` (direct, dedicated, shared)"))),
         };
-        let spec = NetSpec { tap: tap.ok_or_else(|| bad("tap=NAME is required".into()))?, mac, queues, irq };
+        let tap = match (tap, &vhost_user) {
+            (Some(_), Some(_)) => return Err(bad("tap= and vhost-user= exclude each other".into())),
+            (None, None) => return Err(bad("tap=NAME is required (or vhost-user=PATH)".into())),
+            (Some(t), None) if t.is_empty() => return Err(bad("tap=NAME needs a name".into())),
+            (t, _) => t.unwrap_or_default(),
+        };
+        let spec = NetSpec { tap, vhost_user, mac, queues, irq };
+        spec.check_kind().map_err(bad)?;
         spec.mac().map_err(bad)?;
         Ok(spec)
+    }
+
+    /// What the NIC is on, for messages: `tap NAME` or `vhost-user PATH`.
+    pub fn backend_name(&self) -> String {
+        match &self.vhost_user {
+            Some(p) => format!("vhost-user {}", p.display()),
+            None => format!("tap {}", self.tap),
+        }
+    }
+
+    /// Exactly one of a tap and a vhost-user socket; a vhost-user NIC has one queue pair.
+    fn check_kind(&self) -> Result<(), String> {
+        match (&self.vhost_user, self.tap.is_empty()) {
+            (Some(_), false) => Err("tap and vhost-user exclude each other".into()),
+            (None, true) => Err("a NIC needs a tap or a vhost-user socket".into()),
+            (Some(_), true) if self.queues != 1 => {
+                Err(format!("queues={}: a vhost-user NIC has one queue pair", self.queues))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The NIC's MAC address.
@@ -143,9 +183,13 @@ impl NetSpec {
                 Ok(mac)
             }
             None => {
-                // FNV-1a of the tap's name: stable across runs and migrations, distinct per tap.
-                let h = self
-                    .tap
+                // FNV-1a of the tap's name (or the socket's path): stable across runs and
+                // migrations, distinct per tap.
+                let name = match &self.vhost_user {
+                    Some(p) => p.to_string_lossy().into_owned(),
+                    None => self.tap.clone(),
+                };
+                let h = name
                     .bytes()
                     .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
                 Ok([0x52, 0x54, 0x00, (h >> 16) as u8, (h >> 8) as u8, h as u8])
@@ -155,7 +199,8 @@ impl NetSpec {
 
     /// Checks what can be checked without the host: queue count, the vCPU of a dedicated path.
     pub fn validate(&self, cpus: u32) -> Result<(), Error> {
-        let bad = |m: String| Error::Config(format!("NIC on tap {}: {m}", self.tap));
+        let bad = |m: String| Error::Config(format!("NIC on {}: {m}", self.backend_name()));
+        self.check_kind().map_err(bad)?;
         let max = kumo_devices::virtio::net::MAX_PAIRS;
         if self.queues == 0 || self.queues > max {
             return Err(bad(format!("queues={} is not 1..={max}", self.queues)));
@@ -279,8 +324,13 @@ impl VmConfig {
         }
         for (i, n) in self.net.iter().enumerate() {
             n.validate(self.cpus)?;
-            if self.net[..i].iter().any(|m| m.tap == n.tap) {
+            if !n.tap.is_empty() && self.net[..i].iter().any(|m| m.tap == n.tap) {
                 return Err(Error::Config(format!("tap {} is given to two NICs", n.tap)));
+            }
+            if let Some(p) = &n.vhost_user {
+                if self.net[..i].iter().any(|m| m.vhost_user.as_ref() == Some(p)) {
+                    return Err(Error::Config(format!("vhost-user socket {} is given to two NICs", p.display())));
+                }
             }
         }
         Ok(())
@@ -344,6 +394,70 @@ mod tests {
         assert_eq!(j.memory, Some(64 << 20));
         assert_eq!(j.irqchip, Some(IrqchipMode::Split));
         assert!(matches!(j.payload, Some(Payload::Kernel { .. })));
+    }
+
+    fn base() -> VmConfig {
+        VmConfig {
+            cpus: 1,
+            memory: 64 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: Payload::Guest { name: "hello".into(), args: vec![] },
+            net: vec![],
+            numa: None,
+            pins: vec![],
+            pv: Default::default(),
+        }
+    }
+
+    #[test]
+    fn net_vhost_user_parses_and_bad_input_is_one_line() {
+        let n = NetSpec::parse("vhost-user=/run/nb.sock,mac=52:54:00:aa:bb:cc").unwrap();
+        assert_eq!(n.vhost_user.as_deref(), Some(Path::new("/run/nb.sock")));
+        assert_eq!(n.tap, "");
+        assert_eq!(n.mac().unwrap(), [0x52, 0x54, 0, 0xaa, 0xbb, 0xcc]);
+        assert_eq!(n.backend_name(), "vhost-user /run/nb.sock");
+        let d = NetSpec::parse("vhost-user=/run/nb.sock,irq=dedicated,vcpu=1").unwrap();
+        assert_eq!(d.irq, kumo_vm::interrupt_paths::IrqPath::Dedicated { vcpu: 1 });
+        // The default MAC is derived from the path: stable, unicast, distinct per socket.
+        let m = NetSpec::parse("vhost-user=/a.sock").unwrap().mac().unwrap();
+        assert_eq!(m, NetSpec::parse("vhost-user=/a.sock").unwrap().mac().unwrap());
+        assert_ne!(m, NetSpec::parse("vhost-user=/b.sock").unwrap().mac().unwrap());
+        assert_eq!(m[..3], [0x52, 0x54, 0]);
+        for (arg, want) in [
+            ("vhost-user=", "needs the backend's socket path"),
+            ("vhost-user=/s,tap=t0", "exclude each other"),
+            ("mac=52:54:00:00:00:01", "tap=NAME is required (or vhost-user=PATH)"),
+            ("vhost-user=/s,queues=2", "one queue pair"),
+            ("vhost-user=/s,mac=01:00:00:00:00:01", "multicast"),
+            ("vhost-user=/s,sock=/t", "unknown key `sock`"),
+        ] {
+            let e = NetSpec::parse(arg).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{arg}: {e}");
+        }
+        // In config files, with either spelling; the same socket twice is refused.
+        let f = ConfigFile::load(&write(
+            "vu.toml",
+            "[[net]]\nvhost_user = \"/run/a.sock\"\n[[net]]\n\"vhost-user\" = \"/run/b.sock\"\nmac = \"52:54:00:00:00:02\"\n",
+        ))
+        .unwrap();
+        assert_eq!(f.net[0].vhost_user.as_deref(), Some(Path::new("/run/a.sock")));
+        assert_eq!(f.net[1].vhost_user.as_deref(), Some(Path::new("/run/b.sock")));
+        let mut c = VmConfig { net: f.net.clone(), ..base() };
+        c.validate_net().unwrap();
+        c.net[1].vhost_user = c.net[0].vhost_user.clone();
+        let e = c.validate_net().unwrap_err().to_string();
+        assert!(e.contains("given to two NICs"), "{e}");
+        let e = ConfigFile::load(&write("vu2.json", r#"{"net": [{"mac": "52:54:00:00:00:02"}]}"#))
+            .map(|f| VmConfig { net: f.net, ..base() }.validate_net())
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("needs a tap or a vhost-user socket"), "{e}");
+        // A tap NIC's config reads and writes as before (no vhost_user key).
+        let t = NetSpec::parse("tap=t0").unwrap();
+        let j = serde_json::to_value(&t).unwrap();
+        assert!(j.get("vhost_user").is_none(), "{j}");
+        assert_eq!(serde_json::from_value::<NetSpec>(j).unwrap(), t);
     }
 
     #[test]

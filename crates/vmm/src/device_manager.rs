@@ -118,6 +118,11 @@ impl DeviceManager {
         }
     }
 
+    /// Why the VM cannot be migrated or snapshotted, if a device forbids it (a vhost-user NIC).
+    pub fn migration_blocker(&self) -> Option<String> {
+        self.nics.iter().find_map(Nic::migration_blocker)
+    }
+
     /// The NICs as `vm.info` shows them.
     pub fn nics(&self) -> Vec<kumo_api::NetInfo> {
         self.nics.iter().map(Nic::info).collect()

@@ -20,6 +20,7 @@ pub mod guest_numa;
 pub mod lifecycle;
 pub mod migration;
 pub mod nic;
+pub mod nic_vhost_user;
 pub mod pci;
 pub mod persist;
 pub mod snapshot;

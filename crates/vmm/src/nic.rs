@@ -1,7 +1,9 @@
-//! A virtio-net NIC on a host tap, wired into a VM: the PCI function (`kumo_devices`' virtio PCI
-//! transport and MSI-X in one 32 KiB BAR), its interrupt path (`kumo_vm::interrupt_paths`), its
-//! doorbells as ioeventfds, and its own event-loop thread that moves frames between the tap and
-//! the guest's rings.
+//! A virtio-net NIC wired into a VM: the PCI function (`kumo_devices`' virtio PCI transport and
+//! MSI-X in one 32 KiB BAR, [`wire`]), its interrupt path (`kumo_vm::interrupt_paths`), its
+//! doorbells as ioeventfds, and its own event-loop thread. Two kinds share that function:
+//! [`TapNic`], whose thread moves frames between a host tap and the guest's rings, and
+//! [`VhostUserNic`](crate::nic_vhost_user::VhostUserNic), whose rings an external vhost-user
+//! backend serves.
 //!
 //! The NIC's thread only touches guest memory while the VM runs: [`Nic::pause`] (called whenever
 //! the vCPUs stop: pause, snapshot, a migration's stop phase) waits for it to be out of the
@@ -24,6 +26,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::NetSpec;
 use crate::event_loop::{EventHandler, EventLoop, Interest};
+use crate::nic_vhost_user::VhostUserNic;
 use crate::pci::Pci;
 use crate::{Error, Result};
 
@@ -32,9 +35,7 @@ const BAR_SIZE: u64 = 0x8000;
 const MSIX_TABLE: u32 = 0x4000;
 const MSIX_PBA: u32 = 0x6000;
 
-type Transport = VirtioPciTransport<Net<Tap>>;
-
-fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -51,18 +52,18 @@ impl Interrupt for MsixInterrupt {
 
 /// The PCI function, which also tells the NIC's thread when the driver did something it must
 /// look at (DRIVER_OK, a doorbell written through the BAR rather than its ioeventfd).
-struct NicFunction {
-    f: PciFunction<Transport>,
+pub(crate) struct NicFunction<D: VirtioDevice + 'static> {
+    f: PciFunction<VirtioPciTransport<D>>,
     kick: EventFd,
 }
 
-impl NicFunction {
-    fn transport(&mut self) -> &mut Transport {
+impl<D: VirtioDevice + 'static> NicFunction<D> {
+    pub(crate) fn transport(&mut self) -> &mut VirtioPciTransport<D> {
         self.f.device_mut()
     }
 }
 
-impl PersistDyn for NicFunction {
+impl<D: VirtioDevice + 'static> PersistDyn for NicFunction<D> {
     fn id(&self) -> String {
         self.f.id()
     }
@@ -78,7 +79,7 @@ impl PersistDyn for NicFunction {
     }
 }
 
-impl PciDevice for NicFunction {
+impl<D: VirtioDevice + 'static> PciDevice for NicFunction<D> {
     fn config(&self) -> &PciConfig {
         self.f.config()
     }
@@ -110,24 +111,81 @@ impl PciDevice for NicFunction {
 }
 
 /// Pause state shared by the NIC's thread and the VMM.
-struct Control {
-    paused: AtomicBool,
-    kick: EventFd,
+pub(crate) struct Control {
+    pub(crate) paused: AtomicBool,
+    pub(crate) kick: EventFd,
+}
+
+/// A virtio-net PCI function on the bus: what [`wire`] made.
+pub(crate) struct Wired<D: VirtioDevice + 'static> {
+    pub(crate) function: Arc<Mutex<NicFunction<D>>>,
+    pub(crate) slot: u8,
+    pub(crate) routing: Arc<PathRouting>,
+    pub(crate) ctl: Arc<Control>,
+}
+
+/// Puts `device` on `pci` as virtio-net function `id`: its transport, MSI-X on interrupt path
+/// `path`, and `bells` (one eventfd per queue, in queue order) registered as its doorbells'
+/// ioeventfds. Tap and vhost-user NICs share it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn wire<D: VirtioDevice + 'static>(
+    id: &str,
+    device: D,
+    path: IrqPath,
+    bells: Vec<EventFd>,
+    mem: &GuestMemory,
+    irq: Arc<Interrupts>,
+    dispatcher: Option<Arc<SharedDispatcher>>,
+    pci: &mut Pci,
+    dev_err: &dyn Fn(String) -> Error,
+) -> Result<Wired<D>> {
+    let queues = device.queue_max_sizes().len();
+    let vectors = queues as u16 + 1;
+    let routing = Arc::new(PathRouting::new(path, irq, dispatcher).map_err(dev_err)?);
+    let msix =
+        Msix::new(vectors, (0, MSIX_TABLE), (0, MSIX_PBA), routing.clone()).map_err(|e| dev_err(e.to_string()))?;
+    let msix: SharedMsix = Arc::new(Mutex::new(msix));
+    let transport =
+        VirtioPciTransport::new(id.to_string(), device, mem.clone(), Arc::new(MsixInterrupt(msix.clone())), vectors);
+    let caps: Vec<Vec<u8>> = transport.capabilities(0).iter().map(|c| c.to_bytes()).collect();
+    let doorbells = transport.notify_offsets();
+    let ids = PciIds {
+        vendor: 0x1af4,
+        device: transport.pci_device_id(),
+        class: (0x02, 0x00, 0x00),
+        revision: 1,
+        subsystem_vendor: 0x1af4,
+        subsystem: 0x0001,
+    };
+    let f = PciFunction::new(ids, 0, BarSpec::mem32(BAR_SIZE), transport, Some(msix), &caps)
+        .map_err(|e| dev_err(e.to_string()))?;
+    let evt = || EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err(format!("eventfd: {e}")));
+    let ctl = Arc::new(Control { paused: AtomicBool::new(false), kick: evt()? });
+    let kick = ctl.kick.try_clone().map_err(|e| dev_err(format!("eventfd: {e}")))?;
+    let function = Arc::new(Mutex::new(NicFunction { f, kick }));
+    let slot = pci.add(function.clone())?;
+    // The PCI layer registers the doorbells with KVM and moves them with the BAR.
+    pci.add_doorbells(slot, 0, doorbells.into_iter().zip(bells).collect());
+    Ok(Wired { function, slot, routing, ctl })
+}
+
+/// The interrupt path as `vm.info` names it, and its vCPU.
+pub(crate) fn irq_info(routing: &PathRouting) -> (&'static str, Option<u32>) {
+    match routing.path() {
+        IrqPath::Direct => ("direct", None),
+        IrqPath::Dedicated { vcpu } => ("dedicated", Some(vcpu)),
+        IrqPath::Shared => ("shared", None),
+    }
 }
 
 /// One NIC of a VM.
-pub struct Nic {
-    id: String,
-    spec: NetSpec,
-    slot: u8,
-    function: Arc<Mutex<NicFunction>>,
-    routing: Arc<PathRouting>,
-    ctl: Arc<Control>,
-    _events: EventLoop,
+pub enum Nic {
+    Tap(TapNic),
+    VhostUser(VhostUserNic),
 }
 
 impl Nic {
-    /// Attaches tap `spec.tap`, puts NIC `index` (`net<index>`) on `pci` and starts its thread.
+    /// Makes NIC `index` (`net<index>`) as `spec` says and puts it on `pci`.
     pub fn new(
         index: usize,
         spec: &NetSpec,
@@ -136,6 +194,79 @@ impl Nic {
         dispatcher: Option<Arc<SharedDispatcher>>,
         pci: &mut Pci,
     ) -> Result<Nic> {
+        match &spec.vhost_user {
+            Some(_) => VhostUserNic::new(index, spec, mem, irq, dispatcher, pci).map(Nic::VhostUser),
+            None => TapNic::new(index, spec, mem, irq, dispatcher, pci).map(Nic::Tap),
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        match self {
+            Nic::Tap(n) => n.id(),
+            Nic::VhostUser(n) => n.id(),
+        }
+    }
+
+    /// Stops the NIC's thread from touching guest memory (see [`TapNic::pause`]).
+    pub fn pause(&self) {
+        match self {
+            Nic::Tap(n) => n.pause(),
+            Nic::VhostUser(n) => n.pause(),
+        }
+    }
+
+    pub fn resume(&self) {
+        match self {
+            Nic::Tap(n) => n.resume(),
+            Nic::VhostUser(n) => n.resume(),
+        }
+    }
+
+    /// See [`TapNic::set_tap_attached`]; a vhost-user NIC has no tap here.
+    pub fn set_tap_attached(&self, on: bool) {
+        if let Nic::Tap(n) = self {
+            n.set_tap_attached(on)
+        }
+    }
+
+    /// Why this NIC cannot be migrated or snapshotted, if it cannot.
+    pub fn migration_blocker(&self) -> Option<String> {
+        match self {
+            Nic::Tap(_) => None,
+            Nic::VhostUser(n) => Some(n.migration_blocker()),
+        }
+    }
+
+    /// The NIC as `vm.info` shows it.
+    pub fn info(&self) -> kumo_api::NetInfo {
+        match self {
+            Nic::Tap(n) => n.info(),
+            Nic::VhostUser(n) => n.info(),
+        }
+    }
+}
+
+/// A NIC on a host tap.
+pub struct TapNic {
+    id: String,
+    spec: NetSpec,
+    slot: u8,
+    function: Arc<Mutex<NicFunction<Net<Tap>>>>,
+    routing: Arc<PathRouting>,
+    ctl: Arc<Control>,
+    _events: EventLoop,
+}
+
+impl TapNic {
+    /// Attaches tap `spec.tap`, puts NIC `index` (`net<index>`) on `pci` and starts its thread.
+    pub fn new(
+        index: usize,
+        spec: &NetSpec,
+        mem: &GuestMemory,
+        irq: Arc<Interrupts>,
+        dispatcher: Option<Arc<SharedDispatcher>>,
+        pci: &mut Pci,
+    ) -> Result<TapNic> {
         let id = format!("net{index}");
         let dev_err = |m: String| Error::Devices(format!("{id} (tap {}): {m}", spec.tap));
         let mac = spec.mac().map_err(dev_err)?;
@@ -143,36 +274,14 @@ impl Nic {
         let net =
             Net::new(NetConfig { mac, pairs: spec.queues, csum: false }, tap).map_err(|e| dev_err(e.to_string()))?;
         let queues = net.queue_max_sizes().len();
-        let vectors = queues as u16 + 1;
-        let routing = Arc::new(PathRouting::new(spec.irq, irq, dispatcher).map_err(dev_err)?);
-        let msix =
-            Msix::new(vectors, (0, MSIX_TABLE), (0, MSIX_PBA), routing.clone()).map_err(|e| dev_err(e.to_string()))?;
-        let msix: SharedMsix = Arc::new(Mutex::new(msix));
-        let transport = Transport::new(id.clone(), net, mem.clone(), Arc::new(MsixInterrupt(msix.clone())), vectors);
-        let caps: Vec<Vec<u8>> = transport.capabilities(0).iter().map(|c| c.to_bytes()).collect();
-        let doorbells = transport.notify_offsets();
-        let ids = PciIds {
-            vendor: 0x1af4,
-            device: transport.pci_device_id(),
-            class: (0x02, 0x00, 0x00),
-            revision: 1,
-            subsystem_vendor: 0x1af4,
-            subsystem: 0x0001,
-        };
-        let f = PciFunction::new(ids, 0, BarSpec::mem32(BAR_SIZE), transport, Some(msix), &caps)
-            .map_err(|e| dev_err(e.to_string()))?;
         let evt = || EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err(format!("eventfd: {e}")));
-        let ctl = Arc::new(Control { paused: AtomicBool::new(false), kick: evt()? });
-        let kick = ctl.kick.try_clone().map_err(|e| dev_err(format!("eventfd: {e}")))?;
-        let function = Arc::new(Mutex::new(NicFunction { f, kick }));
-        let slot = pci.add(function.clone())?;
-
         // Doorbells: one eventfd per queue, registered with KVM by the PCI layer (it follows the
         // BAR), read by the NIC's thread.
         let bells: Vec<EventFd> = (0..queues).map(|_| evt()).collect::<Result<_>>()?;
         let clones = bells.iter().map(|e| e.try_clone()).collect::<std::io::Result<Vec<_>>>();
         let clones = clones.map_err(|e| dev_err(format!("eventfd: {e}")))?;
-        pci.add_doorbells(slot, 0, doorbells.into_iter().zip(clones).collect());
+        let Wired { function, slot, routing, ctl } =
+            wire(&id, net, spec.irq, clones, mem, irq, dispatcher, pci, &dev_err)?;
 
         let dedicated = matches!(spec.irq, IrqPath::Dedicated { .. });
         let what = format!("{id}'s thread");
@@ -198,7 +307,7 @@ impl Nic {
             tap_on: vec![true; usize::from(spec.queues)],
         };
         events.add(&fds, Box::new(handler)).map_err(|e| dev_err(format!("event loop: {e}")))?;
-        Ok(Nic { id, spec: spec.clone(), slot, function, routing, ctl, _events: events })
+        Ok(TapNic { id, spec: spec.clone(), slot, function, routing, ctl, _events: events })
     }
 
     pub fn id(&self) -> &str {
@@ -236,11 +345,7 @@ impl Nic {
         let driver_ok = f.transport().status() & status::DRIVER_OK != 0;
         let net = f.transport().device();
         let (cfg, c) = (net.config(), net.counters());
-        let (irq, vcpu) = match self.routing.path() {
-            IrqPath::Direct => ("direct", None),
-            IrqPath::Dedicated { vcpu } => ("dedicated", Some(vcpu)),
-            IrqPath::Shared => ("shared", None),
-        };
+        let (irq, vcpu) = irq_info(&self.routing);
         kumo_api::NetInfo {
             id: self.id.clone(),
             tap: self.spec.tap.clone(),
@@ -259,6 +364,7 @@ impl Nic {
                 tx_dropped: c.tx_dropped,
                 interrupts: self.routing.raised(),
             },
+            vhost_user: None,
         }
     }
 }
@@ -266,7 +372,7 @@ impl Nic {
 /// The NIC's event handler. Sources: 0 the kick, then one doorbell per queue, then one tap fd
 /// per queue pair.
 struct NicHandler {
-    function: Arc<Mutex<NicFunction>>,
+    function: Arc<Mutex<NicFunction<Net<Tap>>>>,
     ctl: Arc<Control>,
     bells: Vec<EventFd>,
     pairs: usize,
@@ -288,7 +394,7 @@ impl NicHandler {
 
     /// Moves what the tap holds for `pair` into the guest; stops watching the fd if the guest
     /// has no room (its RX doorbell or the kick starts it again).
-    fn rx(&mut self, f: &mut NicFunction, pair: usize, interest: &mut Interest) {
+    fn rx(&mut self, f: &mut NicFunction<Net<Tap>>, pair: usize, interest: &mut Interest) {
         let running = f.transport().status() & status::DRIVER_OK != 0;
         let moved = running && f.transport().device_mut().backend_ready(pair);
         self.watch_tap(pair, moved, interest);

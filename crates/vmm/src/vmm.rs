@@ -641,6 +641,9 @@ impl RunningVm {
     /// Hands the VM's run state to a migration until [`RunningVm::end_migration`]: the user's
     /// pause and resume are refused meanwhile, and a second migration too.
     pub fn begin_migration(&self) -> Result<()> {
+        if let Some(why) = self.devices.migration_blocker() {
+            return Err(Error::Devices(why));
+        }
         let mut c = lock(&self.shared.ctl);
         if c.outcome.is_some() {
             return Err(Error::State("shutting down"));
