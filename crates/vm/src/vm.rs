@@ -17,6 +17,7 @@ use crate::interrupts::Interrupts;
 use crate::layout::KVM_TSS_ADDRESS;
 use crate::memory::Memory;
 use crate::state::VmState;
+use crate::uapic::UserApics;
 use crate::vcpu::Vcpu;
 use crate::{Error, Result};
 
@@ -29,6 +30,8 @@ pub enum IrqchipMode {
     Kernel,
     /// LAPICs in KVM; PIC/IOAPIC/PIT left to userspace (interrupts arrive as MSIs).
     Split,
+    /// No interrupt controller in KVM: kumo emulates the LAPICs (`crate::uapic`).
+    User,
 }
 
 impl std::fmt::Display for IrqchipMode {
@@ -36,6 +39,7 @@ impl std::fmt::Display for IrqchipMode {
         f.write_str(match self {
             IrqchipMode::Kernel => "kernel",
             IrqchipMode::Split => "split",
+            IrqchipMode::User => "user",
         })
     }
 }
@@ -48,6 +52,8 @@ pub struct Vm {
     /// GSI routing, irqfds and ioeventfds: the only way devices' interrupts reach KVM.
     pub interrupts: Arc<Interrupts>,
     pub ncpus: u32,
+    /// `--irqchip user`: kumo's APICs, one per vCPU.
+    pub uapic: Option<Arc<UserApics>>,
     msr_list: Arc<Vec<u32>>,
     /// Whether KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 is enabled (see `dirty`).
     pub(crate) dirty_manual: std::sync::atomic::AtomicBool,
@@ -96,6 +102,17 @@ impl Vm {
         if irqchip == IrqchipMode::Split && !kvm.check_extension(Cap::SplitIrqchip) {
             return Err(Error::MissingCap("KVM_CAP_SPLIT_IRQCHIP"));
         }
+        if irqchip == IrqchipMode::User {
+            // The APIC MSRs (x2APIC, TSC deadline, APIC base) must exit to kumo.
+            for (cap, name) in [
+                (Cap::X86UserSpaceMsr, "KVM_CAP_X86_USER_SPACE_MSR (needed by --irqchip user)"),
+                (Cap::X86MsrFilter, "KVM_CAP_X86_MSR_FILTER (needed by --irqchip user)"),
+            ] {
+                if !kvm.check_extension(cap) {
+                    return Err(Error::MissingCap(name));
+                }
+            }
+        }
         crate::layout::check_vcpus(ncpus, Some(u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX)))?;
         Ok(kvm)
     }
@@ -119,6 +136,24 @@ impl Vm {
                 cap.args[0] = 24; // IOAPIC pins routed by userspace
                 fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(SPLIT_IRQCHIP)", e))?;
             }
+            IrqchipMode::User => {
+                let mut cap = kvm_enable_cap { cap: kvm_bindings::KVM_CAP_X86_USER_SPACE_MSR, ..Default::default() };
+                cap.args[0] = kvm_bindings::KVM_MSR_EXIT_REASON_FILTER as u64;
+                fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(X86_USER_SPACE_MSR)", e))?;
+                // Denied by the filter = sent to kumo: every APIC MSR.
+                let deny = [0u8; 32];
+                let ranges: Vec<_> = crate::uapic::APIC_MSRS
+                    .iter()
+                    .map(|&(base, msr_count)| kvm_ioctls::MsrFilterRange {
+                        flags: kvm_ioctls::MsrFilterRangeFlags::READ | kvm_ioctls::MsrFilterRangeFlags::WRITE,
+                        base,
+                        msr_count,
+                        bitmap: &deny,
+                    })
+                    .collect();
+                fd.set_msr_filter(kvm_ioctls::MsrFilterDefaultAction::ALLOW, &ranges)
+                    .map_err(|e| Error::Kvm("KVM_X86_SET_MSR_FILTER", e))?;
+            }
         }
         for (slot, region) in memory.guest.iter().enumerate() {
             let r = kvm_userspace_memory_region {
@@ -134,6 +169,10 @@ impl Vm {
         }
         let msr_list = kvm.get_msr_index_list().map_err(|e| Error::Kvm("KVM_GET_MSR_INDEX_LIST", e))?;
         let fd = Arc::new(fd);
+        let uapic = (irqchip == IrqchipMode::User).then(|| UserApics::new(ncpus, vmm_sys_util::signal::SIGRTMIN()));
+        if let Some(u) = &uapic {
+            u.start_timers().map_err(|e| Error::Boot(format!("LAPIC timer threads: {e}")))?;
+        }
         Ok(Vm {
             kvm,
             interrupts: Arc::new(Interrupts::new(fd.clone(), irqchip)),
@@ -141,6 +180,7 @@ impl Vm {
             memory,
             irqchip,
             ncpus,
+            uapic,
             msr_list: Arc::new(msr_list.as_slice().to_vec()),
             dirty_manual: Default::default(),
         })
@@ -148,7 +188,7 @@ impl Vm {
 
     pub fn create_vcpu(&self, id: u32) -> Result<Vcpu> {
         let fd = self.fd.create_vcpu(id as u64).map_err(|e| Error::Kvm("KVM_CREATE_VCPU", e))?;
-        Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), true))
+        Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), self.uapic.clone()))
     }
 
     /// VM-wide state. vCPUs must be paused.

@@ -1,0 +1,272 @@
+//! `--irqchip user`: kumo's own local APICs (`kumo_devices::apic::LocalApic`, one per vCPU)
+//! instead of KVM's. This module is the wiring around the register model: the per-vCPU state a
+//! vCPU thread and other threads share (the APIC, a halted vCPU's wake-up, pending NMI/INIT/SIPI),
+//! IPI routing between vCPUs, a host timer thread per vCPU for the LAPIC timer, and the kick
+//! that gets a vCPU out of `KVM_RUN` when an interrupt arrives for it.
+//!
+//! The vCPU side (injection through interrupt windows, xAPIC MMIO and APIC MSR exits) is in
+//! `vcpu`. A kick is the VMM's kick signal to the vCPU's thread; its handler calls
+//! [`crate::vcpu::on_kick_signal`], which sets `kvm_run.immediate_exit`, so a kick that lands
+//! just before `KVM_RUN` is not lost.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use kumo_devices::apic::{ApicEvent, Clock, Delivery, Ipi, LocalApic};
+
+/// The MSRs the user APIC owns (KVM_X86_SET_MSR_FILTER sends them to kumo): IA32_APIC_BASE,
+/// IA32_TSC_DEADLINE and the x2APIC range.
+pub const APIC_MSRS: [(u32, u32); 3] = [
+    (kumo_devices::apic::APIC_BASE_MSR, 1),
+    (kumo_devices::apic::TSC_DEADLINE_MSR, 1),
+    (
+        kumo_devices::apic::X2APIC_MSR_FIRST,
+        kumo_devices::apic::X2APIC_MSR_LAST - kumo_devices::apic::X2APIC_MSR_FIRST + 1,
+    ),
+];
+
+/// The longest a timer thread sleeps before it checks whether its VM is gone.
+const TIMER_POLL: Duration = Duration::from_millis(100);
+
+/// The host's time for the APICs: CLOCK_MONOTONIC and the guest's TSC (the host TSC plus the
+/// offset KVM gave the guest, measured when the vCPUs are configured).
+#[derive(Debug, Default)]
+pub struct HostClock {
+    tsc_offset: AtomicU64,
+    tsc_hz: AtomicU64,
+}
+
+impl HostClock {
+    /// Records the guest TSC read at host TSC `host_tsc`, and its rate.
+    pub fn calibrate(&self, guest_tsc: u64, host_tsc: u64, tsc_hz: u64) {
+        self.tsc_offset.store(guest_tsc.wrapping_sub(host_tsc), Ordering::Release);
+        self.tsc_hz.store(tsc_hz, Ordering::Release);
+    }
+}
+
+/// The host TSC.
+pub fn host_tsc() -> u64 {
+    // SAFETY: RDTSC has no side effects and every x86-64 CPU has it.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+impl Clock for HostClock {
+    fn now_ns(&self) -> u64 {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes into the timespec we pass.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+
+    fn tsc(&self) -> u64 {
+        host_tsc().wrapping_add(self.tsc_offset.load(Ordering::Acquire))
+    }
+
+    fn tsc_hz(&self) -> u64 {
+        self.tsc_hz.load(Ordering::Acquire).max(1)
+    }
+}
+
+/// One vCPU's APIC and what other threads leave for its thread.
+pub struct CpuState {
+    pub lapic: LocalApic,
+    /// An NMI to inject (`KVM_NMI`) before the next entry.
+    pub nmi: bool,
+    /// The vCPU waits for a SIPI (after INIT, or a Linux AP before its first start).
+    pub wait_sipi: bool,
+    /// A SIPI's vector for a vCPU in wait-for-SIPI.
+    pub sipi: Option<u8>,
+    /// The vCPU's thread is inside (or about to enter) KVM_RUN: a kick must signal it.
+    pub running: bool,
+    /// The vCPU's thread (pthread_t), once it has run.
+    pub thread: Option<libc::pthread_t>,
+}
+
+impl CpuState {
+    /// Whether a halted (or SIPI-waiting) vCPU has a reason to run again.
+    fn has_work(&self) -> bool {
+        if self.wait_sipi {
+            return self.sipi.is_some();
+        }
+        self.nmi || self.lapic.pending_vector().is_some()
+    }
+}
+
+pub struct CpuApic {
+    state: Mutex<CpuState>,
+    /// A halted vCPU waits here.
+    wake: Condvar,
+    /// The timer thread waits here; notified when the guest reprograms the timer.
+    timer: Condvar,
+}
+
+/// The VM's user APICs.
+pub struct UserApics {
+    cpus: Vec<CpuApic>,
+    clock: Arc<HostClock>,
+    kick_signal: libc::c_int,
+    timers_started: AtomicBool,
+}
+
+fn lock(m: &Mutex<CpuState>) -> MutexGuard<'_, CpuState> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl UserApics {
+    /// APICs for `ncpus` vCPUs (APIC id = vCPU index, vCPU 0 the BSP). `kick_signal` is the
+    /// signal whose handler calls [`crate::vcpu::on_kick_signal`].
+    pub fn new(ncpus: u32, kick_signal: libc::c_int) -> Arc<Self> {
+        let clock = Arc::new(HostClock::default());
+        let cpus = (0..ncpus)
+            .map(|i| CpuApic {
+                state: Mutex::new(CpuState {
+                    lapic: LocalApic::new(i, i == 0, clock.clone()),
+                    nmi: false,
+                    wait_sipi: false,
+                    sipi: None,
+                    running: false,
+                    thread: None,
+                }),
+                wake: Condvar::new(),
+                timer: Condvar::new(),
+            })
+            .collect();
+        Arc::new(UserApics { cpus, clock, kick_signal, timers_started: AtomicBool::new(false) })
+    }
+
+    pub fn clock(&self) -> &HostClock {
+        &self.clock
+    }
+
+    pub fn len(&self) -> usize {
+        self.cpus.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cpus.is_empty()
+    }
+
+    /// vCPU `cpu`'s state, locked. Panics on an index that is not a vCPU (kumo's own bug).
+    pub fn lock(&self, cpu: u32) -> MutexGuard<'_, CpuState> {
+        lock(&self.cpus[cpu as usize].state)
+    }
+
+    /// Starts one host timer thread per vCPU (once). They end when the `UserApics` is dropped.
+    pub fn start_timers(self: &Arc<Self>) -> std::io::Result<()> {
+        if self.timers_started.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        for cpu in 0..self.cpus.len() as u32 {
+            let weak = Arc::downgrade(self);
+            std::thread::Builder::new().name(format!("lapic-timer{cpu}")).spawn(move || timer_thread(weak, cpu))?;
+        }
+        Ok(())
+    }
+
+    /// Gets vCPU `cpu` to look at its APIC: wakes it if halted, and gets it out of KVM_RUN if it
+    /// is inside. Call with its state locked (`s`).
+    fn kick_locked(&self, cpu: u32, s: &CpuState) {
+        self.cpus[cpu as usize].wake.notify_all();
+        if let (true, Some(t)) = (s.running, s.thread) {
+            // SAFETY: `t` is the pthread_t of a vCPU thread that is running (it clears
+            // `running` under this lock before it exits), and the signal has a handler.
+            unsafe { libc::pthread_kill(t, self.kick_signal) };
+        }
+    }
+
+    /// Wakes every halted vCPU (a pause or stop request: the caller's `stop` says which).
+    pub fn wake_all(&self) {
+        for c in &self.cpus {
+            let _g = lock(&c.state);
+            c.wake.notify_all();
+        }
+    }
+
+    /// A fixed interrupt for vCPU `cpu`'s APIC (a device's, through the IOAPIC or an MSI).
+    pub fn raise(&self, cpu: u32, vector: u8, level: bool) {
+        let Some(c) = self.cpus.get(cpu as usize) else { return };
+        let mut s = lock(&c.state);
+        if s.lapic.accept(vector, level) {
+            self.kick_locked(cpu, &s);
+        }
+    }
+
+    /// Delivers an IPI (from an ICR write or an MSI) to every APIC it names.
+    pub fn send_ipi(&self, ipi: &Ipi) {
+        let addrs: Vec<_> = self.cpus.iter().map(|c| lock(&c.state).lapic.address()).collect();
+        for t in ipi.targets(&addrs) {
+            let cpu = t as u32;
+            let mut s = lock(&self.cpus[t].state);
+            match s.lapic.deliver(ipi) {
+                Delivery::Accepted => self.kick_locked(cpu, &s),
+                Delivery::Nmi => {
+                    s.nmi = true;
+                    self.kick_locked(cpu, &s);
+                }
+                Delivery::Init => {
+                    s.wait_sipi = true;
+                    s.sipi = None;
+                    self.kick_locked(cpu, &s);
+                    self.cpus[t].timer.notify_all();
+                }
+                Delivery::Startup(v) if s.wait_sipi => {
+                    s.sipi = Some(v);
+                    self.kick_locked(cpu, &s);
+                }
+                Delivery::Startup(_) | Delivery::Dropped | Delivery::ExtInt => {}
+            }
+        }
+    }
+
+    /// Acts on what a register write of vCPU `cpu` returned. Call without its state locked.
+    pub fn handle_event(&self, cpu: u32, ev: ApicEvent) {
+        match ev {
+            ApicEvent::Ipi(ipi) => self.send_ipi(&ipi),
+            ApicEvent::TimerChanged => {
+                let _g = lock(&self.cpus[cpu as usize].state);
+                self.cpus[cpu as usize].timer.notify_all();
+            }
+            // No IOAPIC yet: nothing holds a Remote IRR. The page's address is read at each
+            // access, so a moved base needs nothing here.
+            ApicEvent::LevelEoi(_) | ApicEvent::BaseChanged => {}
+        }
+    }
+
+    /// A halted vCPU waits until its APIC has something for it or `stop()` says to return
+    /// (a pause or stop request; [`UserApics::wake_all`] wakes it to look).
+    pub fn halt(&self, cpu: u32, stop: impl Fn() -> bool) {
+        let c = &self.cpus[cpu as usize];
+        let mut s = lock(&c.state);
+        while !s.has_work() && !stop() {
+            s = c.wake.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// vCPU `cpu`'s LAPIC timer on the host: sleeps until the APIC's next deadline, then expires it
+/// and kicks the vCPU if that raised its vector.
+fn timer_thread(apics: Weak<UserApics>, cpu: u32) {
+    loop {
+        let Some(a) = apics.upgrade() else { return };
+        let c = &a.cpus[cpu as usize];
+        let mut s = lock(&c.state);
+        let now = a.clock.now_ns();
+        let wait = match s.lapic.next_deadline() {
+            Some(d) if d <= now => {
+                if s.lapic.expire() {
+                    a.kick_locked(cpu, &s);
+                }
+                if s.lapic.next_deadline() == Some(d) {
+                    // The model did not move the deadline (it would have expired): do not spin.
+                    TIMER_POLL
+                } else {
+                    continue;
+                }
+            }
+            Some(d) => Duration::from_nanos(d - now).min(TIMER_POLL),
+            None => TIMER_POLL,
+        };
+        drop(c.timer.wait_timeout(s, wait).unwrap_or_else(|p| p.into_inner()));
+    }
+}

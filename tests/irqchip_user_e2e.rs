@@ -1,0 +1,56 @@
+//! End to end: `kumo run --irqchip user` (kumo's own LAPICs, no irqchip in KVM) with kumo's
+//! guests: xAPIC MMIO, the TSC-deadline timer (memtouch's rate limit idles on it) and IPIs
+//! between vCPUs (smp).
+
+mod common;
+use common::*;
+use std::time::Duration;
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn run_user(args: &[&str]) -> (Option<i32>, String, String) {
+    let mut all = vec!["run", "--irqchip", "user", "--timeout", "60"];
+    all.extend_from_slice(args);
+    Kid::spawn(&all).finish(LIMIT)
+}
+
+#[test]
+fn hello_runs_on_the_user_apic() {
+    if !kvm_or_skip("hello_runs_on_the_user_apic") {
+        return;
+    }
+    let (code, out, err) = run_user(&["--guest", "hello"]);
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains("Hello from kumo guest!"), "{out}");
+}
+
+#[test]
+fn memtouch_checksum_and_timer_idle_on_the_user_apic() {
+    if !kvm_or_skip("memtouch_checksum_and_timer_idle_on_the_user_apic") {
+        return;
+    }
+    let (code, out, err) =
+        run_user(&["--guest", "memtouch", "--memory", "64M", "pages=3000", "writes=20000", "seed=7"]);
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    let sum = field(&out, "memtouch: checksum", "checksum").expect("checksum line");
+    let want = kumo_guests::memtouch::expected_checksum(3000, 20000, 7, true);
+    assert_eq!(u64::from_str_radix(&sum, 16).unwrap(), want, "{out}");
+    // A rate limit idles between writes on the LAPIC TSC-deadline timer: it only finishes if
+    // kumo's timer fires and its interrupt is injected.
+    let (code, out, err) = run_user(&["--guest", "memtouch", "pages=100", "writes=500", "rate=5000", "report_ms=20"]);
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(field(&out, "memtouch: done", "writes").as_deref(), Some("500"), "{out}");
+}
+
+#[test]
+fn smp_ipis_on_the_user_apic() {
+    if !kvm_or_skip("smp_ipis_on_the_user_apic") {
+        return;
+    }
+    for cpus in ["2", "4"] {
+        let (code, out, err) = run_user(&["--guest", "smp", "--cpus", cpus, "iters=100"]);
+        assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+        assert!(out.contains(&format!("smp: {cpus}/{cpus} vcpus online")), "{out}");
+        assert_eq!(field(&out, "smp: ipi_rtt_cycles", "iters").as_deref(), Some("100"), "{out}");
+    }
+}
