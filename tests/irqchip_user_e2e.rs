@@ -54,3 +54,44 @@ fn smp_ipis_on_the_user_apic() {
         assert_eq!(field(&out, "smp: ipi_rtt_cycles", "iters").as_deref(), Some("100"), "{out}");
     }
 }
+
+#[test]
+fn halted_guest_pauses_resumes_and_reads_input_on_the_user_apic() {
+    if !kvm_or_skip("halted_guest_pauses_resumes_and_reads_input_on_the_user_apic") {
+        return;
+    }
+    let dir = TestDir::new();
+    let sock = dir.path("api.sock");
+    let s = sock.to_str().unwrap();
+    // After its writes memtouch idles (halted, woken by its LAPIC timer every 10 ms) until a
+    // byte arrives on the console.
+    let mut vm = Kid::spawn(&[
+        "run",
+        "--irqchip",
+        "user",
+        "--cpus",
+        "2",
+        "--guest",
+        "memtouch",
+        "pages=64",
+        "writes=1000",
+        "hold_input=1",
+        "--api-socket",
+        s,
+    ]);
+    vm.wait_stdout("memtouch: checksum=", LIMIT);
+    let info = || {
+        let o = kumo(&["--api-socket", s, "info"]);
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).ok()
+    };
+    let v = eventually(LIMIT, info);
+    assert_eq!(v["irqchip"], "user", "{v}");
+    // Halted vCPUs wait in kumo: a pause must still reach them.
+    eventually(LIMIT, || kumo(&["--api-socket", s, "pause"]).status.success().then_some(()));
+    assert!(kumo(&["--api-socket", s, "resume"]).status.success());
+    vm.input(b"q");
+    let (code, out, err) = vm.finish(LIMIT);
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    let sum = field(&out, "memtouch: checksum", "checksum").expect("checksum line");
+    assert_eq!(field(&out, "memtouch: checksum_after_hold", "checksum_after_hold"), Some(sum), "{out}");
+}
