@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use kumo_devices::apic::{ApicEvent, Clock, Delivery, Ipi, LocalApic};
+use kumo_devices::apic::{ApicEvent, Clock, Delivery, IoApic, Ipi, LocalApic};
 
 /// The MSRs the user APIC owns (KVM_X86_SET_MSR_FILTER sends them to kumo): IA32_APIC_BASE,
 /// IA32_TSC_DEADLINE and the x2APIC range.
@@ -104,6 +104,8 @@ pub struct CpuApic {
 /// The VM's user APICs.
 pub struct UserApics {
     cpus: Vec<CpuApic>,
+    /// The IOAPIC: legacy device pins (COM1's IRQ 4) reach the LAPICs through it.
+    ioapic: Mutex<IoApic>,
     clock: Arc<HostClock>,
     kick_signal: libc::c_int,
     timers_started: AtomicBool,
@@ -132,7 +134,55 @@ impl UserApics {
                 timer: Condvar::new(),
             })
             .collect();
-        Arc::new(UserApics { cpus, clock, kick_signal, timers_started: AtomicBool::new(false) })
+        Arc::new(UserApics {
+            cpus,
+            ioapic: Mutex::new(IoApic::new()),
+            clock,
+            kick_signal,
+            timers_started: AtomicBool::new(false),
+        })
+    }
+
+    fn ioapic(&self) -> MutexGuard<'_, IoApic> {
+        self.ioapic.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A read of the IOAPIC's page (offset within it).
+    pub fn ioapic_read(&self, offset: u64, data: &mut [u8]) {
+        self.ioapic().read_mmio(offset, data);
+    }
+
+    /// A write to the IOAPIC's page; an interrupt it sends is delivered.
+    pub fn ioapic_write(&self, offset: u64, data: &[u8]) {
+        let ipi = self.ioapic().write_mmio(offset, data);
+        if let Some(ipi) = ipi {
+            self.send_ipi(&ipi);
+        }
+    }
+
+    /// An edge on IOAPIC pin `pin` (a legacy device's irqfd signal).
+    pub fn pulse_pin(&self, pin: u32) {
+        let ipi = self.ioapic().pulse(pin as usize);
+        if let Some(ipi) = ipi {
+            self.send_ipi(&ipi);
+        }
+    }
+
+    /// An MSI message (a device's MSI-X vector), delivered like the IPI it describes.
+    pub fn msi(&self, address: u64, data: u32) {
+        match Ipi::from_msi(address, data) {
+            Some(ipi) => self.send_ipi(&ipi),
+            None => tracing::debug!(address, data, "MSI with a mode kumo does not deliver: dropped"),
+        }
+    }
+
+    /// The IOAPIC's state (snapshots).
+    pub fn ioapic_state(&self) -> kumo_devices::apic::IoApicState {
+        self.ioapic().state()
+    }
+
+    pub fn set_ioapic_state(&self, s: &kumo_devices::apic::IoApicState) -> Result<(), String> {
+        self.ioapic().set_state(s)
     }
 
     pub fn clock(&self) -> &HostClock {
@@ -227,9 +277,14 @@ impl UserApics {
                 let _g = lock(&self.cpus[cpu as usize].state);
                 self.cpus[cpu as usize].timer.notify_all();
             }
-            // No IOAPIC yet: nothing holds a Remote IRR. The page's address is read at each
-            // access, so a moved base needs nothing here.
-            ApicEvent::LevelEoi(_) | ApicEvent::BaseChanged => {}
+            ApicEvent::LevelEoi(v) => {
+                let again = self.ioapic().eoi(v);
+                for ipi in again {
+                    self.send_ipi(&ipi);
+                }
+            }
+            // The page's address is read at each access: a moved base needs nothing here.
+            ApicEvent::BaseChanged => {}
         }
     }
 

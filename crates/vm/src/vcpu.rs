@@ -21,6 +21,13 @@ vmm_sys_util::ioctl_iow_nr!(KVM_INTERRUPT, kvm_bindings::KVMIO, 0x86, kvm_bindin
 
 const MSR_IA32_TSC: u32 = 0x10;
 
+use kumo_devices::apic::{IOAPIC_BASE, IOAPIC_MMIO_SIZE};
+
+/// The offset of `addr` in the IOAPIC's page, if it is in it.
+fn ioapic_offset(addr: u64) -> Option<u64> {
+    (IOAPIC_BASE..IOAPIC_BASE + IOAPIC_MMIO_SIZE).contains(&addr).then(|| addr - IOAPIC_BASE)
+}
+
 thread_local! {
     /// This thread's vCPU `kvm_run` while it runs a user-APIC vCPU: the kick signal's handler
     /// sets its `immediate_exit` so a kick just before KVM_RUN makes that KVM_RUN return at once.
@@ -315,9 +322,10 @@ impl Vcpu {
                 Ok(VcpuRun::Continue)
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
-                match Self::apic_page(uapic, id, addr) {
-                    Some((mut s, off)) => s.lapic.read_mmio(off, data),
-                    None => {
+                match (Self::apic_page(uapic, id, addr), uapic) {
+                    (Some((mut s, off)), _) => s.lapic.read_mmio(off, data),
+                    (None, Some(u)) if ioapic_offset(addr).is_some() => u.ioapic_read(addr - IOAPIC_BASE, data),
+                    _ => {
                         buses.mmio.read(addr, data);
                     }
                 }
@@ -332,7 +340,13 @@ impl Vcpu {
                     }
                     Ok(VcpuRun::Continue)
                 }
-                None => Ok(buses.mmio.write(addr, data).map_or(VcpuRun::Continue, VcpuRun::Device)),
+                None => match (uapic, ioapic_offset(addr)) {
+                    (Some(u), Some(off)) => {
+                        u.ioapic_write(off, data);
+                        Ok(VcpuRun::Continue)
+                    }
+                    _ => Ok(buses.mmio.write(addr, data).map_or(VcpuRun::Continue, VcpuRun::Device)),
+                },
             },
             // The APIC MSRs (KVM's MSR filter sends only those here): an `Err` is #GP.
             Ok(VcpuExit::X86Rdmsr(e)) => {

@@ -175,7 +175,11 @@ impl Vm {
         }
         Ok(Vm {
             kvm,
-            interrupts: Arc::new(Interrupts::new(fd.clone(), irqchip)),
+            interrupts: Arc::new(match &uapic {
+                Some(u) => Interrupts::new_user(fd.clone(), u.clone())
+                    .map_err(|e| Error::Boot(format!("user irqchip interrupt thread: {e}")))?,
+                None => Interrupts::new(fd.clone(), irqchip),
+            }),
             fd,
             memory,
             irqchip,
