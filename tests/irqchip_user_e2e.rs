@@ -95,3 +95,52 @@ fn halted_guest_pauses_resumes_and_reads_input_on_the_user_apic() {
     let sum = field(&out, "memtouch: checksum", "checksum").expect("checksum line");
     assert_eq!(field(&out, "memtouch: checksum_after_hold", "checksum_after_hold"), Some(sum), "{out}");
 }
+
+#[test]
+fn a_snapshot_of_a_user_apic_vm_runs_on_in_a_new_process() {
+    if !kvm_or_skip("a_snapshot_of_a_user_apic_vm_runs_on_in_a_new_process") {
+        return;
+    }
+    let dir = TestDir::new();
+    let (sock, sock2, file) = (dir.arg("src.sock"), dir.arg("dst.sock"), dir.path("user.snap"));
+    // Rate-limited: memtouch idles on its LAPIC timer between writes, before and after.
+    let src = Kid::spawn(&[
+        "run",
+        "--irqchip",
+        "user",
+        "--guest",
+        "memtouch",
+        "--cpus",
+        "2",
+        "--memory",
+        "64M",
+        "pages=3000",
+        "rate=20000",
+        "seed=7",
+        "until_input=1",
+        "report_ms=5",
+        "--api-socket",
+        &sock,
+    ]);
+    src.wait_stdout("memtouch: progress", LIMIT);
+    let o = kumo(&["--api-socket", &sock, "snapshot", "--to", file.to_str().unwrap()]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let snap = std::fs::read(&file).unwrap();
+    let has = |w: &str| snap.windows(w.len()).any(|x| x == w.as_bytes());
+    assert!(has("\"lapic0\"") && has("\"lapic1\"") && has("\"ioapic\""), "the APICs are in the snapshot");
+    assert!(kumo(&["--api-socket", &sock, "shutdown"]).status.success());
+    let (code, _, err) = src.wait();
+    assert_eq!(code, Some(0), "{err}");
+
+    let mut dst = Kid::spawn(&["run", "--restore", file.to_str().unwrap(), "--api-socket", &sock2]);
+    let v = eventually(LIMIT, || {
+        let o = kumo(&["--api-socket", &sock2, "info"]);
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).ok()
+    });
+    assert_eq!(v["irqchip"], "user", "{v}");
+    dst.input(b"q");
+    let (code, out, err) = dst.finish(LIMIT);
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(!out.contains("memtouch: pages="), "the guest must carry on, not restart:\n{out}");
+    kumo_guests::memtouch::check_output(&out, 3000, 7, true).unwrap_or_else(|e| panic!("{e}"));
+}

@@ -325,3 +325,69 @@ fn timer_thread(apics: Weak<UserApics>, cpu: u32) {
         drop(c.timer.wait_timeout(s, wait).unwrap_or_else(|p| p.into_inner()));
     }
 }
+
+/// One vCPU's user APIC in snapshots (component `lapic<N>`): the register model's state and
+/// whether the vCPU waits for a SIPI (a Linux AP not started yet).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct UserLapicState {
+    pub lapic: kumo_devices::apic::LapicState,
+    pub wait_sipi: bool,
+    pub nmi: bool,
+}
+
+/// vCPU `cpu`'s APIC as a persistable component.
+pub struct LapicPersist {
+    apics: Arc<UserApics>,
+    cpu: u32,
+}
+
+/// The IOAPIC as a persistable component (`ioapic`).
+pub struct IoApicPersist(Arc<UserApics>);
+
+impl UserApics {
+    /// Every component to save and restore with the VM: each LAPIC, then the IOAPIC.
+    pub fn persist_list(self: &Arc<Self>) -> Vec<Arc<Mutex<dyn kumo_devices::PersistDyn>>> {
+        let mut v: Vec<Arc<Mutex<dyn kumo_devices::PersistDyn>>> = (0..self.cpus.len() as u32)
+            .map(|cpu| Arc::new(Mutex::new(LapicPersist { apics: self.clone(), cpu })) as _)
+            .collect();
+        v.push(Arc::new(Mutex::new(IoApicPersist(self.clone()))));
+        v
+    }
+}
+
+impl kumo_devices::Persist for LapicPersist {
+    type State = UserLapicState;
+    fn id(&self) -> String {
+        format!("lapic{}", self.cpu)
+    }
+    fn save(&self) -> Result<UserLapicState, kumo_devices::PersistError> {
+        let mut s = self.apics.lock(self.cpu);
+        // A timer that is due but not yet raised would be lost: raise it now, into IRR.
+        s.lapic.expire();
+        Ok(UserLapicState { lapic: s.lapic.save()?, wait_sipi: s.wait_sipi, nmi: s.nmi })
+    }
+    fn restore(&mut self, st: &UserLapicState) -> Result<(), kumo_devices::PersistError> {
+        let c = &self.apics.cpus[self.cpu as usize];
+        let mut s = lock(&c.state);
+        s.lapic.restore(&st.lapic)?;
+        s.wait_sipi = st.wait_sipi;
+        s.sipi = None;
+        s.nmi = st.nmi;
+        c.timer.notify_all();
+        c.wake.notify_all();
+        Ok(())
+    }
+}
+
+impl kumo_devices::Persist for IoApicPersist {
+    type State = kumo_devices::apic::IoApicState;
+    fn id(&self) -> String {
+        "ioapic".into()
+    }
+    fn save(&self) -> Result<Self::State, kumo_devices::PersistError> {
+        Ok(self.0.ioapic_state())
+    }
+    fn restore(&mut self, s: &Self::State) -> Result<(), kumo_devices::PersistError> {
+        self.0.set_ioapic_state(s).map_err(|e| kumo_devices::PersistError::component("ioapic", e))
+    }
+}

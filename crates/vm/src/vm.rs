@@ -138,7 +138,10 @@ impl Vm {
             }
             IrqchipMode::User => {
                 let mut cap = kvm_enable_cap { cap: kvm_bindings::KVM_CAP_X86_USER_SPACE_MSR, ..Default::default() };
-                cap.args[0] = kvm_bindings::KVM_MSR_EXIT_REASON_FILTER as u64;
+                // KVM never filters the x2APIC range: without its LAPIC it fails those accesses,
+                // and INVAL sends the failures to kumo too (others get the same #GP from kumo).
+                cap.args[0] =
+                    (kvm_bindings::KVM_MSR_EXIT_REASON_FILTER | kvm_bindings::KVM_MSR_EXIT_REASON_INVAL) as u64;
                 fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(X86_USER_SPACE_MSR)", e))?;
                 // Denied by the filter = sent to kumo: every APIC MSR.
                 let deny = [0u8; 32];
@@ -311,6 +314,24 @@ mod tests {
         };
         g.buses.mmio.insert(0xd000_0000, 0x1000, std::sync::Arc::new(std::sync::Mutex::new(Latch(0)))).unwrap();
         assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(43)));
+    }
+
+    #[test]
+    fn user_irqchip_serves_the_apic_msrs_and_page() {
+        // rdmsr 0x1B; or $0xC00 (x2APIC on); wrmsr; rdmsr 0x803 (x2APIC version); out to exit.
+        let x2apic = [
+            0xb9, 0x1b, 0, 0, 0, 0x0f, 0x32, 0x0d, 0x00, 0x0c, 0, 0, 0x0f, 0x30, 0xb9, 0x03, 0x08, 0, 0, 0x0f, 0x32,
+            0x66, 0xba, 0x01, 0x05, 0xef,
+        ];
+        let Some(mut g) = crate::testing::RawGuest::with_irqchip(IrqchipMode::User, &x2apic, &[]) else {
+            return;
+        };
+        assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(kumo_devices::apic::APIC_VERSION)));
+        assert_eq!(g.vm.uapic.as_ref().unwrap().lock(0).lapic.mode(), kumo_devices::apic::ApicMode::X2Apic);
+        // mov $0xfee00030, %eax; mov (%rax), %ebx (xAPIC version); mov %ebx, %eax; out to exit.
+        let xapic = [0xb8, 0x30, 0, 0xe0, 0xfe, 0x8b, 0x18, 0x89, 0xd8, 0x66, 0xba, 0x01, 0x05, 0xef];
+        let mut g = crate::testing::RawGuest::with_irqchip(IrqchipMode::User, &xapic, &[]).unwrap();
+        assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(kumo_devices::apic::APIC_VERSION)));
     }
 
     #[test]

@@ -80,6 +80,10 @@ impl DeviceManager {
             .collect::<Result<Vec<_>>>()?;
         let mut persist: Vec<Arc<Mutex<dyn PersistDyn>>> = vec![serial.clone()];
         persist.extend(pci.persist_list());
+        // `--irqchip user`: kumo's LAPICs (lapic<N>) and IOAPIC are state like a device's.
+        if let Some(u) = &vm.uapic {
+            persist.extend(u.persist_list());
+        }
 
         let events = EventLoop::start("devices").map_err(dev_err("device event loop"))?;
         Ok(DeviceManager {

@@ -33,7 +33,9 @@ use serde::{Deserialize, Serialize};
 
 pub use ioapic::{IoApic, IoApicState, IOAPIC_BASE, IOAPIC_MMIO_SIZE};
 pub use ipi::{matches, ApicAddress, DeliveryMode, DestMode, Destination, Ipi};
-pub use lapic::{ApicEvent, ApicMode, Delivery, LapicState, LocalApic, Lvt, Oddity, TimerState};
+pub use lapic::{
+    ApicEvent, ApicMode, Delivery, LapicState, LocalApic, Lvt, Oddity, TimerState, VERSION as APIC_VERSION,
+};
 pub use timer::{divisor, TimerMode, MIN_PERIOD_NS};
 
 /// IA32_APIC_BASE.
