@@ -144,3 +144,35 @@ fn a_snapshot_of_a_user_apic_vm_runs_on_in_a_new_process() {
     assert!(!out.contains("memtouch: pages="), "the guest must carry on, not restart:\n{out}");
     kumo_guests::memtouch::check_output(&out, 3000, 7, true).unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// A Linux kernel for the banner test: `KUMO_LINUX_VMLINUX`, else the fetch script's cache.
+fn vmlinux() -> Option<std::path::PathBuf> {
+    let p = std::env::var_os("KUMO_LINUX_VMLINUX")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/linux/vmlinux"));
+    p.is_file().then_some(p)
+}
+
+#[test]
+fn linux_prints_its_banner_on_the_user_apic() {
+    if !kvm_or_skip("linux_prints_its_banner_on_the_user_apic") {
+        return;
+    }
+    let Some(kernel) = vmlinux() else {
+        eprintln!("skipping linux_prints_its_banner_on_the_user_apic: no kernel (set KUMO_LINUX_VMLINUX or run scripts/fetch-linux-kernel.sh)");
+        return;
+    };
+    let vm = Kid::spawn(&[
+        "run",
+        "--irqchip",
+        "user",
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--cmdline",
+        "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 reboot=k nokaslr noxsave clearcpuid=ssse3",
+        "--memory",
+        "512M",
+    ]);
+    // Booting is emulation-bound on nested KVM: minutes. The deadline is a safety net only.
+    vm.wait_stdout("Linux version", Duration::from_secs(900));
+}

@@ -158,13 +158,7 @@ impl Vcpu {
         }
 
         if let Some(u) = &self.uapic {
-            // The APIC timer's TSC deadlines are guest TSC values: learn the guest's offset.
-            let mut m =
-                Msrs::from_entries(&[kvm_msr_entry { index: MSR_IA32_TSC, ..Default::default() }]).expect("one MSR");
-            self.fd.get_msrs(&mut m).map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
-            let host = crate::uapic::host_tsc();
-            let khz = self.tsc_khz().unwrap_or(1_000_000);
-            u.clock().calibrate(m.as_slice()[0].data, host, khz * 1000);
+            self.calibrate_tsc()?;
             // Without KVM's LAPIC every vCPU is runnable from reset: one without an entry (a
             // Linux AP) waits in kumo for the kernel's INIT/SIPI.
             u.lock(self.id).wait_sipi = entry.is_none();
@@ -184,6 +178,19 @@ impl Vcpu {
                     .map_err(|e| Error::Kvm("KVM_SET_MP_STATE", e))?;
             }
         }
+        Ok(())
+    }
+
+    /// `--irqchip user`: the APIC timer's TSC deadlines are guest TSC values, so the APIC clock
+    /// learns the guest's TSC offset (again after a restore moved the guest's TSC).
+    fn calibrate_tsc(&self) -> Result<()> {
+        let Some(u) = &self.uapic else { return Ok(()) };
+        let mut m =
+            Msrs::from_entries(&[kvm_msr_entry { index: MSR_IA32_TSC, ..Default::default() }]).expect("one MSR");
+        self.fd.get_msrs(&mut m).map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
+        let host = crate::uapic::host_tsc();
+        let khz = self.tsc_khz().unwrap_or(1_000_000);
+        u.clock().calibrate(m.as_slice()[0].data, host, khz * 1000);
         Ok(())
     }
 
@@ -523,7 +530,7 @@ impl Vcpu {
         }
         fd.set_debug_regs(&s.debugregs).map_err(|e| Error::Kvm("KVM_SET_DEBUGREGS", e))?;
         fd.set_vcpu_events(&s.events).map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
-        Ok(())
+        self.calibrate_tsc()
     }
 }
 
