@@ -391,3 +391,74 @@ impl kumo_devices::Persist for IoApicPersist {
         self.0.set_ioapic_state(s).map_err(|e| kumo_devices::PersistError::component("ioapic", e))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn enable(a: &UserApics, cpu: u32) {
+        a.lock(cpu).lapic.write_mmio(0xF0, &0x1FFu32.to_le_bytes());
+    }
+
+    /// vCPU `from` writes the ICR (high word first); the event is routed as the vCPU thread does.
+    fn icr(a: &UserApics, from: u32, dest: u8, low: u32) {
+        let ev = {
+            let mut s = a.lock(from);
+            s.lapic.write_mmio(0x310, &((dest as u32) << 24).to_le_bytes());
+            s.lapic.write_mmio(0x300, &low.to_le_bytes())
+        };
+        a.handle_event(from, ev.expect("an ICR write sends an IPI"));
+    }
+
+    #[test]
+    fn icr_ipis_reach_the_target_and_wake_it() {
+        let a = UserApics::new(2, 0);
+        enable(&a, 0);
+        enable(&a, 1);
+        icr(&a, 0, 1, 0x40); // fixed, vector 0x40, physical APIC 1
+        assert_eq!(a.lock(1).lapic.pending_vector(), Some(0x40));
+        assert_eq!(a.lock(0).lapic.pending_vector(), None);
+        a.halt(1, || false); // has work: returns at once
+        icr(&a, 1, 0, 0x400); // NMI to APIC 0
+        assert!(a.lock(0).nmi);
+        icr(&a, 0, 9, 0x41); // nobody has APIC id 9: dropped, no panic
+        assert_eq!(a.lock(1).lapic.pending_vector(), Some(0x40));
+    }
+
+    #[test]
+    fn init_then_sipi_starts_a_waiting_vcpu_once() {
+        let a = UserApics::new(2, 0);
+        enable(&a, 0);
+        icr(&a, 0, 1, 0x4500); // INIT, level assert
+        assert!(a.lock(1).wait_sipi);
+        icr(&a, 0, 1, 0x4609); // SIPI, vector 9: start at 0x9000
+        assert_eq!(a.lock(1).sipi, Some(9));
+        a.halt(1, || false);
+        // A SIPI to a vCPU not waiting for one is ignored.
+        icr(&a, 1, 0, 0x4608);
+        assert_eq!(a.lock(0).sipi, None);
+    }
+
+    #[test]
+    fn ioapic_pin_and_msi_reach_the_named_apic_and_level_eoi_re_sends() {
+        let a = UserApics::new(2, 0);
+        enable(&a, 0);
+        enable(&a, 1);
+        // Pin 9: vector 0x39, level, to APIC 1; held high.
+        a.ioapic_write(0, &0x22u32.to_le_bytes());
+        a.ioapic_write(0x10, &(0x39u32 | 1 << 15).to_le_bytes());
+        a.ioapic_write(0, &0x23u32.to_le_bytes());
+        a.ioapic_write(0x10, &(1u32 << 24).to_le_bytes());
+        let ipi = a.ioapic().set_irq(9, true).expect("sent");
+        a.send_ipi(&ipi);
+        let v = a.lock(1).lapic.ack();
+        assert_eq!(v, Some(0x39));
+        // The guest's EOI of the level vector: the pin is still high, so it comes again.
+        let ev = a.lock(1).lapic.eoi().expect("level EOI");
+        a.handle_event(1, ev);
+        assert_eq!(a.lock(1).lapic.pending_vector(), Some(0x39));
+        a.msi(0xFEE0_0000, 0x51); // to APIC 0
+        assert_eq!(a.lock(0).lapic.pending_vector(), Some(0x51));
+        a.msi(0xFEE0_0000, 0x0200); // SMI: dropped
+    }
+}
