@@ -304,7 +304,8 @@ impl Vcpu {
     ) -> Option<(std::sync::MutexGuard<'a, crate::uapic::CpuState>, u64)> {
         let s = u?.lock(id);
         let base = s.lapic.mmio_base()?;
-        (addr >= base && addr < base + kumo_devices::apic::APIC_MMIO_SIZE).then_some((s, addr - base))
+        let off = addr.checked_sub(base).filter(|o| *o < kumo_devices::apic::APIC_MMIO_SIZE)?;
+        Some((s, off))
     }
 
     fn run_once(&mut self, buses: &Buses, uapic: Option<&UserApics>) -> Result<VcpuRun> {

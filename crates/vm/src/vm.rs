@@ -309,11 +309,14 @@ mod tests {
         // mov %ebx, %eax; out %eax, (%dx)
         let code =
             [0xb8, 0, 0, 0, 0xd0, 0xc7, 0x00, 42, 0, 0, 0, 0x8b, 0x58, 0x04, 0x66, 0xba, 0x01, 0x05, 0x89, 0xd8, 0xef];
-        let Some(mut g) = crate::testing::RawGuest::new(&code, &[]) else {
-            return;
-        };
-        g.buses.mmio.insert(0xd000_0000, 0x1000, std::sync::Arc::new(std::sync::Mutex::new(Latch(0)))).unwrap();
-        assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(43)));
+        // With kumo's APIC too: an address below its page is the bus's.
+        for mode in [IrqchipMode::Kernel, IrqchipMode::User] {
+            let Some(mut g) = crate::testing::RawGuest::with_irqchip(mode, &code, &[]) else {
+                return;
+            };
+            g.buses.mmio.insert(0xd000_0000, 0x1000, std::sync::Arc::new(std::sync::Mutex::new(Latch(0)))).unwrap();
+            assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(43)), "{mode}");
+        }
     }
 
     #[test]
