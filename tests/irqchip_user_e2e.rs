@@ -153,13 +153,15 @@ fn vmlinux() -> Option<std::path::PathBuf> {
     p.is_file().then_some(p)
 }
 
+/// Linux's early boot on kumo's APICs: the banner, then its x2APIC, kumo's IOAPIC from the MADT
+/// and the second vCPU started by INIT/SIPI.
 #[test]
-fn linux_prints_its_banner_on_the_user_apic() {
-    if !kvm_or_skip("linux_prints_its_banner_on_the_user_apic") {
+fn linux_boots_its_second_cpu_on_the_user_apic() {
+    if !kvm_or_skip("linux_boots_its_second_cpu_on_the_user_apic") {
         return;
     }
     let Some(kernel) = vmlinux() else {
-        eprintln!("skipping linux_prints_its_banner_on_the_user_apic: no kernel (set KUMO_LINUX_VMLINUX or run scripts/fetch-linux-kernel.sh)");
+        eprintln!("skipping linux_boots_its_second_cpu_on_the_user_apic: no kernel (set KUMO_LINUX_VMLINUX or run scripts/fetch-linux-kernel.sh)");
         return;
     };
     let vm = Kid::spawn(&[
@@ -172,7 +174,13 @@ fn linux_prints_its_banner_on_the_user_apic() {
         "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 reboot=k nokaslr noxsave clearcpuid=ssse3",
         "--memory",
         "512M",
+        "--cpus",
+        "2",
     ]);
-    // Booting is emulation-bound on nested KVM: minutes. The deadline is a safety net only.
-    vm.wait_stdout("Linux version", Duration::from_secs(900));
+    // Booting is emulation-bound on nested KVM: minutes. The deadlines are safety nets only.
+    let patience = Duration::from_secs(900);
+    vm.wait_stdout("Linux version", patience);
+    vm.wait_stdout("IOAPIC[0]: apic_id 0, version 17, address 0xfec00000, GSI 0-23", patience);
+    vm.wait_stdout("x2apic enabled", patience);
+    vm.wait_stdout("smp: Brought up 1 node, 2 CPUs", patience);
 }
