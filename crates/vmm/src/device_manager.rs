@@ -69,7 +69,13 @@ impl DeviceManager {
 
         let mut pci = Pci::new(&vm.memory.layout, vm.interrupts.clone(), &mut buses)?;
         let dispatcher = if nets.iter().any(|n| n.irq == IrqPath::Shared) {
-            Some(SharedDispatcher::start(vm.fd.clone()).map_err(dev_err("interrupt dispatcher"))?)
+            Some(
+                match &vm.uapic {
+                    Some(u) => SharedDispatcher::start_user(u.clone()),
+                    None => SharedDispatcher::start(vm.fd.clone()),
+                }
+                .map_err(dev_err("interrupt dispatcher"))?,
+            )
         } else {
             None
         };
