@@ -184,3 +184,49 @@ fn linux_boots_its_second_cpu_on_the_user_apic() {
     vm.wait_stdout("x2apic enabled", patience);
     vm.wait_stdout("smp: Brought up 1 node, 2 CPUs", patience);
 }
+
+#[test]
+fn a_user_apic_vm_migrates_live() {
+    if !kvm_or_skip("a_user_apic_vm_migrates_live") {
+        return;
+    }
+    let dir = TestDir::new();
+    let (sock, dsock) = (dir.arg("src.sock"), dir.arg("dst.sock"));
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let dest = Kid::spawn(&["run", "--incoming", &addr, "--api-socket", &dsock]);
+    eventually(LIMIT, || dest.stderr().contains("waiting for a migration").then_some(()));
+    // Rate-limited: the guest idles on its LAPIC timer through the migration.
+    let src = Kid::spawn(&[
+        "run",
+        "--irqchip",
+        "user",
+        "--cpus",
+        "2",
+        "--guest",
+        "memtouch",
+        "--memory",
+        "64M",
+        "pages=2000",
+        "rate=50000",
+        "seed=5",
+        "until_input=1",
+        "--api-socket",
+        &sock,
+    ]);
+    src.wait_stdout("memtouch: pages=", LIMIT);
+    let o = kumo(&["--api-socket", &sock, "migrate", "--to", &addr]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dest.stderr());
+    let (code, _, serr) = src.finish(LIMIT);
+    assert_eq!(code, Some(0), "{serr}");
+    let v = eventually(LIMIT, || {
+        let o = kumo(&["--api-socket", &dsock, "info"]);
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).ok().filter(|v| v["state"] == "running")
+    });
+    assert_eq!(v["irqchip"], "user", "{v}");
+    let mut dest = dest;
+    dest.input(b"q");
+    let (code, dout, derr) = dest.finish(LIMIT);
+    assert_eq!(code, Some(0), "stdout:\n{dout}\nstderr:\n{derr}");
+    kumo_guests::memtouch::check_output(&dout, 2000, 5, true).unwrap_or_else(|e| panic!("{e}"));
+}
