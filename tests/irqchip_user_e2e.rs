@@ -86,6 +86,8 @@ fn halted_guest_pauses_resumes_and_reads_input_on_the_user_apic() {
     };
     let v = eventually(LIMIT, info);
     assert_eq!(v["irqchip"], "user", "{v}");
+    // PV unhalt would be a KVM LAPIC delivery: off without it.
+    assert_eq!(v["pv"]["pv_unhalt"], false, "{v}");
     // Halted vCPUs wait in kumo: a pause must still reach them.
     eventually(LIMIT, || kumo(&["--api-socket", s, "pause"]).status.success().then_some(()));
     assert!(kumo(&["--api-socket", s, "resume"]).status.success());

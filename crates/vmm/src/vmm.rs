@@ -326,6 +326,11 @@ impl RunningVm {
             .pv
             .resolve(kumo_vm::pv::host_supported_eax(&vm.kvm)?, dedicated)
             .map_err(|e| Error::Config(e.to_string()))?;
+        // PV unhalt and PV IPIs are KVM LAPIC deliveries: without KVM's LAPIC they reach no one.
+        let pv = match config.irqchip {
+            kumo_vm::IrqchipMode::User => kumo_vm::pv::PvSet { pv_unhalt: false, pv_ipi: false, ..pv },
+            _ => pv,
+        };
         config.pv = kumo_vm::pv::PvRequest::from_set(pv);
         tracing::info!(pv = %pv.describe(), dedicated, "paravirtual features");
         let vcpus: Vec<Vcpu> = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;
