@@ -101,6 +101,16 @@ pub struct Vcpu {
     exits: Arc<ExitCounters>,
 }
 
+impl Drop for Vcpu {
+    fn drop(&mut self) {
+        // The kvm_run mapping goes with the fd: a later kick on this thread must not reach it.
+        let r: *mut kvm_bindings::kvm_run = self.fd.get_kvm_run();
+        if KICK_RUN.with(Cell::get) == r {
+            KICK_RUN.set(std::ptr::null_mut());
+        }
+    }
+}
+
 impl Vcpu {
     pub(crate) fn new(
         id: u32,
@@ -232,6 +242,8 @@ impl Vcpu {
         let id = self.id;
         let (ready, if_flag) = {
             let r = self.fd.get_kvm_run();
+            // Before `running` is set below: a kick from then on must find this kvm_run.
+            KICK_RUN.set(r as *mut _);
             (r.ready_for_interrupt_injection != 0, r.if_flag != 0)
         };
         let mut s = u.lock(id);
@@ -271,7 +283,6 @@ impl Vcpu {
         let r = self.fd.get_kvm_run();
         r.cr8 = cr8;
         r.request_interrupt_window = window as u8;
-        KICK_RUN.set(r as *mut _);
 
         let out = self.run_once(buses, Some(u));
 
