@@ -92,7 +92,8 @@ pub struct AcpiConfig<'a> {
     /// vCPUs; vCPU `i` has APIC ID `i`.
     pub cpus: u32,
     pub layout: &'a MemoryLayout,
-    /// With [`IrqchipMode::Kernel`] the MADT lists KVM's IOAPIC; a split irqchip has none.
+    /// With [`IrqchipMode::Kernel`] the MADT lists KVM's IOAPIC, with `User` kumo's; a split
+    /// irqchip has none.
     pub irqchip: IrqchipMode,
     /// The PCI host bridge (DSDT, MCFG), if the VM has PCI.
     pub pci: Option<PciHost>,
@@ -266,7 +267,8 @@ fn madt(cfg: &AcpiConfig) -> Vec<u8> {
     for cpu in 0..cfg.cpus {
         t.add_structure(ProcessorLocalApic::new(cpu as u8, cpu as u8, EnabledStatus::Enabled));
     }
-    if cfg.irqchip == IrqchipMode::Kernel {
+    // KVM's IOAPIC, or kumo's with `--irqchip user`.
+    if cfg.irqchip != IrqchipMode::Split {
         t.add_structure(IoApic::new(0, IOAPIC_START as u32, 0));
         // The PIT raises GSI 0 and kumo routes legacy GSI n to IOAPIC pin n (not pin 2 as on
         // PC hardware and QEMU): say so, edge-triggered, active high (flags 0 = bus default).

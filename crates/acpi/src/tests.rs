@@ -126,7 +126,9 @@ fn madt_entries(m: &[u8]) -> Vec<(u8, &[u8])> {
 #[test]
 fn madt_has_a_local_apic_per_vcpu_the_ioapic_and_the_timer_override() {
     let layout = MemoryLayout::new(512 * MIB);
-    for (cpus, irqchip) in [(1, IrqchipMode::Kernel), (4, IrqchipMode::Kernel), (240, IrqchipMode::Split)] {
+    for (cpus, irqchip) in
+        [(1, IrqchipMode::Kernel), (4, IrqchipMode::Kernel), (240, IrqchipMode::Split), (2, IrqchipMode::User)]
+    {
         let t = build_with(cpus, &layout, irqchip, None);
         let m = table(&t, b"APIC");
         assert_eq!(u32_at(m, 36), LAPIC_START as u32);
@@ -136,7 +138,7 @@ fn madt_has_a_local_apic_per_vcpu_the_ioapic_and_the_timer_override() {
         assert_eq!(lapics, (0..cpus).map(|i| (i as u8, i as u8, 1)).collect::<Vec<_>>());
         let ioapics: Vec<&[u8]> = e.iter().filter(|x| x.0 == 1).map(|x| x.1).collect();
         let isos: Vec<&[u8]> = e.iter().filter(|x| x.0 == 2).map(|x| x.1).collect();
-        if irqchip == IrqchipMode::Kernel {
+        if irqchip != IrqchipMode::Split {
             assert_eq!(ioapics.len(), 1);
             assert_eq!((u32_at(ioapics[0], 4), u32_at(ioapics[0], 8)), (IOAPIC_START as u32, 0));
             assert_eq!(isos, [[2u8, 10, 0, 0, 0, 0, 0, 0, 0, 0].as_slice()]);

@@ -164,8 +164,9 @@ struct RunArgs {
     /// this host's MemTotal less max(512 MiB, 5 %).
     #[arg(long, value_parser = parse_size)]
     memory: Option<u64>,
-    /// Interrupt controller placement: kernel (PIC/IOAPIC/PIT in KVM) or split.
-    #[arg(long, value_parser = ["kernel", "split"])]
+    /// Interrupt controller placement: kernel (PIC/IOAPIC/PIT in KVM), split (LAPICs in KVM)
+    /// or user (no irqchip in KVM: kumo emulates the LAPICs).
+    #[arg(long, value_parser = ["kernel", "split", "user"])]
     irqchip: Option<String>,
     /// VM config file (JSON or TOML); flags override it.
     #[arg(long, value_name = "FILE")]
@@ -284,6 +285,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
     }
     let irqchip = match a.irqchip.as_deref() {
         Some("split") => IrqchipMode::Split,
+        Some("user") => IrqchipMode::User,
         Some(_) => IrqchipMode::Kernel,
         None => file.irqchip.unwrap_or_default(),
     };

@@ -22,6 +22,30 @@ pub mod bits {
     pub const RDTSCP: u32 = 1 << 27;
     // Leaf 0x4000_0001 EAX (KVM features).
     pub const KVM_PV_SEND_IPI: u32 = 1 << 11;
+    pub const KVM_PV_EOI: u32 = 1 << 6;
+    pub const KVM_PV_UNHALT: u32 = 1 << 7;
+    pub const KVM_ASYNC_PF_INT: u32 = 1 << 14;
+    // Leaf 1 ECX / EDX: the APIC's features.
+    pub const X2APIC: u32 = 1 << 21;
+    pub const TSC_DEADLINE: u32 = 1 << 24;
+    pub const APIC: u32 = 1 << 9;
+}
+
+/// `--irqchip user`: kumo's APIC has the xAPIC, x2APIC and the TSC-deadline timer (its MSRs come
+/// to kumo); KVM's PV features that need KVM's LAPIC (PV EOI, PV unhalt, PV IPIs, async PF by
+/// interrupt) are hidden. Apply after the PV features.
+pub fn user_apic(cpuid: &mut CpuId) {
+    use bits::*;
+    for e in cpuid.as_mut_slice().iter_mut() {
+        match e.function {
+            1 => {
+                e.ecx |= X2APIC | TSC_DEADLINE;
+                e.edx |= APIC;
+            }
+            0x4000_0001 => e.eax &= !(KVM_PV_EOI | KVM_PV_UNHALT | KVM_PV_SEND_IPI | KVM_ASYNC_PF_INT),
+            _ => {}
+        }
+    }
 }
 
 /// Adjusts `cpuid` for vCPU `id` of `ncpus`.

@@ -106,24 +106,39 @@ pub struct SharedDispatcher {
 impl SharedDispatcher {
     /// Starts the thread (`irq-dispatch`).
     pub fn start(vm: Arc<VmFd>) -> std::io::Result<Arc<SharedDispatcher>> {
+        Self::start_with(move |m| {
+            let msi = kvm_msi {
+                address_lo: m.address as u32,
+                address_hi: (m.address >> 32) as u32,
+                data: m.data,
+                ..Default::default()
+            };
+            vm.signal_msi(msi).map(|_| ()).map_err(|e| format!("KVM_SIGNAL_MSI failed: {e}"))
+        })
+    }
+
+    /// The same for `--irqchip user`: the messages go to kumo's APICs.
+    pub fn start_user(apics: Arc<crate::uapic::UserApics>) -> std::io::Result<Arc<SharedDispatcher>> {
+        Self::start_with(move |m| {
+            apics.msi(m.address, m.data);
+            Ok(())
+        })
+    }
+
+    fn start_with(
+        inject: impl Fn(MsiMessage) -> Result<(), String> + Send + 'static,
+    ) -> std::io::Result<Arc<SharedDispatcher>> {
         let (tx, rx) = channel::<MsiMessage>();
         let counters = Arc::new(DispatchCounters::default());
         let c = counters.clone();
         let thread = std::thread::Builder::new().name("irq-dispatch".into()).spawn(move || {
             let mut warned = false;
             while let Ok(m) = rx.recv() {
-                let m = retarget(m, 0);
-                let msi = kvm_msi {
-                    address_lo: m.address as u32,
-                    address_hi: (m.address >> 32) as u32,
-                    data: m.data,
-                    ..Default::default()
-                };
-                match vm.signal_msi(msi) {
-                    Ok(_) => c.injected.fetch_add(1, Ordering::Relaxed),
+                match inject(retarget(m, 0)) {
+                    Ok(()) => c.injected.fetch_add(1, Ordering::Relaxed),
                     Err(e) => {
                         if !std::mem::replace(&mut warned, true) {
-                            tracing::warn!("shared interrupt path: KVM_SIGNAL_MSI failed: {e}");
+                            tracing::warn!("shared interrupt path: {e}");
                         }
                         c.failed.fetch_add(1, Ordering::Relaxed)
                     }
@@ -302,5 +317,20 @@ mod tests {
         let counters = Arc::clone(&disp.counters);
         drop(disp); // joins the thread after it drained the queue
         assert_eq!(counters.injected.load(Ordering::Relaxed) + counters.failed.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn shared_path_injects_into_kumos_apic_with_a_user_irqchip() {
+        let apics = crate::uapic::UserApics::new(2, 0);
+        for cpu in 0..2 {
+            apics.lock(cpu).lapic.write_mmio(0xF0, &0x1FFu32.to_le_bytes());
+        }
+        let disp = SharedDispatcher::start_user(apics.clone()).unwrap();
+        disp.raise(MsiMessage { address: 0xfee0_1000, data: 0x42 }); // to APIC 1: retargeted to 0
+        let counters = Arc::clone(&disp.counters);
+        drop(disp); // joins the thread after it drained the queue
+        assert_eq!(counters.injected.load(Ordering::Relaxed), 1);
+        assert_eq!(apics.lock(0).lapic.pending_vector(), Some(0x42));
+        assert_eq!(apics.lock(1).lapic.pending_vector(), None);
     }
 }

@@ -11,7 +11,8 @@
 //! GSIs `0..24` are the IOAPIC's (and, below 16, the PIC's) pins, routed as KVM routes them by
 //! default; MSI GSIs are allocated from 24 up ([`GsiAllocator`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 
 use kumo_devices::pci::MsixRouting;
@@ -21,8 +22,10 @@ use kvm_bindings::{
     KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI, KVM_MAX_IRQ_ROUTES,
 };
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::uapic::UserApics;
 use crate::vm::IrqchipMode;
 
 /// IOAPIC input pins; also the first GSI handed out for MSIs.
@@ -204,17 +207,111 @@ struct Inner {
     table: RouteTable,
 }
 
+/// `--irqchip user`: KVM has no irqchip to take irqfds, so kumo delivers them. One thread
+/// waits on every registered eventfd; a signal on a legacy GSI pulses that IOAPIC pin, on an
+/// MSI GSI it sends the route's message to kumo's LAPICs.
+pub struct UserIrqs {
+    apics: Arc<UserApics>,
+    epoll: Epoll,
+    /// Registered eventfds by the raw fd of kumo's own copy: (GSI, the copy, the caller's fd).
+    fds: Mutex<HashMap<i32, (u32, EventFd, i32)>>,
+    table: Mutex<RouteTable>,
+}
+
+impl UserIrqs {
+    fn new(apics: Arc<UserApics>) -> std::io::Result<Arc<Self>> {
+        let u = Arc::new(UserIrqs {
+            apics,
+            epoll: Epoll::new()?,
+            fds: Mutex::default(),
+            table: Mutex::new(RouteTable::new(IrqchipMode::User)),
+        });
+        let weak = Arc::downgrade(&u);
+        std::thread::Builder::new().name("user-irqs".into()).spawn(move || user_irq_thread(weak))?;
+        Ok(u)
+    }
+
+    fn raise(&self, gsi: u32) {
+        if gsi < IOAPIC_PINS {
+            self.apics.pulse_pin(gsi);
+            return;
+        }
+        let routes = self.table.lock().unwrap_or_else(|p| p.into_inner()).get(gsi).map(<[Route]>::to_vec);
+        for r in routes.unwrap_or_default() {
+            if let Route::Msi(m) = r {
+                self.apics.msi(m.address, m.data);
+            }
+        }
+    }
+
+    fn register(&self, evt: &EventFd, gsi: u32) -> Result<()> {
+        let copy = evt.try_clone().map_err(|e| IrqError::Kvm { op: "eventfd", errno: e.into() })?;
+        let fd = copy.as_raw_fd();
+        let mut fds = self.fds.lock().unwrap_or_else(|p| p.into_inner());
+        self.epoll
+            .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, fd as u64))
+            .map_err(|e| IrqError::Kvm { op: "epoll_ctl", errno: e.into() })?;
+        fds.insert(fd, (gsi, copy, evt.as_raw_fd()));
+        Ok(())
+    }
+
+    fn unregister(&self, evt: &EventFd, gsi: u32) {
+        let mut fds = self.fds.lock().unwrap_or_else(|p| p.into_inner());
+        let key = fds.iter().find(|(_, (g, _, caller))| *g == gsi && *caller == evt.as_raw_fd()).map(|(k, _)| *k);
+        if let Some(k) = key {
+            let _ = self.epoll.ctl(ControlOperation::Delete, k, EpollEvent::default());
+            fds.remove(&k);
+        }
+    }
+}
+
+/// The user-irq thread: ends once its `UserIrqs` is gone (it looks every 100 ms).
+fn user_irq_thread(u: std::sync::Weak<UserIrqs>) {
+    let mut events = [EpollEvent::default(); 16];
+    loop {
+        let Some(u) = u.upgrade() else { return };
+        let n = match u.epoll.wait(100, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
+            Err(e) => {
+                tracing::error!("user irqchip: epoll_wait failed, device interrupts stop: {e}");
+                return;
+            }
+        };
+        for ev in &events[..n] {
+            let fd = ev.data() as i32;
+            let gsi = {
+                let fds = u.fds.lock().unwrap_or_else(|p| p.into_inner());
+                // Reading resets the eventfd; several signals since are one interrupt (an edge).
+                fds.get(&fd).and_then(|(gsi, e, _)| e.read().ok().map(|_| *gsi))
+            };
+            if let Some(gsi) = gsi {
+                u.raise(gsi);
+            }
+        }
+    }
+}
+
 /// A VM's interrupt routing and its irqfds and ioeventfds.
 pub struct Interrupts {
     fd: Arc<VmFd>,
     mode: IrqchipMode,
     inner: Mutex<Inner>,
+    /// `--irqchip user`: kumo delivers the irqfds.
+    user: Option<Arc<UserIrqs>>,
 }
 
 impl Interrupts {
     pub fn new(fd: Arc<VmFd>, mode: IrqchipMode) -> Self {
         let inner = Inner { gsis: GsiAllocator::default(), table: RouteTable::new(mode) };
-        Interrupts { fd, mode, inner: Mutex::new(inner) }
+        Interrupts { fd, mode, inner: Mutex::new(inner), user: None }
+    }
+
+    /// Routing for `--irqchip user`: irqfds reach `apics` through kumo's own thread.
+    pub fn new_user(fd: Arc<VmFd>, apics: Arc<UserApics>) -> std::io::Result<Self> {
+        let mut i = Self::new(fd, IrqchipMode::User);
+        i.user = Some(UserIrqs::new(apics)?);
+        Ok(i)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -222,6 +319,10 @@ impl Interrupts {
     }
 
     fn commit(&self, table: &RouteTable) -> Result<()> {
+        if let Some(u) = &self.user {
+            *u.table.lock().unwrap_or_else(|p| p.into_inner()) = table.clone();
+            return Ok(());
+        }
         let entries = table.entries();
         let routing =
             KvmIrqRouting::from_entries(&entries).map_err(|_| IrqError::GsiExhausted(MAX_ROUTES - IOAPIC_PINS))?;
@@ -270,7 +371,7 @@ impl Interrupts {
 
     /// Whether `gsi` has somewhere to go: legacy pins only exist with the in-kernel irqchip.
     fn routable(&self, gsi: u32) -> bool {
-        gsi >= IOAPIC_PINS || self.mode == IrqchipMode::Kernel
+        gsi >= IOAPIC_PINS || matches!(self.mode, IrqchipMode::Kernel | IrqchipMode::User)
     }
 
     /// Makes a signal on `evt` raise `gsi`. Returns false (and registers nothing) for a legacy
@@ -279,12 +380,20 @@ impl Interrupts {
         if !self.routable(gsi) {
             return Ok(false);
         }
+        if let Some(u) = &self.user {
+            u.register(evt, gsi)?;
+            return Ok(true);
+        }
         self.fd.register_irqfd(evt, gsi).map_err(kvm("KVM_IRQFD"))?;
         Ok(true)
     }
 
     pub fn unregister_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<()> {
         if !self.routable(gsi) {
+            return Ok(());
+        }
+        if let Some(u) = &self.user {
+            u.unregister(evt, gsi);
             return Ok(());
         }
         self.fd.unregister_irqfd(evt, gsi).map_err(kvm("KVM_IRQFD(DEASSIGN)"))
@@ -497,12 +606,46 @@ mod tests {
     }
 
     #[test]
+    fn user_irqchip_delivers_legacy_pins_through_the_ioapic_and_msis_to_the_lapic() {
+        if !kvm_available() {
+            eprintln!("skipping user_irqchip_delivers_legacy_pins_through_the_ioapic_and_msis_to_the_lapic: /dev/kvm not available");
+            return;
+        }
+        let vm = Vm::new(2, 16 << 20, IrqchipMode::User).unwrap();
+        let apics = vm.uapic.clone().unwrap();
+        for cpu in 0..2 {
+            apics.lock(cpu).lapic.write_mmio(0xF0, &0x1FFu32.to_le_bytes()); // software enable
+        }
+        // IOAPIC pin 4: vector 0x34, edge, to APIC 1.
+        apics.ioapic_write(0, &0x18u32.to_le_bytes());
+        apics.ioapic_write(0x10, &0x34u32.to_le_bytes());
+        apics.ioapic_write(0, &0x19u32.to_le_bytes());
+        apics.ioapic_write(0x10, &(1u32 << 24).to_le_bytes());
+        let irq = &vm.interrupts;
+        let com1 = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        assert!(irq.register_irqfd(&com1, 4).unwrap());
+        let gsi = irq.allocate_msi(MsiMessage { address: 0xfee0_0000, data: 0x41 }).unwrap();
+        let msi = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        assert!(irq.register_irqfd(&msi, gsi).unwrap());
+        com1.write(1).unwrap();
+        msi.write(1).unwrap();
+        // The delivery thread runs on its own: wait for its outcome, however long it takes.
+        let pending = |cpu| apics.lock(cpu).lapic.pending_vector();
+        while pending(1) != Some(0x34) || pending(0) != Some(0x41) {
+            std::thread::yield_now();
+        }
+        irq.unregister_irqfd(&msi, gsi).unwrap();
+        irq.release_msi(gsi).unwrap();
+        irq.unregister_irqfd(&com1, 4).unwrap();
+    }
+
+    #[test]
     fn msix_vectors_get_their_own_routes_and_move_alone() {
         if !kvm_available() {
             eprintln!("skipping msix_vectors_get_their_own_routes_and_move_alone: /dev/kvm not available");
             return;
         }
-        for mode in [IrqchipMode::Kernel, IrqchipMode::Split] {
+        for mode in [IrqchipMode::Kernel, IrqchipMode::Split, IrqchipMode::User] {
             let vm = Vm::new(2, 16 << 20, mode).unwrap();
             let v = MsixVectors::new(vm.interrupts.clone());
             let to = |apic: u64, vector: u32| MsiMessage { address: 0xfee0_0000 | (apic << 12), data: vector };

@@ -23,6 +23,7 @@ pub mod layout;
 pub mod memory;
 pub mod pv;
 pub mod state;
+pub mod uapic;
 pub mod vcpu;
 pub mod vm;
 pub mod x86;

@@ -23,11 +23,16 @@ pub struct RawGuest {
 impl RawGuest {
     /// `code` at 1 MiB, `data` at their addresses; `None` (with a message) without /dev/kvm.
     pub fn new(code: &[u8], data: &[(u64, &[u8])]) -> Option<RawGuest> {
+        Self::with_irqchip(IrqchipMode::Kernel, code, data)
+    }
+
+    /// The same with the interrupt controllers of `mode`.
+    pub fn with_irqchip(mode: IrqchipMode, code: &[u8], data: &[(u64, &[u8])]) -> Option<RawGuest> {
         if !kvm_available() {
             eprintln!("skipping: /dev/kvm not available");
             return None;
         }
-        let vm = Vm::new(1, MEM, IrqchipMode::Kernel).unwrap();
+        let vm = Vm::new(1, MEM, mode).unwrap();
         write_gdt(&vm.memory.guest, 1).unwrap();
         write_page_tables(&vm.memory.guest, MEM).unwrap();
         vm.memory.guest.write_slice(code, GuestAddress(CODE)).unwrap();

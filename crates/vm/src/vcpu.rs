@@ -1,6 +1,7 @@
 //! One vCPU: configuration for each entry kind, the exit handling of `KVM_RUN`, and state
 //! save/restore. A `Vcpu` is `Send` and lives in its own thread.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -13,7 +14,35 @@ use crate::boot::{regs_for, sregs_for, Entry};
 use crate::emulate::assist::{self, AssistCounts, AssistCpu};
 use crate::emulate::decode as insn;
 use crate::state::VcpuState;
+use crate::uapic::UserApics;
 use crate::{cpuid, Error, Result};
+
+vmm_sys_util::ioctl_iow_nr!(KVM_INTERRUPT, kvm_bindings::KVMIO, 0x86, kvm_bindings::kvm_interrupt);
+
+const MSR_IA32_TSC: u32 = 0x10;
+
+use kumo_devices::apic::{IOAPIC_BASE, IOAPIC_MMIO_SIZE};
+
+/// The offset of `addr` in the IOAPIC's page, if it is in it.
+fn ioapic_offset(addr: u64) -> Option<u64> {
+    (IOAPIC_BASE..IOAPIC_BASE + IOAPIC_MMIO_SIZE).contains(&addr).then(|| addr - IOAPIC_BASE)
+}
+
+thread_local! {
+    /// This thread's vCPU `kvm_run` while it runs a user-APIC vCPU: the kick signal's handler
+    /// sets its `immediate_exit` so a kick just before KVM_RUN makes that KVM_RUN return at once.
+    static KICK_RUN: Cell<*mut kvm_bindings::kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+/// To be called from the VMM's vCPU kick signal handler (async-signal-safe: one store).
+pub fn on_kick_signal() {
+    let p = KICK_RUN.with(Cell::get);
+    if !p.is_null() {
+        // SAFETY: `p` is the kvm_run mapping of the vCPU this thread runs, set by `Vcpu::run`
+        // and valid while the Vcpu lives; a volatile byte store is what KVM reads on entry.
+        unsafe { std::ptr::addr_of_mut!((*p).immediate_exit).write_volatile(1) };
+    }
+}
 
 const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
 const MISC_ENABLE_FAST_STRING: u64 = 1;
@@ -65,14 +94,38 @@ pub struct Vcpu {
     /// MSRs to save, from KVM_GET_MSR_INDEX_LIST.
     msr_list: Arc<Vec<u32>>,
     has_lapic: bool,
+    /// `--irqchip user`: the VM's APICs (this vCPU's is `uapic.lock(id)`).
+    uapic: Option<Arc<UserApics>>,
     /// Emulation assists performed so far (see `crate::emulate`).
     assists: AssistCounts,
     exits: Arc<ExitCounters>,
 }
 
+impl Drop for Vcpu {
+    fn drop(&mut self) {
+        // The kvm_run mapping goes with the fd: a later kick on this thread must not reach it.
+        let r: *mut kvm_bindings::kvm_run = self.fd.get_kvm_run();
+        if KICK_RUN.with(Cell::get) == r {
+            KICK_RUN.set(std::ptr::null_mut());
+        }
+    }
+}
+
 impl Vcpu {
-    pub(crate) fn new(id: u32, fd: VcpuFd, mem: crate::GuestMemory, msr_list: Arc<Vec<u32>>, has_lapic: bool) -> Self {
-        Vcpu { id, fd, mem, msr_list, has_lapic, assists: AssistCounts::default(), exits: Default::default() }
+    pub(crate) fn new(
+        id: u32,
+        fd: VcpuFd,
+        mem: crate::GuestMemory,
+        msr_list: Arc<Vec<u32>>,
+        uapic: Option<Arc<UserApics>>,
+    ) -> Self {
+        let has_lapic = uapic.is_none();
+        Vcpu { id, fd, mem, msr_list, has_lapic, uapic, assists: AssistCounts::default(), exits: Default::default() }
+    }
+
+    /// The VM's user APICs (`--irqchip user`), if it has them.
+    pub fn user_apics(&self) -> Option<&Arc<UserApics>> {
+        self.uapic.as_ref()
     }
 
     /// This vCPU's exit counters, shared with whoever reads them while it runs.
@@ -94,6 +147,9 @@ impl Vcpu {
             kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(|e| Error::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
         cpuid::filter(&mut c, self.id, ncpus);
         crate::pv::apply(&mut c, pv);
+        if self.uapic.is_some() {
+            cpuid::user_apic(&mut c);
+        }
         self.fd.set_cpuid2(&c).map_err(|e| Error::Kvm("KVM_SET_CPUID2", e))?;
 
         let msrs = Msrs::from_entries(&[kvm_msr_entry {
@@ -111,13 +167,20 @@ impl Vcpu {
             self.fd.set_lapic(&lapic).map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?;
         }
 
+        if let Some(u) = &self.uapic {
+            self.calibrate_tsc()?;
+            // Without KVM's LAPIC every vCPU is runnable from reset: one without an entry (a
+            // Linux AP) waits in kumo for the kernel's INIT/SIPI.
+            u.lock(self.id).wait_sipi = entry.is_none();
+        }
+
         if let Some(entry) = entry {
             let sregs = self.fd.get_sregs().map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?;
             self.fd.set_sregs(&sregs_for(entry, self.id, ncpus, sregs)).map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
             self.fd.set_regs(&regs_for(entry, self.id)).map_err(|e| Error::Kvm("KVM_SET_REGS", e))?;
             let fpu = kvm_bindings::kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() };
             self.fd.set_fpu(&fpu).map_err(|e| Error::Kvm("KVM_SET_FPU", e))?;
-            if self.id != 0 {
+            if self.id != 0 && self.has_lapic {
                 // An AP with an in-kernel LAPIC waits for INIT/SIPI; kumo guests start all vCPUs
                 // at the entry point instead (documented in guests/include/kumo.h).
                 self.fd
@@ -125,6 +188,19 @@ impl Vcpu {
                     .map_err(|e| Error::Kvm("KVM_SET_MP_STATE", e))?;
             }
         }
+        Ok(())
+    }
+
+    /// `--irqchip user`: the APIC timer's TSC deadlines are guest TSC values, so the APIC clock
+    /// learns the guest's TSC offset (again after a restore moved the guest's TSC).
+    fn calibrate_tsc(&self) -> Result<()> {
+        let Some(u) = &self.uapic else { return Ok(()) };
+        let mut m =
+            Msrs::from_entries(&[kvm_msr_entry { index: MSR_IA32_TSC, ..Default::default() }]).expect("one MSR");
+        self.fd.get_msrs(&mut m).map_err(|e| Error::Kvm("KVM_GET_MSRS", e))?;
+        let host = crate::uapic::host_tsc();
+        let khz = self.tsc_khz().unwrap_or(1_000_000);
+        u.clock().calibrate(m.as_slice()[0].data, host, khz * 1000);
         Ok(())
     }
 
@@ -153,6 +229,97 @@ impl Vcpu {
 
     /// Runs the vCPU until its next exit and handles it: port I/O and MMIO go to `buses`.
     pub fn run(&mut self, buses: &Buses) -> Result<VcpuRun> {
+        match self.uapic.clone() {
+            Some(u) => self.run_user(&u, buses),
+            None => self.run_once(buses, None),
+        }
+    }
+
+    /// One `KVM_RUN` with kumo's APIC: NMI, SIPI and a pending vector are injected first
+    /// (`KVM_INTERRUPT` if the guest can take it now, else an interrupt window is requested),
+    /// and CR8 follows the APIC's TPR both ways.
+    fn run_user(&mut self, u: &UserApics, buses: &Buses) -> Result<VcpuRun> {
+        let id = self.id;
+        let (ready, if_flag) = {
+            let r = self.fd.get_kvm_run();
+            // Before `running` is set below: a kick from then on must find this kvm_run.
+            KICK_RUN.set(r as *mut _);
+            (r.ready_for_interrupt_injection != 0, r.if_flag != 0)
+        };
+        let mut s = u.lock(id);
+        if s.wait_sipi {
+            let Some(v) = s.sipi.take() else {
+                return Ok(VcpuRun::Halted);
+            };
+            s.wait_sipi = false;
+            drop(s);
+            self.start_at(v)?;
+            return Ok(VcpuRun::Continue);
+        }
+        if std::mem::take(&mut s.nmi) {
+            self.fd.nmi().map_err(|e| Error::Kvm("KVM_NMI", e))?;
+        }
+        let mut window = false;
+        if s.lapic.pending_vector().is_some() {
+            if ready && if_flag {
+                if let Some(v) = s.lapic.ack() {
+                    let irq = kvm_bindings::kvm_interrupt { irq: v as u32 };
+                    // SAFETY: KVM_INTERRUPT reads one kvm_interrupt, which lives across the call.
+                    let r = unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_INTERRUPT(), &irq) };
+                    if r < 0 {
+                        return Err(Error::Kvm("KVM_INTERRUPT", vmm_sys_util::errno::Error::last()));
+                    }
+                }
+                window = s.lapic.pending_vector().is_some();
+            } else {
+                window = true;
+            }
+        }
+        let cr8 = s.lapic.cr8();
+        s.running = true;
+        // SAFETY: pthread_self has no preconditions.
+        s.thread = Some(unsafe { libc::pthread_self() });
+        drop(s);
+        let r = self.fd.get_kvm_run();
+        r.cr8 = cr8;
+        r.request_interrupt_window = window as u8;
+
+        let out = self.run_once(buses, Some(u));
+
+        let r = self.fd.get_kvm_run();
+        // A kick after this point is seen by the checks above before the next entry.
+        r.immediate_exit = 0;
+        let cr8 = r.cr8;
+        let mut s = u.lock(id);
+        s.running = false;
+        s.lapic.set_cr8(cr8);
+        out
+    }
+
+    /// A SIPI started this vCPU: real mode at `vector << 12`.
+    fn start_at(&self, vector: u8) -> Result<()> {
+        let mut sregs = self.fd.get_sregs().map_err(|e| Error::Kvm("KVM_GET_SREGS", e))?;
+        sregs.cs.selector = (vector as u16) << 8;
+        sregs.cs.base = (vector as u64) << 12;
+        self.fd.set_sregs(&sregs).map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
+        let mut regs = self.fd.get_regs().map_err(|e| Error::Kvm("KVM_GET_REGS", e))?;
+        regs.rip = 0;
+        self.fd.set_regs(&regs).map_err(|e| Error::Kvm("KVM_SET_REGS", e))
+    }
+
+    /// The xAPIC page of `u`'s APIC for this vCPU, if `addr` is in it: (APIC, offset).
+    fn apic_page<'a>(
+        u: Option<&'a UserApics>,
+        id: u32,
+        addr: u64,
+    ) -> Option<(std::sync::MutexGuard<'a, crate::uapic::CpuState>, u64)> {
+        let s = u?.lock(id);
+        let base = s.lapic.mmio_base()?;
+        let off = addr.checked_sub(base).filter(|o| *o < kumo_devices::apic::APIC_MMIO_SIZE)?;
+        Some((s, off))
+    }
+
+    fn run_once(&mut self, buses: &Buses, uapic: Option<&UserApics>) -> Result<VcpuRun> {
         let id = self.id;
         let run = self.fd.run();
         let e = &self.exits;
@@ -174,12 +341,54 @@ impl Vcpu {
                 Ok(VcpuRun::Continue)
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
-                buses.mmio.read(addr, data);
+                match (Self::apic_page(uapic, id, addr), uapic) {
+                    (Some((mut s, off)), _) => s.lapic.read_mmio(off, data),
+                    (None, Some(u)) if ioapic_offset(addr).is_some() => u.ioapic_read(addr - IOAPIC_BASE, data),
+                    _ => {
+                        buses.mmio.read(addr, data);
+                    }
+                }
                 Ok(VcpuRun::Continue)
             }
-            Ok(VcpuExit::MmioWrite(addr, data)) => {
-                Ok(buses.mmio.write(addr, data).map_or(VcpuRun::Continue, VcpuRun::Device))
+            Ok(VcpuExit::MmioWrite(addr, data)) => match Self::apic_page(uapic, id, addr) {
+                Some((mut s, off)) => {
+                    let ev = s.lapic.write_mmio(off, data);
+                    drop(s);
+                    if let (Some(ev), Some(u)) = (ev, uapic) {
+                        u.handle_event(id, ev);
+                    }
+                    Ok(VcpuRun::Continue)
+                }
+                None => match (uapic, ioapic_offset(addr)) {
+                    (Some(u), Some(off)) => {
+                        u.ioapic_write(off, data);
+                        Ok(VcpuRun::Continue)
+                    }
+                    _ => Ok(buses.mmio.write(addr, data).map_or(VcpuRun::Continue, VcpuRun::Device)),
+                },
+            },
+            // The APIC MSRs (KVM's MSR filter sends only those here): an `Err` is #GP.
+            Ok(VcpuExit::X86Rdmsr(e)) => {
+                match uapic.map(|u| u.lock(id).lapic.read_msr(e.index)) {
+                    Some(Ok(v)) => *e.data = v,
+                    _ => *e.error = 1,
+                }
+                Ok(VcpuRun::Continue)
             }
+            Ok(VcpuExit::X86Wrmsr(e)) => {
+                let (index, data) = (e.index, e.data);
+                match uapic.map(|u| u.lock(id).lapic.write_msr(index, data)) {
+                    Some(Ok(ev)) => {
+                        if let (Some(ev), Some(u)) = (ev, uapic) {
+                            u.handle_event(id, ev);
+                        }
+                    }
+                    _ => *e.error = 1,
+                }
+                Ok(VcpuRun::Continue)
+            }
+            // CR8 is synced after each run.
+            Ok(VcpuExit::SetTpr) => Ok(VcpuRun::Continue),
             Ok(VcpuExit::Hlt) => Ok(VcpuRun::Halted),
             Ok(VcpuExit::Shutdown) => Ok(VcpuRun::Reset(format!("vCPU {id} triple-faulted (shutdown exit)"))),
             Ok(VcpuExit::SystemEvent(t, _)) => match t {
@@ -333,7 +542,7 @@ impl Vcpu {
         }
         fd.set_debug_regs(&s.debugregs).map_err(|e| Error::Kvm("KVM_SET_DEBUGREGS", e))?;
         fd.set_vcpu_events(&s.events).map_err(|e| Error::Kvm("KVM_SET_VCPU_EVENTS", e))?;
-        Ok(())
+        self.calibrate_tsc()
     }
 }
 

@@ -17,6 +17,7 @@ use crate::interrupts::Interrupts;
 use crate::layout::KVM_TSS_ADDRESS;
 use crate::memory::Memory;
 use crate::state::VmState;
+use crate::uapic::UserApics;
 use crate::vcpu::Vcpu;
 use crate::{Error, Result};
 
@@ -29,6 +30,8 @@ pub enum IrqchipMode {
     Kernel,
     /// LAPICs in KVM; PIC/IOAPIC/PIT left to userspace (interrupts arrive as MSIs).
     Split,
+    /// No interrupt controller in KVM: kumo emulates the LAPICs (`crate::uapic`).
+    User,
 }
 
 impl std::fmt::Display for IrqchipMode {
@@ -36,6 +39,7 @@ impl std::fmt::Display for IrqchipMode {
         f.write_str(match self {
             IrqchipMode::Kernel => "kernel",
             IrqchipMode::Split => "split",
+            IrqchipMode::User => "user",
         })
     }
 }
@@ -48,6 +52,8 @@ pub struct Vm {
     /// GSI routing, irqfds and ioeventfds: the only way devices' interrupts reach KVM.
     pub interrupts: Arc<Interrupts>,
     pub ncpus: u32,
+    /// `--irqchip user`: kumo's APICs, one per vCPU.
+    pub uapic: Option<Arc<UserApics>>,
     msr_list: Arc<Vec<u32>>,
     /// Whether KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 is enabled (see `dirty`).
     pub(crate) dirty_manual: std::sync::atomic::AtomicBool,
@@ -96,6 +102,17 @@ impl Vm {
         if irqchip == IrqchipMode::Split && !kvm.check_extension(Cap::SplitIrqchip) {
             return Err(Error::MissingCap("KVM_CAP_SPLIT_IRQCHIP"));
         }
+        if irqchip == IrqchipMode::User {
+            // The APIC MSRs (x2APIC, TSC deadline, APIC base) must exit to kumo.
+            for (cap, name) in [
+                (Cap::X86UserSpaceMsr, "KVM_CAP_X86_USER_SPACE_MSR (needed by --irqchip user)"),
+                (Cap::X86MsrFilter, "KVM_CAP_X86_MSR_FILTER (needed by --irqchip user)"),
+            ] {
+                if !kvm.check_extension(cap) {
+                    return Err(Error::MissingCap(name));
+                }
+            }
+        }
         crate::layout::check_vcpus(ncpus, Some(u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX)))?;
         Ok(kvm)
     }
@@ -119,6 +136,27 @@ impl Vm {
                 cap.args[0] = 24; // IOAPIC pins routed by userspace
                 fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(SPLIT_IRQCHIP)", e))?;
             }
+            IrqchipMode::User => {
+                let mut cap = kvm_enable_cap { cap: kvm_bindings::KVM_CAP_X86_USER_SPACE_MSR, ..Default::default() };
+                // KVM never filters the x2APIC range: without its LAPIC it fails those accesses,
+                // and INVAL sends the failures to kumo too (others get the same #GP from kumo).
+                cap.args[0] =
+                    (kvm_bindings::KVM_MSR_EXIT_REASON_FILTER | kvm_bindings::KVM_MSR_EXIT_REASON_INVAL) as u64;
+                fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(X86_USER_SPACE_MSR)", e))?;
+                // Denied by the filter = sent to kumo: every APIC MSR.
+                let deny = [0u8; 32];
+                let ranges: Vec<_> = crate::uapic::APIC_MSRS
+                    .iter()
+                    .map(|&(base, msr_count)| kvm_ioctls::MsrFilterRange {
+                        flags: kvm_ioctls::MsrFilterRangeFlags::READ | kvm_ioctls::MsrFilterRangeFlags::WRITE,
+                        base,
+                        msr_count,
+                        bitmap: &deny,
+                    })
+                    .collect();
+                fd.set_msr_filter(kvm_ioctls::MsrFilterDefaultAction::ALLOW, &ranges)
+                    .map_err(|e| Error::Kvm("KVM_X86_SET_MSR_FILTER", e))?;
+            }
         }
         for (slot, region) in memory.guest.iter().enumerate() {
             let r = kvm_userspace_memory_region {
@@ -134,13 +172,22 @@ impl Vm {
         }
         let msr_list = kvm.get_msr_index_list().map_err(|e| Error::Kvm("KVM_GET_MSR_INDEX_LIST", e))?;
         let fd = Arc::new(fd);
+        let uapic = (irqchip == IrqchipMode::User).then(|| UserApics::new(ncpus, vmm_sys_util::signal::SIGRTMIN()));
+        if let Some(u) = &uapic {
+            u.start_timers().map_err(|e| Error::Boot(format!("LAPIC timer threads: {e}")))?;
+        }
         Ok(Vm {
             kvm,
-            interrupts: Arc::new(Interrupts::new(fd.clone(), irqchip)),
+            interrupts: Arc::new(match &uapic {
+                Some(u) => Interrupts::new_user(fd.clone(), u.clone())
+                    .map_err(|e| Error::Boot(format!("user irqchip interrupt thread: {e}")))?,
+                None => Interrupts::new(fd.clone(), irqchip),
+            }),
             fd,
             memory,
             irqchip,
             ncpus,
+            uapic,
             msr_list: Arc::new(msr_list.as_slice().to_vec()),
             dirty_manual: Default::default(),
         })
@@ -161,7 +208,7 @@ impl Vm {
 
     pub fn create_vcpu(&self, id: u32) -> Result<Vcpu> {
         let fd = self.fd.create_vcpu(id as u64).map_err(|e| Error::Kvm("KVM_CREATE_VCPU", e))?;
-        Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), true))
+        Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), self.uapic.clone()))
     }
 
     /// VM-wide state. vCPUs must be paused.
@@ -275,11 +322,32 @@ mod tests {
         // mov %ebx, %eax; out %eax, (%dx)
         let code =
             [0xb8, 0, 0, 0, 0xd0, 0xc7, 0x00, 42, 0, 0, 0, 0x8b, 0x58, 0x04, 0x66, 0xba, 0x01, 0x05, 0x89, 0xd8, 0xef];
-        let Some(mut g) = crate::testing::RawGuest::new(&code, &[]) else {
+        // With kumo's APIC too: an address below its page is the bus's.
+        for mode in [IrqchipMode::Kernel, IrqchipMode::User] {
+            let Some(mut g) = crate::testing::RawGuest::with_irqchip(mode, &code, &[]) else {
+                return;
+            };
+            g.buses.mmio.insert(0xd000_0000, 0x1000, std::sync::Arc::new(std::sync::Mutex::new(Latch(0)))).unwrap();
+            assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(43)), "{mode}");
+        }
+    }
+
+    #[test]
+    fn user_irqchip_serves_the_apic_msrs_and_page() {
+        // rdmsr 0x1B; or $0xC00 (x2APIC on); wrmsr; rdmsr 0x803 (x2APIC version); out to exit.
+        let x2apic = [
+            0xb9, 0x1b, 0, 0, 0, 0x0f, 0x32, 0x0d, 0x00, 0x0c, 0, 0, 0x0f, 0x30, 0xb9, 0x03, 0x08, 0, 0, 0x0f, 0x32,
+            0x66, 0xba, 0x01, 0x05, 0xef,
+        ];
+        let Some(mut g) = crate::testing::RawGuest::with_irqchip(IrqchipMode::User, &x2apic, &[]) else {
             return;
         };
-        g.buses.mmio.insert(0xd000_0000, 0x1000, std::sync::Arc::new(std::sync::Mutex::new(Latch(0)))).unwrap();
-        assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(43)));
+        assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(kumo_devices::apic::APIC_VERSION)));
+        assert_eq!(g.vm.uapic.as_ref().unwrap().lock(0).lapic.mode(), kumo_devices::apic::ApicMode::X2Apic);
+        // mov $0xfee00030, %eax; mov (%rax), %ebx (xAPIC version); mov %ebx, %eax; out to exit.
+        let xapic = [0xb8, 0x30, 0, 0xe0, 0xfe, 0x8b, 0x18, 0x89, 0xd8, 0x66, 0xba, 0x01, 0x05, 0xef];
+        let mut g = crate::testing::RawGuest::with_irqchip(IrqchipMode::User, &xapic, &[]).unwrap();
+        assert_eq!(g.run().unwrap(), VcpuRun::Device(DeviceEvent::GuestExit(kumo_devices::apic::APIC_VERSION)));
     }
 
     #[test]

@@ -394,6 +394,8 @@ mod tests {
         assert_eq!(j.memory, Some(64 << 20));
         assert_eq!(j.irqchip, Some(IrqchipMode::Split));
         assert!(matches!(j.payload, Some(Payload::Kernel { .. })));
+        let u = ConfigFile::load(&write("c.toml", "irqchip = \"user\"\n")).unwrap();
+        assert_eq!(u.irqchip, Some(IrqchipMode::User));
     }
 
     fn base() -> VmConfig {

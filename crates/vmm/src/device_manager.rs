@@ -69,7 +69,13 @@ impl DeviceManager {
 
         let mut pci = Pci::new(&vm.memory.layout, vm.interrupts.clone(), &mut buses)?;
         let dispatcher = if nets.iter().any(|n| n.irq == IrqPath::Shared) {
-            Some(SharedDispatcher::start(vm.fd.clone()).map_err(dev_err("interrupt dispatcher"))?)
+            Some(
+                match &vm.uapic {
+                    Some(u) => SharedDispatcher::start_user(u.clone()),
+                    None => SharedDispatcher::start(vm.fd.clone()),
+                }
+                .map_err(dev_err("interrupt dispatcher"))?,
+            )
         } else {
             None
         };
@@ -80,6 +86,10 @@ impl DeviceManager {
             .collect::<Result<Vec<_>>>()?;
         let mut persist: Vec<Arc<Mutex<dyn PersistDyn>>> = vec![serial.clone()];
         persist.extend(pci.persist_list());
+        // `--irqchip user`: kumo's LAPICs (lapic<N>) and IOAPIC are state like a device's.
+        if let Some(u) = &vm.uapic {
+            persist.extend(u.persist_list());
+        }
 
         let events = EventLoop::start("devices").map_err(dev_err("device event loop"))?;
         Ok(DeviceManager {

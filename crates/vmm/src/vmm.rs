@@ -119,6 +119,8 @@ struct Shared {
     vcpu_tids: Mutex<Vec<Option<i32>>>,
     /// Where an unpinned vCPU runs: the VMM's affinity when the VM was built.
     float_cpus: Vec<u32>,
+    /// `--irqchip user`: kumo's APICs; a halted vCPU waits on its own.
+    uapic: Option<Arc<kumo_vm::uapic::UserApics>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -167,6 +169,9 @@ impl Shared {
         for t in lock(&self.threads).iter().filter(|t| !t.is_finished()) {
             let _ = t.kill(sig);
         }
+        if let Some(u) = &self.uapic {
+            u.wake_all();
+        }
     }
 
     fn mark(&self, marker: u8) {
@@ -203,7 +208,10 @@ impl Write for TimedSink {
     }
 }
 
-extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // With kumo's APIC, a kick just before KVM_RUN must still end it.
+    kumo_vm::vcpu::on_kick_signal();
+}
 
 fn kick_signal() -> libc::c_int {
     static INIT: Once = Once::new();
@@ -311,6 +319,7 @@ impl RunningVm {
             timings: Mutex::new(Timings { start_ns, ..Default::default() }),
             vcpu_tids: Mutex::new(vec![None; config.cpus as usize]),
             float_cpus: kumo_vm::host_topology::thread_affinity().unwrap_or_default(),
+            uapic: vm.uapic.clone(),
         });
 
         // PV features: resolved once and stored fully set, so a migration stream carries the
@@ -320,6 +329,11 @@ impl RunningVm {
             .pv
             .resolve(kumo_vm::pv::host_supported_eax(&vm.kvm)?, dedicated)
             .map_err(|e| Error::Config(e.to_string()))?;
+        // PV unhalt and PV IPIs are KVM LAPIC deliveries: without KVM's LAPIC they reach no one.
+        let pv = match config.irqchip {
+            kumo_vm::IrqchipMode::User => kumo_vm::pv::PvSet { pv_unhalt: false, pv_ipi: false, ..pv },
+            _ => pv,
+        };
         kumo_vm::pv::check_pv_ipi(&vm.kvm, &pv).map_err(|e| Error::Config(e.to_string()))?;
         config.pv = kumo_vm::pv::PvRequest::from_set(pv);
         tracing::info!(pv = %pv.describe(), dedicated, "paravirtual features");
@@ -860,6 +874,7 @@ pub enum PinError {
 }
 
 fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: Arc<Shared>) {
+    let id = lock(&vcpu).id;
     while shared.wait_runnable() {
         let r = lock(&vcpu).run(&bus);
         match r {
@@ -874,7 +889,11 @@ fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: Arc<Shared>) {
             Ok(VcpuRun::Device(DeviceEvent::GuestExit(code))) => shared.finish(Outcome::GuestExit(code)),
             Ok(VcpuRun::Device(DeviceEvent::Marker(m))) => shared.mark(m),
             // With KVM's LAPIC, HLT only exits here if KVM chose not to park the vCPU itself.
-            Ok(VcpuRun::Halted) => std::thread::sleep(Duration::from_micros(100)),
+            Ok(VcpuRun::Halted) => match &shared.uapic {
+                // kumo's APIC: wait for an interrupt (or a pause/stop request).
+                Some(u) => u.halt(id, || shared.request.load(Ordering::Acquire) != RUN),
+                None => std::thread::sleep(Duration::from_micros(100)),
+            },
             Ok(VcpuRun::Reset(why)) => shared.finish(Outcome::Reset(why)),
             Ok(VcpuRun::PowerOff) => shared.finish(Outcome::PowerOff),
             Err(e) => shared.finish(Outcome::Error(e.to_string())),

@@ -20,6 +20,7 @@
 //!
 //! Bad guest input never panics: see the docs of [`LocalApic`] for each case's outcome.
 
+pub mod ioapic;
 mod ipi;
 mod lapic;
 #[cfg(test)]
@@ -30,8 +31,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+pub use ioapic::{IoApic, IoApicState, IOAPIC_BASE, IOAPIC_MMIO_SIZE};
 pub use ipi::{matches, ApicAddress, DeliveryMode, DestMode, Destination, Ipi};
-pub use lapic::{ApicEvent, ApicMode, Delivery, LapicState, LocalApic, Lvt, Oddity, TimerState};
+pub use lapic::{
+    ApicEvent, ApicMode, Delivery, LapicState, LocalApic, Lvt, Oddity, TimerState, VERSION as APIC_VERSION,
+};
 pub use timer::{divisor, TimerMode, MIN_PERIOD_NS};
 
 /// IA32_APIC_BASE.

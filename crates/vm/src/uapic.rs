@@ -1,0 +1,464 @@
+//! `--irqchip user`: kumo's own local APICs (`kumo_devices::apic::LocalApic`, one per vCPU)
+//! instead of KVM's. This module is the wiring around the register model: the per-vCPU state a
+//! vCPU thread and other threads share (the APIC, a halted vCPU's wake-up, pending NMI/INIT/SIPI),
+//! IPI routing between vCPUs, a host timer thread per vCPU for the LAPIC timer, and the kick
+//! that gets a vCPU out of `KVM_RUN` when an interrupt arrives for it.
+//!
+//! The vCPU side (injection through interrupt windows, xAPIC MMIO and APIC MSR exits) is in
+//! `vcpu`. A kick is the VMM's kick signal to the vCPU's thread; its handler calls
+//! [`crate::vcpu::on_kick_signal`], which sets `kvm_run.immediate_exit`, so a kick that lands
+//! just before `KVM_RUN` is not lost.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use kumo_devices::apic::{ApicEvent, Clock, Delivery, IoApic, Ipi, LocalApic};
+
+/// The MSRs the user APIC owns (KVM_X86_SET_MSR_FILTER sends them to kumo): IA32_APIC_BASE,
+/// IA32_TSC_DEADLINE and the x2APIC range.
+pub const APIC_MSRS: [(u32, u32); 3] = [
+    (kumo_devices::apic::APIC_BASE_MSR, 1),
+    (kumo_devices::apic::TSC_DEADLINE_MSR, 1),
+    (
+        kumo_devices::apic::X2APIC_MSR_FIRST,
+        kumo_devices::apic::X2APIC_MSR_LAST - kumo_devices::apic::X2APIC_MSR_FIRST + 1,
+    ),
+];
+
+/// The longest a timer thread sleeps before it checks whether its VM is gone.
+const TIMER_POLL: Duration = Duration::from_millis(100);
+
+/// The host's time for the APICs: CLOCK_MONOTONIC and the guest's TSC (the host TSC plus the
+/// offset KVM gave the guest, measured when the vCPUs are configured).
+#[derive(Debug, Default)]
+pub struct HostClock {
+    tsc_offset: AtomicU64,
+    tsc_hz: AtomicU64,
+}
+
+impl HostClock {
+    /// Records the guest TSC read at host TSC `host_tsc`, and its rate.
+    pub fn calibrate(&self, guest_tsc: u64, host_tsc: u64, tsc_hz: u64) {
+        self.tsc_offset.store(guest_tsc.wrapping_sub(host_tsc), Ordering::Release);
+        self.tsc_hz.store(tsc_hz, Ordering::Release);
+    }
+}
+
+/// The host TSC.
+pub fn host_tsc() -> u64 {
+    // SAFETY: RDTSC has no side effects and every x86-64 CPU has it.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+impl Clock for HostClock {
+    fn now_ns(&self) -> u64 {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes into the timespec we pass.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+
+    fn tsc(&self) -> u64 {
+        host_tsc().wrapping_add(self.tsc_offset.load(Ordering::Acquire))
+    }
+
+    fn tsc_hz(&self) -> u64 {
+        self.tsc_hz.load(Ordering::Acquire).max(1)
+    }
+}
+
+/// One vCPU's APIC and what other threads leave for its thread.
+pub struct CpuState {
+    pub lapic: LocalApic,
+    /// An NMI to inject (`KVM_NMI`) before the next entry.
+    pub nmi: bool,
+    /// The vCPU waits for a SIPI (after INIT, or a Linux AP before its first start).
+    pub wait_sipi: bool,
+    /// A SIPI's vector for a vCPU in wait-for-SIPI.
+    pub sipi: Option<u8>,
+    /// The vCPU's thread is inside (or about to enter) KVM_RUN: a kick must signal it.
+    pub running: bool,
+    /// The vCPU's thread (pthread_t), once it has run.
+    pub thread: Option<libc::pthread_t>,
+}
+
+impl CpuState {
+    /// Whether a halted (or SIPI-waiting) vCPU has a reason to run again.
+    fn has_work(&self) -> bool {
+        if self.wait_sipi {
+            return self.sipi.is_some();
+        }
+        self.nmi || self.lapic.pending_vector().is_some()
+    }
+}
+
+pub struct CpuApic {
+    state: Mutex<CpuState>,
+    /// A halted vCPU waits here.
+    wake: Condvar,
+    /// The timer thread waits here; notified when the guest reprograms the timer.
+    timer: Condvar,
+}
+
+/// The VM's user APICs.
+pub struct UserApics {
+    cpus: Vec<CpuApic>,
+    /// The IOAPIC: legacy device pins (COM1's IRQ 4) reach the LAPICs through it.
+    ioapic: Mutex<IoApic>,
+    clock: Arc<HostClock>,
+    kick_signal: libc::c_int,
+    timers_started: AtomicBool,
+}
+
+fn lock(m: &Mutex<CpuState>) -> MutexGuard<'_, CpuState> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl UserApics {
+    /// APICs for `ncpus` vCPUs (APIC id = vCPU index, vCPU 0 the BSP). `kick_signal` is the
+    /// signal whose handler calls [`crate::vcpu::on_kick_signal`].
+    pub fn new(ncpus: u32, kick_signal: libc::c_int) -> Arc<Self> {
+        let clock = Arc::new(HostClock::default());
+        let cpus = (0..ncpus)
+            .map(|i| CpuApic {
+                state: Mutex::new(CpuState {
+                    lapic: LocalApic::new(i, i == 0, clock.clone()),
+                    nmi: false,
+                    wait_sipi: false,
+                    sipi: None,
+                    running: false,
+                    thread: None,
+                }),
+                wake: Condvar::new(),
+                timer: Condvar::new(),
+            })
+            .collect();
+        Arc::new(UserApics {
+            cpus,
+            ioapic: Mutex::new(IoApic::new()),
+            clock,
+            kick_signal,
+            timers_started: AtomicBool::new(false),
+        })
+    }
+
+    fn ioapic(&self) -> MutexGuard<'_, IoApic> {
+        self.ioapic.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A read of the IOAPIC's page (offset within it).
+    pub fn ioapic_read(&self, offset: u64, data: &mut [u8]) {
+        self.ioapic().read_mmio(offset, data);
+    }
+
+    /// A write to the IOAPIC's page; an interrupt it sends is delivered.
+    pub fn ioapic_write(&self, offset: u64, data: &[u8]) {
+        let ipi = self.ioapic().write_mmio(offset, data);
+        if let Some(ipi) = ipi {
+            self.send_ipi(&ipi);
+        }
+    }
+
+    /// An edge on IOAPIC pin `pin` (a legacy device's irqfd signal).
+    pub fn pulse_pin(&self, pin: u32) {
+        let ipi = self.ioapic().pulse(pin as usize);
+        if let Some(ipi) = ipi {
+            self.send_ipi(&ipi);
+        }
+    }
+
+    /// An MSI message (a device's MSI-X vector), delivered like the IPI it describes.
+    pub fn msi(&self, address: u64, data: u32) {
+        match Ipi::from_msi(address, data) {
+            Some(ipi) => self.send_ipi(&ipi),
+            None => tracing::debug!(address, data, "MSI with a mode kumo does not deliver: dropped"),
+        }
+    }
+
+    /// The IOAPIC's state (snapshots).
+    pub fn ioapic_state(&self) -> kumo_devices::apic::IoApicState {
+        self.ioapic().state()
+    }
+
+    pub fn set_ioapic_state(&self, s: &kumo_devices::apic::IoApicState) -> Result<(), String> {
+        self.ioapic().set_state(s)
+    }
+
+    pub fn clock(&self) -> &HostClock {
+        &self.clock
+    }
+
+    pub fn len(&self) -> usize {
+        self.cpus.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cpus.is_empty()
+    }
+
+    /// vCPU `cpu`'s state, locked. Panics on an index that is not a vCPU (kumo's own bug).
+    pub fn lock(&self, cpu: u32) -> MutexGuard<'_, CpuState> {
+        lock(&self.cpus[cpu as usize].state)
+    }
+
+    /// Starts one host timer thread per vCPU (once). They end when the `UserApics` is dropped.
+    pub fn start_timers(self: &Arc<Self>) -> std::io::Result<()> {
+        if self.timers_started.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        for cpu in 0..self.cpus.len() as u32 {
+            let weak = Arc::downgrade(self);
+            std::thread::Builder::new().name(format!("lapic-timer{cpu}")).spawn(move || timer_thread(weak, cpu))?;
+        }
+        Ok(())
+    }
+
+    /// Gets vCPU `cpu` to look at its APIC: wakes it if halted, and gets it out of KVM_RUN if it
+    /// is inside. Call with its state locked (`s`).
+    fn kick_locked(&self, cpu: u32, s: &CpuState) {
+        self.cpus[cpu as usize].wake.notify_all();
+        if let (true, Some(t)) = (s.running, s.thread) {
+            // SAFETY: `t` is the pthread_t of a vCPU thread that is running (it clears
+            // `running` under this lock before it exits), and the signal has a handler.
+            unsafe { libc::pthread_kill(t, self.kick_signal) };
+        }
+    }
+
+    /// Wakes every halted vCPU (a pause or stop request: the caller's `stop` says which).
+    pub fn wake_all(&self) {
+        for c in &self.cpus {
+            let _g = lock(&c.state);
+            c.wake.notify_all();
+        }
+    }
+
+    /// A fixed interrupt for vCPU `cpu`'s APIC (a device's, through the IOAPIC or an MSI).
+    pub fn raise(&self, cpu: u32, vector: u8, level: bool) {
+        let Some(c) = self.cpus.get(cpu as usize) else { return };
+        let mut s = lock(&c.state);
+        if s.lapic.accept(vector, level) {
+            self.kick_locked(cpu, &s);
+        }
+    }
+
+    /// Delivers an IPI (from an ICR write or an MSI) to every APIC it names.
+    pub fn send_ipi(&self, ipi: &Ipi) {
+        let addrs: Vec<_> = self.cpus.iter().map(|c| lock(&c.state).lapic.address()).collect();
+        for t in ipi.targets(&addrs) {
+            let cpu = t as u32;
+            let mut s = lock(&self.cpus[t].state);
+            match s.lapic.deliver(ipi) {
+                Delivery::Accepted => self.kick_locked(cpu, &s),
+                Delivery::Nmi => {
+                    s.nmi = true;
+                    self.kick_locked(cpu, &s);
+                }
+                Delivery::Init => {
+                    s.wait_sipi = true;
+                    s.sipi = None;
+                    self.kick_locked(cpu, &s);
+                    self.cpus[t].timer.notify_all();
+                }
+                Delivery::Startup(v) if s.wait_sipi => {
+                    s.sipi = Some(v);
+                    self.kick_locked(cpu, &s);
+                }
+                Delivery::Startup(_) | Delivery::Dropped | Delivery::ExtInt => {}
+            }
+        }
+    }
+
+    /// Acts on what a register write of vCPU `cpu` returned. Call without its state locked.
+    pub fn handle_event(&self, cpu: u32, ev: ApicEvent) {
+        match ev {
+            ApicEvent::Ipi(ipi) => self.send_ipi(&ipi),
+            ApicEvent::TimerChanged => {
+                let _g = lock(&self.cpus[cpu as usize].state);
+                self.cpus[cpu as usize].timer.notify_all();
+            }
+            ApicEvent::LevelEoi(v) => {
+                let again = self.ioapic().eoi(v);
+                for ipi in again {
+                    self.send_ipi(&ipi);
+                }
+            }
+            // The page's address is read at each access: a moved base needs nothing here.
+            ApicEvent::BaseChanged => {}
+        }
+    }
+
+    /// A halted vCPU waits until its APIC has something for it or `stop()` says to return
+    /// (a pause or stop request; [`UserApics::wake_all`] wakes it to look).
+    pub fn halt(&self, cpu: u32, stop: impl Fn() -> bool) {
+        let c = &self.cpus[cpu as usize];
+        let mut s = lock(&c.state);
+        while !s.has_work() && !stop() {
+            s = c.wake.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// vCPU `cpu`'s LAPIC timer on the host: sleeps until the APIC's next deadline, then expires it
+/// and kicks the vCPU if that raised its vector.
+fn timer_thread(apics: Weak<UserApics>, cpu: u32) {
+    loop {
+        let Some(a) = apics.upgrade() else { return };
+        let c = &a.cpus[cpu as usize];
+        let mut s = lock(&c.state);
+        let now = a.clock.now_ns();
+        let wait = match s.lapic.next_deadline() {
+            Some(d) if d <= now => {
+                if s.lapic.expire() {
+                    a.kick_locked(cpu, &s);
+                }
+                if s.lapic.next_deadline() == Some(d) {
+                    // The model did not move the deadline (it would have expired): do not spin.
+                    TIMER_POLL
+                } else {
+                    continue;
+                }
+            }
+            Some(d) => Duration::from_nanos(d - now).min(TIMER_POLL),
+            None => TIMER_POLL,
+        };
+        drop(c.timer.wait_timeout(s, wait).unwrap_or_else(|p| p.into_inner()));
+    }
+}
+
+/// One vCPU's user APIC in snapshots (component `lapic<N>`): the register model's state and
+/// whether the vCPU waits for a SIPI (a Linux AP not started yet).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct UserLapicState {
+    pub lapic: kumo_devices::apic::LapicState,
+    pub wait_sipi: bool,
+    pub nmi: bool,
+}
+
+/// vCPU `cpu`'s APIC as a persistable component.
+pub struct LapicPersist {
+    apics: Arc<UserApics>,
+    cpu: u32,
+}
+
+/// The IOAPIC as a persistable component (`ioapic`).
+pub struct IoApicPersist(Arc<UserApics>);
+
+impl UserApics {
+    /// Every component to save and restore with the VM: each LAPIC, then the IOAPIC.
+    pub fn persist_list(self: &Arc<Self>) -> Vec<Arc<Mutex<dyn kumo_devices::PersistDyn>>> {
+        let mut v: Vec<Arc<Mutex<dyn kumo_devices::PersistDyn>>> = (0..self.cpus.len() as u32)
+            .map(|cpu| Arc::new(Mutex::new(LapicPersist { apics: self.clone(), cpu })) as _)
+            .collect();
+        v.push(Arc::new(Mutex::new(IoApicPersist(self.clone()))));
+        v
+    }
+}
+
+impl kumo_devices::Persist for LapicPersist {
+    type State = UserLapicState;
+    fn id(&self) -> String {
+        format!("lapic{}", self.cpu)
+    }
+    fn save(&self) -> Result<UserLapicState, kumo_devices::PersistError> {
+        let mut s = self.apics.lock(self.cpu);
+        // A timer that is due but not yet raised would be lost: raise it now, into IRR.
+        s.lapic.expire();
+        Ok(UserLapicState { lapic: s.lapic.save()?, wait_sipi: s.wait_sipi, nmi: s.nmi })
+    }
+    fn restore(&mut self, st: &UserLapicState) -> Result<(), kumo_devices::PersistError> {
+        let c = &self.apics.cpus[self.cpu as usize];
+        let mut s = lock(&c.state);
+        s.lapic.restore(&st.lapic)?;
+        s.wait_sipi = st.wait_sipi;
+        s.sipi = None;
+        s.nmi = st.nmi;
+        c.timer.notify_all();
+        c.wake.notify_all();
+        Ok(())
+    }
+}
+
+impl kumo_devices::Persist for IoApicPersist {
+    type State = kumo_devices::apic::IoApicState;
+    fn id(&self) -> String {
+        "ioapic".into()
+    }
+    fn save(&self) -> Result<Self::State, kumo_devices::PersistError> {
+        Ok(self.0.ioapic_state())
+    }
+    fn restore(&mut self, s: &Self::State) -> Result<(), kumo_devices::PersistError> {
+        self.0.set_ioapic_state(s).map_err(|e| kumo_devices::PersistError::component("ioapic", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn enable(a: &UserApics, cpu: u32) {
+        a.lock(cpu).lapic.write_mmio(0xF0, &0x1FFu32.to_le_bytes());
+    }
+
+    /// vCPU `from` writes the ICR (high word first); the event is routed as the vCPU thread does.
+    fn icr(a: &UserApics, from: u32, dest: u8, low: u32) {
+        let ev = {
+            let mut s = a.lock(from);
+            s.lapic.write_mmio(0x310, &((dest as u32) << 24).to_le_bytes());
+            s.lapic.write_mmio(0x300, &low.to_le_bytes())
+        };
+        a.handle_event(from, ev.expect("an ICR write sends an IPI"));
+    }
+
+    #[test]
+    fn icr_ipis_reach_the_target_and_wake_it() {
+        let a = UserApics::new(2, 0);
+        enable(&a, 0);
+        enable(&a, 1);
+        icr(&a, 0, 1, 0x40); // fixed, vector 0x40, physical APIC 1
+        assert_eq!(a.lock(1).lapic.pending_vector(), Some(0x40));
+        assert_eq!(a.lock(0).lapic.pending_vector(), None);
+        a.halt(1, || false); // has work: returns at once
+        icr(&a, 1, 0, 0x400); // NMI to APIC 0
+        assert!(a.lock(0).nmi);
+        icr(&a, 0, 9, 0x41); // nobody has APIC id 9: dropped, no panic
+        assert_eq!(a.lock(1).lapic.pending_vector(), Some(0x40));
+    }
+
+    #[test]
+    fn init_then_sipi_starts_a_waiting_vcpu_once() {
+        let a = UserApics::new(2, 0);
+        enable(&a, 0);
+        icr(&a, 0, 1, 0x4500); // INIT, level assert
+        assert!(a.lock(1).wait_sipi);
+        icr(&a, 0, 1, 0x4609); // SIPI, vector 9: start at 0x9000
+        assert_eq!(a.lock(1).sipi, Some(9));
+        a.halt(1, || false);
+        // A SIPI to a vCPU not waiting for one is ignored.
+        icr(&a, 1, 0, 0x4608);
+        assert_eq!(a.lock(0).sipi, None);
+    }
+
+    #[test]
+    fn ioapic_pin_and_msi_reach_the_named_apic_and_level_eoi_re_sends() {
+        let a = UserApics::new(2, 0);
+        enable(&a, 0);
+        enable(&a, 1);
+        // Pin 9: vector 0x39, level, to APIC 1; held high.
+        a.ioapic_write(0, &0x22u32.to_le_bytes());
+        a.ioapic_write(0x10, &(0x39u32 | 1 << 15).to_le_bytes());
+        a.ioapic_write(0, &0x23u32.to_le_bytes());
+        a.ioapic_write(0x10, &(1u32 << 24).to_le_bytes());
+        let ipi = a.ioapic().set_irq(9, true).expect("sent");
+        a.send_ipi(&ipi);
+        let v = a.lock(1).lapic.ack();
+        assert_eq!(v, Some(0x39));
+        // The guest's EOI of the level vector: the pin is still high, so it comes again.
+        let ev = a.lock(1).lapic.eoi().expect("level EOI");
+        a.handle_event(1, ev);
+        assert_eq!(a.lock(1).lapic.pending_vector(), Some(0x39));
+        a.msi(0xFEE0_0000, 0x51); // to APIC 0
+        assert_eq!(a.lock(0).lapic.pending_vector(), Some(0x51));
+        a.msi(0xFEE0_0000, 0x0200); // SMI: dropped
+    }
+}
