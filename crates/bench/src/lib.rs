@@ -1,13 +1,14 @@
 //! kumo-bench owns kumo's benchmarks and its QEMU harness, out of the `kumo` binary (plotters
 //! and the bench's progress bars are linked only here): `boot` (start-up and IPI round trips),
 //! `migrate` (live migration against raw loopback TCP and QEMU), `net` (the NIC's interrupt
-//! paths against veth) and `qemu` (runs kumo's guests under QEMU, also used by
-//! tests/qemu_e2e.rs). Benchmarks drive a `kumo` binary as child
-//! processes ([`kumo_binary`]) and write their results into one output directory.
+//! paths against veth), `numa` (a memory-bound kernel, bare metal vs VMs) and `qemu` (runs
+//! kumo's guests under QEMU, also used by tests/qemu_e2e.rs). Benchmarks drive a `kumo` binary
+//! as child processes ([`kumo_binary`]) and write their results into one output directory.
 
 pub mod boot;
 pub mod migrate;
 pub mod net;
+pub mod numa;
 pub mod qemu;
 
 use std::path::{Path, PathBuf};

@@ -28,6 +28,10 @@ enum Which {
     /// The NIC's interrupt paths (seed 000): host<->guest UDP round trips per path, unloaded and
     /// with interference, VM<->VM ping-pong, throughput against veth; writes net.json and net.png.
     Net(kumo_bench::net::Args),
+    /// Memory-bound kernel, bare metal vs VMs (issue 12): a STREAM triad and a CG-like sparse
+    /// pass as a pinned host process and in VMs (vNUMA mirror, pinned, unpinned, PV hints off/on);
+    /// writes numa.json and numa.png, ends with `vm_vs_bare=X unpinned_vs_bare=Y`.
+    Numa(kumo_bench::numa::Args),
     /// Host-side UDP tools of `net` (run inside network namespaces).
     #[command(hide = true)]
     NetTool(kumo_bench::net::tools::ToolArgs),
@@ -39,6 +43,7 @@ fn main() -> ExitCode {
         Which::Boot(a) => kumo_bench::boot::run(a, &cli.out),
         Which::Migrate(a) => kumo_bench::migrate::run(a, &cli.out),
         Which::Net(a) => kumo_bench::net::run(a, &cli.out),
+        Which::Numa(a) => kumo_bench::numa::run(a, &cli.out),
         Which::NetTool(a) => kumo_bench::net::tools::run(a),
     };
     match r {
