@@ -91,13 +91,17 @@ pub struct RowResult {
     pub total_cycles: Vec<u64>,
     pub triad_cycles: Vec<u64>,
     pub sparse_cycles: Vec<u64>,
+    /// Fastest triad sweep + fastest sparse pass of each run: the least disturbed figure.
+    pub best_cycles: Vec<u64>,
     pub total_median: Option<f64>,
     pub triad_median: Option<f64>,
     pub sparse_median: Option<f64>,
+    pub best_median: Option<f64>,
     /// total_median / bare metal's.
     pub vs_bare: Option<f64>,
     pub triad_vs_bare: Option<f64>,
     pub sparse_vs_bare: Option<f64>,
+    pub best_vs_bare: Option<f64>,
     pub errors: Vec<String>,
 }
 
@@ -110,12 +114,15 @@ impl RowResult {
             total_cycles: vec![],
             triad_cycles: vec![],
             sparse_cycles: vec![],
+            best_cycles: vec![],
             total_median: None,
             triad_median: None,
             sparse_median: None,
+            best_median: None,
             vs_bare: None,
             triad_vs_bare: None,
             sparse_vs_bare: None,
+            best_vs_bare: None,
             errors: vec![],
         }
     }
@@ -124,6 +131,7 @@ impl RowResult {
         self.total_cycles.push(r.total_cycles);
         self.triad_cycles.push(r.triad_cycles);
         self.sparse_cycles.push(r.sparse_cycles);
+        self.best_cycles.push(r.best_triad + r.best_sparse);
     }
 }
 
@@ -139,6 +147,9 @@ pub struct Report {
     pub memory_mib: u64,
     /// TSC frequency (kHz) the guest was told; cycles convert to ms with it.
     pub tsc_khz: u64,
+    /// Share of the host's CPU time (0..1) other processes used in the second before the run:
+    /// on a shared host the rows are comparable with each other, not with a quiet machine.
+    pub host_busy_before: Option<f64>,
     pub rows: Vec<RowResult>,
     /// Mirrored + pinned VM / bare metal, and unpinned VM / bare metal (median totals).
     pub vm_vs_bare: Option<f64>,
@@ -159,17 +170,41 @@ pub fn finish(r: &mut Report) {
         x.total_median = med(&x.total_cycles);
         x.triad_median = med(&x.triad_cycles);
         x.sparse_median = med(&x.sparse_cycles);
+        x.best_median = med(&x.best_cycles);
     }
-    let bare = r.rows.iter().find(|x| x.row == Row::Bare).map(|b| (b.total_median, b.triad_median, b.sparse_median));
-    let (bt, btr, bsp) = bare.unwrap_or((None, None, None));
+    let bare = r
+        .rows
+        .iter()
+        .find(|x| x.row == Row::Bare)
+        .map(|b| (b.total_median, b.triad_median, b.sparse_median, b.best_median));
+    let (bt, btr, bsp, bb) = bare.unwrap_or((None, None, None, None));
     for x in &mut r.rows {
         x.vs_bare = ratio(x.total_median, bt);
         x.triad_vs_bare = ratio(x.triad_median, btr);
         x.sparse_vs_bare = ratio(x.sparse_median, bsp);
+        x.best_vs_bare = ratio(x.best_median, bb);
     }
     let of = |row: Row| r.rows.iter().find(|x| x.row == row).and_then(|x| x.vs_bare);
     r.vm_vs_bare = of(Row::Mirror);
     r.unpinned_vs_bare = of(Row::Unpinned);
+}
+
+/// (busy, total) jiffies of the `cpu` line of /proc/stat.
+pub fn cpu_jiffies(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line.split_whitespace().skip(1).map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3)? + v.get(4).unwrap_or(&0);
+    Some((total - idle, total))
+}
+
+/// The share of host CPU time in use over `period` (None where /proc/stat is unreadable).
+fn host_busy(period: Duration) -> Option<f64> {
+    let read = || cpu_jiffies(&std::fs::read_to_string("/proc/stat").ok()?);
+    let (b0, t0) = read()?;
+    std::thread::sleep(period);
+    let (b1, t1) = read()?;
+    (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64)
 }
 
 fn opt(v: Option<f64>, prec: usize) -> String {
@@ -192,8 +227,12 @@ pub fn table(r: &Report) -> String {
         r.iters,
         r.runs
     );
+    if let Some(b) = r.host_busy_before.filter(|b| *b > 0.1) {
+        s += &format!("note: other processes used {:.0} % of the host's CPUs before the run\n", b * 100.0);
+    }
+    s += "(x: median over bare metal's median; best: fastest sweep of each kernel per run)\n";
     s += &format!(
-        "{:<28} {:>4} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}  {}\n",
+        "{:<28} {:>4} {:>9} {:>9} {:>9} {:>7} {:>8} {:>7} {:>7}  {}\n",
         "row",
         "runs",
         "triad ms",
@@ -201,8 +240,9 @@ pub fn table(r: &Report) -> String {
         "total ms",
         "triad x",
         "sparse x",
+        "best x",
         "vs bare",
-        "spread (min..max total ms)"
+        "spread (total ms)"
     );
     for x in &r.rows {
         let (lo, hi) = (x.total_cycles.iter().min(), x.total_cycles.iter().max());
@@ -211,7 +251,7 @@ pub fn table(r: &Report) -> String {
             _ => "-".into(),
         };
         s += &format!(
-            "{:<28} {:>4} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}  {}\n",
+            "{:<28} {:>4} {:>9} {:>9} {:>9} {:>7} {:>8} {:>7} {:>7}  {}\n",
             x.label,
             x.total_cycles.len(),
             ms(x.triad_median),
@@ -219,6 +259,7 @@ pub fn table(r: &Report) -> String {
             ms(x.total_median),
             opt(x.triad_vs_bare, 3),
             opt(x.sparse_vs_bare, 3),
+            opt(x.best_vs_bare, 3),
             opt(x.vs_bare, 3),
             spread
         );
@@ -366,6 +407,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
             }
         }
     };
+    let host_busy_before = host_busy(Duration::from_secs(1));
     let mut rows: Vec<RowResult> = ROWS.iter().map(|&r| RowResult::new(r, argv_of(r)[1..].join(" "))).collect();
     let mut want: Option<u64> = None;
     let mut tsc_khz = 0;
@@ -400,6 +442,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         runs,
         memory_mib,
         tsc_khz,
+        host_busy_before,
         rows,
         vm_vs_bare: None,
         unpinned_vs_bare: None,
@@ -426,6 +469,8 @@ mod tests {
             triad_cycles: total / 4,
             sparse_cycles: total - total / 4,
             total_cycles: total,
+            best_triad: total / 40,
+            best_sparse: total / 20,
             tsc_khz: 1_000_000,
             check: 7,
         }
@@ -451,6 +496,7 @@ mod tests {
             runs: 3,
             memory_mib: 320,
             tsc_khz: 1_000_000,
+            host_busy_before: Some(0.5),
             rows,
             vm_vs_bare: None,
             unpinned_vs_bare: None,
@@ -467,6 +513,7 @@ mod tests {
         assert_eq!(r.vm_vs_bare, Some(1075.0 / 4000.0));
         assert_eq!(r.unpinned_vs_bare, Some(0.5));
         assert_eq!(r.rows[3].triad_vs_bare, Some(500.0 / 1000.0));
+        assert_eq!(r.rows[3].best_vs_bare, Some(150.0 / 300.0));
         assert_eq!(r.rows[4].vs_bare, None, "no runs: no ratio");
         assert_eq!(headline(&r), "vm_vs_bare=0.269 unpinned_vs_bare=0.500");
     }
@@ -488,6 +535,7 @@ mod tests {
         }
         assert!(t.contains(" 2.1 ") && t.contains("1.050") && t.contains("1.500"), "{t}");
         assert!(t.contains("error: kumo exited with 1"), "{t}");
+        assert!(t.contains("other processes used 50 %"), "{t}");
         assert_eq!(t.lines().filter(|l| l.contains("n/a")).count(), 1, "{t}");
     }
 
@@ -501,6 +549,14 @@ mod tests {
         assert_eq!(Row::PvShared.kumo_flags(2).unwrap()[3], "shared");
         assert_eq!(memory_mib(64, 64, 2), 384);
         assert_eq!(memory_mib(1, 1, 1), 128);
+    }
+
+    #[test]
+    fn proc_stat_cpu_line() {
+        let stat = "cpu  100 5 50 800 20 3 2 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n";
+        assert_eq!(cpu_jiffies(stat), Some((160, 980)));
+        assert_eq!(cpu_jiffies("cpu0 1 2 3\n"), None);
+        assert_eq!(cpu_jiffies("cpu  1 x 3 4\n"), None);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The `numabench` guest's output (guests/src/numabench.c), printed alike by its kumo guest build
 //! and its hosted Linux build ([`crate::host_program`]): the result line of one run.
 
-/// `numabench: result threads=T triad_cycles=C sparse_cycles=C total_cycles=C tsc_khz=K check=X`.
+/// `numabench: result threads=T triad_cycles=C sparse_cycles=C total_cycles=C best_triad=C
+/// best_sparse=C tsc_khz=K check=X`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Result {
     pub threads: u32,
@@ -9,6 +10,10 @@ pub struct Result {
     pub triad_cycles: u64,
     pub sparse_cycles: u64,
     pub total_cycles: u64,
+    /// Cycles of the fastest single triad sweep and sparse pass (the least disturbed by other
+    /// work on a shared host).
+    pub best_triad: u64,
+    pub best_sparse: u64,
     /// The TSC frequency the program knew (0: unknown).
     pub tsc_khz: u64,
     /// A checksum of the results (hex): equal for equal arguments, wherever it ran.
@@ -35,6 +40,8 @@ pub fn parse(out: &str) -> Option<Result> {
         triad_cycles: num("triad_cycles")?,
         sparse_cycles: num("sparse_cycles")?,
         total_cycles: num("total_cycles")?,
+        best_triad: num("best_triad")?,
+        best_sparse: num("best_sparse")?,
         tsc_khz: num("tsc_khz")?,
         check: u64::from_str_radix(field(line, "check")?, 16).ok()?,
     };
@@ -46,7 +53,8 @@ mod tests {
     use super::*;
 
     const OUT: &str = "numabench: threads=2 mb=64 smb=64 iters=10\n\
-        numabench: result threads=2 triad_cycles=1200 sparse_cycles=800 total_cycles=2000 tsc_khz=2000000 check=1f\n";
+        numabench: result threads=2 triad_cycles=1200 sparse_cycles=800 total_cycles=2000 best_triad=110 best_sparse=70 \
+        tsc_khz=2000000 check=1f\n";
 
     #[test]
     fn result_line_parses() {
@@ -58,6 +66,8 @@ mod tests {
                 triad_cycles: 1200,
                 sparse_cycles: 800,
                 total_cycles: 2000,
+                best_triad: 110,
+                best_sparse: 70,
                 tsc_khz: 2_000_000,
                 check: 0x1f
             }
@@ -74,6 +84,7 @@ mod tests {
         assert_eq!(parse(&OUT.replace("total_cycles=2000", "total_cycles=2001")), None, "parts must add up");
         assert_eq!(parse(&OUT.replace("check=1f", "check=zz")), None);
         assert_eq!(parse(&OUT.replace("tsc_khz=2000000 ", "")), None);
+        assert_eq!(parse(&OUT.replace("best_sparse=70 ", "")), None);
         assert_eq!(parse(&OUT.replace("=1200", "=0").replace("=800", "=0").replace("=2000 ", "=0 ")), None);
     }
 }
