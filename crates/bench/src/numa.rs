@@ -313,7 +313,8 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .map_err(e)?
         .label("bare metal")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
-    let series: [(&str, RGBColor, fn(&RowResult) -> Option<f64>); 3] =
+    type Get = fn(&RowResult) -> Option<f64>;
+    let series: [(&str, RGBColor, Get); 3] =
         [("triad", BLUE, |x| x.triad_vs_bare), ("sparse", RED, |x| x.sparse_vs_bare), ("total", GREEN, |x| x.vs_bare)];
     for (k, (label, col, get)) in series.into_iter().enumerate() {
         let bars: Vec<_> = r
@@ -507,7 +508,7 @@ mod tests {
 
     #[test]
     fn ratios_are_medians_over_bare_metals_median() {
-        let r = report(&[&[1000, 4000, 1000_0], &[1100, 1050, 9000, 1000], &[1200], &[2000, 3000, 1000], &[], &[1000]]);
+        let r = report(&[&[1000, 4000, 10_000], &[1100, 1050, 9000, 1000], &[1200], &[2000, 3000, 1000], &[], &[1000]]);
         assert_eq!(r.rows[0].total_median, Some(4000.0));
         assert_eq!(r.rows[1].total_median, Some(1075.0), "even count: mean of the middle two");
         assert_eq!(r.vm_vs_bare, Some(1075.0 / 4000.0));
