@@ -280,7 +280,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     root.fill(&WHITE).map_err(e)?;
     let names: Vec<&str> = r.rows.iter().map(|x| x.label).collect();
     let top =
-        r.rows.iter().flat_map(|x| [x.vs_bare, x.triad_vs_bare, x.sparse_vs_bare]).flatten().fold(1.2, f64::max) * 1.1;
+        r.rows.iter().flat_map(|x| [x.vs_bare, x.triad_vs_bare, x.sparse_vs_bare]).flatten().fold(1.2, f64::max) * 1.3;
     let n = r.rows.len().max(1) as f64;
     let mut c = ChartBuilder::on(&root)
         .caption(
