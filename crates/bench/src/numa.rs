@@ -33,7 +33,7 @@ pub struct Args {
     /// MiB of sparse matrix (x and y add a quarter of it).
     #[arg(long, default_value_t = 64)]
     smb: u64,
-    /// Timed sweeps of each kernel per run [default: 20, --quick 8].
+    /// Timed sweeps of each kernel per run [default: 20, --quick 5].
     #[arg(long)]
     iters: Option<u64>,
 }
@@ -382,7 +382,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         return Err("--mb and --smb must be at least 1".into());
     }
     let runs = a.runs.unwrap_or(if a.quick { 5 } else { 9 });
-    let iters = a.iters.unwrap_or(if a.quick { 8 } else { 20 });
+    let iters = a.iters.unwrap_or(if a.quick { 5 } else { 20 });
     if runs == 0 || iters == 0 {
         return Err("--runs and --iters must be at least 1".into());
     }
