@@ -414,11 +414,13 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let mut tsc_khz = 0;
     step(t0, &format!("{runs} rounds of {} rows, {vcpus} threads/vCPUs, {iters} sweeps a run", rows.len()));
     for round in 0..runs {
-        // Bare metal first (its checksum checks the VMs'), then the VM rows in a rotating order.
-        let mut order: Vec<usize> = (1..rows.len()).collect();
-        let k = round % order.len().max(1);
-        order.rotate_left(k);
-        for i in std::iter::once(0).chain(order) {
+        // Rows in a rotating order, bare metal first in the first round (its checksum checks
+        // the VMs'), so no row always follows the same one. A pause between runs lets the
+        // previous VM's memory be freed before the next run starts.
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        order.rotate_left(round % rows.len());
+        for i in order {
+            std::thread::sleep(Duration::from_millis(300));
             match run_once(&argv_of(rows[i].row), limit, want) {
                 Ok(r) => {
                     if rows[i].row == Row::Bare {
