@@ -7,7 +7,25 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const GUESTS: &[&str] = &["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync"];
+const GUESTS: &[&str] =
+    &["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync", "numabench"];
+/// Guests also built as hosted Linux programs (with `-D<NAME>_HOSTED`, e.g. NUMABENCH_HOSTED),
+/// the bare-metal side of a benchmark: the same C source and code-generation flags.
+const HOSTED: &[&str] = &["numabench"];
+const HOSTED_CFLAGS: &[&str] = &[
+    "-O2",
+    "-std=gnu11",
+    "-fno-pic",
+    "-no-pie",
+    "-mno-red-zone",
+    "-mgeneral-regs-only",
+    "-mno-popcnt",
+    "-fcf-protection=none",
+    "-fno-tree-vectorize",
+    "-pthread",
+    "-Wall",
+    "-Werror",
+];
 /// Guests linked with the network driver and stack (guests/src/net/).
 const NET_GUESTS: &[&str] = &["netecho", "udpping", "udpsink", "udpsend"];
 const NET_SOURCES: &[&str] = &["net/boot.c", "net/pci.c", "net/virtio.c", "net/stack.c"];
@@ -85,6 +103,21 @@ fn main() {
         assert!(status.success(), "building guest {name} with {cc} failed");
         check_instructions(name, &elf);
         table.push_str(&format!("    ({name:?}, include_bytes!({:?})),\n", elf.display().to_string()));
+    }
+    table.push_str("];\n");
+    table.push_str("pub static HOST_PROGRAMS: &[(&str, &str)] = &[\n");
+    for name in HOSTED {
+        let exe = out.join(format!("{name}-host"));
+        let status = Command::new(&cc)
+            .args(HOSTED_CFLAGS)
+            .arg(format!("-D{}_HOSTED", name.to_uppercase()))
+            .arg("-o")
+            .arg(&exe)
+            .arg(src.join(format!("src/{name}.c")))
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {cc} to build host program {name}: {e}"));
+        assert!(status.success(), "building host program {name} with {cc} failed");
+        table.push_str(&format!("    ({name:?}, {:?}),\n", exe.display().to_string()));
     }
     table.push_str("];\n");
     fs::write(out.join("built.rs"), table).unwrap();

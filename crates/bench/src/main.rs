@@ -36,6 +36,10 @@ enum Which {
     /// `kumo net-backend` moves the NIC A -> B under a UDP stream, against unplugging it and
     /// initialising B's driver from scratch; writes handover.json and handover.png.
     Handover(kumo_bench::handover::Args),
+    /// Memory-bound kernel, bare metal vs VMs (issue 12): a STREAM triad and a CG-like sparse
+    /// pass as a pinned host process and in VMs (vNUMA mirror, pinned, unpinned, PV hints off/on);
+    /// writes numa.json and numa.png, ends with `vm_vs_bare=X unpinned_vs_bare=Y`.
+    Numa(kumo_bench::numa::Args),
     /// Host-side UDP tools of `net` (run inside network namespaces).
     #[command(hide = true)]
     NetTool(kumo_bench::net::tools::ToolArgs),
@@ -49,6 +53,7 @@ fn main() -> ExitCode {
         Which::Net(a) => kumo_bench::net::run(a, &cli.out),
         Which::Ipi(a) => kumo_bench::ipi::run(a, &cli.out),
         Which::Handover(a) => kumo_bench::handover::run(a, &cli.out),
+        Which::Numa(a) => kumo_bench::numa::run(a, &cli.out),
         Which::NetTool(a) => kumo_bench::net::tools::run(a),
     };
     match r {

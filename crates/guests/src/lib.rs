@@ -7,6 +7,7 @@ mod manifest;
 pub mod memtouch;
 pub mod net;
 pub mod numa;
+pub mod numabench;
 pub mod sync;
 
 pub use elf::image_end;
@@ -45,6 +46,20 @@ pub fn find(name: &str) -> Result<Guest, GuestError> {
         None => {
             Err(GuestError::Unknown(name.to_string(), BUILT.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")))
         }
+    }
+}
+
+/// The hosted (Linux) build of a guest program, for a benchmark's bare-metal side: e.g.
+/// `numabench`, built from the same C source by build.rs into cargo's output directory.
+pub fn host_program(name: &str) -> Result<std::path::PathBuf, GuestError> {
+    let known = || HOST_PROGRAMS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
+    let (_, path) =
+        HOST_PROGRAMS.iter().find(|(n, _)| *n == name).ok_or_else(|| GuestError::Unknown(name.into(), known()))?;
+    let path = std::path::PathBuf::from(path);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(GuestError::Elf(name.into(), format!("host program {} is gone (rebuild kumo-guests)", path.display())))
     }
 }
 
@@ -106,7 +121,10 @@ mod tests {
     #[test]
     fn the_guests_are_built_with_manifests() {
         let names: Vec<_> = all().unwrap().into_iter().map(|g| g.manifest.name).collect();
-        assert_eq!(names, ["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync"]);
+        assert_eq!(
+            names,
+            ["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync", "numabench"]
+        );
         let m = find("memtouch").unwrap().manifest;
         assert!(m.params.iter().any(|p| p.key == "pages" && p.default == "1024"));
         assert!(m
@@ -145,7 +163,7 @@ mod tests {
         let e = find("nope").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend, numa, sync"
+            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend, numa, sync, numabench"
         );
     }
 
