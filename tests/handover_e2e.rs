@@ -119,7 +119,7 @@ fn handovers_under_traffic_lose_nothing_and_the_new_owner_answers() {
     let args = [format!("ip={guest}"), "until_input=1".into()];
     let mut a = vm("A", &backend, "udpsink", &args);
     let id_a = backend.ready_client(a.id());
-    let mut b = vm("B", &backend, "udpsink", &args);
+    let b = vm("B", &backend, "udpsink", &args);
     let id_b = backend.ready_client(b.id());
     assert_eq!(backend.info()["owner"].as_u64(), Some(id_a), "the first ready VM owns the NIC");
 

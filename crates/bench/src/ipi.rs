@@ -16,10 +16,10 @@ use serde::Serialize;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Fewer runs per row (5) and fewer hand-offs: under 3 minutes.
+    /// Fewer runs per row (7) and fewer hand-offs: under 3 minutes.
     #[arg(long)]
     quick: bool,
-    /// Runs per row (medians are reported); default 9, 5 with --quick.
+    /// Runs per row (medians are reported); default 15, 7 with --quick.
     #[arg(long)]
     runs: Option<usize>,
     /// Bare hand-offs per run; default 2000, 1000 with --quick.
@@ -183,7 +183,7 @@ fn progress(t0: std::time::Instant, msg: &str) {
 
 pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let t0 = std::time::Instant::now();
-    let runs = a.runs.unwrap_or(if a.quick { 5 } else { 9 }).max(1);
+    let runs = a.runs.unwrap_or(if a.quick { 7 } else { 15 }).max(1);
     let handoffs = a.handoffs.unwrap_or(if a.quick { 1000 } else { 2000 });
     let guest = vec![
         format!("handoffs={handoffs}"),

@@ -408,6 +408,7 @@ mod tests {
             numa: None,
             pins: vec![],
             pv: Default::default(),
+            halt_poll_ns: None,
         }
     }
 
