@@ -13,7 +13,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use kumo_devices::apic::{ApicEvent, Clock, Delivery, IoApic, Ipi, LocalApic};
+use kumo_devices::apic::{ApicEvent, Clock, Delivery, IoApic, Ipi, LocalApic, Pic};
+
+/// The ports of the 8259 pair and its ELCR, which `--irqchip user` serves from [`UserApics`].
+pub fn pic_port(port: u16) -> bool {
+    matches!(port, 0x20 | 0x21 | 0xA0 | 0xA1 | 0x4D0 | 0x4D1)
+}
 
 /// The MSRs the user APIC owns (KVM_X86_SET_MSR_FILTER sends them to kumo): IA32_APIC_BASE,
 /// IA32_TSC_DEADLINE and the x2APIC range.
@@ -106,6 +111,11 @@ pub struct UserApics {
     cpus: Vec<CpuApic>,
     /// The IOAPIC: legacy device pins (COM1's IRQ 4) reach the LAPICs through it.
     ioapic: Mutex<IoApic>,
+    /// The 8259 pair: the same ISA lines, to the BSP's LINT0 (ExtINT) if the guest uses it.
+    /// Lock order: the PIC before any vCPU's state.
+    pic: Mutex<Pic>,
+    /// The PIC's INTR output, readable without its lock (the BSP's injection and halt look).
+    pic_intr: AtomicBool,
     clock: Arc<HostClock>,
     kick_signal: libc::c_int,
     timers_started: AtomicBool,
@@ -137,6 +147,8 @@ impl UserApics {
         Arc::new(UserApics {
             cpus,
             ioapic: Mutex::new(IoApic::new()),
+            pic: Mutex::new(Pic::new()),
+            pic_intr: AtomicBool::new(false),
             clock,
             kick_signal,
             timers_started: AtomicBool::new(false),
@@ -160,12 +172,77 @@ impl UserApics {
         }
     }
 
-    /// An edge on IOAPIC pin `pin` (a legacy device's irqfd signal).
+    /// An edge on IOAPIC pin `pin` (a legacy device's irqfd signal); ISA lines (0..16) also
+    /// reach the PIC, as on a PC.
     pub fn pulse_pin(&self, pin: u32) {
         let ipi = self.ioapic().pulse(pin as usize);
         if let Some(ipi) = ipi {
             self.send_ipi(&ipi);
         }
+        if pin < 16 {
+            let mut pic = self.pic();
+            pic.pulse(pin);
+            self.pic_changed(&pic);
+        }
+    }
+
+    fn pic(&self) -> MutexGuard<'_, Pic> {
+        self.pic.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// After any change to the PIC (its lock held): publishes INTR and, if it is up, gets the
+    /// BSP to look (its LINT0 decides whether it takes it).
+    fn pic_changed(&self, pic: &Pic) {
+        let intr = pic.intr();
+        self.pic_intr.store(intr, Ordering::Release);
+        if intr {
+            if let Some(c) = self.cpus.first() {
+                let s = lock(&c.state);
+                if s.lapic.extint_ready() {
+                    self.kick_locked(0, &s);
+                }
+            }
+        }
+    }
+
+    /// A read of a PIC or ELCR port (see [`pic_port`]).
+    pub fn pic_read(&self, port: u16, data: &mut [u8]) {
+        let v = self.pic().read_port(port);
+        data.fill(0);
+        if let Some(b) = data.first_mut() {
+            *b = v;
+        }
+    }
+
+    /// A write to a PIC or ELCR port.
+    pub fn pic_write(&self, port: u16, data: &[u8]) {
+        let mut pic = self.pic();
+        pic.write_port(port, data.first().copied().unwrap_or(0));
+        self.pic_changed(&pic);
+    }
+
+    /// Whether the PIC has an interrupt for the BSP whose APIC (`s`, locked) takes ExtINT now.
+    pub fn pic_pending_for(&self, cpu: u32, s: &CpuState) -> bool {
+        cpu == 0 && self.pic_intr.load(Ordering::Acquire) && s.lapic.extint_ready()
+    }
+
+    /// The INTA cycle for the BSP: the PIC's vector (its spurious vector if the request went
+    /// away meanwhile).
+    pub fn pic_ack(&self) -> u8 {
+        let mut pic = self.pic();
+        let v = pic.ack();
+        self.pic_intr.store(pic.intr(), Ordering::Release);
+        v
+    }
+
+    pub fn pic_state(&self) -> kumo_devices::apic::PicState {
+        self.pic().clone()
+    }
+
+    pub fn set_pic_state(&self, s: &kumo_devices::apic::PicState) {
+        let mut pic = self.pic();
+        *pic = s.clone();
+        self.pic_intr.store(pic.intr(), Ordering::Release);
     }
 
     /// An MSI message (a device's MSI-X vector), delivered like the IPI it describes.
@@ -293,7 +370,7 @@ impl UserApics {
     pub fn halt(&self, cpu: u32, stop: impl Fn() -> bool) {
         let c = &self.cpus[cpu as usize];
         let mut s = lock(&c.state);
-        while !s.has_work() && !stop() {
+        while !s.has_work() && !self.pic_pending_for(cpu, &s) && !stop() {
             s = c.wake.wait(s).unwrap_or_else(|p| p.into_inner());
         }
     }
@@ -344,13 +421,17 @@ pub struct LapicPersist {
 /// The IOAPIC as a persistable component (`ioapic`).
 pub struct IoApicPersist(Arc<UserApics>);
 
+/// The 8259 pair as a persistable component (`pic`).
+pub struct PicPersist(Arc<UserApics>);
+
 impl UserApics {
-    /// Every component to save and restore with the VM: each LAPIC, then the IOAPIC.
+    /// Every component to save and restore with the VM: each LAPIC, the IOAPIC and the PIC.
     pub fn persist_list(self: &Arc<Self>) -> Vec<Arc<Mutex<dyn kumo_devices::PersistDyn>>> {
         let mut v: Vec<Arc<Mutex<dyn kumo_devices::PersistDyn>>> = (0..self.cpus.len() as u32)
             .map(|cpu| Arc::new(Mutex::new(LapicPersist { apics: self.clone(), cpu })) as _)
             .collect();
         v.push(Arc::new(Mutex::new(IoApicPersist(self.clone()))));
+        v.push(Arc::new(Mutex::new(PicPersist(self.clone()))));
         v
     }
 }
@@ -389,6 +470,20 @@ impl kumo_devices::Persist for IoApicPersist {
     }
     fn restore(&mut self, s: &Self::State) -> Result<(), kumo_devices::PersistError> {
         self.0.set_ioapic_state(s).map_err(|e| kumo_devices::PersistError::component("ioapic", e))
+    }
+}
+
+impl kumo_devices::Persist for PicPersist {
+    type State = kumo_devices::apic::PicState;
+    fn id(&self) -> String {
+        "pic".into()
+    }
+    fn save(&self) -> Result<Self::State, kumo_devices::PersistError> {
+        Ok(self.0.pic_state())
+    }
+    fn restore(&mut self, s: &Self::State) -> Result<(), kumo_devices::PersistError> {
+        self.0.set_pic_state(s);
+        Ok(())
     }
 }
 
@@ -460,5 +555,46 @@ mod tests {
         a.msi(0xFEE0_0000, 0x51); // to APIC 0
         assert_eq!(a.lock(0).lapic.pending_vector(), Some(0x51));
         a.msi(0xFEE0_0000, 0x0200); // SMI: dropped
+    }
+
+    #[test]
+    fn isa_lines_reach_the_bsp_through_the_pic_and_lint0() {
+        let a = UserApics::new(2, 0);
+        // An uninitialised PIC delivers nothing.
+        a.pulse_pin(4);
+        assert!(!a.pic_pending_for(0, &a.lock(0)));
+        // Linux's init: vectors 0x30/0x38, cascade on IRQ 2, 8086 mode; everything unmasked.
+        for (port, v) in [(0x20u16, 0x11u8), (0x21, 0x30), (0x21, 0x04), (0x21, 0x01), (0x21, 0x00)] {
+            a.pic_write(port, &[v]);
+        }
+        for (port, v) in [(0xA0u16, 0x11u8), (0xA1, 0x38), (0xA1, 0x02), (0xA1, 0x01), (0xA1, 0x00)] {
+            a.pic_write(port, &[v]);
+        }
+        a.pulse_pin(4);
+        // The BSP's LINT0 is ExtINT after reset (virtual wire); an AP never takes the PIC's.
+        assert!(a.pic_pending_for(0, &a.lock(0)));
+        assert!(!a.pic_pending_for(1, &a.lock(1)));
+        assert_eq!(a.pic_ack(), 0x34);
+        assert!(!a.pic_pending_for(0, &a.lock(0)));
+        let mut isr = [0u8];
+        a.pic_write(0x20, &[0x0B]);
+        a.pic_read(0x20, &mut isr);
+        assert_eq!(isr[0], 1 << 4, "IRQ 4 in service until the EOI");
+        a.pic_write(0x20, &[0x20]);
+        // A masked LINT0 keeps the PIC's interrupt away from the BSP (LVT writes need the APIC
+        // software-enabled to unmask).
+        enable(&a, 0);
+        a.lock(0).lapic.write_mmio(0x350, &0x1_0700u32.to_le_bytes());
+        a.pulse_pin(4);
+        assert!(!a.pic_pending_for(0, &a.lock(0)));
+        a.lock(0).lapic.write_mmio(0x350, &0x700u32.to_le_bytes());
+        assert!(a.pic_pending_for(0, &a.lock(0)));
+        // The PIC is in the component list and its state round-trips.
+        let list = a.persist_list();
+        assert!(list.iter().any(|c| c.lock().unwrap().id() == "pic"));
+        let st = a.pic_state();
+        let b = UserApics::new(2, 0);
+        b.set_pic_state(&st);
+        assert!(b.pic_pending_for(0, &b.lock(0)));
     }
 }

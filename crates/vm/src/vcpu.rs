@@ -260,17 +260,28 @@ impl Vcpu {
             self.fd.nmi().map_err(|e| Error::Kvm("KVM_NMI", e))?;
         }
         let mut window = false;
-        if s.lapic.pending_vector().is_some() {
+        // The PIC's INTR (BSP, LINT0 in ExtINT mode) outside the APIC's priority scheme, one
+        // KVM_INTERRUPT per entry; the INTA takes the PIC's lock, so this vCPU's is let go.
+        let mut injected = false;
+        if u.pic_pending_for(id, &s) {
+            if ready && if_flag {
+                drop(s);
+                let v = u.pic_ack();
+                self.interrupt(v)?;
+                injected = true;
+                s = u.lock(id);
+            }
+            // Another PIC interrupt, or this one when the guest could not take it yet.
+            window = !injected || u.pic_pending_for(id, &s);
+        }
+        if s.lapic.pending_vector().is_some() && injected {
+            window = true;
+        } else if s.lapic.pending_vector().is_some() {
             if ready && if_flag {
                 if let Some(v) = s.lapic.ack() {
-                    let irq = kvm_bindings::kvm_interrupt { irq: v as u32 };
-                    // SAFETY: KVM_INTERRUPT reads one kvm_interrupt, which lives across the call.
-                    let r = unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_INTERRUPT(), &irq) };
-                    if r < 0 {
-                        return Err(Error::Kvm("KVM_INTERRUPT", vmm_sys_util::errno::Error::last()));
-                    }
+                    self.interrupt(v)?;
                 }
-                window = s.lapic.pending_vector().is_some();
+                window |= s.lapic.pending_vector().is_some();
             } else {
                 window = true;
             }
@@ -294,6 +305,17 @@ impl Vcpu {
         s.running = false;
         s.lapic.set_cr8(cr8);
         out
+    }
+
+    /// Injects external interrupt `vector` (KVM_INTERRUPT): the guest takes it at this entry.
+    fn interrupt(&self, vector: u8) -> Result<()> {
+        let irq = kvm_bindings::kvm_interrupt { irq: vector as u32 };
+        // SAFETY: KVM_INTERRUPT reads one kvm_interrupt, which lives across the call.
+        let r = unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_INTERRUPT(), &irq) };
+        if r < 0 {
+            return Err(Error::Kvm("KVM_INTERRUPT", vmm_sys_util::errno::Error::last()));
+        }
+        Ok(())
     }
 
     /// A SIPI started this vCPU: real mode at `vector << 12`.
@@ -333,11 +355,21 @@ impl Vcpu {
             _ => &e.other,
         });
         match run {
-            Ok(VcpuExit::IoOut(port, data)) => {
-                Ok(buses.pio.write(port.into(), data).map_or(VcpuRun::Continue, VcpuRun::Device))
-            }
+            // The 8259 pair's ports are the user irqchip's (KVM serves them with its own).
+            Ok(VcpuExit::IoOut(port, data)) => match uapic {
+                Some(u) if crate::uapic::pic_port(port) => {
+                    u.pic_write(port, data);
+                    Ok(VcpuRun::Continue)
+                }
+                _ => Ok(buses.pio.write(port.into(), data).map_or(VcpuRun::Continue, VcpuRun::Device)),
+            },
             Ok(VcpuExit::IoIn(port, data)) => {
-                buses.pio.read(port.into(), data);
+                match uapic {
+                    Some(u) if crate::uapic::pic_port(port) => u.pic_read(port, data),
+                    _ => {
+                        buses.pio.read(port.into(), data);
+                    }
+                }
                 Ok(VcpuRun::Continue)
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {

@@ -446,6 +446,16 @@ impl LocalApic {
         }
     }
 
+    /// Whether an interrupt on the INTR pin (the 8259 PIC's output) reaches this CPU now: LINT0
+    /// in ExtINT mode and unmasked, or the APIC disabled (LINT0 is then the INTR pin).
+    pub fn extint_ready(&self) -> bool {
+        if self.mode() == ApicMode::Disabled {
+            return true;
+        }
+        let e = self.lvt[Lvt::Lint0 as usize];
+        e & LVT_MASKED == 0 && (e >> 8) & 7 == 0b111
+    }
+
     /// A local interrupt source fires (LINT0/LINT1 pins, thermal, performance counter; the
     /// timer goes through [`LocalApic::expire`]). With the APIC disabled LINT0 is the INTR pin
     /// (ExtINT) and LINT1 the NMI pin.

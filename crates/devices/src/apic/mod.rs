@@ -23,6 +23,7 @@
 pub mod ioapic;
 mod ipi;
 mod lapic;
+pub mod pic;
 #[cfg(test)]
 mod tests;
 mod timer;
@@ -36,6 +37,7 @@ pub use ipi::{matches, ApicAddress, DeliveryMode, DestMode, Destination, Ipi};
 pub use lapic::{
     ApicEvent, ApicMode, Delivery, LapicState, LocalApic, Lvt, Oddity, TimerState, VERSION as APIC_VERSION,
 };
+pub use pic::{Pic, PicState};
 pub use timer::{divisor, TimerMode, MIN_PERIOD_NS};
 
 /// IA32_APIC_BASE.
