@@ -130,6 +130,8 @@ fn sync_hands_the_semaphore_on_in_every_wait_and_apic_mode() {
         ("2", "poll", "xapic", &[]),
         ("2", "hlt", "xapic", &["--halt-poll-ns", "0"]),
         ("2", "hlt", "x2apic", &["--irqchip", "split"]),
+        ("2", "hlt", "xapic", &["--irqchip", "user"]),
+        ("2", "hlt", "x2apic", &["--irqchip", "user"]),
         ("1", "hlt", "xapic", &[]),
     ];
     for &(cpus, wait, apic, extra) in cases {

@@ -97,6 +97,11 @@ void kumo_idle_until(u64 tsc);
  * an interrupt handler that bumps *word between the caller's check and the halt is not missed. */
 void kumo_wait_change(const volatile u32 *word, u32 seen, u64 tsc);
 
+/* Ring 0, on each vCPU that wants it: switches this vCPU's LAPIC to x2APIC mode and software-
+ * enables it; the runtime's timer interrupt then EOIs by MSR. Returns 0, or -1 if CPUID does not
+ * offer x2APIC. */
+int kumo_enable_x2apic(void);
+
 /* Per-vCPU stacks, defined by the runtime. */
 #define KUMO_MAX_CPUS 64
 

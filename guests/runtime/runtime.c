@@ -88,6 +88,24 @@ void kumo_enter_user(u64 (*fn)(u64), u64 arg) {
     __builtin_unreachable();
 }
 
+/* Read by the timer ISR (start.S): EOI by MSR once any vCPU is in x2APIC mode (kumo's guests
+ * switch all their vCPUs or none). */
+volatile u8 kumo_x2apic;
+
+int kumo_enable_x2apic(void) {
+    u32 a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+    if (!(c & (1u << 21)))
+        return -1;
+    u32 lo, hi;
+    __asm__ volatile("rdmsr" : "=a"(lo), "=d"(hi) : "c"(0x1b));
+    lo |= (1u << 10) | (1u << 11);
+    __asm__ volatile("wrmsr" ::"c"(0x1b), "a"(lo), "d"(hi));
+    __asm__ volatile("wrmsr" ::"c"(0x80f), "a"(0x1ff), "d"(0));
+    kumo_x2apic = 1;
+    return 0;
+}
+
 void kumo_idle_until(u64 tsc) {
     while (rdtsc() < tsc)
         __asm__ volatile("hlt" ::"a"((u32)tsc), "d"((u32)(tsc >> 32)), "S"(0UL) : "memory");

@@ -96,12 +96,25 @@ kumo_exc13:
 5:  pushq $13
     jmp kumo_exc_common
 
-/* TSC-deadline timer interrupt: it only needs to end the hlt above. */
+/* TSC-deadline timer interrupt: it only needs to end the hlt above. The EOI is an MMIO write,
+ * or in x2APIC mode (kumo_enable_x2apic) a WRMSR to 0x80B. */
     .globl kumo_timer_isr
 kumo_timer_isr:
     pushq %rax
+    cmpb $0, kumo_x2apic(%rip)
+    jne 1f
     movq $0xfee000b0, %rax      /* LAPIC EOI */
     movl $0, (%rax)
+    popq %rax
+    iretq
+1:  pushq %rcx
+    pushq %rdx
+    xorl %eax, %eax
+    xorl %edx, %edx
+    movl $0x80b, %ecx           /* x2APIC EOI */
+    wrmsr
+    popq %rdx
+    popq %rcx
     popq %rax
     iretq
 

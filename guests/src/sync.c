@@ -71,11 +71,6 @@ _Static_assert(__builtin_offsetof(struct params, lapic) == 48, "ipi_xapic reads 
 
 _Static_assert(__builtin_offsetof(struct params, poll_tsc) == 64, "params layout");
 
-static inline u64 rdmsr(u32 msr) {
-    u32 lo, hi;
-    __asm__ volatile("rdmsr" : "=a"(lo), "=d"(hi) : "c"(msr));
-    return ((u64)hi << 32) | lo;
-}
 static inline void wrmsr(u32 msr, u64 v) {
     __asm__ volatile("wrmsr" ::"c"(msr), "a"((u32)v), "d"((u32)(v >> 32)) : "memory");
 }
@@ -256,14 +251,6 @@ void kmain(struct kumo_boot_info *bi, u32 cpu) {
         P.n = bi->ncpus > MAX_CPUS ? MAX_CPUS : bi->ncpus;
         P.lapic = bi->lapic_base;
         P.tsc_khz = bi->tsc_khz;
-        if (P.x2apic) {
-            u32 a, b, c, d;
-            __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
-            if (!(c & (1u << 21))) {
-                kputs("sync: x2apic is not offered (CPUID.1:ECX.x2APIC is clear)\n");
-                kumo_exit(4);
-            }
-        }
         kumo_set_gate(IPI_VECTOR, P.x2apic ? ipi_x2apic : ipi_xapic);
         __atomic_store_n(&params_ok, 1, __ATOMIC_RELEASE);
     } else {
@@ -272,9 +259,9 @@ void kmain(struct kumo_boot_info *bi, u32 cpu) {
         while (!__atomic_load_n(&params_ok, __ATOMIC_ACQUIRE))
             cpu_relax();
     }
-    if (P.x2apic) {
-        wrmsr(0x1b, rdmsr(0x1b) | (1u << 10) | (1u << 11)); /* x2APIC mode */
-        wrmsr(0x80f, 0x1ff);                                 /* software enable */
+    if (P.x2apic && kumo_enable_x2apic() < 0) {
+        kputs("sync: x2apic is not offered (CPUID.1:ECX.x2APIC is clear)\n");
+        kumo_exit(4);
     }
     kumo_enter_user(run, cpu);
 }
