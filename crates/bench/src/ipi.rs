@@ -194,25 +194,18 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     if !kumo_vm::vm::kvm_available() {
         return Err("needs /dev/kvm".into());
     }
+    // The rows, then `runs` rounds each running every row once (and each irqchip's 1-vCPU work
+    // once), so a drift of this shared host touches every row alike.
     let mut rows = Vec::new();
-    let mut work1: Vec<(Route, Result<f64, String>)> = Vec::new();
+    let mut one_vcpu: Vec<(Route, Vec<f64>)> = Vec::new();
     for path in PATHS {
         let usable = path_usable(&path);
         if let Err(e) = &usable {
             progress(t0, &format!("{}: not available here: {e}", path.label()));
         }
-        // The 1-vCPU work time of this path: no hand-off ever waits there, so one per path.
+        // The 1-vCPU work time of an irqchip: no hand-off ever waits there, so one per irqchip.
         if usable.is_ok() && path.guest_poll_ns.is_none() && path.halt_poll_ns.is_none() {
-            let mut v = Vec::new();
-            let mut err = None;
-            for _ in 0..runs {
-                match sync_once(&path, "hlt", "xapic", 1, &guest) {
-                    Ok(r) => v.push(r.work_ns as f64 / 1e6),
-                    Err(e) => err = Some(e),
-                }
-            }
-            progress(t0, &format!("{}: 1 vCPU work {:?} ms", path.label(), median(v.clone())));
-            work1.push((path, median(v).ok_or(err.unwrap_or_default())));
+            one_vcpu.push((path, Vec::new()));
         }
         let waits: &[&'static str] = if path.guest_poll_ns.is_some() {
             &["poll"]
@@ -223,40 +216,55 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         };
         for &wait in waits {
             for apic in ["xapic", "x2apic"] {
-                let mut row = Row {
-                    path,
-                    label: path.label(),
-                    wait,
-                    apic,
-                    skipped: usable.as_ref().err().cloned(),
-                    handoff_p50_us: None,
-                    handoff_p99_us: None,
-                    rtt_p50_us: None,
-                    rtt_p99_us: None,
-                    exit_rtt_us: None,
-                    work2_ms: None,
-                    work1_ms: None,
-                    two_vs_one: None,
-                    runs: 0,
-                };
-                if usable.is_ok() {
-                    measure(&mut row, runs, &guest);
-                    let w1 = work1.iter().find(|(p, _)| p.irqchip == path.irqchip).and_then(|(_, w)| w.clone().ok());
-                    row.work1_ms = w1;
-                    row.two_vs_one = row.work2_ms.zip(w1).map(|(two, one)| two / one);
-                    progress(
-                        t0,
-                        &format!(
-                            "{} wait={wait} {apic}: hand-off p50 {} us",
-                            row.label,
-                            row.handoff_p50_us.map_or("n/a".into(), |v| format!("{v:.1}"))
-                        ),
-                    );
-                }
-                rows.push(row);
+                rows.push((
+                    Row {
+                        path,
+                        label: path.label(),
+                        wait,
+                        apic,
+                        skipped: usable.as_ref().err().cloned(),
+                        handoff_p50_us: None,
+                        handoff_p99_us: None,
+                        rtt_p50_us: None,
+                        rtt_p99_us: None,
+                        exit_rtt_us: None,
+                        work2_ms: None,
+                        work1_ms: None,
+                        two_vs_one: None,
+                        runs: 0,
+                    },
+                    Samples::default(),
+                ));
             }
         }
     }
+    for round in 0..runs {
+        for (path, v) in &mut one_vcpu {
+            if let Ok(r) = sync_once(path, "hlt", "xapic", 1, &guest) {
+                v.push(r.work_ns as f64 / 1e6);
+            }
+        }
+        for (row, samples) in rows.iter_mut().filter(|(r, _)| r.skipped.is_none()) {
+            match sync_once(&row.path, row.wait, row.apic, 2, &guest) {
+                Ok(r) => {
+                    samples.push(&r);
+                    row.runs += 1;
+                }
+                Err(e) => row.skipped = Some(e),
+            }
+        }
+        progress(t0, &format!("round {} of {runs} done", round + 1));
+    }
+    let rows: Vec<Row> = rows
+        .into_iter()
+        .map(|(mut row, s)| {
+            s.fill(&mut row);
+            let w1 = one_vcpu.iter().find(|(p, _)| p.irqchip == row.path.irqchip).and_then(|(_, v)| median(v.clone()));
+            row.work1_ms = w1;
+            row.two_vs_one = row.work2_ms.zip(w1).map(|(two, one)| two / one);
+            row
+        })
+        .collect();
     let headline = headline(&rows);
     let pv_ipi_probe = match kumo_vm::vm::open_kvm() {
         Ok(kvm) => match kumo_vm::pv::probe::probe_pv_ipi(&kvm, kumo_vm::pv::PV_IPI_PROBE_LIMIT) {
@@ -292,35 +300,42 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     Ok(0)
 }
 
-fn measure(row: &mut Row, runs: usize, guest: &[String]) {
-    let (mut h50, mut h99, mut r50, mut r99, mut ex, mut w2) = (vec![], vec![], vec![], vec![], vec![], vec![]);
-    for _ in 0..runs {
-        match sync_once(&row.path, row.wait, row.apic, 2, guest) {
-            Ok(r) => {
-                if let Some(h) = r.handoff {
-                    h50.push(us(h.p50));
-                    h99.push(us(h.p99));
-                }
-                if let Some(t) = r.rtt {
-                    r50.push(us(t.p50));
-                    r99.push(us(t.p99));
-                }
-                ex.push(us(r.exit_rtt_ns));
-                w2.push(r.work_ns as f64 / 1e6);
-                row.runs += 1;
-            }
-            Err(e) => {
-                row.skipped = Some(e);
-                return;
-            }
+/// One row's samples over the rounds; medians at the end.
+#[derive(Default)]
+struct Samples {
+    h50: Vec<f64>,
+    h99: Vec<f64>,
+    r50: Vec<f64>,
+    r99: Vec<f64>,
+    exit: Vec<f64>,
+    work2: Vec<f64>,
+}
+
+impl Samples {
+    fn push(&mut self, r: &SyncResult) {
+        if let Some(h) = r.handoff {
+            self.h50.push(us(h.p50));
+            self.h99.push(us(h.p99));
         }
+        if let Some(t) = r.rtt {
+            self.r50.push(us(t.p50));
+            self.r99.push(us(t.p99));
+        }
+        self.exit.push(us(r.exit_rtt_ns));
+        self.work2.push(r.work_ns as f64 / 1e6);
     }
-    row.handoff_p50_us = median(h50);
-    row.handoff_p99_us = median(h99);
-    row.rtt_p50_us = median(r50);
-    row.rtt_p99_us = median(r99);
-    row.exit_rtt_us = median(ex);
-    row.work2_ms = median(w2);
+
+    fn fill(self, row: &mut Row) {
+        if row.skipped.is_some() {
+            return;
+        }
+        row.handoff_p50_us = median(self.h50);
+        row.handoff_p99_us = median(self.h99);
+        row.rtt_p50_us = median(self.r50);
+        row.rtt_p99_us = median(self.r99);
+        row.exit_rtt_us = median(self.exit);
+        row.work2_ms = median(self.work2);
+    }
 }
 
 fn headline(rows: &[Row]) -> Headline {
@@ -412,11 +427,21 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         format!("cannot draw: {err}")
     }
     let rows: Vec<&Row> = r.rows.iter().filter(|x| x.handoff_p50_us.is_some()).collect();
-    let root = BitMapBackend::new(path, (1600, 620)).into_drawing_area();
+    let root = BitMapBackend::new(path, (2700, 620)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
-    let (left, right) = root.split_horizontally(1000);
+    let (left, right) = root.split_horizontally(1400);
     let n = rows.len().max(1) as f64;
-    let names: Vec<String> = rows.iter().map(|x| format!("{} {} {}", x.label, x.wait, x.apic)).collect();
+    // Short labels (the table has the long ones): path, wait, APIC mode.
+    let short = |x: &Row| {
+        let p = match (x.path.irqchip, x.path.halt_poll_ns, x.path.guest_poll_ns) {
+            ("user", ..) => "user".to_string(),
+            (k, Some(ns), _) => format!("{k} hp{}", ns / 1000),
+            (k, _, Some(ns)) => format!("{k} gp{}", ns / 1000),
+            (k, ..) => k.to_string(),
+        };
+        format!("{p} {} {}", x.wait, if x.apic == "x2apic" { "x2" } else { "x" })
+    };
+    let names: Vec<String> = rows.iter().map(|x| short(x)).collect();
     let label = |v: &f64| {
         let i = v.round();
         if (v - i).abs() < 0.01 && i >= 0.0 {
@@ -429,15 +454,15 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     let mut c = ChartBuilder::on(&left)
         .caption("semaphore hand-off between 2 vCPUs, p50 / p99 (us, log)", ("sans-serif", 20))
         .margin(15)
-        .x_label_area_size(150)
+        .x_label_area_size(40)
         .y_label_area_size(65)
-        .build_cartesian_2d(-0.5f64..n - 0.5, (0.1f64..top).log_scale())
+        .build_cartesian_2d(-0.5f64..n - 0.5, (0.05f64..top).log_scale())
         .map_err(e)?;
     c.configure_mesh()
         .disable_x_mesh()
         .x_labels(rows.len().max(1))
         .x_label_formatter(&label)
-        .x_label_style(("sans-serif", 11).into_font().transform(FontTransform::Rotate90))
+        .x_label_style(("sans-serif", 10))
         .y_desc("microseconds")
         .label_style(("sans-serif", 12))
         .draw()
@@ -446,7 +471,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         let bars = rows.iter().enumerate().filter_map(|(i, x)| {
             let v = if k == 0 { x.handoff_p50_us } else { x.handoff_p99_us }?;
             let x0 = i as f64 - 0.38 + k as f64 * 0.38;
-            Some(Rectangle::new([(x0, 0.1), (x0 + 0.36, v.max(0.1))], col.mix(0.8).filled()))
+            Some(Rectangle::new([(x0, 0.05), (x0 + 0.36, v.max(0.06))], col.mix(0.8).filled()))
         });
         c.draw_series(bars)
             .map_err(e)?
@@ -459,7 +484,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     let mut c = ChartBuilder::on(&right)
         .caption("work on 2 vCPUs / on 1 (below 1: 2 win)", ("sans-serif", 20))
         .margin(15)
-        .x_label_area_size(150)
+        .x_label_area_size(40)
         .y_label_area_size(50)
         .build_cartesian_2d(-0.5f64..n - 0.5, 0.0..top)
         .map_err(e)?;
@@ -467,7 +492,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .disable_x_mesh()
         .x_labels(rows.len().max(1))
         .x_label_formatter(&label)
-        .x_label_style(("sans-serif", 11).into_font().transform(FontTransform::Rotate90))
+        .x_label_style(("sans-serif", 10))
         .label_style(("sans-serif", 12))
         .draw()
         .map_err(e)?;
