@@ -57,7 +57,7 @@ struct LossRun {
     backend_pause_us: Option<u64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 struct Cycles {
     handovers: u64,
     sent: u64,
@@ -80,7 +80,7 @@ struct Cycles {
     marks: Vec<f64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 struct Baseline {
     sent: u64,
     echoed: u64,
@@ -634,9 +634,7 @@ fn table(r: &Report) -> String {
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
     crate::register_plot_font()?;
-    fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
-        format!("cannot draw: {err}")
-    }
+    use crate::plot_err as e;
     let root = BitMapBackend::new(path, (1600, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
     let (left, right) = root.split_horizontally(800);
@@ -729,5 +727,19 @@ mod tests {
         };
         assert_eq!(headline(&r), "lost_1ms=0 lost_100us=na outage_p99_us=na baseline_outage_ms=na");
         assert!(table(&r).contains("FAILED: x"));
+    }
+
+    #[test]
+    fn plot_draws_a_png() {
+        let series: Vec<(f64, f64)> = (0..200).map(|k| (k as f64 / 1000.0, 150.0 + (k % 7) as f64 * 10.0)).collect();
+        let r = Report {
+            bench: "handover",
+            command: String::new(),
+            loss: vec![],
+            cycles: Some(Cycles { series: series.clone(), marks: vec![0.05, 0.1], ..Default::default() }),
+            baseline: Some(Baseline { series, unplug_at: 0.1, outage_ms: 25.0, ..Default::default() }),
+            errors: vec![],
+        };
+        crate::check_plot("handover", |p| plot(p, &r));
     }
 }

@@ -423,9 +423,7 @@ fn table(r: &Report) -> String {
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
     crate::register_plot_font()?;
-    fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
-        format!("cannot draw: {err}")
-    }
+    use crate::plot_err as e;
     let rows: Vec<&Row> = r.rows.iter().filter(|x| x.handoff_p50_us.is_some()).collect();
     let root = BitMapBackend::new(path, (2700, 620)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
@@ -579,13 +577,6 @@ mod tests {
 
     #[test]
     fn plot_draws_a_png() {
-        if !Path::new(crate::FONT).exists() {
-            eprintln!("skipping: no font at {}", crate::FONT);
-            return;
-        }
-        let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-ipi-plot-"))
-            .expect("tempdir");
-        let p = dir.as_path().join("ipi.png");
         let rows = sample();
         let r = Report {
             bench: "ipi",
@@ -596,7 +587,6 @@ mod tests {
             headline: headline(&rows),
             rows,
         };
-        plot(&p, &r).expect("plot");
-        assert!(std::fs::metadata(&p).expect("png").len() > 0);
+        crate::check_plot("ipi", |p| plot(p, &r));
     }
 }

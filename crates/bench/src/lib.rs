@@ -28,6 +28,26 @@ pub fn register_plot_font() -> Result<(), String> {
         .map_err(|_| format!("{FONT} is not a usable font"))
 }
 
+/// A plotters drawing error as the benches report it (`.map_err(plot_err)`).
+pub(crate) fn plot_err<E: std::error::Error + Send + Sync>(err: plotters::drawing::DrawingAreaErrorKind<E>) -> String {
+    format!("cannot draw: {err}")
+}
+
+/// Test helper: `plot` draws a non-empty PNG into a temporary directory (skips, saying why,
+/// without the font).
+#[cfg(test)]
+pub(crate) fn check_plot(name: &str, plot: impl FnOnce(&Path) -> Result<(), String>) {
+    if !Path::new(FONT).exists() {
+        eprintln!("skipping the {name} plot test: no font at {FONT}");
+        return;
+    }
+    let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join(format!("kumo-{name}-plot-")))
+        .expect("tempdir");
+    let p = dir.as_path().join(format!("{name}.png"));
+    plot(&p).expect("plot");
+    assert!(std::fs::metadata(&p).expect("png").len() > 0);
+}
+
 /// The `kumo` binary the benchmarks run: `$KUMO_BIN` (set by `kumo bench`), else `kumo` next to
 /// this executable (both live in cargo's target directory).
 pub fn kumo_binary() -> Result<PathBuf, String> {

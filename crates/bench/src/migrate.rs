@@ -1851,9 +1851,7 @@ fn targets(r: &Report) -> Vec<Target> {
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
     crate::register_plot_font()?;
-    fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
-        format!("cannot draw: {err}")
-    }
+    use crate::plot_err as e;
     let root = BitMapBackend::new(path, (2100, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
     let (left, rest) = root.split_horizontally(700);

@@ -947,9 +947,7 @@ pub fn tables(r: &Report) -> String {
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
     crate::register_plot_font()?;
-    fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
-        format!("cannot draw: {err}")
-    }
+    use crate::plot_err as e;
     let root = BitMapBackend::new(path, (1800, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
     let (left, right) = root.split_horizontally(1150);
@@ -1339,14 +1337,6 @@ mod tests {
 
     #[test]
     fn plot_draws_a_png() {
-        if !Path::new(crate::FONT).exists() {
-            eprintln!("skipping: no font at {}", crate::FONT);
-            return;
-        }
-        let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-net-plot-"))
-            .expect("tempdir");
-        let p = dir.as_path().join("net.png");
-        plot(&p, &sample_report()).expect("plot");
-        assert!(std::fs::metadata(&p).expect("png").len() > 0);
+        crate::check_plot("net", |p| plot(p, &sample_report()));
     }
 }

@@ -273,9 +273,7 @@ pub fn table(r: &Report) -> String {
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
     crate::register_plot_font()?;
-    fn e<E: std::error::Error + Send + Sync>(err: DrawingAreaErrorKind<E>) -> String {
-        format!("cannot draw: {err}")
-    }
+    use crate::plot_err as e;
     let root = BitMapBackend::new(path, (1200, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
     let names: Vec<&str> = r.rows.iter().map(|x| x.label).collect();
