@@ -122,6 +122,20 @@ fn handovers_under_traffic_lose_nothing_and_the_new_owner_answers() {
     let b = vm("B", &backend, "udpsink", &args);
     let id_b = backend.ready_client(b.id());
     assert_eq!(backend.info()["owner"].as_u64(), Some(id_a), "the first ready VM owns the NIC");
+    // The guest's MAC (the backend's) as a permanent neighbour: no ARP resolution for the host
+    // to queue datagrams behind, and drop them beyond its queue, while a busy guest answers.
+    hostnet::ip(&[
+        "neigh",
+        "replace",
+        &guest.to_string(),
+        "lladdr",
+        "52:54:00:12:34:56",
+        "dev",
+        &tap.name,
+        "nud",
+        "permanent",
+    ])
+    .expect("a neighbour entry");
 
     // The host streams N datagrams; the NIC moves A -> B -> A ... while they flow, ending on B.
     const N: u64 = 4000;

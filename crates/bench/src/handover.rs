@@ -520,6 +520,19 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-handover-"))
         .map_err(|e| e.to_string())?;
     let backend = Backend::start(dir.as_path(), &tap)?;
+    // The NIC's MAC (the backend's default) as a permanent neighbour: no ARP for the host to
+    // queue datagrams behind (and drop beyond its queue) while a guest answers.
+    host::ip(&[
+        "neigh",
+        "replace",
+        &net.guest.to_string(),
+        "lladdr",
+        "52:54:00:12:34:56",
+        "dev",
+        &tap,
+        "nud",
+        "permanent",
+    ])?;
     let t0 = Instant::now();
     let say = |m: &str| eprintln!("[{:>5.1} s] {m}", t0.elapsed().as_secs_f64());
 
