@@ -153,6 +153,28 @@ impl ApiClient {
         self.call("PUT", paths::PIN, Some(&body)).map(drop)
     }
 
+    /// `PUT /api/v1/vm.release`: the VM gives host CPUs and memory up (its guest confirms).
+    pub fn release(&self, req: &crate::ReleaseRequest) -> Result<crate::Released, ClientError> {
+        self.put_json(paths::RELEASE, req)
+    }
+
+    /// `PUT /api/v1/vm.acquire`: the VM takes host CPUs and memory another VM released.
+    pub fn acquire(&self, req: &crate::AcquireRequest) -> Result<crate::Acquired, ClientError> {
+        self.put_json(paths::ACQUIRE, req)
+    }
+
+    /// `GET /api/v1/vm.elastic`.
+    pub fn elastic(&self) -> Result<crate::ElasticInfo, ClientError> {
+        let body = self.call("GET", paths::ELASTIC, None)?.ok_or_else(|| self.bad("empty vm.elastic answer"))?;
+        serde_json::from_value(body).map_err(|e| self.bad(format!("invalid vm.elastic answer: {e}")))
+    }
+
+    fn put_json<Q: serde::Serialize, A: serde::de::DeserializeOwned>(&self, path: &str, req: &Q) -> Result<A, ClientError> {
+        let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
+        let answer = self.call("PUT", path, Some(&body))?.ok_or_else(|| self.bad(format!("empty answer from {path}")))?;
+        serde_json::from_value(answer).map_err(|e| self.bad(format!("invalid answer from {path}: {e}")))
+    }
+
     /// The VM's counters (vCPU exits by reason, assists, interrupts, migration bytes).
     pub fn counters(&self) -> Result<Value, ClientError> {
         self.call("GET", paths::COUNTERS, None)?.ok_or_else(|| self.bad("empty vm.counters answer"))

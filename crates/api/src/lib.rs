@@ -39,6 +39,12 @@ pub mod paths {
     pub const RESTORE: &str = "/api/v1/vm.restore";
     /// Re-pins (or unpins) one vCPU to a host CPU.
     pub const PIN: &str = "/api/v1/vm.pin";
+    /// Elastic sharing (`--elastic`): the VM gives host CPUs and memory up (its guest confirms).
+    pub const RELEASE: &str = "/api/v1/vm.release";
+    /// Elastic sharing: the VM takes host CPUs and memory another VM released.
+    pub const ACQUIRE: &str = "/api/v1/vm.acquire";
+    /// Elastic sharing: what the VM holds, its guest's progress, and its record of changes.
+    pub const ELASTIC: &str = "/api/v1/vm.elastic";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -194,6 +200,169 @@ pub enum ApiRequest {
     Restore(RestoreRequest),
     /// Pin one vCPU to a host CPU, or unpin it.
     Pin(PinRequest),
+    /// Give host CPUs and memory up (elastic sharing).
+    Release(ReleaseRequest),
+    /// Take host CPUs and memory another VM gave up (elastic sharing).
+    Acquire(AcquireRequest),
+    /// What an elastic VM holds, and its record of changes.
+    Elastic,
+}
+
+/// How long a VM waits for its guest to confirm an elastic request, by default.
+pub const ELASTIC_TIMEOUT_MS: u64 = 1000;
+
+fn elastic_timeout() -> u64 {
+    ELASTIC_TIMEOUT_MS
+}
+
+/// Body of `PUT /api/v1/vm.release`: what the VM gives up. Its guest is asked first and must
+/// confirm within `timeout_ms`; otherwise nothing changes (the request fails with 504).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    /// How many host CPUs (kumo picks them), unless `host_cpus` names them.
+    #[serde(default)]
+    pub cpus: u32,
+    /// Exactly these host CPUs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_cpus: Vec<u32>,
+    /// Bytes of elastic memory (whole blocks), from guest node `node` (default: the node
+    /// holding the most).
+    #[serde(default)]
+    pub memory_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
+    /// A return: only what this VM borrowed from `to`. Without it, only the VM's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<String>,
+    #[serde(default = "elastic_timeout")]
+    pub timeout_ms: u64,
+}
+
+/// Memory one VM released, for another to acquire: `bytes` of guest node `node` of the
+/// releasing VM, whose memory lived on host node `host_node` (if bound).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryGrant {
+    pub bytes: u64,
+    pub node: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_node: Option<u32>,
+}
+
+/// Answer to `vm.release`: what is now free (held by no VM).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Released {
+    pub host_cpus: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryGrant>,
+    /// Whom the released resources had been borrowed from (a return), if anyone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lender: Option<String>,
+    /// Milliseconds until the guest confirmed, and in all (parking, discarding pages).
+    pub guest_ms: f64,
+    pub total_ms: f64,
+}
+
+/// Body of `PUT /api/v1/vm.acquire`: host CPUs and memory another VM released.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireRequest {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_cpus: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryGrant>,
+    /// Who lends them (recorded, so that `vm.release` with `to` can give them back); none:
+    /// they are the VM's own again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    #[serde(default = "elastic_timeout")]
+    pub timeout_ms: u64,
+}
+
+/// Answer to `vm.acquire`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Acquired {
+    /// The vCPUs now running on the acquired host CPUs, in the same order.
+    pub vcpus: Vec<u32>,
+    /// The guest node that got the memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
+    /// Milliseconds until the guest confirmed (its new vCPUs did work, its new memory is in
+    /// use), and in all.
+    pub guest_ms: f64,
+    pub total_ms: f64,
+}
+
+/// Body of `GET /api/v1/vm.elastic`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ElasticInfo {
+    pub block_bytes: u64,
+    pub vcpus: Vec<ElasticVcpu>,
+    pub nodes: Vec<ElasticNode>,
+    /// Work units the guest reports per vCPU (its `worker` counts them), vCPU 0 first.
+    pub progress: Vec<u64>,
+    /// Every change of what the VM holds, oldest first (the first ones: what it held at boot).
+    pub events: Vec<ElasticEvent>,
+}
+
+/// A vCPU in [`ElasticInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ElasticVcpu {
+    pub vcpu: u32,
+    /// The host CPU it holds; none while parked (or for vCPU 0, which floats and is never lent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_cpu: Option<u32>,
+    pub parked: bool,
+    /// Whom its host CPU is borrowed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lender: Option<String>,
+}
+
+/// A guest node's elastic memory in [`ElasticInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ElasticNode {
+    pub node: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_node: Option<u32>,
+    /// Its elastic area: guest-physical start and size.
+    pub base: u64,
+    pub area_bytes: u64,
+    /// How much of it the guest may use now, and how much of that is borrowed (by lender).
+    pub plugged_bytes: u64,
+    #[serde(default)]
+    pub borrowed: std::collections::BTreeMap<String, u64>,
+}
+
+/// One change in [`ElasticInfo::events`]. Times are CLOCK_MONOTONIC nanoseconds, comparable
+/// between VMs on one host. An acquisition is recorded before the VM can use what it took,
+/// a release after it can no longer use it: two VMs' records overlap only if they really did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ElasticEvent {
+    pub t_ns: u64,
+    pub kind: ElasticEventKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpu: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_cpu: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_node: Option<u32>,
+    #[serde(default)]
+    pub bytes: u64,
+    /// What the VM held from the start (its share of the pool the VMs lend among themselves).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub at_boot: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ElasticEventKind {
+    CpuAcquired,
+    CpuReleased,
+    MemAcquired,
+    MemReleased,
 }
 
 /// Body of `PUT /api/v1/vm.pin`.

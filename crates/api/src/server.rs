@@ -75,6 +75,9 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::RECEIVE_MIGRATION, build: |b| Ok(ApiRequest::ReceiveMigration(json_body(b)?)) },
     Route { method: "PUT", path: paths::RESTORE, build: |b| Ok(ApiRequest::Restore(json_body(b)?)) },
     Route { method: "PUT", path: paths::PIN, build: |b| Ok(ApiRequest::Pin(json_body(b)?)) },
+    Route { method: "PUT", path: paths::RELEASE, build: |b| Ok(ApiRequest::Release(json_body(b)?)) },
+    Route { method: "PUT", path: paths::ACQUIRE, build: |b| Ok(ApiRequest::Acquire(json_body(b)?)) },
+    Route { method: "GET", path: paths::ELASTIC, build: |_| Ok(ApiRequest::Elastic) },
 ];
 
 /// Every (method, path) the server answers, in route-table order: what docs/openapi.yaml must
