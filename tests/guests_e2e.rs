@@ -363,6 +363,7 @@ fn crafted_headers_get_a_failed_reply() {
             pins: vec![],
             pv: Default::default(),
             halt_poll_ns: None,
+            elastic: None,
         };
         VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
     };

@@ -58,6 +58,7 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         pins: vec![],
         pv: Default::default(),
         halt_poll_ns: None,
+        elastic: None,
     }
 }
 

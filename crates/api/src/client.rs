@@ -169,9 +169,14 @@ impl ApiClient {
         serde_json::from_value(body).map_err(|e| self.bad(format!("invalid vm.elastic answer: {e}")))
     }
 
-    fn put_json<Q: serde::Serialize, A: serde::de::DeserializeOwned>(&self, path: &str, req: &Q) -> Result<A, ClientError> {
+    fn put_json<Q: serde::Serialize, A: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        req: &Q,
+    ) -> Result<A, ClientError> {
         let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
-        let answer = self.call("PUT", path, Some(&body))?.ok_or_else(|| self.bad(format!("empty answer from {path}")))?;
+        let answer =
+            self.call("PUT", path, Some(&body))?.ok_or_else(|| self.bad(format!("empty answer from {path}")))?;
         serde_json::from_value(answer).map_err(|e| self.bad(format!("invalid answer from {path}: {e}")))
     }
 

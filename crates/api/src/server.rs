@@ -648,6 +648,18 @@ mod tests {
                 ApiRequest::Restore(r) => Ok(ApiResponse::Json(serde_json::json!({"path": r.source_url}))),
                 ApiRequest::Pin(p) if p.vcpu >= 2 => Err(ApiError::bad_request("vCPU does not exist")),
                 ApiRequest::Pin(_) => Ok(ApiResponse::Ok),
+                ApiRequest::Release(r) if r.cpus > 1 => Err(ApiError::new(504, "the guest did not confirm")),
+                ApiRequest::Release(r) => Ok(ApiResponse::Json(
+                    serde_json::to_value(crate::Released { host_cpus: vec![3; r.cpus as usize], ..Default::default() })
+                        .unwrap(),
+                )),
+                ApiRequest::Acquire(r) => Ok(ApiResponse::Json(
+                    serde_json::to_value(crate::Acquired { vcpus: vec![2; r.host_cpus.len()], ..Default::default() })
+                        .unwrap(),
+                )),
+                ApiRequest::Elastic => {
+                    Ok(ApiResponse::Json(serde_json::to_value(crate::ElasticInfo::default()).unwrap()))
+                }
                 ApiRequest::MigrationEvents => Ok(ApiResponse::Stream(crate::JsonLines::new(|sink| {
                     for i in 0..3 {
                         if !sink(&serde_json::json!({ "n": i })) {
@@ -738,6 +750,29 @@ mod tests {
             assert_eq!(f.client.request("PUT", paths::PIN, Some(&body)).unwrap().0, 400, "{body}");
         }
         assert_eq!(f.client.info().unwrap().vcpu_pins, [Some(0), None]);
+    }
+
+    #[test]
+    fn elastic_routes_carry_their_bodies_and_statuses() {
+        let f = start();
+        let r = f.client.release(&crate::ReleaseRequest { cpus: 1, ..Default::default() }).unwrap();
+        assert_eq!(r.host_cpus, [3]);
+        let a = f
+            .client
+            .acquire(&crate::AcquireRequest { host_cpus: vec![3], from: Some("a".into()), ..Default::default() })
+            .unwrap();
+        assert_eq!(a.vcpus, [2]);
+        assert_eq!(f.client.elastic().unwrap(), crate::ElasticInfo::default());
+        let e = f.client.release(&crate::ReleaseRequest { cpus: 2, ..Default::default() }).unwrap_err();
+        assert!(e.to_string().contains("did not confirm"), "{e}");
+        let calls = f.vm.calls();
+        assert_eq!(
+            calls[0],
+            ApiRequest::Release(crate::ReleaseRequest { cpus: 1, timeout_ms: 1000, ..Default::default() })
+        );
+        assert!(matches!(&calls[1], ApiRequest::Acquire(a) if a.from.as_deref() == Some("a") && a.timeout_ms == 1000));
+        let body = serde_json::json!({"cpus": 1, "bogus": 2});
+        assert_eq!(f.client.request("PUT", paths::RELEASE, Some(&body)).unwrap().0, 400);
     }
 
     struct Fixture {

@@ -11,6 +11,7 @@ macro_rules! note {
 }
 
 mod console;
+mod lend;
 mod migrate;
 
 use std::path::PathBuf;
@@ -123,6 +124,12 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "ARGS")]
         args: Vec<std::ffi::OsString>,
     },
+    /// Lend host CPUs and/or memory from one running elastic VM to another (`--elastic`): the
+    /// lender's guest gives them up, the borrower's takes them; it completes on both or
+    /// changes nothing.
+    Lend(lend::LendArgs),
+    /// Give back what `--from` borrowed from `--to` (the reverse of `kumo lend`).
+    Return(lend::LendArgs),
     /// The NIC as its own process: own a tap and serve VMs over vhost-user-net (one VM owns the
     /// NIC at a time); or, with a subcommand, talk to a running one (needs --api-socket).
     NetBackend(kumo_net_backend::cli::Args),
@@ -216,6 +223,14 @@ struct RunArgs {
     /// KVM_CAP_HALT_POLL); default: the host's kvm.halt_poll_ns.
     #[arg(long, value_name = "NS", conflicts_with_all = ["incoming", "restore"])]
     halt_poll_ns: Option<u32>,
+    /// Elastic sharing with other VMs (docs/elastic.md): cpus=LIST,memory=SIZE[,plugged=SIZE]
+    /// [,block=SIZE]. cpus= are the host CPUs the VM holds at boot (vCPU 1 pinned on the first,
+    /// vCPU 2 on the next...; vCPU 0 floats and is never lent; the other vCPUs are spares,
+    /// parked until the VM acquires a CPU). memory= is each guest node's elastic memory (the top
+    /// of its RAM), plugged= how much of it the guest may use at boot (default all). Needs a
+    /// guest that speaks the channel (worker). `kumo lend` / `kumo return` move them.
+    #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
+    elastic: Option<String>,
     /// Guest arguments, key=value (with --guest).
     #[arg(value_name = "KEY=VALUE")]
     guest_args: Vec<String>,
@@ -359,6 +374,10 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             None => file.pv.unwrap_or_default(),
         },
         halt_poll_ns: a.halt_poll_ns,
+        elastic: match &a.elastic {
+            Some(s) => Some(kumo_vmm::elastic::ElasticConfig::parse(s).map_err(|e| e.to_string())?),
+            None => file.elastic,
+        },
     }))
 }
 
@@ -649,6 +668,8 @@ fn main() -> ExitCode {
     }
     let not_applying = match cli.cmd {
         Cmd::Guests { .. } if cli.api_socket.is_some() => Some(("--api-socket", "guests")),
+        Cmd::Lend(_) if cli.api_socket.is_some() => Some(("--api-socket", "lend (use --from and --to)")),
+        Cmd::Return(_) if cli.api_socket.is_some() => Some(("--api-socket", "return (use --from and --to)")),
         Cmd::Bench { .. } if cli.api_socket.is_some() => Some(("--api-socket", "bench")),
         Cmd::Bench { .. } if cli.verbose > 0 => Some(("-v", "bench")),
         Cmd::Bench { .. } if cli.log_file.is_some() => Some(("--log-file", "bench")),
@@ -663,6 +684,8 @@ fn main() -> ExitCode {
         Cmd::Guests { json } => guests(json),
         Cmd::Bench { args } => bench(args),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
+        Cmd::Lend(l) => lend::run(l, false),
+        Cmd::Return(l) => lend::run(l, true),
         Cmd::NetBackend(a) => kumo_net_backend::cli::run(a, cli.api_socket),
         ref c @ (Cmd::Info
         | Cmd::Pause

@@ -60,8 +60,8 @@ pub enum LendError {
     Release { from: String, why: String },
     #[error("{to} could not take it ({why}); {from} has it back, nothing changed")]
     RolledBack { from: String, to: String, why: String },
-    #[error("{to} could not take it ({why}) and {from} could not take it back ({back}): host CPUs {cpus:?} and {bytes} bytes of memory are held by neither VM")]
-    Lost { from: String, to: String, why: String, back: String, cpus: Vec<u32>, bytes: u64 },
+    #[error("{to} could not take it and {from} could not take it back ({why}): host CPUs {cpus:?} and {bytes} bytes of memory are held by neither VM")]
+    Lost { from: String, to: String, why: String, cpus: Vec<u32>, bytes: u64 },
 }
 
 /// Moves `req` from `from` to `to`, or rolls back.
@@ -101,8 +101,7 @@ pub fn lend(from: &dyn Peer, to: &dyn Peer, req: &LendRequest) -> Result<LendRep
                 Err(back) => Err(LendError::Lost {
                     from: from.name(),
                     to: to.name(),
-                    why,
-                    back,
+                    why: format!("{why}; {back}"),
                     cpus: released.host_cpus,
                     bytes: released.memory.map_or(0, |m: MemoryGrant| m.bytes),
                 }),
@@ -154,7 +153,8 @@ mod tests {
             let host_cpus: Vec<u32> = mine[..r.cpus as usize].iter().rev().map(|&i| cpus.remove(i).0).collect();
             *self.bytes.borrow_mut() -= r.memory_bytes;
             self.log.borrow_mut().push(format!("release {host_cpus:?} {}", r.memory_bytes));
-            let memory = (r.memory_bytes > 0).then_some(MemoryGrant { bytes: r.memory_bytes, node: 0, host_node: None });
+            let memory =
+                (r.memory_bytes > 0).then_some(MemoryGrant { bytes: r.memory_bytes, node: 0, host_node: None });
             Ok(Released { host_cpus, memory, lender, guest_ms: 0.0, total_ms: 0.0 })
         }
         fn acquire(&self, r: &AcquireRequest) -> Result<Acquired, String> {

@@ -92,7 +92,9 @@ pub fn check(vms: &[(&str, &[ElasticEvent])]) -> Overlaps {
         let cap = pool.get(&node).copied().unwrap_or(0) as i128;
         if *h > cap {
             out.memory += 1;
-            out.details.push(format!("host node {node:?} at {t} ns: {vm} brings the VMs to {h} bytes, above the {cap} they held at boot"));
+            out.details.push(format!(
+                "host node {node:?} at {t} ns: {vm} brings the VMs to {h} bytes, above the {cap} they held at boot"
+            ));
         }
     }
     out
@@ -103,11 +105,29 @@ mod tests {
     use super::*;
 
     fn cpu(t: u64, kind: Kind, vcpu: u32, host: u32) -> ElasticEvent {
-        ElasticEvent { t_ns: t, kind, vcpu: Some(vcpu), host_cpu: Some(host), node: None, host_node: None, bytes: 0, at_boot: t == 0 }
+        ElasticEvent {
+            t_ns: t,
+            kind,
+            vcpu: Some(vcpu),
+            host_cpu: Some(host),
+            node: None,
+            host_node: None,
+            bytes: 0,
+            at_boot: t == 0,
+        }
     }
 
     fn mem(t: u64, kind: Kind, bytes: u64) -> ElasticEvent {
-        ElasticEvent { t_ns: t, kind, vcpu: None, host_cpu: None, node: Some(0), host_node: None, bytes, at_boot: t == 0 }
+        ElasticEvent {
+            t_ns: t,
+            kind,
+            vcpu: None,
+            host_cpu: None,
+            node: Some(0),
+            host_node: None,
+            bytes,
+            at_boot: t == 0,
+        }
     }
 
     #[test]

@@ -308,9 +308,22 @@ impl ApiHandler for VmApi {
                     Err(e) => Err(ApiError::internal(e.to_string())),
                 }
             }
+            ApiRequest::Release(r) => {
+                vm.elastic_release(&r).map_err(elastic_error).and_then(|a| Ok(ApiResponse::Json(to_json(&a)?)))
+            }
+            ApiRequest::Acquire(r) => {
+                vm.elastic_acquire(&r).map_err(elastic_error).and_then(|a| Ok(ApiResponse::Json(to_json(&a)?)))
+            }
+            ApiRequest::Elastic => {
+                vm.elastic_info().map_err(elastic_error).and_then(|a| Ok(ApiResponse::Json(to_json(&a)?)))
+            }
             ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }
         }
     }
+}
+
+fn elastic_error(e: crate::elastic::ElasticError) -> ApiError {
+    ApiError::new(e.status(), e.to_string())
 }

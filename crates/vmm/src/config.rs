@@ -77,6 +77,9 @@ pub struct VmConfig {
     /// host's module parameter. A tuning of this host, so not carried to a destination.
     #[serde(skip)]
     pub halt_poll_ns: Option<u32>,
+    /// Elastic sharing of host CPUs and memory with other VMs (`--elastic`, docs/elastic.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<crate::elastic::ElasticConfig>,
 }
 
 /// One virtio-net NIC, on a host tap (`tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`)
@@ -250,6 +253,8 @@ pub struct ConfigFile {
     pub numa: Option<NumaConfig>,
     #[serde(default)]
     pub pv: Option<kumo_vm::pv::PvRequest>,
+    #[serde(default)]
+    pub elastic: Option<crate::elastic::ElasticConfig>,
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -295,6 +300,7 @@ impl VmConfig {
         self.validate_shape()?;
         self.validate_net()?;
         self.validate_numa()?;
+        self.validate_elastic()?;
         match &self.payload {
             Payload::Guest { name, args } => {
                 kumo_guests::find(name)?.command_line(args)?;
@@ -333,6 +339,27 @@ impl VmConfig {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Checks `--elastic` against the rest: a kumo guest (only they speak the channel), KVM's
+    /// local APIC (the channel's interrupt), vCPU pins of its own, room for the areas.
+    pub fn validate_elastic(&self) -> Result<(), Error> {
+        let Some(e) = &self.elastic else { return Ok(()) };
+        e.validate(self.cpus)?;
+        let bad = |m: &str| Err(Error::Config(format!("--elastic: {m}")));
+        if !matches!(self.payload, Payload::Guest { .. }) {
+            return bad("needs a kumo guest that speaks the elastic channel (e.g. --guest worker)");
+        }
+        if self.irqchip == IrqchipMode::User {
+            return bad("needs KVM's local APIC (--irqchip kernel or split), not --irqchip user");
+        }
+        if self.pins.iter().any(Option::is_some) || self.numa.as_ref().is_some_and(|n| n.pins_vcpus()) {
+            return bad("pins the vCPUs itself (cpus=); drop --cpus …,pin= and --numa …,pin=");
+        }
+        let topo = self.numa_topology()?;
+        let layout = kumo_vm::layout::MemoryLayout::new(self.memory);
+        crate::elastic::plan_areas(e, &layout, self.numa.as_ref().zip(topo.as_ref()))?;
         Ok(())
     }
 
@@ -409,6 +436,7 @@ mod tests {
             pins: vec![],
             pv: Default::default(),
             halt_poll_ns: None,
+            elastic: None,
         }
     }
 
@@ -491,6 +519,7 @@ mod tests {
             pins: vec![],
             pv: Default::default(),
             halt_poll_ns: None,
+            elastic: None,
         };
         ok.validate().unwrap();
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
@@ -534,6 +563,7 @@ mod tests {
             pins: vec![],
             pv: Default::default(),
             halt_poll_ns: None,
+            elastic: None,
         };
         for ok in [
             vm(1, 8 << 20, guest("hello")),
@@ -580,6 +610,7 @@ mod tests {
                 pins: vec![],
                 pv: Default::default(),
                 halt_poll_ns: None,
+                elastic: None,
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };
@@ -628,6 +659,7 @@ mod tests {
             pins: vec![],
             pv: Default::default(),
             halt_poll_ns: None,
+            elastic: None,
         };
         // A config travels in migration streams and snapshots: the topology survives the trip,
         // and a config without NUMA nodes reads and writes as before.
@@ -674,6 +706,7 @@ mod tests {
             pins: vec![],
             pv: Default::default(),
             halt_poll_ns: None,
+            elastic: None,
         };
         let v = serde_json::to_value(&c).unwrap();
         assert!(v.get("pv").is_none(), "{v}");

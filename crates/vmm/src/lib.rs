@@ -14,6 +14,7 @@ pub mod api;
 pub mod config;
 pub mod counters;
 pub mod device_manager;
+pub mod elastic;
 pub mod event_loop;
 pub mod event_monitor;
 pub mod guest_numa;

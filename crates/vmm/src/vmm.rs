@@ -103,6 +103,8 @@ struct Control {
     user_paused: bool,
     /// Restored from a snapshot of a user-paused VM: resuming after restore keeps it paused.
     stay_paused: bool,
+    /// Each vCPU thread is out of KVM_RUN, waiting (paused or parked by elastic sharing).
+    vcpu_parked: Vec<bool>,
 }
 
 struct Shared {
@@ -121,6 +123,9 @@ struct Shared {
     float_cpus: Vec<u32>,
     /// `--irqchip user`: kumo's APICs; a halted vCPU waits on its own.
     uapic: Option<Arc<kumo_vm::uapic::UserApics>>,
+    /// Elastic sharing parks single vCPUs: a parked vCPU's thread waits in kumo until unparked,
+    /// whatever the VM's run state.
+    parks: Vec<AtomicBool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -128,29 +133,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
-    /// Parks while paused. Returns false when the thread should exit.
-    fn wait_runnable(&self) -> bool {
-        if self.request.load(Ordering::Acquire) == RUN {
+    /// Parks while paused, or while this vCPU is parked. Returns false when the thread should
+    /// exit.
+    fn wait_runnable(&self, id: usize) -> bool {
+        let parked_alone = || self.parks.get(id).is_some_and(|p| p.load(Ordering::Acquire));
+        if self.request.load(Ordering::Acquire) == RUN && !parked_alone() {
             return true;
         }
         let mut c = lock(&self.ctl);
         let mut parked = false;
         loop {
-            match self.request.load(Ordering::Acquire) {
-                PAUSE => {
-                    if !parked {
-                        parked = true;
-                        c.parked += 1;
-                        self.cv.notify_all();
-                    }
-                    c = self.cv.wait(c).unwrap_or_else(|p| p.into_inner());
+            let r = self.request.load(Ordering::Acquire);
+            if r == PAUSE || (r == RUN && parked_alone()) {
+                if !parked {
+                    parked = true;
+                    c.parked += 1;
+                    c.vcpu_parked[id] = true;
+                    self.cv.notify_all();
                 }
-                r => {
-                    if parked {
-                        c.parked -= 1;
-                    }
-                    return r == RUN;
+                c = self.cv.wait(c).unwrap_or_else(|p| p.into_inner());
+            } else {
+                if parked {
+                    c.parked -= 1;
+                    c.vcpu_parked[id] = false;
                 }
+                return r == RUN;
             }
         }
     }
@@ -231,6 +238,8 @@ pub struct RunningVm {
     started: Instant,
     /// Each vCPU's exit counters, read without waiting for the vCPU (`crate::counters`).
     exits: Vec<Arc<kumo_vm::ExitCounters>>,
+    /// `--elastic`: the guest channel and what the VM holds.
+    elastic: Option<crate::elastic::ElasticVm>,
 }
 
 mod linux_loader_shim {
@@ -279,8 +288,22 @@ impl RunningVm {
             config.validate()?;
         }
         let numa = config.numa_topology()?;
+        // Elastic memory is anonymous huge pages (fast to discard), the rest the memfd.
+        let areas = match &config.elastic {
+            Some(_) if incoming => return Err(Error::Config("an elastic VM cannot arrive by migration".into())),
+            Some(e) => {
+                config.pins = e.pins(config.cpus);
+                let layout = kumo_vm::layout::MemoryLayout::new(config.memory);
+                crate::elastic::plan_areas(e, &layout, config.numa.as_ref().zip(numa.as_ref()))?
+            }
+            None => Vec::new(),
+        };
         let vm = match memfd {
             Some(f) => Vm::with_memory(config.cpus, kumo_vm::Memory::from_file(f, config.memory)?, config.irqchip)?,
+            None if !areas.is_empty() => {
+                let anon: Vec<(u64, u64)> = areas.iter().map(|a| (a.gpa, a.len)).collect();
+                Vm::with_memory(config.cpus, kumo_vm::Memory::with_anonymous(config.memory, &anon)?, config.irqchip)?
+            }
             None => Vm::new(config.cpus, config.memory, config.irqchip)?,
         };
         if let Some(ns) = config.halt_poll_ns {
@@ -314,12 +337,16 @@ impl RunningVm {
                 migrating: false,
                 user_paused: false,
                 stay_paused: false,
+                vcpu_parked: vec![false; config.cpus as usize],
             }),
             cv: Condvar::new(),
             timings: Mutex::new(Timings { start_ns, ..Default::default() }),
             vcpu_tids: Mutex::new(vec![None; config.cpus as usize]),
             float_cpus: kumo_vm::host_topology::thread_affinity().unwrap_or_default(),
             uapic: vm.uapic.clone(),
+            parks: (0..config.cpus)
+                .map(|v| AtomicBool::new(config.elastic.as_ref().is_some_and(|e| e.spares(config.cpus).contains(&v))))
+                .collect(),
         });
 
         // PV features: resolved once and stored fully set, so a migration stream carries the
@@ -345,13 +372,15 @@ impl RunningVm {
                 let guest = kumo_guests::find(name)?;
                 let cmdline = guest.command_line(args)?;
                 let (rip, end) = load_elf(mem, guest.elf)?;
-                let free_end = layout.low_ram_end();
+                // Elastic memory is not the guest's to allocate from until it is plugged.
+                let free_end = areas.iter().map(|a| a.gpa).fold(layout.low_ram_end(), u64::min);
                 let info = KumoBootInfo {
                     ncpus: config.cpus,
                     mem_bytes: config.memory,
                     tsc_khz: vcpus[0].tsc_khz().unwrap_or(0),
                     free_start: end.next_multiple_of(4096),
                     free_end,
+                    elastic: if config.elastic.is_some() { kumo_elastic::mailbox::MAILBOX_GPA } else { 0 },
                     cmdline,
                 };
                 if info.free_start >= free_end {
@@ -382,6 +411,10 @@ impl RunningVm {
             v.configure(&vm.kvm, config.cpus, *e, &pv)?;
         }
 
+        let elastic = match &config.elastic {
+            Some(e) => Some(crate::elastic::ElasticVm::new(&vm, e, &areas, config.cpus)?),
+            None => None,
+        };
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
         let devices = DeviceManager::new(&vm, Box::new(sink), &config.net)?;
         if !incoming {
@@ -394,7 +427,7 @@ impl RunningVm {
 
         let exits = vcpus.iter().map(|v| v.exit_counters()).collect();
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        let vm = RunningVm { vm, config, vcpus, shared, devices, started: Instant::now(), exits };
+        let vm = RunningVm { vm, config, vcpus, shared, devices, started: Instant::now(), exits, elastic };
         kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
         // The vCPUs a NIC's dedicated interrupt path names run prioritized (seed 000).
@@ -658,6 +691,11 @@ impl RunningVm {
         if let Some(why) = self.devices.migration_blocker() {
             return Err(Error::Devices(why));
         }
+        if self.elastic.is_some() {
+            return Err(Error::Config(
+                "an elastic VM (--elastic) cannot be migrated or snapshotted: its CPUs and memory are shared with other VMs on this host".into(),
+            ));
+        }
         let mut c = lock(&self.shared.ctl);
         if c.outcome.is_some() {
             return Err(Error::State("shutting down"));
@@ -847,6 +885,91 @@ impl RunningVm {
     }
 }
 
+/// How long parking a vCPU may take (it leaves KVM_RUN at the next kick, resent every 2 ms).
+const PARK_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl RunningVm {
+    /// `vm.release` (elastic sharing).
+    pub fn elastic_release(
+        &self,
+        req: &kumo_api::ReleaseRequest,
+    ) -> std::result::Result<kumo_api::Released, crate::elastic::ElasticError> {
+        self.elastic_side()?.release(self, req)
+    }
+
+    /// `vm.acquire` (elastic sharing).
+    pub fn elastic_acquire(
+        &self,
+        req: &kumo_api::AcquireRequest,
+    ) -> std::result::Result<kumo_api::Acquired, crate::elastic::ElasticError> {
+        self.elastic_side()?.acquire(self, req)
+    }
+
+    /// `vm.elastic`.
+    pub fn elastic_info(&self) -> std::result::Result<kumo_api::ElasticInfo, crate::elastic::ElasticError> {
+        Ok(self.elastic_side()?.info())
+    }
+
+    fn elastic_side(&self) -> std::result::Result<&crate::elastic::ElasticVm, crate::elastic::ElasticError> {
+        self.elastic
+            .as_ref()
+            .ok_or_else(|| crate::elastic::ElasticError::Conflict("the VM was started without --elastic".into()))
+    }
+}
+
+impl crate::elastic::VcpuControl for RunningVm {
+    fn park(&self, v: u32) -> std::result::Result<(), String> {
+        let id = v as usize;
+        let flag = self.shared.parks.get(id).ok_or_else(|| format!("no vCPU {v}"))?;
+        flag.store(true, Ordering::Release);
+        let deadline = Instant::now() + PARK_TIMEOUT;
+        loop {
+            {
+                let c = lock(&self.shared.ctl);
+                if c.vcpu_parked[id] {
+                    return Ok(());
+                }
+                if c.outcome.is_some() {
+                    return Err("the VM is stopping".into());
+                }
+            }
+            if let Some(t) = lock(&self.shared.threads).get(id).filter(|t| !t.is_finished()) {
+                let _ = t.kill(kick_signal());
+            }
+            let c = lock(&self.shared.ctl);
+            if !c.vcpu_parked[id] {
+                drop(self.shared.cv.wait_timeout(c, Duration::from_millis(2)));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("vCPU {v} did not leave KVM_RUN within {} s", PARK_TIMEOUT.as_secs()));
+            }
+        }
+    }
+
+    fn unpark(&self, v: u32) {
+        if let Some(p) = self.shared.parks.get(v as usize) {
+            p.store(false, Ordering::Release);
+            let _c = lock(&self.shared.ctl);
+            self.shared.cv.notify_all();
+        }
+    }
+
+    fn pin(&self, v: u32, cpu: Option<u32>) -> std::result::Result<(), String> {
+        self.pin_vcpu(v, cpu).map_err(|e| e.to_string())
+    }
+
+    fn running(&self) -> std::result::Result<(), String> {
+        let c = lock(&self.shared.ctl);
+        if c.outcome.is_some() {
+            Err("the VM is stopping".into())
+        } else if c.paused {
+            Err("the VM is paused (its guest cannot answer)".into())
+        } else {
+            Ok(())
+        }
+    }
+}
+
 impl Drop for RunningVm {
     fn drop(&mut self) {
         self.shared.finish(Outcome::Shutdown);
@@ -875,7 +998,7 @@ pub enum PinError {
 
 fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: Arc<Shared>) {
     let id = lock(&vcpu).id;
-    while shared.wait_runnable() {
+    while shared.wait_runnable(id as usize) {
         let r = lock(&vcpu).run(&bus);
         match r {
             Ok(VcpuRun::Continue) => {}

@@ -110,6 +110,9 @@ pub struct KumoBootInfo {
     pub tsc_khz: u64,
     pub free_start: u64,
     pub free_end: u64,
+    /// Guest-physical address of the elastic channel's mailbox (`kumo_elastic::mailbox`), 0
+    /// without one.
+    pub elastic: u64,
     pub cmdline: String,
 }
 
@@ -127,7 +130,16 @@ impl KumoBootInfo {
         b.extend_from_slice(&KUMO_BOOT_MAGIC.to_le_bytes());
         b.extend_from_slice(&KUMO_BOOT_VERSION.to_le_bytes());
         b.extend_from_slice(&self.ncpus.to_le_bytes());
-        for v in [self.mem_bytes, self.tsc_khz, self.free_start, self.free_end, TSS_START, TSS_STRIDE, LAPIC_START] {
+        for v in [
+            self.mem_bytes,
+            self.tsc_khz,
+            self.free_start,
+            self.free_end,
+            TSS_START,
+            TSS_STRIDE,
+            LAPIC_START,
+            self.elastic,
+        ] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b.resize(BOOT_INFO_CMDLINE_OFFSET, 0);
@@ -267,9 +279,11 @@ mod tests {
             tsc_khz: 2_000_000,
             free_start: 0x200000,
             free_end: 1 << 30,
+            elastic: 0x4000,
             cmdline: "pages=5".into(),
         };
         let b = bi.to_bytes().unwrap();
+        assert_eq!(u64::from_le_bytes(b[72..80].try_into().unwrap()), 0x4000);
         assert_eq!(&b[0..8], b"KUMOBOOT");
         assert_eq!(u32::from_le_bytes(b[12..16].try_into().unwrap()), 2);
         assert_eq!(u64::from_le_bytes(b[24..32].try_into().unwrap()), 2_000_000);
