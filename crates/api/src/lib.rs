@@ -217,7 +217,7 @@ fn elastic_timeout() -> u64 {
 
 /// Body of `PUT /api/v1/vm.release`: what the VM gives up. Its guest is asked first and must
 /// confirm within `timeout_ms`; otherwise nothing changes (the request fails with 504).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     /// How many host CPUs (kumo picks them), unless `host_cpus` names them.
@@ -265,7 +265,7 @@ pub struct Released {
 }
 
 /// Body of `PUT /api/v1/vm.acquire`: host CPUs and memory another VM released.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -278,6 +278,25 @@ pub struct AcquireRequest {
     pub from: Option<String>,
     #[serde(default = "elastic_timeout")]
     pub timeout_ms: u64,
+}
+
+impl Default for ReleaseRequest {
+    fn default() -> Self {
+        ReleaseRequest {
+            cpus: 0,
+            host_cpus: Vec::new(),
+            memory_bytes: 0,
+            node: None,
+            to: None,
+            timeout_ms: ELASTIC_TIMEOUT_MS,
+        }
+    }
+}
+
+impl Default for AcquireRequest {
+    fn default() -> Self {
+        AcquireRequest { host_cpus: Vec::new(), memory: None, from: None, timeout_ms: ELASTIC_TIMEOUT_MS }
+    }
 }
 
 /// Answer to `vm.acquire`.
