@@ -817,3 +817,74 @@ fn doorbell_fd(e: &EventFd) -> std::os::fd::RawFd {
     use std::os::fd::AsRawFd;
     e.as_raw_fd()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kumo_vm::layout::MemoryLayout;
+
+    #[test]
+    fn parses_and_checks_the_flag() {
+        let c = ElasticConfig::parse("cpus=1:3,memory=256M,plugged=128M,block=4M").unwrap();
+        assert_eq!((c.cpus.clone(), c.memory, c.plugged, c.block), (vec![1, 3], 256 << 20, Some(128 << 20), 4 << 20));
+        assert!(c.validate(3).is_ok());
+        assert_eq!(c.pins(4), [None, Some(1), Some(3), None]);
+        assert_eq!(c.spares(4), [3]);
+        let none = ElasticConfig::parse("cpus=,memory=64M").unwrap();
+        assert!(none.cpus.is_empty());
+        assert_eq!(none.spares(2), [1]);
+        for (spec, cpus, want) in [
+            ("cpus=1,memory=64M", 1, "need 2 vCPUs"),
+            ("cpus=1:1,memory=64M", 3, "given twice"),
+            ("cpus=1,memory=3M", 2, "whole number"),
+            ("cpus=1,memory=64M,block=1M", 2, "multiple of 2 MiB"),
+            ("cpus=1,memory=64M,plugged=128M", 2, "at most memory"),
+            ("cpus=1,memory=64M", 65, "at most 64"),
+        ] {
+            let e = ElasticConfig::parse(spec).unwrap().validate(cpus).unwrap_err().to_string();
+            assert!(e.contains(want), "{spec}: {e}");
+        }
+        for (spec, want) in [("cpus=x", "not a CPU number"), ("memory=lots", "not a size"), ("nope=1", "unknown key"), ("cpus", "key=value")] {
+            let e = ElasticConfig::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(want), "{spec}: {e}");
+        }
+    }
+
+    #[test]
+    fn areas_are_the_top_of_each_node() {
+        let c = ElasticConfig::parse("cpus=1,memory=64M").unwrap();
+        let a = plan_areas(&c, &MemoryLayout::new(256 << 20), None).unwrap();
+        assert_eq!(a, [AreaPlan { node: 0, host_node: None, gpa: 192 << 20, len: 64 << 20 }]);
+        // Too little RAM left below it.
+        let e = plan_areas(&c, &MemoryLayout::new(72 << 20), None).unwrap_err().to_string();
+        assert!(e.contains("16 MiB more"), "{e}");
+        // Above the MMIO gap: the top of the RAM past 4 GiB.
+        let a = plan_areas(&c, &MemoryLayout::new(4 << 30), None).unwrap();
+        assert_eq!(a[0].gpa, (5 << 30) - (64 << 20));
+        let none = ElasticConfig::parse("cpus=1").unwrap();
+        assert!(plan_areas(&none, &MemoryLayout::new(256 << 20), None).unwrap().is_empty());
+        let many = ElasticConfig::parse("memory=4G").unwrap();
+        assert!(plan_areas(&many, &MemoryLayout::new(8 << 30), None).unwrap_err().to_string().contains("at most 1024"));
+    }
+
+    #[test]
+    fn areas_follow_the_numa_nodes() {
+        let numa = crate::guest_numa::NumaConfig {
+            nodes: vec![
+                crate::guest_numa::NumaNodeSpec::parse("node=0,cpus=0-1,memory=128M,host-node=0").unwrap(),
+                crate::guest_numa::NumaNodeSpec::parse("node=1,cpus=2,memory=128M").unwrap(),
+            ],
+            distances: vec![],
+        };
+        let topo = numa.topology(3, 256 << 20).unwrap();
+        let c = ElasticConfig::parse("cpus=1,memory=32M").unwrap();
+        let a = plan_areas(&c, &MemoryLayout::new(256 << 20), Some((&numa, &topo))).unwrap();
+        assert_eq!(
+            a,
+            [
+                AreaPlan { node: 0, host_node: Some(0), gpa: 96 << 20, len: 32 << 20 },
+                AreaPlan { node: 1, host_node: None, gpa: 224 << 20, len: 32 << 20 }
+            ]
+        );
+    }
+}
