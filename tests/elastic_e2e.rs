@@ -38,7 +38,17 @@ impl Vm {
     fn start(dir: &TestDir, name: &str, elastic: &str, args: &[&str]) -> Vm {
         let sock = dir.arg(&format!("{name}.sock"));
         let mut cmd = vec![
-            "--api-socket", &sock, "run", "--cpus", "3", "--memory", "256M", "--elastic", elastic, "--guest", "worker",
+            "--api-socket",
+            &sock,
+            "run",
+            "--cpus",
+            "3",
+            "--memory",
+            "256M",
+            "--elastic",
+            elastic,
+            "--guest",
+            "worker",
         ];
         cmd.extend_from_slice(args);
         let kid = Kid::spawn(&cmd).named(name);
@@ -117,8 +127,19 @@ fn a_cpu_and_memory_move_to_b_and_back_and_both_guests_keep_their_data() {
     assert_eq!(a.info().progress[1], parked_a, "a parked vCPU did work");
     assert!(b.kid.stdout().contains("worker: given blocks=16"), "{}", b.kid.stdout());
 
-    let (ok, out, err) =
-        lend(&["return", "--from", &b.sock, "--to", &a.sock, "--cpus", "1", "--memory", "32M", "--timeout-ms", "20000"]);
+    let (ok, out, err) = lend(&[
+        "return",
+        "--from",
+        &b.sock,
+        "--to",
+        &a.sock,
+        "--cpus",
+        "1",
+        "--memory",
+        "32M",
+        "--timeout-ms",
+        "20000",
+    ]);
     assert!(ok, "return failed: {err}");
     assert!(out.contains("returned host CPUs [1]"), "{out}");
     let (ia, ib) = (a.info(), b.info());
@@ -212,10 +233,32 @@ fn bad_elastic_requests_are_refused_with_clear_errors() {
     let (s, b) = a.api.request("PUT", "/api/v1/vm.snapshot", Some(&serde_json::json!({"path": dir.arg("s")}))).unwrap();
     assert_eq!(s, 409, "{b:?}");
     assert!(b.unwrap()["error"].as_str().unwrap().contains("elastic"));
-    let o = kumo(&["--api-socket", &dir.arg("none.sock"), "run", "--guest", "hello", "--elastic", "cpus=1", "--timeout", "30"]);
+    let o = kumo(&[
+        "--api-socket",
+        &dir.arg("none.sock"),
+        "run",
+        "--guest",
+        "hello",
+        "--elastic",
+        "cpus=1",
+        "--timeout",
+        "30",
+    ]);
     let (_, err) = text(&o);
     assert!(!o.status.success() && err.contains("need 2 vCPUs"), "{err}");
-    let o = kumo(&["run", "--guest", "hello", "--cpus", "2", "--elastic", "cpus=1", "--irqchip", "user", "--timeout", "30"]);
+    let o = kumo(&[
+        "run",
+        "--guest",
+        "hello",
+        "--cpus",
+        "2",
+        "--elastic",
+        "cpus=1",
+        "--irqchip",
+        "user",
+        "--timeout",
+        "30",
+    ]);
     let (_, err) = text(&o);
     assert!(!o.status.success() && err.contains("irqchip user"), "{err}");
     let (s, _) = ApiClient::new(&a.sock).request("GET", "/api/v1/vm.elastic", None).unwrap();

@@ -150,7 +150,42 @@ fn every_route_answers_as_the_document_says() {
     let dry = json!({ "to": "tcp:127.0.0.1:1", "dry_run": true, "estimate_ms": 200 });
     c.call(&sock, "PUT", "/api/v1/vm.send-migration", Some(dry), 200);
     c.call(&sock, "PUT", "/api/v1/vm.send-migration", Some(json!({ "to": "nowhere" })), 400);
+    c.call(&sock, "GET", "/api/v1/vm.elastic", None, 409);
     c.misuse_every_route(&sock);
+
+    // An elastic VM (docs/elastic.md): its memory moves out and back in; bad requests fail.
+    let esock = dir.path("elastic.sock");
+    let elastic = Kid::spawn(&[
+        "run",
+        "--guest",
+        "worker",
+        "bsp_work=1",
+        "--cpus",
+        "2",
+        "--memory",
+        "64M",
+        "--elastic",
+        "cpus=,memory=16M",
+        "--api-socket",
+        esock.to_str().unwrap(),
+    ]);
+    api_up(&esock);
+    eventually(PATIENCE, || {
+        let a = exchange(&esock, "GET", "/api/v1/vm.elastic", None);
+        (a.status == 200 && a.json()["progress"][0].as_u64() > Some(0)).then_some(())
+    });
+    let two_mib = json!({"memory_bytes": 2 << 20, "timeout_ms": 60000});
+    let released = c.call(&esock, "PUT", "/api/v1/vm.release", Some(two_mib), 200).json();
+    assert_eq!(released["memory"]["bytes"], 2 << 20, "{released}");
+    let back = json!({"memory": released["memory"], "timeout_ms": 60000});
+    c.call(&esock, "PUT", "/api/v1/vm.acquire", Some(back), 200);
+    c.call(&esock, "PUT", "/api/v1/vm.release", Some(json!({"cpus": 1})), 409);
+    c.call(&esock, "PUT", "/api/v1/vm.release", Some(json!({})), 400);
+    let info = c.call(&esock, "GET", "/api/v1/vm.elastic", None, 200).json();
+    assert_eq!(info["nodes"][0]["plugged_bytes"], 16 << 20, "{info}");
+    c.call(&esock, "PUT", "/api/v1/vm.shutdown", None, 204);
+    let (code, _, err) = elastic.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
 
     // A destination answers while it waits for the VM, then with the VM that arrived.
     let dsock = dir.path("dst.sock");
@@ -231,6 +266,22 @@ fn request_bodies_with_every_field_fit_the_document() {
         max_bandwidth: Some(100 << 20),
     };
     c.check_request("PUT", "/api/v1/vm.send-migration", &serde_json::to_value(&full).unwrap());
+    let release = kumo_api::ReleaseRequest {
+        cpus: 1,
+        host_cpus: vec![3],
+        memory_bytes: 128 << 20,
+        node: Some(0),
+        to: Some("/run/a.sock".into()),
+        timeout_ms: 500,
+    };
+    c.check_request("PUT", "/api/v1/vm.release", &serde_json::to_value(&release).unwrap());
+    let acquire = kumo_api::AcquireRequest {
+        host_cpus: vec![3],
+        memory: Some(kumo_api::MemoryGrant { bytes: 128 << 20, node: 0, host_node: Some(0) }),
+        from: Some("/run/b.sock".into()),
+        timeout_ms: 500,
+    };
+    c.check_request("PUT", "/api/v1/vm.acquire", &serde_json::to_value(&acquire).unwrap());
     let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into() };
     c.check_request("PUT", "/api/v1/vm.snapshot", &serde_json::to_value(&snap).unwrap());
     let recv = kumo_api::ReceiveMigrationRequest {

@@ -844,7 +844,12 @@ mod tests {
             let e = ElasticConfig::parse(spec).unwrap().validate(cpus).unwrap_err().to_string();
             assert!(e.contains(want), "{spec}: {e}");
         }
-        for (spec, want) in [("cpus=x", "not a CPU number"), ("memory=lots", "not a size"), ("nope=1", "unknown key"), ("cpus", "key=value")] {
+        for (spec, want) in [
+            ("cpus=x", "not a CPU number"),
+            ("memory=lots", "not a size"),
+            ("nope=1", "unknown key"),
+            ("cpus", "key=value"),
+        ] {
             let e = ElasticConfig::parse(spec).unwrap_err().to_string();
             assert!(e.contains(want), "{spec}: {e}");
         }
