@@ -955,7 +955,18 @@ impl crate::elastic::VcpuControl for RunningVm {
     }
 
     fn pin(&self, v: u32, cpu: Option<u32>) -> std::result::Result<(), String> {
-        self.pin_vcpu(v, cpu).map_err(|e| e.to_string())
+        // No sysfs walk here (vm.pin's online check): this is on a lend's critical path, and
+        // sched_setaffinity refuses a CPU that is not online anyway.
+        let cpus = match cpu {
+            Some(c) => vec![c],
+            None => self.shared.float_cpus.clone(),
+        };
+        let tid = lock(&self.shared.vcpu_tids)
+            .get(v as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| format!("vCPU {v} has no running thread"))?;
+        kumo_vm::host_topology::set_affinity(tid, &cpus).map_err(|e| format!("cannot pin vCPU {v}: {e}"))
     }
 
     fn running(&self) -> std::result::Result<(), String> {
