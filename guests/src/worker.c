@@ -18,7 +18,11 @@
  *   worker: released node=N blocks=K seq=S / given blocks=K seq=S / refused seq=S / cancelled seq=S
  *   worker: nonzero block=B chunk=C / corrupt block=B chunk=C   (once per block; B >= 1024: the
  *           base buffer of vCPU B - 1024)
- *   worker: done units=U nonzero=Z corrupt=X   (with units=N; exit 0, or 3 on any violation) */
+ *   worker: done units=U nonzero=Z corrupt=X   (with units=N; exit 0, or 3 on any violation)
+ * A request's line is printed after its ack (acks first), and a vacated vCPU's by another vCPU
+ * (kumo parks it right after the ack: it must not hold the print lock then). quiet=1 drops
+ * request lines: each character is a port exit (~40 us here), so a line delays a request that
+ * follows at once by ~1 ms; kumo can read progress from the mailbox instead. */
 #include "kumo.h"
 #include "elastic.h"
 
@@ -33,7 +37,8 @@ KUMO_MANIFEST("name=worker\n"
               "param=units:u64:0:0 = run forever; N = each working vCPU stops after N units, then exit\n"
               "param=ignore:u64:0:1 = never acknowledge a request (rollback tests)\n"
               "param=base_kb:u64:256:KiB of private buffer per vCPU, used while no elastic block is plugged\n"
-              "param=tag:u64:1:written into the memory patterns (give two VMs different tags)\n");
+              "param=tag:u64:1:written into the memory patterns (give two VMs different tags)\n"
+              "param=quiet:u64:0:1 = no line per request (each character printed costs ~40 us here and delays the next request)\n");
 
 #define MAXC KUMO_ELASTIC_MAX_CPUS
 #define MAXB KUMO_ELASTIC_MAX_BLOCKS
@@ -48,7 +53,7 @@ enum { B_OFF = 0, B_ON = 1, B_LEAVING = 2, B_GONE = 3 };
 struct chunk { u32 gen, busy; }; /* gen 0: never written since plugged (must read zeros) */
 
 static struct {
-    u64 bsp_work, compute, chunk_bytes, report, units, ignore, base_bytes, tag;
+    u64 bsp_work, compute, chunk_bytes, report, units, ignore, base_bytes, tag, quiet;
     u32 n;                 /* vCPUs (at most MAXC) */
     u64 tsc_khz;
 } P;
@@ -85,6 +90,8 @@ static void lock(void) {
 }
 static void unlock(void) { __atomic_store_n(&print_lock, 0, __ATOMIC_RELEASE); }
 #define say(...) do { lock(); kprintf(__VA_ARGS__); unlock(); } while (0)
+/* A request's line: printed after its ack, unless quiet. */
+#define note(...) do { if (!P.quiet) say(__VA_ARGS__); } while (0)
 
 /* "vacated" lines: the acker is about to be parked by kumo, which must not happen while it
  * holds the print lock, so it queues the line and a vCPU that stays running prints it. */
@@ -256,7 +263,7 @@ static void try_ack_vacate(const struct snap *s) {
         if (((s->req_cpus >> u) & 1) && __atomic_load_n(&mb->cpu_state[u], __ATOMIC_SEQ_CST) != 0) return;
     if (__atomic_load_n(&mb->seq, __ATOMIC_SEQ_CST) != s->seq || !claim(s->seq)) return;
     ack(s->seq, KUMO_ACK_OK, 0);
-    vq_push(s->req_cpus, s->seq);
+    if (!P.quiet) vq_push(s->req_cpus, s->seq);
 }
 
 /* GIVE_CPUS: acked once every vCPU of the set has done a unit since this seq. */
@@ -266,7 +273,7 @@ static void try_ack_give(const struct snap *s, u32 v) {
         if (((s->req_cpus >> u) & 1) && __atomic_load_n(&give_done[u * PAD], __ATOMIC_SEQ_CST) != s->seq) return;
     if (__atomic_load_n(&mb->seq, __ATOMIC_SEQ_CST) != s->seq || !claim(s->seq)) return;
     ack(s->seq, KUMO_ACK_OK, 0);
-    say("worker: started cpus=0x%lx seq=%u\n", s->req_cpus, s->seq);
+    note("worker: started cpus=0x%lx seq=%u\n", s->req_cpus, s->seq);
 }
 
 /* Waits until no vCPU is touching a block of `set`; 0 if one still is after `ms`. */
@@ -299,7 +306,7 @@ static void release_mem(const struct snap *s) {
     if (got < want) {
         u64 none[16] = {0};
         ack(s->seq, KUMO_ACK_REFUSED, none);
-        say("worker: refused seq=%u\n", s->seq);
+        note("worker: refused seq=%u\n", s->seq);
         return;
     }
     for (u32 b = 0; b < nblocks; b++)
@@ -309,13 +316,13 @@ static void release_mem(const struct snap *s) {
             if (bit(set, b)) __atomic_store_n(&bstate[b], B_ON, __ATOMIC_SEQ_CST);
         u64 none[16] = {0};
         ack(s->seq, KUMO_ACK_REFUSED, none);
-        say("worker: refused seq=%u\n", s->seq);
+        note("worker: refused seq=%u\n", s->seq);
         return;
     }
     for (u32 b = 0; b < nblocks; b++)
         if (bit(set, b)) __atomic_store_n(&bstate[b], B_GONE, __ATOMIC_SEQ_CST);
     ack(s->seq, KUMO_ACK_OK, set);
-    say("worker: released node=%u blocks=%u seq=%u\n", s->req_node, got, s->seq);
+    note("worker: released node=%u blocks=%u seq=%u\n", s->req_node, got, s->seq);
 }
 
 static void give_mem(const struct snap *s) {
@@ -326,7 +333,7 @@ static void give_mem(const struct snap *s) {
             n++;
         }
     ack(s->seq, KUMO_ACK_OK, 0);
-    say("worker: given blocks=%u seq=%u\n", n, s->seq);
+    note("worker: given blocks=%u seq=%u\n", n, s->seq);
 }
 
 /* CANCEL: back to what cpus_allowed and mem_plugged say. (vCPUs follow cpus_allowed by
@@ -355,7 +362,7 @@ static void cancel(const struct snap *s) {
             if (bit(drop, b)) __atomic_store_n(&bstate[b], B_OFF, __ATOMIC_SEQ_CST);
     }
     ack(s->seq, KUMO_ACK_OK, 0);
-    say("worker: cancelled seq=%u\n", s->seq);
+    note("worker: cancelled seq=%u\n", s->seq);
 }
 
 /* vCPU 0, on a request it has not looked at yet. */
@@ -395,7 +402,8 @@ static void setup(struct kumo_boot_info *bi) {
     if (kumo_param_u64(bi, "bsp_work", &P.bsp_work) < 0 || kumo_param_u64(bi, "compute", &P.compute) < 0 ||
         kumo_param_u64(bi, "chunk_kb", &chunk_kb) < 0 || kumo_param_u64(bi, "report", &P.report) < 0 ||
         kumo_param_u64(bi, "units", &P.units) < 0 || kumo_param_u64(bi, "ignore", &P.ignore) < 0 ||
-        kumo_param_u64(bi, "base_kb", &base_kb) < 0 || kumo_param_u64(bi, "tag", &P.tag) < 0)
+        kumo_param_u64(bi, "base_kb", &base_kb) < 0 || kumo_param_u64(bi, "tag", &P.tag) < 0 ||
+        kumo_param_u64(bi, "quiet", &P.quiet) < 0)
         fail("parameters must be numbers");
     if (chunk_kb == 0 || 2048 % chunk_kb)
         fail("chunk_kb must divide 2048 (1, 2, 4, ... 2048)");
