@@ -289,7 +289,7 @@ static int wait_out(const u64 *set, u64 ms) {
     return 1;
 }
 
-/* Makes block b usable as freshly plugged (all zeros), or with contents unknown. */
+/* Makes block b usable with its chunks at generation `gen` (0: all zeros, freshly plugged). */
 static void plug(u32 b, u32 gen) {
     for (u32 k = 0; k < cpb; k++) chunks[(u64)b * cpb + k].gen = gen;
     __atomic_store_n(&bstate[b], B_ON, __ATOMIC_SEQ_CST);
@@ -347,7 +347,8 @@ static void cancel(const struct snap *s) {
         if (bit(mb->mem_plugged, b)) {
             if (st == B_LEAVING) __atomic_store_n(&bstate[b], B_ON, __ATOMIC_SEQ_CST); /* never given up */
             else if (st == B_OFF) plug(b, 0);            /* given, never acked: zeros */
-            else if (st == B_GONE) plug(b, GEN_UNKNOWN); /* given up, kept by kumo: ours or zeros */
+            /* B_GONE stays gone: once acked, a block is never touched again (if kumo kept it,
+             * only a GIVE_MEM brings it back). */
         } else if (st == B_ON || st == B_LEAVING) {      /* taken back without our ack */
             __atomic_store_n(&bstate[b], B_LEAVING, __ATOMIC_SEQ_CST);
             drop[b / 64] |= 1UL << (b % 64);
