@@ -30,7 +30,8 @@ struct kumo_boot_info {
     u64 tss_base;      /* TSS of vCPU i at tss_base + i * tss_stride */
     u64 tss_stride;
     u64 lapic_base;
-    u64 reserved[6];
+    u64 elastic;       /* GPA of the elastic channel's mailbox (elastic.h), 0 if none */
+    u64 reserved[5];
     char cmdline[3840]; /* "key=value key=value", NUL terminated */
 };
 

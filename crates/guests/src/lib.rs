@@ -9,6 +9,7 @@ pub mod net;
 pub mod numa;
 pub mod numabench;
 pub mod sync;
+pub mod worker;
 
 pub use elf::image_end;
 pub use manifest::{Manifest, Param, ParamKind};
@@ -123,7 +124,19 @@ mod tests {
         let names: Vec<_> = all().unwrap().into_iter().map(|g| g.manifest.name).collect();
         assert_eq!(
             names,
-            ["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync", "numabench"]
+            [
+                "hello",
+                "memtouch",
+                "smp",
+                "netecho",
+                "udpping",
+                "udpsink",
+                "udpsend",
+                "numa",
+                "sync",
+                "numabench",
+                "worker"
+            ]
         );
         let m = find("memtouch").unwrap().manifest;
         assert!(m.params.iter().any(|p| p.key == "pages" && p.default == "1024"));
@@ -163,7 +176,7 @@ mod tests {
         let e = find("nope").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend, numa, sync, numabench"
+            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend, numa, sync, numabench, worker"
         );
     }
 
