@@ -392,6 +392,14 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     // The API of a VM built here starts once it exists; a shutdown on failure stops it again.
     let serve = |vm: &Arc<RunningVm>| {
         signals.watch(vm);
+        // An elastic VM's API threads (they inherit the server's policy) run at real-time
+        // priority: a lend must not wait behind vCPUs that spin on every host CPU
+        // (docs/elastic.md). They block in between; migration, the one long API job, is refused.
+        let _rt = vm.config().elastic.as_ref().and_then(|_| {
+            kumo_vm::host_topology::realtime_this_thread()
+                .map_err(|e| tracing::warn!("elastic VM's API not prioritized (SCHED_FIFO): {e}"))
+                .ok()
+        });
         match &api_socket {
             Some(p) => ApiServer::start(p, kumo_vmm::api::VmApi::new(vm)).map(Some).map_err(|e| {
                 vm.shutdown();

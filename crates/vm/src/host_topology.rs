@@ -431,6 +431,41 @@ pub fn is_dedicated(pins: &[(u32, u32)], vcpus: u32) -> bool {
     hosts.len() == pins.len() && v.len() == vcpus as usize
 }
 
+/// The calling thread at real-time priority (`SCHED_FIFO` 1) until dropped, when its old policy
+/// comes back. For control threads that must not wait behind vCPU threads spinning on every
+/// host CPU (elastic sharing's lend path): they block in between, so they cannot starve the
+/// vCPUs. Without CAP_SYS_NICE it is an error and the caller runs on unprioritized.
+pub struct RealtimeGuard {
+    policy: libc::c_int,
+    param: libc::sched_param,
+}
+
+pub fn realtime_this_thread() -> std::io::Result<RealtimeGuard> {
+    // SAFETY: sched_getscheduler/sched_getparam/sched_setscheduler with pid 0 act on the calling
+    // thread only; `param` is a valid sched_param the calls read or fill.
+    unsafe {
+        let policy = libc::sched_getscheduler(0);
+        let mut param: libc::sched_param = std::mem::zeroed();
+        if policy < 0 || libc::sched_getparam(0, &mut param) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let rt = libc::sched_param { sched_priority: 1 };
+        if libc::sched_setscheduler(0, libc::SCHED_FIFO, &rt) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(RealtimeGuard { policy, param })
+    }
+}
+
+impl Drop for RealtimeGuard {
+    fn drop(&mut self) {
+        // SAFETY: as above: the calling thread's own policy, from values it had before.
+        unsafe {
+            libc::sched_setscheduler(0, self.policy, &self.param);
+        }
+    }
+}
+
 /// Pins the calling thread to host CPU `cpu` (`sched_setaffinity`); a vCPU thread calls it
 /// before its first `KVM_RUN`, and again when re-pinned.
 pub fn pin_thread(cpu: u32) -> std::io::Result<()> {
