@@ -669,6 +669,9 @@ impl ElasticVm {
             let allowed = self.channel(self.mailbox.cpus_allowed())?;
             self.channel(self.mailbox.set_cpus_allowed(allowed & !mask))?;
             let _ = self.post(Op::Cancel, mask, 0, 0, &[0; 16], mask);
+            // A vCPU parked in the middle of a work unit would keep what it holds (a chunk):
+            // give a slow guest the timeout again to stop, then park regardless.
+            self.wait_idle(&chosen, timeout);
             for &v in &chosen {
                 ctl.park(v).map_err(ElasticError::Failed)?;
                 let h = &mut st.vcpus[v as usize];
@@ -681,6 +684,15 @@ impl ElasticVm {
             return Err(e);
         }
         Ok(chosen)
+    }
+
+    /// Waits (at most `timeout`, polling: a failure path only) until the guest reports the
+    /// vCPUs idle.
+    fn wait_idle(&self, vcpus: &[u32], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline && !vcpus.iter().all(|&v| self.mailbox.cpu_state(v) == Ok(0)) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     /// `vm.acquire`.
@@ -747,7 +759,11 @@ impl ElasticVm {
                     blocks_set(&mut st.plugged, b, false);
                 }
                 self.channel(self.mailbox.set_plugged(&st.plugged))?;
-                let _ = self.post(Op::Cancel, 0, 0, 0, &[0; 16], 0);
+                // The guest stops touching the blocks once it has seen the cancel: only then
+                // are their pages dropped for good (bounded: a deaf guest gets the timeout).
+                if let Ok(seq) = self.post(Op::Cancel, 0, 0, 0, &[0; 16], 0) {
+                    let _ = self.wait_ack(seq, timeout, "drop the memory");
+                }
                 self.discard(&blocks)?;
                 let ev = self.mem_event(Kind::MemReleased, a, bytes);
                 Self::record(&mut st, ev);
