@@ -152,11 +152,25 @@ fn a_cpu_and_memory_move_to_b_and_back_and_both_guests_keep_their_data() {
     let (ok, _, err) = lend(&["return", "--from", &b.sock, "--to", &a.sock, "--cpus", "1"]);
     assert!(!ok && err.contains("nothing changed"), "{err}");
 
+    // The same through A's and B's own APIs: A's VMM coordinates.
+    let (s, r) = a
+        .api
+        .request("PUT", "/api/v1/vm.lend", Some(&serde_json::json!({"to": b.sock, "cpus": 1, "timeout_ms": 20000})))
+        .unwrap();
+    assert_eq!(s, 200, "{r:?}");
+    assert_eq!(b.info().vcpus[2].host_cpu, Some(1));
+    b.works_on(2, 100);
+    let back = serde_json::json!({"to": a.sock, "cpus": 1, "return": true, "timeout_ms": 20000});
+    let (s, r) = b.api.request("PUT", "/api/v1/vm.lend", Some(&back)).unwrap();
+    assert_eq!(s, 200, "{r:?}");
+    assert_eq!(a.info().vcpus[1].host_cpu, Some(1));
+    a.works_on(1, 100);
+
     assert_eq!(a.damage(), Vec::<String>::new(), "A lost data");
     assert_eq!(b.damage(), Vec::<String>::new(), "B read memory it did not write");
     let o = overlaps(&a, &b);
     assert_eq!(o.total(), 0, "{:?}", o.details);
-    assert_eq!(a.info().events.len(), 2 + 4, "boot (CPU, memory), then release and acquire of each");
+    assert_eq!(a.info().events.len(), 2 + 4 + 2, "boot (CPU, memory), release and acquire of each, then a CPU again");
 }
 
 #[test]

@@ -180,6 +180,11 @@ fn every_route_answers_as_the_document_says() {
     let back = json!({"memory": released["memory"], "timeout_ms": 60000});
     c.call(&esock, "PUT", "/api/v1/vm.acquire", Some(back), 200);
     c.call(&esock, "PUT", "/api/v1/vm.release", Some(json!({"cpus": 1})), 409);
+    // A lend to a VM that is not there: given up here, taken back at once.
+    let nowhere =
+        json!({"to": dir.path("nowhere.sock").to_str().unwrap(), "memory_bytes": 2 << 20, "timeout_ms": 60000});
+    c.call(&esock, "PUT", "/api/v1/vm.lend", Some(nowhere), 409);
+    c.call(&esock, "PUT", "/api/v1/vm.lend", Some(json!({"to": "/x"})), 400);
     c.call(&esock, "PUT", "/api/v1/vm.release", Some(json!({})), 400);
     let info = c.call(&esock, "GET", "/api/v1/vm.elastic", None, 200).json();
     assert_eq!(info["nodes"][0]["plugged_bytes"], 16 << 20, "{info}");
@@ -282,6 +287,15 @@ fn request_bodies_with_every_field_fit_the_document() {
         timeout_ms: 500,
     };
     c.check_request("PUT", "/api/v1/vm.acquire", &serde_json::to_value(&acquire).unwrap());
+    let lend = kumo_api::LendApiRequest {
+        to: "/run/b.sock".into(),
+        cpus: 1,
+        memory_bytes: 128 << 20,
+        node: Some(0),
+        returning: true,
+        timeout_ms: 500,
+    };
+    c.check_request("PUT", "/api/v1/vm.lend", &serde_json::to_value(&lend).unwrap());
     let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into() };
     c.check_request("PUT", "/api/v1/vm.snapshot", &serde_json::to_value(&snap).unwrap());
     let recv = kumo_api::ReceiveMigrationRequest {

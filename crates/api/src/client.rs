@@ -163,6 +163,11 @@ impl ApiClient {
         self.put_json(paths::ACQUIRE, req)
     }
 
+    /// `PUT /api/v1/vm.lend`: this VM lends to (or returns to) another, both steps or neither.
+    pub fn lend(&self, req: &crate::LendApiRequest) -> Result<Value, ClientError> {
+        self.put_json(paths::LEND, req)
+    }
+
     /// `GET /api/v1/vm.elastic`.
     pub fn elastic(&self) -> Result<crate::ElasticInfo, ClientError> {
         let body = self.call("GET", paths::ELASTIC, None)?.ok_or_else(|| self.bad("empty vm.elastic answer"))?;

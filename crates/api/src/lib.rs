@@ -45,6 +45,8 @@ pub mod paths {
     pub const ACQUIRE: &str = "/api/v1/vm.acquire";
     /// Elastic sharing: what the VM holds, its guest's progress, and its record of changes.
     pub const ELASTIC: &str = "/api/v1/vm.elastic";
+    /// Elastic sharing: this VM lends to (or returns to) another VM, both steps or neither.
+    pub const LEND: &str = "/api/v1/vm.lend";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -206,6 +208,27 @@ pub enum ApiRequest {
     Acquire(AcquireRequest),
     /// What an elastic VM holds, and its record of changes.
     Elastic,
+    /// Lend to another VM (or return to it), with rollback.
+    Lend(LendApiRequest),
+}
+
+/// Body of `PUT /api/v1/vm.lend`: `kumo lend` run by this VM's VMM, this VM giving.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LendApiRequest {
+    /// The API socket of the VM that takes.
+    pub to: String,
+    #[serde(default)]
+    pub cpus: u32,
+    #[serde(default)]
+    pub memory_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
+    /// A return: give back only what this VM borrowed from `to`.
+    #[serde(default, rename = "return")]
+    pub returning: bool,
+    #[serde(default = "elastic_timeout")]
+    pub timeout_ms: u64,
 }
 
 /// How long a VM waits for its guest to confirm an elastic request, by default.

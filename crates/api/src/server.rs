@@ -78,6 +78,7 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::RELEASE, build: |b| Ok(ApiRequest::Release(json_body(b)?)) },
     Route { method: "PUT", path: paths::ACQUIRE, build: |b| Ok(ApiRequest::Acquire(json_body(b)?)) },
     Route { method: "GET", path: paths::ELASTIC, build: |_| Ok(ApiRequest::Elastic) },
+    Route { method: "PUT", path: paths::LEND, build: |b| Ok(ApiRequest::Lend(json_body(b)?)) },
 ];
 
 /// Every (method, path) the server answers, in route-table order: what docs/openapi.yaml must
@@ -660,6 +661,7 @@ mod tests {
                 ApiRequest::Elastic => {
                     Ok(ApiResponse::Json(serde_json::to_value(crate::ElasticInfo::default()).unwrap()))
                 }
+                ApiRequest::Lend(l) => Ok(ApiResponse::Json(serde_json::json!({"to": l.to, "return": l.returning}))),
                 ApiRequest::MigrationEvents => Ok(ApiResponse::Stream(crate::JsonLines::new(|sink| {
                     for i in 0..3 {
                         if !sink(&serde_json::json!({ "n": i })) {
@@ -773,6 +775,10 @@ mod tests {
         assert!(matches!(&calls[1], ApiRequest::Acquire(a) if a.from.as_deref() == Some("a") && a.timeout_ms == 1000));
         let body = serde_json::json!({"cpus": 1, "bogus": 2});
         assert_eq!(f.client.request("PUT", paths::RELEASE, Some(&body)).unwrap().0, 400);
+        let lend = serde_json::json!({"to": "/run/b.sock", "cpus": 1, "return": true});
+        let (s, b) = f.client.request("PUT", paths::LEND, Some(&lend)).unwrap();
+        assert_eq!((s, b.unwrap()["return"].as_bool()), (200, Some(true)));
+        assert_eq!(f.client.request("PUT", paths::LEND, Some(&serde_json::json!({"cpus": 1}))).unwrap().0, 400);
     }
 
     struct Fixture {

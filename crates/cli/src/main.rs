@@ -401,10 +401,15 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
                 .ok()
         });
         match &api_socket {
-            Some(p) => ApiServer::start(p, kumo_vmm::api::VmApi::new(vm)).map(Some).map_err(|e| {
-                vm.shutdown();
-                e.to_string()
-            }),
+            Some(p) => ApiServer::start(p, kumo_vmm::api::VmApi::new(vm))
+                .map(|s| {
+                    vm.set_api_name(p);
+                    Some(s)
+                })
+                .map_err(|e| {
+                    vm.shutdown();
+                    e.to_string()
+                }),
             None => Ok(None),
         }
     };

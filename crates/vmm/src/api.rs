@@ -317,6 +317,30 @@ impl ApiHandler for VmApi {
             ApiRequest::Elastic => {
                 vm.elastic_info().map_err(elastic_error).and_then(|a| Ok(ApiResponse::Json(to_json(&a)?)))
             }
+            ApiRequest::Lend(l) => {
+                use kumo_elastic::lend::{lend, LendError, LendRequest};
+                let local = crate::elastic::LocalPeer(&vm);
+                let wait = std::time::Duration::from_millis(l.timeout_ms.saturating_mul(3))
+                    + std::time::Duration::from_secs(10);
+                let to = kumo_api::ApiClient::new(&l.to).with_timeout(wait);
+                let req = LendRequest {
+                    cpus: l.cpus,
+                    memory_bytes: l.memory_bytes,
+                    node: l.node,
+                    timeout_ms: l.timeout_ms,
+                    returning: l.returning,
+                };
+                match lend(&local, &to, &req) {
+                    Ok(r) => Ok(ApiResponse::Json(serde_json::json!({
+                        "released": to_json(&r.released)?,
+                        "acquired": to_json(&r.acquired)?,
+                        "total_ms": r.total_ms,
+                    }))),
+                    Err(e @ LendError::Empty) => Err(ApiError::bad_request(e.to_string())),
+                    Err(e @ LendError::Lost { .. }) => Err(ApiError::internal(e.to_string())),
+                    Err(e) => Err(ApiError::conflict(e.to_string())),
+                }
+            }
             ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }

@@ -829,6 +829,22 @@ impl ElasticVm {
     }
 }
 
+/// This VM as one side of a lend run by its own VMM (`vm.lend`), named by its API socket as
+/// the other VM's record names it.
+pub struct LocalPeer<'a>(pub &'a crate::vmm::RunningVm);
+
+impl kumo_elastic::lend::Peer for LocalPeer<'_> {
+    fn name(&self) -> String {
+        self.0.api_name().unwrap_or_else(|| format!("kumo pid {}", std::process::id()))
+    }
+    fn release(&self, req: &ReleaseRequest) -> Result<Released, String> {
+        self.0.elastic_release(req).map_err(|e| e.to_string())
+    }
+    fn acquire(&self, req: &AcquireRequest) -> Result<Acquired, String> {
+        self.0.elastic_acquire(req).map_err(|e| e.to_string())
+    }
+}
+
 fn doorbell_fd(e: &EventFd) -> std::os::fd::RawFd {
     use std::os::fd::AsRawFd;
     e.as_raw_fd()

@@ -240,6 +240,8 @@ pub struct RunningVm {
     exits: Vec<Arc<kumo_vm::ExitCounters>>,
     /// `--elastic`: the guest channel and what the VM holds.
     elastic: Option<crate::elastic::ElasticVm>,
+    /// Its API socket, once served: how other VMs' records name it.
+    api_name: std::sync::OnceLock<String>,
 }
 
 mod linux_loader_shim {
@@ -427,7 +429,17 @@ impl RunningVm {
 
         let exits = vcpus.iter().map(|v| v.exit_counters()).collect();
         let vcpus: Vec<_> = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        let vm = RunningVm { vm, config, vcpus, shared, devices, started: Instant::now(), exits, elastic };
+        let vm = RunningVm {
+            vm,
+            config,
+            vcpus,
+            shared,
+            devices,
+            started: Instant::now(),
+            exits,
+            elastic,
+            api_name: Default::default(),
+        };
         kick_signal(); // the handler must exist before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
         // The vCPUs a NIC's dedicated interrupt path names run prioritized (seed 000).
@@ -903,6 +915,16 @@ impl RunningVm {
         req: &kumo_api::AcquireRequest,
     ) -> std::result::Result<kumo_api::Acquired, crate::elastic::ElasticError> {
         self.elastic_side()?.acquire(self, req)
+    }
+
+    /// Names this VM by its API socket (canonical path), as `kumo lend` names it to other VMs.
+    pub fn set_api_name(&self, socket: &std::path::Path) {
+        let name = std::fs::canonicalize(socket).unwrap_or_else(|_| socket.to_path_buf());
+        let _ = self.api_name.set(name.display().to_string());
+    }
+
+    pub fn api_name(&self) -> Option<String> {
+        self.api_name.get().cloned()
     }
 
     /// `vm.elastic`.
