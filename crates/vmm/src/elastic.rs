@@ -235,6 +235,10 @@ struct State {
 pub struct ElasticVm {
     layout: Layout,
     host_nodes: Vec<Option<u32>>,
+    /// The host node each vCPU's guest node is bound to (`--numa …,host-node=`), if any.
+    vcpu_host_node: Vec<Option<u32>>,
+    /// The host node of each host CPU, read at boot.
+    cpu_node: BTreeMap<u32, u32>,
     mailbox: Mailbox<GuestMemory>,
     mem: GuestMemory,
     fd: Arc<kvm_ioctls::VmFd>,
@@ -262,6 +266,7 @@ impl ElasticVm {
         cfg: &ElasticConfig,
         areas: &[AreaPlan],
         ncpus: u32,
+        vcpu_host_node: Vec<Option<u32>>,
     ) -> Result<ElasticVm, Error> {
         let mut first = 0;
         let layout = Layout {
@@ -329,8 +334,13 @@ impl ElasticVm {
                 at_boot: true,
             });
         }
+        let cpu_node = kumo_vm::host_topology::HostTopology::read_live()
+            .map(|t| t.cpus.iter().map(|c| (c.id, c.node)).collect())
+            .unwrap_or_default();
         Ok(ElasticVm {
             host_nodes: areas.iter().map(|a| a.host_node).collect(),
+            vcpu_host_node,
+            cpu_node,
             layout,
             mailbox,
             mem,
@@ -630,11 +640,7 @@ impl ElasticVm {
             if st.vcpus.iter().any(|h| h.host_cpu == Some(c)) {
                 return Err(ElasticError::Conflict(format!("the VM already holds host CPU {c}")));
             }
-            let free = |v: &u32| st.vcpus[*v as usize].parked && !chosen.contains(v);
-            let pick = (1..st.vcpus.len() as u32)
-                .filter(free)
-                .find(|&v| st.vcpus[v as usize].home == Some(c))
-                .or_else(|| (1..st.vcpus.len() as u32).find(free));
+            let pick = pick_spare(&st.vcpus, &chosen, c, self.cpu_node.get(&c).copied(), &self.vcpu_host_node);
             match pick {
                 Some(v) => chosen.push(v),
                 None => {
@@ -829,6 +835,20 @@ impl ElasticVm {
     }
 }
 
+/// The parked vCPU to run on host CPU `c` (on host node `c_node`): the one that held `c`
+/// before, else one whose guest node lives on `c`'s host node (vNUMA stays true), else the
+/// first parked one. vCPU 0 and those already `chosen` are never picked.
+fn pick_spare(vcpus: &[Hold], chosen: &[u32], c: u32, c_node: Option<u32>, vcpu_node: &[Option<u32>]) -> Option<u32> {
+    let free: Vec<u32> = (1..vcpus.len() as u32).filter(|v| vcpus[*v as usize].parked && !chosen.contains(v)).collect();
+    free.iter()
+        .copied()
+        .find(|&v| vcpus[v as usize].home == Some(c))
+        .or_else(|| {
+            free.iter().copied().find(|&v| c_node.is_some() && vcpu_node.get(v as usize).copied().flatten() == c_node)
+        })
+        .or_else(|| free.first().copied())
+}
+
 /// This VM as one side of a lend run by its own VMM (`vm.lend`), named by its API socket as
 /// the other VM's record names it.
 pub struct LocalPeer<'a>(pub &'a crate::vmm::RunningVm);
@@ -885,6 +905,17 @@ mod tests {
             let e = ElasticConfig::parse(spec).unwrap_err().to_string();
             assert!(e.contains(want), "{spec}: {e}");
         }
+    }
+
+    #[test]
+    fn a_cpu_goes_to_its_old_vcpu_then_to_one_on_its_node() {
+        let h = |parked, home| Hold { host_cpu: None, parked, lender: None, home };
+        let vcpus = [h(false, None), h(true, Some(4)), h(true, None), h(true, None), h(false, Some(1))];
+        let nodes = [None, Some(0), Some(0), Some(1), Some(1)];
+        assert_eq!(pick_spare(&vcpus, &[], 4, Some(1), &nodes), Some(1), "its old vCPU");
+        assert_eq!(pick_spare(&vcpus, &[], 7, Some(1), &nodes), Some(3), "a parked vCPU on node 1");
+        assert_eq!(pick_spare(&vcpus, &[3], 7, Some(1), &nodes), Some(1), "else the first parked one");
+        assert_eq!(pick_spare(&vcpus, &[1, 2, 3], 7, None, &nodes), None);
     }
 
     #[test]

@@ -414,7 +414,15 @@ impl RunningVm {
         }
 
         let elastic = match &config.elastic {
-            Some(e) => Some(crate::elastic::ElasticVm::new(&vm, e, &areas, config.cpus)?),
+            Some(e) => {
+                let node_of = |v: u32| {
+                    let (n, t) = (config.numa.as_ref()?, numa.as_ref()?);
+                    let id = t.nodes.iter().find(|node| node.cpus.contains(&v))?.id;
+                    n.nodes.iter().find(|s| s.id == id)?.host_node
+                };
+                let vcpu_host_node = (0..config.cpus).map(node_of).collect();
+                Some(crate::elastic::ElasticVm::new(&vm, e, &areas, config.cpus, vcpu_host_node)?)
+            }
             None => None,
         };
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
