@@ -40,6 +40,11 @@ enum Which {
     /// pass as a pinned host process and in VMs (vNUMA mirror, pinned, unpinned, PV hints off/on);
     /// writes numa.json and numa.png, ends with `vm_vs_bare=X unpinned_vs_bare=Y`.
     Numa(kumo_bench::numa::Args),
+    /// Elastic sharing (issue 13): lend/return cycles of 1 CPU and of 128 MiB between two
+    /// `worker` VMs, B's throughput before/after, against pausing/resuming a vCPU set, and the
+    /// VMs' records checked for overlaps; writes lend.json and lend.png, ends with
+    /// `cpu_lend_p99_ms=X mem_lend_p99_ms=Y overlaps=Z`.
+    Lend(kumo_bench::lend::Args),
     /// Host-side UDP tools of `net` (run inside network namespaces).
     #[command(hide = true)]
     NetTool(kumo_bench::net::tools::ToolArgs),
@@ -54,6 +59,7 @@ fn main() -> ExitCode {
         Which::Ipi(a) => kumo_bench::ipi::run(a, &cli.out),
         Which::Handover(a) => kumo_bench::handover::run(a, &cli.out),
         Which::Numa(a) => kumo_bench::numa::run(a, &cli.out),
+        Which::Lend(a) => kumo_bench::lend::run(a, &cli.out),
         Which::NetTool(a) => kumo_bench::net::tools::run(a),
     };
     match r {

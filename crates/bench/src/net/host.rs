@@ -307,6 +307,14 @@ impl Proc {
         }
     }
 
+    /// The exit code if the process has exited (without waiting).
+    pub fn try_exit(&mut self) -> Result<Option<i32>, String> {
+        match self.child.try_wait() {
+            Ok(st) => Ok(st.map(|s| s.code().unwrap_or(-1))),
+            Err(e) => Err(self.why(&format!("cannot be waited for: {e}"))),
+        }
+    }
+
     /// Waits for the exit (bounded); its status code.
     pub fn wait_exit(&mut self, limit: Duration) -> Result<i32, String> {
         let t = Instant::now();
