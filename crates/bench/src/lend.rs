@@ -165,6 +165,8 @@ struct Report {
     argv_a: Vec<String>,
     argv_b: Vec<String>,
     cycles: u64,
+    /// The bench's lending thread ran at SCHED_FIFO priority, as `kumo lend` does.
+    coordinator_realtime: bool,
     summary: Summary,
     cpu: Vec<Op>,
     mem: Vec<Op>,
@@ -250,7 +252,13 @@ impl Vm {
     /// The console (stdout) and kumo's stderr, for a failure report.
     fn output(&self) -> String {
         let out: Vec<String> = self.proc.stdout().into_iter().map(|(_, l)| l).collect();
-        format!("--- {} console ---\n{}\n--- {} stderr ---\n{}\n", self.name, out.join("\n"), self.name, self.proc.stderr_text())
+        format!(
+            "--- {} console ---\n{}\n--- {} stderr ---\n{}\n",
+            self.name,
+            out.join("\n"),
+            self.name,
+            self.proc.stderr_text()
+        )
     }
 }
 
@@ -280,7 +288,7 @@ fn two_cpus(online: &str) -> Option<(u32, u32)> {
 fn rate(samples: &[Sample], vm: &str, from: f64, to: f64) -> Option<f64> {
     let mut w = samples.iter().filter(|s| s.vm == vm && s.t_s >= from && s.t_s <= to);
     let first = w.next()?;
-    let last = w.last()?;
+    let last = w.next_back()?;
     let dt = last.t_s - first.t_s;
     (dt > 0.0).then(|| last.units.saturating_sub(first.units) as f64 / dt)
 }
@@ -325,8 +333,7 @@ fn finish(r: &mut Report, hold_s: f64) {
     s.resume_ms = Pct::of(&r.pause_resume.iter().map(|p| p.resume_ms).collect::<Vec<_>>());
     s.pause_resume_ms = Pct::of(&r.pause_resume.iter().map(|p| p.pause_ms + p.resume_ms).collect::<Vec<_>>());
     // Means over the cycles where both windows had samples.
-    let both: Vec<(f64, f64)> =
-        r.holds.iter().filter_map(|h| Some((h.b_before_per_s?, h.b_holding_per_s?))).collect();
+    let both: Vec<(f64, f64)> = r.holds.iter().filter_map(|h| Some((h.b_before_per_s?, h.b_holding_per_s?))).collect();
     s.b_before_per_s = mean(both.iter().map(|p| p.0));
     s.b_holding_per_s = mean(both.iter().map(|p| p.1));
     s.b_ratio = match (s.b_before_per_s, s.b_holding_per_s) {
@@ -413,7 +420,13 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .y_label_area_size(80)
         .build_cartesian_2d(0.0..xmax, 0.0..ymax)
         .map_err(e)?;
-    c.configure_mesh().x_desc("seconds").y_desc("work units / s").label_style(("sans-serif", 12)).draw().map_err(e)?;
+    c.configure_mesh()
+        .x_desc("seconds")
+        .y_desc("work units / s")
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(e)?;
     let marks: [(&str, RGBColor); 4] = [
         ("cpu-lend", RGBColor(220, 40, 40)),
         ("cpu-return", RGBColor(240, 160, 30)),
@@ -423,7 +436,8 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     for (kind, col) in marks {
         let ts: Vec<f64> = r.cpu.iter().chain(&r.mem).filter(|o| o.kind == kind).map(|o| o.t_s).collect();
         for (i, t) in ts.iter().enumerate() {
-            let s = c.draw_series(LineSeries::new([(*t, 0.0), (*t, ymax)], col.mix(0.35).stroke_width(1))).map_err(e)?;
+            let s =
+                c.draw_series(LineSeries::new([(*t, 0.0), (*t, ymax)], col.mix(0.35).stroke_width(1))).map_err(e)?;
             if i == 0 {
                 s.label(kind).legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], col.stroke_width(2)));
             }
@@ -551,9 +565,8 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         return Err("needs /dev/kvm".into());
     }
     let online = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_default();
-    let (cpu_b, cpu_a) = two_cpus(&online).ok_or_else(|| {
-        format!("needs 2 online host CPUs (one held by each VM), this host has {:?}", online.trim())
-    })?;
+    let (cpu_b, cpu_a) = two_cpus(&online)
+        .ok_or_else(|| format!("needs 2 online host CPUs (one held by each VM), this host has {:?}", online.trim()))?;
     let cycles = args.cycles.unwrap_or(if args.quick { 30 } else { 100 });
     let holds = args.holds.unwrap_or(if args.quick { 3 } else { 5 });
     let hold = Duration::from_millis(args.hold_ms);
@@ -582,13 +595,23 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         holds: vec![],
         pause_resume: vec![],
     };
+    let mut coordinator_realtime = false;
+    let realtime = &mut coordinator_realtime;
     let result = std::thread::scope(|s| {
         let apis = [("a", ApiClient::new(a.api.path())), ("b", ApiClient::new(b.api.path()))];
         let stop = &stop;
         let samples = &samples;
         s.spawn(move || sampler(apis, t0, stop, samples));
+        // As `kumo lend` does: the coordinator must not wait a scheduler slice behind the
+        // vCPUs spinning on both host CPUs between its steps (it blocks in between).
+        let rt = kumo_vm::host_topology::realtime_this_thread();
+        if let Err(e) = &rt {
+            say(&format!("the lends run unprioritized (SCHED_FIFO: {e})"));
+        }
+        *realtime = rt.is_ok();
         std::thread::sleep(hold);
         let r = run.all(cycles, holds, hold, &say);
+        drop(rt);
         stop.store(true, Ordering::SeqCst);
         r
     });
@@ -599,7 +622,10 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         for vm in [&a, &b] {
             let f = out.join(format!("lend-{}.console", vm.name));
             let _ = crate::out_file(out, "").and_then(|_| std::fs::write(&f, vm.output()).map_err(|e| e.to_string()));
-            eprintln!("{}", vm.output().lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"));
+            eprintln!(
+                "{}",
+                vm.output().lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
             eprintln!("(all of {}'s output in {})", vm.name, f.display());
         }
         errors.push(e);
@@ -633,6 +659,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         argv_a: a.argv.clone(),
         argv_b: b.argv.clone(),
         cycles,
+        coordinator_realtime,
         summary,
         cpu,
         mem,
@@ -703,6 +730,7 @@ mod tests {
             argv_a: vec![],
             argv_b: vec![],
             cycles: 2,
+            coordinator_realtime: true,
             summary: Summary::default(),
             cpu: vec![
                 op("cpu-lend", 0.2, 1.0),
