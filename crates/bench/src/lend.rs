@@ -146,6 +146,10 @@ struct Summary {
     pause_ms: Pct,
     resume_ms: Pct,
     pause_resume_ms: Pct,
+    /// Diagnostics: an API round trip (`GET vmm.ping` to B) from the lending thread, and the
+    /// part of a CPU lend outside both VMMs' handlers (total - release - acquire): transport.
+    api_ping_ms: Pct,
+    cpu_lend_outside_ms: Pct,
     /// B's units/s before a lend and while it holds the lent CPU (means over the held cycles).
     b_before_per_s: Option<f64>,
     b_holding_per_s: Option<f64>,
@@ -172,6 +176,7 @@ struct Report {
     mem: Vec<Op>,
     holds: Vec<Hold>,
     pause_resume: Vec<PauseResume>,
+    api_ping_ms: Vec<f64>,
     overlap_details: Vec<String>,
     samples: Vec<Sample>,
     errors: Vec<String>,
@@ -331,6 +336,9 @@ fn finish(r: &mut Report, hold_s: f64) {
     s.mem_return_ms = Pct::of(&ms(&r.mem, "mem-return", |o| o.total_ms));
     s.pause_ms = Pct::of(&r.pause_resume.iter().map(|p| p.pause_ms).collect::<Vec<_>>());
     s.resume_ms = Pct::of(&r.pause_resume.iter().map(|p| p.resume_ms).collect::<Vec<_>>());
+    s.api_ping_ms = Pct::of(&r.api_ping_ms);
+    s.cpu_lend_outside_ms =
+        Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.total_ms - o.released_total_ms - o.acquired_total_ms));
     s.pause_resume_ms = Pct::of(&r.pause_resume.iter().map(|p| p.pause_ms + p.resume_ms).collect::<Vec<_>>());
     // Means over the cycles where both windows had samples.
     let both: Vec<(f64, f64)> = r.holds.iter().filter_map(|h| Some((h.b_before_per_s?, h.b_holding_per_s?))).collect();
@@ -379,6 +387,13 @@ fn table(r: &Report) -> String {
     }
     let _ = writeln!(s, "{:<58} {:>6} {:>10} {:>10}", "baseline: vCPU hot-unplug", "-", "n/a", "n/a");
     let _ = writeln!(s, "  (kumo has no vCPU hot-unplug path; pause/resume of all vCPUs is the baseline)");
+    let diagnostics = [
+        ("diagnostic: CPU lend outside both VMMs' handlers", m.cpu_lend_outside_ms),
+        ("diagnostic: one API round trip (GET vmm.ping to B)", m.api_ping_ms),
+    ];
+    for (name, p) in diagnostics {
+        let _ = writeln!(s, "{name:<58} {:>6} {:>10} {:>10}", p.n, f(p.p50), f(p.p99));
+    }
     let g = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
     let _ = writeln!(
         s,
@@ -497,6 +512,7 @@ struct Run<'a> {
     mem: Vec<Op>,
     holds: Vec<Hold>,
     pause_resume: Vec<PauseResume>,
+    api_ping_ms: Vec<f64>,
 }
 
 impl Run<'_> {
@@ -555,6 +571,12 @@ impl Run<'_> {
             std::thread::sleep(GAP);
         }
         say(&format!("{cycles} pause/resume cycles of B"));
+        for _ in 0..cycles {
+            let t = Instant::now();
+            self.b.api.ping().map_err(|e| format!("b: vmm.ping: {e}"))?;
+            self.api_ping_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            std::thread::sleep(GAP);
+        }
         std::thread::sleep(hold);
         Ok(())
     }
@@ -594,6 +616,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         mem: vec![],
         holds: vec![],
         pause_resume: vec![],
+        api_ping_ms: vec![],
     };
     let mut coordinator_realtime = false;
     let realtime = &mut coordinator_realtime;
@@ -649,7 +672,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
             }
         }
     }
-    let Run { cpu, mem, holds: held, pause_resume, .. } = run;
+    let Run { cpu, mem, holds: held, pause_resume, api_ping_ms, .. } = run;
     let samples = std::mem::take(&mut *samples.lock().map_err(|_| "the sampler panicked".to_string())?);
     let mut report = Report {
         bench: "lend",
@@ -665,6 +688,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         mem,
         holds: held,
         pause_resume,
+        api_ping_ms,
         overlap_details,
         samples,
         errors,
@@ -751,6 +775,7 @@ mod tests {
                 PauseResume { pause_ms: 1.0, resume_ms: 2.0 },
                 PauseResume { pause_ms: 3.0, resume_ms: 4.0 },
             ],
+            api_ping_ms: vec![0.5, 0.25],
             overlap_details: vec![],
             samples,
             errors: vec![],
@@ -792,6 +817,8 @@ mod tests {
         assert_eq!(m.cpu_return_ms.p99, Some(4.0));
         assert_eq!((m.mem_lend_ms.p99, m.mem_return_ms.p50), (Some(5.0), Some(6.0)));
         assert_eq!((m.pause_resume_ms.p50, m.pause_resume_ms.p99), (Some(3.0), Some(7.0)));
+        assert_eq!((m.api_ping_ms.p50, m.api_ping_ms.p99), (Some(0.25), Some(0.5)));
+        assert_eq!(m.cpu_lend_outside_ms.p50, Some(1.0 - 0.6));
         let ratio = m.b_ratio.expect("ratio");
         assert!((ratio - 2.0).abs() < 0.01, "{ratio}");
         assert_eq!(r.holds[0].a_holding_per_s, Some(0.0));
