@@ -83,6 +83,9 @@ struct Op {
     host_cpus: Vec<u32>,
     vcpus: Vec<u32>,
     bytes: u64,
+    /// The vm.release and vm.acquire calls as the bench saw them (connect to answer).
+    release_call_ms: f64,
+    acquire_call_ms: f64,
 }
 
 impl Op {
@@ -98,7 +101,40 @@ impl Op {
             host_cpus: r.released.host_cpus.clone(),
             vcpus: r.acquired.vcpus.clone(),
             bytes: r.released.memory.map_or(0, |m| m.bytes),
+            release_call_ms: 0.0,
+            acquire_call_ms: 0.0,
         }
+    }
+}
+
+/// A VM's API as the coordinator's peer, timing each call from the bench's side.
+struct Timed<'a> {
+    api: &'a ApiClient,
+    release_ms: std::cell::Cell<f64>,
+    acquire_ms: std::cell::Cell<f64>,
+}
+
+impl<'a> Timed<'a> {
+    fn new(api: &'a ApiClient) -> Self {
+        Timed { api, release_ms: Default::default(), acquire_ms: Default::default() }
+    }
+}
+
+impl kumo_elastic::lend::Peer for Timed<'_> {
+    fn name(&self) -> String {
+        kumo_elastic::lend::Peer::name(self.api)
+    }
+    fn release(&self, req: &kumo_api::ReleaseRequest) -> Result<kumo_api::Released, String> {
+        let t = Instant::now();
+        let r = kumo_elastic::lend::Peer::release(self.api, req);
+        self.release_ms.set(t.elapsed().as_secs_f64() * 1e3);
+        r
+    }
+    fn acquire(&self, req: &kumo_api::AcquireRequest) -> Result<kumo_api::Acquired, String> {
+        let t = Instant::now();
+        let r = kumo_elastic::lend::Peer::acquire(self.api, req);
+        self.acquire_ms.set(t.elapsed().as_secs_f64() * 1e3);
+        r
     }
 }
 
@@ -150,6 +186,9 @@ struct Summary {
     /// part of a CPU lend outside both VMMs' handlers (total - release - acquire): transport.
     api_ping_ms: Pct,
     cpu_lend_outside_ms: Pct,
+    /// The vm.release (on A) and vm.acquire (on B) calls of a CPU lend beyond their handlers.
+    cpu_release_call_extra_ms: Pct,
+    cpu_acquire_call_extra_ms: Pct,
     /// B's units/s before a lend and while it holds the lent CPU (means over the held cycles).
     b_before_per_s: Option<f64>,
     b_holding_per_s: Option<f64>,
@@ -339,6 +378,8 @@ fn finish(r: &mut Report, hold_s: f64) {
     s.api_ping_ms = Pct::of(&r.api_ping_ms);
     s.cpu_lend_outside_ms =
         Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.total_ms - o.released_total_ms - o.acquired_total_ms));
+    s.cpu_release_call_extra_ms = Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.release_call_ms - o.released_total_ms));
+    s.cpu_acquire_call_extra_ms = Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.acquire_call_ms - o.acquired_total_ms));
     s.pause_resume_ms = Pct::of(&r.pause_resume.iter().map(|p| p.pause_ms + p.resume_ms).collect::<Vec<_>>());
     // Means over the cycles where both windows had samples.
     let both: Vec<(f64, f64)> = r.holds.iter().filter_map(|h| Some((h.b_before_per_s?, h.b_holding_per_s?))).collect();
@@ -389,6 +430,8 @@ fn table(r: &Report) -> String {
     let _ = writeln!(s, "  (kumo has no vCPU hot-unplug path; pause/resume of all vCPUs is the baseline)");
     let diagnostics = [
         ("diagnostic: CPU lend outside both VMMs' handlers", m.cpu_lend_outside_ms),
+        ("  vm.release call on A beyond its handler", m.cpu_release_call_extra_ms),
+        ("  vm.acquire call on B beyond its handler", m.cpu_acquire_call_extra_ms),
         ("diagnostic: one API round trip (GET vmm.ping to B)", m.api_ping_ms),
     ];
     for (name, p) in diagnostics {
@@ -521,8 +564,10 @@ impl Run<'_> {
         let (from, to) = if returning { (self.b, self.a) } else { (self.a, self.b) };
         let req = LendRequest { cpus, memory_bytes: bytes, node: None, timeout_ms: self.timeout_ms, returning };
         let t = self.t0.elapsed().as_secs_f64();
-        let r = lend(&from.api, &to.api, &req).map_err(|e| format!("{kind} {} -> {}: {e}", from.name, to.name))?;
-        let op = Op::new(kind, t, &r);
+        let (tf, tt) = (Timed::new(&from.api), Timed::new(&to.api));
+        let r = lend(&tf, &tt, &req).map_err(|e| format!("{kind} {} -> {}: {e}", from.name, to.name))?;
+        let mut op = Op::new(kind, t, &r);
+        (op.release_call_ms, op.acquire_call_ms) = (tf.release_ms.get(), tt.acquire_ms.get());
         if kind.starts_with("cpu") {
             self.cpu.push(op);
         } else {
@@ -730,6 +775,8 @@ mod tests {
             host_cpus: vec![1],
             vcpus: vec![2],
             bytes: 0,
+            release_call_ms: 0.3,
+            acquire_call_ms: 0.5,
         }
     }
 
