@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kumo_api::ApiClient;
+use kumo_api::{ApiClient, ElasticEvent, ElasticEventKind};
 use kumo_elastic::lend::{lend, LendReport, LendRequest};
 use serde::Serialize;
 
@@ -86,6 +86,13 @@ struct Op {
     /// The vm.release and vm.acquire calls as the bench saw them (connect to answer).
     release_call_ms: f64,
     acquire_call_ms: f64,
+    /// The vm.release call's start and answer, CLOCK_MONOTONIC ns (the clock of the VMs' records).
+    release_start_ns: u64,
+    release_end_ns: u64,
+    /// From the release call's start to the lender's record of the release (parked / discarded),
+    /// and from that record to the answer at the bench.
+    release_recorded_ms: Option<f64>,
+    release_answered_ms: Option<f64>,
 }
 
 impl Op {
@@ -103,6 +110,10 @@ impl Op {
             bytes: r.released.memory.map_or(0, |m| m.bytes),
             release_call_ms: 0.0,
             acquire_call_ms: 0.0,
+            release_start_ns: 0,
+            release_end_ns: 0,
+            release_recorded_ms: None,
+            release_answered_ms: None,
         }
     }
 }
@@ -112,11 +123,12 @@ struct Timed<'a> {
     api: &'a ApiClient,
     release_ms: std::cell::Cell<f64>,
     acquire_ms: std::cell::Cell<f64>,
+    release_ns: std::cell::Cell<(u64, u64)>,
 }
 
 impl<'a> Timed<'a> {
     fn new(api: &'a ApiClient) -> Self {
-        Timed { api, release_ms: Default::default(), acquire_ms: Default::default() }
+        Timed { api, release_ms: Default::default(), acquire_ms: Default::default(), release_ns: Default::default() }
     }
 }
 
@@ -125,9 +137,10 @@ impl kumo_elastic::lend::Peer for Timed<'_> {
         kumo_elastic::lend::Peer::name(self.api)
     }
     fn release(&self, req: &kumo_api::ReleaseRequest) -> Result<kumo_api::Released, String> {
-        let t = Instant::now();
+        let (t, ns) = (Instant::now(), kumo_vmm::vmm::monotonic_ns());
         let r = kumo_elastic::lend::Peer::release(self.api, req);
         self.release_ms.set(t.elapsed().as_secs_f64() * 1e3);
+        self.release_ns.set((ns, kumo_vmm::vmm::monotonic_ns()));
         r
     }
     fn acquire(&self, req: &kumo_api::AcquireRequest) -> Result<kumo_api::Acquired, String> {
@@ -189,6 +202,10 @@ struct Summary {
     /// The vm.release (on A) and vm.acquire (on B) calls of a CPU lend beyond their handlers.
     cpu_release_call_extra_ms: Pct,
     cpu_acquire_call_extra_ms: Pct,
+    /// A CPU lend's vm.release on A: from the call to A's record of the CPU released, and from
+    /// that record to the answer at the bench.
+    cpu_release_recorded_ms: Pct,
+    cpu_release_answered_ms: Pct,
     /// B's units/s before a lend and while it holds the lent CPU (means over the held cycles).
     b_before_per_s: Option<f64>,
     b_holding_per_s: Option<f64>,
@@ -217,6 +234,9 @@ struct Report {
     pause_resume: Vec<PauseResume>,
     api_ping_ms: Vec<f64>,
     overlap_details: Vec<String>,
+    /// Both VMs' records (vm.elastic `events`) at the end.
+    events_a: Vec<ElasticEvent>,
+    events_b: Vec<ElasticEvent>,
     samples: Vec<Sample>,
     errors: Vec<String>,
 }
@@ -352,7 +372,27 @@ fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
 }
 
 /// Fills the per-hold throughputs from the samples and computes the summary.
+/// Places each op's release in the lender's record: the first cpu-released (mem-released)
+/// event of the lender within the release call.
+fn place_releases(ops: &mut [Op], events_a: &[ElasticEvent], events_b: &[ElasticEvent]) {
+    for o in ops {
+        let (events, kind) = match o.kind {
+            "cpu-lend" => (events_a, ElasticEventKind::CpuReleased),
+            "cpu-return" => (events_b, ElasticEventKind::CpuReleased),
+            "mem-lend" => (events_a, ElasticEventKind::MemReleased),
+            _ => (events_b, ElasticEventKind::MemReleased),
+        };
+        let at = events.iter().find(|e| e.kind == kind && (o.release_start_ns..=o.release_end_ns).contains(&e.t_ns));
+        if let Some(e) = at {
+            o.release_recorded_ms = Some((e.t_ns - o.release_start_ns) as f64 / 1e6);
+            o.release_answered_ms = Some((o.release_end_ns - e.t_ns) as f64 / 1e6);
+        }
+    }
+}
+
 fn finish(r: &mut Report, hold_s: f64) {
+    place_releases(&mut r.cpu, &r.events_a, &r.events_b);
+    place_releases(&mut r.mem, &r.events_a, &r.events_b);
     // Windows: the hold_s before the lend; while holding, from 50 ms after the lend was
     // confirmed (the new vCPU is up) to the return's command.
     for h in &mut r.holds {
@@ -380,6 +420,11 @@ fn finish(r: &mut Report, hold_s: f64) {
         Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.total_ms - o.released_total_ms - o.acquired_total_ms));
     s.cpu_release_call_extra_ms = Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.release_call_ms - o.released_total_ms));
     s.cpu_acquire_call_extra_ms = Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.acquire_call_ms - o.acquired_total_ms));
+    let some = |ops: &[Op], f: fn(&Op) -> Option<f64>| -> Vec<f64> {
+        ops.iter().filter(|o| o.kind == "cpu-lend").filter_map(f).collect()
+    };
+    s.cpu_release_recorded_ms = Pct::of(&some(&r.cpu, |o| o.release_recorded_ms));
+    s.cpu_release_answered_ms = Pct::of(&some(&r.cpu, |o| o.release_answered_ms));
     s.pause_resume_ms = Pct::of(&r.pause_resume.iter().map(|p| p.pause_ms + p.resume_ms).collect::<Vec<_>>());
     // Means over the cycles where both windows had samples.
     let both: Vec<(f64, f64)> = r.holds.iter().filter_map(|h| Some((h.b_before_per_s?, h.b_holding_per_s?))).collect();
@@ -431,6 +476,8 @@ fn table(r: &Report) -> String {
     let diagnostics = [
         ("diagnostic: CPU lend outside both VMMs' handlers", m.cpu_lend_outside_ms),
         ("  vm.release call on A beyond its handler", m.cpu_release_call_extra_ms),
+        ("  vm.release: call -> A's record of the CPU released", m.cpu_release_recorded_ms),
+        ("  vm.release: A's record -> its answer at the bench", m.cpu_release_answered_ms),
         ("  vm.acquire call on B beyond its handler", m.cpu_acquire_call_extra_ms),
         ("diagnostic: one API round trip (GET vmm.ping to B)", m.api_ping_ms),
     ];
@@ -568,6 +615,7 @@ impl Run<'_> {
         let r = lend(&tf, &tt, &req).map_err(|e| format!("{kind} {} -> {}: {e}", from.name, to.name))?;
         let mut op = Op::new(kind, t, &r);
         (op.release_call_ms, op.acquire_call_ms) = (tf.release_ms.get(), tt.acquire_ms.get());
+        (op.release_start_ns, op.release_end_ns) = tf.release_ns.get();
         if kind.starts_with("cpu") {
             self.cpu.push(op);
         } else {
@@ -701,6 +749,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
 
     let mut summary = Summary::default();
     let mut overlap_details = Vec::new();
+    let (mut events_a, mut events_b) = (Vec::new(), Vec::new());
     match (a.api.elastic(), b.api.elastic()) {
         (Ok(ia), Ok(ib)) => {
             let o = kumo_elastic::record::check(&[("a", &ia.events), ("b", &ib.events)]);
@@ -708,6 +757,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
             summary.overlaps_memory = o.memory;
             summary.overlaps = Some(o.total());
             overlap_details = o.details;
+            (events_a, events_b) = (ia.events, ib.events);
         }
         (ra, rb) => {
             for (vm, r) in [("a", ra), ("b", rb)] {
@@ -735,6 +785,8 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         pause_resume,
         api_ping_ms,
         overlap_details,
+        events_a,
+        events_b,
         samples,
         errors,
     };
@@ -777,6 +829,10 @@ mod tests {
             bytes: 0,
             release_call_ms: 0.3,
             acquire_call_ms: 0.5,
+            release_start_ns: 0,
+            release_end_ns: 0,
+            release_recorded_ms: None,
+            release_answered_ms: None,
         }
     }
 
@@ -824,6 +880,8 @@ mod tests {
             ],
             api_ping_ms: vec![0.5, 0.25],
             overlap_details: vec![],
+            events_a: vec![],
+            events_b: vec![],
             samples,
             errors: vec![],
         }
@@ -882,6 +940,31 @@ mod tests {
         finish(&mut r, 0.5);
         assert_eq!(headline(&r), "cpu_lend_p99_ms=na mem_lend_p99_ms=na overlaps=na");
         assert!(table(&r).contains("FAILED: cpu-lend a -> b: x"));
+    }
+
+    #[test]
+    fn a_release_is_placed_in_the_lenders_record() {
+        let ev = |t_ns, kind| ElasticEvent {
+            t_ns,
+            kind,
+            vcpu: Some(1),
+            host_cpu: Some(1),
+            node: None,
+            host_node: None,
+            bytes: 0,
+            at_boot: false,
+        };
+        let events_a = vec![ev(500, ElasticEventKind::CpuReleased), ev(3_000_000, ElasticEventKind::CpuReleased)];
+        let events_b = vec![ev(2_000_000, ElasticEventKind::CpuReleased)];
+        let mut ops = vec![op("cpu-lend", 0.0, 5.0), op("cpu-return", 0.0, 5.0), op("mem-lend", 0.0, 5.0)];
+        for o in &mut ops {
+            (o.release_start_ns, o.release_end_ns) = (1_000_000, 4_000_000);
+        }
+        place_releases(&mut ops, &events_a, &events_b);
+        assert_eq!((ops[0].release_recorded_ms, ops[0].release_answered_ms), (Some(2.0), Some(1.0)));
+        assert_eq!((ops[1].release_recorded_ms, ops[1].release_answered_ms), (Some(1.0), Some(2.0)));
+        // No mem-released event in A: not placed.
+        assert_eq!(ops[2].release_recorded_ms, None);
     }
 
     #[test]
