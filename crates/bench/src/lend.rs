@@ -3,7 +3,8 @@
 //! all 256 MiB of its elastic memory, B holds host CPU c0 and 128 of its 256 MiB; vCPU 2 of each
 //! is a parked spare. Measured, with [`kumo_elastic::lend::lend`] (the `kumo lend` coordinator):
 //! - **CPU**: N cycles of lending 1 CPU A -> B (from the command to B's new vCPU confirmed doing
-//!   a work unit) and returning it.
+//!   a work unit) and returning it; then the same through `PUT vm.lend` (the lender's VMM
+//!   coordinates: one client call instead of two).
 //! - **Memory**: N cycles of lending 128 MiB A -> B (to B's guest using it) and returning it.
 //! - **Throughput**: both VMs' work units (vm.elastic `progress`) sampled every ~20 ms all run
 //!   long; a few dedicated cycles hold the CPU for a while, giving B's units/s before the lend
@@ -187,6 +188,9 @@ impl Pct {
 struct Summary {
     cpu_lend_ms: Pct,
     cpu_return_ms: Pct,
+    /// The same through `PUT vm.lend` on the lender (its VMM coordinates; one client call).
+    vmm_cpu_lend_ms: Pct,
+    vmm_cpu_return_ms: Pct,
     /// The borrower's part of a CPU lend: vm.acquire until its guest confirmed work.
     cpu_lend_guest_ms: Pct,
     cpu_release_guest_ms: Pct,
@@ -230,6 +234,8 @@ struct Report {
     summary: Summary,
     cpu: Vec<Op>,
     mem: Vec<Op>,
+    /// CPU lends and returns through `PUT vm.lend` (the lender's VMM coordinates).
+    vmm_cpu: Vec<Op>,
     holds: Vec<Hold>,
     pause_resume: Vec<PauseResume>,
     api_ping_ms: Vec<f64>,
@@ -393,6 +399,7 @@ fn place_releases(ops: &mut [Op], events_a: &[ElasticEvent], events_b: &[Elastic
 fn finish(r: &mut Report, hold_s: f64) {
     place_releases(&mut r.cpu, &r.events_a, &r.events_b);
     place_releases(&mut r.mem, &r.events_a, &r.events_b);
+    place_releases(&mut r.vmm_cpu, &r.events_a, &r.events_b);
     // Windows: the hold_s before the lend; while holding, from 50 ms after the lend was
     // confirmed (the new vCPU is up) to the return's command.
     for h in &mut r.holds {
@@ -411,6 +418,8 @@ fn finish(r: &mut Report, hold_s: f64) {
     s.cpu_return_ms = Pct::of(&ms(&r.cpu, "cpu-return", |o| o.total_ms));
     s.cpu_lend_guest_ms = Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.acquired_guest_ms));
     s.cpu_release_guest_ms = Pct::of(&ms(&r.cpu, "cpu-lend", |o| o.released_guest_ms));
+    s.vmm_cpu_lend_ms = Pct::of(&ms(&r.vmm_cpu, "cpu-lend", |o| o.total_ms));
+    s.vmm_cpu_return_ms = Pct::of(&ms(&r.vmm_cpu, "cpu-return", |o| o.total_ms));
     s.mem_lend_ms = Pct::of(&ms(&r.mem, "mem-lend", |o| o.total_ms));
     s.mem_return_ms = Pct::of(&ms(&r.mem, "mem-return", |o| o.total_ms));
     s.pause_ms = Pct::of(&r.pause_resume.iter().map(|p| p.pause_ms).collect::<Vec<_>>());
@@ -457,11 +466,13 @@ fn table(r: &Report) -> String {
         r.host_cpu_a, r.host_cpu_b
     );
     let _ = writeln!(s, "{:<58} {:>6} {:>10} {:>10}", "", "n", "p50 ms", "p99 ms");
-    let rows: [(&str, Pct); 9] = [
+    let rows: [(&str, Pct); 11] = [
         ("CPU lend A->B (command -> B's new vCPU did work)", m.cpu_lend_ms),
         ("  of which A's guest vacating", m.cpu_release_guest_ms),
         ("  of which B's guest confirming work", m.cpu_lend_guest_ms),
         ("CPU return B->A", m.cpu_return_ms),
+        ("CPU lend A->B through PUT vm.lend (A's VMM coordinates)", m.vmm_cpu_lend_ms),
+        ("CPU return B->A through PUT vm.lend on B", m.vmm_cpu_return_ms),
         ("128 MiB lend A->B (command -> B's guest uses it)", m.mem_lend_ms),
         ("128 MiB return B->A", m.mem_return_ms),
         ("baseline: vm.pause of B's whole vCPU set", m.pause_ms),
@@ -539,7 +550,8 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         ("mem-return", RGBColor(140, 200, 140)),
     ];
     for (kind, col) in marks {
-        let ts: Vec<f64> = r.cpu.iter().chain(&r.mem).filter(|o| o.kind == kind).map(|o| o.t_s).collect();
+        let ts: Vec<f64> =
+            r.cpu.iter().chain(&r.mem).chain(&r.vmm_cpu).filter(|o| o.kind == kind).map(|o| o.t_s).collect();
         for (i, t) in ts.iter().enumerate() {
             let s =
                 c.draw_series(LineSeries::new([(*t, 0.0), (*t, ymax)], col.mix(0.35).stroke_width(1))).map_err(e)?;
@@ -603,9 +615,38 @@ struct Run<'a> {
     holds: Vec<Hold>,
     pause_resume: Vec<PauseResume>,
     api_ping_ms: Vec<f64>,
+    vmm_cpu: Vec<Op>,
 }
 
 impl Run<'_> {
+    /// A CPU lend or return coordinated by the lender's own VMM (`PUT vm.lend`); total_ms is
+    /// the bench's call, from the command to the answer.
+    fn vmm_step(&mut self, kind: &'static str) -> Result<(), String> {
+        let returning = kind.ends_with("return");
+        let (from, to) = if returning { (self.b, self.a) } else { (self.a, self.b) };
+        let req = kumo_api::LendApiRequest {
+            to: to.api.path().display().to_string(),
+            cpus: 1,
+            memory_bytes: 0,
+            node: None,
+            returning,
+            timeout_ms: self.timeout_ms,
+        };
+        let t = self.t0.elapsed().as_secs_f64();
+        let (start, ns) = (Instant::now(), kumo_vmm::vmm::monotonic_ns());
+        let v = from.api.lend(&req).map_err(|e| format!("vm.lend {kind} {} -> {}: {e}", from.name, to.name))?;
+        let total_ms = start.elapsed().as_secs_f64() * 1e3;
+        let end = kumo_vmm::vmm::monotonic_ns();
+        let part = |k: &str| v.get(k).cloned().ok_or_else(|| format!("vm.lend answered without `{k}`: {v}"));
+        let released = serde_json::from_value(part("released")?).map_err(|e| format!("vm.lend `released`: {e}"))?;
+        let acquired = serde_json::from_value(part("acquired")?).map_err(|e| format!("vm.lend `acquired`: {e}"))?;
+        let mut op = Op::new(kind, t, &LendReport { released, acquired, total_ms });
+        (op.release_start_ns, op.release_end_ns) = (ns, end);
+        self.vmm_cpu.push(op);
+        std::thread::sleep(GAP);
+        Ok(())
+    }
+
     fn step(&mut self, kind: &'static str, cpus: u32, bytes: u64) -> Result<f64, String> {
         let returning = kind.ends_with("return");
         let (from, to) = if returning { (self.b, self.a) } else { (self.a, self.b) };
@@ -646,6 +687,11 @@ impl Run<'_> {
             });
         }
         say(&format!("{holds} held CPU lends"));
+        for _ in 0..cycles {
+            self.vmm_step("cpu-lend")?;
+            self.vmm_step("cpu-return")?;
+        }
+        say(&format!("{cycles} CPU lend/return cycles through PUT vm.lend"));
         std::thread::sleep(hold);
         for _ in 0..cycles {
             self.step("mem-lend", 0, MEM_LEND)?;
@@ -710,6 +756,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         holds: vec![],
         pause_resume: vec![],
         api_ping_ms: vec![],
+        vmm_cpu: vec![],
     };
     let mut coordinator_realtime = false;
     let realtime = &mut coordinator_realtime;
@@ -767,7 +814,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
             }
         }
     }
-    let Run { cpu, mem, holds: held, pause_resume, api_ping_ms, .. } = run;
+    let Run { cpu, mem, holds: held, pause_resume, api_ping_ms, vmm_cpu, .. } = run;
     let samples = std::mem::take(&mut *samples.lock().map_err(|_| "the sampler panicked".to_string())?);
     let mut report = Report {
         bench: "lend",
@@ -781,6 +828,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         summary,
         cpu,
         mem,
+        vmm_cpu,
         holds: held,
         pause_resume,
         api_ping_ms,
@@ -866,6 +914,7 @@ mod tests {
                 op("cpu-return", 1.5, 4.0),
             ],
             mem: vec![op("mem-lend", 1.7, 5.0), op("mem-return", 1.8, 6.0)],
+            vmm_cpu: vec![op("cpu-lend", 1.9, 0.9), op("cpu-return", 1.95, 0.8)],
             holds: vec![Hold {
                 lend_t_s: 1.0,
                 return_t_s: 1.5,
@@ -920,6 +969,7 @@ mod tests {
         let m = &r.summary;
         assert_eq!((m.cpu_lend_ms.n, m.cpu_lend_ms.p50, m.cpu_lend_ms.p99), (2, Some(1.0), Some(3.0)));
         assert_eq!(m.cpu_return_ms.p99, Some(4.0));
+        assert_eq!((m.vmm_cpu_lend_ms.p99, m.vmm_cpu_return_ms.p99), (Some(0.9), Some(0.8)));
         assert_eq!((m.mem_lend_ms.p99, m.mem_return_ms.p50), (Some(5.0), Some(6.0)));
         assert_eq!((m.pause_resume_ms.p50, m.pause_resume_ms.p99), (Some(3.0), Some(7.0)));
         assert_eq!((m.api_ping_ms.p50, m.api_ping_ms.p99), (Some(0.25), Some(0.5)));
