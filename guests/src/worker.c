@@ -278,13 +278,17 @@ static void try_ack_give(const struct snap *s, u32 v) {
 
 /* Waits until no vCPU is touching a block of `set`; 0 if one still is after `ms`. */
 static int wait_out(const u64 *set, u64 ms) {
-    u64 end = rdtsc() + tsc_ms(ms);
+    u64 start = rdtsc(), end = start + tsc_ms(ms), spin = tsc_ms(1) / 50; /* 20 us */
     for (u32 u = 0; u < P.n; u++)
         for (;;) {
             u32 b = __atomic_load_n(&cur_block[u * PAD], __ATOMIC_SEQ_CST);
             if (b == NONE || !bit(set, b)) break;
-            if (rdtsc() > end) return 0;
-            cpu_relax();
+            u64 now = rdtsc();
+            if (now > end) return 0;
+            /* Past a short spin, halt 50 us at a time: this vCPU floats and may share a host
+             * CPU with the very vCPU it waits for, which a spin would keep off it. */
+            if (now - start > spin) kumo_wait_change(0, 0, now + spin * 5 / 2);
+            else cpu_relax();
         }
     return 1;
 }

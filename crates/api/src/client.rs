@@ -55,11 +55,28 @@ fn os_message(e: &io::Error) -> String {
 pub struct ApiClient {
     path: PathBuf,
     timeout: Duration,
+    /// With [`ApiClient::keep_alive`]: one connection reused by every request (clones share it,
+    /// one request at a time).
+    kept: Option<std::sync::Arc<std::sync::Mutex<Option<Conn>>>>,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Conn")
+    }
 }
 
 impl ApiClient {
     pub fn new(path: impl AsRef<Path>) -> Self {
-        ApiClient { path: path.as_ref().to_path_buf(), timeout: DEFAULT_CLIENT_TIMEOUT }
+        ApiClient { path: path.as_ref().to_path_buf(), timeout: DEFAULT_CLIENT_TIMEOUT, kept: None }
+    }
+
+    /// Reuses one connection for every request instead of one each (HTTP keep-alive): no
+    /// connect and no new server thread per request, which is most of a request's cost when
+    /// every host CPU is busy. A connection the server closed while idle is reopened.
+    pub fn keep_alive(mut self) -> Self {
+        self.kept = Some(Default::default());
+        self
     }
 
     /// Bounds each request (sending it and reading the whole answer).
@@ -209,14 +226,62 @@ impl ApiClient {
     /// Sends one request and returns the status and JSON body (if any),
     /// whatever the status. `path` is the full path, e.g. `/api/v1/vm.info`.
     pub fn request(&self, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, Option<Value>), ClientError> {
+        let Some(kept) = &self.kept else {
+            let mut conn = self.connect()?;
+            return self.exchange(&mut conn, method, path, body, false).map(|(a, _)| a).map_err(|(e, _)| e);
+        };
+        let mut slot = kept.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mut conn) = slot.take() {
+            match self.exchange(&mut conn, method, path, body, true) {
+                Ok((a, open)) => {
+                    if open {
+                        *slot = Some(conn);
+                    }
+                    return Ok(a);
+                }
+                // Closed by the server while idle, before it read this request: send it again
+                // on a new connection. Anything else may have been served: report it.
+                Err((_, true)) => {}
+                Err((e, false)) => return Err(e),
+            }
+        }
+        let mut conn = self.connect()?;
+        let (a, open) = self.exchange(&mut conn, method, path, body, true).map_err(|(e, _)| e)?;
+        if open {
+            *slot = Some(conn);
+        }
+        Ok(a)
+    }
+
+    /// With [`ApiClient::keep_alive`]: whether a connection is open for the next request.
+    pub fn kept_open(&self) -> bool {
+        self.kept.as_ref().is_some_and(|k| k.lock().unwrap_or_else(|p| p.into_inner()).is_some())
+    }
+
+    fn connect(&self) -> Result<Conn, ClientError> {
         let stream = UnixStream::connect(&self.path)
             .map_err(|source| ClientError::Connect { path: self.path.clone(), source })?;
-        let deadline = Instant::now() + self.timeout;
         stream.set_write_timeout(Some(self.timeout)).map_err(|e| self.io(e))?;
+        Ok(Conn::new(stream))
+    }
 
+    /// One request on `conn`. Ok: the answer and whether the connection stays open. Err: the
+    /// error and whether the server had closed the connection before answering anything (so
+    /// the request can be sent again).
+    fn exchange(
+        &self,
+        conn: &mut Conn,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        keep: bool,
+    ) -> Result<((u16, Option<Value>), bool), (ClientError, bool)> {
+        let deadline = Instant::now() + self.timeout;
         let body = body.map(Value::to_string).unwrap_or_default();
-        let mut msg =
-            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\nConnection: close\r\n");
+        let connection = if keep { "keep-alive" } else { "close" };
+        let mut msg = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\nConnection: {connection}\r\n"
+        );
         if !body.is_empty() {
             msg += "Content-Type: application/json\r\n";
         }
@@ -226,50 +291,64 @@ impl ApiClient {
         msg += "\r\n";
         msg += &body;
 
-        let mut conn = Conn::new(stream);
         let written = conn.stream.write_all(msg.as_bytes());
         // A server may answer and close before taking the whole request (413):
         // its answer says more than our write error.
-        match self.read_response(&mut conn, method, deadline) {
-            Ok(answer) => Ok(answer),
-            Err(e) => Err(written.err().map_or(e, |w| self.io(w))),
+        match self.read_response(conn, method, deadline) {
+            Ok((answer, open)) => Ok((answer, open && keep)),
+            Err((e, unanswered)) => Err((written.err().map_or(e, |w| self.io(w)), unanswered)),
         }
     }
 
+    /// The answer, and whether the connection may carry another request; or the error, and
+    /// whether the peer closed before sending a single byte of an answer.
     fn read_response(
         &self,
         conn: &mut Conn,
         method: &str,
         deadline: Instant,
-    ) -> Result<(u16, Option<Value>), ClientError> {
+    ) -> Result<((u16, Option<Value>), bool), (ClientError, bool)> {
+        let plain = |e: ClientError| (e, false);
+        let mut first = true;
         let (status, headers) = loop {
-            let head = conn.read_head(deadline).map_err(|e| self.read_error(e))?;
-            let (status, headers) = http::parse_response_head(&head).map_err(|r| self.bad(r))?;
+            let head = match conn.read_head(deadline) {
+                Ok(h) => h,
+                Err(ReadError::Closed { partial: false }) if first => {
+                    return Err((self.bad("connection closed before a complete answer"), true))
+                }
+                Err(e) => return Err(plain(self.read_error(e))),
+            };
+            first = false;
+            let (status, headers) = http::parse_response_head(&head).map_err(|r| plain(self.bad(r)))?;
             // Interim answers (100 Continue) precede the real one.
             if !(100..200).contains(&status) {
                 break (status, headers);
             }
         };
+        let mut open = !headers.has_token("connection", "close");
         let body = if matches!(status, 204 | 304) || method == "HEAD" {
             Vec::new()
         } else {
-            match headers.content_length().map_err(|r| self.bad(r))? {
-                Some(n) if n > MAX_BODY as u64 => return Err(self.bad("response body too large")),
+            match headers.content_length().map_err(|r| plain(self.bad(r)))? {
+                Some(n) if n > MAX_BODY as u64 => return Err(plain(self.bad("response body too large"))),
                 Some(n) => conn.read_body(n as usize, deadline),
-                None => conn.read_to_end(deadline),
+                None => {
+                    open = false;
+                    conn.read_to_end(deadline)
+                }
             }
-            .map_err(|e| self.read_error(e))?
+            .map_err(|e| plain(self.read_error(e)))?
         };
         if body.iter().all(u8::is_ascii_whitespace) {
-            return Ok((status, None));
+            return Ok(((status, None), open));
         }
         match serde_json::from_slice(&body) {
-            Ok(v) => Ok((status, Some(v))),
+            Ok(v) => Ok(((status, Some(v)), open)),
             // Keep a non-JSON error text as the message rather than lose it.
             Err(_) if status >= 400 => {
-                Ok((status, Some(Value::String(String::from_utf8_lossy(&body).trim().to_string()))))
+                Ok(((status, Some(Value::String(String::from_utf8_lossy(&body).trim().to_string()))), open))
             }
-            Err(e) => Err(self.bad(format!("invalid JSON body: {e}"))),
+            Err(e) => Err(plain(self.bad(format!("invalid JSON body: {e}")))),
         }
     }
 

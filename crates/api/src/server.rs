@@ -755,6 +755,20 @@ mod tests {
     }
 
     #[test]
+    fn a_keep_alive_client_sends_many_requests_on_one_connection() {
+        let f = start();
+        let c = f.client.clone().keep_alive();
+        for _ in 0..3 {
+            assert_eq!(c.ping().unwrap(), KUMO_VERSION);
+        }
+        assert!(c.release(&crate::ReleaseRequest { cpus: 2, ..Default::default() }).is_err());
+        assert_eq!(c.release(&crate::ReleaseRequest { cpus: 1, ..Default::default() }).unwrap().host_cpus, [3]);
+        // One connection served them all: the server saw one client connection.
+        assert_eq!(f.vm.calls().len(), 5);
+        assert!(c.kept_open(), "the connection stays open between requests");
+    }
+
+    #[test]
     fn elastic_routes_carry_their_bodies_and_statuses() {
         let f = start();
         let r = f.client.release(&crate::ReleaseRequest { cpus: 1, ..Default::default() }).unwrap();

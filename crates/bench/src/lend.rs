@@ -280,7 +280,9 @@ impl Vm {
         ]
         .into();
         let mut proc = Proc::spawn(None, &argv)?;
-        let api = ApiClient::new(&sock);
+        // One connection for the whole run (as a control plane would keep): no connect and no
+        // new server thread per request.
+        let api = ApiClient::new(&sock).keep_alive();
         let t = Instant::now();
         while api.ping().is_err() {
             if t.elapsed() > LIMIT {

@@ -23,6 +23,8 @@ pub struct VmApi {
     empty: Option<EmptyVmm>,
     /// This API, for the thread an incoming migration started through it runs on.
     me: Weak<VmApi>,
+    /// `vm.lend`'s connections to other VMs, kept open between lends.
+    peers: std::sync::Mutex<std::collections::HashMap<String, kumo_api::ApiClient>>,
 }
 
 impl VmApi {
@@ -47,7 +49,23 @@ impl VmApi {
     }
 
     fn build(vm: OnceLock<Weak<RunningVm>>, incoming: OnceLock<Arc<Incoming>>, empty: Option<EmptyVmm>) -> Arc<Self> {
-        Arc::new_cyclic(|me| VmApi { vm, migration: Arc::default(), incoming, empty, me: me.clone() })
+        Arc::new_cyclic(|me| VmApi {
+            vm,
+            migration: Arc::default(),
+            incoming,
+            empty,
+            me: me.clone(),
+            peers: Default::default(),
+        })
+    }
+
+    /// A keep-alive client of the VM at `path` (shared by `vm.lend` calls to it).
+    fn peer(&self, path: &str) -> kumo_api::ApiClient {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if peers.len() > 64 {
+            peers.clear();
+        }
+        peers.entry(path.to_string()).or_insert_with(|| kumo_api::ApiClient::new(path).keep_alive()).clone()
     }
 
     pub fn attach(&self, vm: &Arc<RunningVm>) {
@@ -322,7 +340,7 @@ impl ApiHandler for VmApi {
                 let local = crate::elastic::LocalPeer(&vm);
                 let wait = std::time::Duration::from_millis(l.timeout_ms.saturating_mul(3))
                     + std::time::Duration::from_secs(10);
-                let to = kumo_api::ApiClient::new(&l.to).with_timeout(wait);
+                let to = self.peer(&l.to).with_timeout(wait);
                 let req = LendRequest {
                     cpus: l.cpus,
                     memory_bytes: l.memory_bytes,

@@ -310,6 +310,12 @@ impl RunningVm {
         };
         if let Some(ns) = config.halt_poll_ns {
             vm.set_halt_poll_ns(ns)?;
+        } else if config.elastic.is_some() {
+            // An idle vCPU of an elastic VM must cost no host CPU: KVM's halt polling would
+            // spin its thread (200 us a halt by default) on CPUs other VMs are using.
+            if let Err(e) = vm.set_halt_poll_ns(0) {
+                tracing::warn!("elastic VM: halt polling left on: {e}");
+            }
         }
         let mem = &vm.memory.guest;
         let layout = &vm.memory.layout;
