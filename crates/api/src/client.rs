@@ -51,6 +51,10 @@ fn os_message(e: &io::Error) -> String {
     }
 }
 
+/// One request's outcome on a connection: the answer and whether the connection stays open,
+/// or the error and whether the server closed it before answering anything.
+type Exchanged = Result<((u16, Option<Value>), bool), (ClientError, bool)>;
+
 #[derive(Debug, Clone)]
 pub struct ApiClient {
     path: PathBuf,
@@ -275,7 +279,7 @@ impl ApiClient {
         path: &str,
         body: Option<&Value>,
         keep: bool,
-    ) -> Result<((u16, Option<Value>), bool), (ClientError, bool)> {
+    ) -> Exchanged {
         let deadline = Instant::now() + self.timeout;
         let body = body.map(Value::to_string).unwrap_or_default();
         let connection = if keep { "keep-alive" } else { "close" };
@@ -307,7 +311,7 @@ impl ApiClient {
         conn: &mut Conn,
         method: &str,
         deadline: Instant,
-    ) -> Result<((u16, Option<Value>), bool), (ClientError, bool)> {
+    ) -> Exchanged {
         let plain = |e: ClientError| (e, false);
         let mut first = true;
         let (status, headers) = loop {
