@@ -272,14 +272,7 @@ impl ApiClient {
     /// One request on `conn`. Ok: the answer and whether the connection stays open. Err: the
     /// error and whether the server had closed the connection before answering anything (so
     /// the request can be sent again).
-    fn exchange(
-        &self,
-        conn: &mut Conn,
-        method: &str,
-        path: &str,
-        body: Option<&Value>,
-        keep: bool,
-    ) -> Exchanged {
+    fn exchange(&self, conn: &mut Conn, method: &str, path: &str, body: Option<&Value>, keep: bool) -> Exchanged {
         let deadline = Instant::now() + self.timeout;
         let body = body.map(Value::to_string).unwrap_or_default();
         let connection = if keep { "keep-alive" } else { "close" };
@@ -306,12 +299,7 @@ impl ApiClient {
 
     /// The answer, and whether the connection may carry another request; or the error, and
     /// whether the peer closed before sending a single byte of an answer.
-    fn read_response(
-        &self,
-        conn: &mut Conn,
-        method: &str,
-        deadline: Instant,
-    ) -> Exchanged {
+    fn read_response(&self, conn: &mut Conn, method: &str, deadline: Instant) -> Exchanged {
         let plain = |e: ClientError| (e, false);
         let mut first = true;
         let (status, headers) = loop {
