@@ -380,7 +380,12 @@ impl ElasticVm {
         // Stale doorbells from an earlier request must not end this wait early.
         let _ = self.doorbell.read();
         let seq = self.channel(self.mailbox.post(op, cpus, node, nblocks, mem))?;
-        self.notify_all(wake | 1)?;
+        // vCPU 0 answers every request but a vacate of working vCPUs (they answer that one
+        // themselves): waking it then only puts a floating vCPU thread in the way of the ones
+        // that must answer, on the host CPUs they share.
+        let working = |v: u32| self.mailbox.cpu_state(v) == Ok(1);
+        let vcpu0 = op != Op::VacateCpus || cpus == 0 || !(1..64).filter(|v| cpus & (1 << v) != 0).all(working);
+        self.notify_all(wake | u64::from(vcpu0))?;
         Ok(seq)
     }
 
