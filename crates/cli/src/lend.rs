@@ -1,7 +1,6 @@
 //! `kumo lend` and `kumo return` (docs/elastic.md): the coordinator is `kumo_elastic::lend`.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use kumo_api::ApiClient;
 use kumo_elastic::lend::{lend, LendRequest};
@@ -32,8 +31,7 @@ pub struct LendArgs {
 }
 
 pub fn run(a: LendArgs, returning: bool) -> Result<i32, String> {
-    // Each side waits for its guest: the client allows that plus slack.
-    let wait = Duration::from_millis(a.timeout_ms.saturating_mul(3)) + Duration::from_secs(10);
+    let wait = kumo_elastic::lend::client_timeout(a.timeout_ms);
     let from = ApiClient::new(&a.from).with_timeout(wait);
     let to = ApiClient::new(&a.to).with_timeout(wait);
     let req = LendRequest {

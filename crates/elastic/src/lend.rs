@@ -29,6 +29,12 @@ impl Peer for ApiClient {
     }
 }
 
+/// How long a client waits for one side of a lend: each side may wait `timeout_ms` for its
+/// guest more than once (a step, then its rollback), plus slack for the VMM.
+pub fn client_timeout(timeout_ms: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(timeout_ms.saturating_mul(3)) + std::time::Duration::from_secs(10)
+}
+
 /// What to move.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LendRequest {

@@ -22,9 +22,6 @@ pub struct Memory {
     pub size: u64,
     /// The map the regions of `guest` follow.
     pub layout: MemoryLayout,
-    /// Ranges `(gpa, len)` backed by private anonymous memory with transparent huge pages
-    /// instead of the memfd ([`Memory::with_anonymous`]).
-    pub anonymous: Vec<(u64, u64)>,
 }
 
 /// Smallest VM kumo builds: room for the boot structures below 1 MiB and a small guest above.
@@ -199,7 +196,7 @@ impl Memory {
             offset += len;
         }
         let guest = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
-        Ok(Memory { guest, memfd, size, layout, anonymous: anon })
+        Ok(Memory { guest, memfd, size, layout })
     }
 }
 

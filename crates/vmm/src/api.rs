@@ -326,21 +326,13 @@ impl ApiHandler for VmApi {
                     Err(e) => Err(ApiError::internal(e.to_string())),
                 }
             }
-            ApiRequest::Release(r) => {
-                vm.elastic_release(&r).map_err(elastic_error).and_then(|a| Ok(ApiResponse::Json(to_json(&a)?)))
-            }
-            ApiRequest::Acquire(r) => {
-                vm.elastic_acquire(&r).map_err(elastic_error).and_then(|a| Ok(ApiResponse::Json(to_json(&a)?)))
-            }
-            ApiRequest::Elastic => {
-                vm.elastic_info().map_err(elastic_error).and_then(|a| Ok(ApiResponse::Json(to_json(&a)?)))
-            }
+            ApiRequest::Release(r) => elastic_answer(vm.elastic_release(&r)),
+            ApiRequest::Acquire(r) => elastic_answer(vm.elastic_acquire(&r)),
+            ApiRequest::Elastic => elastic_answer(vm.elastic_info()),
             ApiRequest::Lend(l) => {
                 use kumo_elastic::lend::{lend, LendError, LendRequest};
                 let local = crate::elastic::LocalPeer(&vm);
-                let wait = std::time::Duration::from_millis(l.timeout_ms.saturating_mul(3))
-                    + std::time::Duration::from_secs(10);
-                let to = self.peer(&l.to).with_timeout(wait);
+                let to = self.peer(&l.to).with_timeout(kumo_elastic::lend::client_timeout(l.timeout_ms));
                 let req = LendRequest {
                     cpus: l.cpus,
                     memory_bytes: l.memory_bytes,
@@ -366,6 +358,8 @@ impl ApiHandler for VmApi {
     }
 }
 
-fn elastic_error(e: crate::elastic::ElasticError) -> ApiError {
-    ApiError::new(e.status(), e.to_string())
+/// An elastic request's answer as JSON, or its error with the status it maps to.
+fn elastic_answer<T: serde::Serialize>(r: Result<T, crate::elastic::ElasticError>) -> Result<ApiResponse, ApiError> {
+    let a = r.map_err(|e| ApiError::new(e.status(), e.to_string()))?;
+    Ok(ApiResponse::Json(to_json(&a)?))
 }

@@ -291,7 +291,7 @@ impl ElasticVm {
                 blocks_set(&mut plugged, b, true);
             }
         }
-        let allowed = (0..=cfg.cpus.len() as u32).fold(0u64, |m, v| m | 1 << v);
+        let allowed = mask_of(0..=cfg.cpus.len() as u32);
         let mem = vm.memory.guest.clone();
         let mailbox = Mailbox::new(mem.clone(), mailbox::MAILBOX_GPA);
         mailbox.init(&layout, allowed, &plugged).map_err(fail)?;
@@ -418,6 +418,23 @@ impl ElasticVm {
                 Err(e) => return Err(ElasticError::Failed(format!("waiting for the guest: {e}"))),
             }
         }
+    }
+
+    /// Changes the vCPUs the guest may work on (the grant; no request is posted).
+    fn update_allowed(&self, f: impl FnOnce(u64) -> u64) -> R<()> {
+        let allowed = self.channel(self.mailbox.cpus_allowed())?;
+        self.channel(self.mailbox.set_cpus_allowed(f(allowed)))
+    }
+
+    /// Books vCPU `v`, whose thread is parked now, as holding no host CPU, and records it.
+    fn mark_parked(ctl: &dyn VcpuControl, st: &mut State, v: u32) {
+        let h = &mut st.vcpus[v as usize];
+        let c = h.host_cpu.take().unwrap_or(0);
+        h.parked = true;
+        h.lender = None;
+        Self::record(st, Self::cpu_event(Kind::CpuReleased, v, c));
+        // Parked, it runs nowhere; unpinned, a later pin does not race a stale one.
+        let _ = ctl.pin(v, None);
     }
 
     fn record(st: &mut State, e: ElasticEvent) {
@@ -552,7 +569,7 @@ impl ElasticVm {
         let mut guest_ms = 0.0;
         let host_cpus: Vec<u32> = vcpus.iter().map(|&v| st.vcpus[v as usize].host_cpu.unwrap_or(0)).collect();
         if !vcpus.is_empty() {
-            let mask = vcpus.iter().fold(0u64, |m, &v| m | 1 << v);
+            let mask = mask_of(vcpus.iter().copied());
             let t = Instant::now();
             let seq = self.post(Op::VacateCpus, mask, 0, 0, &[0; 16], mask)?;
             if let Err(e) = self.wait_ack(seq, timeout, "vacate its vCPUs") {
@@ -560,17 +577,10 @@ impl ElasticVm {
                 return Err(e);
             }
             guest_ms += ms(t);
-            let allowed = self.channel(self.mailbox.cpus_allowed())?;
-            self.channel(self.mailbox.set_cpus_allowed(allowed & !mask))?;
+            self.update_allowed(|a| a & !mask)?;
             for &v in &vcpus {
                 ctl.park(v).map_err(ElasticError::Failed)?;
-                let h = &mut st.vcpus[v as usize];
-                let c = h.host_cpu.take().unwrap_or(0);
-                h.parked = true;
-                h.lender = None;
-                Self::record(&mut st, Self::cpu_event(Kind::CpuReleased, v, c));
-                // Parked, it runs nowhere; unpinned, a later pin does not race a stale one.
-                let _ = ctl.pin(v, None);
+                Self::mark_parked(ctl, &mut st, v);
             }
         }
         let mut grant = None;
@@ -656,7 +666,7 @@ impl ElasticVm {
                 }
             }
         }
-        let mask = chosen.iter().fold(0u64, |m, &v| m | 1 << v);
+        let mask = mask_of(chosen.iter().copied());
         for (&v, &c) in chosen.iter().zip(host_cpus) {
             ctl.pin(v, Some(c)).map_err(ElasticError::Failed)?;
         }
@@ -668,8 +678,7 @@ impl ElasticVm {
             h.parked = false;
             h.lender = lender.clone();
         }
-        let allowed = self.channel(self.mailbox.cpus_allowed())?;
-        self.channel(self.mailbox.set_cpus_allowed(allowed | mask))?;
+        self.update_allowed(|a| a | mask)?;
         let _ = self.doorbell.read();
         let seq = self.channel(self.mailbox.post(Op::GiveCpus, mask, 0, 0, &[0; 16]))?;
         for &v in &chosen {
@@ -677,20 +686,14 @@ impl ElasticVm {
         }
         self.notify_all(mask)?;
         if let Err(e) = self.wait_ack(seq, timeout, "run its new vCPUs") {
-            let allowed = self.channel(self.mailbox.cpus_allowed())?;
-            self.channel(self.mailbox.set_cpus_allowed(allowed & !mask))?;
+            self.update_allowed(|a| a & !mask)?;
             let _ = self.post(Op::Cancel, mask, 0, 0, &[0; 16], mask);
             // A vCPU parked in the middle of a work unit would keep what it holds (a chunk):
             // give a slow guest the timeout again to stop, then park regardless.
             self.wait_idle(&chosen, timeout);
             for &v in &chosen {
                 ctl.park(v).map_err(ElasticError::Failed)?;
-                let h = &mut st.vcpus[v as usize];
-                let c = h.host_cpu.take().unwrap_or(0);
-                h.parked = true;
-                h.lender = None;
-                Self::record(st, Self::cpu_event(Kind::CpuReleased, v, c));
-                let _ = ctl.pin(v, None);
+                Self::mark_parked(ctl, st, v);
             }
             return Err(e);
         }
@@ -781,17 +784,11 @@ impl ElasticVm {
                 // The vCPUs this request ran go back to parked: it changes nothing.
                 for &v in &vcpus {
                     let _ = ctl.park(v);
-                    let h = &mut st.vcpus[v as usize];
-                    let c = h.host_cpu.take().unwrap_or(0);
-                    h.parked = true;
-                    h.lender = None;
-                    Self::record(&mut st, Self::cpu_event(Kind::CpuReleased, v, c));
-                    let _ = ctl.pin(v, None);
+                    Self::mark_parked(ctl, &mut st, v);
                 }
                 if !vcpus.is_empty() {
-                    let mask = vcpus.iter().fold(0u64, |m, &v| m | 1 << v);
-                    let allowed = self.channel(self.mailbox.cpus_allowed())?;
-                    self.channel(self.mailbox.set_cpus_allowed(allowed & !mask))?;
+                    let mask = mask_of(vcpus.iter().copied());
+                    self.update_allowed(|a| a & !mask)?;
                 }
                 return Err(e);
             }
@@ -838,6 +835,11 @@ impl ElasticVm {
             events: st.events.clone(),
         }
     }
+}
+
+/// The bitmap of vCPUs `vcpus` (bit v = vCPU v), as the channel carries them.
+fn mask_of(vcpus: impl IntoIterator<Item = u32>) -> u64 {
+    vcpus.into_iter().fold(0, |m, v| m | 1 << v)
 }
 
 /// The parked vCPU to run on host CPU `c` (on host node `c_node`): the one that held `c`

@@ -514,7 +514,7 @@ impl RunningVm {
     /// had at start), running or paused: its thread's affinity is set by tid, so the vCPU need
     /// not be woken. Errors are one line, for a 400 (bad vCPU or CPU) or 409 (no thread).
     pub fn pin_vcpu(&self, vcpu: u32, cpu: Option<u32>) -> std::result::Result<(), PinError> {
-        use kumo_vm::host_topology::{format_cpulist, set_affinity, HostTopology};
+        use kumo_vm::host_topology::{format_cpulist, HostTopology};
         if vcpu >= self.config.cpus {
             return Err(PinError::Bad(format!("vCPU {vcpu} does not exist (the VM has {} vCPUs)", self.config.cpus)));
         }
@@ -533,13 +533,21 @@ impl RunningVm {
             }
             None => self.shared.float_cpus.clone(),
         };
+        self.set_vcpu_affinity(vcpu, &cpus)
+    }
+
+    /// Sets vCPU `vcpu`'s thread's affinity to `cpus`, by its thread id.
+    fn set_vcpu_affinity(&self, vcpu: u32, cpus: &[u32]) -> std::result::Result<(), PinError> {
+        // Held while the affinity is set: an exiting thread clears its tid first, so a reused
+        // tid is never re-pinned.
         let tids = lock(&self.shared.vcpu_tids);
         let tid = tids
             .get(vcpu as usize)
             .copied()
             .flatten()
             .ok_or_else(|| PinError::NoThread(format!("vCPU {vcpu} has no running thread")))?;
-        set_affinity(tid, &cpus).map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
+        kumo_vm::host_topology::set_affinity(tid, cpus)
+            .map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
     }
 
     /// Each vCPU's host CPU as its thread's affinity reads now: `Some(cpu)` when it may run on
@@ -997,12 +1005,7 @@ impl crate::elastic::VcpuControl for RunningVm {
             Some(c) => vec![c],
             None => self.shared.float_cpus.clone(),
         };
-        let tid = lock(&self.shared.vcpu_tids)
-            .get(v as usize)
-            .copied()
-            .flatten()
-            .ok_or_else(|| format!("vCPU {v} has no running thread"))?;
-        kumo_vm::host_topology::set_affinity(tid, &cpus).map_err(|e| format!("cannot pin vCPU {v}: {e}"))
+        self.set_vcpu_affinity(v, &cpus).map_err(|e| e.to_string())
     }
 
     fn running(&self) -> std::result::Result<(), String> {
