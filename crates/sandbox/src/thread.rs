@@ -1,0 +1,169 @@
+//! Threads by kind, each under a panic guard.
+//!
+//! A panicking thread must not wedge the VM: the guard hands the panic to the process-wide
+//! handler (set once by the VMM: it records the stop reason and stops the VM) and then lets the
+//! unwind continue, so `join` still sees `Err` as it would without the guard.
+
+use std::any::Any;
+use std::io;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::OnceLock;
+use std::thread::JoinHandle;
+
+/// What a thread does; each kind gets its own seccomp filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ThreadKind {
+    /// Runs one vCPU (`KVM_RUN` and its exits).
+    Vcpu,
+    /// Device work outside the vCPUs: the event loop, interrupt dispatchers, APIC timers.
+    Device,
+    /// The control API: the listener and one thread per connection.
+    Api,
+    /// Migration and snapshot jobs and their transfer threads.
+    Migration,
+    /// Signal handling (SIGTERM/SIGINT) in the `kumo run` process.
+    Signal,
+    /// Console plumbing: stdin, console socket clients.
+    Console,
+    /// Helpers of the VMM itself (throttle, elastic coordination, probes).
+    Vmm,
+    /// The vhost-user-net backend process's threads.
+    NetBackend,
+}
+
+impl ThreadKind {
+    /// Every kind, for tests and docs.
+    pub const ALL: [ThreadKind; 8] = [
+        ThreadKind::Vcpu,
+        ThreadKind::Device,
+        ThreadKind::Api,
+        ThreadKind::Migration,
+        ThreadKind::Signal,
+        ThreadKind::Console,
+        ThreadKind::Vmm,
+        ThreadKind::NetBackend,
+    ];
+
+    /// The kind's name in messages ("vcpu", "device", ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            ThreadKind::Vcpu => "vcpu",
+            ThreadKind::Device => "device",
+            ThreadKind::Api => "api",
+            ThreadKind::Migration => "migration",
+            ThreadKind::Signal => "signal",
+            ThreadKind::Console => "console",
+            ThreadKind::Vmm => "vmm",
+            ThreadKind::NetBackend => "net-backend",
+        }
+    }
+}
+
+impl std::fmt::Display for ThreadKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A panic caught by a thread's guard.
+#[derive(Clone, Debug)]
+pub struct ThreadPanic {
+    pub kind: ThreadKind,
+    /// The thread's name.
+    pub thread: String,
+    /// The panic's message.
+    pub message: String,
+}
+
+impl std::fmt::Display for ThreadPanic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} thread {} panicked: {}", self.kind, self.thread, self.message)
+    }
+}
+
+type PanicHandler = Box<dyn Fn(&ThreadPanic) + Send + Sync>;
+
+static PANIC_HANDLER: OnceLock<PanicHandler> = OnceLock::new();
+
+/// Sets the process-wide handler the guards call on a panic (once; later calls are ignored and
+/// return false). Without one, a panic is only logged.
+pub fn set_panic_handler(handler: impl Fn(&ThreadPanic) + Send + Sync + 'static) -> bool {
+    PANIC_HANDLER.set(Box::new(handler)).is_ok()
+}
+
+/// The text of a panic payload (`&str` or `String`; anything else has none).
+pub fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".to_string()
+    }
+}
+
+/// Reports a caught panic to the handler (and the log).
+pub fn report_panic(p: &ThreadPanic) {
+    tracing::error!("{p}");
+    if let Some(h) = PANIC_HANDLER.get() {
+        h(p);
+    }
+}
+
+/// Runs `f` under the panic guard of a thread of `kind` named `name`: a panic is reported,
+/// then unwinds on.
+pub fn guarded<T>(kind: ThreadKind, name: &str, f: impl FnOnce() -> T) -> T {
+    match panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(payload) => {
+            report_panic(&ThreadPanic { kind, thread: name.to_string(), message: panic_message(&*payload) });
+            panic::resume_unwind(payload)
+        }
+    }
+}
+
+/// Starts a thread of `kind` named `name` running `f` under the panic guard.
+pub fn spawn<F, T>(kind: ThreadKind, name: impl Into<String>, f: F) -> io::Result<JoinHandle<T>>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    let name = name.into();
+    let thread_name = name.clone();
+    std::thread::Builder::new().name(name).spawn(move || guarded(kind, &thread_name, f))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn a_thread_runs_and_returns_its_value() {
+        let t = spawn(ThreadKind::Vmm, "t-ok", || 41 + 1).unwrap();
+        assert_eq!(t.join().unwrap(), 42);
+    }
+
+    #[test]
+    fn a_panic_is_reported_then_unwinds_to_join() {
+        static SEEN: AtomicUsize = AtomicUsize::new(0);
+        // The handler is process-wide; this is the only test that sets it.
+        set_panic_handler(|p| {
+            if p.thread == "t-panics" && p.kind == ThreadKind::Device && p.message == "boom 7" {
+                SEEN.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let t = spawn(ThreadKind::Device, "t-panics", || -> u32 { panic!("boom {}", 7) }).unwrap();
+        let err = t.join().unwrap_err();
+        assert_eq!(panic_message(&*err), "boom 7");
+        assert_eq!(SEEN.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn kinds_have_distinct_names() {
+        let mut names: Vec<_> = ThreadKind::ALL.iter().map(|k| k.name()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), ThreadKind::ALL.len());
+    }
+}
