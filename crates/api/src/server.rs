@@ -10,6 +10,7 @@
 
 use crate::http::{self, Conn, ReadError, MAX_BODY, MAX_HEAD};
 use crate::{paths, ApiError, ApiRequest, ApiResponse};
+use kumo_sandbox::ThreadKind;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::fs::{self, Permissions};
@@ -138,13 +139,11 @@ impl ApiServer {
         fs::set_permissions(path, Permissions::from_mode(0o600)).map_err(|e| cleanup(bind_err(e)))?;
 
         let shared = Arc::new(Shared::default());
-        let thread = thread::Builder::new()
-            .name("kumo-api".into())
-            .spawn({
-                let shared = shared.clone();
-                move || accept_loop(listener, &shared, handler)
-            })
-            .map_err(|e| cleanup(ServerError::Spawn(e)))?;
+        let thread = kumo_sandbox::spawn(ThreadKind::Api, "kumo-api", {
+            let shared = shared.clone();
+            move || accept_loop(listener, &shared, handler)
+        })
+        .map_err(|e| cleanup(ServerError::Spawn(e)))?;
         info!(path = %path.display(), "API server listening");
         Ok(ApiServerHandle { path: path.to_path_buf(), socket_id, shared, thread: Some(thread) })
     }
@@ -382,7 +381,7 @@ fn accept_loop(listener: UnixListener, shared: &Arc<Shared>, handler: Arc<dyn Ap
             conns.insert(id, entry);
         }
         let (shared2, handler) = (shared.clone(), handler.clone());
-        let spawned = thread::Builder::new().name("kumo-api-conn".into()).spawn(move || {
+        let spawned = kumo_sandbox::spawn(ThreadKind::Api, "kumo-api-conn", move || {
             // Deregisters even if serving unwinds.
             struct Deregister(Arc<Shared>, u64);
             impl Drop for Deregister {

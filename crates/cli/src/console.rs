@@ -7,6 +7,7 @@
 //! not keep up (its queue full) is disconnected rather than slowing the guest down; stdout is
 //! never skipped.
 
+use kumo_sandbox::ThreadKind;
 use std::fs;
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -74,36 +75,34 @@ impl ConsoleSocket {
         fs::set_permissions(path, fs::Permissions::from_mode(0o600)).map_err(fail)?;
         let socket = ConsoleSocket { path: path.to_path_buf(), clients: Clients::default(), vm: Arc::default() };
         let (clients, vm) = (socket.clients.clone(), socket.vm.clone());
-        std::thread::Builder::new()
-            .name("console-accept".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    let Ok(conn) = conn else { continue };
-                    let Ok(mut out) = conn.try_clone() else { continue };
-                    let (tx, rx) = sync_channel::<Vec<u8>>(CLIENT_QUEUE);
-                    let writer = std::thread::Builder::new().name("console-out".into()).spawn(move || {
-                        for chunk in rx {
-                            if out.write_all(&chunk).is_err() {
-                                // Gone: reading ends too, and the queue's sender is dropped.
-                                let _ = out.shutdown(std::net::Shutdown::Both);
-                                return;
-                            }
+        kumo_sandbox::spawn(ThreadKind::Console, "console-accept", move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                let Ok(mut out) = conn.try_clone() else { continue };
+                let (tx, rx) = sync_channel::<Vec<u8>>(CLIENT_QUEUE);
+                let writer = kumo_sandbox::spawn(ThreadKind::Console, "console-out", move || {
+                    for chunk in rx {
+                        if out.write_all(&chunk).is_err() {
+                            // Gone: reading ends too, and the queue's sender is dropped.
+                            let _ = out.shutdown(std::net::Shutdown::Both);
+                            return;
                         }
-                    });
-                    if writer.is_err() {
-                        continue;
                     }
-                    clients.lock().unwrap_or_else(|p| p.into_inner()).push(tx);
-                    let vm = vm.clone();
-                    let _ = std::thread::Builder::new().name("console-client".into()).spawn(move || {
-                        feed(conn, || match &*vm.lock().unwrap_or_else(|p| p.into_inner()) {
-                            None => Target::NotYet,
-                            Some(w) => w.upgrade().map_or(Target::Gone, Target::Vm),
-                        })
-                    });
+                });
+                if writer.is_err() {
+                    continue;
                 }
-            })
-            .map_err(fail)?;
+                clients.lock().unwrap_or_else(|p| p.into_inner()).push(tx);
+                let vm = vm.clone();
+                let _ = kumo_sandbox::spawn(ThreadKind::Console, "console-client", move || {
+                    feed(conn, || match &*vm.lock().unwrap_or_else(|p| p.into_inner()) {
+                        None => Target::NotYet,
+                        Some(w) => w.upgrade().map_or(Target::Gone, Target::Vm),
+                    })
+                });
+            }
+        })
+        .map_err(fail)?;
         Ok(socket)
     }
 

@@ -14,6 +14,7 @@ mod console;
 mod lend;
 mod migrate;
 
+use kumo_sandbox::ThreadKind;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -503,7 +504,7 @@ fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
     let handle = signals.handle();
     let vm: Arc<std::sync::OnceLock<std::sync::Weak<RunningVm>>> = Arc::default();
     let watched = vm.clone();
-    let spawned = std::thread::Builder::new().name("signals".into()).spawn(move || {
+    let spawned = kumo_sandbox::spawn(ThreadKind::Signal, "signals", move || {
         let mut seen = false;
         for sig in signals.forever() {
             if seen {
@@ -552,7 +553,7 @@ impl Drop for SignalGuard {
 /// Feeds kumo's stdin to the guest's serial console (COM1), so a user or a test can talk to the
 /// guest, from a thread: for stdin that epoll cannot watch (a file, /dev/null).
 fn spawn_console_input(vm: std::sync::Weak<RunningVm>) {
-    let spawned = std::thread::Builder::new().name("console-in".into()).spawn(move || {
+    let spawned = kumo_sandbox::spawn(ThreadKind::Console, "console-in", move || {
         console::feed(std::io::stdin().lock(), || vm.upgrade().map_or(console::Target::Gone, console::Target::Vm))
     });
     if let Err(e) = spawned {

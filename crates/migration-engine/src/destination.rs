@@ -2,6 +2,7 @@
 //! into the destination's guest memory ([`format::Reader::next_record_placed`]): receiving is
 //! placing, with no buffer in between.
 
+use kumo_sandbox::ThreadKind;
 use std::fs::File;
 use std::io::{self, BufReader, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -251,7 +252,7 @@ pub fn receive_with<V: DestVm>(
             .enumerate()
             .map(|(i, mut r)| {
                 let (barrier, cpu, pages, state, reply) = (&barrier, &cpu, &pages, &state, &reply);
-                s.spawn(move || {
+                kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, format!("mig-recv{i}"), move || {
                     let c0 = thread_cpu_ms();
                     let mut placer = MemPlacer { mem };
                     let res = (|| -> Result<(), MigrateError> {
@@ -302,7 +303,14 @@ pub fn receive_with<V: DestVm>(
             .collect();
         let mut first = Ok(());
         for h in handles {
-            let r = h.join().unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into())));
+            let r = match h {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into()))),
+                Err(e) => {
+                    // The other connections must not wait at a round barrier for this one.
+                    barrier.break_all();
+                    Err(MigrateError::Io(e))
+                }
+            };
             if first.is_ok() {
                 first = r;
             }

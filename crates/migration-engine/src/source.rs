@@ -2,6 +2,7 @@
 //! into batches (the bandwidth cap and cancel checks sit there), the sender threads and the
 //! transport sinks they write through.
 
+use kumo_sandbox::ThreadKind;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -141,18 +142,15 @@ fn spawn_sender(
     free: SyncSender<Vec<u8>>,
     cpu: Arc<AtomicU64>,
     depth: usize,
-) -> Sender {
+) -> io::Result<Sender> {
     let (tx, rx) = sync_channel::<Work>(depth);
-    let handle = std::thread::Builder::new()
-        .name("mig-send".into())
-        .spawn(move || {
-            let t0 = thread_cpu_ms();
-            let r = sender_loop(sink, ack, rx, free);
-            add_cpu(&cpu, t0);
-            r
-        })
-        .expect("spawn sender thread");
-    Sender { tx, handle }
+    let handle = kumo_sandbox::spawn(ThreadKind::Migration, "mig-send", move || {
+        let t0 = thread_cpu_ms();
+        let r = sender_loop(sink, ack, rx, free);
+        add_cpu(&cpu, t0);
+        r
+    })?;
+    Ok(Sender { tx, handle })
 }
 
 /// Guest memory's host mapping, for zero-copy iovecs. Valid while the VM lives, which outlives
@@ -512,8 +510,10 @@ fn migrate_inner(
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
         // The session keeps a handle on each socket to watch its send queue drain.
         let watch: Vec<Conn> = conns.iter().map(Conn::try_clone).collect::<io::Result<_>>()?;
-        let senders: Vec<Sender> =
-            conns.drain(..).map(|c| spawn_sender(sink(c), serial, free_tx.clone(), cpu.clone(), depth)).collect();
+        let senders: Vec<Sender> = conns
+            .drain(..)
+            .map(|c| spawn_sender(sink(c), serial, free_tx.clone(), cpu.clone(), depth))
+            .collect::<io::Result<_>>()?;
         // Only the senders may hold the pool's sending side: when they all stop, a collector
         // waiting for a buffer must see the channel close instead of waiting forever.
         drop(free_tx);
@@ -562,7 +562,7 @@ fn migrate_inner(
                     // unlike the short later rounds.
                     let done = AtomicBool::new(false);
                     std::thread::scope(|s| {
-                        let sampler = s.spawn(|| {
+                        let sampler = kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, "mig-sampler", || {
                             let mut v = Vec::new();
                             while !done.load(Ordering::Acquire) {
                                 std::thread::sleep(Duration::from_millis(50));
@@ -575,7 +575,9 @@ fn migrate_inner(
                         });
                         let n = col.send_round(round, to_send.gfns(), round_pages, live_checksum, &mut progress);
                         done.store(true, Ordering::Release);
-                        round0_samples = sampler.join().unwrap_or_default();
+                        // Without its thread (none could be started) there are no samples: the model
+                        // falls back as it does for a short round 0.
+                        round0_samples = sampler.ok().and_then(|h| h.join().ok()).unwrap_or_default();
                         n
                     })?
                 } else {

@@ -279,7 +279,7 @@ impl Drop for Listener {
 pub fn loopback_tcp_bytes_per_s(total: u64, chunk: usize) -> io::Result<f64> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let addr = l.local_addr()?;
-    let rx = std::thread::spawn(move || -> io::Result<u64> {
+    let rx = kumo_sandbox::spawn(kumo_sandbox::ThreadKind::Migration, "mig-loopback", move || -> io::Result<u64> {
         let (mut s, _) = l.accept()?;
         let (mut buf, mut n) = (vec![0u8; chunk], 0u64);
         loop {
@@ -288,7 +288,7 @@ pub fn loopback_tcp_bytes_per_s(total: u64, chunk: usize) -> io::Result<f64> {
                 k => n += k as u64,
             }
         }
-    });
+    })?;
     let buf = vec![0x5au8; chunk];
     let t = std::time::Instant::now();
     let mut s = TcpStream::connect(addr)?;

@@ -1,11 +1,11 @@
 //! The backend's control API: HTTP/1.1 with JSON bodies on a unix socket, one request per
 //! connection (see docs/net-backend.md).
 
+use kumo_sandbox::ThreadKind;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
-use std::thread;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -64,7 +64,7 @@ pub fn serve(nic: Arc<Nic>, listener: UnixListener) -> io::Result<()> {
     loop {
         let (s, _) = listener.accept()?;
         let nic = nic.clone();
-        thread::Builder::new().name("nb-api".into()).spawn(move || {
+        kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-api", move || {
             if let Err(e) = handle(&nic, s) {
                 tracing::debug!("api: {e}");
             }
@@ -205,7 +205,7 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let l = UnixListener::bind(&path).unwrap();
         let n = Arc::new(nic());
-        thread::spawn(move || serve(n, l));
+        std::thread::spawn(move || serve(n, l));
         let (status, body) = request(&path, "GET", "/api/v1/backend.info", None).unwrap();
         assert_eq!(status, 200, "{body}");
         let (status, _) = request(&path, "PUT", "/api/v1/backend.handover", Some(r#"{"to": 1}"#)).unwrap();

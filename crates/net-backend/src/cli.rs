@@ -1,8 +1,8 @@
 //! `kumo net-backend …`: serve a tap, or talk to a running backend.
 
+use kumo_sandbox::ThreadKind;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::thread;
 
 use kumo_devices::virtio::net::tap::Tap;
 
@@ -92,24 +92,20 @@ fn serve(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
         let l = Server::bind(p).map_err(|e| format!("{}: {e}", p.display()))?;
         cleanup.push(p.clone());
         let n = nic.clone();
-        thread::Builder::new()
-            .name("nb-api".into())
-            .spawn(move || {
-                if let Err(e) = api::serve(n, l) {
-                    tracing::error!("api: {e}");
-                }
-            })
-            .map_err(|e| e.to_string())?;
-    }
-    let server = Server::new(nic);
-    thread::Builder::new()
-        .name("nb-accept".into())
-        .spawn(move || {
-            if let Err(e) = server.serve(listener) {
-                tracing::error!("vhost-user socket: {e}");
+        kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-api", move || {
+            if let Err(e) = api::serve(n, l) {
+                tracing::error!("api: {e}");
             }
         })
         .map_err(|e| e.to_string())?;
+    }
+    let server = Server::new(nic);
+    kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-accept", move || {
+        if let Err(e) = server.serve(listener) {
+            tracing::error!("vhost-user socket: {e}");
+        }
+    })
+    .map_err(|e| e.to_string())?;
     eprintln!(
         "kumo net-backend: tap {tap_name}, vhost-user socket {}{}",
         socket.display(),

@@ -8,6 +8,7 @@
 //! the frontend hangs up. Only the control messages take this path; the rings and eventfds are
 //! shared with the frontend directly.
 
+use kumo_sandbox::ThreadKind;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
@@ -15,7 +16,6 @@ use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::thread;
 
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
@@ -75,7 +75,7 @@ impl Server {
         loop {
             let (s, _) = listener.accept()?;
             let me = self.clone();
-            thread::Builder::new().name("nb-client".into()).spawn(move || {
+            kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-client", move || {
                 if let Err(e) = me.serve_client(s) {
                     tracing::warn!("client: {e}");
                 }
@@ -109,7 +109,8 @@ impl Server {
 
         let (f2, b2) = (front.try_clone()?, back.try_clone()?);
         let c2 = client.clone();
-        let up = thread::Builder::new().name(format!("nb-relay-{id}")).spawn(move || relay(&f2, &b2, Some(&c2)))?;
+        let up =
+            kumo_sandbox::spawn(ThreadKind::NetBackend, format!("nb-relay-{id}"), move || relay(&f2, &b2, Some(&c2)))?;
         relay(&back, &front, None);
         let _ = up.join();
         if let Err(e) = daemon.wait() {

@@ -6,4 +6,4 @@
 
 pub mod thread;
 
-pub use thread::{spawn, ThreadKind};
+pub use thread::{spawn, spawn_scoped, ThreadKind};

@@ -133,6 +133,22 @@ where
     std::thread::Builder::new().name(name).spawn(move || guarded(kind, &thread_name, f))
 }
 
+/// Starts a scoped thread of `kind` named `name` running `f` under the panic guard.
+pub fn spawn_scoped<'scope, 'env, F, T>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    kind: ThreadKind,
+    name: impl Into<String>,
+    f: F,
+) -> io::Result<std::thread::ScopedJoinHandle<'scope, T>>
+where
+    F: FnOnce() -> T + Send + 'scope,
+    T: Send + 'scope,
+{
+    let name = name.into();
+    let thread_name = name.clone();
+    std::thread::Builder::new().name(name).spawn_scoped(scope, move || guarded(kind, &thread_name, f))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,6 +173,15 @@ mod tests {
         let err = t.join().unwrap_err();
         assert_eq!(panic_message(&*err), "boom 7");
         assert_eq!(SEEN.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_scoped_thread_borrows_and_returns() {
+        let v = [1, 2, 3];
+        let sum = std::thread::scope(|s| {
+            spawn_scoped(s, ThreadKind::Migration, "t-scoped", || v.iter().sum::<i32>()).unwrap().join().unwrap()
+        });
+        assert_eq!(sum, 6);
     }
 
     #[test]

@@ -131,7 +131,7 @@ impl SharedDispatcher {
         let (tx, rx) = channel::<MsiMessage>();
         let counters = Arc::new(DispatchCounters::default());
         let c = counters.clone();
-        let thread = std::thread::Builder::new().name("irq-dispatch".into()).spawn(move || {
+        let thread = kumo_sandbox::spawn(kumo_sandbox::ThreadKind::Device, "irq-dispatch", move || {
             let mut warned = false;
             while let Ok(m) = rx.recv() {
                 match inject(retarget(m, 0)) {

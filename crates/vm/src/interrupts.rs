@@ -227,7 +227,7 @@ impl UserIrqs {
             table: Mutex::new(RouteTable::new(IrqchipMode::User)),
         });
         let weak = Arc::downgrade(&u);
-        std::thread::Builder::new().name("user-irqs".into()).spawn(move || user_irq_thread(weak))?;
+        kumo_sandbox::spawn(kumo_sandbox::ThreadKind::Device, "user-irqs", move || user_irq_thread(weak))?;
         Ok(u)
     }
 

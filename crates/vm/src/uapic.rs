@@ -286,7 +286,9 @@ impl UserApics {
         }
         for cpu in 0..self.cpus.len() as u32 {
             let weak = Arc::downgrade(self);
-            std::thread::Builder::new().name(format!("lapic-timer{cpu}")).spawn(move || timer_thread(weak, cpu))?;
+            kumo_sandbox::spawn(kumo_sandbox::ThreadKind::Device, format!("lapic-timer{cpu}"), move || {
+                timer_thread(weak, cpu)
+            })?;
         }
         Ok(())
     }

@@ -122,7 +122,7 @@ impl VmApi {
             ApiError::bad_request(format!("cannot receive a migration: {why}"))
         })?;
         let _ = self.incoming.set(inc.clone());
-        let spawned = std::thread::Builder::new().name("incoming".into()).spawn(move || {
+        let spawned = kumo_sandbox::spawn(kumo_sandbox::ThreadKind::Migration, "incoming", move || {
             let Some(e) = me.empty.as_ref() else { return };
             match inc.receive_on(ready, &*e.say, (e.console)()) {
                 Ok((vm, _)) => {

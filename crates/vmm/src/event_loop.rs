@@ -82,7 +82,7 @@ impl EventLoop {
         let stop = EventFd::new(libc::EFD_NONBLOCK)?;
         state.epoll.ctl(ControlOperation::Add, stop.as_raw_fd(), EpollEvent::new(EventSet::IN, STOP))?;
         let st = state.clone();
-        let thread = std::thread::Builder::new().name(name.into()).spawn(move || {
+        let thread = kumo_sandbox::spawn(kumo_sandbox::ThreadKind::Device, name, move || {
             setup();
             run(&st)
         })?;

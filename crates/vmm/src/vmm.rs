@@ -6,6 +6,7 @@
 //! a thread out of KVM_RUN (e.g. a halted guest), it is sent a signal, resent until it parks:
 //! a signal that lands between the request check and KVM_RUN would otherwise be lost.
 
+use kumo_sandbox::ThreadKind;
 use std::io::{Cursor, Write};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
@@ -472,25 +473,23 @@ impl RunningVm {
             let prioritized = dedicated.contains(&id);
             let pin = vm.config.pins.get(id as usize).copied().flatten();
             lock(&vm.shared.ctl).live += 1;
-            let t = std::thread::Builder::new()
-                .name(format!("vcpu{id}"))
-                .spawn(move || {
-                    if let Some(cpu) = pin {
-                        if let Err(e) = kumo_vm::host_topology::pin_thread(cpu) {
-                            tracing::warn!("vCPU {id} not pinned to host CPU {cpu}: {e}");
-                        }
+            let t = kumo_sandbox::spawn(ThreadKind::Vcpu, format!("vcpu{id}"), move || {
+                if let Some(cpu) = pin {
+                    if let Err(e) = kumo_vm::host_topology::pin_thread(cpu) {
+                        tracing::warn!("vCPU {id} not pinned to host CPU {cpu}: {e}");
                     }
-                    if prioritized {
-                        kumo_vm::interrupt_paths::prioritize_this_thread(&format!("vCPU {id}"));
-                    }
-                    // After the start pin, so a vm.pin that finds the tid wins over it; cleared
-                    // at exit so a reused tid is never re-pinned.
-                    let tids = sh.clone();
-                    set_tid(&tids, id, Some(kumo_vm::host_topology::this_tid()));
-                    vcpu_thread(v, bus, sh);
-                    set_tid(&tids, id, None);
-                })
-                .map_err(Error::Thread);
+                }
+                if prioritized {
+                    kumo_vm::interrupt_paths::prioritize_this_thread(&format!("vCPU {id}"));
+                }
+                // After the start pin, so a vm.pin that finds the tid wins over it; cleared
+                // at exit so a reused tid is never re-pinned.
+                let tids = sh.clone();
+                set_tid(&tids, id, Some(kumo_vm::host_topology::this_tid()));
+                vcpu_thread(v, bus, sh);
+                set_tid(&tids, id, None);
+            })
+            .map_err(Error::Thread);
             match t {
                 Ok(t) => lock(&vm.shared.threads).push(t),
                 Err(e) => {
@@ -618,7 +617,7 @@ impl RunningVm {
             return;
         }
         let shared = self.shared.clone();
-        let spawned = std::thread::Builder::new().name("vcpu-throttle".into()).spawn(move || {
+        let spawned = kumo_sandbox::spawn(ThreadKind::Vmm, "vcpu-throttle", move || {
             loop {
                 let p = shared.throttle.load(Ordering::Acquire);
                 if p == 0 || shared.request.load(Ordering::Acquire) == STOP {

@@ -3,6 +3,7 @@
 //! does: shared/NESTED-KVM.md). A guest told the feature exists sends every IPI that way, so
 //! `--pv pv-ipi=on` is refused unless a throw-away VM gets through one hypercall.
 
+use kumo_sandbox::ThreadKind;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -79,7 +80,7 @@ pub fn probe_pv_ipi(kvm: &Kvm, limit: Duration) -> PvIpiProbe {
         return PvIpiProbe::Failed(format!("{e:?}"));
     }
     let (tx, rx) = mpsc::channel();
-    let spawned = std::thread::Builder::new().name("pv-ipi-probe".into()).spawn(move || {
+    let spawned = kumo_sandbox::spawn(ThreadKind::Vcpu, "pv-ipi-probe", move || {
         let _vm = vm; // the VM lives as long as its vCPU runs
         let outcome = loop {
             match vcpu.run(&buses) {
