@@ -7,6 +7,8 @@
 //! below are only safety nets against hangs.
 
 mod common;
+#[path = "common/net.rs"]
+mod hostnet;
 use common::*;
 
 use std::io::{Read, Write};
@@ -783,4 +785,106 @@ fn a_failed_receive_through_the_api_ends_the_vmm() {
     assert!(err.contains("incoming migration failed") && err.to_lowercase().contains("magic"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(!std::path::Path::new(&dsock).exists(), "the API socket is removed");
+}
+
+/// A stream whose VM names host resources its destination's operator did not give (a tap for
+/// a NIC with no `--net`, a NIC or node the operator did not map, more queues than the given tap
+/// takes, a field kumo does not know) is refused before anything is built: the source gets
+/// Accepted, then a Failed reply naming why, never Ready; the destination exits 1 with the same
+/// reason. No KVM needed (nothing is built); as root, the taps involved exist and none is
+/// attached.
+#[test]
+fn a_stream_naming_resources_the_operator_did_not_give_is_refused() {
+    use kumo_migration::format::{write_header, ReplyReader, VmDescription};
+    let pid = std::process::id() % 100_000;
+    let (victim, own, single) = (format!("h2v{pid}"), format!("h2w{pid}"), format!("h2x{pid}"));
+    // As root: the stream's tap exists (single-queue, so an attached one would show its carrier).
+    let taps = [&victim, &own].map(|t| hostnet::Tap::create(t, "10.234.0.1/32"));
+    let single_tap = hostnet::Tap::create(&single, "10.234.0.2/32");
+    let rooted = taps.iter().all(Result::is_ok) && single_tap.is_ok();
+    if !rooted {
+        eprintln!(
+            "a_stream_naming_resources_the_operator_did_not_give_is_refused: no taps (not root): host checks skipped"
+        );
+    }
+    let header = |net: serde_json::Value, extra: serde_json::Value| {
+        let mut c =
+            serde_json::json!({"cpus": 1, "memory": 64 << 20, "payload": {"guest": {"name": "netecho"}}, "net": net});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        VmDescription::new(1, "kernel", c, kumo_vm::layout::ram_regions(64 << 20))
+    };
+    let none = serde_json::json!({});
+    let dir = TestDir::new();
+    let net_own = format!("id=net0,tap={own}");
+    let net_single = format!("tap={single}");
+    let mut cases: Vec<(&str, Vec<&str>, VmDescription, String)> = vec![
+        (
+            "no-net",
+            vec![],
+            header(serde_json::json!([{"tap": victim}]), none.clone()),
+            format!("the VM's net0 (tap {victim} on its source) has no backend here: give --net id=net0,tap=NAME"),
+        ),
+        (
+            "unmapped-net1",
+            vec!["--net", &net_own],
+            header(serde_json::json!([{"tap": own}, {"tap": victim}]), none.clone()),
+            format!("the VM's net1 (tap {victim} on its source) has no backend here"),
+        ),
+        (
+            "extra-net",
+            vec!["--net", &net_own, "--net", "tap=h2other"],
+            header(serde_json::json!([{"tap": victim}]), none.clone()),
+            "--net id=net1: the VM has no NIC net1 (it has net0)".into(),
+        ),
+        (
+            "numa",
+            vec!["--net", &net_own, "--numa", "node=0,host-node=0"],
+            header(serde_json::json!([{"tap": victim}]), none.clone()),
+            "--numa node=0: the VM has no NUMA nodes".into(),
+        ),
+        (
+            "unknown-field",
+            vec![],
+            header(serde_json::json!([]), serde_json::json!({"pins": [0]})),
+            "unknown field `pins`".into(),
+        ),
+    ];
+    if rooted {
+        cases.push((
+            "queues",
+            vec!["--net", &net_single],
+            header(serde_json::json!([{"tap": victim, "queues": 2}]), none.clone()),
+            format!("net0: tap {single} cannot take 2 queue pairs: it was made without multi_queue"),
+        ));
+    }
+    for (tag, extra, desc, want) in cases {
+        let path = dir.arg(&format!("{tag}.mig"));
+        let addr = format!("unix:{path}");
+        let mut args = vec!["run", "--incoming", &addr];
+        args.extend_from_slice(&extra);
+        let mut dst = Kid::spawn(&args).named(tag);
+        eventually(PATIENCE, || dst.stderr().contains("waiting for a migration").then_some(()));
+        let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        s.set_read_timeout(Some(PATIENCE)).unwrap();
+        write_header(&mut s, &desc).unwrap();
+        let mut replies = ReplyReader::new(&mut s);
+        assert!(matches!(replies.next_reply(), Ok(Reply::Accepted)), "{tag}: a valid header is accepted");
+        match replies.next_reply() {
+            Ok(Reply::Failed(why)) => assert!(why.contains(&want), "{tag}: want `{want}` in `{why}`"),
+            other => panic!("{tag}: expected a Failed reply before anything is built, got {other:?}"),
+        }
+        if rooted {
+            for t in [&victim, &own, &single] {
+                let state = std::fs::read_to_string(format!("/sys/class/net/{t}/operstate")).unwrap_or_default();
+                assert_ne!(state.trim(), "up", "{tag}: tap {t} was attached");
+            }
+        }
+        let status = eventually(PATIENCE, || dst.child.try_wait().unwrap());
+        let err = dst.stderr();
+        assert_eq!(status.code(), Some(1), "{tag}: {err}");
+        assert!(err.contains("incoming migration failed") && err.contains(&want), "{tag}: {err}");
+        assert!(!err.contains("panicked"), "{tag}: {err}");
+    }
 }
