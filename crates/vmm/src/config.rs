@@ -702,6 +702,11 @@ mod tests {
             ),
             (serde_json::json!({"net": [{"tap": "t", "queues": 0}]}), ours(&["tap=mine"], &[]), "queues=0"),
             (
+                serde_json::json!({"net": [{"tap": "t", "irq": {"path": "dedicated", "vcpu": 1, "x": 1}}]}),
+                ours(&["tap=mine"], &[]),
+                "unknown field `x`",
+            ),
+            (
                 serde_json::json!({"net": [{"tap": "t", "irq": {"path": "dedicated", "vcpu": 9}}]}),
                 ours(&["tap=mine"], &[]),
                 "irq=dedicated,vcpu=9: the VM has 2 vCPUs",
