@@ -307,8 +307,10 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
     // Host resources the VM does not have are refused before it is built; the VMM stays empty.
     let nic = kumo_api::NicBackend { id: "net0".into(), tap: Some("h2none".into()), vhost_user: None };
     let node = kumo_api::NodeBinding { node: 0, host_node: Some(0) };
+    let eth = kumo_api::NicBackend { id: "eth0".into(), ..nic.clone() };
     for (net, numa, want) in [
         (vec![nic], vec![], "--net id=net0: the VM has no NIC net0 (it has none)"),
+        (vec![eth], vec![], "--net id=eth0: not a NIC id (net0, net1, …)"),
         (vec![], vec![node], "--numa node=0: the VM has no NUMA nodes"),
     ] {
         let req = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net, numa };

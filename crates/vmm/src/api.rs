@@ -117,7 +117,8 @@ impl VmApi {
         let me = self.me.upgrade().ok_or_else(|| ApiError::unavailable("the VMM is ending"))?;
         e.claim("an incoming migration").map_err(ApiError::conflict)?;
         let ours = HostResources { net: r.net.clone(), numa: r.numa.clone() };
-        let listening = Incoming::new(&r.receiver_url, r.memory, r.cpus, ours)
+        let listening = (ours.check().map_err(|e| e.to_string()))
+            .and_then(|()| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours))
             .and_then(|inc| inc.listen(&*e.say).map(|ready| (inc, ready)));
         let (inc, ready) = listening.map_err(|why| {
             e.release();

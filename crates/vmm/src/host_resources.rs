@@ -37,6 +37,8 @@ pub enum ResourceError {
     NicKind { id: String, want: &'static str, given: &'static str },
     #[error("--net id={id} is given twice")]
     DuplicateNic { id: String },
+    #[error("--net id={id}: not a NIC id (net0, net1, …)")]
+    NicId { id: String },
     #[error("--net id={id}: give exactly one of tap=NAME and vhost-user=PATH")]
     NicBackend { id: String },
     #[error("--numa node={node}: the VM has no NUMA nodes")]
@@ -54,6 +56,20 @@ pub enum ResourceError {
 impl From<ResourceError> for Error {
     fn from(e: ResourceError) -> Error {
         Error::Config(e.to_string())
+    }
+}
+
+/// `net0`, `net1`, …: no sign, no leading zero.
+fn is_nic_id(id: &str) -> bool {
+    id.strip_prefix("net").and_then(|n| n.parse::<u16>().ok()).is_some_and(|n| format!("net{n}") == id)
+}
+
+/// Exactly one of a tap and a vhost-user socket, neither empty.
+fn one_backend(b: &NicBackend) -> bool {
+    match (b.tap.as_deref(), b.vhost_user.as_deref()) {
+        (Some(t), None) => !t.is_empty(),
+        (None, Some(v)) => !v.is_empty(),
+        _ => false,
     }
 }
 
@@ -76,16 +92,8 @@ fn mac_text(m: [u8; 6]) -> String {
 /// bound to the operator's host node (or none), the source's pins dropped. Pure: nothing on the
 /// host is looked at (see [`check_on_host`]).
 pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, ResourceError> {
-    for (i, b) in ours.net.iter().enumerate() {
-        if ours.net[..i].iter().any(|o| o.id == b.id) {
-            return Err(ResourceError::DuplicateNic { id: b.id.clone() });
-        }
-        if b.tap.is_some() == b.vhost_user.is_some()
-            || b.tap.as_deref() == Some("")
-            || b.vhost_user.as_deref() == Some("")
-        {
-            return Err(ResourceError::NicBackend { id: b.id.clone() });
-        }
+    ours.check()?;
+    for b in &ours.net {
         if !(0..vm.net.len()).any(|n| b.id == format!("net{n}")) {
             let have = listing((0..vm.net.len()).map(|n| format!("net{n}")));
             return Err(ResourceError::ExtraNic { id: b.id.clone(), have });
@@ -117,10 +125,7 @@ pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, Resou
             }
         }
         Some(numa) => {
-            for (i, b) in ours.numa.iter().enumerate() {
-                if ours.numa[..i].iter().any(|o| o.node == b.node) {
-                    return Err(ResourceError::DuplicateNode { node: b.node });
-                }
+            for b in &ours.numa {
                 if !numa.nodes.iter().any(|n| n.id == b.node) {
                     let have = listing(numa.nodes.iter().map(|n| format!("node {}", n.id)));
                     return Err(ResourceError::ExtraNode { node: b.node, have });
@@ -161,6 +166,28 @@ pub fn check_on_host(vm: &VmConfig) -> Result<(), Error> {
 }
 
 impl HostResources {
+    /// Checks what can be checked before a VM arrives (an API request's `net` and `numa`): NIC
+    /// ids `netN`, each given once with exactly one backend; each node given once.
+    pub fn check(&self) -> Result<(), ResourceError> {
+        for (i, b) in self.net.iter().enumerate() {
+            if !is_nic_id(&b.id) {
+                return Err(ResourceError::NicId { id: b.id.clone() });
+            }
+            if self.net[..i].iter().any(|o| o.id == b.id) {
+                return Err(ResourceError::DuplicateNic { id: b.id.clone() });
+            }
+            if !one_backend(b) {
+                return Err(ResourceError::NicBackend { id: b.id.clone() });
+            }
+        }
+        for (i, b) in self.numa.iter().enumerate() {
+            if self.numa[..i].iter().any(|o| o.node == b.node) {
+                return Err(ResourceError::DuplicateNode { node: b.node });
+            }
+        }
+        Ok(())
+    }
+
     /// Parses the operator's `--net` and `--numa` given with `--incoming` or `--restore`.
     pub fn parse(net: &[String], numa: &[String]) -> Result<HostResources, Error> {
         Ok(HostResources {
@@ -189,12 +216,10 @@ fn parse_nic(s: &str, index: usize) -> Result<NicBackend, Error> {
             _ => return Err(bad(format!("unknown key `{k}` (id, tap, vhost-user)"))),
         }
     }
-    let n = b.id.strip_prefix("net").and_then(|n| n.parse::<u16>().ok());
-    if n.is_none_or(|n| format!("net{n}") != b.id) {
+    if !is_nic_id(&b.id) {
         return Err(bad(format!("id `{}` is not a NIC id (net0, net1, …)", b.id)));
     }
-    if b.tap.is_some() == b.vhost_user.is_some() || b.tap.as_deref() == Some("") || b.vhost_user.as_deref() == Some("")
-    {
+    if !one_backend(&b) {
         return Err(bad("give exactly one of tap=NAME and vhost-user=PATH".into()));
     }
     Ok(b)
@@ -302,6 +327,11 @@ mod tests {
             numa: vec![],
         };
         assert_eq!(resolve(vm(&["tap=t"]), &both), Err(ResourceError::NicBackend { id: "net0".into() }));
+        let eth = HostResources {
+            net: vec![NicBackend { id: "eth0".into(), tap: Some("t".into()), vhost_user: None }],
+            numa: vec![],
+        };
+        assert_eq!(eth.check(), Err(ResourceError::NicId { id: "eth0".into() }));
     }
 
     #[test]
