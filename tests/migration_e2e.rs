@@ -888,3 +888,57 @@ fn a_stream_naming_resources_the_operator_did_not_give_is_refused() {
         assert!(!err.contains("panicked"), "{tag}: {err}");
     }
 }
+
+/// The destination's operator binds the arriving VM's NUMA nodes to its own host nodes: the
+/// nodes' vCPUs, memory and distances are the source's, their host nodes this host's (`--numa
+/// node=ID[,host-node=N]`); a destination that leaves a node out refuses the VM.
+#[test]
+fn the_destination_binds_the_guest_nodes_to_its_own_host_nodes() {
+    if !kvm_or_skip("the_destination_binds_the_guest_nodes_to_its_own_host_nodes") {
+        return;
+    }
+    let dir = TestDir::new();
+    let numa = [
+        "--cpus",
+        "2",
+        "--numa",
+        "node=0,cpus=0,memory=32M,host-node=0",
+        "--numa",
+        "node=1,cpus=1,memory=32M",
+        "--numa-distance",
+        "0:1=31",
+        "until_input=1",
+    ];
+    let (src, sock) = source("numa-src", "64M", &numa);
+    let before = kumo_api::ApiClient::new(&sock).info().unwrap().numa;
+    // Node 1 unmapped: refused, the source runs on.
+    let addr = format!("unix:{}", dir.arg("numa-bad.mig"));
+    let bad = spawn_logged(&["run", "--incoming", &addr, "--numa", "node=0,host-node=0"], "numa-bad");
+    eventually(PATIENCE, || bad.stderr().contains("waiting for a migration").then_some(()));
+    let (ok, _, err) = migrate(&sock, &["--to", &addr]);
+    let want = "the VM's NUMA node 1 has no --numa here";
+    assert!(!ok && err.contains(want), "{err}");
+    let (code, _, derr) = bad.finish(PATIENCE);
+    assert_eq!(code, Some(1), "{derr}");
+    assert!(derr.contains(want), "{derr}");
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
+
+    let addr = format!("unix:{}", dir.arg("numa.mig"));
+    let dsock = dir.arg("numa-dst.sock");
+    let args = ["run", "--incoming", &addr, "--api-socket", &dsock, "--numa", "node=1,host-node=0", "--numa", "node=0"];
+    let mut dst = spawn_logged(&args, "numa-dst");
+    eventually(PATIENCE, || dst.stderr().contains("waiting for a migration").then_some(()));
+    let (ok, out, err) = migrate(&sock, &["--to", &addr]);
+    assert!(ok, "{out}\n{err}\n{}", dst.stderr());
+    assert_migrated_away(src);
+    let after = kumo_api::ApiClient::new(&dsock).info().unwrap().numa;
+    let shape = |n: &[kumo_api::NumaNodeInfo]| {
+        n.iter().map(|n| (n.id, n.cpus.clone(), n.memory_bytes, n.distances.clone())).collect::<Vec<_>>()
+    };
+    assert_eq!(shape(&after), shape(&before), "the guest's nodes are the source's");
+    assert_eq!(before.iter().map(|n| n.host_node).collect::<Vec<_>>(), [Some(0), None]);
+    assert_eq!(after.iter().map(|n| n.host_node).collect::<Vec<_>>(), [None, Some(0)], "this host's bindings");
+    dst.stop_guest();
+    let (code, _, derr) = dst.wait();
+    assert_eq!(code, Some(0), "{derr}");
+}
