@@ -817,6 +817,21 @@ fn a_stream_naming_resources_the_operator_did_not_give_is_refused() {
     };
     let none = serde_json::json!({});
     let dir = TestDir::new();
+    // What the guest sees is the stream's: such flags are one-line errors, before listening.
+    let addr = format!("unix:{}", dir.arg("flags.mig"));
+    for (flag, spec, want) in [
+        ("--net", "tap=a,queues=2", "--net tap=a,queues=2: queues= comes from the arriving VM"),
+        ("--net", "id=eth0,tap=a", "id `eth0` is not a NIC id"),
+        ("--numa", "node=0,cpus=0,memory=64M", "cpus= comes from the arriving VM"),
+        ("--numa", "mirror", "the arriving VM's nodes are its own"),
+    ] {
+        for mode in [["--incoming", addr.as_str()], ["--restore", "/nonexistent/h2.snap"]] {
+            let o = kumo(&["run", mode[0], mode[1], flag, spec]);
+            let (_, err) = text(&o);
+            assert_eq!(o.status.code(), Some(1), "{mode:?} {flag} {spec}: {err}");
+            assert!(err.contains(want) && err.trim().lines().count() == 1, "{mode:?} {flag} {spec}: {err}");
+        }
+    }
     let net_own = format!("id=net0,tap={own}");
     let net_single = format!("tap={single}");
     let mut cases: Vec<(&str, Vec<&str>, VmDescription, String)> = vec![
