@@ -7,6 +7,8 @@
 //! below are only safety nets against hangs.
 
 mod common;
+#[path = "common/net.rs"]
+mod hostnet;
 use common::*;
 
 use std::io::{Read, Write};
@@ -733,7 +735,13 @@ fn an_empty_vmm_told_to_receive_takes_a_migrating_vm() {
     let d = kumo_api::ApiClient::new(&dsock);
     let st: serde_json::Value = d.migration_status().unwrap();
     assert_eq!((&st["state"], &st["received"]["phase"]), (&"receiving".into(), &"listening".into()), "{st}");
-    let again = kumo_api::ReceiveMigrationRequest { receiver_url: addr.clone(), memory: None, cpus: None };
+    let again = kumo_api::ReceiveMigrationRequest {
+        receiver_url: addr.clone(),
+        memory: None,
+        cpus: None,
+        net: vec![],
+        numa: vec![],
+    };
     assert_eq!(d.receive_migration(&again).unwrap_err().status(), Some(409));
 
     let (src, sock) = source("empty-src", "64M", &["pages=3000", "rate=100000", "seed=12", "until_input=1"]);
@@ -777,4 +785,175 @@ fn a_failed_receive_through_the_api_ends_the_vmm() {
     assert!(err.contains("incoming migration failed") && err.to_lowercase().contains("magic"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(!std::path::Path::new(&dsock).exists(), "the API socket is removed");
+}
+
+/// A stream whose VM names host resources its destination's operator did not give (a tap for
+/// a NIC with no `--net`, a NIC or node the operator did not map, more queues than the given tap
+/// takes, a field kumo does not know) is refused before anything is built: the source gets
+/// Accepted, then a Failed reply naming why, never Ready; the destination exits 1 with the same
+/// reason. No KVM needed (nothing is built); as root, the taps involved exist and none is
+/// attached.
+#[test]
+fn a_stream_naming_resources_the_operator_did_not_give_is_refused() {
+    use kumo_migration::format::{write_header, ReplyReader, VmDescription};
+    let pid = std::process::id() % 100_000;
+    let (victim, own, single) = (format!("h2v{pid}"), format!("h2w{pid}"), format!("h2x{pid}"));
+    // As root: the stream's tap exists (single-queue, so an attached one would show its carrier).
+    let taps = [&victim, &own].map(|t| hostnet::Tap::create(t, "10.234.0.1/32"));
+    let single_tap = hostnet::Tap::create(&single, "10.234.0.2/32");
+    let rooted = taps.iter().all(Result::is_ok) && single_tap.is_ok();
+    if !rooted {
+        eprintln!(
+            "a_stream_naming_resources_the_operator_did_not_give_is_refused: no taps (not root): host checks skipped"
+        );
+    }
+    let header = |net: serde_json::Value, extra: serde_json::Value| {
+        let mut c =
+            serde_json::json!({"cpus": 1, "memory": 64 << 20, "payload": {"guest": {"name": "netecho"}}, "net": net});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        VmDescription::new(1, "kernel", c, kumo_vm::layout::ram_regions(64 << 20))
+    };
+    let none = serde_json::json!({});
+    let dir = TestDir::new();
+    // What the guest sees is the stream's: such flags are one-line errors, before listening.
+    let addr = format!("unix:{}", dir.arg("flags.mig"));
+    for (flag, spec, want) in [
+        ("--net", "tap=a,queues=2", "--net tap=a,queues=2: queues= comes from the arriving VM"),
+        ("--net", "id=eth0,tap=a", "id `eth0` is not a NIC id"),
+        ("--numa", "node=0,cpus=0,memory=64M", "cpus= comes from the arriving VM"),
+        ("--numa", "mirror", "the arriving VM's nodes are its own"),
+    ] {
+        for mode in [["--incoming", addr.as_str()], ["--restore", "/nonexistent/h2.snap"]] {
+            let o = kumo(&["run", mode[0], mode[1], flag, spec]);
+            let (_, err) = text(&o);
+            assert_eq!(o.status.code(), Some(1), "{mode:?} {flag} {spec}: {err}");
+            assert!(err.contains(want) && err.trim().lines().count() == 1, "{mode:?} {flag} {spec}: {err}");
+        }
+    }
+    let net_own = format!("id=net0,tap={own}");
+    let net_single = format!("tap={single}");
+    let mut cases: Vec<(&str, Vec<&str>, VmDescription, String)> = vec![
+        (
+            "no-net",
+            vec![],
+            header(serde_json::json!([{"tap": victim}]), none.clone()),
+            format!("the VM's net0 (tap {victim} on its source) has no backend here: give --net id=net0,tap=NAME"),
+        ),
+        (
+            "unmapped-net1",
+            vec!["--net", &net_own],
+            header(serde_json::json!([{"tap": own}, {"tap": victim}]), none.clone()),
+            format!("the VM's net1 (tap {victim} on its source) has no backend here"),
+        ),
+        (
+            "extra-net",
+            vec!["--net", &net_own, "--net", "tap=h2other"],
+            header(serde_json::json!([{"tap": victim}]), none.clone()),
+            "--net id=net1: the VM has no NIC net1 (it has net0)".into(),
+        ),
+        (
+            "numa",
+            vec!["--net", &net_own, "--numa", "node=0,host-node=0"],
+            header(serde_json::json!([{"tap": victim}]), none.clone()),
+            "--numa node=0: the VM has no NUMA nodes".into(),
+        ),
+        (
+            "unknown-field",
+            vec![],
+            header(serde_json::json!([]), serde_json::json!({"pins": [0]})),
+            "unknown field `pins`".into(),
+        ),
+    ];
+    if rooted {
+        cases.push((
+            "queues",
+            vec!["--net", &net_single],
+            header(serde_json::json!([{"tap": victim, "queues": 2}]), none.clone()),
+            format!("net0: tap {single} cannot take 2 queue pairs: it was made without multi_queue"),
+        ));
+    }
+    for (tag, extra, desc, want) in cases {
+        let path = dir.arg(&format!("{tag}.mig"));
+        let addr = format!("unix:{path}");
+        let mut args = vec!["run", "--incoming", &addr];
+        args.extend_from_slice(&extra);
+        let mut dst = Kid::spawn(&args).named(tag);
+        eventually(PATIENCE, || dst.stderr().contains("waiting for a migration").then_some(()));
+        let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        s.set_read_timeout(Some(PATIENCE)).unwrap();
+        write_header(&mut s, &desc).unwrap();
+        let mut replies = ReplyReader::new(&mut s);
+        assert!(matches!(replies.next_reply(), Ok(Reply::Accepted)), "{tag}: a valid header is accepted");
+        match replies.next_reply() {
+            Ok(Reply::Failed(why)) => assert!(why.contains(&want), "{tag}: want `{want}` in `{why}`"),
+            other => panic!("{tag}: expected a Failed reply before anything is built, got {other:?}"),
+        }
+        if rooted {
+            for t in [&victim, &own, &single] {
+                let state = std::fs::read_to_string(format!("/sys/class/net/{t}/operstate")).unwrap_or_default();
+                assert_ne!(state.trim(), "up", "{tag}: tap {t} was attached");
+            }
+        }
+        let status = eventually(PATIENCE, || dst.child.try_wait().unwrap());
+        let err = dst.stderr();
+        assert_eq!(status.code(), Some(1), "{tag}: {err}");
+        assert!(err.contains("incoming migration failed") && err.contains(&want), "{tag}: {err}");
+        assert!(!err.contains("panicked"), "{tag}: {err}");
+    }
+}
+
+/// The destination's operator binds the arriving VM's NUMA nodes to its own host nodes: the
+/// nodes' vCPUs, memory and distances are the source's, their host nodes this host's (`--numa
+/// node=ID[,host-node=N]`); a destination that leaves a node out refuses the VM.
+#[test]
+fn the_destination_binds_the_guest_nodes_to_its_own_host_nodes() {
+    if !kvm_or_skip("the_destination_binds_the_guest_nodes_to_its_own_host_nodes") {
+        return;
+    }
+    let dir = TestDir::new();
+    let numa = [
+        "--cpus",
+        "2",
+        "--numa",
+        "node=0,cpus=0,memory=32M,host-node=0",
+        "--numa",
+        "node=1,cpus=1,memory=32M",
+        "--numa-distance",
+        "0:1=31",
+        "until_input=1",
+    ];
+    let (src, sock) = source("numa-src", "64M", &numa);
+    let before = kumo_api::ApiClient::new(&sock).info().unwrap().numa;
+    // Node 1 unmapped: refused, the source runs on.
+    let addr = format!("unix:{}", dir.arg("numa-bad.mig"));
+    let bad = spawn_logged(&["run", "--incoming", &addr, "--numa", "node=0,host-node=0"], "numa-bad");
+    eventually(PATIENCE, || bad.stderr().contains("waiting for a migration").then_some(()));
+    let (ok, _, err) = migrate(&sock, &["--to", &addr]);
+    let want = "the VM's NUMA node 1 has no --numa here";
+    assert!(!ok && err.contains(want), "{err}");
+    let (code, _, derr) = bad.finish(PATIENCE);
+    assert_eq!(code, Some(1), "{derr}");
+    assert!(derr.contains(want), "{derr}");
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
+
+    let addr = format!("unix:{}", dir.arg("numa.mig"));
+    let dsock = dir.arg("numa-dst.sock");
+    let args = ["run", "--incoming", &addr, "--api-socket", &dsock, "--numa", "node=1,host-node=0", "--numa", "node=0"];
+    let mut dst = spawn_logged(&args, "numa-dst");
+    eventually(PATIENCE, || dst.stderr().contains("waiting for a migration").then_some(()));
+    let (ok, out, err) = migrate(&sock, &["--to", &addr]);
+    assert!(ok, "{out}\n{err}\n{}", dst.stderr());
+    assert_migrated_away(src);
+    let after = kumo_api::ApiClient::new(&dsock).info().unwrap().numa;
+    let shape = |n: &[kumo_api::NumaNodeInfo]| {
+        n.iter().map(|n| (n.id, n.cpus.clone(), n.memory_bytes, n.distances.clone())).collect::<Vec<_>>()
+    };
+    assert_eq!(shape(&after), shape(&before), "the guest's nodes are the source's");
+    assert_eq!(before.iter().map(|n| n.host_node).collect::<Vec<_>>(), [Some(0), None]);
+    assert_eq!(after.iter().map(|n| n.host_node).collect::<Vec<_>>(), [None, Some(0)], "this host's bindings");
+    dst.stop_guest();
+    let (code, _, derr) = dst.wait();
+    assert_eq!(code, Some(0), "{derr}");
 }

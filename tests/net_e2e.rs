@@ -1,6 +1,8 @@
 //! End to end: kumo's virtio-net NIC on host taps, driven by kumo's own guests (guests/src/net):
 //! the host pings `netecho` and gets UDP echoed on each interrupt path (seed 000), two VMs on a
-//! Linux bridge exchange UDP, and a VM with a NIC migrates and answers on the destination.
+//! Linux bridge exchange UDP, and a VM with a NIC migrates and answers on the destination (on
+//! the tap the destination's operator gives it; without one the VM is refused), as a restored
+//! snapshot does.
 //!
 //! Needs /dev/kvm and the right to create taps and bridges (root); skips, saying why, where
 //! either is missing. Outcomes only: no durations are asserted, guests end by `count=` or are
@@ -162,7 +164,9 @@ fn a_vm_with_a_nic_migrates_and_answers_on_the_destination() {
     });
     let addr = format!("unix:{}", dir.arg("mig.sock"));
     let dst_sock = dir.arg("dst.sock");
-    let dst = Kid::spawn(&["run", "--incoming", &addr, "--api-socket", &dst_sock]).named("dst");
+    // The destination's operator gives the NIC its tap (here the same one, shared on one host).
+    let net0 = format!("id=net0,tap={}", tap.name);
+    let dst = Kid::spawn(&["run", "--incoming", &addr, "--api-socket", &dst_sock, "--net", &net0]).named("dst");
     eventually(PATIENCE, || dst.stderr().contains("waiting for a migration").then_some(()));
     let o = Command::new(kumo_bin())
         .args(["--api-socket", &src_sock, "migrate", "--to", &addr])
@@ -224,4 +228,151 @@ fn bad_nic_options_are_one_line_errors() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains(&format!("tap {} is busy", tap.name)) && err.trim().lines().count() == 1, "{err}");
     drop(holder);
+}
+
+/// A tap named `h2{tag}{pid}` (migration tests of the destination's own resources), multi-queue,
+/// with `host` on it if given; None (after saying why) where KVM or taps are not available.
+fn h2_tap(test: &str, tag: &str, host: Option<Ipv4Addr>) -> Option<Tap> {
+    if !kvm_or_skip(test) {
+        return None;
+    }
+    let name = format!("h2{tag}{}", std::process::id() % 100_000);
+    match Tap::multi_queue(&name, host.map(|h| format!("{h}/24")).as_deref()) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            eprintln!("skipping {test}: cannot create a tap: {e}");
+            None
+        }
+    }
+}
+
+/// `kumo run --incoming unix:…` with `extra` flags, once it listens.
+fn destination(dir: &TestDir, tag: &str, extra: &[&str]) -> (Kid, String, String) {
+    let addr = format!("unix:{}", dir.arg(&format!("{tag}.mig")));
+    let sock = dir.arg(&format!("{tag}.sock"));
+    let mut args = vec!["run", "--incoming", &addr, "--api-socket", &sock];
+    args.extend_from_slice(extra);
+    let dst = Kid::spawn(&args).named(tag);
+    eventually(PATIENCE, || dst.stderr().contains("waiting for a migration").then_some(()));
+    (dst, addr, sock)
+}
+
+/// `kumo migrate --to ADDR` of the VM at `sock`: (success, stderr).
+fn migrate(sock: &str, to: &str) -> (bool, String) {
+    let o = Command::new(kumo_bin())
+        .args(["--api-socket", sock, "migrate", "--to", to])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kumo migrate");
+    (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// The destination's operator maps the source's net0 to a tap of its own: the VM arrives on
+/// it, with the MAC, queues and interrupt path it had, and answers there.
+#[test]
+fn the_destination_gives_net0_its_own_tap_and_the_guest_answers_there() {
+    let test = "the_destination_gives_net0_its_own_tap_and_the_guest_answers_there";
+    let (host, guest, _) = subnet(231);
+    // The source's tap has no host address: the host reaches the guest only through the
+    // destination's tap, after the migration.
+    let Some(theirs) = h2_tap(test, "s", None) else { return };
+    let Some(ours) = h2_tap(test, "d", Some(host)) else { return };
+    let dir = TestDir::new();
+    let g = guest.to_string();
+    let net = format!("tap={}", theirs.name);
+    let (src, src_sock) = boot("src", &dir, 1, &net, "netecho", &[format!("ip={g}")]);
+    let before = info(&src_sock).net.remove(0);
+    let net0 = format!("id=net0,tap={}", ours.name);
+    let (dst, addr, dst_sock) = destination(&dir, "dst", &["--net", &net0]);
+    let (ok, err) = migrate(&src_sock, &addr);
+    assert!(ok, "migrate: {err}\n{}", dst.stderr());
+    let (code, _, err) = src.finish(PATIENCE);
+    assert_eq!(code, Some(0), "the source ends after handing over: {err}");
+    udp_echoes(SocketAddrV4::new(host, 0), SocketAddrV4::new(guest, 7), 5, PATIENCE)
+        .unwrap_or_else(|e| panic!("after the migration, on {}: {e}\n{}\n{}", ours.name, dst.stdout(), dst.stderr()));
+    let after = info(&dst_sock).net.remove(0);
+    assert_eq!(after.tap, ours.name);
+    assert!(after.driver_ok, "{after:?}");
+    let shape = |n: &kumo_api::NetInfo| (n.mac.clone(), n.queues, n.irq.clone(), n.pci.clone());
+    assert_eq!(shape(&after), shape(&before), "the guest sees the NIC it had");
+    drop(dst);
+}
+
+/// A destination whose operator gave no backend for the VM's NIC refuses it before building
+/// anything: the source is told why (a Failed reply), runs on and still answers on its tap, and
+/// the destination exits with the same reason.
+#[test]
+fn a_destination_without_a_backend_for_net0_refuses_the_vm_and_the_source_runs_on() {
+    let test = "a_destination_without_a_backend_for_net0_refuses_the_vm_and_the_source_runs_on";
+    let (host, guest, _) = subnet(232);
+    let Some(tap) = h2_tap(test, "r", Some(host)) else { return };
+    let Some(other) = h2_tap(test, "o", None) else { return };
+    let dir = TestDir::new();
+    let g = guest.to_string();
+    let (src, src_sock) = boot("src", &dir, 1, &format!("tap={}", tap.name), "netecho", &[format!("ip={g}")]);
+    let why =
+        format!("the VM's net0 (tap {} on its source) has no backend here: give --net id=net0,tap=NAME", tap.name);
+    // No --net at all, and a --net for a NIC the VM lacks.
+    let net1 = format!("id=net1,tap={}", other.name);
+    for (tag, extra, want) in [
+        ("none", &[][..], why.as_str()),
+        (
+            "extra",
+            &["--net", &net0_of(&other), "--net", &net1][..],
+            "--net id=net1: the VM has no NIC net1 (it has net0)",
+        ),
+    ] {
+        let (mut dst, addr, _) = destination(&dir, tag, extra);
+        let (ok, err) = migrate(&src_sock, &addr);
+        assert!(!ok, "{tag}: the migration must be refused");
+        assert!(
+            err.contains(&format!("destination refused: destination VM: creating it: {want}")),
+            "{tag}: want `{want}` in the source's `{err}`"
+        );
+        let status = eventually(PATIENCE, || dst.child.try_wait().unwrap());
+        let derr = dst.stderr();
+        assert_eq!(status.code(), Some(1), "{tag}: {derr}");
+        assert!(derr.contains("incoming migration failed") && derr.contains(want), "{tag}: {derr}");
+        // The source runs on, on its tap.
+        udp_echoes(SocketAddrV4::new(host, 0), SocketAddrV4::new(guest, 7), 2, PATIENCE)
+            .unwrap_or_else(|e| panic!("{tag}: the source after the refusal: {e}\n{}", src.stdout()));
+        assert_eq!(info(&src_sock).state, kumo_api::VmState::Running);
+    }
+    drop(src);
+}
+
+fn net0_of(t: &Tap) -> String {
+    format!("id=net0,tap={}", t.name)
+}
+
+/// A snapshot of a VM with a NIC restores on the tap its restorer gives (the same rule as a
+/// migration's destination): without `--net` it is refused, naming the flag.
+#[test]
+fn a_snapshot_with_a_nic_restores_on_the_tap_given() {
+    let test = "a_snapshot_with_a_nic_restores_on_the_tap_given";
+    let (host, guest, _) = subnet(233);
+    let Some(theirs) = h2_tap(test, "p", None) else { return };
+    let Some(ours) = h2_tap(test, "q", Some(host)) else { return };
+    let dir = TestDir::new();
+    let g = guest.to_string();
+    let (src, src_sock) = boot("src", &dir, 1, &format!("tap={}", theirs.name), "netecho", &[format!("ip={g}")]);
+    let file = dir.arg("vm.snap");
+    let o = kumo(&["--api-socket", &src_sock, "snapshot", "--to", &file]);
+    assert!(o.status.success(), "snapshot: {}", text(&o).1);
+    drop(src);
+    let o = kumo(&["run", "--restore", &file]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("give --net id=net0,tap=NAME") && err.trim().lines().count() == 1, "{err}");
+    let sock = dir.arg("restored.sock");
+    let vm = Kid::spawn(&["run", "--restore", &file, "--api-socket", &sock, "--net", &format!("tap={}", ours.name)])
+        .named("restored");
+    eventually(PATIENCE, || {
+        let st = kumo_api::ApiClient::new(&sock).info().ok().map(|i| i.state);
+        (st == Some(kumo_api::VmState::Running)).then_some(())
+    });
+    udp_echoes(SocketAddrV4::new(host, 0), SocketAddrV4::new(guest, 7), 3, PATIENCE)
+        .unwrap_or_else(|e| panic!("the restored VM on {}: {e}\n{}\n{}", ours.name, vm.stdout(), vm.stderr()));
+    assert_eq!(info(&sock).net.remove(0).tap, ours.name);
+    drop(vm);
 }

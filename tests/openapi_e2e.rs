@@ -302,8 +302,14 @@ fn request_bodies_with_every_field_fit_the_document() {
         receiver_url: "tcp:0.0.0.0:4444".into(),
         memory: Some(1 << 30),
         cpus: Some(2),
+        net: vec![kumo_api::NicBackend { id: "net0".into(), tap: Some("tap0".into()), vhost_user: None }],
+        numa: vec![kumo_api::NodeBinding { node: 0, host_node: Some(0) }],
     };
     c.check_request("PUT", "/api/v1/vm.receive-migration", &serde_json::to_value(&recv).unwrap());
-    let restore = kumo_api::RestoreRequest { source_url: "file:///var/lib/kumo/vm.snap".into() };
+    let restore = kumo_api::RestoreRequest {
+        source_url: "file:///var/lib/kumo/vm.snap".into(),
+        net: vec![kumo_api::NicBackend { id: "net0".into(), tap: None, vhost_user: Some("/run/nb.sock".into()) }],
+        numa: vec![kumo_api::NodeBinding { node: 1, host_node: None }],
+    };
     c.check_request("PUT", "/api/v1/vm.restore", &serde_json::to_value(&restore).unwrap());
 }

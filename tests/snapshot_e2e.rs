@@ -298,10 +298,26 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
         (cut.display().to_string(), "truncated"),
         ("relative.snap".to_string(), "absolute"),
     ] {
-        let e = c.restore::<Value>(&kumo_api::RestoreRequest { source_url: url.clone() }).unwrap_err();
+        let req = kumo_api::RestoreRequest { source_url: url.clone(), net: vec![], numa: vec![] };
+        let e = c.restore::<Value>(&req).unwrap_err();
         assert_eq!(e.status(), Some(400), "{url}: {e}");
         assert!(e.to_string().contains(want), "{url}: {e}");
         assert_eq!(vm_state(&dsock).as_deref(), Some("created"), "{url}: the VMM stays empty");
+    }
+    // Host resources the VM does not have are refused before it is built; the VMM stays empty.
+    let nic = kumo_api::NicBackend { id: "net0".into(), tap: Some("h2none".into()), vhost_user: None };
+    let node = kumo_api::NodeBinding { node: 0, host_node: Some(0) };
+    let eth = kumo_api::NicBackend { id: "eth0".into(), ..nic.clone() };
+    for (net, numa, want) in [
+        (vec![nic], vec![], "--net id=net0: the VM has no NIC net0 (it has none)"),
+        (vec![eth], vec![], "--net id=eth0: not a NIC id (net0, net1, …)"),
+        (vec![], vec![node], "--numa node=0: the VM has no NUMA nodes"),
+    ] {
+        let req = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net, numa };
+        let e = c.restore::<Value>(&req).unwrap_err();
+        assert_eq!(e.status(), Some(400), "{e}");
+        assert!(e.to_string().contains(want), "want `{want}` in `{e}`");
+        assert_eq!(vm_state(&dsock).as_deref(), Some("created"), "the VMM stays empty");
     }
     let (ok, out, err) = api(&dsock, &["restore", "--from", file.to_str().unwrap()]);
     assert!(ok, "{out}\n{err}\n{}", dst.stderr());
@@ -310,7 +326,7 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
     assert_eq!(rep["paused"], false);
     assert!(rep["pages"].as_u64().unwrap() > 0, "{rep}");
     assert_eq!(vm_state(&dsock).as_deref(), Some("running"));
-    let again = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into() };
+    let again = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net: vec![], numa: vec![] };
     assert_eq!(c.restore::<Value>(&again).unwrap_err().status(), Some(409), "it has a VM now");
     dst.input(b"q");
     let (code, out, err) = dst.wait();

@@ -429,6 +429,14 @@ pub struct ReceiveMigrationRequest {
     /// Only a VM with this many vCPUs is taken.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<u32>,
+    /// The host backend of each NIC of the arriving VM, by id (`kumo run --incoming --net`).
+    /// Every NIC the VM has needs one; a VM with others is refused.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net: Vec<NicBackend>,
+    /// The host node of each guest NUMA node of the arriving VM (`--numa`); none given: the
+    /// nodes' memory is not bound.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub numa: Vec<NodeBinding>,
 }
 
 /// Body of `PUT /api/v1/vm.restore` (Cloud Hypervisor's field name).
@@ -437,6 +445,38 @@ pub struct ReceiveMigrationRequest {
 pub struct RestoreRequest {
     /// The snapshot file: `file:///abs/path` or `/abs/path`.
     pub source_url: String,
+    /// As in [`ReceiveMigrationRequest`]: the host backend of each of the VM's NICs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net: Vec<NicBackend>,
+    /// As in [`ReceiveMigrationRequest`]: the host node of each guest NUMA node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub numa: Vec<NodeBinding>,
+}
+
+/// What a destination (or a restore) gives one NIC of the arriving VM: the host side only.
+/// The guest-visible NIC (MAC, queues, interrupt path, PCI slot) comes from the VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NicBackend {
+    /// The VM's NIC: `net0`, `net1`, … in PCI slot order.
+    pub id: String,
+    /// An existing host tap (a tap NIC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap: Option<String>,
+    /// The socket of a vhost-user-net backend (a vhost-user NIC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vhost_user: Option<String>,
+}
+
+/// What a destination (or a restore) gives one guest NUMA node of the arriving VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeBinding {
+    /// The guest node's id.
+    pub node: u32,
+    /// The host node its memory is bound to; none: not bound (the host's policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_node: Option<u32>,
 }
 
 /// Body of `PUT /api/v1/vm.snapshot`.

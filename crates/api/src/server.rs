@@ -709,23 +709,21 @@ mod tests {
             receiver_url: "tcp:0.0.0.0:4444".into(),
             memory: Some(1 << 30),
             cpus: None,
+            net: vec![crate::NicBackend { id: "net0".into(), tap: Some("tap7".into()), vhost_user: None }],
+            numa: vec![crate::NodeBinding { node: 0, host_node: Some(1) }],
         };
         f.client.receive_migration(&req).unwrap();
-        let r: serde_json::Value =
-            f.client.restore(&crate::RestoreRequest { source_url: "file:///tmp/vm.snap".into() }).unwrap();
+        let restore =
+            crate::RestoreRequest { source_url: "file:///tmp/vm.snap".into(), net: Vec::new(), numa: Vec::new() };
+        let r: serde_json::Value = f.client.restore(&restore).unwrap();
         assert_eq!(r["path"], "file:///tmp/vm.snap");
-        assert_eq!(
-            f.vm.calls(),
-            [
-                ApiRequest::ReceiveMigration(req),
-                ApiRequest::Restore(crate::RestoreRequest { source_url: "file:///tmp/vm.snap".into() })
-            ]
-        );
+        assert_eq!(f.vm.calls(), [ApiRequest::ReceiveMigration(req), ApiRequest::Restore(restore)]);
         // Cloud Hypervisor's field names; anything else is a 400 naming the field.
         for (path, body, want) in [
             (paths::RECEIVE_MIGRATION, serde_json::json!({"to": "tcp:x:1"}), "to"),
             (paths::RESTORE, serde_json::json!({"path": "/x"}), "path"),
             (paths::RECEIVE_MIGRATION, serde_json::json!({"receiver_url": "tcp:x:1", "memory": "1G"}), "invalid type"),
+            (paths::RESTORE, serde_json::json!({"source_url": "/x", "net": [{"id": "net0", "tapp": "t"}]}), "tapp"),
         ] {
             let (status, b) = f.client.request("PUT", path, Some(&body)).unwrap();
             assert_eq!(status, 400, "{path} {body}");

@@ -96,6 +96,13 @@ enum Cmd {
         /// Only take a VM with this many vCPUs.
         #[arg(long)]
         cpus: Option<u32>,
+        /// The host side of the VM's NICs, as `kumo run --incoming --net`: [id=netN,]tap=NAME
+        /// or [id=netN,]vhost-user=PATH (repeatable; every NIC needs one).
+        #[arg(long, value_name = "SPEC")]
+        net: Vec<String>,
+        /// The host node of each of the VM's NUMA nodes: node=ID[,host-node=N] (repeatable).
+        #[arg(long, value_name = "SPEC")]
+        numa: Vec<String>,
     },
     /// Tell an empty VMM (`kumo run --api-socket S`, nothing to boot) to run the VM saved in a
     /// snapshot file (`kumo snapshot`); it starts paused if it was saved paused.
@@ -103,6 +110,12 @@ enum Cmd {
         /// The snapshot file.
         #[arg(long, value_name = "FILE")]
         from: PathBuf,
+        /// The host side of the VM's NICs, as `kumo run --restore --net` (repeatable).
+        #[arg(long, value_name = "SPEC")]
+        net: Vec<String>,
+        /// The host node of each of the VM's NUMA nodes: node=ID[,host-node=N] (repeatable).
+        #[arg(long, value_name = "SPEC")]
+        numa: Vec<String>,
     },
     /// Pin a running or paused VM's vCPU to a host CPU, or unpin it (needs --api-socket).
     Pin {
@@ -144,11 +157,13 @@ struct RunArgs {
     /// Receive a migrating VM on tcp:HOST:PORT or unix:PATH instead of booting one; its shape
     /// comes from the stream. With --memory and/or --cpus only a VM of that shape is accepted
     /// (a prepared destination), and --memory is reserved and faulted in before the migration
-    /// starts. The irqchip comes from the stream too.
+    /// starts. The irqchip comes from the stream too. Its host resources come from here:
+    /// --net for each of its NICs (required), --numa for its nodes' host nodes.
     #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args"])]
     incoming: Option<String>,
     /// Run the VM saved in a snapshot file (`kumo snapshot`) instead of booting one: its shape,
-    /// memory and state come from the file; it starts paused if it was paused.
+    /// memory and state come from the file; it starts paused if it was paused. Its host
+    /// resources come from here, as with --incoming: --net for each NIC, --numa.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args", "incoming", "cpus", "memory"])]
     restore: Option<PathBuf>,
     /// Write VM lifecycle events (booted, paused, resumed, snapshot, restored, migration-…,
@@ -197,7 +212,10 @@ struct RunArgs {
     /// irq picks its interrupt path: direct (KVM delivers where the guest's driver aims),
     /// dedicated,vcpu=N (KVM delivers to vCPU N alone) or shared (one kumo dispatcher thread,
     /// to vCPU 0). Given, it replaces a config file's NICs.
-    #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
+    /// With --incoming or --restore: the host side of the arriving VM's NICs, by id:
+    /// [id=netN,]tap=NAME or [id=netN,]vhost-user=PATH (the i-th --net is net{i} without id=).
+    /// Every NIC of the VM needs one, or the VM is refused; MAC, queues and irq are the VM's.
+    #[arg(long, value_name = "SPEC")]
     net: Vec<String>,
     /// A guest NUMA node (repeatable): node=ID,cpus=LIST,memory=SIZE[,host-node=N]
     /// [,pin=host-node|LIST]. LIST is CPU ranges or single CPUs joined by `:` (0-3, 0:2,
@@ -206,7 +224,9 @@ struct RunArgs {
     /// the node's vCPUs in order to those host CPUs, or to host node N's CPUs (one per core
     /// first). `--numa mirror` reproduces the host's nodes and pins every vCPU. Given, it
     /// replaces a config file's nodes.
-    #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
+    /// With --incoming or --restore: node=ID[,host-node=N], the host node of each of the
+    /// arriving VM's nodes (give every node, or none: then no node's memory is bound).
+    #[arg(long, value_name = "SPEC")]
     numa: Vec<String>,
     /// Distance between two guest NUMA nodes (repeatable), SRC:DST=VALUE, e.g. 0:1=21: also
     /// sets DST:SRC unless that is given too (then both must agree). Default 10 to itself, 20
@@ -382,6 +402,11 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
     }))
 }
 
+/// `--net` and `--numa` of `--incoming` or `--restore`: the arriving VM's host resources.
+fn host_resources(a: &RunArgs) -> Result<kumo_vmm::host_resources::HostResources, String> {
+    kumo_vmm::host_resources::HostResources::parse(&a.net, &a.numa).map_err(|e| e.to_string())
+}
+
 fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
     if let Some(m) = &a.event_monitor {
         kumo_vmm::event_monitor::init(m)?;
@@ -422,7 +447,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
                 .as_deref()
                 .map(|c| c.trim().parse::<u32>().map_err(|_| format!("--cpus {c}: with --incoming give a plain vCPU count (pin= is not carried)")))
                 .transpose()?;
-            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus)?;
+            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, host_resources(&a)?)?;
             let api = kumo_vmm::api::VmApi::incoming(&inc);
             let server = match &api_socket {
                 Some(p) => Some(ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?),
@@ -434,7 +459,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
             (vm, server)
         }
         (None, Some(file)) => {
-            let vm = kumo_vmm::snapshot::restore_from_file(file, serial());
+            let vm = kumo_vmm::snapshot::restore_from_file(file, serial(), &host_resources(&a)?);
             let vm = Arc::new(vm.map_err(|e| e.to_string())?);
             let server = serve(&vm)?;
             (vm, server)
@@ -613,16 +638,24 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).snapshot(to).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
-        Cmd::ReceiveMigration { from, memory, cpus } => {
-            let req = kumo_api::ReceiveMigrationRequest { receiver_url: from.clone(), memory: *memory, cpus: *cpus };
+        Cmd::ReceiveMigration { from, memory, cpus, net, numa } => {
+            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa).map_err(|e| e.to_string())?;
+            let req = kumo_api::ReceiveMigrationRequest {
+                receiver_url: from.clone(),
+                memory: *memory,
+                cpus: *cpus,
+                net: ours.net,
+                numa: ours.numa,
+            };
             // Preparing --memory may take a while before it listens.
             c.clone().with_timeout(Duration::from_secs(3600)).receive_migration(&req).map_err(|e| e.to_string())?;
         }
-        Cmd::Restore { from } => {
+        Cmd::Restore { from, net, numa } => {
+            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa).map_err(|e| e.to_string())?;
             // The VMM's process resolves the path: make it absolute here.
             let from = std::path::absolute(from).map_err(|e| format!("snapshot path {}: {e}", from.display()))?;
             let source_url = from.to_str().ok_or_else(|| format!("snapshot path {} is not UTF-8", from.display()))?;
-            let req = kumo_api::RestoreRequest { source_url: source_url.to_string() };
+            let req = kumo_api::RestoreRequest { source_url: source_url.to_string(), net: ours.net, numa: ours.numa };
             let r: kumo_vmm::snapshot::RestoreReport =
                 c.clone().with_timeout(Duration::from_secs(24 * 3600)).restore(&req).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);

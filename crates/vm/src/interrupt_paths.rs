@@ -32,7 +32,7 @@ use crate::interrupts::{Interrupts, MsixVectors};
 
 /// How a device's MSI-X vectors reach the vCPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase", tag = "path")]
+#[serde(rename_all = "lowercase", tag = "path", deny_unknown_fields)]
 pub enum IrqPath {
     /// KVM routes, to where the guest programmed them.
     #[default]

@@ -2,6 +2,7 @@
 
 use std::sync::{Arc, OnceLock, Weak};
 
+use crate::host_resources::HostResources;
 use kumo_api::{
     ApiError, ApiHandler, ApiRequest, ApiResponse, ReceiveMigrationRequest, RestoreRequest, VmInfo, VmState,
     KUMO_VERSION,
@@ -115,7 +116,9 @@ impl VmApi {
     fn receive_migration(&self, e: &EmptyVmm, r: &ReceiveMigrationRequest) -> Result<ApiResponse, ApiError> {
         let me = self.me.upgrade().ok_or_else(|| ApiError::unavailable("the VMM is ending"))?;
         e.claim("an incoming migration").map_err(ApiError::conflict)?;
-        let listening = Incoming::new(&r.receiver_url, r.memory, r.cpus)
+        let ours = HostResources { net: r.net.clone(), numa: r.numa.clone() };
+        let listening = (ours.check().map_err(|e| e.to_string()))
+            .and_then(|()| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours))
             .and_then(|inc| inc.listen(&*e.say).map(|ready| (inc, ready)));
         let (inc, ready) = listening.map_err(|why| {
             e.release();
@@ -148,7 +151,8 @@ impl VmApi {
         use crate::snapshot::SnapshotError as E;
         e.claim("a restore").map_err(ApiError::conflict)?;
         let restored = crate::lifecycle::source_path(&r.source_url).map_err(ApiError::bad_request).and_then(|path| {
-            crate::snapshot::restore(&path, (e.console)()).map_err(|err| match err {
+            let ours = HostResources { net: r.net.clone(), numa: r.numa.clone() };
+            crate::snapshot::restore(&path, (e.console)(), &ours).map_err(|err| match err {
                 E::BadRequest(m) | E::Read(m) => ApiError::bad_request(m),
                 E::Conflict(m) => ApiError::conflict(m),
                 E::Write(m) | E::Vm(m) => ApiError::internal(m),

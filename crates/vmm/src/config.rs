@@ -10,7 +10,7 @@ use crate::Error;
 
 /// What the VM boots.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
 pub enum Payload {
     /// One of kumo's own guest programs, with `key=value` arguments.
     Guest {
@@ -297,14 +297,9 @@ impl VmConfig {
 
     /// Checks what can be checked before touching KVM: the shape and the payload.
     pub fn validate(&self) -> Result<(), Error> {
-        self.validate_shape()?;
-        self.validate_net()?;
-        self.validate_numa()?;
-        self.validate_elastic()?;
+        self.validate_common()?;
         match &self.payload {
-            Payload::Guest { name, args } => {
-                kumo_guests::find(name)?.command_line(args)?;
-            }
+            Payload::Guest { .. } => {}
             Payload::Kernel { path, initrd, .. } => {
                 for (what, p) in
                     std::iter::once(("kernel", Some(path))).chain(std::iter::once(("initrd", initrd.as_ref())))
@@ -321,6 +316,31 @@ impl VmConfig {
             }
         }
         Ok(())
+    }
+
+    /// What [`Self::validate`] checks of a VM that boots here and of one that arrives (a
+    /// migration's or a snapshot's, after its host resources are resolved): the shape, the NICs,
+    /// the NUMA nodes (their host nodes exist), elastic sharing, a kumo guest's arguments.
+    fn validate_common(&self) -> Result<(), Error> {
+        self.validate_shape()?;
+        self.validate_net()?;
+        self.validate_numa()?;
+        self.validate_elastic()?;
+        if let Payload::Guest { name, args } = &self.payload {
+            kumo_guests::find(name)?.command_line(args)?;
+        }
+        Ok(())
+    }
+
+    /// Checks an arriving VM (a migration stream's or a snapshot's config, its host resources
+    /// resolved) as strictly as a `kumo run` config, except that a kernel is not loaded again
+    /// (its path is the source's): [`Self::validate`] without the payload's files. Elastic VMs do
+    /// not migrate.
+    pub fn validate_arriving(&self) -> Result<(), Error> {
+        if self.elastic.is_some() {
+            return Err(Error::Config("an elastic VM cannot arrive by migration or restore".into()));
+        }
+        self.validate_common()
     }
 
     /// Checks the NICs: each on its own tap, within PCI's 31 device numbers.
@@ -614,7 +634,8 @@ mod tests {
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
         };
-        let from = |d: &VmDescription| crate::migration::config_from_description(d);
+        let none = crate::host_resources::HostResources::default();
+        let from = |d: &VmDescription| crate::migration::config_from_description(d, &none);
         assert_eq!(from(&desc(2, 64 << 20, "memtouch")).unwrap().cpus, 2);
         for (d, want) in [
             (desc(1, 1 << 50, "memtouch"), "memory 1 PiB is more than this host can back"),
@@ -631,6 +652,100 @@ mod tests {
         let mut d = desc(2, 64 << 20, "memtouch");
         d.cpus = 3;
         assert!(from(&d).unwrap_err().contains("contradicts"));
+        let mut d = desc(2, 64 << 20, "memtouch");
+        d.irqchip = "split".into();
+        assert!(from(&d).unwrap_err().contains("contradicts"));
+    }
+
+    /// Everything in a stream's config is checked as a `kumo run` config is, after its host
+    /// resources are resolved: unknown fields, NIC options, NUMA topology, guest arguments.
+    #[test]
+    fn stream_configs_are_validated_like_cli_configs() {
+        use crate::host_resources::HostResources;
+        use kumo_migration::format::VmDescription;
+        let ours = |net: &[&str], numa: &[&str]| {
+            let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+            HostResources::parse(&s(net), &s(numa)).unwrap()
+        };
+        let c = serde_json::json!({"cpus": 2, "memory": 64 << 20, "payload": {"guest": {"name": "memtouch"}}});
+        let with = |patch: serde_json::Value| {
+            let mut v = c.clone();
+            for (k, x) in patch.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            VmDescription::new(2, "kernel", v, kumo_vm::layout::ram_regions(64 << 20))
+        };
+        let from = |d: &VmDescription, o: &HostResources| crate::migration::config_from_description(d, o);
+        from(&with(serde_json::json!({})), &ours(&[], &[])).unwrap();
+        let n = serde_json::json!({"nodes": [{"id": 0, "cpus": [0], "memory": 32 << 20},
+                                             {"id": 1, "cpus": [1], "memory": 32 << 20}]});
+        let bad_n = serde_json::json!({"nodes": [{"id": 0, "cpus": [0, 1], "memory": 32 << 20},
+                                                 {"id": 1, "cpus": [1], "memory": 32 << 20}]});
+        let cases = [
+            (serde_json::json!({"pins": [1, 2]}), ours(&[], &[]), "unknown field `pins`"),
+            (serde_json::json!({"halt_poll_ns": 0}), ours(&[], &[]), "unknown field `halt_poll_ns`"),
+            (
+                serde_json::json!({"payload": {"guest": {"name": "memtouch", "x": 1}}}),
+                ours(&[], &[]),
+                "unknown field `x`",
+            ),
+            (serde_json::json!({"net": [{"tap": "t", "sock": "/s"}]}), ours(&["tap=t"], &[]), "unknown field `sock`"),
+            (
+                serde_json::json!({"payload": {"guest": {"name": "memtouch", "args": ["pages=x"]}}}),
+                ours(&[], &[]),
+                "pages",
+            ),
+            (
+                serde_json::json!({"net": [{"tap": "t", "queues": 17}]}),
+                ours(&["tap=mine"], &[]),
+                "queues=17 is not 1..=16",
+            ),
+            (serde_json::json!({"net": [{"tap": "t", "queues": 0}]}), ours(&["tap=mine"], &[]), "queues=0"),
+            (
+                serde_json::json!({"net": [{"tap": "t", "irq": {"path": "dedicated", "vcpu": 1, "x": 1}}]}),
+                ours(&["tap=mine"], &[]),
+                "unknown field `x`",
+            ),
+            (
+                serde_json::json!({"net": [{"tap": "t", "irq": {"path": "dedicated", "vcpu": 9}}]}),
+                ours(&["tap=mine"], &[]),
+                "irq=dedicated,vcpu=9: the VM has 2 vCPUs",
+            ),
+            (
+                serde_json::json!({"net": [{"tap": "t", "mac": "01:00:5e:00:00:01"}]}),
+                ours(&["tap=mine"], &[]),
+                "multicast",
+            ),
+            (
+                serde_json::json!({"net": [{"tap": "t"}, {"tap": "u"}]}),
+                ours(&["tap=same", "tap=same"], &[]),
+                "tap same is given to two NICs",
+            ),
+            (serde_json::json!({"net": [{"tap": "t"}]}), ours(&[], &[]), "give --net id=net0,tap=NAME"),
+            (serde_json::json!({"numa": bad_n}), ours(&[], &[]), "cpu 1 is in two NUMA nodes"),
+            (serde_json::json!({"numa": n.clone()}), ours(&[], &["node=0,host-node=4095", "node=1"]), "host node 4095"),
+            (serde_json::json!({"numa": n}), ours(&[], &["node=0"]), "the VM's NUMA node 1 has no --numa here"),
+            (serde_json::json!({"elastic": {"cpus": [1], "memory": 0}}), ours(&[], &[]), "an elastic VM cannot arrive"),
+            (
+                serde_json::json!({"net": [{"tap": "t"}]}),
+                ours(&["tap=kumo-h2-nosuch"], &[]),
+                "net0: no network interface named kumo-h2-nosuch",
+            ),
+            (
+                serde_json::json!({"net": [{"tap": "t"}]}),
+                ours(&["tap=lo"], &[]),
+                "net0: lo is a network interface but not a tap",
+            ),
+            (
+                serde_json::json!({"net": [{"vhost_user": "/theirs"}]}),
+                ours(&["vhost-user=/nonexistent/h2.sock"], &[]),
+                "net0: vhost-user /nonexistent/h2.sock",
+            ),
+        ];
+        for (patch, o, want) in cases {
+            let e = from(&with(patch.clone()), &o).unwrap_err();
+            assert!(e.contains(want) && !e.contains('\n'), "{patch}: want `{want}` in `{e}`");
+        }
     }
 
     #[test]

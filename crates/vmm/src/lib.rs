@@ -6,6 +6,7 @@
 //! - `persist`: the `Snapshot` every component saves into;
 //! - `snapshot`: snapshots to and restores from files; `counters`: the VM's counters;
 //!   `event_monitor`: the lifecycle event monitor;
+//! - `host_resources`: what an arriving VM's NICs and NUMA nodes get on this host;
 //! - `config`, `api` (the control API's handler), `migration` (source and destination sides);
 //! - `lifecycle`: an empty VMM, which its API tells to restore a snapshot or receive a VM.
 
@@ -18,6 +19,7 @@ pub mod elastic;
 pub mod event_loop;
 pub mod event_monitor;
 pub mod guest_numa;
+pub mod host_resources;
 pub mod lifecycle;
 pub mod migration;
 pub mod nic;

@@ -24,6 +24,7 @@ use serde_json::json;
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::event_monitor;
+use crate::host_resources::HostResources;
 use crate::migration::config_from_description;
 use crate::vmm::{RunningVm, Snapshot};
 
@@ -308,23 +309,31 @@ pub struct RestoreReport {
 }
 
 /// Builds a VM from a snapshot file, restores its state and runs it (paused if it was paused
-/// when it was saved). Console output goes to `serial`.
-pub fn restore_from_file(path: &Path, serial: Box<dyn Write + Send>) -> Result<RunningVm> {
-    restore(path, serial).map(|(vm, _)| vm)
+/// when it was saved). Its NICs and NUMA nodes get the host resources in `ours`, as a
+/// migration's destination gives them (a snapshot's NIC without one is refused). Console output
+/// goes to `serial`.
+pub fn restore_from_file(path: &Path, serial: Box<dyn Write + Send>, ours: &HostResources) -> Result<RunningVm> {
+    restore(path, serial, ours).map(|(vm, _)| vm)
 }
 
 /// [`restore_from_file`], with what it restored.
-pub fn restore(path: &Path, serial: Box<dyn Write + Send>) -> Result<(RunningVm, RestoreReport)> {
+pub fn restore(path: &Path, serial: Box<dyn Write + Send>, ours: &HostResources) -> Result<(RunningVm, RestoreReport)> {
     let t = Instant::now();
     let name = path.display();
+    // A VM that does not fit what this host's operator gave is the request's fault (a 400).
+    let refused = std::cell::Cell::new(false);
     let loaded = read_file(
         path,
         |desc| {
-            let config = config_from_description(desc)?;
+            let config = config_from_description(desc, ours).inspect_err(|_| refused.set(true))?;
             RunningVm::incoming(config, serial, None).map_err(|e| e.to_string())
         },
         |vm, gfn, page| vm.memory().write_slice(page, GuestAddress(gfn * PAGE as u64)).map_err(|e| e.to_string()),
-    )?;
+    )
+    .map_err(|e| match e {
+        SnapshotError::Vm(m) if refused.get() => SnapshotError::BadRequest(m),
+        e => e,
+    })?;
     let vm = loaded.target;
     let snap: Snapshot = serde_json::from_slice(&loaded.state)
         .map_err(|e| SnapshotError::Read(format!("{name}: the VM state in it is not kumo's: {e}")))?;

@@ -285,8 +285,7 @@ impl RunningVm {
     ) -> Result<RunningVm> {
         let start_ns = monotonic_ns();
         if incoming {
-            config.validate_shape()?;
-            config.validate_numa()?;
+            config.validate_arriving()?;
         } else {
             config.validate()?;
         }

@@ -10,6 +10,7 @@ use kumo_migration_engine::{
 use kumo_vm::layout::ram_regions;
 use kumo_vm::GuestMemory;
 
+use crate::host_resources::HostResources;
 use crate::vmm::{RunningVm, Snapshot};
 use crate::VmConfig;
 
@@ -29,14 +30,25 @@ impl DestVm for RunningVm {
     }
 }
 
-/// The VM config an incoming stream describes, checked against the stream's own shape.
-pub fn config_from_description(d: &VmDescription) -> Result<VmConfig, String> {
+/// The VM an incoming stream (or a snapshot file) describes, on this host's resources: its
+/// config (unknown fields refused) checked against the stream's own shape, its NICs and NUMA
+/// nodes given the backends and host nodes this host's operator gave (`ours`, see
+/// [`crate::host_resources`]), then validated as strictly as a `kumo run` config and its
+/// backends checked on this host. Nothing is built or attached before it returns; its error
+/// is one line, sent back to the source as the Failed reply.
+pub fn config_from_description(d: &VmDescription, ours: &HostResources) -> Result<VmConfig, String> {
     let c: VmConfig =
         serde_json::from_value(d.payload.clone()).map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
-    if c.cpus != d.cpus || c.memory != d.memory_bytes || ram_regions(c.memory) != d.regions {
+    if c.cpus != d.cpus
+        || c.memory != d.memory_bytes
+        || ram_regions(c.memory) != d.regions
+        || c.irqchip.to_string() != d.irqchip
+    {
         return Err("the stream's VM config contradicts its description".into());
     }
-    c.validate_shape().map_err(|e| e.to_string())?;
+    let c = crate::host_resources::resolve(c, ours).map_err(|e| e.to_string())?;
+    c.validate_arriving().map_err(|e| e.to_string())?;
+    crate::host_resources::check_on_host(&c).map_err(|e| e.to_string())?;
     Ok(c)
 }
 
@@ -48,18 +60,27 @@ pub struct Incoming {
     pub memory: Option<u64>,
     /// `--cpus`: only a VM with this many vCPUs is taken.
     pub cpus: Option<u32>,
+    /// `--net`, `--numa`: the host resources the arriving VM gets; a VM that does not fit them
+    /// is refused.
+    pub resources: HostResources,
     pub since: Instant,
     progress: RecvProgress,
     arrived: Mutex<Option<RecvReport>>,
 }
 
 impl Incoming {
-    pub fn new(addr: &str, memory: Option<u64>, cpus: Option<u32>) -> Result<Arc<Incoming>, String> {
+    pub fn new(
+        addr: &str,
+        memory: Option<u64>,
+        cpus: Option<u32>,
+        resources: HostResources,
+    ) -> Result<Arc<Incoming>, String> {
         let addr: Address = addr.parse()?;
         Ok(Arc::new(Incoming {
             addr,
             memory,
             cpus,
+            resources,
             since: Instant::now(),
             progress: RecvProgress::default(),
             arrived: Mutex::new(None),
@@ -140,7 +161,7 @@ impl Incoming {
         let (vm, rr) =
             receive_with(&listener, kumo_migration_engine::PROGRESS_TIMEOUT, &self.progress, |desc, memfd| {
                 let refuse = |why: String| VmError::new(VmOp::Create, why);
-                let config = config_from_description(desc).map_err(refuse)?;
+                let config = config_from_description(desc, &self.resources).map_err(refuse)?;
                 let human = kumo_vm::memory::human_size;
                 if let Some(size) = memory.filter(|&m| m != config.memory) {
                     return Err(refuse(format!(

@@ -44,6 +44,8 @@ pub enum TapError {
     Permission(String),
     #[error("tap {0} is busy: another process has it, or it was made without multi_queue and more queues were asked")]
     Busy(String),
+    #[error("tap {name} cannot take {queues} queue pairs: it was made without multi_queue")]
+    SingleQueue { name: String, queues: usize },
     #[error("no network interface named {0} (create it with `ip tuntap add {0} mode tap`)")]
     Unknown(String),
     #[error("{0} is a network interface but not a tap")]
@@ -137,6 +139,14 @@ impl Tap {
     /// even for one queue: then two processes may hold it at once, which a migration between two
     /// kumo processes on one host needs.
     pub fn attach(name: &str, queues: usize) -> Result<Self, TapError> {
+        let multi = Self::check(name, queues)?;
+        Self::open_with(name, queues, multi)
+    }
+
+    /// Checks, without opening it, that tap `name` exists and can take `queues` queues;
+    /// returns whether it is multi-queue. A migration's destination checks its taps so before
+    /// it builds anything.
+    pub fn check(name: &str, queues: usize) -> Result<bool, TapError> {
         check_name(name)?;
         let dir = std::path::Path::new("/sys/class/net").join(name);
         if !dir.exists() {
@@ -146,9 +156,9 @@ impl Tap {
         let flags = i64::from_str_radix(flags.trim().trim_start_matches("0x"), 16).unwrap_or(0);
         let multi = flags & i64::from(IFF_MULTI_QUEUE) != 0;
         if queues > 1 && !multi {
-            return Err(TapError::Busy(name.to_string()));
+            return Err(TapError::SingleQueue { name: name.to_string(), queues });
         }
-        Self::open_with(name, queues, multi)
+        Ok(multi)
     }
 
     pub fn name(&self) -> &str {
@@ -269,8 +279,9 @@ mod tests {
         let e = Tap::open(&single, 1).unwrap_err();
         assert!(matches!(e, TapError::Busy(_)), "{e}");
         let e = Tap::attach(&single, 2).unwrap_err();
-        assert!(matches!(e, TapError::Busy(_)), "more queues than a single-queue tap has: {e}");
-        assert!(e.to_string().starts_with(&format!("tap {single} is busy")), "{e}");
+        assert!(matches!(e, TapError::SingleQueue { queues: 2, .. }), "more queues than a single-queue tap has: {e}");
+        assert_eq!(e.to_string(), format!("tap {single} cannot take 2 queue pairs: it was made without multi_queue"));
+        assert!(!Tap::check(&single, 1).unwrap() && Tap::check(&name, 2).unwrap());
     }
 
     fn ip(args: &[&str]) -> bool {

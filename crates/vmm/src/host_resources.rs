@@ -1,0 +1,390 @@
+//! The host resources of a VM that arrives (a migration's destination, a snapshot's restore):
+//! its operator, not the stream, says which tap or vhost-user socket each NIC gets and which host
+//! node each guest NUMA node's memory is bound to (`--net id=net0,tap=NAME`,
+//! `--numa node=0,host-node=1` beside `--incoming` or `--restore`, or the `net` and `numa` of
+//! `vm.receive-migration` and `vm.restore`).
+//!
+//! [`resolve`] matches them by id against the VM the stream describes: every NIC of the VM
+//! (`net0`, `net1`, … in PCI slot order) needs a backend of the same kind from the operator, and
+//! the operator's ids must all exist in the VM. Guest NUMA nodes need a binding each once the
+//! operator gives any (without `--numa` their memory is not bound). The guest-visible shape (MAC,
+//! queues, interrupt path, slot order, the nodes' vCPUs and memory, distances) stays the
+//! stream's; whatever the stream says about the source's host (taps, sockets, host nodes, pins)
+//! is dropped. A stream that does not fit is refused with a [`ResourceError`] before anything is
+//! built or attached.
+
+use std::path::PathBuf;
+
+pub use kumo_api::{NicBackend, NodeBinding};
+
+use crate::{Error, VmConfig};
+
+/// What the operator gave: the backend of each NIC, the host node of each guest node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostResources {
+    pub net: Vec<NicBackend>,
+    pub numa: Vec<NodeBinding>,
+}
+
+/// Why an arriving VM does not fit what its destination's operator gave. One line each.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResourceError {
+    #[error("the VM's {id} ({source_backend} on its source) has no backend here: give --net id={id},tap=NAME (or vhost-user=PATH)")]
+    MissingNic { id: String, source_backend: String },
+    #[error("--net id={id}: the VM has no NIC {id} ({have})")]
+    ExtraNic { id: String, have: String },
+    #[error("--net id={id}: the VM's {id} is a {want} NIC; a {given} cannot take its state")]
+    NicKind { id: String, want: &'static str, given: &'static str },
+    #[error("--net id={id} is given twice")]
+    DuplicateNic { id: String },
+    #[error("--net id={id}: not a NIC id (net0, net1, …)")]
+    NicId { id: String },
+    #[error("--net id={id}: give exactly one of tap=NAME and vhost-user=PATH")]
+    NicBackend { id: String },
+    #[error("--numa node={node}: the VM has no NUMA nodes")]
+    NoGuestNodes { node: u32 },
+    #[error("--numa node={node}: the VM has no NUMA node {node} ({have})")]
+    ExtraNode { node: u32, have: String },
+    #[error("the VM's NUMA node {node} has no --numa here: give --numa node={node}[,host-node=N] for every node, or no --numa")]
+    MissingNode { node: u32 },
+    #[error("--numa node={node} is given twice")]
+    DuplicateNode { node: u32 },
+    #[error("the VM's {id}: {why}")]
+    BadNic { id: String, why: String },
+}
+
+impl From<ResourceError> for Error {
+    fn from(e: ResourceError) -> Error {
+        Error::Config(e.to_string())
+    }
+}
+
+/// `net0`, `net1`, …: no sign, no leading zero.
+fn is_nic_id(id: &str) -> bool {
+    id.strip_prefix("net").and_then(|n| n.parse::<u16>().ok()).is_some_and(|n| format!("net{n}") == id)
+}
+
+/// Exactly one of a tap and a vhost-user socket, neither empty.
+fn one_backend(b: &NicBackend) -> bool {
+    match (b.tap.as_deref(), b.vhost_user.as_deref()) {
+        (Some(t), None) => !t.is_empty(),
+        (None, Some(v)) => !v.is_empty(),
+        _ => false,
+    }
+}
+
+/// `net0, net1` or `none`, for messages.
+fn listing(ids: impl Iterator<Item = String>) -> String {
+    let v: Vec<String> = ids.collect();
+    if v.is_empty() {
+        "it has none".into()
+    } else {
+        format!("it has {}", v.join(", "))
+    }
+}
+
+fn mac_text(m: [u8; 6]) -> String {
+    m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+/// The VM the stream describes, on this host's resources: each NIC on the operator's backend
+/// for its id (its MAC kept: a default MAC derives from the source's tap name), each guest node
+/// bound to the operator's host node (or none), the source's pins dropped. Pure: nothing on the
+/// host is looked at (see [`check_on_host`]).
+pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, ResourceError> {
+    ours.check()?;
+    for b in &ours.net {
+        if !(0..vm.net.len()).any(|n| b.id == format!("net{n}")) {
+            let have = listing((0..vm.net.len()).map(|n| format!("net{n}")));
+            return Err(ResourceError::ExtraNic { id: b.id.clone(), have });
+        }
+    }
+    for (i, nic) in vm.net.iter_mut().enumerate() {
+        let id = format!("net{i}");
+        let b = ours
+            .net
+            .iter()
+            .find(|b| b.id == id)
+            .ok_or_else(|| ResourceError::MissingNic { id: id.clone(), source_backend: nic.backend_name() })?;
+        let kind = |vhost: bool| if vhost { "vhost-user" } else { "tap" };
+        let (want, given) = (kind(nic.vhost_user.is_some()), kind(b.vhost_user.is_some()));
+        if want != given {
+            return Err(ResourceError::NicKind { id, want, given });
+        }
+        let mac = nic.mac().map_err(|why| ResourceError::BadNic { id: id.clone(), why })?;
+        nic.mac = Some(mac_text(mac));
+        nic.tap = b.tap.clone().unwrap_or_default();
+        nic.vhost_user = b.vhost_user.as_ref().map(PathBuf::from);
+    }
+    // Pins name the source's host CPUs: the destination's own are not carried (see `pins`).
+    vm.pins.clear();
+    match vm.numa.as_mut() {
+        None => {
+            if let Some(b) = ours.numa.first() {
+                return Err(ResourceError::NoGuestNodes { node: b.node });
+            }
+        }
+        Some(numa) => {
+            for b in &ours.numa {
+                if !numa.nodes.iter().any(|n| n.id == b.node) {
+                    let have = listing(numa.nodes.iter().map(|n| format!("node {}", n.id)));
+                    return Err(ResourceError::ExtraNode { node: b.node, have });
+                }
+            }
+            for n in &mut numa.nodes {
+                n.pin = None;
+                n.host_node = match ours.numa.iter().find(|b| b.node == n.id) {
+                    Some(b) => b.host_node,
+                    None if ours.numa.is_empty() => None,
+                    None => return Err(ResourceError::MissingNode { node: n.id }),
+                };
+            }
+        }
+    }
+    Ok(vm)
+}
+
+/// Checks the resolved VM's backends on this host before anything is built: each tap exists, is
+/// a tap and can take its NIC's queue pairs; each vhost-user path is a socket.
+pub fn check_on_host(vm: &VmConfig) -> Result<(), Error> {
+    use std::os::unix::fs::FileTypeExt;
+    for (i, n) in vm.net.iter().enumerate() {
+        let bad = |why: String| Error::Config(format!("net{i}: {why}"));
+        match &n.vhost_user {
+            None => {
+                kumo_devices::virtio::net::tap::Tap::check(&n.tap, usize::from(n.queues))
+                    .map_err(|e| bad(e.to_string()))?;
+            }
+            Some(p) => match std::fs::symlink_metadata(p) {
+                Ok(m) if m.file_type().is_socket() => {}
+                Ok(_) => return Err(bad(format!("vhost-user {} is not a socket", p.display()))),
+                Err(e) => return Err(bad(format!("vhost-user {}: {e}", p.display()))),
+            },
+        }
+    }
+    Ok(())
+}
+
+impl HostResources {
+    /// Checks what can be checked before a VM arrives (an API request's `net` and `numa`): NIC
+    /// ids `netN`, each given once with exactly one backend; each node given once.
+    pub fn check(&self) -> Result<(), ResourceError> {
+        for (i, b) in self.net.iter().enumerate() {
+            if !is_nic_id(&b.id) {
+                return Err(ResourceError::NicId { id: b.id.clone() });
+            }
+            if self.net[..i].iter().any(|o| o.id == b.id) {
+                return Err(ResourceError::DuplicateNic { id: b.id.clone() });
+            }
+            if !one_backend(b) {
+                return Err(ResourceError::NicBackend { id: b.id.clone() });
+            }
+        }
+        for (i, b) in self.numa.iter().enumerate() {
+            if self.numa[..i].iter().any(|o| o.node == b.node) {
+                return Err(ResourceError::DuplicateNode { node: b.node });
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses the operator's `--net` and `--numa` given with `--incoming` or `--restore`.
+    pub fn parse(net: &[String], numa: &[String]) -> Result<HostResources, Error> {
+        Ok(HostResources {
+            net: net.iter().enumerate().map(|(i, s)| parse_nic(s, i)).collect::<Result<_, _>>()?,
+            numa: numa.iter().map(|s| parse_node(s)).collect::<Result<_, _>>()?,
+        })
+    }
+}
+
+/// `[id=netN,]tap=NAME` or `[id=netN,]vhost-user=PATH`; without `id=`, the `index`-th `--net`
+/// is `net{index}`. What the guest sees is the VM's, so no other key is taken.
+fn parse_nic(s: &str, index: usize) -> Result<NicBackend, Error> {
+    let bad = |m: String| Error::Config(format!("--net {s}: {m}"));
+    let mut b = NicBackend { id: format!("net{index}"), tap: None, vhost_user: None };
+    for part in s.split(',') {
+        let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
+        match k {
+            "id" => b.id = v.to_string(),
+            "tap" => b.tap = Some(v.to_string()),
+            "vhost-user" | "vhost_user" => b.vhost_user = Some(v.to_string()),
+            "mac" | "queues" | "irq" | "vcpu" => {
+                return Err(bad(format!(
+                    "{k}= comes from the arriving VM; with --incoming or --restore give id=, tap= or vhost-user="
+                )))
+            }
+            _ => return Err(bad(format!("unknown key `{k}` (id, tap, vhost-user)"))),
+        }
+    }
+    if !is_nic_id(&b.id) {
+        return Err(bad(format!("id `{}` is not a NIC id (net0, net1, …)", b.id)));
+    }
+    if !one_backend(&b) {
+        return Err(bad("give exactly one of tap=NAME and vhost-user=PATH".into()));
+    }
+    Ok(b)
+}
+
+/// `node=ID[,host-node=N]`: the guest node's shape is the VM's.
+fn parse_node(s: &str) -> Result<NodeBinding, Error> {
+    let bad = |m: String| Error::Config(format!("--numa {s}: {m}"));
+    if s.trim() == "mirror" {
+        return Err(bad("the arriving VM's nodes are its own; give node=ID[,host-node=N] for each".into()));
+    }
+    let (mut node, mut host_node) = (None, None);
+    for part in s.split(',') {
+        let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
+        let n = |v: &str| v.parse::<u32>().map_err(|_| bad(format!("{k} `{v}` is not a number")));
+        match k {
+            "node" => node = Some(n(v)?),
+            "host-node" => host_node = Some(n(v)?),
+            "cpus" | "memory" | "pin" => {
+                return Err(bad(format!(
+                    "{k}= comes from the arriving VM; with --incoming or --restore give node= and host-node="
+                )))
+            }
+            _ => return Err(bad(format!("unknown key `{k}` (node, host-node)"))),
+        }
+    }
+    Ok(NodeBinding { node: node.ok_or_else(|| bad("node=ID is required".into()))?, host_node })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{IrqchipMode, NumaConfig, NumaNodeSpec};
+    use crate::{NetSpec, Payload};
+
+    fn vm(nets: &[&str]) -> VmConfig {
+        VmConfig {
+            cpus: 2,
+            memory: 64 << 20,
+            irqchip: IrqchipMode::Kernel,
+            payload: Payload::Guest { name: "netecho".into(), args: vec![] },
+            net: nets.iter().map(|s| NetSpec::parse(s).unwrap()).collect(),
+            numa: None,
+            pins: vec![Some(3), Some(4)],
+            pv: Default::default(),
+            halt_poll_ns: None,
+            elastic: None,
+        }
+    }
+
+    fn ours(net: &[&str], numa: &[&str]) -> HostResources {
+        let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        HostResources::parse(&s(net), &s(numa)).unwrap()
+    }
+
+    #[test]
+    fn nics_get_the_operators_backends_and_keep_their_shape() {
+        let src = vm(&["tap=victim,queues=2,irq=dedicated,vcpu=1", "tap=other,mac=52:54:00:00:00:07"]);
+        let mac0 = src.net[0].mac().unwrap();
+        // By position, and by id in any order.
+        for given in [&["tap=mine0", "tap=mine1"][..], &["id=net1,tap=mine1", "id=net0,tap=mine0"]] {
+            let r = resolve(src.clone(), &ours(given, &[])).unwrap();
+            assert_eq!((r.net[0].tap.as_str(), r.net[1].tap.as_str()), ("mine0", "mine1"));
+            assert_eq!(r.net[0].mac().unwrap(), mac0, "the default MAC derived from the source's tap stays");
+            assert_eq!(r.net[1].mac.as_deref(), Some("52:54:00:00:00:07"));
+            assert_eq!(r.net[0].queues, 2);
+            assert_eq!(r.net[0].irq, kumo_vm::interrupt_paths::IrqPath::Dedicated { vcpu: 1 });
+            assert!(r.pins.is_empty(), "the source's pins are not carried");
+            r.validate_net().unwrap();
+        }
+        let v = resolve(vm(&["vhost-user=/their.sock"]), &ours(&["vhost-user=/run/mine.sock"], &[])).unwrap();
+        assert_eq!(v.net[0].vhost_user.as_deref(), Some(std::path::Path::new("/run/mine.sock")));
+        // No NICs, nothing given: nothing to match.
+        assert!(resolve(vm(&[]), &HostResources::default()).unwrap().net.is_empty());
+    }
+
+    #[test]
+    fn a_stream_that_does_not_fit_is_refused() {
+        let two = vm(&["tap=victim", "tap=b"]);
+        let cases: Vec<(VmConfig, HostResources, &str)> = vec![
+            (
+                two.clone(),
+                HostResources::default(),
+                "the VM's net0 (tap victim on its source) has no backend here: give --net id=net0,tap=NAME",
+            ),
+            (two.clone(), ours(&["tap=a"], &[]), "the VM's net1 (tap b on its source) has no backend here"),
+            (
+                two.clone(),
+                ours(&["tap=a", "tap=b", "tap=c"], &[]),
+                "--net id=net2: the VM has no NIC net2 (it has net0, net1)",
+            ),
+            (vm(&[]), ours(&["tap=a"], &[]), "--net id=net0: the VM has no NIC net0 (it has none)"),
+            (two.clone(), ours(&["tap=a", "id=net0,tap=b"], &[]), "--net id=net0 is given twice"),
+            (vm(&["tap=t"]), ours(&["vhost-user=/s"], &[]), "the VM's net0 is a tap NIC; a vhost-user cannot"),
+            (vm(&["vhost-user=/s"]), ours(&["tap=t"], &[]), "the VM's net0 is a vhost-user NIC; a tap cannot"),
+            (vm(&[]), ours(&[], &["node=0,host-node=0"]), "--numa node=0: the VM has no NUMA nodes"),
+        ];
+        for (v, o, want) in cases {
+            let e = resolve(v, &o).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "want `{want}` in `{e}`");
+        }
+        // Through the API, a backend may name both kinds or none.
+        let both = HostResources {
+            net: vec![NicBackend { id: "net0".into(), tap: Some("t".into()), vhost_user: Some("/s".into()) }],
+            numa: vec![],
+        };
+        assert_eq!(resolve(vm(&["tap=t"]), &both), Err(ResourceError::NicBackend { id: "net0".into() }));
+        let eth = HostResources {
+            net: vec![NicBackend { id: "eth0".into(), tap: Some("t".into()), vhost_user: None }],
+            numa: vec![],
+        };
+        assert_eq!(eth.check(), Err(ResourceError::NicId { id: "eth0".into() }));
+    }
+
+    #[test]
+    fn guest_nodes_get_the_operators_host_nodes() {
+        let node = |id, cpus: Vec<u32>, host_node| NumaNodeSpec { id, cpus, memory: 32 << 20, host_node, pin: None };
+        let src = VmConfig {
+            numa: Some(NumaConfig {
+                nodes: vec![node(0, vec![0], Some(5)), node(1, vec![1], Some(6))],
+                distances: vec![crate::config::NumaDistance { src: 0, dst: 1, value: 31 }],
+            }),
+            ..vm(&[])
+        };
+        // Without --numa: the shape stays, the source's host nodes do not.
+        let r = resolve(src.clone(), &HostResources::default()).unwrap();
+        let n = r.numa.as_ref().unwrap();
+        assert_eq!(n.nodes.iter().map(|n| n.host_node).collect::<Vec<_>>(), [None, None]);
+        assert_eq!(n.distances, src.numa.as_ref().unwrap().distances);
+        assert_eq!(r.numa_topology().unwrap(), src.numa_topology().unwrap());
+        let r = resolve(src.clone(), &ours(&[], &["node=1,host-node=0", "node=0"])).unwrap();
+        assert_eq!(r.numa.unwrap().nodes.iter().map(|n| n.host_node).collect::<Vec<_>>(), [None, Some(0)]);
+        for (given, want) in [
+            (&["node=0,host-node=0"][..], "the VM's NUMA node 1 has no --numa here"),
+            (&["node=0", "node=1", "node=2"], "--numa node=2: the VM has no NUMA node 2 (it has node 0, node 1)"),
+            (&["node=0", "node=0,host-node=1"], "--numa node=0 is given twice"),
+        ] {
+            let e = resolve(src.clone(), &ours(&[], given)).unwrap_err().to_string();
+            assert!(e.contains(want), "{given:?}: want `{want}` in `{e}`");
+        }
+    }
+
+    #[test]
+    fn the_operators_flags_parse_and_bad_ones_are_one_line() {
+        let r = ours(&["tap=a", "id=net3,vhost-user=/s"], &["node=1,host-node=2"]);
+        assert_eq!(r.net[0], NicBackend { id: "net0".into(), tap: Some("a".into()), vhost_user: None });
+        assert_eq!(r.net[1], NicBackend { id: "net3".into(), tap: None, vhost_user: Some("/s".into()) });
+        assert_eq!(r.numa, [NodeBinding { node: 1, host_node: Some(2) }]);
+        let s = |v: &str| vec![v.to_string()];
+        for (net, numa, want) in [
+            (s("tap=a,queues=2"), vec![], "queues= comes from the arriving VM"),
+            (s("tap=a,mac=52:54:00:00:00:01"), vec![], "mac= comes from the arriving VM"),
+            (s("id=eth0,tap=a"), vec![], "id `eth0` is not a NIC id"),
+            (s("id=net01,tap=a"), vec![], "id `net01` is not a NIC id"),
+            (s("id=net0"), vec![], "give exactly one of tap=NAME and vhost-user=PATH"),
+            (s("tap=a,vhost-user=/s"), vec![], "give exactly one"),
+            (s("tap="), vec![], "give exactly one"),
+            (s("tap=a,sock=/t"), vec![], "unknown key `sock`"),
+            (vec![], s("mirror"), "the arriving VM's nodes are its own"),
+            (vec![], s("node=0,memory=1G"), "memory= comes from the arriving VM"),
+            (vec![], s("host-node=1"), "node=ID is required"),
+            (vec![], s("node=x"), "node `x` is not a number"),
+        ] {
+            let e = HostResources::parse(&net, &numa).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{net:?} {numa:?}: want `{want}` in `{e}`");
+        }
+    }
+}
