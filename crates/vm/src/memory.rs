@@ -1,8 +1,10 @@
 //! Guest RAM: one memfd (so it can later be shared with another process, e.g. for local
 //! migration) mapped once per RAM region.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::FromRawFd;
+use std::sync::{Arc, RwLock};
 
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
@@ -22,6 +24,8 @@ pub struct Memory {
     pub size: u64,
     /// The map the regions of `guest` follow.
     pub layout: MemoryLayout,
+    /// Ranges taken out of the guest's reach (released elastic blocks).
+    pub fences: Arc<Fences>,
 }
 
 /// Smallest VM kumo builds: room for the boot structures below 1 MiB and a small guest above.
@@ -196,7 +200,7 @@ impl Memory {
             offset += len;
         }
         let guest = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
-        Ok(Memory { guest, memfd, size, layout })
+        Ok(Memory { guest, memfd, size, layout, fences: Arc::default() })
     }
 }
 
@@ -232,6 +236,77 @@ pub fn discard(mem: &GuestMemory, gpa: u64, len: u64, anonymous: bool) -> Result
     let r = unsafe { libc::madvise(host as *mut libc::c_void, len as usize, advice) };
     if r != 0 {
         return Err(Error::Memory(format!("discard {gpa:#x}+{len:#x}: {}", std::io::Error::last_os_error())));
+    }
+    Ok(())
+}
+
+/// Guest-physical ranges kumo has taken out of the guest's reach, each with what it is (for the
+/// error a guest touching one gets).
+///
+/// A fenced range is mapped `PROT_NONE` in kumo, so KVM cannot fault its pages into the guest:
+/// a guest access ends KVM_RUN with EFAULT and a `KVM_EXIT_MEMORY_FAULT` naming the address
+/// (`KVM_CAP_MEMORY_FAULT_INFO`), or, for an access KVM emulates, with an MMIO exit at it. Both
+/// are reported by the vCPU as [`crate::Error::FencedAccess`]. This was chosen over removing the
+/// range from its KVM memory slot: a slot change zaps every shadow page of the VM on a host
+/// without TDP (this nested one) and costs two SRCU grace periods, where `mprotect` only zaps
+/// the range's own mappings through the MMU notifier. kumo itself must not touch a fenced range
+/// either (it would take SIGSEGV): nothing of kumo's lives in one, and elastic VMs have no
+/// devices that write guest memory at the guest's request.
+#[derive(Debug, Default)]
+pub struct Fences {
+    /// Start GPA -> (length, what it is).
+    ranges: RwLock<BTreeMap<u64, (u64, String)>>,
+}
+
+impl Fences {
+    fn ranges(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<u64, (u64, String)>> {
+        self.ranges.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn ranges_mut(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<u64, (u64, String)>> {
+        self.ranges.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `[gpa, gpa + len)` (whole pages inside one region) out of the guest's reach;
+    /// `what` names it in the error of a guest that touches it. Booked before the mapping
+    /// changes, so a fault on it always finds its name.
+    pub fn fence(&self, mem: &GuestMemory, gpa: u64, len: u64, what: &str) -> Result<()> {
+        self.ranges_mut().insert(gpa, (len, what.to_string()));
+        protect(mem, gpa, len, libc::PROT_NONE).inspect_err(|_| {
+            self.ranges_mut().remove(&gpa);
+        })
+    }
+
+    /// Gives `[gpa, gpa + len)`, fenced before, back to the guest.
+    pub fn unfence(&self, mem: &GuestMemory, gpa: u64, len: u64) -> Result<()> {
+        protect(mem, gpa, len, libc::PROT_READ | libc::PROT_WRITE)?;
+        self.ranges_mut().remove(&gpa);
+        Ok(())
+    }
+
+    /// What the fenced range holding `gpa` is, if one does.
+    pub fn find(&self, gpa: u64) -> Option<String> {
+        let r = self.ranges();
+        let (start, (len, what)) = r.range(..=gpa).next_back()?;
+        (gpa - start < *len).then(|| what.clone())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges().is_empty()
+    }
+}
+
+/// `mprotect` of guest memory `[gpa, gpa + len)` (whole pages inside one region).
+fn protect(mem: &GuestMemory, gpa: u64, len: u64, prot: libc::c_int) -> Result<()> {
+    if !gpa.is_multiple_of(4096) || !len.is_multiple_of(4096) || len == 0 {
+        return Err(Error::Memory(format!("protect {gpa:#x}+{len:#x}: not whole 4 KiB pages")));
+    }
+    let host = host_run(mem, gpa, len, "protect")?;
+    // SAFETY: the range lies within one live mapping of guest memory (checked by host_run).
+    // Only its access rights change; kumo keeps no references into fenced ranges (see Fences).
+    let r = unsafe { libc::mprotect(host as *mut libc::c_void, len as usize, prot) };
+    if r != 0 {
+        return Err(Error::Memory(format!("mprotect {gpa:#x}+{len:#x}: {}", std::io::Error::last_os_error())));
     }
     Ok(())
 }
@@ -530,6 +605,26 @@ mod tests {
         assert_eq!(m.guest.num_regions(), 2);
         assert!(m.guest.address_in_range(GuestAddress(0x1_0000_0000)));
         assert!(!m.guest.address_in_range(GuestAddress(0xc000_0000)));
+    }
+
+    #[test]
+    fn fenced_ranges_are_named_and_come_back_as_zeros() {
+        let m = Memory::with_anonymous(32 << 20, &[(16 << 20, 4 << 20)]).unwrap();
+        m.guest.write_obj(7u64, GuestAddress(17 << 20)).unwrap();
+        m.fences.fence(&m.guest, 16 << 20, 2 << 20, "block 0").unwrap();
+        m.fences.fence(&m.guest, 18 << 20, 2 << 20, "block 1").unwrap();
+        assert_eq!(m.fences.find(17 << 20).as_deref(), Some("block 0"));
+        assert_eq!(m.fences.find((20 << 20) - 1).as_deref(), Some("block 1"));
+        assert_eq!(m.fences.find(20 << 20), None);
+        assert_eq!(m.fences.find((16 << 20) - 1), None);
+        discard(&m.guest, 16 << 20, 2 << 20, true).unwrap();
+        m.fences.unfence(&m.guest, 16 << 20, 2 << 20).unwrap();
+        assert_eq!(m.fences.find(17 << 20), None);
+        assert_eq!(m.guest.read_obj::<u64>(GuestAddress(17 << 20)).unwrap(), 0, "zeros again");
+        m.fences.unfence(&m.guest, 18 << 20, 2 << 20).unwrap();
+        assert!(m.fences.is_empty());
+        assert!(m.fences.fence(&m.guest, 31 << 20, 4 << 20, "x").is_err(), "past the end");
+        assert!(m.fences.is_empty(), "a failed fence is not booked");
     }
 
     #[test]
