@@ -88,9 +88,9 @@ impl Staged {
     /// symbolic link (checked again at [`Staged::commit`]).
     pub fn create(target: &Path) -> io::Result<(Staged, File)> {
         refuse_symlink(target)?;
-        let base = target
-            .file_name()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{} names no file", target.display())))?;
+        let base = target.file_name().ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, format!("{} names no file", target.display()))
+        })?;
         let parent = match target.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),

@@ -88,7 +88,10 @@ fn make_private_dir(parent: &Path) -> io::Result<PathBuf> {
     let r = unsafe { libc::mkdtemp(template.as_mut_ptr().cast()) };
     if r.is_null() {
         let e = io::Error::last_os_error();
-        return Err(io::Error::new(e.kind(), format!("cannot create a private directory in {}: {e}", parent.display())));
+        return Err(io::Error::new(
+            e.kind(),
+            format!("cannot create a private directory in {}: {e}", parent.display()),
+        ));
     }
     template.pop();
     Ok(PathBuf::from(std::ffi::OsString::from_vec(template)))
@@ -143,7 +146,13 @@ pub fn peer_cred(s: &impl AsRawFd) -> io::Result<PeerCred> {
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: getsockopt(SO_PEERCRED) writes at most `len` bytes into `c`.
     let r = unsafe {
-        libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut c as *mut libc::ucred).cast(), &mut len)
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
     };
     if r != 0 {
         return Err(io::Error::last_os_error());
@@ -241,7 +250,9 @@ mod tests {
         let deep = d.join("d".repeat(94usize.saturating_sub(d.as_os_str().len()).max(1)));
         std::fs::create_dir_all(&deep).unwrap();
         let p = deep.join("k.sock");
-        assert!(p.as_os_str().len() <= SUN_PATH_MAX && deep.join(".kumo-sock-XXXXXX/s").as_os_str().len() > SUN_PATH_MAX);
+        assert!(
+            p.as_os_str().len() <= SUN_PATH_MAX && deep.join(".kumo-sock-XXXXXX/s").as_os_str().len() > SUN_PATH_MAX
+        );
         let _l = bind_private(&p).unwrap();
         assert_eq!(mode(&p), 0o600);
         UnixStream::connect(&p).unwrap();
