@@ -59,16 +59,10 @@ impl Server {
         Arc::new(Server { nic, next_id: AtomicU32::new(1) })
     }
 
+    /// Binds the vhost-user socket: private (0600 from the start), replacing only a stale
+    /// socket (`kumo_sandbox::sock::bind_private`).
     pub fn bind(path: &Path) -> io::Result<UnixListener> {
-        if path.exists() {
-            // A stale socket of an earlier run; a live one would still refuse to be replaced
-            // by the connect test below.
-            if UnixStream::connect(path).is_ok() {
-                return Err(io::Error::new(io::ErrorKind::AddrInUse, format!("{} is in use", path.display())));
-            }
-            let _ = std::fs::remove_file(path);
-        }
-        UnixListener::bind(path)
+        kumo_sandbox::sock::bind_private(path)
     }
 
     pub fn serve(self: &Arc<Self>, listener: UnixListener) -> io::Result<()> {

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::{Arc, RwLock};
 
 use vm_memory::bitmap::AtomicBitmap;
@@ -125,13 +125,19 @@ impl Memory {
     fn create(size: u64) -> Result<File> {
         check_size(size, &HostMemory::read()?)?;
         // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"kumo-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(c"kumo-guest-ram".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(Error::Memory(format!("memfd_create: {}", std::io::Error::last_os_error())));
         }
         // SAFETY: fd is a fresh descriptor we own.
         let memfd = unsafe { File::from_raw_fd(fd) };
         memfd.set_len(size).map_err(|e| Error::Memory(format!("cannot size guest RAM to {size} bytes: {e}")))?;
+        // Its size is fixed for good: a process it is shared with (local migration) can rely on
+        // it never shrinking under its mappings ([`check_sealed`]).
+        // SAFETY: fcntl(F_ADD_SEALS) on a descriptor we own; checked.
+        if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS) } < 0 {
+            return Err(Error::Memory(format!("cannot seal guest RAM: {}", std::io::Error::last_os_error())));
+        }
         Ok(memfd)
     }
 
@@ -146,9 +152,11 @@ impl Memory {
     }
 
     /// Guest RAM backed by an existing memory file of exactly `size` bytes, e.g. the memfd of a
-    /// VM migrating on the same host: both processes then share the same pages.
+    /// VM migrating on the same host: both processes then share the same pages. It must be a
+    /// memfd sealed against resizing ([`check_sealed`]).
     pub fn from_file(memfd: File, size: u64) -> Result<Self> {
         check_size(size, &HostMemory::read()?)?;
+        check_sealed(&memfd)?;
         let len = memfd.metadata().map_err(|e| Error::Memory(format!("memory file: {e}")))?.len();
         if len != size {
             return Err(Error::Memory(format!("memory file holds {len} bytes, the VM needs {size}")));
@@ -202,6 +210,29 @@ impl Memory {
         let guest = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
         Ok(Memory { guest, memfd, size, layout, fences: Arc::default() })
     }
+}
+
+/// The seals guest RAM carries: its size never changes.
+const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
+/// Checks that `f` is a memfd sealed against shrinking and growing. A memory file handed over
+/// by another process (local migration) that it could still shrink would turn kumo's accesses
+/// past the new end into SIGBUS: such a file is refused.
+pub fn check_sealed(f: &File) -> Result<()> {
+    // SAFETY: fcntl(F_GET_SEALS) on a descriptor we hold; checked.
+    let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(Error::Memory(format!(
+            "the memory file is not a memfd ({}): refusing it (only a sealed memfd is mapped)",
+            std::io::Error::last_os_error()
+        )));
+    }
+    if seals & SIZE_SEALS != SIZE_SEALS {
+        return Err(Error::Memory(
+            "the memory memfd is not sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW): refusing it".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// `len` bytes of private anonymous memory, asking for transparent huge pages (Linux places
@@ -538,6 +569,24 @@ mod tests {
         assert_eq!(a.guest.read_obj::<u32>(GuestAddress(0x30_0000)).unwrap(), 7);
         let e = Memory::from_file(a.memfd.try_clone().unwrap(), 32 << 20).err().unwrap().to_string();
         assert!(e.contains("holds 16777216 bytes, the VM needs 33554432"), "{e}");
+    }
+
+    #[test]
+    fn only_a_memfd_sealed_against_resizing_is_taken() {
+        let m = Memory::new(16 << 20).unwrap();
+        check_sealed(&m.memfd).unwrap();
+        assert!(m.memfd.set_len(8 << 20).is_err(), "sealed: it cannot shrink");
+        // An unsealed memfd of the right size, and a plain file, are refused.
+        // SAFETY: memfd_create with a NUL-terminated name; checked below.
+        let fd = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor we own.
+        let unsealed = unsafe { File::from_raw_fd(fd) };
+        unsealed.set_len(16 << 20).unwrap();
+        let e = Memory::from_file(unsealed, 16 << 20).err().unwrap().to_string();
+        assert!(e.contains("not sealed against resizing"), "{e}");
+        let plain = std::fs::File::open("/proc/self/exe").unwrap();
+        assert!(check_sealed(&plain).unwrap_err().to_string().contains("not a memfd"));
     }
 
     #[test]
