@@ -531,8 +531,9 @@ fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
                 Some(None) => return, // the VM has ended: `run` is returning anyway
                 None => {
                     note!("kumo: {name}: no VM yet; exiting");
+                    // Only sockets: whatever else is at a path was never ours.
                     for p in &sockets {
-                        let _ = std::fs::remove_file(p);
+                        kumo_sandbox::sock::remove_socket(p, kumo_sandbox::sock::socket_id(p));
                     }
                     std::process::exit(128 + sig);
                 }
