@@ -10,8 +10,7 @@
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -89,15 +88,15 @@ impl Server {
         if let Some(h) = daemon.get_epoll_handlers().first() {
             client.set_listen(h.clone());
         }
-        // The daemon accepts on a private abstract socket that only the relay connects to.
-        // Unique per process (several servers may run in one, e.g. in tests).
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        let name = format!("kumo-net-backend-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
-        let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
-        let mut listener = Listener::from(UnixListener::bind_addr(&addr)?);
-        let back = UnixStream::connect_addr(&addr)?;
+        // The daemon accepts on a socket in a 0700 directory of its own that only the relay
+        // connects to: an abstract socket could be reached first by any process in the
+        // network namespace.
+        let private = kumo_sandbox::sock::PrivateSocket::new(&std::env::temp_dir())?;
+        let back = UnixStream::connect(private.path())?;
+        let mut listener = Listener::from(private.listener.try_clone()?);
         daemon.start(&mut listener).map_err(|e| io::Error::other(format!("client {id}: {e}")))?;
         drop(listener);
+        drop(private);
         self.nic.add_client(client.clone());
         tracing::info!("client {id} connected (pid {pid:?})");
 

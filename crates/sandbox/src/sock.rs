@@ -118,6 +118,40 @@ fn rename(from: &Path, to: &Path, noreplace: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// A listening socket in a fresh 0700 directory of its own (under `parent`), for a connection
+/// kumo makes to itself: nobody but this user and root can reach it, unlike an abstract socket,
+/// which every process in the network namespace can connect to. Removed (socket and
+/// directory) when dropped.
+#[derive(Debug)]
+pub struct PrivateSocket {
+    pub listener: UnixListener,
+    dir: PathBuf,
+}
+
+impl PrivateSocket {
+    pub fn new(parent: &Path) -> io::Result<PrivateSocket> {
+        let dir = make_private_dir(parent)?;
+        match UnixListener::bind(dir.join("s")) {
+            Ok(listener) => Ok(PrivateSocket { listener, dir }),
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.dir.join("s")
+    }
+}
+
+impl Drop for PrivateSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.path());
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
 /// Removes `path` if it is still the socket `id` ([`socket_id`]): a socket that was removed
 /// or replaced by someone else meanwhile is left alone.
 pub fn remove_socket(path: &Path, id: Option<(u64, u64)>) {
@@ -256,6 +290,19 @@ mod tests {
         let _l = bind_private(&p).unwrap();
         assert_eq!(mode(&p), 0o600);
         UnixStream::connect(&p).unwrap();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_private_socket_lives_in_a_0700_directory_until_dropped() {
+        let d = dir("private");
+        let p = PrivateSocket::new(&d).unwrap();
+        let path = p.path();
+        assert_eq!(mode(path.parent().unwrap()), 0o700);
+        let _c = UnixStream::connect(&path).unwrap();
+        p.listener.accept().unwrap();
+        drop(p);
+        assert!(!path.exists() && !path.parent().unwrap().exists());
         std::fs::remove_dir_all(&d).unwrap();
     }
 
