@@ -508,6 +508,29 @@ mod tests {
         assert_eq!(t.join().unwrap(), "shared memory");
     }
 
+    #[test]
+    fn a_unix_listener_is_private_and_never_replaces_a_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("kumo-unix-listen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let file = d.join("precious");
+        std::fs::write(&file, b"data").unwrap();
+        let e = Listener::bind(&Address::Unix(file.clone())).err().unwrap().to_string();
+        assert!(e.contains("is not a socket; refusing to replace it"), "{e}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"data");
+        let p = d.join("m.sock");
+        let l = Listener::bind(&Address::Unix(p.clone())).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        // A peer of this uid is accepted.
+        let c = UnixStream::connect(&p).unwrap();
+        assert!(l.accept().is_ok());
+        drop(c);
+        drop(l);
+        assert!(!p.exists(), "its own socket is removed");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
     fn tempfile_with(b: &[u8]) -> std::fs::File {
         let p = std::env::temp_dir().join(format!("kumo-fdpass-{}.dat", std::process::id()));
         std::fs::write(&p, b).unwrap();
