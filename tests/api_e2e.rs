@@ -312,3 +312,35 @@ fn a_signal_shuts_down_a_vm_whose_output_readers_are_gone() {
     assert_eq!(code, Some(0));
     assert!(!sock.exists(), "the API socket is removed");
 }
+
+/// `--api-allow-uid`: a client whose uid is not listed is refused with 403 (the test allows
+/// only a uid that is not its own), a listed one is served; the socket is 0600 either way.
+#[test]
+fn api_allow_uid_refuses_other_uids() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TestDir::new();
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let o = kumo(&["--api-allow-uid", "bob", "run", "--api-socket", dir.arg("x.sock").as_str()]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    assert!(text(&o).1.contains("not a list of uids"), "{}", text(&o).1);
+    let o = kumo(&["--api-allow-uid", "0", "--api-socket", dir.arg("x.sock").as_str(), "ping"]);
+    assert!(!o.status.success() && text(&o).1.contains("--api-allow-uid does not apply"), "{}", text(&o).1);
+    for (allow, served) in [(me.wrapping_add(1), false), (me, true)] {
+        let sock = dir.path(&format!("allow-{allow}.sock"));
+        let s = sock.to_str().unwrap();
+        let vm =
+            Kid::spawn(&["--api-allow-uid", &format!("{allow},{}", allow.wrapping_add(7)), "run", "--api-socket", s]);
+        eventually(PATIENCE, || sock.exists().then_some(()));
+        assert_eq!(std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777, 0o600);
+        let o = kumo(&["--api-socket", s, "ping"]);
+        if served {
+            assert!(o.status.success(), "{}", text(&o).1);
+        } else {
+            let err = text(&o).1;
+            assert!(!o.status.success() && err.contains(&format!("uid {me} ")) && err.contains("not allowed"), "{err}");
+        }
+        vm.signal("TERM");
+        vm.finish(PATIENCE);
+    }
+}

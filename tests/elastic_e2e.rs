@@ -275,6 +275,45 @@ fn bad_elastic_requests_are_refused_with_clear_errors() {
     ]);
     let (_, err) = text(&o);
     assert!(!o.status.success() && err.contains("irqchip user"), "{err}");
+    // A released block is fenced off; a NIC could be told to write into one.
+    let o = kumo(&[
+        "run",
+        "--guest",
+        "worker",
+        "--cpus",
+        "2",
+        "--elastic",
+        "cpus=1",
+        "--net",
+        "tap=kumo-none0",
+        "--timeout",
+        "30",
+    ]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success() && err.contains("has no NICs"), "{err}");
     let (s, _) = ApiClient::new(&a.sock).request("GET", "/api/v1/vm.elastic", None).unwrap();
     assert_eq!(s, 200);
+}
+
+#[test]
+fn a_guest_touching_a_released_block_is_stopped_and_named() {
+    if !two_cpus_or_skip("a_guest_touching_a_released_block_is_stopped_and_named") {
+        return;
+    }
+    let dir = TestDir::new();
+    // After acking the release, vCPU 0 keeps writing the first block it gave up.
+    let a = Vm::start(&dir, "a", "cpus=1,memory=32M", &["tag=1", "touch_released=1"]);
+    a.works_on(1, 100);
+    let body = serde_json::json!({"memory_bytes": 2 << 20, "timeout_ms": 20000});
+    let (s, r) = a.api.request("PUT", "/api/v1/vm.release", Some(&body)).unwrap();
+    assert_eq!(s, 200, "{r:?}");
+    let Vm { kid, .. } = a;
+    let (code, out, err) = kid.wait();
+    let gpa = field(&out, "worker: touching released block=", "gpa").expect("the guest said which block it touches");
+    assert_ne!(code, Some(0), "kumo exited 0 after a guest touched released memory; stderr:\n{err}");
+    assert!(
+        err.contains(&format!("vCPU 0 touched guest-physical address {gpa}"))
+            && err.contains("which the guest released"),
+        "{err}"
+    );
 }

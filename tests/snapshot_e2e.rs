@@ -38,13 +38,20 @@ fn check_memtouch(out: &str, pages: u64, seed: u64) -> u64 {
 
 /// memtouch with an API socket and an event monitor, waited for until it runs.
 fn memtouch(tag: &str, guest_args: &[&str]) -> (Vmp, String, PathBuf) {
+    memtouch_env(tag, guest_args, &[])
+}
+
+/// [`memtouch`] with environment variables for kumo.
+fn memtouch_env(tag: &str, guest_args: &[&str], env: &[(&str, &Path)]) -> (Vmp, String, PathBuf) {
     let sock = temp_path(&format!("{tag}.sock")).to_str().unwrap().to_string();
     let events = temp_path(&format!("{tag}.events"));
     let mut args = vec!["run", "--guest", "memtouch", "--cpus", "2", "--memory", "64M", "--api-socket", &sock];
     let ev = events.to_str().unwrap().to_string();
     args.extend(["--event-monitor", &ev]);
     args.extend_from_slice(guest_args);
-    let vm = Kid::spawn(&args);
+    let mut cmd = Command::new(kumo_bin());
+    cmd.args(&args).envs(env.iter().copied());
+    let vm = Kid::spawn_cmd(&mut cmd);
     eventually(PATIENCE, || vm.stdout().contains("memtouch: pages=").then_some(()));
     eventually(PATIENCE, || vm_state(&sock));
     (vm, sock, events)
@@ -224,13 +231,18 @@ fn a_snapshot_owns_the_run_state_until_it_ends_and_a_failed_one_leaves_the_vm_ru
     if !kvm_or_skip("a_snapshot_owns_the_run_state_until_it_ends_and_a_failed_one_leaves_the_vm_running") {
         return;
     }
-    let (mut vm, sock, _) = memtouch("own", &["pages=500", "rate=20000", "seed=4", "until_input=1"]);
-    // The snapshot's temporary file is a FIFO: the snapshot blocks in it until the test reads,
-    // so the test controls when it ends without any timing. fsync of a FIFO fails (EINVAL), so
-    // the snapshot then fails: the failure path, with the whole stream read from the FIFO.
+    // The snapshot's stream goes into a FIFO (a debug-build hook: kumo never opens an existing
+    // file as a snapshot's): the snapshot blocks in it until the test reads, so the test
+    // controls when it ends without any timing. fsync of a FIFO fails (EINVAL), so the snapshot
+    // then fails: the failure path, with the whole stream read from the FIFO.
     let file = temp_path("own.snap");
-    let fifo = temp_path("own.snap.tmp");
+    let fifo = temp_path("own.fifo");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let (mut vm, sock, _) = memtouch_env(
+        "own",
+        &["pages=500", "rate=20000", "seed=4", "until_input=1"],
+        &[("KUMO_TEST_SNAPSHOT_SINK", &fifo)],
+    );
     let snap = {
         let (sock, file) = (sock.clone(), file.clone());
         std::thread::spawn(move || api(&sock, &["snapshot", "--to", file.to_str().unwrap()]))
@@ -248,7 +260,14 @@ fn a_snapshot_owns_the_run_state_until_it_ends_and_a_failed_one_leaves_the_vm_ru
     assert!(stream.starts_with(b"KUMOMIG\0"), "a migration stream went into the FIFO");
     let (ok, out, err) = snap.join().unwrap();
     assert!(!ok && err.contains("cannot write snapshot"), "{out}\n{err}");
-    assert!(!file.exists() && !fifo.exists(), "a failed snapshot leaves no file behind");
+    assert!(!file.exists(), "a failed snapshot leaves no file behind");
+    let dir = file.parent().unwrap();
+    let tmp = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|e| e.file_name().to_string_lossy().starts_with(".own.snap."));
+    assert!(tmp.is_none(), "a failed snapshot leaves no temporary file behind: {tmp:?}");
+    let _ = std::fs::remove_file(&fifo);
 
     // The VM runs on, and its run state is the user's again.
     assert_eq!(vm_state(&sock).as_deref(), Some("running"));
@@ -333,4 +352,29 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
     assert_eq!(code, Some(0), "{err}");
     assert!(!out.contains("memtouch: pages="), "the guest must carry on, not restart:\n{out}");
     check_memtouch(&out, 2000, 5);
+}
+
+#[test]
+fn a_snapshot_to_a_symlink_is_refused_and_its_target_untouched() {
+    if !kvm_or_skip("a_snapshot_to_a_symlink_is_refused_and_its_target_untouched") {
+        return;
+    }
+    let (mut vm, sock, _) = memtouch("link", &["pages=100", "rate=20000", "seed=5", "until_input=1"]);
+    let victim = temp_path("link.victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let link = temp_path("link.snap");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let (ok, out, err) = api(&sock, &["snapshot", "--to", link.to_str().unwrap()]);
+    assert!(!ok && err.contains("link.snap is a symbolic link"), "{out}\n{err}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious", "the link's target is untouched");
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link is still there");
+    // Refused before the VM was paused: it runs on.
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"));
+    vm.input(b"q");
+    let (code, out, err) = vm.wait();
+    assert_eq!(code, Some(0), "{err}");
+    check_memtouch(&out, 100, 5);
+    let _ = std::fs::remove_file(&link);
+    let _ = std::fs::remove_file(&victim);
 }

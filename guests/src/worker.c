@@ -19,6 +19,8 @@
  *   worker: nonzero block=B chunk=C / corrupt block=B chunk=C   (once per block; B >= 1024: the
  *           base buffer of vCPU B - 1024)
  *   worker: done units=U nonzero=Z corrupt=X   (with units=N; exit 0, or 3 on any violation)
+ *   worker: touching released block=B gpa=0xG  (touch_released=1: then it writes that block until
+ *           kumo stops the VM)
  * A request's line is printed after its ack (acks first), and a vacated vCPU's by another vCPU
  * (kumo parks it right after the ack: it must not hold the print lock then). quiet=1 drops
  * request lines: each character is a port exit (~40 us here), so a line delays a request that
@@ -38,7 +40,8 @@ KUMO_MANIFEST("name=worker\n"
               "param=ignore:u64:0:1 = never acknowledge a request (rollback tests)\n"
               "param=base_kb:u64:256:KiB of private buffer per vCPU, used while no elastic block is plugged\n"
               "param=tag:u64:1:written into the memory patterns (give two VMs different tags)\n"
-              "param=quiet:u64:0:1 = no line per request (each character printed costs ~40 us here and delays the next request)\n");
+              "param=quiet:u64:0:1 = no line per request (each character printed costs ~40 us here and delays the next request)\n"
+              "param=touch_released:u64:0:1 = after acking a memory release, keep writing the first released block (kumo must stop the VM)\n");
 
 #define MAXC KUMO_ELASTIC_MAX_CPUS
 #define MAXB KUMO_ELASTIC_MAX_BLOCKS
@@ -53,7 +56,7 @@ enum { B_OFF = 0, B_ON = 1, B_LEAVING = 2, B_GONE = 3 };
 struct chunk { u32 gen, busy; }; /* gen 0: never written since plugged (must read zeros) */
 
 static struct {
-    u64 bsp_work, compute, chunk_bytes, report, units, ignore, base_bytes, tag, quiet;
+    u64 bsp_work, compute, chunk_bytes, report, units, ignore, base_bytes, tag, quiet, touch_released;
     u32 n;                 /* vCPUs (at most MAXC) */
     u64 tsc_khz;
 } P;
@@ -327,6 +330,15 @@ static void release_mem(const struct snap *s) {
         if (bit(set, b)) __atomic_store_n(&bstate[b], B_GONE, __ATOMIC_SEQ_CST);
     ack(s->seq, KUMO_ACK_OK, set);
     note("worker: released node=%u blocks=%u seq=%u\n", s->req_node, got, s->seq);
+    if (P.touch_released) { /* a guest breaking its word: kumo must stop it, not serve it memory */
+        u32 b = 0;
+        while (!bit(set, b)) b++;
+        say("worker: touching released block=%u gpa=0x%lx\n", b, block_base[b]);
+        for (u64 i = 0;; i++) {
+            *(volatile u64 *)block_base[b] = i;
+            cpu_relax();
+        }
+    }
 }
 
 static void give_mem(const struct snap *s) {
@@ -408,7 +420,7 @@ static void setup(struct kumo_boot_info *bi) {
         kumo_param_u64(bi, "chunk_kb", &chunk_kb) < 0 || kumo_param_u64(bi, "report", &P.report) < 0 ||
         kumo_param_u64(bi, "units", &P.units) < 0 || kumo_param_u64(bi, "ignore", &P.ignore) < 0 ||
         kumo_param_u64(bi, "base_kb", &base_kb) < 0 || kumo_param_u64(bi, "tag", &P.tag) < 0 ||
-        kumo_param_u64(bi, "quiet", &P.quiet) < 0)
+        kumo_param_u64(bi, "quiet", &P.quiet) < 0 || kumo_param_u64(bi, "touch_released", &P.touch_released) < 0)
         fail("parameters must be numbers");
     if (chunk_kb == 0 || 2048 % chunk_kb)
         fail("chunk_kb must divide 2048 (1, 2, 4, ... 2048)");

@@ -13,10 +13,10 @@ use crate::{paths, ApiError, ApiRequest, ApiResponse};
 use kumo_sandbox::ThreadKind;
 use serde_json::Value;
 use std::collections::HashMap;
-use std::fs::{self, Permissions};
+use std::fs;
 use std::io;
 use std::net::Shutdown;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -128,17 +128,26 @@ impl ApiServer {
     /// Binds `path` and serves the API on it from a background thread until
     /// the returned handle is shut down or dropped.
     pub fn start(path: &Path, handler: Arc<dyn ApiHandler>) -> Result<ApiServerHandle, ServerError> {
-        let bind_err = |source| ServerError::Bind { path: path.to_path_buf(), source };
+        Self::start_allowing(path, handler, None)
+    }
+
+    /// [`ApiServer::start`], accepting only peers whose uid (`SO_PEERCRED`) is in `allow`
+    /// (`--api-allow-uid`; None: whoever can open the socket, which is 0600: its owner and
+    /// root). A refused peer gets 403.
+    pub fn start_allowing(
+        path: &Path,
+        handler: Arc<dyn ApiHandler>,
+        allow: Option<Vec<u32>>,
+    ) -> Result<ApiServerHandle, ServerError> {
+        // The socket drives the VM: only its owner may connect (0600 from the start).
         let listener = bind(path)?;
         let socket_id = socket_id(path);
         let cleanup = |e: ServerError| {
             let _ = fs::remove_file(path);
             e
         };
-        // The socket drives the VM: only its owner may connect.
-        fs::set_permissions(path, Permissions::from_mode(0o600)).map_err(|e| cleanup(bind_err(e)))?;
 
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared { allow, ..Shared::default() });
         let thread = kumo_sandbox::spawn(ThreadKind::Api, "kumo-api", {
             let shared = shared.clone();
             move || accept_loop(listener, &shared, handler)
@@ -149,31 +158,14 @@ impl ApiServer {
     }
 }
 
-/// Binds the socket, replacing a stale socket file (left by a VM that died)
-/// but never a live one or a file that is not a socket.
+/// Binds the socket (`kumo_sandbox::sock::bind_private`: mode 0600 from the start), replacing
+/// a stale socket file (left by a VM that died) but never a live one or a file that is not a
+/// socket.
 fn bind(path: &Path) -> Result<UnixListener, ServerError> {
-    let bind_err = |source| ServerError::Bind { path: path.to_path_buf(), source };
-    match fs::symlink_metadata(path) {
-        Ok(meta) if !meta.file_type().is_socket() => return Err(ServerError::NotASocket(path.into())),
-        Ok(_) => match UnixStream::connect(path) {
-            Ok(_) => return Err(ServerError::InUse(path.into())),
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                debug!(path = %path.display(), "removing stale API socket");
-                match fs::remove_file(path) {
-                    Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(bind_err(e)),
-                    _ => {}
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(bind_err(e)),
-        },
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(bind_err(e)),
-    }
-    UnixListener::bind(path).map_err(|e| match e.kind() {
-        // Lost a race with another server starting on the same path.
+    kumo_sandbox::sock::bind_private(path).map_err(|e| match e.kind() {
         io::ErrorKind::AddrInUse => ServerError::InUse(path.into()),
-        _ => bind_err(e),
+        io::ErrorKind::AlreadyExists => ServerError::NotASocket(path.into()),
+        _ => ServerError::Bind { path: path.to_path_buf(), source: e },
     })
 }
 
@@ -217,6 +209,8 @@ enum Slot {
 struct Shared {
     stop: AtomicBool,
     conns: Mutex<Conns>,
+    /// The uids allowed to connect, if restricted.
+    allow: Option<Vec<u32>>,
 }
 
 impl Shared {
@@ -427,11 +421,20 @@ enum Next {
 }
 
 fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Shared, id: u64) {
+    // A peer whose uid is not allowed (--api-allow-uid) gets its request read and a 403.
+    let refused = kumo_sandbox::sock::check_peer(&stream, shared.allow.as_deref(), "API").err();
+    if let Some(e) = &refused {
+        warn!("API connection refused: {e}");
+    }
     let mut conn = Conn::new(stream);
     while !shared.stopping() {
         let reply = match next_request(&mut conn, shared, id) {
             Next::Close => break,
             Next::Reply(reply) => reply,
+            Next::Call { .. } if refused.is_some() => {
+                let why = refused.as_ref().map(ToString::to_string).unwrap_or_default();
+                Reply::error(ApiError::new(403, why), true)
+            }
             Next::Call { req, keep_alive } => match shared.start_serving(id) {
                 Slot::Granted => match call(handler, req) {
                     // A stream's body ends when the connection closes.
@@ -579,6 +582,7 @@ mod tests {
     use crate::{ApiClient, ClientError, VmInfo, VmState, KUMO_VERSION};
     use serde_json::json;
     use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
     use std::sync::atomic::AtomicUsize;
 
     fn temp_sock() -> PathBuf {
@@ -1111,6 +1115,22 @@ mod tests {
         assert!(matches!(e, ServerError::NotASocket(_)), "{e:?}");
         assert_eq!(fs::read_to_string(&path).unwrap(), "precious");
         fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_peer_whose_uid_is_not_allowed_is_refused() {
+        let me = kumo_sandbox::sock::euid();
+        let path = temp_sock();
+        let vm = Arc::new(FakeVm { state: Mutex::new(VmState::Running), calls: Mutex::default() });
+        let server = ApiServer::start_allowing(&path, vm.clone(), Some(vec![me.wrapping_add(1)])).unwrap();
+        let e = ApiClient::new(&path).info().unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Http { status: 403, message } if message.contains(&format!("uid {me} "))),
+            "{e:?}"
+        );
+        drop(server);
+        let _server = ApiServer::start_allowing(&path, vm, Some(vec![me])).unwrap();
+        assert_eq!(ApiClient::new(&path).info().unwrap().state, VmState::Running);
     }
 
     #[test]

@@ -8,10 +8,7 @@
 //! never skipped.
 
 use kumo_sandbox::ThreadKind;
-use std::fs;
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, Weak};
@@ -49,6 +46,8 @@ impl Write for ConsoleOut {
 /// The console socket: listening until dropped, then its file is removed.
 pub struct ConsoleSocket {
     path: PathBuf,
+    /// The socket we bound there (device, inode).
+    id: Option<(u64, u64)>,
     clients: Clients,
     vm: Arc<Mutex<Option<Weak<RunningVm>>>>,
 }
@@ -60,20 +59,14 @@ impl ConsoleSocket {
     /// [`attach`]: ConsoleSocket::attach
     pub fn bind(path: &Path) -> Result<ConsoleSocket, String> {
         let fail = |e: io::Error| format!("cannot serve the console on {}: {e}", path.display());
-        match fs::symlink_metadata(path) {
-            Ok(m) if !m.file_type().is_socket() => {
-                return Err(format!("{} exists and is not a socket; refusing to replace it", path.display()))
-            }
-            Ok(_) if UnixStream::connect(path).is_ok() => {
-                return Err(format!("{} is in use by another console", path.display()))
-            }
-            Ok(_) => fs::remove_file(path).map_err(fail)?,
-            Err(_) => {}
-        }
-        let listener = UnixListener::bind(path).map_err(fail)?;
-        // The console drives the guest: only its owner may connect.
-        fs::set_permissions(path, fs::Permissions::from_mode(0o600)).map_err(fail)?;
-        let socket = ConsoleSocket { path: path.to_path_buf(), clients: Clients::default(), vm: Arc::default() };
+        // The console drives the guest: only its owner may connect (0600 from the start).
+        let listener = kumo_sandbox::sock::bind_private(path).map_err(|e| match e.kind() {
+            io::ErrorKind::AddrInUse => format!("{} is in use by another console", path.display()),
+            io::ErrorKind::AlreadyExists => e.to_string(),
+            _ => fail(e),
+        })?;
+        let id = kumo_sandbox::sock::socket_id(path);
+        let socket = ConsoleSocket { path: path.to_path_buf(), id, clients: Clients::default(), vm: Arc::default() };
         let (clients, vm) = (socket.clients.clone(), socket.vm.clone());
         kumo_sandbox::spawn(ThreadKind::Console, "console-accept", move || {
             for conn in listener.incoming() {
@@ -119,7 +112,8 @@ impl ConsoleSocket {
 
 impl Drop for ConsoleSocket {
     fn drop(&mut self) {
-        let _ = fs::remove_file(&self.path);
+        // Only our own socket: one that replaced it meanwhile stays.
+        kumo_sandbox::sock::remove_socket(&self.path, self.id);
     }
 }
 

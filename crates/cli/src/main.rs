@@ -43,6 +43,10 @@ struct Cli {
     /// `receive-migration`), used by info/pause/resume/shutdown/ping/migrate/snapshot/....
     #[arg(long, global = true, value_name = "PATH")]
     api_socket: Option<PathBuf>,
+    /// Serve the API (of `run` or `net-backend`) only to these uids (SO_PEERCRED), besides the
+    /// socket's 0600 mode; a refused client gets 403.
+    #[arg(long, global = true, value_name = "UID[,UID...]", value_parser = parse_allow_uids)]
+    api_allow_uid: Option<AllowUids>,
     /// More log output: -v info, -vv debug (overrides KUMO_LOG).
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -51,6 +55,14 @@ struct Cli {
     log_file: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// `--api-allow-uid UID[,UID...]`.
+#[derive(Debug, Clone)]
+struct AllowUids(Vec<u32>);
+
+fn parse_allow_uids(s: &str) -> Result<AllowUids, String> {
+    kumo_sandbox::sock::parse_uids(s).map(AllowUids)
 }
 
 #[derive(Subcommand)]
@@ -407,7 +419,7 @@ fn host_resources(a: &RunArgs) -> Result<kumo_vmm::host_resources::HostResources
     kumo_vmm::host_resources::HostResources::parse(&a.net, &a.numa).map_err(|e| e.to_string())
 }
 
-fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
+fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Result<i32, String> {
     if let Some(m) = &a.event_monitor {
         kumo_vmm::event_monitor::init(m)?;
     }
@@ -427,7 +439,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
                 .ok()
         });
         match &api_socket {
-            Some(p) => ApiServer::start(p, kumo_vmm::api::VmApi::new(vm))
+            Some(p) => ApiServer::start_allowing(p, kumo_vmm::api::VmApi::new(vm), allow.clone())
                 .map(|s| {
                     vm.set_api_name(p);
                     Some(s)
@@ -450,7 +462,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
             let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, host_resources(&a)?)?;
             let api = kumo_vmm::api::VmApi::incoming(&inc);
             let server = match &api_socket {
-                Some(p) => Some(ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?),
+                Some(p) => Some(ApiServer::start_allowing(p, api.clone(), allow.clone()).map_err(|e| e.to_string())?),
                 None => None,
             };
             let vm = Arc::new(migrate::incoming(&inc, serial())?);
@@ -473,7 +485,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
             // An empty VMM: its API says what it becomes (vm.restore, vm.receive-migration).
             (None, Some(p)) => {
                 let api = kumo_vmm::api::VmApi::empty(|line| note!("kumo: {line}"), serial.clone());
-                let server = ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?;
+                let server = ApiServer::start_allowing(p, api.clone(), allow.clone()).map_err(|e| e.to_string())?;
                 note!("kumo: no VM yet: waiting for vm.restore or vm.receive-migration on {}", p.display());
                 let vm = api.wait_vm()?;
                 signals.watch(&vm);
@@ -545,8 +557,9 @@ fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
                 Some(None) => return, // the VM has ended: `run` is returning anyway
                 None => {
                     note!("kumo: {name}: no VM yet; exiting");
+                    // Only sockets: whatever else is at a path was never ours.
                     for p in &sockets {
-                        let _ = std::fs::remove_file(p);
+                        kumo_sandbox::sock::remove_socket(p, kumo_sandbox::sock::socket_id(p));
                     }
                     std::process::exit(128 + sig);
                 }
@@ -720,20 +733,25 @@ fn main() -> ExitCode {
         Cmd::Bench { .. } if cli.api_socket.is_some() => Some(("--api-socket", "bench")),
         Cmd::Bench { .. } if cli.verbose > 0 => Some(("-v", "bench")),
         Cmd::Bench { .. } if cli.log_file.is_some() => Some(("--log-file", "bench")),
+        Cmd::Run(_) | Cmd::NetBackend(_) => None,
+        _ if cli.api_allow_uid.is_some() => {
+            Some(("--api-allow-uid", "a client command (it applies to run and net-backend)"))
+        }
         _ => None,
     };
     if let Some((flag, cmd)) = not_applying {
         note!("kumo: error: {flag} does not apply to `kumo {cmd}`");
         return ExitCode::from(2);
     }
+    let allow = cli.api_allow_uid.map(|a| a.0);
     let r = match cli.cmd {
-        Cmd::Run(a) => run(*a, cli.api_socket),
+        Cmd::Run(a) => run(*a, cli.api_socket, allow),
         Cmd::Guests { json } => guests(json),
         Cmd::Bench { args } => bench(args),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
         Cmd::Lend(l) => lend::run(l, false),
         Cmd::Return(l) => lend::run(l, true),
-        Cmd::NetBackend(a) => kumo_net_backend::cli::run(a, cli.api_socket),
+        Cmd::NetBackend(a) => kumo_net_backend::cli::run(a, cli.api_socket, allow),
         ref c @ (Cmd::Info
         | Cmd::Pause
         | Cmd::Resume

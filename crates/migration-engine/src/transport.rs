@@ -203,7 +203,8 @@ impl Write for Conn {
 /// A bound listener for incoming migrations.
 pub enum Listener {
     Tcp(TcpListener),
-    Unix(UnixListener, PathBuf),
+    /// The listener, its path and the (device, inode) of the socket bound there.
+    Unix(UnixListener, PathBuf, Option<(u64, u64)>),
 }
 
 impl Listener {
@@ -230,10 +231,9 @@ impl Listener {
                 Listener::Tcp(l)
             }
             Address::Unix(p) => {
-                if p.exists() && UnixStream::connect(p).is_err() {
-                    std::fs::remove_file(p)?; // stale socket
-                }
-                Listener::Unix(UnixListener::bind(p)?, p.clone())
+                // 0600 before it is reachable; only a stale socket is replaced.
+                let l = kumo_sandbox::sock::bind_private(p)?;
+                Listener::Unix(l, p.clone(), kumo_sandbox::sock::socket_id(p))
             }
         })
     }
@@ -241,14 +241,14 @@ impl Listener {
     pub fn local_addr(&self) -> Address {
         match self {
             Listener::Tcp(l) => Address::Tcp(l.local_addr().map(|a| a.to_string()).unwrap_or_default()),
-            Listener::Unix(_, p) => Address::Unix(p.clone()),
+            Listener::Unix(_, p, _) => Address::Unix(p.clone()),
         }
     }
 
     pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
         match self {
             Listener::Tcp(l) => l.set_nonblocking(on),
-            Listener::Unix(l, _) => l.set_nonblocking(on),
+            Listener::Unix(l, ..) => l.set_nonblocking(on),
         }
     }
 
@@ -259,7 +259,12 @@ impl Listener {
                 s.set_nodelay(true)?;
                 Conn::Tcp(s)
             }
-            Listener::Unix(l, _) => Conn::Unix(l.accept()?.0),
+            Listener::Unix(l, ..) => {
+                let s = l.accept()?.0;
+                // The peer gets this VM's memory (or hands it one): this user or root only.
+                kumo_sandbox::sock::check_peer(&s, Some(&[kumo_sandbox::sock::euid(), 0]), "unix migration")?;
+                Conn::Unix(s)
+            }
         };
         Ok(c)
     }
@@ -267,8 +272,8 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, p) = self {
-            let _ = std::fs::remove_file(p);
+        if let Listener::Unix(_, p, id) = self {
+            kumo_sandbox::sock::remove_socket(p, *id);
         }
     }
 }
@@ -501,6 +506,29 @@ mod tests {
         c.send_fd(std::os::fd::AsFd::as_fd(&f)).unwrap();
         f.flush().unwrap();
         assert_eq!(t.join().unwrap(), "shared memory");
+    }
+
+    #[test]
+    fn a_unix_listener_is_private_and_never_replaces_a_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("kumo-unix-listen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let file = d.join("precious");
+        std::fs::write(&file, b"data").unwrap();
+        let e = Listener::bind(&Address::Unix(file.clone())).err().unwrap().to_string();
+        assert!(e.contains("is not a socket; refusing to replace it"), "{e}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"data");
+        let p = d.join("m.sock");
+        let l = Listener::bind(&Address::Unix(p.clone())).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        // A peer of this uid is accepted.
+        let c = UnixStream::connect(&p).unwrap();
+        assert!(l.accept().is_ok());
+        drop(c);
+        drop(l);
+        assert!(!p.exists(), "its own socket is removed");
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     fn tempfile_with(b: &[u8]) -> std::fs::File {

@@ -60,19 +60,26 @@ pub fn route(nic: &Nic, method: &str, path: &str, body: &[u8]) -> Response {
     }
 }
 
-pub fn serve(nic: Arc<Nic>, listener: UnixListener) -> io::Result<()> {
+/// Serves the API on `listener`, to peers whose uid is in `allow` if given (`--api-allow-uid`;
+/// a refused peer gets 403).
+pub fn serve(nic: Arc<Nic>, listener: UnixListener, allow: Option<Vec<u32>>) -> io::Result<()> {
     loop {
         let (s, _) = listener.accept()?;
+        // A peer that is not allowed gets its request read and a 403.
+        let refused = kumo_sandbox::sock::check_peer(&s, allow.as_deref(), "net-backend API").err();
+        if let Some(e) = &refused {
+            tracing::warn!("{e}");
+        }
         let nic = nic.clone();
         kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-api", move || {
-            if let Err(e) = handle(&nic, s) {
+            if let Err(e) = handle(&nic, s, refused) {
                 tracing::debug!("api: {e}");
             }
         })?;
     }
 }
 
-fn handle(nic: &Nic, mut s: UnixStream) -> io::Result<()> {
+fn handle(nic: &Nic, mut s: UnixStream, refused: Option<io::Error>) -> io::Result<()> {
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let (head, mut body) = read_head(&mut s)?;
     let mut headers = [httparse::EMPTY_HEADER; 32];
@@ -97,14 +104,22 @@ fn handle(nic: &Nic, mut s: UnixStream) -> io::Result<()> {
                     body.extend_from_slice(&chunk[..n]);
                 }
                 body.truncate(len);
-                route(nic, req.method.unwrap_or(""), req.path.unwrap_or(""), &body)
+                match &refused {
+                    Some(e) => error(403, &e.to_string()),
+                    None => route(nic, req.method.unwrap_or(""), req.path.unwrap_or(""), &body),
+                }
             }
         }
         _ => error(400, "bad HTTP request"),
     };
+    write_response(&mut s, &resp)
+}
+
+fn write_response(s: &mut UnixStream, resp: &Response) -> io::Result<()> {
     let reason = match resp.status {
         200 => "OK",
         400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         409 => "Conflict",
@@ -203,13 +218,22 @@ mod tests {
         let _ = std::fs::create_dir_all(&dir);
         let path = dir.join("api.sock");
         let _ = std::fs::remove_file(&path);
-        let l = UnixListener::bind(&path).unwrap();
+        let l = kumo_sandbox::sock::bind_private(&path).unwrap();
         let n = Arc::new(nic());
-        std::thread::spawn(move || serve(n, l));
+        let me = kumo_sandbox::sock::euid();
+        std::thread::spawn(move || serve(n, l, Some(vec![me])));
         let (status, body) = request(&path, "GET", "/api/v1/backend.info", None).unwrap();
         assert_eq!(status, 200, "{body}");
         let (status, _) = request(&path, "PUT", "/api/v1/backend.handover", Some(r#"{"to": 1}"#)).unwrap();
         assert_eq!(status, 409);
+        // A uid that is not in the list is refused.
+        let other = dir.join("other.sock");
+        let l = kumo_sandbox::sock::bind_private(&other).unwrap();
+        let n = Arc::new(nic());
+        std::thread::spawn(move || serve(n, l, Some(vec![me.wrapping_add(1)])));
+        let (status, body) = request(&other, "GET", "/api/v1/backend.info", None).unwrap();
+        assert_eq!(status, 403, "{body}");
+        assert!(body.contains(&format!("uid {me} ")), "{body}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -47,7 +47,8 @@ pub enum Cmd {
 pub const DEFAULT_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
 
 /// Runs `kumo net-backend`; `api_socket` is kumo's global --api-socket.
-pub fn run(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
+/// `allow`: `--api-allow-uid`, the uids the API serves.
+pub fn run(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Result<i32, String> {
     match a.cmd {
         Some(Cmd::Handover { to, wait_ms }) => {
             let sock = api_socket.ok_or("handover needs --api-socket PATH (the backend's API socket)")?;
@@ -58,7 +59,7 @@ pub fn run(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
             let sock = api_socket.ok_or("info needs --api-socket PATH (the backend's API socket)")?;
             client(&sock, "GET", "/api/v1/backend.info", None)
         }
-        None => serve(a, api_socket),
+        None => serve(a, api_socket, allow),
     }
 }
 
@@ -75,7 +76,7 @@ fn client(sock: &Path, method: &str, path: &str, body: Option<&str>) -> Result<i
     Err(msg)
 }
 
-fn serve(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
+fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Result<i32, String> {
     let tap_name = a.tap.ok_or("net-backend needs --tap NAME")?;
     let socket = a.socket.ok_or("net-backend needs --socket PATH")?;
     let mac = match &a.mac {
@@ -87,13 +88,14 @@ fn serve(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
     let tap = if exists { Tap::attach(&tap_name, 1) } else { Tap::open(&tap_name, 1) }.map_err(|e| e.to_string())?;
     let nic = Arc::new(Nic::new(Box::new(tap), &tap_name, mac, !a.manual));
     let listener = Server::bind(&socket).map_err(|e| format!("{}: {e}", socket.display()))?;
-    let mut cleanup = vec![socket.clone()];
+    let ours = |p: &PathBuf| (p.clone(), kumo_sandbox::sock::socket_id(p));
+    let mut cleanup = vec![ours(&socket)];
     if let Some(p) = &api_socket {
         let l = Server::bind(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        cleanup.push(p.clone());
+        cleanup.push(ours(p));
         let n = nic.clone();
         kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-api", move || {
-            if let Err(e) = api::serve(n, l) {
+            if let Err(e) = api::serve(n, l, allow) {
                 tracing::error!("api: {e}");
             }
         })
@@ -114,8 +116,9 @@ fn serve(a: Args, api_socket: Option<PathBuf>) -> Result<i32, String> {
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(|e| format!("signals: {e}"))?;
     let _ = signals.forever().next();
-    for p in cleanup {
-        let _ = std::fs::remove_file(p);
+    // Only our own sockets: one replaced by someone else meanwhile stays.
+    for (p, id) in cleanup {
+        kumo_sandbox::sock::remove_socket(&p, id);
     }
     Ok(0)
 }

@@ -11,8 +11,7 @@
 use kumo_sandbox::ThreadKind;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -59,16 +58,10 @@ impl Server {
         Arc::new(Server { nic, next_id: AtomicU32::new(1) })
     }
 
+    /// Binds the vhost-user socket: private (0600 from the start), replacing only a stale
+    /// socket (`kumo_sandbox::sock::bind_private`).
     pub fn bind(path: &Path) -> io::Result<UnixListener> {
-        if path.exists() {
-            // A stale socket of an earlier run; a live one would still refuse to be replaced
-            // by the connect test below.
-            if UnixStream::connect(path).is_ok() {
-                return Err(io::Error::new(io::ErrorKind::AddrInUse, format!("{} is in use", path.display())));
-            }
-            let _ = std::fs::remove_file(path);
-        }
-        UnixListener::bind(path)
+        kumo_sandbox::sock::bind_private(path)
     }
 
     pub fn serve(self: &Arc<Self>, listener: UnixListener) -> io::Result<()> {
@@ -95,15 +88,15 @@ impl Server {
         if let Some(h) = daemon.get_epoll_handlers().first() {
             client.set_listen(h.clone());
         }
-        // The daemon accepts on a private abstract socket that only the relay connects to.
-        // Unique per process (several servers may run in one, e.g. in tests).
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        let name = format!("kumo-net-backend-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
-        let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
-        let mut listener = Listener::from(UnixListener::bind_addr(&addr)?);
-        let back = UnixStream::connect_addr(&addr)?;
+        // The daemon accepts on a socket in a 0700 directory of its own that only the relay
+        // connects to: an abstract socket could be reached first by any process in the
+        // network namespace.
+        let private = kumo_sandbox::sock::PrivateSocket::new(&std::env::temp_dir())?;
+        let back = UnixStream::connect(private.path())?;
+        let mut listener = Listener::from(private.listener.try_clone()?);
         daemon.start(&mut listener).map_err(|e| io::Error::other(format!("client {id}: {e}")))?;
         drop(listener);
+        drop(private);
         self.nic.add_client(client.clone());
         tracing::info!("client {id} connected (pid {pid:?})");
 

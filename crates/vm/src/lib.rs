@@ -67,6 +67,14 @@ pub enum Error {
     InternalError { cpu: u32, suberror: u32, rip: u64 },
     #[error("vCPU {cpu}: KVM failed to enter the guest (hardware reason {reason:#x})")]
     FailEntry { cpu: u32, reason: u64 },
+    #[error("vCPU {cpu} touched guest-physical address {gpa:#x} in {what}: the guest used memory it no longer has")]
+    FencedAccess { cpu: u32, gpa: u64, what: String },
+    #[error(
+        "vCPU {cpu}: KVM could not fault in guest-physical address {gpa:#x} (KVM_EXIT_MEMORY_FAULT, flags {flags:#x})"
+    )]
+    MemoryFault { cpu: u32, gpa: u64, flags: u64 },
+    #[error("vCPU {cpu}: KVM could not reach the guest memory the instruction at RIP {rip:#x} accessed (EFAULT); the guest may have touched memory it no longer has (a released elastic block)")]
+    UnreachableMemory { cpu: u32, rip: u64 },
     #[error("vCPU {cpu}: unexpected exit {exit}")]
     UnexpectedExit { cpu: u32, exit: String },
     #[error("state restore: {0}")]

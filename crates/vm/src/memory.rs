@@ -1,8 +1,10 @@
 //! Guest RAM: one memfd (so it can later be shared with another process, e.g. for local
 //! migration) mapped once per RAM region.
 
+use std::collections::BTreeMap;
 use std::fs::File;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::{Arc, RwLock};
 
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
@@ -22,6 +24,8 @@ pub struct Memory {
     pub size: u64,
     /// The map the regions of `guest` follow.
     pub layout: MemoryLayout,
+    /// Ranges taken out of the guest's reach (released elastic blocks).
+    pub fences: Arc<Fences>,
 }
 
 /// Smallest VM kumo builds: room for the boot structures below 1 MiB and a small guest above.
@@ -121,13 +125,19 @@ impl Memory {
     fn create(size: u64) -> Result<File> {
         check_size(size, &HostMemory::read()?)?;
         // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"kumo-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(c"kumo-guest-ram".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(Error::Memory(format!("memfd_create: {}", std::io::Error::last_os_error())));
         }
         // SAFETY: fd is a fresh descriptor we own.
         let memfd = unsafe { File::from_raw_fd(fd) };
         memfd.set_len(size).map_err(|e| Error::Memory(format!("cannot size guest RAM to {size} bytes: {e}")))?;
+        // Its size is fixed for good: a process it is shared with (local migration) can rely on
+        // it never shrinking under its mappings ([`check_sealed`]).
+        // SAFETY: fcntl(F_ADD_SEALS) on a descriptor we own; checked.
+        if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS) } < 0 {
+            return Err(Error::Memory(format!("cannot seal guest RAM: {}", std::io::Error::last_os_error())));
+        }
         Ok(memfd)
     }
 
@@ -142,9 +152,11 @@ impl Memory {
     }
 
     /// Guest RAM backed by an existing memory file of exactly `size` bytes, e.g. the memfd of a
-    /// VM migrating on the same host: both processes then share the same pages.
+    /// VM migrating on the same host: both processes then share the same pages. It must be a
+    /// memfd sealed against resizing ([`check_sealed`]).
     pub fn from_file(memfd: File, size: u64) -> Result<Self> {
         check_size(size, &HostMemory::read()?)?;
+        check_sealed(&memfd)?;
         let len = memfd.metadata().map_err(|e| Error::Memory(format!("memory file: {e}")))?.len();
         if len != size {
             return Err(Error::Memory(format!("memory file holds {len} bytes, the VM needs {size}")));
@@ -196,8 +208,31 @@ impl Memory {
             offset += len;
         }
         let guest = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
-        Ok(Memory { guest, memfd, size, layout })
+        Ok(Memory { guest, memfd, size, layout, fences: Arc::default() })
     }
+}
+
+/// The seals guest RAM carries: its size never changes.
+const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
+/// Checks that `f` is a memfd sealed against shrinking and growing. A memory file handed over
+/// by another process (local migration) that it could still shrink would turn kumo's accesses
+/// past the new end into SIGBUS: such a file is refused.
+pub fn check_sealed(f: &File) -> Result<()> {
+    // SAFETY: fcntl(F_GET_SEALS) on a descriptor we hold; checked.
+    let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(Error::Memory(format!(
+            "the memory file is not a memfd ({}): refusing it (only a sealed memfd is mapped)",
+            std::io::Error::last_os_error()
+        )));
+    }
+    if seals & SIZE_SEALS != SIZE_SEALS {
+        return Err(Error::Memory(
+            "the memory memfd is not sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW): refusing it".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// `len` bytes of private anonymous memory, asking for transparent huge pages (Linux places
@@ -232,6 +267,77 @@ pub fn discard(mem: &GuestMemory, gpa: u64, len: u64, anonymous: bool) -> Result
     let r = unsafe { libc::madvise(host as *mut libc::c_void, len as usize, advice) };
     if r != 0 {
         return Err(Error::Memory(format!("discard {gpa:#x}+{len:#x}: {}", std::io::Error::last_os_error())));
+    }
+    Ok(())
+}
+
+/// Guest-physical ranges kumo has taken out of the guest's reach, each with what it is (for the
+/// error a guest touching one gets).
+///
+/// A fenced range is mapped `PROT_NONE` in kumo, so KVM cannot fault its pages into the guest:
+/// a guest access ends KVM_RUN with EFAULT and a `KVM_EXIT_MEMORY_FAULT` naming the address
+/// (`KVM_CAP_MEMORY_FAULT_INFO`), or, for an access KVM emulates, with an MMIO exit at it. Both
+/// are reported by the vCPU as [`crate::Error::FencedAccess`]. This was chosen over removing the
+/// range from its KVM memory slot: a slot change zaps every shadow page of the VM on a host
+/// without TDP (this nested one) and costs two SRCU grace periods, where `mprotect` only zaps
+/// the range's own mappings through the MMU notifier. kumo itself must not touch a fenced range
+/// either (it would take SIGSEGV): nothing of kumo's lives in one, and elastic VMs have no
+/// devices that write guest memory at the guest's request.
+#[derive(Debug, Default)]
+pub struct Fences {
+    /// Start GPA -> (length, what it is).
+    ranges: RwLock<BTreeMap<u64, (u64, String)>>,
+}
+
+impl Fences {
+    fn ranges(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<u64, (u64, String)>> {
+        self.ranges.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn ranges_mut(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<u64, (u64, String)>> {
+        self.ranges.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `[gpa, gpa + len)` (whole pages inside one region) out of the guest's reach;
+    /// `what` names it in the error of a guest that touches it. Booked before the mapping
+    /// changes, so a fault on it always finds its name.
+    pub fn fence(&self, mem: &GuestMemory, gpa: u64, len: u64, what: &str) -> Result<()> {
+        self.ranges_mut().insert(gpa, (len, what.to_string()));
+        protect(mem, gpa, len, libc::PROT_NONE).inspect_err(|_| {
+            self.ranges_mut().remove(&gpa);
+        })
+    }
+
+    /// Gives `[gpa, gpa + len)`, fenced before, back to the guest.
+    pub fn unfence(&self, mem: &GuestMemory, gpa: u64, len: u64) -> Result<()> {
+        protect(mem, gpa, len, libc::PROT_READ | libc::PROT_WRITE)?;
+        self.ranges_mut().remove(&gpa);
+        Ok(())
+    }
+
+    /// What the fenced range holding `gpa` is, if one does.
+    pub fn find(&self, gpa: u64) -> Option<String> {
+        let r = self.ranges();
+        let (start, (len, what)) = r.range(..=gpa).next_back()?;
+        (gpa - start < *len).then(|| what.clone())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges().is_empty()
+    }
+}
+
+/// `mprotect` of guest memory `[gpa, gpa + len)` (whole pages inside one region).
+fn protect(mem: &GuestMemory, gpa: u64, len: u64, prot: libc::c_int) -> Result<()> {
+    if !gpa.is_multiple_of(4096) || !len.is_multiple_of(4096) || len == 0 {
+        return Err(Error::Memory(format!("protect {gpa:#x}+{len:#x}: not whole 4 KiB pages")));
+    }
+    let host = host_run(mem, gpa, len, "protect")?;
+    // SAFETY: the range lies within one live mapping of guest memory (checked by host_run).
+    // Only its access rights change; kumo keeps no references into fenced ranges (see Fences).
+    let r = unsafe { libc::mprotect(host as *mut libc::c_void, len as usize, prot) };
+    if r != 0 {
+        return Err(Error::Memory(format!("mprotect {gpa:#x}+{len:#x}: {}", std::io::Error::last_os_error())));
     }
     Ok(())
 }
@@ -466,6 +572,24 @@ mod tests {
     }
 
     #[test]
+    fn only_a_memfd_sealed_against_resizing_is_taken() {
+        let m = Memory::new(16 << 20).unwrap();
+        check_sealed(&m.memfd).unwrap();
+        assert!(m.memfd.set_len(8 << 20).is_err(), "sealed: it cannot shrink");
+        // An unsealed memfd of the right size, and a plain file, are refused.
+        // SAFETY: memfd_create with a NUL-terminated name; checked below.
+        let fd = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor we own.
+        let unsealed = unsafe { File::from_raw_fd(fd) };
+        unsealed.set_len(16 << 20).unwrap();
+        let e = Memory::from_file(unsealed, 16 << 20).err().unwrap().to_string();
+        assert!(e.contains("not sealed against resizing"), "{e}");
+        let plain = std::fs::File::open("/proc/self/exe").unwrap();
+        assert!(check_sealed(&plain).unwrap_err().to_string().contains("not a memfd"));
+    }
+
+    #[test]
     fn populate_faults_in_a_run_and_rejects_runs_across_regions() {
         let m = Memory::new(16 << 20).unwrap();
         populate(&m.guest, 0x10_0000, 0x40_0000).unwrap();
@@ -530,6 +654,26 @@ mod tests {
         assert_eq!(m.guest.num_regions(), 2);
         assert!(m.guest.address_in_range(GuestAddress(0x1_0000_0000)));
         assert!(!m.guest.address_in_range(GuestAddress(0xc000_0000)));
+    }
+
+    #[test]
+    fn fenced_ranges_are_named_and_come_back_as_zeros() {
+        let m = Memory::with_anonymous(32 << 20, &[(16 << 20, 4 << 20)]).unwrap();
+        m.guest.write_obj(7u64, GuestAddress(17 << 20)).unwrap();
+        m.fences.fence(&m.guest, 16 << 20, 2 << 20, "block 0").unwrap();
+        m.fences.fence(&m.guest, 18 << 20, 2 << 20, "block 1").unwrap();
+        assert_eq!(m.fences.find(17 << 20).as_deref(), Some("block 0"));
+        assert_eq!(m.fences.find((20 << 20) - 1).as_deref(), Some("block 1"));
+        assert_eq!(m.fences.find(20 << 20), None);
+        assert_eq!(m.fences.find((16 << 20) - 1), None);
+        discard(&m.guest, 16 << 20, 2 << 20, true).unwrap();
+        m.fences.unfence(&m.guest, 16 << 20, 2 << 20).unwrap();
+        assert_eq!(m.fences.find(17 << 20), None);
+        assert_eq!(m.guest.read_obj::<u64>(GuestAddress(17 << 20)).unwrap(), 0, "zeros again");
+        m.fences.unfence(&m.guest, 18 << 20, 2 << 20).unwrap();
+        assert!(m.fences.is_empty());
+        assert!(m.fences.fence(&m.guest, 31 << 20, 4 << 20, "x").is_err(), "past the end");
+        assert!(m.fences.is_empty(), "a failed fence is not booked");
     }
 
     #[test]

@@ -99,6 +99,8 @@ pub struct Vcpu {
     /// Emulation assists performed so far (see `crate::emulate`).
     assists: AssistCounts,
     exits: Arc<ExitCounters>,
+    /// Guest memory taken out of the guest's reach: an access to it stops the VM.
+    fences: Arc<crate::memory::Fences>,
 }
 
 impl Drop for Vcpu {
@@ -116,11 +118,69 @@ impl Vcpu {
         id: u32,
         fd: VcpuFd,
         mem: crate::GuestMemory,
+        fences: Arc<crate::memory::Fences>,
         msr_list: Arc<Vec<u32>>,
         uapic: Option<Arc<UserApics>>,
     ) -> Self {
         let has_lapic = uapic.is_none();
-        Vcpu { id, fd, mem, msr_list, has_lapic, uapic, assists: AssistCounts::default(), exits: Default::default() }
+        let (assists, exits) = (AssistCounts::default(), Default::default());
+        Vcpu { id, fd, mem, msr_list, has_lapic, uapic, assists, exits, fences }
+    }
+
+    /// An access to guest-physical `gpa` that KVM could not serve from guest memory: an error
+    /// naming the fenced range it hit, if it hit one.
+    fn fenced(fences: &crate::memory::Fences, cpu: u32, gpa: u64) -> Result<()> {
+        match fences.find(gpa) {
+            Some(what) => Err(Error::FencedAccess { cpu, gpa, what }),
+            None => Ok(()),
+        }
+    }
+
+    /// KVM_RUN failed with EFAULT: KVM could not map guest memory the guest accessed. With
+    /// `KVM_CAP_MEMORY_FAULT_INFO` KVM says where; this host's nested KVM has the capability
+    /// but does not fill the exit in, so the faulting access is also found from the
+    /// instruction at RIP ([`Vcpu::fenced_access`]).
+    fn memory_fault(&mut self, e: vmm_sys_util::errno::Error) -> Result<VcpuRun> {
+        let run = self.fd.get_kvm_run();
+        if run.exit_reason == kvm_bindings::KVM_EXIT_MEMORY_FAULT {
+            // SAFETY: KVM filled the `memory_fault` member of the kvm_run union: exit_reason
+            // says so.
+            let f = unsafe { run.__bindgen_anon_1.memory_fault };
+            Self::fenced(&self.fences, self.id, f.gpa)?;
+            return Err(Error::MemoryFault { cpu: self.id, gpa: f.gpa, flags: f.flags });
+        }
+        if self.fences.is_empty() {
+            return Err(Error::Kvm("KVM_RUN", e));
+        }
+        if let Some(gpa) = self.fenced_access() {
+            Self::fenced(&self.fences, self.id, gpa)?;
+        }
+        let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+        Err(Error::UnreachableMemory { cpu: self.id, rip })
+    }
+
+    /// The fenced guest-physical address the instruction at RIP accessed, if it is one kumo
+    /// can tell: its fetch, or the memory operand of a common instruction.
+    fn fenced_access(&self) -> Option<u64> {
+        let regs = self.fd.get_regs().ok()?;
+        let sregs = self.fd.get_sregs().ok()?;
+        let m = VcpuMem { fd: &self.fd, mem: &self.mem, fences: &self.fences };
+        let hit = |gva: u64| m.translate(gva, false).filter(|&gpa| self.fences.find(gpa).is_some());
+        if let Some(gpa) = hit(regs.rip).or_else(|| hit(regs.rip.wrapping_add(14))) {
+            return Some(gpa);
+        }
+        let mut bytes = [0u8; 15];
+        let n = m.read_prefix(regs.rip, &mut bytes);
+        if sregs.cs.l != 1 {
+            return None;
+        }
+        let gpr = assist::gprs(&regs);
+        match insn::memory_access(&bytes[..n])? {
+            insn::Access::Operand { mem, len } => {
+                hit(mem.address(&gpr, regs.rip.wrapping_add(len as u64), sregs.fs.base, sregs.gs.base))
+            }
+            insn::Access::Regs(rs) => rs.iter().find_map(|&r| hit(gpr[r as usize])),
+        }
     }
 
     /// The VM's user APICs (`--irqchip user`), if it has them.
@@ -372,6 +432,10 @@ impl Vcpu {
                 }
                 Ok(VcpuRun::Continue)
             }
+            // An access KVM emulated (guest ring 0 here) reaches a fenced range as MMIO.
+            Ok(VcpuExit::MmioRead(addr, _) | VcpuExit::MmioWrite(addr, _)) if self.fences.find(addr).is_some() => {
+                Self::fenced(&self.fences, id, addr).map(|_| VcpuRun::Continue)
+            }
             Ok(VcpuExit::MmioRead(addr, data)) => {
                 match (Self::apic_page(uapic, id, addr), uapic) {
                     (Some((mut s, off)), _) => s.lapic.read_mmio(off, data),
@@ -435,6 +499,7 @@ impl Vcpu {
             Err(e) if e.errno() == libc::EINTR => Ok(VcpuRun::Interrupted),
             // An AP whose INIT/SIPI has not completed yet (seen on nested KVM): just retry.
             Err(e) if e.errno() == libc::EAGAIN => Ok(VcpuRun::Continue),
+            Err(e) if e.errno() == libc::EFAULT => self.memory_fault(e),
             Err(e) => Err(Error::Kvm("KVM_RUN", e)),
         }
     }
@@ -452,7 +517,7 @@ impl Vcpu {
             return Err(Error::InternalError { cpu: self.id, suberror, rip });
         }
         let mut bytes = [0u8; 15];
-        let n = VcpuMem { fd: &self.fd, mem: &self.mem }.read_prefix(rip, &mut bytes);
+        let n = VcpuMem { fd: &self.fd, mem: &self.mem, fences: &self.fences }.read_prefix(rip, &mut bytes);
         let bytes = &bytes[..n];
         if let Some(kind) = self.assist(bytes, &mut regs)? {
             self.assists.add(kind);
@@ -482,7 +547,7 @@ impl Vcpu {
         let Some((insn, len)) = assist::decode(bytes, sregs.cs.l == 1) else {
             return Ok(None);
         };
-        let mut cpu = VcpuMem { fd: &self.fd, mem: &self.mem };
+        let mut cpu = VcpuMem { fd: &self.fd, mem: &self.mem, fences: &self.fences };
         let Some(done) = assist::execute(&mut cpu, insn, len, regs, &sregs)? else {
             return Ok(None);
         };
@@ -582,6 +647,8 @@ impl Vcpu {
 struct VcpuMem<'a> {
     fd: &'a VcpuFd,
     mem: &'a crate::GuestMemory,
+    /// Never read or written: fenced memory is mapped PROT_NONE in kumo too.
+    fences: &'a crate::memory::Fences,
 }
 
 impl VcpuMem<'_> {
@@ -605,7 +672,7 @@ impl VcpuMem<'_> {
             let va = gva.wrapping_add(done as u64);
             let n = ((0x1000 - (va & 0xfff)) as usize).min(len - done);
             match self.translate(va, write) {
-                Some(gpa) if f(gpa, done..done + n) => done += n,
+                Some(gpa) if self.fences.find(gpa).is_none() && f(gpa, done..done + n) => done += n,
                 _ => break,
             }
         }

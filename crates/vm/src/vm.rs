@@ -208,7 +208,8 @@ impl Vm {
 
     pub fn create_vcpu(&self, id: u32) -> Result<Vcpu> {
         let fd = self.fd.create_vcpu(id as u64).map_err(|e| Error::Kvm("KVM_CREATE_VCPU", e))?;
-        Ok(Vcpu::new(id, fd, self.memory.guest.clone(), self.msr_list.clone(), self.uapic.clone()))
+        let fences = self.memory.fences.clone();
+        Ok(Vcpu::new(id, fd, self.memory.guest.clone(), fences, self.msr_list.clone(), self.uapic.clone()))
     }
 
     /// VM-wide state. vCPUs must be paused.

@@ -377,6 +377,11 @@ impl VmConfig {
         if self.pins.iter().any(Option::is_some) || self.numa.as_ref().is_some_and(|n| n.pins_vcpus()) {
             return bad("pins the vCPUs itself (cpus=); drop --cpus …,pin= and --numa …,pin=");
         }
+        // A released block is fenced off (PROT_NONE): a device writing guest memory where the
+        // guest tells it could be pointed into one.
+        if !self.net.is_empty() {
+            return bad("has no NICs (--net): a released block must be out of every device's reach too");
+        }
         let topo = self.numa_topology()?;
         let layout = kumo_vm::layout::MemoryLayout::new(self.memory);
         crate::elastic::plan_areas(e, &layout, self.numa.as_ref().zip(topo.as_ref()))?;

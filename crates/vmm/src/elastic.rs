@@ -241,6 +241,8 @@ pub struct ElasticVm {
     cpu_node: BTreeMap<u32, u32>,
     mailbox: Mailbox<GuestMemory>,
     mem: GuestMemory,
+    /// Where blocks the guest does not hold are fenced off (kumo_vm::memory::Fences).
+    fences: Arc<kumo_vm::memory::Fences>,
     fd: Arc<kvm_ioctls::VmFd>,
     doorbell: EventFd,
     epoll: Epoll,
@@ -337,18 +339,26 @@ impl ElasticVm {
         let cpu_node = kumo_vm::host_topology::HostTopology::read_live()
             .map(|t| t.cpus.iter().map(|c| (c.id, c.node)).collect())
             .unwrap_or_default();
-        Ok(ElasticVm {
+        let evm = ElasticVm {
             host_nodes: areas.iter().map(|a| a.host_node).collect(),
             vcpu_host_node,
             cpu_node,
             layout,
             mailbox,
             mem,
+            fences: vm.memory.fences.clone(),
             fd: vm.fd.clone(),
             doorbell,
             epoll,
             state: Mutex::new(State { vcpus, plugged, borrowed: vec![BTreeMap::new(); areas.len()], events }),
-        })
+        };
+        // The blocks not plugged at boot are out of the guest's reach from the start.
+        let mut unplugged = [0u64; 16];
+        for b in 0..evm.layout.areas.iter().map(|a| a.first_block + a.nblocks).max().unwrap_or(0) {
+            blocks_set(&mut unplugged, b, plugged[b as usize / 64] & (1 << (b % 64)) == 0);
+        }
+        evm.unplug(&unplugged, "the guest was not given").map_err(|e| fail(e.to_string()))?;
+        Ok(evm)
     }
 }
 
@@ -487,11 +497,28 @@ impl ElasticVm {
         }
     }
 
-    fn discard(&self, blocks: &Blocks) -> R<()> {
+    /// Takes `blocks` out of the guest's reach and drops their host pages: a guest touching
+    /// one afterwards stops with an error naming it and saying the block is one `why`.
+    fn unplug(&self, blocks: &Blocks, why: &str) -> R<()> {
+        let failed = |e: kumo_vm::Error| ElasticError::Failed(e.to_string());
         for b in blocks_iter(blocks) {
             let gpa = self.layout.block_gpa(b).ok_or_else(|| ElasticError::Failed(format!("no block {b}")))?;
-            kumo_vm::memory::discard(&self.mem, gpa, self.layout.block_bytes, true)
-                .map_err(|e| ElasticError::Failed(e.to_string()))?;
+            let node = self.layout.areas.iter().find(|a| (a.first_block..a.first_block + a.nblocks).contains(&b));
+            let what = format!("elastic block {b} of guest node {}, which {why}", node.map_or(0, |a| a.node));
+            self.fences.fence(&self.mem, gpa, self.layout.block_bytes, &what).map_err(failed)?;
+            kumo_vm::memory::discard(&self.mem, gpa, self.layout.block_bytes, true).map_err(failed)?;
+        }
+        Ok(())
+    }
+
+    /// Gives `blocks` back to the guest's reach, reading zeros.
+    fn plug(&self, blocks: &Blocks) -> R<()> {
+        let failed = |e: kumo_vm::Error| ElasticError::Failed(e.to_string());
+        for b in blocks_iter(blocks) {
+            let gpa = self.layout.block_gpa(b).ok_or_else(|| ElasticError::Failed(format!("no block {b}")))?;
+            // Zero for certain before the guest can see it again.
+            kumo_vm::memory::discard(&self.mem, gpa, self.layout.block_bytes, true).map_err(failed)?;
+            self.fences.unfence(&self.mem, gpa, self.layout.block_bytes).map_err(failed)?;
         }
         Ok(())
     }
@@ -624,7 +651,8 @@ impl ElasticVm {
                 blocks_set(&mut st.plugged, b, false);
             }
             self.channel(self.mailbox.set_plugged(&st.plugged))?;
-            self.discard(&given)?;
+            // Out of the guest's reach before the release is recorded.
+            self.unplug(&given, "the guest released")?;
             if let Some(l) = &req.to {
                 let left = st.borrowed[a].get(l).copied().unwrap_or(0).saturating_sub(req.memory_bytes);
                 if left == 0 {
@@ -756,10 +784,10 @@ impl ElasticVm {
         guest_ms += ms(t);
         let mut node = None;
         if let Some((a, blocks, bytes)) = target {
-            // Zero for certain (a guest that wrote unplugged memory left pages there).
-            self.discard(&blocks)?;
+            // Recorded before the guest can reach the blocks; zeroed as they come back.
             let ev = self.mem_event(Kind::MemAcquired, a, bytes);
             Self::record(&mut st, ev);
+            self.plug(&blocks)?;
             for b in blocks_iter(&blocks) {
                 blocks_set(&mut st.plugged, b, true);
             }
@@ -778,7 +806,7 @@ impl ElasticVm {
                 if let Ok(seq) = self.post(Op::Cancel, 0, 0, 0, &[0; 16], 0) {
                     let _ = self.wait_ack(seq, timeout, "drop the memory");
                 }
-                self.discard(&blocks)?;
+                self.unplug(&blocks, "the guest did not take in time")?;
                 let ev = self.mem_event(Kind::MemReleased, a, bytes);
                 Self::record(&mut st, ev);
                 // The vCPUs this request ran go back to parked: it changes nothing.

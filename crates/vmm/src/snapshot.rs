@@ -11,9 +11,8 @@
 //! (`begin_migration`): the user's pause and resume are refused meanwhile, and a VM the user
 //! had paused stays paused afterwards (and is restored paused).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -68,19 +67,16 @@ pub struct SnapshotReport {
     pub paused: bool,
 }
 
-/// The temporary file a snapshot is written to before it is renamed into place.
-pub fn tmp_path(path: &Path) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(".tmp");
-    PathBuf::from(s)
-}
-
 /// Checks a snapshot target before the VM is paused: an absolute path (the API server's
-/// working directory is not the client's) in an existing directory, not a directory itself.
+/// working directory is not the client's) in an existing directory, not a directory itself,
+/// not a symbolic link (kumo never writes through or replaces one).
 pub fn check_target(path: &Path) -> Result<()> {
     let bad = |m: String| Err(SnapshotError::BadRequest(m));
     if !path.is_absolute() {
         return bad(format!("snapshot path {} is not absolute", path.display()));
+    }
+    if let Err(e) = kumo_sandbox::fs::refuse_symlink(path) {
+        return bad(format!("snapshot path {e}"));
     }
     match path.parent() {
         Some(dir) if dir.is_dir() => {}
@@ -145,69 +141,74 @@ fn all_gfns(regions: &[(u64, u64)]) -> impl Iterator<Item = u64> + '_ {
     regions.iter().flat_map(|&(gpa, len)| (gpa / PAGE as u64)..((gpa + len) / PAGE as u64))
 }
 
-/// Writes a snapshot stream to `path.tmp`, syncs it and renames it to `path`: a crash or a
-/// full disk never leaves a half-written file under the snapshot's name. `gfns` must be
-/// strictly increasing; `read_page` fills a page's 4096 bytes. Returns (pages, file size).
+/// Writes a snapshot stream to a new, uniquely named file beside `path` (never an existing
+/// file, never through a link: `kumo_sandbox::fs::Staged`), syncs it and renames it to `path`
+/// unless `path` is a symbolic link: a crash or a full disk never leaves a half-written file
+/// under the snapshot's name. `gfns` must be strictly increasing; `read_page` fills a page's
+/// 4096 bytes. Returns (pages, file size).
 pub fn write_file(
     path: &Path,
     desc: &VmDescription,
     gfns: impl Iterator<Item = u64>,
-    mut read_page: impl FnMut(u64, &mut [u8]) -> std::result::Result<(), String>,
+    read_page: impl FnMut(u64, &mut [u8]) -> std::result::Result<(), String>,
     state: &[u8],
 ) -> Result<(u64, u64)> {
-    let tmp = tmp_path(path);
     let werr =
-        |e: &dyn std::fmt::Display| SnapshotError::Write(format!("cannot write snapshot {}: {e}", tmp.display()));
-    let written = (|| {
-        let f =
-            OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(|e| werr(&e))?;
-        let mut w = Writer::start(BufWriter::with_capacity(1 << 20, f), desc).map_err(|e| werr(&io_msg(e)))?;
-        let mut batch = Vec::with_capacity(MAX_BATCH_PAGES);
-        let mut data = vec![0u8; MAX_BATCH_PAGES * PAGE];
-        let mut pages = 0u64;
-        let mut flush = |batch: &mut Vec<u64>, data: &mut [u8], w: &mut Writer<_>| -> Result<()> {
-            if batch.is_empty() {
-                return Ok(());
-            }
-            let data = &mut data[..batch.len() * PAGE];
-            for (g, page) in batch.iter().zip(data.chunks_exact_mut(PAGE)) {
-                read_page(*g, page).map_err(|e| SnapshotError::Vm(format!("cannot read guest memory: {e}")))?;
-            }
-            w.mem_batch(0, batch, data).map_err(|e| werr(&io_msg(e)))?;
-            pages += batch.len() as u64;
-            batch.clear();
-            Ok(())
-        };
-        for g in gfns {
-            batch.push(g);
-            if batch.len() == MAX_BATCH_PAGES {
-                flush(&mut batch, &mut data, &mut w)?;
-            }
+        |e: &dyn std::fmt::Display| SnapshotError::Write(format!("cannot write snapshot {}: {e}", path.display()));
+    let (staged, f) = kumo_sandbox::fs::Staged::create(path).map_err(|e| werr(&e))?;
+    // Test hook, debug builds only: the stream goes to this file instead (a FIFO lets
+    // tests/snapshot_e2e.rs hold a snapshot in progress; fsync then fails on it).
+    #[cfg(debug_assertions)]
+    let f = match std::env::var_os("KUMO_TEST_SNAPSHOT_SINK") {
+        Some(sink) => std::fs::OpenOptions::new().write(true).open(sink).map_err(|e| werr(&e))?,
+        None => f,
+    };
+    // Dropping `staged` on an error removes the temporary file.
+    let written = write_stream(f, desc, gfns, read_page, state, &werr)?;
+    staged.commit().map_err(|e| werr(&e))?;
+    Ok(written)
+}
+
+/// Writes the snapshot stream into `f` and syncs it. Returns (pages, file size).
+fn write_stream(
+    f: File,
+    desc: &VmDescription,
+    gfns: impl Iterator<Item = u64>,
+    mut read_page: impl FnMut(u64, &mut [u8]) -> std::result::Result<(), String>,
+    state: &[u8],
+    werr: &dyn Fn(&dyn std::fmt::Display) -> SnapshotError,
+) -> Result<(u64, u64)> {
+    let mut w = Writer::start(BufWriter::with_capacity(1 << 20, f), desc).map_err(|e| werr(&io_msg(e)))?;
+    let mut batch = Vec::with_capacity(MAX_BATCH_PAGES);
+    let mut data = vec![0u8; MAX_BATCH_PAGES * PAGE];
+    let mut pages = 0u64;
+    let mut flush = |batch: &mut Vec<u64>, data: &mut [u8], w: &mut Writer<_>| -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
         }
-        flush(&mut batch, &mut data, &mut w)?;
-        w.round_end(0, pages).map_err(|e| werr(&io_msg(e)))?;
-        w.state(state).map_err(|e| werr(&io_msg(e)))?;
-        w.complete(pages).map_err(|e| werr(&io_msg(e)))?;
-        let f = w.into_inner().into_inner().map_err(|e| werr(e.error()))?;
-        f.sync_all().map_err(|e| werr(&e))?;
-        let len = f.metadata().map_err(|e| werr(&e))?.len();
-        Ok((pages, len))
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-        return written;
-    }
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        SnapshotError::Write(format!("cannot rename {} to {}: {e}", tmp.display(), path.display()))
-    })?;
-    // The rename is durable once the directory is synced.
-    if let Some(dir) = path.parent() {
-        if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
-            tracing::warn!("cannot sync {}: {e}", dir.display());
+        let data = &mut data[..batch.len() * PAGE];
+        for (g, page) in batch.iter().zip(data.chunks_exact_mut(PAGE)) {
+            read_page(*g, page).map_err(|e| SnapshotError::Vm(format!("cannot read guest memory: {e}")))?;
+        }
+        w.mem_batch(0, batch, data).map_err(|e| werr(&io_msg(e)))?;
+        pages += batch.len() as u64;
+        batch.clear();
+        Ok(())
+    };
+    for g in gfns {
+        batch.push(g);
+        if batch.len() == MAX_BATCH_PAGES {
+            flush(&mut batch, &mut data, &mut w)?;
         }
     }
-    written
+    flush(&mut batch, &mut data, &mut w)?;
+    w.round_end(0, pages).map_err(|e| werr(&io_msg(e)))?;
+    w.state(state).map_err(|e| werr(&io_msg(e)))?;
+    w.complete(pages).map_err(|e| werr(&io_msg(e)))?;
+    let f = w.into_inner().into_inner().map_err(|e| werr(e.error()))?;
+    f.sync_all().map_err(|e| werr(&e))?;
+    let len = f.metadata().map_err(|e| werr(&e))?.len();
+    Ok((pages, len))
 }
 
 /// A stream error, with the OS's words for I/O (e.g. "No space left on device").
@@ -252,7 +253,9 @@ pub fn read_file<T>(
     mut place: impl FnMut(&T, u64, &[u8]) -> std::result::Result<(), String>,
 ) -> Result<Loaded<T>> {
     let name = path.display();
-    let f = File::open(path).map_err(|e| SnapshotError::Read(format!("cannot open snapshot {name}: {e}")))?;
+    // Not through a link: a path from the API must not make kumo read where it points.
+    let f = kumo_sandbox::fs::open_nofollow(path)
+        .map_err(|e| SnapshotError::Read(format!("cannot open snapshot {name}: {e}")))?;
     let mut input = Counting { inner: BufReader::with_capacity(1 << 20, f), n: 0 };
     let bad = |at: u64, what: &str, e: &dyn std::fmt::Display| {
         SnapshotError::Read(format!("{name} is not a valid kumo snapshot: {what} at byte {at}: {e}"))
@@ -375,6 +378,14 @@ mod tests {
         (0..64).filter(|g| g % 3 != 1).chain((1u64 << 20)..(1 << 20) + 16).collect()
     }
 
+    /// The names in directory `d`, sorted.
+    fn names(d: &Path) -> Vec<String> {
+        let mut v: Vec<String> =
+            std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    }
+
     /// Writes the test snapshot; returns its path.
     fn write(d: &Path) -> PathBuf {
         let p = d.join("vm.snap");
@@ -391,7 +402,7 @@ mod tests {
         .unwrap();
         assert_eq!(pages, gfns().len() as u64);
         assert_eq!(len, std::fs::metadata(&p).unwrap().len());
-        assert!(!tmp_path(&p).exists(), "the temporary file is renamed");
+        assert!(!names(d).iter().any(|n| n.starts_with(".vm.snap.")), "the temporary file is renamed");
         p
     }
 
@@ -490,28 +501,51 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("cannot read guest memory: no page 0"), "{e}");
-        assert!(!p.exists() && !tmp_path(&p).exists());
+        assert!(names(&d).is_empty(), "{:?}", names(&d));
         // Not a valid record: gfns must increase.
         let e = write_file(&p, &desc(), [3u64, 2].into_iter(), |_, _| Ok(()), b"{}").unwrap_err().to_string();
         assert!(e.contains("cannot write snapshot"), "{e}");
-        assert!(!p.exists() && !tmp_path(&p).exists());
+        assert!(names(&d).is_empty(), "{:?}", names(&d));
         std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_full_disk_is_reported() {
-        // /dev/full fails every write with ENOSPC; its ".tmp" sibling cannot be created, so
-        // write through a symlink named like the temporary file instead.
-        if !Path::new("/dev/full").exists() {
+        // /dev/full fails every write with ENOSPC.
+        let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
             eprintln!("skipping a_full_disk_is_reported: no /dev/full");
             return;
-        }
-        let d = dir("full");
-        let p = d.join("vm.snap");
-        std::os::unix::fs::symlink("/dev/full", tmp_path(&p)).unwrap();
-        let e = write_file(&p, &desc(), gfns().into_iter(), |_, _| Ok(()), b"{}").unwrap_err().to_string();
+        };
+        let werr = |e: &dyn std::fmt::Display| SnapshotError::Write(format!("cannot write snapshot: {e}"));
+        let e = write_stream(full, &desc(), gfns().into_iter(), |_, _| Ok(()), b"{}", &werr).unwrap_err().to_string();
         assert!(e.contains("No space left on device"), "{e}");
-        assert!(!p.exists());
+    }
+
+    #[test]
+    fn planted_symlinks_are_never_followed_or_replaced() {
+        let d = dir("symlinks");
+        let victim = d.join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        // The temporary name of old (`PATH.tmp`) is not used: a link there stays as it was.
+        let p = d.join("vm.snap");
+        std::os::unix::fs::symlink(&victim, d.join("vm.snap.tmp")).unwrap();
+        write(&d);
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert!(read(&p).is_ok());
+        assert_eq!(names(&d), ["victim", "vm.snap", "vm.snap.tmp"]);
+        // A link at the target is refused, before and at the write.
+        let link = d.join("link.snap");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        assert!(check_target(&link).unwrap_err().to_string().contains("link.snap is a symbolic link"));
+        let e = write_file(&link, &desc(), gfns().into_iter(), |_, _| Ok(()), b"{}").unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link"), "{e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        // And restore does not read through one.
+        std::os::unix::fs::symlink(&p, d.join("restore.snap")).unwrap();
+        let e = read(&d.join("restore.snap")).unwrap_err().to_string();
+        assert!(e.contains("cannot open snapshot") && e.contains("is a symbolic link"), "{e}");
+        assert_eq!(names(&d), ["link.snap", "restore.snap", "victim", "vm.snap", "vm.snap.tmp"]);
         std::fs::remove_dir_all(&d).unwrap();
     }
 

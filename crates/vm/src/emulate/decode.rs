@@ -256,6 +256,46 @@ pub fn describe(bytes: &[u8]) -> Option<&'static str> {
     }
 }
 
+/// Where an instruction reads or writes memory, for naming the address of a faulting access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Its ModRM memory operand; `len` is the whole instruction's (for RIP-relative operands).
+    Operand { mem: MemOperand, len: usize },
+    /// A string instruction: the addresses in these registers (RSI = 6, RDI = 7).
+    Regs(&'static [u8]),
+}
+
+/// The memory access of the common data-moving and arithmetic instructions at the start of `b`
+/// (64-bit mode; a best effort for error messages, `None` for anything else).
+pub fn memory_access(b: &[u8]) -> Option<Access> {
+    let p = decode_prefixes(b);
+    let op = b.get(p.len..)?;
+    let imm32 = if p.opsize { 2 } else { 4 };
+    // (bytes of opcode, immediate bytes) of instructions with a ModRM; `None` for the others.
+    let (oplen, imm) = match op {
+        [0xa4 | 0xa5, ..] => return Some(Access::Regs(&[6, 7])), // MOVS
+        [0xaa | 0xab, ..] => return Some(Access::Regs(&[7])),    // STOS
+        [0xac | 0xad, ..] => return Some(Access::Regs(&[6])),    // LODS
+        [x, ..] if *x < 0x40 && x & 7 < 4 => (1, 0),             // ADD … CMP r/m
+        [0x84..=0x8b | 0x8f | 0xd0..=0xd3 | 0xfe | 0xff, ..] => (1, 0),
+        [0x80 | 0x83 | 0xc0 | 0xc1 | 0xc6 | 0x6b, ..] => (1, 1),
+        [0x81 | 0xc7 | 0x69, ..] => (1, imm32),
+        [0xf6, m, ..] => (1, usize::from((m >> 3) & 7 < 2)),
+        [0xf7, m, ..] => (1, if (m >> 3) & 7 < 2 { imm32 } else { 0 }),
+        [0x0f, x, ..]
+            if matches!(x, 0x10..=0x17 | 0x28..=0x2f | 0x40..=0x4f | 0x6f | 0x7e | 0x7f | 0x90..=0x9f)
+                || matches!(x, 0xa3 | 0xab | 0xaf | 0xb0 | 0xb1 | 0xb3 | 0xb6 | 0xb7 | 0xbb | 0xbe | 0xbf)
+                || matches!(x, 0xc0 | 0xc1 | 0xc3 | 0xd6 | 0xe7) =>
+        {
+            (2, 0)
+        }
+        _ => return None,
+    };
+    let m = decode_modrm(op.get(oplen..)?, &p)?;
+    let Rm::Mem(mem) = m.rm else { return None };
+    Some(Access::Operand { mem, len: p.len + oplen + m.len + imm })
+}
+
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(" ")
 }
@@ -269,6 +309,31 @@ mod tests {
             Some((Insn::Ldmxcsr(m) | Insn::Stmxcsr(m), _)) => m,
             other => panic!("{b:02x?} decoded as {other:?}"),
         }
+    }
+
+    #[test]
+    fn memory_accesses_of_common_instructions() {
+        let op = |b: &[u8]| match memory_access(b) {
+            Some(Access::Operand { mem, len }) => (mem, len),
+            other => panic!("{b:02x?}: {other:?}"),
+        };
+        // mov %rax,(%rdx): 48 89 02
+        let (m, len) = op(&[0x48, 0x89, 0x02]);
+        assert_eq!((m.base, m.disp, len), (Some(2), 0, 3));
+        // movq $1,0x10(%rbx): 48 c7 43 10 01 00 00 00
+        let (m, len) = op(&[0x48, 0xc7, 0x43, 0x10, 1, 0, 0, 0]);
+        assert_eq!((m.base, m.disp, len), (Some(3), 0x10, 8));
+        // addl $1,0x8(%rip): 83 05 08 00 00 00 01 — next RIP counts the immediate
+        let (m, len) = op(&[0x83, 0x05, 8, 0, 0, 0, 1]);
+        assert_eq!((m.rip_relative, m.address(&[0; 16], 0x1000 + len as u64, 0, 0)), (true, 0x100f));
+        // movzbl (%rsi),%eax: 0f b6 06
+        assert_eq!(op(&[0x0f, 0xb6, 0x06]).0.base, Some(6));
+        // testb $1,(%rdi): f6 07 01
+        assert_eq!(op(&[0xf6, 0x07, 1]).1, 3);
+        assert_eq!(memory_access(&[0xf3, 0x48, 0xab]), Some(Access::Regs(&[7])), "rep stosq");
+        assert_eq!(memory_access(&[0x48, 0x89, 0xc2]), None, "register to register");
+        assert_eq!(memory_access(&[0x0f, 0x0b]), None, "ud2");
+        assert_eq!(memory_access(&[0x89]), None, "cut short");
     }
 
     #[test]
