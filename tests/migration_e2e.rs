@@ -733,7 +733,13 @@ fn an_empty_vmm_told_to_receive_takes_a_migrating_vm() {
     let d = kumo_api::ApiClient::new(&dsock);
     let st: serde_json::Value = d.migration_status().unwrap();
     assert_eq!((&st["state"], &st["received"]["phase"]), (&"receiving".into(), &"listening".into()), "{st}");
-    let again = kumo_api::ReceiveMigrationRequest { receiver_url: addr.clone(), memory: None, cpus: None };
+    let again = kumo_api::ReceiveMigrationRequest {
+        receiver_url: addr.clone(),
+        memory: None,
+        cpus: None,
+        tls_dir: None,
+        insecure: false,
+    };
     assert_eq!(d.receive_migration(&again).unwrap_err().status(), Some(409));
 
     let (src, sock) = source("empty-src", "64M", &["pages=3000", "rate=100000", "seed=12", "until_input=1"]);

@@ -269,6 +269,8 @@ fn request_bodies_with_every_field_fit_the_document() {
         progress_timeout_ms: Some(15000),
         strict: Some(true),
         max_bandwidth: Some(100 << 20),
+        tls_dir: Some("/etc/kumo/migration".into()),
+        tls_server_name: Some("dst.example".into()),
     };
     c.check_request("PUT", "/api/v1/vm.send-migration", &serde_json::to_value(&full).unwrap());
     let release = kumo_api::ReleaseRequest {
@@ -302,6 +304,8 @@ fn request_bodies_with_every_field_fit_the_document() {
         receiver_url: "tcp:0.0.0.0:4444".into(),
         memory: Some(1 << 30),
         cpus: Some(2),
+        tls_dir: Some("/etc/kumo/migration".into()),
+        insecure: true,
     };
     c.check_request("PUT", "/api/v1/vm.receive-migration", &serde_json::to_value(&recv).unwrap());
     let restore = kumo_api::RestoreRequest { source_url: "file:///var/lib/kumo/vm.snap".into() };

@@ -710,6 +710,8 @@ mod tests {
             receiver_url: "tcp:0.0.0.0:4444".into(),
             memory: Some(1 << 30),
             cpus: None,
+            tls_dir: None,
+            insecure: true,
         };
         f.client.receive_migration(&req).unwrap();
         let r: serde_json::Value =

@@ -95,6 +95,14 @@ enum Cmd {
         /// Only take a VM with this many vCPUs.
         #[arg(long)]
         cpus: Option<u32>,
+        /// Mutual TLS (tcp: only): DIR holds ca.pem, cert.pem and key.pem; the source must
+        /// present a certificate signed by ca.pem.
+        #[arg(long, value_name = "DIR")]
+        tls_dir: Option<PathBuf>,
+        /// Without --tls-dir: listen in plain TCP on a non-loopback address (a trusted
+        /// network). Without it a plain listener is taken on loopback only.
+        #[arg(long)]
+        insecure: bool,
     },
     /// Tell an empty VMM (`kumo run --api-socket S`, nothing to boot) to run the VM saved in a
     /// snapshot file (`kumo snapshot`); it starts paused if it was saved paused.
@@ -146,6 +154,14 @@ struct RunArgs {
     /// starts. The irqchip comes from the stream too.
     #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args"])]
     incoming: Option<String>,
+    /// With --incoming tcp:…: mutual TLS; DIR holds ca.pem, cert.pem and key.pem, and the
+    /// source must present a certificate signed by ca.pem (docs/migration.md, "Security").
+    #[arg(long, value_name = "DIR", requires = "incoming")]
+    tls_dir: Option<PathBuf>,
+    /// With --incoming tcp:… and no --tls-dir: listen in plain TCP on a non-loopback address
+    /// (a trusted network). Without it a plain listener is taken on loopback only.
+    #[arg(long, requires = "incoming")]
+    insecure: bool,
     /// Run the VM saved in a snapshot file (`kumo snapshot`) instead of booting one: its shape,
     /// memory and state come from the file; it starts paused if it was paused.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args", "incoming", "cpus", "memory"])]
@@ -421,7 +437,9 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
                 .as_deref()
                 .map(|c| c.trim().parse::<u32>().map_err(|_| format!("--cpus {c}: with --incoming give a plain vCPU count (pin= is not carried)")))
                 .transpose()?;
-            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus)?;
+            let tls_dir = a.tls_dir.as_deref().map(migrate::path_arg).transpose()?;
+            let listen = kumo_vmm::migration::listen_options(tls_dir.as_deref(), a.insecure)?;
+            let inc = kumo_vmm::migration::Incoming::with_listen(addr, a.memory, cpus, listen)?;
             let api = kumo_vmm::api::VmApi::incoming(&inc);
             let server = match &api_socket {
                 Some(p) => Some(ApiServer::start(p, api.clone()).map_err(|e| e.to_string())?),
@@ -612,8 +630,15 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).snapshot(to).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
-        Cmd::ReceiveMigration { from, memory, cpus } => {
-            let req = kumo_api::ReceiveMigrationRequest { receiver_url: from.clone(), memory: *memory, cpus: *cpus };
+        Cmd::ReceiveMigration { from, memory, cpus, tls_dir, insecure } => {
+            let req = kumo_api::ReceiveMigrationRequest {
+                receiver_url: from.clone(),
+                memory: *memory,
+                cpus: *cpus,
+                // The VMM's process reads the directory: make it absolute here.
+                tls_dir: tls_dir.as_deref().map(migrate::path_arg).transpose()?,
+                insecure: *insecure,
+            };
             // Preparing --memory may take a while before it listens.
             c.clone().with_timeout(Duration::from_secs(3600)).receive_migration(&req).map_err(|e| e.to_string())?;
         }

@@ -115,7 +115,8 @@ impl VmApi {
     fn receive_migration(&self, e: &EmptyVmm, r: &ReceiveMigrationRequest) -> Result<ApiResponse, ApiError> {
         let me = self.me.upgrade().ok_or_else(|| ApiError::unavailable("the VMM is ending"))?;
         e.claim("an incoming migration").map_err(ApiError::conflict)?;
-        let listening = Incoming::new(&r.receiver_url, r.memory, r.cpus)
+        let listening = crate::migration::listen_options(r.tls_dir.as_deref(), r.insecure)
+            .and_then(|listen| Incoming::with_listen(&r.receiver_url, r.memory, r.cpus, listen))
             .and_then(|inc| inc.listen(&*e.say).map(|ready| (inc, ready)));
         let (inc, ready) = listening.map_err(|why| {
             e.release();
