@@ -47,8 +47,13 @@ impl Pki {
 fn incoming(addr: &str, extra: &[&str], tag: &str) -> Kid {
     let mut args = vec!["run", "--incoming", addr];
     args.extend_from_slice(extra);
-    let d = Kid::spawn(&args).named(tag);
-    eventually(PATIENCE, || d.stderr().contains("waiting for a migration").then_some(()));
+    let mut d = Kid::spawn(&args).named(tag);
+    eventually(PATIENCE, || {
+        if let Ok(Some(st)) = d.child.try_wait() {
+            panic!("{tag} exited ({st}) instead of listening:\n{}", d.stderr());
+        }
+        d.stderr().contains("waiting for a migration").then_some(())
+    });
     d
 }
 
@@ -97,6 +102,28 @@ fn check_arrived(src: Kid, mut dest: Kid, seed: u64) {
     kumo_guests::memtouch::check_output(&out, 3000, seed, true).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// Waits until `d` has dropped `n` connections, failing at once if it exits instead (as a
+/// destination that takes the first connection does).
+fn wait_rejected(d: &mut Kid, api: &str, n: u64) {
+    eventually(PATIENCE, || {
+        if let Ok(Some(st)) = d.child.try_wait() {
+            panic!("the destination exited ({st}) instead of waiting:\n{}", d.stderr());
+        }
+        (rejected(api) == Some(n)).then_some(())
+    });
+}
+
+/// `kumo ARGS` that must exit at once: its exit code and stderr. Fails at once if it listens.
+fn exits_without_listening(args: &[&str]) -> (Option<i32>, String) {
+    let mut k = Kid::spawn(args);
+    eventually(PATIENCE, || {
+        assert!(!k.stderr().contains("waiting for a migration"), "it listens: {}", k.stderr());
+        k.child.try_wait().unwrap().map(|_| ())
+    });
+    let (code, _, err) = k.finish(PATIENCE);
+    (code, err)
+}
+
 /// How many connections the destination has dropped (its `vm.migration`'s `received`).
 fn rejected(api: &str) -> Option<u64> {
     let c = kumo_api::ApiClient::new(api);
@@ -112,13 +139,13 @@ fn stray_peers_leave_the_destination_waiting_for_the_real_source() {
     let dir = TestDir::new();
     let addr = format!("127.0.0.1:{}", free_port());
     let api = dir.arg("dst.sock");
-    let dest = incoming(&format!("tcp:{addr}"), &["--api-socket", &api], "stray-dst");
+    let mut dest = incoming(&format!("tcp:{addr}"), &["--api-socket", &api], "stray-dst");
     // A peer that writes junk and closes, one that connects and closes (a port scan).
     let mut junk = TcpStream::connect(&addr).unwrap();
     junk.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
     drop(junk);
     drop(TcpStream::connect(&addr).unwrap());
-    eventually(PATIENCE, || (rejected(&api) == Some(2)).then_some(()));
+    wait_rejected(&mut dest, &api, 2);
     let err = dest.stderr();
     assert!(err.contains("dropped a connection from") && err.contains("not a kumo migration stream"), "{err}");
     assert!(err.contains("closed before sending a whole stream header"), "{err}");
@@ -169,7 +196,7 @@ fn a_certificate_from_another_ca_is_refused_by_both_sides() {
 
     // A destination made empty first, told to receive over TLS through its API.
     let api = dir.arg("dst.sock");
-    let dest = Kid::spawn(&["run", "--api-socket", &api]).named("ca-dst");
+    let mut dest = Kid::spawn(&["run", "--api-socket", &api]).named("ca-dst");
     eventually(PATIENCE, || dest.stderr().contains("no VM yet").then_some(()));
     let port = free_port();
     let addr = format!("tcp:127.0.0.1:{port}");
@@ -184,21 +211,21 @@ fn a_certificate_from_another_ca_is_refused_by_both_sides() {
         !ok && out.contains("the destination's certificate is not accepted") && out.contains("UnknownIssuer"),
         "{out}"
     );
-    eventually(PATIENCE, || (rejected(&api) == Some(1)).then_some(()));
+    wait_rejected(&mut dest, &api, 1);
     assert!(dest.stderr().contains("the source ended the TLS handshake"), "{}", dest.stderr());
 
     // The destination does not trust the source's certificate: it says so, and the source
     // learns that the destination ended the handshake.
     let (ok, out) = migrate(&sock, &["--to", &addr, "--tls-dir", &impostor]);
     assert!(!ok && out.contains("the destination ended the TLS handshake"), "{out}");
-    eventually(PATIENCE, || (rejected(&api) == Some(2)).then_some(()));
+    wait_rejected(&mut dest, &api, 2);
     let err = dest.stderr();
     assert!(err.contains("the source's certificate is not accepted") && err.contains("UnknownIssuer"), "{err}");
 
     // A plain source to a TLS destination: refused too.
     let (ok, out) = migrate(&sock, &["--to", &addr]);
     assert!(!ok, "{out}");
-    eventually(PATIENCE, || (rejected(&api) == Some(3)).then_some(()));
+    wait_rejected(&mut dest, &api, 3);
     assert!(dest.stderr().contains("does not speak TLS"), "{}", dest.stderr());
 
     // The VM ran on at the source through all of it, and the right source gets through.
@@ -211,9 +238,8 @@ fn a_certificate_from_another_ca_is_refused_by_both_sides() {
 fn a_plain_listener_off_loopback_needs_insecure() {
     let port = free_port().to_string();
     let addr = format!("tcp:0.0.0.0:{port}");
-    let o = kumo(&["run", "--incoming", &addr]);
-    let (_, err) = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    let (code, err) = exits_without_listening(&["run", "--incoming", &addr]);
+    assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("refusing a plain-TCP migration listener") && err.contains("--insecure"), "{err}");
     assert!(err.contains("--tls-dir"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
@@ -225,9 +251,9 @@ fn a_plain_listener_off_loopback_needs_insecure() {
     let api = dir.arg("e.sock");
     let empty = Kid::spawn(&["run", "--api-socket", &api]).named("empty");
     eventually(PATIENCE, || empty.stderr().contains("no VM yet").then_some(()));
-    let o = kumo(&["--api-socket", &api, "receive-migration", "--from", &addr]);
-    let (_, err) = text(&o);
-    assert!(!o.status.success() && err.contains("--insecure"), "{err}");
+    let (code, err) = exits_without_listening(&["--api-socket", &api, "receive-migration", "--from", &addr]);
+    assert!(code != Some(0) && err.contains("--insecure"), "{err}");
+    assert!(empty.stderr().contains("no VM yet") && !empty.stderr().contains("waiting for a migration"));
     // With --insecure the operator takes the risk: it listens.
     let d = incoming(&addr, &["--insecure"], "insecure-dst");
     drop(d);
