@@ -108,6 +108,7 @@ fn vet(listener: &Listener, conn: Conn, timeout: Duration) -> Result<(Conn, VmDe
                 format::Error::Io(io) if crate::session::is_timeout(io) => {
                     format!("no stream header within {} s", timeout.as_secs_f64())
                 }
+                e @ format::Error::BadMagic { .. } => e.to_string(),
                 e => format!("not a kumo migration stream: {e}"),
             };
             let mut out = Vec::new();
