@@ -461,7 +461,12 @@ fn migrate_inner(
     let mut replies = Replies(ReplyReader::new(conn0.try_clone()?));
     // The handshake: a kumo destination answers a valid header at once; anything else (no
     // answer, bytes that are not a reply) is not a kumo destination.
-    let not_kumo = |why: String| MigrateError::NotKumo { addr: to.to_string(), why };
+    // A TLS destination answers a plain header with a TLS alert: say what may be missing.
+    let hint = match (to, &opts.tls) {
+        (Address::Tcp(_), None) => "; if it listens with a TLS directory, give one here too",
+        _ => "",
+    };
+    let not_kumo = |why: String| MigrateError::NotKumo { addr: to.to_string(), why: format!("{why}{hint}") };
     match replies.wait(opts.handshake_timeout) {
         Err(e) if tls_failure(to, &e).is_some() => return Err(tls_failure(to, &e).unwrap_or(e)),
         Ok(Reply::Accepted) => {}
