@@ -269,6 +269,8 @@ fn request_bodies_with_every_field_fit_the_document() {
         progress_timeout_ms: Some(15000),
         strict: Some(true),
         max_bandwidth: Some(100 << 20),
+        tls_dir: Some("/etc/kumo/migration".into()),
+        tls_server_name: Some("dst.example".into()),
     };
     c.check_request("PUT", "/api/v1/vm.send-migration", &serde_json::to_value(&full).unwrap());
     let release = kumo_api::ReleaseRequest {
@@ -304,6 +306,8 @@ fn request_bodies_with_every_field_fit_the_document() {
         cpus: Some(2),
         net: vec![kumo_api::NicBackend { id: "net0".into(), tap: Some("tap0".into()), vhost_user: None }],
         numa: vec![kumo_api::NodeBinding { node: 0, host_node: Some(0) }],
+        tls_dir: Some("/etc/kumo/migration".into()),
+        insecure: true,
     };
     c.check_request("PUT", "/api/v1/vm.receive-migration", &serde_json::to_value(&recv).unwrap());
     let restore = kumo_api::RestoreRequest {

@@ -437,6 +437,14 @@ pub struct ReceiveMigrationRequest {
     /// nodes' memory is not bound.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa: Vec<NodeBinding>,
+    /// Mutual TLS (`tcp:` only): a directory on the VMM's host holding `ca.pem`, `cert.pem`
+    /// and `key.pem`; a source must present a certificate signed by `ca.pem`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_dir: Option<String>,
+    /// Listen in plain TCP on a non-loopback address (a trusted network): without it or
+    /// `tls_dir`, only loopback addresses are taken.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
 }
 
 /// Body of `PUT /api/v1/vm.restore` (Cloud Hypervisor's field name).
@@ -535,6 +543,13 @@ pub struct MigrateRequest {
     /// Cap on the page data sent, bytes per second.
     #[serde(default)]
     pub max_bandwidth: Option<u64>,
+    /// Mutual TLS (`tcp:` only; not with the zerocopy engine): a directory on the VMM's host
+    /// holding `ca.pem`, `cert.pem` and `key.pem`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_dir: Option<String>,
+    /// The name the destination's certificate must carry; default: the host of `to`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_server_name: Option<String>,
 }
 
 impl MigrateRequest {

@@ -715,6 +715,8 @@ mod tests {
             cpus: None,
             net: vec![crate::NicBackend { id: "net0".into(), tap: Some("tap7".into()), vhost_user: None }],
             numa: vec![crate::NodeBinding { node: 0, host_node: Some(1) }],
+            tls_dir: None,
+            insecure: true,
         };
         f.client.receive_migration(&req).unwrap();
         let restore =

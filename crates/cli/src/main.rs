@@ -115,6 +115,14 @@ enum Cmd {
         /// The host node of each of the VM's NUMA nodes: node=ID[,host-node=N] (repeatable).
         #[arg(long, value_name = "SPEC")]
         numa: Vec<String>,
+        /// Mutual TLS (tcp: only): DIR holds ca.pem, cert.pem and key.pem; the source must
+        /// present a certificate signed by ca.pem.
+        #[arg(long, value_name = "DIR")]
+        tls_dir: Option<PathBuf>,
+        /// Without --tls-dir: listen in plain TCP on a non-loopback address (a trusted
+        /// network). Without it a plain listener is taken on loopback only.
+        #[arg(long)]
+        insecure: bool,
     },
     /// Tell an empty VMM (`kumo run --api-socket S`, nothing to boot) to run the VM saved in a
     /// snapshot file (`kumo snapshot`); it starts paused if it was saved paused.
@@ -173,6 +181,14 @@ struct RunArgs {
     /// --net for each of its NICs (required), --numa for its nodes' host nodes.
     #[arg(long, value_name = "ADDR", conflicts_with_all = ["kernel", "guest", "config", "irqchip", "guest_args"])]
     incoming: Option<String>,
+    /// With --incoming tcp:…: mutual TLS; DIR holds ca.pem, cert.pem and key.pem, and the
+    /// source must present a certificate signed by ca.pem (docs/migration.md, "Security").
+    #[arg(long, value_name = "DIR", requires = "incoming")]
+    tls_dir: Option<PathBuf>,
+    /// With --incoming tcp:… and no --tls-dir: listen in plain TCP on a non-loopback address
+    /// (a trusted network). Without it a plain listener is taken on loopback only.
+    #[arg(long, requires = "incoming")]
+    insecure: bool,
     /// Run the VM saved in a snapshot file (`kumo snapshot`) instead of booting one: its shape,
     /// memory and state come from the file; it starts paused if it was paused. Its host
     /// resources come from here, as with --incoming: --net for each NIC, --numa.
@@ -459,7 +475,9 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
                 .as_deref()
                 .map(|c| c.trim().parse::<u32>().map_err(|_| format!("--cpus {c}: with --incoming give a plain vCPU count (pin= is not carried)")))
                 .transpose()?;
-            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, host_resources(&a)?)?;
+            let tls_dir = a.tls_dir.as_deref().map(migrate::path_arg).transpose()?;
+            let listen = kumo_vmm::migration::listen_options(tls_dir.as_deref(), a.insecure)?;
+            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, host_resources(&a)?, listen)?;
             let api = kumo_vmm::api::VmApi::incoming(&inc);
             let server = match &api_socket {
                 Some(p) => Some(ApiServer::start_allowing(p, api.clone(), allow.clone()).map_err(|e| e.to_string())?),
@@ -651,7 +669,7 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).snapshot(to).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
-        Cmd::ReceiveMigration { from, memory, cpus, net, numa } => {
+        Cmd::ReceiveMigration { from, memory, cpus, net, numa, tls_dir, insecure } => {
             let ours = kumo_vmm::host_resources::HostResources::parse(net, numa).map_err(|e| e.to_string())?;
             let req = kumo_api::ReceiveMigrationRequest {
                 receiver_url: from.clone(),
@@ -659,6 +677,9 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
                 cpus: *cpus,
                 net: ours.net,
                 numa: ours.numa,
+                // The VMM's process reads the directory: make it absolute here.
+                tls_dir: tls_dir.as_deref().map(migrate::path_arg).transpose()?,
+                insecure: *insecure,
             };
             // Preparing --memory may take a while before it listens.
             c.clone().with_timeout(Duration::from_secs(3600)).receive_migration(&req).map_err(|e| e.to_string())?;

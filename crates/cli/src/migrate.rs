@@ -70,6 +70,20 @@ pub struct MigrateArgs {
     /// Print the migration's events as JSON lines on stdout as they happen, the report last.
     #[arg(long)]
     json: bool,
+    /// Mutual TLS to a tcp: destination (not with --engine zerocopy): DIR holds ca.pem,
+    /// cert.pem and key.pem; the destination's certificate must be signed by ca.pem and name
+    /// the host of --to (or --tls-server-name).
+    #[arg(long, value_name = "DIR")]
+    tls_dir: Option<PathBuf>,
+    /// The name the destination's certificate must carry, instead of the host of --to.
+    #[arg(long, value_name = "NAME", requires = "tls_dir")]
+    tls_server_name: Option<String>,
+}
+
+/// A path for the VMM's process (which resolves it): absolute, UTF-8.
+pub fn path_arg(p: &std::path::Path) -> Result<String, String> {
+    let abs = std::path::absolute(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    abs.to_str().map(String::from).ok_or_else(|| format!("{} is not UTF-8", abs.display()))
 }
 
 /// Set by SIGINT while `kumo migrate` runs: the poll loop turns it into a cancel request.
@@ -112,6 +126,8 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
         progress_timeout_ms: a.progress_timeout_ms,
         strict: a.strict.then_some(true),
         max_bandwidth: a.max_bandwidth,
+        tls_dir: a.tls_dir.as_deref().map(path_arg).transpose()?,
+        tls_server_name: a.tls_server_name.clone(),
     };
     // The migration call blocks until the end; progress comes from polling its status.
     let client = ApiClient::new(&socket).with_timeout(Duration::from_secs(24 * 3600));

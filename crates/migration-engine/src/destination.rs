@@ -13,6 +13,7 @@ use kumo_vm::GuestMemory;
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestAddress;
 
+use crate::accept::{accept_source, AcceptLimits};
 use crate::transport::{Conn, Listener};
 use kumo_migration::format::{self, Encoder, PagePlacer, Reader, Record, Reply, VmDescription};
 
@@ -76,6 +77,8 @@ pub struct RecvReport {
 pub struct RecvProgress {
     /// A source's stream header has been accepted.
     connected: AtomicBool,
+    /// Connections dropped because they were not a kumo source.
+    rejected: AtomicU64,
     pages: AtomicU64,
     /// Rounds the source has ended (counted on its first connection).
     rounds: AtomicU64,
@@ -91,6 +94,10 @@ pub struct RecvStatus {
     pub pages: u64,
     pub bytes: u64,
     pub rounds: u64,
+    /// Connections dropped because they were not a kumo source (junk, a port scan, a failed
+    /// TLS handshake).
+    #[serde(default)]
+    pub rejected: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -111,7 +118,13 @@ impl RecvProgress {
         } else {
             RecvPhase::Listening
         };
-        RecvStatus { phase, pages, bytes: pages * PAGE as u64, rounds: self.rounds.load(Ordering::Relaxed) }
+        RecvStatus {
+            phase,
+            pages,
+            bytes: pages * PAGE as u64,
+            rounds: self.rounds.load(Ordering::Relaxed),
+            rejected: self.rejected.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -183,20 +196,26 @@ pub fn receive_with<V: DestVm>(
     progress: &RecvProgress,
     create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, VmError>,
 ) -> Result<(V, RecvReport), MigrateError> {
-    let conn0 = listener.accept()?;
+    receive_limited(listener, idle, &AcceptLimits::default(), progress, create)
+}
+
+/// [`receive_with`], with bounds on how long and through how many connections that are not a
+/// kumo source it waits for one (`accept.rs`).
+pub fn receive_limited<V: DestVm>(
+    listener: &Listener,
+    idle: Duration,
+    limits: &AcceptLimits,
+    progress: &RecvProgress,
+    create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, VmError>,
+) -> Result<(V, RecvReport), MigrateError> {
+    // The header was read unbuffered: a local migration's memory file follows it on the
+    // socket, and a buffer would swallow the byte that carries it.
+    let (conn0, desc) = accept_source(listener, limits, &progress.rejected)?;
     let t0 = Instant::now();
     conn0.set_read_timeout(Some(idle))?;
+    conn0.set_write_timeout(Some(idle))?;
+    let raw0 = conn0.try_clone()?;
     let mut conn0 = Replier { enc: Encoder::new(), conn: conn0 };
-    // The header is read unbuffered: a local migration's memory file follows it on the socket,
-    // and a buffer would swallow the byte that carries it.
-    let mut raw0 = conn0.conn.try_clone()?;
-    let desc = match format::read_header(&mut raw0) {
-        Ok(d) => d,
-        Err(e) => {
-            conn0.send(&Reply::Failed(e.to_string()));
-            return Err(recv_err(e.into(), idle));
-        }
-    };
     // A valid header: say so at once, before building anything (the source's handshake).
     conn0.send(&Reply::Accepted);
     progress.connected.store(true, Ordering::Release);
@@ -214,9 +233,11 @@ pub fn receive_with<V: DestVm>(
     };
     let nconn = desc.connections.max(1) as usize;
     let mut readers = vec![Reader::new(buffered(raw0), &desc)];
+    // The other connections, vetted like the first; they must arrive within `idle`.
+    let more = AcceptLimits { deadline: Some(idle), ..*limits };
     for i in 1..nconn {
-        let c = match accept_within(listener, idle) {
-            Ok(c) => c,
+        let (c, d) = match accept_source(listener, &more, &progress.rejected) {
+            Ok(x) => x,
             Err(e) => {
                 return Err(fail(
                     &mut conn0,
@@ -224,13 +245,11 @@ pub fn receive_with<V: DestVm>(
                 ))
             }
         };
-        c.set_read_timeout(Some(idle))?;
-        let mut c = c;
-        match format::read_header(&mut c).map(|d| (d, c)) {
-            Ok((d, c)) if d == desc => readers.push(Reader::secondary(buffered(c), &desc)),
-            Ok(_) => return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} describes another VM")))),
-            Err(e) => return Err(fail(&mut conn0, e.into())),
+        if d != desc {
+            return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} describes another VM"))));
         }
+        c.set_read_timeout(Some(idle))?;
+        readers.push(Reader::secondary(buffered(c), &desc));
     }
     let vm = match create(&desc, memfd) {
         Ok(vm) => vm,
@@ -357,22 +376,4 @@ fn recv_err(e: MigrateError, idle: Duration) -> MigrateError {
         }
         e => e,
     }
-}
-
-fn accept_within(listener: &Listener, limit: Duration) -> io::Result<Conn> {
-    listener.set_nonblocking(true)?;
-    let t = Instant::now();
-    let r = loop {
-        match listener.accept() {
-            Ok(c) => break Ok(c),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock && t.elapsed() < limit => {
-                std::thread::sleep(Duration::from_millis(5))
-            }
-            Err(e) => break Err(e),
-        }
-    };
-    listener.set_nonblocking(false)?;
-    let c = r?;
-    c.set_nonblocking(false)?;
-    Ok(c)
 }

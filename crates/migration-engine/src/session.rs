@@ -84,6 +84,9 @@ pub struct MigrateOptions {
     /// Cancels the migration from another thread (not a setting: never serialized).
     #[serde(skip)]
     pub cancel: CancelToken,
+    /// Mutual TLS to a `tcp:` destination (its files are not a setting either).
+    #[serde(skip)]
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 /// The stop phase's fixed cost assumed before a VM's migrations have measured any: this
@@ -110,6 +113,7 @@ impl Default for MigrateOptions {
             handshake_timeout: HANDSHAKE_TIMEOUT,
             max_bandwidth: None,
             cancel: CancelToken::default(),
+            tls: None,
         }
     }
 }

@@ -335,6 +335,19 @@ impl Replies {
     }
 }
 
+/// Why the zerocopy engine does not run over TLS.
+pub const ZEROCOPY_TLS: &str = "the zerocopy engine hands guest pages to the kernel unencrypted (MSG_ZEROCOPY) and cannot run over TLS: use --engine overlap (or serial) with --tls-dir";
+
+/// A TLS failure reading the destination's replies, said as such rather than as a stream
+/// that is not kumo's.
+fn tls_failure(to: &Address, e: &MigrateError) -> Option<MigrateError> {
+    let io = match e {
+        MigrateError::Stream(format::Error::Io(io)) | MigrateError::Io(io) => io,
+        _ => return None,
+    };
+    crate::tls::tls_cause(io).map(|t| MigrateError::Other(format!("{to}: {t}")))
+}
+
 /// How the chosen engine moves pages, decided once from the options: the rest of the session
 /// reads these instead of asking which engine runs.
 struct Plan {
@@ -356,6 +369,9 @@ struct Plan {
 impl Plan {
     fn new(opts: &MigrateOptions) -> Result<Plan, MigrateError> {
         let e = opts.engine;
+        if e == EngineKind::Zerocopy && opts.tls.is_some() {
+            return Err(MigrateError::Other(ZEROCOPY_TLS.into()));
+        }
         if e == EngineKind::Serial && opts.connections > 1 {
             return Err(MigrateError::Other(
                 "the serial engine sends one batch at a time on one connection: use --connections 1".into(),
@@ -415,6 +431,9 @@ fn migrate_inner(
     let cpu = Arc::new(AtomicU64::new(0));
     let cpu0 = thread_cpu_ms();
     let plan = Plan::new(opts)?;
+    if opts.tls.is_some() && matches!(to, Address::Unix(_)) {
+        return Err(MigrateError::Other(crate::transport::TLS_UNIX.into()));
+    }
     let (local, nconn) = (plan.shared_memory, plan.connections);
     let mut desc = src.description();
     desc.connections = nconn as u32;
@@ -422,7 +441,7 @@ fn migrate_inner(
     let deadline = opts.progress_timeout;
 
     let connect = || -> Result<Conn, MigrateError> {
-        let c = Conn::connect(to, Duration::from_secs(10))
+        let c = Conn::connect_with(to, Duration::from_secs(10), opts.tls.as_ref())
             .map_err(|e| MigrateError::Connect { addr: to.to_string(), source: e })?;
         c.set_write_timeout(Some(deadline))?;
         Ok(c)
@@ -440,8 +459,14 @@ fn migrate_inner(
     let mut replies = Replies(ReplyReader::new(conn0.try_clone()?));
     // The handshake: a kumo destination answers a valid header at once; anything else (no
     // answer, bytes that are not a reply) is not a kumo destination.
-    let not_kumo = |why: String| MigrateError::NotKumo { addr: to.to_string(), why };
+    // A TLS destination answers a plain header with a TLS alert: say what may be missing.
+    let hint = match (to, &opts.tls) {
+        (Address::Tcp(_), None) => "; if it listens with a TLS directory, give one here too",
+        _ => "",
+    };
+    let not_kumo = |why: String| MigrateError::NotKumo { addr: to.to_string(), why: format!("{why}{hint}") };
     match replies.wait(opts.handshake_timeout) {
+        Err(e) if tls_failure(to, &e).is_some() => return Err(tls_failure(to, &e).unwrap_or(e)),
         Ok(Reply::Accepted) => {}
         Ok(Reply::Failed(why)) => return Err(MigrateError::Refused(why)),
         Ok(other) => return Err(not_kumo(format!("it answered {other:?} to the stream header"))),

@@ -193,11 +193,39 @@ fn listen(unix: bool, tag: &str) -> (Listener, Address) {
 }
 
 fn run(engine: EngineKind, connections: usize, unix: bool, tag: &str) -> (Report, RecvReport) {
+    run_tls(engine, connections, unix, tag, None)
+}
+
+/// Test certificates: a destination's listener options and a source's TLS, one CA.
+fn tls_pair(tag: &str) -> (crate::ListenOptions, crate::ClientTls) {
+    let pki = crate::tls::tests::TestPki::new("kumo test CA");
+    let d = crate::tls::tests::temp_dir(tag);
+    pki.write_dir(&d.join("dst"), &["localhost", "127.0.0.1"]);
+    pki.write_dir(&d.join("src"), &["source"]);
+    let server = crate::ServerTls::from_dir(&d.join("dst")).unwrap();
+    let client = crate::ClientTls::from_dir(&d.join("src"), None).unwrap();
+    (crate::ListenOptions { tls: Some(server), insecure: false }, client)
+}
+
+fn run_tls(
+    engine: EngineKind,
+    connections: usize,
+    unix: bool,
+    tag: &str,
+    tls: Option<(crate::ListenOptions, crate::ClientTls)>,
+) -> (Report, RecvReport) {
     let src = FakeSource::new(2000);
     std::thread::sleep(Duration::from_millis(20));
-    let (l, addr) = listen(unix, tag);
+    let (l, addr) = match &tls {
+        Some((lo, _)) => {
+            let l = Listener::bind_with(&Address::Tcp("127.0.0.1:0".into()), lo).unwrap();
+            let a = l.local_addr();
+            (l, a)
+        }
+        None => listen(unix, tag),
+    };
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let opts = MigrateOptions { engine, connections, ..Default::default() };
+    let opts = MigrateOptions { engine, connections, tls: tls.map(|t| t.1), ..Default::default() };
     let mut events = Vec::new();
     let report = migrate(&*src, &addr, &opts, &mut |e| events.push(e)).unwrap();
     let (dvm, rr) = dest.join().unwrap().unwrap();
@@ -229,6 +257,28 @@ fn overlap_engine_with_one_and_three_connections() {
     run(EngineKind::Overlap, 1, false, "ov1");
     let (r, rr) = run(EngineKind::Overlap, 3, false, "ov3");
     assert_eq!((r.connections, rr.connections), (3, 3));
+}
+
+#[test]
+fn tls_migrations_with_the_stream_engines() {
+    for (engine, n) in [(EngineKind::Serial, 1), (EngineKind::Overlap, 1), (EngineKind::Overlap, 2)] {
+        let (r, rr) =
+            run_tls(engine, n, false, &format!("tls-{engine}-{n}"), Some(tls_pair(&format!("eng-{engine}-{n}"))));
+        assert_eq!(rr.pages, r.total_pages);
+    }
+}
+
+#[test]
+fn zerocopy_and_local_are_refused_under_tls() {
+    let src = FakeSource::new(1);
+    let (_, client) = tls_pair("refused");
+    let opts = MigrateOptions { engine: EngineKind::Zerocopy, tls: Some(client.clone()), ..Default::default() };
+    let e = migrate(&*src, &Address::Tcp("127.0.0.1:9".into()), &opts, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("zerocopy engine") && e.contains("cannot run over TLS"), "{e}");
+    let opts = MigrateOptions { engine: EngineKind::Local, tls: Some(client), ..Default::default() };
+    let e = migrate(&*src, &Address::Unix("/nowhere.sock".into()), &opts, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("TLS is for tcp:"), "{e}");
+    src.stop_writer();
 }
 
 #[test]
@@ -338,13 +388,24 @@ fn a_source_that_vanishes_fails_the_receiver_cleanly() {
 }
 
 #[test]
-fn garbage_is_rejected_with_a_clear_error() {
+fn garbage_is_answered_and_dropped_while_the_destination_waits() {
     let (l, addr) = listen(false, "garbage");
-    let t = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest).map(|_| ()));
-    let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
-    std::io::Write::write_all(&mut c, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let limits = crate::AcceptLimits { max_bad: 2, ..Default::default() };
+    let t = std::thread::spawn(move || {
+        crate::receive_limited(&l, Duration::from_secs(5), &limits, &RecvProgress::default(), make_dest).map(|_| ())
+    });
+    for _ in 0..2 {
+        let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+        std::io::Write::write_all(&mut c, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        // The peer is told why, in a reply it can read.
+        match kumo_migration::format::ReplyReader::new(c).next_reply().unwrap() {
+            Reply::Failed(why) => assert!(why.to_lowercase().contains("magic"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // Only the bound on bad connections ends the wait.
     let e = t.join().unwrap().unwrap_err().to_string();
-    assert!(e.to_lowercase().contains("magic"), "{e}");
+    assert!(e.contains("gave up after 2 connections") && e.to_lowercase().contains("magic"), "{e}");
 }
 
 #[test]

@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
+use crate::tls::{ClientTls, ServerTls, TlsStream};
+
 /// Where to migrate to / listen on: `tcp:HOST:PORT` or `unix:PATH`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Address {
@@ -59,21 +61,35 @@ pub const RECEIVE_BUFFER: usize = 512 << 10;
 pub enum Conn {
     Tcp(TcpStream),
     Unix(UnixStream),
+    /// Mutual TLS over TCP (`tls.rs`).
+    Tls(TlsStream),
 }
+
+/// TLS is for `tcp:` only: a `unix:` socket never leaves the host.
+pub const TLS_UNIX: &str = "TLS is for tcp: migration; a unix: socket stays on this host (drop the TLS directory)";
 
 impl Conn {
     pub fn connect(addr: &Address, timeout: Duration) -> io::Result<Conn> {
-        let c = match addr {
-            Address::Tcp(a) => {
+        Self::connect_with(addr, timeout, None)
+    }
+
+    /// Connects to `addr`; with `tls`, runs the TLS handshake within `timeout` too.
+    pub fn connect_with(addr: &Address, timeout: Duration, tls: Option<&ClientTls>) -> io::Result<Conn> {
+        let c = match (addr, tls) {
+            (Address::Tcp(a), tls) => {
                 let sa = a
                     .to_socket_addrs()?
                     .next()
                     .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{a}: no address")))?;
                 let s = TcpStream::connect_timeout(&sa, timeout)?;
                 s.set_nodelay(true)?;
-                Conn::Tcp(s)
+                match tls {
+                    Some(t) => Conn::Tls(t.connect(s, a, timeout)?),
+                    None => Conn::Tcp(s),
+                }
             }
-            Address::Unix(p) => Conn::Unix(UnixStream::connect(p)?),
+            (Address::Unix(_), Some(_)) => return Err(io::Error::new(io::ErrorKind::InvalidInput, TLS_UNIX)),
+            (Address::Unix(p), None) => Conn::Unix(UnixStream::connect(p)?),
         };
         Ok(c)
     }
@@ -82,6 +98,7 @@ impl Conn {
         Ok(match self {
             Conn::Tcp(s) => Conn::Tcp(s.try_clone()?),
             Conn::Unix(s) => Conn::Unix(s.try_clone()?),
+            Conn::Tls(s) => Conn::Tls(s.try_clone()?),
         })
     }
 
@@ -89,7 +106,22 @@ impl Conn {
         match self {
             Conn::Tcp(s) => s.set_nonblocking(on),
             Conn::Unix(s) => s.set_nonblocking(on),
+            Conn::Tls(s) => s.socket().set_nonblocking(on),
         }
+    }
+
+    pub fn is_tls(&self) -> bool {
+        matches!(self, Conn::Tls(_))
+    }
+
+    /// The peer, for messages.
+    pub fn peer(&self) -> String {
+        let tcp = match self {
+            Conn::Tcp(s) => s,
+            Conn::Tls(s) => s.socket(),
+            Conn::Unix(_) => return "a local peer".into(),
+        };
+        tcp.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into())
     }
 
     /// Bytes written but not yet delivered: for TCP not yet acknowledged by the peer, for a
@@ -109,6 +141,7 @@ impl Conn {
         match self {
             Conn::Tcp(s) => s.set_write_timeout(t),
             Conn::Unix(s) => s.set_write_timeout(t),
+            Conn::Tls(s) => s.socket().set_write_timeout(t),
         }
     }
 
@@ -116,6 +149,7 @@ impl Conn {
         match self {
             Conn::Tcp(s) => s.set_read_timeout(t),
             Conn::Unix(s) => s.set_read_timeout(t),
+            Conn::Tls(s) => s.socket().set_read_timeout(t),
         }
     }
 
@@ -123,6 +157,10 @@ impl Conn {
         let _ = match self {
             Conn::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
             Conn::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Conn::Tls(s) => {
+                s.shutdown(std::net::Shutdown::Both);
+                Ok(())
+            }
         };
     }
 
@@ -133,7 +171,7 @@ impl Conn {
     fn unix(&self) -> io::Result<&UnixStream> {
         match self {
             Conn::Unix(s) => Ok(s),
-            Conn::Tcp(_) => {
+            Conn::Tcp(_) | Conn::Tls(_) => {
                 Err(io::Error::new(io::ErrorKind::Unsupported, "file descriptors pass only over unix sockets"))
             }
         }
@@ -169,6 +207,7 @@ impl AsRawFd for Conn {
         match self {
             Conn::Tcp(s) => s.as_raw_fd(),
             Conn::Unix(s) => s.as_raw_fd(),
+            Conn::Tls(s) => s.socket().as_raw_fd(),
         }
     }
 }
@@ -178,6 +217,7 @@ impl Read for Conn {
         match self {
             Conn::Tcp(s) => s.read(buf),
             Conn::Unix(s) => s.read(buf),
+            Conn::Tls(s) => s.read(buf),
         }
     }
 }
@@ -187,12 +227,14 @@ impl Write for Conn {
         match self {
             Conn::Tcp(s) => s.write(buf),
             Conn::Unix(s) => s.write(buf),
+            Conn::Tls(s) => s.write(buf),
         }
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Conn::Tcp(s) => s.write_vectored(bufs),
             Conn::Unix(s) => s.write_vectored(bufs),
+            Conn::Tls(s) => s.write_vectored(bufs),
         }
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -200,14 +242,61 @@ impl Write for Conn {
     }
 }
 
-/// A bound listener for incoming migrations.
+/// A bound listener for incoming migrations; a TCP one may ask every peer for mutual TLS.
 pub enum Listener {
-    Tcp(TcpListener),
+    Tcp(TcpListener, Option<ServerTls>),
     /// The listener, its path and the (device, inode) of the socket bound there.
     Unix(UnixListener, PathBuf, Option<(u64, u64)>),
 }
 
+/// How a destination listens: with TLS, or plain (only on loopback unless `insecure`).
+#[derive(Debug, Clone, Default)]
+pub struct ListenOptions {
+    pub tls: Option<ServerTls>,
+    /// Take a plain-TCP listener on a non-loopback address (a trusted network).
+    pub insecure: bool,
+}
+
+impl ListenOptions {
+    /// Whether `addr` may be listened on like this: TLS only on `tcp:`, and a plain TCP
+    /// listener only on loopback addresses unless `insecure`.
+    pub fn check(&self, addr: &Address) -> Result<(), String> {
+        match addr {
+            Address::Unix(_) if self.tls.is_some() => Err(TLS_UNIX.into()),
+            Address::Tcp(a) if self.tls.is_none() && !self.insecure => {
+                let addrs: Vec<_> = a.to_socket_addrs().map_err(|e| format!("tcp:{a}: {e}"))?.collect();
+                if addrs.is_empty() || addrs.iter().any(|sa| !sa.ip().is_loopback()) {
+                    return Err(format!(
+                        "refusing a plain-TCP migration listener on tcp:{a}: it is not a loopback address, and whoever reaches it could send a VM and read guest memory in clear; give a TLS directory (--tls-dir DIR, API tls_dir) for mutual TLS, or --insecure (API insecure) on a trusted network"
+                    ));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 impl Listener {
+    /// Binds `addr` after [`ListenOptions::check`], with TLS if asked.
+    pub fn bind_with(addr: &Address, opts: &ListenOptions) -> Result<Listener, String> {
+        opts.check(addr)?;
+        let mut l = Listener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        if let Listener::Tcp(_, tls) = &mut l {
+            tls.clone_from(&opts.tls);
+        }
+        Ok(l)
+    }
+
+    /// The TLS every peer must speak, if any.
+    pub fn tls(&self) -> Option<&ServerTls> {
+        match self {
+            Listener::Tcp(_, tls) => tls.as_ref(),
+            Listener::Unix(..) => None,
+        }
+    }
+
+    /// Binds `addr`, plain, whatever the address: [`Listener::bind_with`] applies the rules.
     pub fn bind(addr: &Address) -> io::Result<Listener> {
         Ok(match addr {
             Address::Tcp(a) => {
@@ -228,7 +317,7 @@ impl Listener {
                 if r < 0 {
                     return Err(io::Error::last_os_error());
                 }
-                Listener::Tcp(l)
+                Listener::Tcp(l, None)
             }
             Address::Unix(p) => {
                 // 0600 before it is reachable; only a stale socket is replaced.
@@ -240,30 +329,31 @@ impl Listener {
 
     pub fn local_addr(&self) -> Address {
         match self {
-            Listener::Tcp(l) => Address::Tcp(l.local_addr().map(|a| a.to_string()).unwrap_or_default()),
+            Listener::Tcp(l, _) => Address::Tcp(l.local_addr().map(|a| a.to_string()).unwrap_or_default()),
             Listener::Unix(_, p, _) => Address::Unix(p.clone()),
         }
     }
 
     pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
         match self {
-            Listener::Tcp(l) => l.set_nonblocking(on),
+            Listener::Tcp(l, _) => l.set_nonblocking(on),
             Listener::Unix(l, ..) => l.set_nonblocking(on),
         }
     }
 
+    /// Accepts one connection, raw: the TLS handshake (if any) is the caller's
+    /// ([`crate::destination`] vets each peer).
     pub fn accept(&self) -> io::Result<Conn> {
         let c = match self {
-            Listener::Tcp(l) => {
+            Listener::Tcp(l, _) => {
                 let (s, _) = l.accept()?;
                 s.set_nodelay(true)?;
                 Conn::Tcp(s)
             }
             Listener::Unix(l, ..) => {
-                let s = l.accept()?.0;
-                // The peer gets this VM's memory (or hands it one): this user or root only.
-                kumo_sandbox::sock::check_peer(&s, Some(&[kumo_sandbox::sock::euid(), 0]), "unix migration")?;
-                Conn::Unix(s)
+                // The peer's uid is checked with the rest of what a peer must be
+                // (`accept::vet`), so a refused peer is one more bad connection.
+                Conn::Unix(l.accept()?.0)
             }
         };
         Ok(c)

@@ -118,7 +118,8 @@ impl VmApi {
         e.claim("an incoming migration").map_err(ApiError::conflict)?;
         let ours = HostResources { net: r.net.clone(), numa: r.numa.clone() };
         let listening = (ours.check().map_err(|e| e.to_string()))
-            .and_then(|()| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours))
+            .and_then(|()| crate::migration::listen_options(r.tls_dir.as_deref(), r.insecure))
+            .and_then(|listen| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours, listen))
             .and_then(|inc| inc.listen(&*e.say).map(|ready| (inc, ready)));
         let (inc, ready) = listening.map_err(|why| {
             e.release();

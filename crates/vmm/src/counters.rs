@@ -166,7 +166,8 @@ mod tests {
         assert_eq!((m.pages_sent, m.bytes_sent, m.pages_received), (5, 5 * 4096, 0));
         st.state = MigrationState::Received;
         st.events.clear();
-        st.received = Some(RecvStatus { phase: RecvPhase::Restoring, pages: 7, bytes: 7 * 4096, rounds: 2 });
+        st.received =
+            Some(RecvStatus { phase: RecvPhase::Restoring, pages: 7, bytes: 7 * 4096, rounds: 2, rejected: 0 });
         let m = migration_bytes(&st).unwrap();
         assert_eq!((m.pages_sent, m.pages_received, m.bytes_received), (0, 7, 7 * 4096));
     }

@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use kumo_migration::format::VmDescription;
 use kumo_migration_engine::{
-    receive_with, Address, BoxError, DestVm, Listener, RecvProgress, RecvReport, VmError, VmOp,
+    receive_with, Address, BoxError, DestVm, ListenOptions, Listener, RecvProgress, RecvReport, ServerTls, VmError,
+    VmOp,
 };
 use kumo_vm::layout::ram_regions;
 use kumo_vm::GuestMemory;
@@ -52,6 +53,13 @@ pub fn config_from_description(d: &VmDescription, ours: &HostResources) -> Resul
     Ok(c)
 }
 
+/// How a destination listens (`--tls-dir`, `--insecure`; API `tls_dir`, `insecure`): the TLS
+/// directory is loaded here, so a bad one is refused before anything is prepared.
+pub fn listen_options(tls_dir: Option<&str>, insecure: bool) -> Result<ListenOptions, String> {
+    let tls = tls_dir.map(|d| ServerTls::from_dir(std::path::Path::new(d))).transpose()?;
+    Ok(ListenOptions { tls, insecure })
+}
+
 /// A destination's incoming migration (`kumo run --incoming ADDR`): where it listens, the shape
 /// it was prepared for, and how far the VM has arrived (read by the destination's API).
 pub struct Incoming {
@@ -63,24 +71,31 @@ pub struct Incoming {
     /// `--net`, `--numa`: the host resources the arriving VM gets; a VM that does not fit them
     /// is refused.
     pub resources: HostResources,
+    /// TLS, or a plain listener (loopback only unless insecure).
+    listen: ListenOptions,
     pub since: Instant,
     progress: RecvProgress,
     arrived: Mutex<Option<RecvReport>>,
 }
 
 impl Incoming {
+    /// An incoming migration on `addr`, listening as `listen` says (checked here, before
+    /// anything is prepared).
     pub fn new(
         addr: &str,
         memory: Option<u64>,
         cpus: Option<u32>,
         resources: HostResources,
+        listen: ListenOptions,
     ) -> Result<Arc<Incoming>, String> {
         let addr: Address = addr.parse()?;
+        listen.check(&addr)?;
         Ok(Arc::new(Incoming {
             addr,
             memory,
             cpus,
             resources,
+            listen,
             since: Instant::now(),
             progress: RecvProgress::default(),
             arrived: Mutex::new(None),
@@ -142,8 +157,12 @@ impl Incoming {
         };
         // Listen only once the memory is ready: a source that connected earlier would wait for
         // the handshake while memory is faulted in, and give up.
-        let listener = Listener::bind(&self.addr).map_err(|e| format!("cannot listen on {}: {e}", self.addr))?;
-        say(&format!("waiting for a migration on {}", listener.local_addr()));
+        let listener = Listener::bind_with(&self.addr, &self.listen)?;
+        let tls = match &self.listen.tls {
+            Some(t) => format!(" (mutual TLS, {})", t.dir.display()),
+            None => String::new(),
+        };
+        say(&format!("waiting for a migration on {}{tls}", listener.local_addr()));
         Ok(Listening { listener, reserved })
     }
 

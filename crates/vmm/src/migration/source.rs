@@ -99,7 +99,22 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
     if let Some(b) = req.max_bandwidth.filter(|&b| b < MIN_BANDWIDTH) {
         return Err(format!("max_bandwidth must be at least {MIN_BANDWIDTH} bytes/s (1M), not {b}"));
     }
-    let mut opts = MigrateOptions { engine, connections, max_bandwidth: req.max_bandwidth, ..Default::default() };
+    let tls = match (&req.tls_dir, &req.tls_server_name) {
+        (Some(dir), name) => {
+            Some(kumo_migration_engine::ClientTls::from_dir(std::path::Path::new(dir), name.as_deref())?)
+        }
+        (None, Some(_)) => return Err("tls_server_name needs tls_dir".into()),
+        (None, None) => None,
+    };
+    if tls.is_some() {
+        if engine == EngineKind::Zerocopy {
+            return Err(kumo_migration_engine::source::ZEROCOPY_TLS.into());
+        }
+        if let Address::Unix(_) = to {
+            return Err(kumo_migration_engine::transport::TLS_UNIX.into());
+        }
+    }
+    let mut opts = MigrateOptions { engine, connections, max_bandwidth: req.max_bandwidth, tls, ..Default::default() };
     if let Some(ms) = req.progress_timeout_ms {
         if !(100..=3_600_000).contains(&ms) {
             return Err(format!("progress_timeout_ms must be 100..=3600000, not {ms}"));
