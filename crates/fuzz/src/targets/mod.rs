@@ -1,0 +1,31 @@
+//! The targets, one module per surface; [`ALL`] lists them.
+
+pub mod apic;
+pub mod serial;
+pub mod x86;
+
+use crate::Target;
+
+pub static ALL: &[Target] = &[
+    Target {
+        name: "x86-decode",
+        about: "x86 decoder and emulation assists (guest instruction bytes, registers, page tables)",
+        test_cases: 20_000,
+        max_input: 256,
+        run: x86::run,
+    },
+    Target {
+        name: "apic",
+        about: "userspace LAPIC (MMIO, MSRs, timer, IPIs), IOAPIC and 8259 PIC registers",
+        test_cases: 3_000,
+        max_input: 2048,
+        run: apic::run,
+    },
+    Target {
+        name: "serial",
+        about: "COM1 16550A: port accesses, console input, restore of saved and mutated states",
+        test_cases: 3_000,
+        max_input: 1024,
+        run: serial::run,
+    },
+];
