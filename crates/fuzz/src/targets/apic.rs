@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use arbitrary::Arbitrary;
 use kumo_devices::apic::{
-    ApicEvent, DeliveryMode, Ipi, IoApic, LapicState, LocalApic, Lvt, ManualClock, Pic,
-    APIC_BASE_MSR, BASE_ENABLE, BASE_X2APIC, DEFAULT_APIC_BASE, TSC_DEADLINE_MSR,
+    ApicEvent, DeliveryMode, IoApic, Ipi, LapicState, LocalApic, Lvt, ManualClock, Pic, APIC_BASE_MSR, BASE_ENABLE,
+    BASE_X2APIC, DEFAULT_APIC_BASE, TSC_DEADLINE_MSR,
 };
 use kumo_devices::Persist;
 
@@ -16,28 +16,93 @@ use crate::{CaseResult, Input};
 
 #[derive(Debug, Arbitrary)]
 enum Op {
-    MmioRead { cpu: bool, off: u16, len: u8 },
-    MmioWrite { cpu: bool, off: u16, val: u32, len: u8 },
+    MmioRead {
+        cpu: bool,
+        off: u16,
+        len: u8,
+    },
+    MmioWrite {
+        cpu: bool,
+        off: u16,
+        val: u32,
+        len: u8,
+    },
     /// A register write at a 16-byte boundary (most writes that matter).
-    RegWrite { cpu: bool, reg: u8, val: u32 },
-    MsrRead { cpu: bool, msr: Msr },
-    MsrWrite { cpu: bool, msr: Msr, val: u64 },
-    Base { cpu: bool, en: bool, x2: bool },
-    Accept { cpu: bool, vector: u8, level: bool },
-    Ack { cpu: bool },
-    Eoi { cpu: bool },
-    Msi { address: u64, data: u32 },
-    FireLvt { cpu: bool, lvt: u8 },
-    Advance { ns: u32 },
-    Expire { cpu: bool },
-    Cr8 { cpu: bool, v: u8 },
-    SaveRestore { cpu: bool },
-    IoapicRead { off: u8, len: u8 },
-    IoapicWrite { off: u8, val: u32, len: u8 },
-    IoapicIrq { pin: u8, high: bool },
-    PicRead { port: u8 },
-    PicWrite { port: u8, v: u8 },
-    PicIrq { irq: u8, high: bool },
+    RegWrite {
+        cpu: bool,
+        reg: u8,
+        val: u32,
+    },
+    MsrRead {
+        cpu: bool,
+        msr: Msr,
+    },
+    MsrWrite {
+        cpu: bool,
+        msr: Msr,
+        val: u64,
+    },
+    Base {
+        cpu: bool,
+        en: bool,
+        x2: bool,
+    },
+    Accept {
+        cpu: bool,
+        vector: u8,
+        level: bool,
+    },
+    Ack {
+        cpu: bool,
+    },
+    Eoi {
+        cpu: bool,
+    },
+    Msi {
+        address: u64,
+        data: u32,
+    },
+    FireLvt {
+        cpu: bool,
+        lvt: u8,
+    },
+    Advance {
+        ns: u32,
+    },
+    Expire {
+        cpu: bool,
+    },
+    Cr8 {
+        cpu: bool,
+        v: u8,
+    },
+    SaveRestore {
+        cpu: bool,
+    },
+    IoapicRead {
+        off: u8,
+        len: u8,
+    },
+    IoapicWrite {
+        off: u8,
+        val: u32,
+        len: u8,
+    },
+    IoapicIrq {
+        pin: u8,
+        high: bool,
+    },
+    PicRead {
+        port: u8,
+    },
+    PicWrite {
+        port: u8,
+        v: u8,
+    },
+    PicIrq {
+        irq: u8,
+        high: bool,
+    },
     PicAck,
 }
 
@@ -234,7 +299,11 @@ impl Chips {
             Ok(e) => self.event(e),
             Err(e) => {
                 assert_eq!(e.msr, msr);
-                assert_eq!(self.lapics[cpu].save().expect("saves"), before, "refused write of MSR {msr:#x} changed state");
+                assert_eq!(
+                    self.lapics[cpu].save().expect("saves"),
+                    before,
+                    "refused write of MSR {msr:#x} changed state"
+                );
             }
         }
     }

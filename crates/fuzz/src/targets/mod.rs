@@ -1,6 +1,8 @@
 //! The targets, one module per surface; [`ALL`] lists them.
 
 pub mod apic;
+pub mod nic;
+pub mod restore;
 pub mod serial;
 pub mod x86;
 
@@ -27,5 +29,13 @@ pub static ALL: &[Target] = &[
         test_cases: 3_000,
         max_input: 1024,
         run: serial::run,
+    },
+    Target {
+        name: "restore",
+        about:
+            "state restore of LAPIC, IOAPIC, PIC, the virtio-net PCI function; Snapshot JSON; config_from_description",
+        test_cases: 3_000,
+        max_input: 1024,
+        run: restore::run,
     },
 ];

@@ -40,7 +40,13 @@ pub fn check_state(s: &SerialSnapshot) {
     assert!([1, 2, 4, 6].contains(&s.interrupt_identification), "IIR {:#x}", s.interrupt_identification);
     assert_eq!(s.line_status & !0x61, 0, "LSR {:#x}", s.line_status);
     assert_eq!(s.line_status & 0x60, 0x60, "LSR {:#x}: the transmitter is always ready", s.line_status);
-    assert_eq!(s.line_status & 1 != 0, !s.in_buffer.is_empty(), "LSR data ready {:#x} with {} bytes", s.line_status, s.in_buffer.len());
+    assert_eq!(
+        s.line_status & 1 != 0,
+        !s.in_buffer.is_empty(),
+        "LSR data ready {:#x} with {} bytes",
+        s.line_status,
+        s.in_buffer.len()
+    );
     assert_eq!(s.modem_status, 0xB0, "MSR {:#x}", s.modem_status);
     assert!(s.in_buffer.len() <= 64, "{} bytes in the FIFO", s.in_buffer.len());
 }
@@ -75,7 +81,11 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
             Op::Input(bytes) => {
                 let before = com1.state().in_buffer.len();
                 let n = com1.enqueue_input(&bytes);
-                assert!(n <= bytes.len() && before + n <= 64, "{n} of {} bytes taken with {before} queued", bytes.len());
+                assert!(
+                    n <= bytes.len() && before + n <= 64,
+                    "{n} of {} bytes taken with {before} queued",
+                    bytes.len()
+                );
             }
             Op::SaveRestore => {
                 let s = com1.state();

@@ -19,9 +19,7 @@ const BYTES: &[u8] = &[
 
 fn instruction_bytes(u: &mut Input<'_>) -> arbitrary::Result<Vec<u8>> {
     let n = u.int_in_range(0..=20)?;
-    (0..n)
-        .map(|_| if u.ratio(2, 3)? { Ok(BYTES[u.choose_index(BYTES.len())?]) } else { u.arbitrary() })
-        .collect()
+    (0..n).map(|_| if u.ratio(2, 3)? { Ok(BYTES[u.choose_index(BYTES.len())?]) } else { u.arbitrary() }).collect()
 }
 
 fn check_mem(m: &MemOperand) {
