@@ -1,6 +1,7 @@
 //! The targets, one module per surface; [`ALL`] lists them.
 
 pub mod apic;
+pub mod mailbox;
 pub mod nic;
 pub mod restore;
 pub mod serial;
@@ -37,5 +38,12 @@ pub static ALL: &[Target] = &[
         test_cases: 3_000,
         max_input: 1024,
         run: restore::run,
+    },
+    Target {
+        name: "mailbox",
+        about: "elastic mailbox as the VMM reads it: guest-written answer fields, the release-answer check, layouts",
+        test_cases: 5_000,
+        max_input: 1024,
+        run: mailbox::run,
     },
 ];
