@@ -5,6 +5,7 @@ pub mod mailbox;
 pub mod nic;
 pub mod restore;
 pub mod serial;
+pub mod vhost_user;
 pub mod x86;
 
 use crate::Target;
@@ -45,5 +46,12 @@ pub static ALL: &[Target] = &[
         test_cases: 5_000,
         max_input: 1024,
         run: mailbox::run,
+    },
+    Target {
+        name: "vhost-user",
+        about: "net-backend's vhost-user requests (relay and daemon) over a socketpair, with fds",
+        test_cases: 300,
+        max_input: 1024,
+        run: vhost_user::run,
     },
 ];
