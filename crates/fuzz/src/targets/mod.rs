@@ -1,11 +1,15 @@
 //! The targets, one module per surface; [`ALL`] lists them.
 
 pub mod apic;
+pub mod http;
 pub mod mailbox;
+pub mod migration;
 pub mod nic;
+pub mod pci;
 pub mod restore;
 pub mod serial;
 pub mod vhost_user;
+pub mod virtio_net;
 pub mod x86;
 
 use crate::Target;
@@ -53,5 +57,33 @@ pub static ALL: &[Target] = &[
         test_cases: 300,
         max_input: 1024,
         run: vhost_user::run,
+    },
+    Target {
+        name: "http",
+        about: "the control API's HTTP server: route-table requests with arbitrary changes, to a live server",
+        test_cases: 1_000,
+        max_input: 512,
+        run: http::run,
+    },
+    Target {
+        name: "migration-stream",
+        about: "migration stream and header as a destination reads them, and a source's reply reader",
+        test_cases: 5_000,
+        max_input: 1024,
+        run: migration::run,
+    },
+    Target {
+        name: "virtio-net",
+        about: "virtio-net rings behind its PCI function: arbitrary descriptors, avail entries, control commands",
+        test_cases: 1_000,
+        max_input: 1024,
+        run: virtio_net::run,
+    },
+    Target {
+        name: "pci",
+        about: "PCI config mechanism #1, ECAM, the NIC's BAR and MSI-X table, vectors firing",
+        test_cases: 2_000,
+        max_input: 1024,
+        run: pci::run,
     },
 ];
