@@ -148,6 +148,55 @@ pub const TEST_SEED: u64 = 0x6b75_6d6f_667a_7a31;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
+
+    /// One at a time: a panic anywhere in the process counts against the case running (a
+    /// target's device threads are watched that way).
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs a target's bounded number of cases from the fixed test seed.
+    fn fuzz(name: &str) {
+        let _g = serial();
+        let t = target(name).expect("a target of that name");
+        if let Err(f) = run(t, TEST_SEED, t.test_cases) {
+            panic!("{f}");
+        }
+    }
+
+    macro_rules! targets {
+        ($($test:ident => $name:literal),* $(,)?) => {
+            $(#[test]
+            fn $test() {
+                fuzz($name);
+            })*
+
+            #[test]
+            fn every_target_has_a_test() {
+                let mut tested = vec![$($name),*];
+                let mut all: Vec<_> = targets().iter().map(|t| t.name).collect();
+                tested.sort();
+                all.sort();
+                assert_eq!(tested, all);
+            }
+        };
+    }
+
+    targets! {
+        x86_decode => "x86-decode",
+        apic => "apic",
+        serial_port => "serial",
+        restore => "restore",
+        mailbox => "mailbox",
+        vhost_user => "vhost-user",
+        http => "http",
+        migration_stream => "migration-stream",
+        virtio_net => "virtio-net",
+        pci => "pci",
+    }
 
     #[test]
     fn cases_replay_from_seed_and_index() {
@@ -158,6 +207,7 @@ mod tests {
 
     #[test]
     fn a_panicking_case_names_its_seed_and_index() {
+        let _g = serial();
         let t = Target {
             name: "boom",
             about: "",

@@ -25,7 +25,7 @@ pub static ALL: &[Target] = &[
     Target {
         name: "apic",
         about: "userspace LAPIC (MMIO, MSRs, timer, IPIs), IOAPIC and 8259 PIC registers",
-        test_cases: 3_000,
+        test_cases: 1_500,
         max_input: 2048,
         run: apic::run,
     },

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use iced_x86::Mnemonic;
 use kumo_vm::emulate::assist::{self, AssistCpu, Done, Exception, Insn, MemOperand, Rm, VEC_BP};
 use kumo_vm::emulate::decode::{decode_modrm, decode_prefixes, describe};
 use kvm_bindings::{kvm_regs, kvm_sregs};
@@ -17,9 +18,42 @@ const BYTES: &[u8] = &[
     0x40, 0x41, 0x44, 0x48, 0x4c, 0x4f, 0x14, 0x15, 0x24, 0x25, 0x55, 0x17, 0x54, 0x94, 0xc0, 0xc7,
 ];
 
+const PREFIXES: &[u8] =
+    &[0x66, 0x67, 0xf2, 0xf3, 0x64, 0x65, 0x2e, 0x3e, 0xf0, 0x40, 0x41, 0x42, 0x44, 0x48, 0x4d, 0x4f];
+
+/// Instruction bytes: mostly an assisted instruction's form (prefixes, opcode, a ModRM with the
+/// right /digit, SIB and displacement bytes), sometimes bytes near the decoder's paths.
 fn instruction_bytes(u: &mut Input<'_>) -> arbitrary::Result<Vec<u8>> {
-    let n = u.int_in_range(0..=20)?;
-    (0..n).map(|_| if u.ratio(2, 3)? { Ok(BYTES[u.choose_index(BYTES.len())?]) } else { u.arbitrary() }).collect()
+    if u.ratio(1, 4)? {
+        let n = u.int_in_range(0..=20)?;
+        return (0..n)
+            .map(|_| if u.ratio(2, 3)? { Ok(BYTES[u.choose_index(BYTES.len())?]) } else { u.arbitrary() })
+            .collect();
+    }
+    let mut v: Vec<u8> = Vec::new();
+    for _ in 0..u.int_in_range(0..=3)? {
+        v.push(PREFIXES[u.choose_index(PREFIXES.len())?]);
+    }
+    match u.int_in_range(0..=4)? {
+        0 => v.push([0xcc, 0x9b][u.choose_index(2)?]),
+        1 => v.extend([0x0f, 0x01, [0xca, 0xcb, 0xf9][u.choose_index(3)?]]),
+        2 => {
+            // POPCNT: F3 before any REX.
+            if !v.contains(&0xf3) {
+                v.insert(0, 0xf3);
+            }
+            v.extend([0x0f, 0xb8, u.arbitrary()?]);
+        }
+        _ => {
+            let modrm: u8 = u.arbitrary()?;
+            let digit = [2u8, 3][u.choose_index(2)?];
+            v.extend([0x0f, 0xae, (modrm & !0x38) | digit << 3]);
+        }
+    }
+    for _ in 0..u.int_in_range(0..=6)? {
+        v.push(u.arbitrary()?);
+    }
+    Ok(v)
 }
 
 fn check_mem(m: &MemOperand) {
@@ -54,7 +88,66 @@ fn check_decode(b: &[u8], long_mode: bool) -> Option<(Insn, usize)> {
         }
     }
     let _ = describe(b);
+    if let Some((insn, len)) = d {
+        oracle(b, long_mode, &insn, len);
+    }
     d
+}
+
+/// iced-x86, an independent x86 decoder, must see the same instruction with the same length.
+fn oracle(b: &[u8], long_mode: bool, insn: &Insn, len: usize) {
+    let mut dec = iced_x86::Decoder::new(if long_mode { 64 } else { 32 }, b, iced_x86::DecoderOptions::NONE);
+    let i = dec.decode();
+    let want = match insn {
+        Insn::Int3 => Mnemonic::Int3,
+        Insn::Fwait => Mnemonic::Wait,
+        Insn::Ldmxcsr(_) => Mnemonic::Ldmxcsr,
+        Insn::Stmxcsr(_) => Mnemonic::Stmxcsr,
+        Insn::Clac => Mnemonic::Clac,
+        Insn::Stac => Mnemonic::Stac,
+        Insn::Popcnt { .. } => Mnemonic::Popcnt,
+        Insn::Rdtscp => Mnemonic::Rdtscp,
+    };
+    assert_eq!(i.mnemonic(), want, "{b:02x?}: kumo decodes {insn:?}, iced-x86 {:?}", i.code());
+    assert_eq!(i.len(), len, "{b:02x?}: kumo decodes {insn:?} of {len} bytes, iced-x86 {:?} of {}", i.code(), i.len());
+    if let Insn::Popcnt { dst, size, .. } = insn {
+        assert_eq!(i.op0_register().size(), *size as usize, "{b:02x?}: {:?}", i.code());
+        assert_eq!(gpr_number(i.op0_register()), Some(*dst), "{b:02x?}: {:?}", i.code());
+    }
+}
+
+fn gpr_number(r: iced_x86::Register) -> Option<u8> {
+    let full = r.full_register();
+    let n = full as u32;
+    (full.is_gpr64()).then(|| (n - iced_x86::Register::RAX as u32) as u8)
+}
+
+/// The effective address kumo computes is the one iced-x86 computes from the same registers.
+fn oracle_address(b: &[u8], m: &MemOperand, r: &kvm_regs, s: &kvm_sregs, len: usize) {
+    let mut dec = iced_x86::Decoder::with_ip(64, b, r.rip, iced_x86::DecoderOptions::NONE);
+    let i = dec.decode();
+    let g = assist::gprs(r);
+    let value = |reg: iced_x86::Register, _: usize, _: usize| -> Option<u64> {
+        use iced_x86::Register as R;
+        Some(match reg {
+            R::FS => s.fs.base,
+            R::GS => s.gs.base,
+            R::ES | R::CS | R::SS | R::DS => 0,
+            R::RIP => r.rip.wrapping_add(len as u64),
+            R::EIP => r.rip.wrapping_add(len as u64) & 0xffff_ffff,
+            other => {
+                let v = g[gpr_number(other)? as usize];
+                if other.size() == 4 {
+                    v & 0xffff_ffff
+                } else {
+                    v
+                }
+            }
+        })
+    };
+    let Some(want) = i.virtual_address(0, 0, value) else { return };
+    let got = m.address(&g, r.rip.wrapping_add(len as u64), s.fs.base, s.gs.base);
+    assert_eq!(got, want, "{b:02x?} ({:?}): kumo's address {got:#x}, iced-x86's {want:#x}", i.code());
 }
 
 /// A guest-virtual address space of 4 KiB pages, some read-only, and MXCSR.
@@ -166,6 +259,9 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
     let mut r = regs(u)?;
     let mut s = sregs(u)?;
     s.cs.l = long_mode as u8;
+    if let (Insn::Ldmxcsr(m) | Insn::Stmxcsr(m), true) = (&insn, long_mode) {
+        oracle_address(&bytes, m, &r, &s, len);
+    }
     let before = r;
     let mxcsr_before = cpu.mxcsr;
     let done = assist::execute(&mut cpu, insn, len, &mut r, &s).expect("the fake vCPU never fails");
@@ -185,7 +281,7 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
             }
             // Only RFLAGS bits an instruction defines change (and bit 1 stays set).
             let changed = r.rflags ^ before.rflags;
-            assert_eq!(changed & !0x40_08d5, 0, "{insn:?} changed RFLAGS {changed:#x}");
+            assert_eq!(changed & !0x4_08d5, 0, "{insn:?} changed RFLAGS {changed:#x}");
             assert_eq!(cpu.mxcsr & !cpu.mask, 0, "{insn:?} loaded reserved MXCSR bits {:#x}", cpu.mxcsr);
         }
     }
