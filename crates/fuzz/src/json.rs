@@ -98,13 +98,40 @@ fn at_path<'v>(v: &'v mut Value, path: &[PathStep]) -> Option<&'v mut Value> {
     })
 }
 
+/// A node found by walking down from the root, stopping at each level now and then: the
+/// top-level fields of a state get their share.
+fn descend<'v>(u: &mut Input<'_>, mut v: &'v mut Value) -> arbitrary::Result<&'v mut Value> {
+    loop {
+        let n = match &*v {
+            Value::Array(a) => a.len(),
+            Value::Object(m) => m.len(),
+            _ => 0,
+        };
+        if n == 0 || u.ratio(1, 3)? {
+            return Ok(v);
+        }
+        let i = u.choose_index(n)?;
+        v = match v {
+            Value::Array(a) => &mut a[i],
+            Value::Object(m) => m.values_mut().nth(i).expect("in range"),
+            _ => unreachable!("containers only"),
+        };
+    }
+}
+
 /// Applies one to four mutations to `v`, each at a node chosen among all its nodes.
 pub fn mutate(u: &mut Input<'_>, v: &mut Value) -> arbitrary::Result<()> {
     for _ in 0..u.int_in_range(1..=4)? {
-        let mut all = Vec::new();
-        paths(v, &mut Vec::new(), &mut all);
-        let path = &all[u.choose_index(all.len())?];
-        let Some(node) = at_path(v, path) else { continue };
+        let node = if u.arbitrary()? {
+            // Any node, uniformly: big arrays (an XSAVE area, register pages) get most hits.
+            let mut all = Vec::new();
+            paths(v, &mut Vec::new(), &mut all);
+            let path = &all[u.choose_index(all.len())?];
+            let Some(node) = at_path(v, path) else { continue };
+            node
+        } else {
+            descend(u, v)?
+        };
         match (u.int_in_range(0..=5)?, &mut *node) {
             (0 | 1, Value::Number(n)) => *node = number(u, Some(&n.clone()))?,
             (0 | 1, Value::Bool(b)) => *b = !*b,

@@ -196,6 +196,7 @@ mod tests {
         migration_stream => "migration-stream",
         virtio_net => "virtio-net",
         pci => "pci",
+        vcpu_restore => "vcpu-restore",
     }
 
     #[test]

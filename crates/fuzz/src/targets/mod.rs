@@ -8,6 +8,7 @@ pub mod nic;
 pub mod pci;
 pub mod restore;
 pub mod serial;
+pub mod vcpu;
 pub mod vhost_user;
 pub mod virtio_net;
 pub mod x86;
@@ -85,5 +86,12 @@ pub static ALL: &[Target] = &[
         test_cases: 2_000,
         max_input: 1024,
         run: pci::run,
+    },
+    Target {
+        name: "vcpu-restore",
+        about: "KVM vCPU and VM-wide state restore from mutated saved states (skipped without /dev/kvm)",
+        test_cases: 300,
+        max_input: 512,
+        run: vcpu::run,
     },
 ];
