@@ -74,7 +74,7 @@ fn body_bytes(b: &Body) -> (Vec<u8>, usize) {
             v.extend((rs.len() as u32).to_le_bytes());
             v.extend(0u32.to_le_bytes());
             for &(gpa, size, uaddr, offset) in rs {
-                let offset = offset as u64 % MEMFD_SIZE & !0xfff;
+                let offset = (offset as u64 % MEMFD_SIZE) & !0xfff;
                 let size = (size as u64 % (MEMFD_SIZE - offset)).max(0x1000) & !0xfff;
                 [gpa & !0xfff, size, uaddr, offset].iter().for_each(|x| v.extend(x.to_le_bytes()));
             }
@@ -88,10 +88,13 @@ fn body_bytes(b: &Body) -> (Vec<u8>, usize) {
     (v, regions)
 }
 
+/// Makes one setup message's body.
+type MakeBody = fn(&mut Input<'_>) -> arbitrary::Result<Body>;
+
 /// The setup a frontend (kumo's `nic_vhost_user`) makes, with arbitrary values.
 fn plausible(u: &mut Input<'_>) -> arbitrary::Result<Vec<Msg>> {
     let mut out = Vec::new();
-    let steps: [(u8, fn(&mut Input<'_>) -> arbitrary::Result<Body>); 12] = [
+    let steps: [(u8, MakeBody); 12] = [
         (3, |_| Ok(Body::Empty)),
         (1, |_| Ok(Body::Empty)),
         (2, |u| Ok(Body::U64(if u.ratio(3, 4)? { kumo_net_backend::backend::FEATURES } else { u.arbitrary()? }))),

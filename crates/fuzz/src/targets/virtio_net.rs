@@ -129,7 +129,7 @@ impl Driver {
                 }
             }
             Op::Poke { at, v } => {
-                let _ = mem.write_obj(v, GuestAddress(0x1_0000 + (at as u64 % 0x5_0000) & !7));
+                let _ = mem.write_obj(v, GuestAddress((0x1_0000 + at as u64 % 0x5_0000) & !7));
             }
         }
     }
