@@ -88,46 +88,56 @@ fn pic(u: &mut Input<'_>) -> CaseResult {
     Ok(())
 }
 
+/// A NIC state valid in one part and of another shape (or placement) in another: the check
+/// of the second must come before the first is taken.
+fn nic_shaped(u: &mut Input<'_>, valid: &Value) -> arbitrary::Result<Value> {
+    let mut v = valid.clone();
+    v["device"]["device"]["link_up"] = (!valid["device"]["device"]["link_up"].as_bool().unwrap_or(true)).into();
+    v["device"]["config_generation"] = 7.into();
+    match u.int_in_range(0..=4)? {
+        0 => drop(v["msix"]["entries"].as_array_mut().and_then(|a| a.pop())),
+        1 => drop(v["msix"]["pba"].as_array_mut().map(|a| a.push(0.into()))),
+        2 => drop(v["device"]["queues"].as_array_mut().and_then(|a| a.pop())),
+        3 => v["device"]["device"]["active_pairs"] = 0.into(),
+        _ => {
+            let a: u64 = if u.arbitrary()? { u.int_in_range(0..=0xffff_ffff)? } else { u.arbitrary()? };
+            v["config"]["mapped"][0] = a.into();
+        }
+    }
+    Ok(v)
+}
+
 /// The NIC's PCI function: config space, MSI-X, virtio transport and virtio-net state.
 fn nic(u: &mut Input<'_>) -> CaseResult {
     let mut r = rig(if u.arbitrary()? { 1 } else { 2 });
     if u.arbitrary()? {
+        let mut alloc = kumo_devices::pci::BarAllocator::new((0xc000_0000, 0x100_0000)).expect("allocator");
+        alloc.place(kumo_devices::pci::PciDevice::config_mut(&mut r.f)).expect("placed");
         r.bring_up();
     }
-    // Now and then a state valid in one part and of the wrong shape in another: the check of
-    // the second must come before the first is taken.
-    if u.ratio(1, 4)? {
-        let before = r.f.save_value().expect("saves");
-        let mut v = before.clone();
-        v["device"]["device"]["link_up"] = (!before["device"]["device"]["link_up"].as_bool().unwrap_or(true)).into();
-        v["device"]["config_generation"] = 7.into();
-        match u.int_in_range(0..=3)? {
-            0 => drop(v["msix"]["entries"].as_array_mut().and_then(|a| a.pop())),
-            1 => drop(v["msix"]["pba"].as_array_mut().map(|a| a.push(0.into()))),
-            2 => drop(v["device"]["queues"].as_array_mut().and_then(|a| a.pop())),
-            _ => v["device"]["device"]["active_pairs"] = 0.into(),
-        }
-        if let Err(e) = r.f.restore_value(v) {
-            assert!(r.f.save_value().expect("saves") == before, "refused restore ({e}) changed the NIC");
-        }
+    let before = r.f.save_value().expect("saves");
+    let v = if u.ratio(1, 4)? { nic_shaped(u, &before)? } else { mutated_or_garbage(u, &before)? };
+    if let Err(e) = r.f.restore_value(v) {
+        assert!(r.f.save_value().expect("saves") == before, "refused restore ({e}) changed the NIC");
         return Ok(());
     }
-    if restore_mutated(u, &mut r.f)? {
-        let s = r.f.save_value().expect("saves");
-        let pairs = s["device"]["device"]["active_pairs"].as_u64().expect("active_pairs");
-        assert!((1..=r.pairs as u64).contains(&pairs), "{pairs} active pairs restored on a NIC with {}", r.pairs);
-        let mac = &s["device"]["device"]["config"]["mac"];
-        assert!(mac[0].as_u64().is_some_and(|b| b & 1 == 0), "a multicast MAC {mac} restored");
-        // It goes on working: the driver's accesses and the backend's frames.
-        let t = r.f.device_mut();
-        for off in [0x14u64, 0x1c, 0x16] {
-            let mut d = [0u8; 2];
-            t.bar_read(off, &mut d);
-        }
-        t.device_mut().backend_mut().inject(0, vec![0u8; 64]);
-        t.device_mut().backend_ready(0);
-        r.msix.lock().unwrap_or_else(|p| p.into_inner()).fire(1);
+    let s = r.f.save_value().expect("saves");
+    let pairs = s["device"]["device"]["active_pairs"].as_u64().expect("active_pairs");
+    assert!((1..=r.pairs as u64).contains(&pairs), "{pairs} active pairs restored on a NIC with {}", r.pairs);
+    if let Some(a) = s["config"]["mapped"][0].as_u64() {
+        assert!(a % super::nic::BAR_SIZE == 0 && a <= u32::MAX as u64, "BAR 0 (32-bit) placed at {a:#x}");
     }
+    let mac = &s["device"]["device"]["config"]["mac"];
+    assert!(mac[0].as_u64().is_some_and(|b| b & 1 == 0), "a multicast MAC {mac} restored");
+    // It goes on working: the driver's accesses and the backend's frames.
+    let t = r.f.device_mut();
+    for off in [0x14u64, 0x1c, 0x16] {
+        let mut d = [0u8; 2];
+        t.bar_read(off, &mut d);
+    }
+    t.device_mut().backend_mut().inject(0, vec![0u8; 64]);
+    t.device_mut().backend_ready(0);
+    r.msix.lock().unwrap_or_else(|p| p.into_inner()).fire(1);
     Ok(())
 }
 
@@ -191,12 +201,16 @@ fn snapshot(u: &mut Input<'_>) -> CaseResult {
 }
 
 pub fn run(u: &mut Input<'_>) -> CaseResult {
-    match u.int_in_range(0..=5)? {
+    match u.int_in_range(0..=6)? {
         0 => lapic(u),
         1 => ioapic(u),
         2 => pic(u),
         3 => nic(u),
         4 => config(u),
+        5 => {
+            let mut root = kumo_devices::pci::PciRoot::new();
+            restore_mutated(u, &mut root).map(|_| ())
+        }
         _ => snapshot(u),
     }
 }
