@@ -273,7 +273,8 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
     let _ = t.join();
     if std::env::var_os("KUMO_FUZZ_DEBUG").is_some() {
         let codes: Vec<u8> = msgs.iter().map(|m| m.request).collect();
-        eprintln!("{codes:?}: {replies} replies before the barrier; {served:?}");
+        let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+        eprintln!("{codes:?}: {replies} replies before the barrier; {served:?}; {fds} fds open");
     }
     let info = nic.info();
     assert_eq!(info.owner, None, "a client that left still owns the NIC");
