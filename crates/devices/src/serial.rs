@@ -75,6 +75,39 @@ pub struct SerialSnapshot {
     pub in_buffer: Vec<u8>,
 }
 
+/// vm-superio's register values (its IER, IIR, LSR and MSR bits): the only ones its UART can
+/// be in, whatever the guest writes.
+const IER_VALID: u8 = 0x0f;
+const IIR_VALUES: [u8; 4] = [0x01, 0x02, 0x04, 0x06];
+const LSR_ALWAYS: u8 = 0x60;
+const LSR_DATA_READY: u8 = 0x01;
+const MSR_DEFAULT: u8 = 0xb0;
+
+impl SerialSnapshot {
+    /// Refuses a state vm-superio could not have produced: a garbage snapshot must not put the
+    /// UART in a state its guest driver never sees (e.g. a transmitter that never empties).
+    pub fn check(&self) -> Result<(), String> {
+        let bad = |what: &str, v: u8| Err(format!("serial state has an impossible {what} {v:#04x}"));
+        if self.in_buffer.len() > FIFO_SIZE {
+            return Err(format!("serial state holds {} input bytes, the FIFO {FIFO_SIZE}", self.in_buffer.len()));
+        }
+        if self.interrupt_enable & !IER_VALID != 0 {
+            return bad("IER", self.interrupt_enable);
+        }
+        if !IIR_VALUES.contains(&self.interrupt_identification) {
+            return bad("IIR", self.interrupt_identification);
+        }
+        let ready = if self.in_buffer.is_empty() { 0 } else { LSR_DATA_READY };
+        if self.line_status != LSR_ALWAYS | ready {
+            return bad("LSR", self.line_status);
+        }
+        if self.modem_status != MSR_DEFAULT {
+            return bad("MSR", self.modem_status);
+        }
+        Ok(())
+    }
+}
+
 impl From<SerialState> for SerialSnapshot {
     fn from(s: SerialState) -> Self {
         SerialSnapshot {
@@ -129,9 +162,7 @@ impl SerialConsole {
     /// Puts back a state from [`SerialConsole::state`], keeping this console's interrupt and
     /// output sink. A state vm-superio could not have produced is refused and changes nothing.
     pub fn restore(&mut self, s: &SerialSnapshot) -> Result<(), String> {
-        if s.in_buffer.len() > FIFO_SIZE {
-            return Err(format!("serial state holds {} input bytes, the FIFO {FIFO_SIZE}", s.in_buffer.len()));
-        }
+        s.check()?;
         let irq = self.uart.interrupt_evt().0.try_clone().map_err(|e| format!("serial interrupt: {e}"))?;
         let raised = self.uart.interrupt_evt().1.clone();
         let events = self.uart.events().try_clone().map_err(|e| format!("serial input event: {e}"))?;
@@ -261,6 +292,32 @@ mod tests {
         bad.in_buffer = vec![0; 65];
         assert!(b.restore(&bad).is_err());
         assert_eq!(b.state().scratch, 0x5a, "a refused state changes nothing");
+    }
+
+    /// Found by kumo-fuzz (target `serial`): a restore took any register values, e.g. an LSR
+    /// without THR-empty (the guest's driver then waits forever to send) or an IIR that
+    /// names no interrupt; vm-superio's UART can be in none of them.
+    #[test]
+    fn states_the_uart_cannot_be_in_are_refused() {
+        let mut a = SerialConsole::new(EventFd::new(0).unwrap(), Box::new(Sink::default()));
+        a.write(7, &[0x5a]);
+        let good = a.state();
+        let with_input = SerialSnapshot { in_buffer: vec![1], line_status: 0x61, ..good.clone() };
+        let mut b = SerialConsole::new(EventFd::new(0).unwrap(), Box::new(Sink::default()));
+        b.restore(&with_input).unwrap();
+        for bad in [
+            SerialSnapshot { line_status: 0, ..good.clone() },
+            SerialSnapshot { line_status: 0x61, ..good.clone() },
+            SerialSnapshot { in_buffer: vec![1], ..good.clone() },
+            SerialSnapshot { interrupt_identification: 0, ..good.clone() },
+            SerialSnapshot { interrupt_identification: 0xc1, ..good.clone() },
+            SerialSnapshot { interrupt_enable: 0x10, ..good.clone() },
+            SerialSnapshot { modem_status: 0, scratch: 1, ..good.clone() },
+        ] {
+            let e = a.restore(&bad).unwrap_err();
+            assert!(e.starts_with("serial state has an impossible"), "{e}");
+            assert_eq!(a.state(), good, "a refused state changes nothing");
+        }
     }
 
     #[test]

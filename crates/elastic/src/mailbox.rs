@@ -84,6 +84,14 @@ pub fn blocks_set(b: &mut Blocks, i: u32, on: bool) {
     }
 }
 
+/// Whether `given`, the blocks the guest says it gave up (`ack_mem`) for a release of `k`
+/// blocks of the area numbered `area`, is such an answer: exactly `k` blocks, each in the
+/// area and plugged. The guest writes `given`; nothing in it is taken on trust.
+pub fn check_given(given: &Blocks, k: u32, area: std::ops::Range<u32>, plugged: &Blocks) -> bool {
+    blocks_count(given) == k
+        && blocks_iter(given).all(|b| area.contains(&b) && plugged[b as usize / 64] & (1 << (b % 64)) != 0)
+}
+
 /// One guest node's elastic memory: `nblocks` blocks from guest-physical `base`, numbered from
 /// `first_block` in the bitmaps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,7 +112,8 @@ pub struct Layout {
 
 impl Layout {
     pub fn nblocks(&self) -> u32 {
-        self.areas.iter().map(|a| a.nblocks).sum()
+        // Saturating: [`Layout::check`] refuses a layout whose count does not fit.
+        self.areas.iter().fold(0u32, |n, a| n.saturating_add(a.nblocks))
     }
 
     /// Guest-physical address of block `b`.
@@ -137,6 +146,9 @@ impl Layout {
         for a in &self.areas {
             if a.first_block != next || !a.base.is_multiple_of(BLOCK_ALIGN) {
                 return Err(format!("elastic area of node {} is misnumbered or misaligned", a.node));
+            }
+            if (a.nblocks as u64).checked_mul(self.block_bytes).and_then(|n| a.base.checked_add(n)).is_none() {
+                return Err(format!("elastic area of node {} ends beyond the address space", a.node));
             }
             next += a.nblocks;
         }
@@ -305,8 +317,16 @@ mod tests {
         let mut gap = l.clone();
         gap.areas[1].first_block = 5;
         assert!(gap.check().unwrap_err().contains("misnumbered"));
-        let big = Layout { ncpus: 65, ..l };
+        let big = Layout { ncpus: 65, ..l.clone() };
         assert!(big.check().is_err());
+        // Found by kumo-fuzz (target `mailbox`): block counts that overflow their sum, and an
+        // area past the end of the address space, panicked instead of being refused.
+        let mut many = l.clone();
+        many.areas[1].nblocks = u32::MAX;
+        assert!(many.check().unwrap_err().contains("at most 1024"));
+        let mut high = l;
+        high.areas[1].base = !(BLOCK_ALIGN - 1);
+        assert!(high.check().unwrap_err().contains("beyond the address space"));
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! One client's vhost-user-net device, as the `vhost-user-backend` crate sees it.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::io::RawFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringEpollHandler};
@@ -35,6 +36,26 @@ pub fn protocol_features() -> VhostUserProtocolFeatures {
 pub struct ClientBackend {
     pub nic: Arc<Nic>,
     pub client: Arc<Client>,
+    /// The exit-event consumers handed to `vhost-user-backend`: its `VringEpollHandler::new`
+    /// registers each with `into_raw_fd` and never closes it (0.24), one eventfd leaked per
+    /// connection. [`ClientBackend::close_exit_events`] closes them once the daemon is gone.
+    exit_fds: Mutex<Vec<RawFd>>,
+}
+
+impl ClientBackend {
+    pub fn new(nic: Arc<Nic>, client: Arc<Client>) -> Self {
+        ClientBackend { nic, client, exit_fds: Mutex::new(Vec::new()) }
+    }
+
+    /// Closes the exit-event consumers the daemon's worker kept. Call only after the daemon
+    /// (and with it its epoll handlers) has been dropped: nothing uses them then.
+    pub fn close_exit_events(&self) {
+        for fd in std::mem::take(&mut *self.exit_fds.lock().unwrap_or_else(|p| p.into_inner())) {
+            // SAFETY: `fd` is a consumer this backend created and handed out; the library turned
+            // it into a raw fd it never closes, so it is still open and owned by no one else.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+    }
 }
 
 impl VhostUserBackend for ClientBackend {
@@ -83,7 +104,9 @@ impl VhostUserBackend for ClientBackend {
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
+        self.exit_fds.lock().unwrap_or_else(|p| p.into_inner()).push(consumer.as_raw_fd());
+        Some((consumer, notifier))
     }
 
     fn handle_event(&self, device_event: u16, _evset: EventSet, vrings: &[Vring], _thread_id: usize) -> io::Result<()> {

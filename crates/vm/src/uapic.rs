@@ -239,10 +239,13 @@ impl UserApics {
         self.pic().clone()
     }
 
-    pub fn set_pic_state(&self, s: &kumo_devices::apic::PicState) {
+    /// Puts back a saved 8259 state through its own checks (a state the 8259A cannot be in is
+    /// refused and changes nothing).
+    pub fn set_pic_state(&self, s: &kumo_devices::apic::PicState) -> Result<(), kumo_devices::PersistError> {
         let mut pic = self.pic();
-        *pic = s.clone();
+        kumo_devices::Persist::restore(&mut *pic, s)?;
         self.pic_intr.store(pic.intr(), Ordering::Release);
+        Ok(())
     }
 
     /// An MSI message (a device's MSI-X vector), delivered like the IPI it describes.
@@ -484,8 +487,7 @@ impl kumo_devices::Persist for PicPersist {
         Ok(self.0.pic_state())
     }
     fn restore(&mut self, s: &Self::State) -> Result<(), kumo_devices::PersistError> {
-        self.0.set_pic_state(s);
-        Ok(())
+        self.0.set_pic_state(s)
     }
 }
 
@@ -596,7 +598,15 @@ mod tests {
         assert!(list.iter().any(|c| c.lock().unwrap().id() == "pic"));
         let st = a.pic_state();
         let b = UserApics::new(2, 0);
-        b.set_pic_state(&st);
+        b.set_pic_state(&st).unwrap();
         assert!(b.pic_pending_for(0, &b.lock(0)));
+        // The VM's restore goes through the 8259's own checks (found by kumo-fuzz `restore`:
+        // this path assigned the state as it came).
+        let mut bad = serde_json::to_value(&st).unwrap();
+        bad["master"]["init_step"] = 9.into();
+        let bad: kumo_devices::apic::PicState = serde_json::from_value(bad).unwrap();
+        let c = UserApics::new(2, 0);
+        assert!(c.set_pic_state(&bad).unwrap_err().to_string().contains("impossible master state"));
+        assert_eq!(c.pic_state(), kumo_devices::apic::Pic::new());
     }
 }

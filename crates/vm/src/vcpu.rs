@@ -611,6 +611,17 @@ impl Vcpu {
         if s.id != self.id {
             return Err(Error::Restore(format!("state of vCPU {} given to vCPU {}", s.id, self.id)));
         }
+        // The shape is checked before anything is written (KVM's own refusals come later).
+        if s.lapic.is_some() != self.has_lapic {
+            return Err(Error::Restore("LAPIC state does not match the irqchip mode".into()));
+        }
+        if s.msrs.len() > kvm_bindings::KVM_MAX_MSR_ENTRIES {
+            return Err(Error::Restore(format!(
+                "MSRs: {} saved, at most {}",
+                s.msrs.len(),
+                kvm_bindings::KVM_MAX_MSR_ENTRIES
+            )));
+        }
         let fd = &self.fd;
         fd.set_mp_state(s.mp_state).map_err(|e| Error::Kvm("KVM_SET_MP_STATE", e))?;
         fd.set_sregs(&s.sregs).map_err(|e| Error::Kvm("KVM_SET_SREGS", e))?;
@@ -619,10 +630,8 @@ impl Vcpu {
         // kind; KVM validates its contents.
         unsafe { fd.set_xsave(&s.xsave) }.map_err(|e| Error::Kvm("KVM_SET_XSAVE", e))?;
         fd.set_xcrs(&s.xcrs).map_err(|e| Error::Kvm("KVM_SET_XCRS", e))?;
-        match (&s.lapic, self.has_lapic) {
-            (Some(l), true) => fd.set_lapic(l).map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?,
-            (None, false) => {}
-            _ => return Err(Error::Restore("LAPIC state does not match the irqchip mode".into())),
+        if let Some(l) = &s.lapic {
+            fd.set_lapic(l).map_err(|e| Error::Kvm("KVM_SET_LAPIC", e))?;
         }
         let mut rest: &[kvm_msr_entry] = &s.msrs;
         while !rest.is_empty() {
@@ -745,5 +754,26 @@ mod tests {
         set_lapic_reg(&mut regs, APIC_LVT_LINT0, APIC_MODE_EXTINT);
         assert_eq!(regs[APIC_LVT_LINT0] as u8, 0x10);
         assert_eq!(regs[APIC_LVT_LINT0 + 1] as u8, 0x07);
+    }
+
+    /// Found by kumo-fuzz (target `vcpu-restore`): a state refused for its shape (a LAPIC the
+    /// irqchip mode does not have, too many MSRs) had its registers written before the check.
+    #[test]
+    fn a_state_of_the_wrong_shape_is_refused_before_anything_is_written() {
+        let Some(g) = crate::testing::RawGuest::new(&[0xf4], &[]) else { return };
+        let good = g.vcpu.save_state().unwrap();
+        let regs = |v: &Vcpu| v.save_state().unwrap().regs;
+        let before = regs(&g.vcpu);
+        let mut no_lapic = crate::state::VcpuState { lapic: None, ..g.vcpu.save_state().unwrap() };
+        no_lapic.regs.rip += 0x1000;
+        let e = g.vcpu.restore_state(&no_lapic).unwrap_err().to_string();
+        assert!(e.contains("LAPIC state does not match"), "{e}");
+        let mut many = g.vcpu.save_state().unwrap();
+        many.regs.rip += 0x2000;
+        many.msrs = vec![kvm_msr_entry { index: 0x10, ..Default::default() }; kvm_bindings::KVM_MAX_MSR_ENTRIES + 1];
+        let e = g.vcpu.restore_state(&many).unwrap_err().to_string();
+        assert!(e.contains("MSRs"), "{e}");
+        assert_eq!(format!("{:?}", regs(&g.vcpu)), format!("{before:?}"), "a refused state changes nothing");
+        g.vcpu.restore_state(&good).unwrap();
     }
 }

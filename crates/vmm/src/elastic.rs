@@ -618,11 +618,7 @@ impl ElasticVm {
             let step = self.post(Op::ReleaseMem, 0, node, k, &[0; 16], 0).and_then(|seq| {
                 self.wait_ack(seq, timeout, "give memory up")?;
                 let given = self.channel(self.mailbox.ack_mem())?;
-                let ok = blocks_count(&given) == k
-                    && blocks_iter(&given).all(|b| {
-                        self.area_blocks(a).contains(&b) && st.plugged[b as usize / 64] & (1 << (b % 64)) != 0
-                    });
-                if ok {
+                if mailbox::check_given(&given, k, self.area_blocks(a), &st.plugged) {
                     Ok(given)
                 } else {
                     Err(ElasticError::Guest(format!(

@@ -214,6 +214,10 @@ impl IoApic {
         self.ioregsel = s.ioregsel & 0xFF;
         for (d, v) in self.redir.iter_mut().zip(&s.redir) {
             *d = v & (WRITABLE | REMOTE_IRR);
+            // Remote IRR exists only on level entries (a write of an edge entry clears it).
+            if *d & LEVEL == 0 {
+                *d &= !REMOTE_IRR;
+            }
         }
         self.asserted = s.asserted & ((1 << IOAPIC_PINS) - 1);
         Ok(())
@@ -325,5 +329,18 @@ mod tests {
         assert_eq!(b, io);
         let bad = IoApicState { redir: vec![0; 3], ..s };
         assert!(b.restore(&bad).is_err());
+    }
+
+    /// Found by kumo-fuzz (target `restore`): a restored edge entry kept Remote IRR, which
+    /// only level entries have.
+    #[test]
+    fn restore_drops_remote_irr_of_edge_entries() {
+        let mut s = IoApic::new().state();
+        s.redir[2] = 0x59 | REMOTE_IRR;
+        s.redir[3] = 0x5a | REMOTE_IRR | LEVEL;
+        let mut io = IoApic::new();
+        io.restore(&s).unwrap();
+        assert_eq!(io.entry(2), Some(0x59));
+        assert_eq!(io.entry(3), Some(0x5a | REMOTE_IRR | LEVEL));
     }
 }

@@ -840,6 +840,29 @@ pub struct LapicState {
     pub timer: TimerState,
 }
 
+impl LapicState {
+    /// Refuses register values no guest write can produce (the bits each register keeps, no
+    /// vector 0–15 requested or in service): a restored APIC stays within what its guest and
+    /// the rest of this model expect.
+    fn check(&self) -> Result<(), String> {
+        if self.svr & !SVR_WRITABLE != 0 {
+            return Err(format!("impossible SVR {:#x}", self.svr));
+        }
+        if let Some((l, v)) = Lvt::ALL.iter().zip(self.lvt).find(|(l, v)| v & !l.writable() != 0) {
+            return Err(format!("impossible LVT {l:?} {v:#x}"));
+        }
+        for (name, set) in [("IRR", &self.irr), ("ISR", &self.isr), ("TMR", &self.tmr)] {
+            if set.word(0) & 0xFFFF != 0 {
+                return Err(format!("{name} holds a vector below 16"));
+            }
+        }
+        if self.dfr | 0x0FFF_FFFF != self.dfr || self.timer.divide & !0b1011 != 0 {
+            return Err(format!("impossible DFR {:#x} or divide configuration {:#x}", self.dfr, self.timer.divide));
+        }
+        Ok(())
+    }
+}
+
 impl Persist for LocalApic {
     type State = LapicState;
 
@@ -882,6 +905,7 @@ impl Persist for LocalApic {
         if s.base & BASE_RESERVED != 0 || s.base & (BASE_ENABLE | BASE_X2APIC) == BASE_X2APIC {
             return Err(PersistError::component(id, format!("invalid IA32_APIC_BASE {:#x}", s.base)));
         }
+        s.check().map_err(|e| PersistError::component(id, e))?;
         self.xapic_id = s.xapic_id;
         self.base = s.base;
         self.tpr = s.tpr;

@@ -705,6 +705,36 @@ fn save_restore_round_trip() {
     assert_eq!(other.save().unwrap(), before);
 }
 
+/// Found by kumo-fuzz (target `restore`): a restore took register values no guest write can
+/// produce, e.g. vector 3 requested in IRR or LVT bits the entry does not have.
+#[test]
+fn impossible_register_values_are_refused_by_restore() {
+    let (mut a, _) = apic(1);
+    a.accept(0x41, false);
+    let good = a.save().unwrap();
+    let mut irr = VectorSet::default();
+    irr.set(3);
+    let mut lvt = good.lvt;
+    lvt[0] |= 1 << 12;
+    let timer = TimerState { divide: 0xF0, ..good.timer };
+    for (bad, want) in [
+        (LapicState { irr, ..good.clone() }, "IRR holds a vector below 16"),
+        (LapicState { isr: irr, ..good.clone() }, "ISR holds a vector below 16"),
+        (LapicState { svr: 0x1000, ..good.clone() }, "impossible SVR"),
+        (LapicState { lvt, ..good.clone() }, "impossible LVT Timer"),
+        (LapicState { dfr: 0, ..good.clone() }, "impossible DFR"),
+        (LapicState { timer, ..good.clone() }, "divide configuration"),
+    ] {
+        let (mut b, _) = apic(1);
+        let before = b.save().unwrap();
+        let e = b.restore(&bad).unwrap_err().to_string();
+        assert!(e.contains(want), "want `{want}` in `{e}`");
+        assert_eq!(b.save().unwrap(), before, "a refused state changes nothing");
+    }
+    let (mut b, _) = apic(1);
+    b.restore(&good).unwrap();
+}
+
 #[test]
 fn tsc_deadline_survives_save_restore() {
     let (mut a, c) = apic(1);

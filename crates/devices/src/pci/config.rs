@@ -271,8 +271,15 @@ impl PciConfig {
             return Err(PciError::BadState("configuration space of the wrong size"));
         }
         for (i, m) in s.mapped.iter().enumerate() {
-            if m.is_some() && self.bars[i].is_none() {
-                return Err(PciError::BadState("a placed BAR this device does not declare"));
+            match (m, self.bars[i]) {
+                (Some(_), None) => return Err(PciError::BadState("a placed BAR this device does not declare")),
+                // Where the BAR's registers could put it: aligned to its size, within its reach.
+                (Some(a), Some(b))
+                    if !a.is_multiple_of(b.size) || (b.kind != BarKind::Mem64 && *a > u64::from(u32::MAX)) =>
+                {
+                    return Err(PciError::BadState("a BAR placed where its registers cannot put it"))
+                }
+                _ => {}
             }
         }
         for i in 0..CONFIG_DWORDS {
@@ -341,5 +348,23 @@ mod tests {
         c.write(0x10, 0, &[0xff; 4]);
         assert_eq!(c.read(0x40, 4), 0xaa04_4409, "read-only by default");
         assert!(matches!(c.add_capability(1, &[0; 250]), Err(PciError::CapabilitySpace)));
+    }
+
+    /// Found by kumo-fuzz (target `restore`): a restore placed a BAR at an address its
+    /// registers cannot hold (unaligned, or above 4 GiB for a 32-bit BAR).
+    #[test]
+    fn a_bar_placed_where_its_registers_cannot_put_it_is_refused() {
+        let mut c = PciConfig::new(ids());
+        c.add_bar(0, BarSpec::mem32(0x4000)).unwrap();
+        c.set_bar_address(0, 0xc000_0000).unwrap();
+        let good = c.state();
+        for addr in [0xc000_0010, 0x1_0000_0000] {
+            let mut bad = good.clone();
+            bad.mapped[0] = Some(addr);
+            let e = c.restore(&bad).unwrap_err().to_string();
+            assert!(e.contains("cannot put it"), "{e}");
+            assert_eq!(c.state(), good, "a refused state changes nothing");
+        }
+        c.restore(&good).unwrap();
     }
 }

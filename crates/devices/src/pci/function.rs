@@ -104,6 +104,10 @@ impl<D: BusDevice + PersistDyn> PersistDyn for PciFunction<D> {
         if s.msix.is_some() != self.msix.is_some() {
             return Err(PersistError::component(id, "saved MSI-X state does not match the device's"));
         }
+        // MSI-X is restored last: its shape is checked before the device takes its state.
+        if let (Some(m), Some(ms)) = (&self.msix, &s.msix) {
+            lock(m).check_state(ms).map_err(|e| PersistError::component(&id, e))?;
+        }
         let before = self.config.state();
         self.config.restore(&s.config).map_err(|e| PersistError::component(&id, e))?;
         let rest = self.dev.restore_value(s.device).and_then(|()| match (&self.msix, &s.msix) {
@@ -267,6 +271,20 @@ mod tests {
         let mut no_msix = PciFunction::new(ids(), 0, BarSpec::mem32(0x1000), Block::default(), None, &[]).unwrap();
         let e = no_msix.restore_value(serde_json::from_str(&saved).unwrap()).unwrap_err().to_string();
         assert_eq!(e, "blk0: saved MSI-X state does not match the device's");
+    }
+
+    /// Found while fuzzing restores (kumo-fuzz `restore`): an MSI-X table of another size was
+    /// refused after the device's own state had been taken.
+    #[test]
+    fn a_refused_msix_state_leaves_the_device_as_it_was() {
+        let mut f = function(Arc::new(Routes::default()));
+        let before = f.save_value().unwrap();
+        let mut bad = before.clone();
+        bad["device"][5] = 9.into();
+        bad["msix"]["entries"].as_array_mut().unwrap().pop();
+        let e = f.restore_value(bad).unwrap_err().to_string();
+        assert!(e.contains("MSI-X table of another size"), "{e}");
+        assert!(f.save_value().unwrap() == before, "a refused state changes nothing");
     }
 
     #[test]

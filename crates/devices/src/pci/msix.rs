@@ -311,13 +311,19 @@ impl Msix {
         }
     }
 
+    /// Whether [`Msix::restore`] would take `s` (a table and PBA of this function's size).
+    pub fn check_state(&self, s: &MsixState) -> Result<(), PciError> {
+        if s.entries.len() != self.entries.len() || s.pba.len() != self.pba.len() {
+            return Err(PciError::BadState("MSI-X table of another size"));
+        }
+        Ok(())
+    }
+
     /// Puts back a saved state and tells `routing` every vector's message (on a destination,
     /// that builds the routes). The config space's control bits are restored with the config
     /// space itself.
     pub fn restore(&mut self, s: &MsixState) -> Result<(), PciError> {
-        if s.entries.len() != self.entries.len() || s.pba.len() != self.pba.len() {
-            return Err(PciError::BadState("MSI-X table of another size"));
-        }
+        self.check_state(s)?;
         self.enabled = s.enabled;
         self.function_masked = s.function_masked;
         self.entries.clone_from(&s.entries);

@@ -152,5 +152,5 @@ pub trait VirtioDevice: Send {
     fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
 }
 
-#[cfg(test)]
-pub(crate) mod testutil;
+#[cfg(any(test, feature = "testutil"))]
+pub mod testutil;

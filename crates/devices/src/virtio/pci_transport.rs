@@ -554,6 +554,10 @@ impl<D: VirtioDevice> Persist for VirtioPciTransport<D> {
                 self.device.features()
             )));
         }
+        // The device's own state is checked (and taken) before the reset, so a refused one
+        // leaves the transport as it was; after the reset (which may reset the device) it is
+        // put back, and cannot be refused then.
+        self.device.restore_state(&s.device).map_err(&err)?;
         self.reset();
         self.device.restore_state(&s.device).map_err(err)?;
         self.device_feature_select = s.device_feature_select;

@@ -583,6 +583,14 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
         if s.config.pairs != self.config.pairs {
             return Err(format!("{} queue pairs saved, this NIC has {}", s.config.pairs, self.config.pairs));
         }
+        // What the driver can set (VQ_PAIRS_SET) and what `Net::new` takes.
+        if !(1..=self.config.pairs).contains(&s.active_pairs) {
+            return Err(format!("{} active queue pairs saved, this NIC has {}", s.active_pairs, self.config.pairs));
+        }
+        if s.config.mac[0] & 1 != 0 {
+            let m = s.config.mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+            return Err(NetError::Multicast(m).to_string());
+        }
         self.config.mac = s.config.mac;
         self.link_up = s.link_up;
         self.active_pairs = s.active_pairs;

@@ -444,6 +444,34 @@ fn snapshot_round_trip_keeps_rings_and_config() {
     assert_eq!(r(&mut t2, 0x14, 1) as u8, OK);
 }
 
+/// Found by kumo-fuzz (target `restore`): a refused virtio-net state left the transport reset
+/// (the reset came before the device's state was read), and active pair counts or MACs the
+/// NIC cannot have were taken.
+#[test]
+fn a_refused_device_state_leaves_a_running_nic_as_it_was() {
+    let mem = memory();
+    let irqs = Arc::new(Irqs::default());
+    let mut t = nic(2, &mem, &irqs);
+    assert_eq!(bring_up(&mut t, BASE, &queues(5)), OK);
+    let state = t.save().unwrap();
+    let with = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut s = state.clone();
+        f(&mut s.device);
+        s
+    };
+    for (bad, want) in [
+        (with(&|d| d["counters"] = serde_json::Value::Null), "virtio-net state"),
+        (with(&|d| d["active_pairs"] = 0.into()), "0 active queue pairs saved"),
+        (with(&|d| d["active_pairs"] = 3.into()), "3 active queue pairs saved"),
+        (with(&|d| d["config"]["mac"][0] = 1.into()), "multicast"),
+    ] {
+        let e = t.restore(&bad).unwrap_err().to_string();
+        assert!(e.contains(want), "want `{want}` in `{e}`");
+        assert_eq!(t.save().unwrap(), state, "a refused state changes nothing");
+        assert_eq!(r(&mut t, 0x14, 1) as u8, OK);
+    }
+}
+
 #[test]
 fn mergeable_rx_buffers_carry_a_frame_across_chains() {
     let mem = memory();
