@@ -486,6 +486,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>) -> Result<i32, String> {
         Error(e) => note!("kumo: error: {e}"),
         TimedOut => note!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or_default().as_secs_f64()),
         Migrated(to) => note!("kumo: VM migrated to {to}; this copy stopped"),
+        Panicked(p) => note!("kumo: error: {p}; the VM was stopped"),
         _ => {}
     }
     Ok(report.outcome.exit_code())

@@ -56,6 +56,18 @@ impl RoundBarrier {
     }
 }
 
+/// Breaks the barrier if its thread unwinds: the other receivers must not wait for a thread
+/// that panicked.
+struct BreakOnUnwind<'a>(&'a RoundBarrier);
+
+impl Drop for BreakOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.break_all();
+        }
+    }
+}
+
 /// What the destination measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RecvReport {
@@ -253,6 +265,7 @@ pub fn receive_with<V: DestVm>(
             .map(|(i, mut r)| {
                 let (barrier, cpu, pages, state, reply) = (&barrier, &cpu, &pages, &state, &reply);
                 kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, format!("mig-recv{i}"), move || {
+                    let _unwinding = BreakOnUnwind(barrier);
                     let c0 = thread_cpu_ms();
                     let mut placer = MemPlacer { mem };
                     let res = (|| -> Result<(), MigrateError> {

@@ -146,7 +146,10 @@ fn spawn_sender(
     let (tx, rx) = sync_channel::<Work>(depth);
     let handle = kumo_sandbox::spawn(ThreadKind::Migration, "mig-send", move || {
         let t0 = thread_cpu_ms();
-        let r = sender_loop(sink, ack, rx, free);
+        // A sender holds only its connection and buffers: its panic fails the migration (the
+        // job gives the VM back) instead of stopping the VM.
+        let r = kumo_sandbox::contain(ThreadKind::Migration, "mig-send", || sender_loop(sink, ack, rx, free))
+            .unwrap_or_else(|p| Err(MigrateError::Other(p.to_string())));
         add_cpu(&cpu, t0);
         r
     })?;

@@ -4,6 +4,8 @@
 //! runs under a panic guard that reports the panic to the process (the VMM turns it into the
 //! VM's stop reason) and, once the sandbox is configured, under its kind's seccomp filter.
 
+pub mod hooks;
 pub mod thread;
 
-pub use thread::{spawn, spawn_scoped, ThreadKind};
+pub use hooks::{test_hook, test_hook_once};
+pub use thread::{contain, spawn, spawn_scoped, ThreadKind, ThreadPanic};
