@@ -389,3 +389,26 @@ fn accept_within(listener: &Listener, limit: Duration) -> io::Result<Conn> {
     c.set_nonblocking(false)?;
     Ok(c)
 }
+
+#[cfg(test)]
+mod barrier_tests {
+    use super::*;
+
+    #[test]
+    fn a_receiver_that_panics_breaks_the_round_barrier_for_the_others() {
+        let barrier = RoundBarrier::new(2);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| barrier.wait());
+            let panicker = s.spawn(|| {
+                let _unwinding = BreakOnUnwind(&barrier);
+                panic!("receiver bug (expected by the test)");
+            });
+            assert!(panicker.join().is_err());
+            assert!(!waiter.join().unwrap(), "the other receiver stops waiting: the barrier is broken");
+        });
+        // A thread that ends normally leaves it alone.
+        let barrier = RoundBarrier::new(1);
+        drop(BreakOnUnwind(&barrier));
+        assert!(barrier.wait());
+    }
+}

@@ -490,7 +490,8 @@ fn migrate_inner(
         src.pause().map_err(MigrateError::Source)?;
         paused.store(true, Ordering::Release);
         pause_at = Instant::now();
-        encs.push((Box::new(CopySink(conns.pop().expect("one connection"), deadline)), Encoder::new(), 0));
+        let conn = conns.pop().ok_or_else(|| MigrateError::Other("no connection to the destination".into()))?;
+        encs.push((Box::new(CopySink(conn, deadline)), Encoder::new(), 0));
     } else {
         src.start_dirty_log().map_err(MigrateError::Source)?;
         let touched = src.touched_pages().map_err(MigrateError::Source)?;

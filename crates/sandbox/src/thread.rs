@@ -210,7 +210,7 @@ mod tests {
             let _hold = Release(&released);
             panic!("mid-way")
         });
-        let p: ThreadPanic = r.map(|()| ()).unwrap_err();
+        let p: ThreadPanic = r.unwrap_err();
         assert_eq!((p.kind, p.thread.as_str(), p.message.as_str()), (ThreadKind::Migration, "job", "mid-way"));
         assert_eq!(released.load(Ordering::SeqCst), 1);
         assert_eq!(contain(ThreadKind::Vmm, "ok", || 5).unwrap(), 5);

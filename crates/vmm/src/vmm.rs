@@ -9,7 +9,7 @@
 use kumo_sandbox::ThreadKind;
 use std::io::{Cursor, Write};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -252,13 +252,19 @@ extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc
     kumo_vm::vcpu::on_kick_signal();
 }
 
+/// The signal that kicks a vCPU out of KVM_RUN (its handler is installed by
+/// [`install_kick_signal`] before any vCPU thread starts).
 fn kick_signal() -> libc::c_int {
-    static INIT: Once = Once::new();
-    INIT.call_once(|| {
-        // A no-op handler: its only purpose is to make KVM_RUN return EINTR.
-        register_signal_handler(SIGRTMIN(), kick_handler).expect("register vCPU kick signal");
-    });
     SIGRTMIN()
+}
+
+/// Installs the kick signal's handler, once per process; a failure fails the VM's start.
+fn install_kick_signal() -> Result<()> {
+    static INIT: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    // The handler's only purpose is to make KVM_RUN return EINTR (and, with kumo's APIC, to end
+    // a KVM_RUN that a kick just missed).
+    let r = INIT.get_or_init(|| register_signal_handler(SIGRTMIN(), kick_handler).map_err(|e| e.to_string()));
+    r.clone().map_err(|e| Error::Thread(std::io::Error::other(format!("cannot install the vCPU kick signal: {e}"))))
 }
 
 pub struct RunningVm {
@@ -488,7 +494,7 @@ impl RunningVm {
             elastic,
             api_name: Default::default(),
         };
-        kick_signal(); // the handler must exist before any vCPU thread can be kicked
+        install_kick_signal()?; // before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
         // The vCPUs a NIC's dedicated interrupt path names run prioritized (seed 000).
         let dedicated: Vec<u32> = vm
@@ -1177,5 +1183,79 @@ fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: &Shared) {
             Ok(VcpuRun::PowerOff) => shared.finish(Outcome::PowerOff),
             Err(e) => shared.finish(Outcome::Error(e.to_string())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::panics::OnPanic;
+
+    fn shared(cpus: usize) -> Shared {
+        Shared {
+            throttle: AtomicU32::new(0),
+            throttler: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+            request: AtomicU8::new(RUN),
+            ctl: Mutex::new(Control {
+                parked: 0,
+                live: cpus as u32,
+                outcome: None,
+                paused: false,
+                migrating: false,
+                user_paused: false,
+                stay_paused: false,
+                vcpu_parked: vec![false; cpus],
+            }),
+            cv: Condvar::new(),
+            timings: Mutex::new(Timings::default()),
+            vcpu_tids: Mutex::new(vec![Some(1); cpus]),
+            float_cpus: Vec::new(),
+            uapic: None,
+            parks: (0..cpus).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    #[test]
+    fn a_vcpu_thread_that_unwinds_leaves_the_live_count_and_its_park() {
+        let sh = shared(2);
+        {
+            let mut c = lock(&sh.ctl);
+            c.parked = 1;
+            c.vcpu_parked[1] = true;
+        }
+        std::thread::scope(|s| {
+            let t = s.spawn(|| {
+                let _alive = VcpuAlive { shared: &sh, id: 1 };
+                panic!("vCPU bug (expected by the test)");
+            });
+            assert!(t.join().is_err());
+        });
+        let c = lock(&sh.ctl);
+        assert_eq!((c.live, c.parked, c.vcpu_parked[1]), (1, 0, false));
+        assert_eq!(lock(&sh.vcpu_tids)[1], None, "its tid is cleared, so vm.pin cannot reach a reused one");
+        drop(c);
+        // The other one returns normally.
+        drop(VcpuAlive { shared: &sh, id: 0 });
+        assert_eq!(lock(&sh.ctl).live, 0, "stop_threads' wait ends");
+    }
+
+    #[test]
+    fn a_panic_is_the_stop_reason_unless_the_vm_had_ended_already() {
+        let sh = shared(1);
+        let p = kumo_sandbox::ThreadPanic {
+            kind: kumo_sandbox::ThreadKind::Device,
+            thread: "devices".into(),
+            message: "boom".into(),
+        };
+        sh.panicked(&p);
+        assert_eq!(sh.request.load(Ordering::Acquire), STOP);
+        let o = lock(&sh.ctl).outcome.clone().unwrap();
+        assert_eq!(o, Outcome::Panicked("device thread devices panicked: boom".into()));
+        assert_eq!(o.exit_code(), 101);
+        let sh = shared(1);
+        sh.finish(Outcome::GuestExit(0));
+        sh.panicked(&p);
+        assert_eq!(lock(&sh.ctl).outcome, Some(Outcome::GuestExit(0)), "the first outcome wins");
     }
 }
