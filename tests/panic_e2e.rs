@@ -190,3 +190,40 @@ fn a_migration_job_that_panics_leaves_the_vm_running_and_migratable() {
     assert_eq!(code, Some(0), "{derr}");
     kumo_guests::memtouch::check_output(&dout, pages, seed, true).unwrap_or_else(|e| panic!("{e}"));
 }
+
+#[test]
+fn an_api_handler_that_panics_answers_500_and_stops_the_vm() {
+    if !kvm_or_skip("an_api_handler_that_panics_answers_500_and_stops_the_vm") {
+        return;
+    }
+    let dir = TestDir::new();
+    let (sock, ev) = (dir.path("api.sock"), dir.path("events"));
+    let s = dir.arg("api.sock");
+    let args = ["run", "--guest", "memtouch", "pages=64", "until_input=1", "--api-socket", &s];
+    let vm = spawn_hooked("panic:api", &[&args[..], &["--event-monitor", &dir.arg("events")]].concat(), "api-panic");
+    eventually(PATIENCE, || kumo(&["--api-socket", &s, "ping"]).status.success().then_some(()));
+    // A handler's panic may have left the VM half-changed: the client gets its 500, and the VM
+    // stops.
+    let o = kumo(&["--api-socket", &s, "counters"]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("kumo is stopping"), "{}", text(&o).1);
+    let (code, _, err) = vm.finish(STOP_LIMIT);
+    assert_stopped_by_panic(code, &err, &sock, &events(&ev), "api", "kumo-api-conn", "panic:api");
+}
+
+#[test]
+fn an_empty_vmm_ends_when_a_thread_panics() {
+    if !kvm_or_skip("an_empty_vmm_ends_when_a_thread_panics") {
+        return;
+    }
+    let dir = TestDir::new();
+    let (sock, s) = (dir.path("empty.sock"), dir.arg("empty.sock"));
+    let vmm = spawn_hooked("panic:api", &["run", "--api-socket", &s], "empty-panic");
+    eventually(PATIENCE, || kumo(&["--api-socket", &s, "ping"]).status.success().then_some(()));
+    let o = kumo(&["--api-socket", &s, "counters"]);
+    assert!(text(&o).1.contains("kumo is stopping"), "{}", text(&o).1);
+    let (code, _, err) = vmm.finish(STOP_LIMIT);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("api thread kumo-api-conn panicked: test hook panic:api"), "{err}");
+    assert!(!sock.exists(), "the API socket is removed");
+}

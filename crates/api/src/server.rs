@@ -579,7 +579,7 @@ fn call(handler: &dyn ApiHandler, req: ApiRequest) -> Result<ApiResponse, ApiErr
             message: kumo_sandbox::thread::panic_message(&*payload),
         };
         kumo_sandbox::thread::report_panic(&p);
-        Err(ApiError::internal(format!("internal error while handling the request ({p}); the VM is stopping")))
+        Err(ApiError::internal(format!("internal error while handling the request ({p}); kumo is stopping")))
     })
 }
 

@@ -4,13 +4,16 @@
 //!
 //! Hooks: `panic:vcpu` (vCPU 0 panics after the guest has run a while), `panic:migration`
 //! (the first outgoing migration's job panics after its first round: dirty logging is on),
-//! `panic:device` (the device event loop panics on its first event).
+//! `panic:device` (the device event loop panics on its first event), `panic:api` (the API
+//! handler panics on `vm.counters`). The variable is read once, when a hook is first asked.
 
 /// Whether hook `name` is on (always false in a release build).
 pub fn test_hook(name: &str) -> bool {
     #[cfg(debug_assertions)]
     {
-        std::env::var("KUMO_TEST_HOOK").is_ok_and(|v| hook_named(&v, name))
+        // Read once: hooks are asked on hot paths (every event of an event loop).
+        static HOOKS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        hook_named(HOOKS.get_or_init(|| std::env::var("KUMO_TEST_HOOK").unwrap_or_default()), name)
     }
     #[cfg(not(debug_assertions))]
     {

@@ -293,6 +293,9 @@ impl VmApi {
 
 impl ApiHandler for VmApi {
     fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+        if matches!(req, ApiRequest::Counters) && kumo_sandbox::test_hook("panic:api") {
+            panic!("test hook panic:api: the API handler panics on purpose");
+        }
         let vm = match (self.vm.get(), self.incoming.get(), &self.empty) {
             (Some(vm), _, _) => vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?,
             (None, Some(inc), _) => return self.receiving(inc, req),
