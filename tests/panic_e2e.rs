@@ -227,3 +227,22 @@ fn an_empty_vmm_ends_when_a_thread_panics() {
     assert!(err.contains("api thread kumo-api-conn panicked: test hook panic:api"), "{err}");
     assert!(!sock.exists(), "the API socket is removed");
 }
+
+#[test]
+fn a_destination_waiting_for_its_vm_exits_when_a_thread_panics() {
+    if !kvm_or_skip("a_destination_waiting_for_its_vm_exits_when_a_thread_panics") {
+        return;
+    }
+    let dir = TestDir::new();
+    let (sock, s) = (dir.path("dst.sock"), dir.arg("dst.sock"));
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let dst = spawn_hooked("panic:api", &["run", "--incoming", &addr, "--api-socket", &s], "dst-panic");
+    eventually(PATIENCE, || dst.stderr().contains("waiting for a migration").then_some(()));
+    // No VM to stop yet: the process ends as a signal would end it then.
+    assert!(!kumo(&["--api-socket", &s, "counters"]).status.success());
+    let (code, _, err) = dst.finish(STOP_LIMIT);
+    assert_eq!(code, Some(101), "{err}");
+    assert!(err.contains("kumo: error: api thread kumo-api-conn panicked: test hook panic:api"), "{err}");
+    assert!(err.contains("; no VM yet, exiting"), "{err}");
+    assert!(!sock.exists(), "the API socket is removed");
+}

@@ -10,7 +10,7 @@
 //! released in `Drop` (migration and snapshot: see `RunningVm::lease_run_state`): they are run
 //! under `kumo_sandbox::contain`, answer an error and leave the VM running.
 
-use std::sync::{Arc, Mutex, Once, Weak};
+use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
 
 use kumo_sandbox::ThreadPanic;
 use serde_json::json;
@@ -22,15 +22,32 @@ pub(crate) trait OnPanic: Send + Sync {
 
 static TARGETS: Mutex<Vec<Weak<dyn OnPanic>>> = Mutex::new(Vec::new());
 
-/// Sets the process's panic handler (once) and adds `target` to what a panic stops. Targets
-/// that have gone are dropped here.
-pub(crate) fn register(target: Weak<dyn OnPanic>) {
+type Fallback = Box<dyn Fn(&ThreadPanic) + Send + Sync>;
+
+/// What a panic does while there is nothing to stop (a destination still waiting for its VM).
+static FALLBACK: OnceLock<Fallback> = OnceLock::new();
+
+/// Sets the process's panic handler, once.
+fn install() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
         if !kumo_sandbox::thread::set_panic_handler(handle) {
             tracing::warn!("a panic handler was set before the VMM's: thread panics will not stop the VM");
         }
     });
+}
+
+/// What a panic does while no VM or empty VMM is registered (`kumo run` sets it: remove its
+/// sockets and exit). Only the first call takes effect.
+pub fn set_fallback(f: impl Fn(&ThreadPanic) + Send + Sync + 'static) {
+    install();
+    let _ = FALLBACK.set(Box::new(f));
+}
+
+/// Sets the process's panic handler (once) and adds `target` to what a panic stops. Targets
+/// that have gone are dropped here.
+pub(crate) fn register(target: Weak<dyn OnPanic>) {
+    install();
     let mut t = TARGETS.lock().unwrap_or_else(|p| p.into_inner());
     t.retain(|w| w.strong_count() > 0);
     t.push(target);
@@ -41,6 +58,11 @@ fn handle(p: &ThreadPanic) {
     crate::event_monitor::emit("vmm", "panic", panic_properties(p, true));
     let targets: Vec<Arc<dyn OnPanic>> =
         TARGETS.lock().unwrap_or_else(|p| p.into_inner()).iter().filter_map(Weak::upgrade).collect();
+    if targets.is_empty() {
+        if let Some(f) = FALLBACK.get() {
+            f(p);
+        }
+    }
     for t in targets {
         t.panicked(p);
     }
