@@ -570,9 +570,20 @@ fn read_failure(e: ReadError, mid_request: bool, evicted: bool) -> Next {
 
 fn call(handler: &dyn ApiHandler, req: ApiRequest) -> Result<ApiResponse, ApiError> {
     debug!(?req, "API request");
-    // A panicking handler must cost a 500, not a silently dropped connection.
-    panic::catch_unwind(AssertUnwindSafe(|| handler.handle(req)))
-        .unwrap_or_else(|_| Err(ApiError::internal("internal error while handling the request")))
+    // A panic that reaches here is a bug in a handler that may have left the VM half-changed
+    // (a pause half-taken, a lend half-done): it is reported as the thread's panic, which stops
+    // the VM, and the client still gets a 500 rather than a dropped connection. Jobs whose
+    // holds are all released in Drop (migration, snapshot) contain their own panics and never
+    // get here (docs/security.md, "Panics").
+    panic::catch_unwind(AssertUnwindSafe(|| handler.handle(req))).unwrap_or_else(|payload| {
+        let p = kumo_sandbox::ThreadPanic {
+            kind: ThreadKind::Api,
+            thread: thread::current().name().unwrap_or("kumo-api-conn").to_string(),
+            message: kumo_sandbox::thread::panic_message(&*payload),
+        };
+        kumo_sandbox::thread::report_panic(&p);
+        Err(ApiError::internal(format!("internal error while handling the request ({p}); kumo is stopping")))
+    })
 }
 
 #[cfg(test)]

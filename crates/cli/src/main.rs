@@ -439,7 +439,18 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
     if let Some(m) = &a.event_monitor {
         kumo_vmm::event_monitor::init(m)?;
     }
-    let signals = shutdown_on_signals([&api_socket, &a.console_socket].into_iter().flatten().cloned().collect())?;
+    let sockets: Vec<PathBuf> = [&api_socket, &a.console_socket].into_iter().flatten().cloned().collect();
+    // A panic before there is a VM to stop (a destination waiting for its migration) ends the
+    // process as a signal would then; once there is one, the panic is its stop reason.
+    let leave = sockets.clone();
+    kumo_vmm::panics::set_fallback(move |p| {
+        note!("kumo: error: {p}; no VM yet, exiting");
+        for s in &leave {
+            let _ = std::fs::remove_file(s);
+        }
+        std::process::exit(101);
+    });
+    let signals = shutdown_on_signals(sockets)?;
     let console = a.console_socket.as_deref().map(console::ConsoleSocket::bind).transpose()?;
     let console_out = console.as_ref().map_or_else(console::stdout_only, console::ConsoleSocket::output);
     let serial = move || -> Box<dyn std::io::Write + Send> { Box::new(console_out.clone()) };
@@ -541,6 +552,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
         Error(e) => note!("kumo: error: {e}"),
         TimedOut => note!("kumo: timed out after {} s; VM stopped", a.timeout.unwrap_or_default().as_secs_f64()),
         Migrated(to) => note!("kumo: VM migrated to {to}; this copy stopped"),
+        Panicked(p) => note!("kumo: error: {p}; the VM was stopped"),
         _ => {}
     }
     Ok(report.outcome.exit_code())

@@ -40,6 +40,12 @@ impl CancelToken {
         self.0.load(Ordering::Acquire) == CANCELLED
     }
 
+    /// Whether the engine has passed its point of no return (the VM's final state may be at
+    /// the destination).
+    pub fn is_committed(&self) -> bool {
+        self.0.load(Ordering::Acquire) == COMMITTED
+    }
+
     /// The engine's point of no return: false if a cancel came first (the engine then backs
     /// out), true if from now on every cancel is refused.
     pub fn commit(&self) -> bool {

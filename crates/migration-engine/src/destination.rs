@@ -57,6 +57,18 @@ impl RoundBarrier {
     }
 }
 
+/// Breaks the barrier if its thread unwinds: the other receivers must not wait for a thread
+/// that panicked.
+struct BreakOnUnwind<'a>(&'a RoundBarrier);
+
+impl Drop for BreakOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.break_all();
+        }
+    }
+}
+
 /// What the destination measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RecvReport {
@@ -272,6 +284,7 @@ pub fn receive_limited<V: DestVm>(
             .map(|(i, mut r)| {
                 let (barrier, cpu, pages, state, reply) = (&barrier, &cpu, &pages, &state, &reply);
                 kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, format!("mig-recv{i}"), move || {
+                    let _unwinding = BreakOnUnwind(barrier);
                     let c0 = thread_cpu_ms();
                     let mut placer = MemPlacer { mem };
                     let res = (|| -> Result<(), MigrateError> {
@@ -375,5 +388,28 @@ fn recv_err(e: MigrateError, idle: Duration) -> MigrateError {
             MigrateError::NoProgress { what: "no data from the source", after: idle }
         }
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod barrier_tests {
+    use super::*;
+
+    #[test]
+    fn a_receiver_that_panics_breaks_the_round_barrier_for_the_others() {
+        let barrier = RoundBarrier::new(2);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| barrier.wait());
+            let panicker = s.spawn(|| {
+                let _unwinding = BreakOnUnwind(&barrier);
+                panic!("receiver bug (expected by the test)");
+            });
+            assert!(panicker.join().is_err());
+            assert!(!waiter.join().unwrap(), "the other receiver stops waiting: the barrier is broken");
+        });
+        // A thread that ends normally leaves it alone.
+        let barrier = RoundBarrier::new(1);
+        drop(BreakOnUnwind(&barrier));
+        assert!(barrier.wait());
     }
 }

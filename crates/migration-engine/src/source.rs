@@ -146,7 +146,10 @@ fn spawn_sender(
     let (tx, rx) = sync_channel::<Work>(depth);
     let handle = kumo_sandbox::spawn(ThreadKind::Migration, "mig-send", move || {
         let t0 = thread_cpu_ms();
-        let r = sender_loop(sink, ack, rx, free);
+        // A sender holds only its connection and buffers: its panic fails the migration (the
+        // job gives the VM back) instead of stopping the VM.
+        let r = kumo_sandbox::contain(ThreadKind::Migration, "mig-send", || sender_loop(sink, ack, rx, free))
+            .unwrap_or_else(|p| Err(MigrateError::Other(p.to_string())));
         add_cpu(&cpu, t0);
         r
     })?;
@@ -512,7 +515,8 @@ fn migrate_inner(
         src.pause().map_err(MigrateError::Source)?;
         paused.store(true, Ordering::Release);
         pause_at = Instant::now();
-        encs.push((Box::new(CopySink(conns.pop().expect("one connection"), deadline)), Encoder::new(), 0));
+        let conn = conns.pop().ok_or_else(|| MigrateError::Other("no connection to the destination".into()))?;
+        encs.push((Box::new(CopySink(conn, deadline)), Encoder::new(), 0));
     } else {
         src.start_dirty_log().map_err(MigrateError::Source)?;
         let touched = src.touched_pages().map_err(MigrateError::Source)?;

@@ -5,7 +5,9 @@
 //! VM's stop reason) and, once the sandbox is configured, under its kind's seccomp filter.
 
 pub mod fs;
+pub mod hooks;
 pub mod sock;
 pub mod thread;
 
-pub use thread::{spawn, spawn_scoped, ThreadKind};
+pub use hooks::{test_hook, test_hook_once};
+pub use thread::{contain, spawn, spawn_scoped, ThreadKind, ThreadPanic};

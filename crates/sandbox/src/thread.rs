@@ -122,6 +122,19 @@ pub fn guarded<T>(kind: ThreadKind, name: &str, f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Runs a job whose panic its caller contains: `f`'s Drop guards release what the job held
+/// (a migration's run state, dirty logging, the throttle), so the caller answers an error and
+/// the VM runs on. The panic is logged but not handed to the process's handler, and comes back
+/// as `Err`. Only for jobs whose every hold is released in `Drop`; anything else must unwind to
+/// the thread's guard, which stops the VM.
+pub fn contain<T>(kind: ThreadKind, what: &str, f: impl FnOnce() -> T) -> Result<T, ThreadPanic> {
+    panic::catch_unwind(AssertUnwindSafe(f)).map_err(|payload| {
+        let p = ThreadPanic { kind, thread: what.to_string(), message: panic_message(&*payload) };
+        tracing::error!("{p} (contained: the job released what it held)");
+        p
+    })
+}
+
 /// Starts a thread of `kind` named `name` running `f` under the panic guard.
 pub fn spawn<F, T>(kind: ThreadKind, name: impl Into<String>, f: F) -> io::Result<JoinHandle<T>>
 where
@@ -182,6 +195,25 @@ mod tests {
             spawn_scoped(s, ThreadKind::Migration, "t-scoped", || v.iter().sum::<i32>()).unwrap().join().unwrap()
         });
         assert_eq!(sum, 6);
+    }
+
+    #[test]
+    fn a_contained_panic_comes_back_as_an_error_after_the_guards_ran() {
+        struct Release<'a>(&'a AtomicUsize);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let released = AtomicUsize::new(0);
+        let r = contain(ThreadKind::Migration, "job", || {
+            let _hold = Release(&released);
+            panic!("mid-way")
+        });
+        let p: ThreadPanic = r.unwrap_err();
+        assert_eq!((p.kind, p.thread.as_str(), p.message.as_str()), (ThreadKind::Migration, "job", "mid-way"));
+        assert_eq!(released.load(Ordering::SeqCst), 1);
+        assert_eq!(contain(ThreadKind::Vmm, "ok", || 5).unwrap(), 5);
     }
 
     #[test]

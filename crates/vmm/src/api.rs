@@ -50,14 +50,20 @@ impl VmApi {
     }
 
     fn build(vm: OnceLock<Weak<RunningVm>>, incoming: OnceLock<Arc<Incoming>>, empty: Option<EmptyVmm>) -> Arc<Self> {
-        Arc::new_cyclic(|me| VmApi {
+        let is_empty = empty.is_some();
+        let api = Arc::new_cyclic(|me| VmApi {
             vm,
             migration: Arc::default(),
             incoming,
             empty,
             me: me.clone(),
             peers: Default::default(),
-        })
+        });
+        if is_empty {
+            // Before it has a VM, a panic (in an API thread, the incoming migration's) ends it.
+            crate::panics::register(Arc::downgrade(&api) as Weak<dyn crate::panics::OnPanic>);
+        }
+        api
     }
 
     /// A keep-alive client of the VM at `path` (shared by `vm.lend` calls to it).
@@ -197,6 +203,14 @@ impl VmApi {
     }
 }
 
+impl crate::panics::OnPanic for VmApi {
+    fn panicked(&self, p: &kumo_sandbox::ThreadPanic) {
+        if let Some(e) = &self.empty {
+            e.fail_waiting(format!("{p}; the VMM stops"));
+        }
+    }
+}
+
 pub fn info(vm: &RunningVm) -> VmInfo {
     let c = vm.config();
     VmInfo {
@@ -266,7 +280,14 @@ impl VmApi {
         use serde_json::json;
         let kind = if req.dry_run { "migration-estimate" } else { "migration" };
         emit("vm", &format!("{kind}-started"), json!({"to": req.to}));
-        let r = self.migration.run(vm, req);
+        // The job's holds on the VM are released in Drop (`RunStateLease`), so its panic is
+        // contained: an error answer, and the VM runs on, migratable again.
+        let r =
+            kumo_sandbox::contain(kumo_sandbox::ThreadKind::Migration, "migration job", || self.migration.run(vm, req))
+                .unwrap_or_else(|p| {
+                    crate::panics::contained(&p);
+                    Err(JobError::Failed(format!("{p}; the VM runs on here")))
+                });
         match &r {
             Ok(_) => emit("vm", &format!("{kind}-completed"), json!({"to": req.to})),
             Err(e) => emit("vm", &format!("{kind}-failed"), json!({"to": req.to, "error": e.to_string()})),
@@ -277,6 +298,9 @@ impl VmApi {
 
 impl ApiHandler for VmApi {
     fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+        if matches!(req, ApiRequest::Counters) && kumo_sandbox::test_hook("panic:api") {
+            panic!("test hook panic:api: the API handler panics on purpose");
+        }
         let vm = match (self.vm.get(), self.incoming.get(), &self.empty) {
             (Some(vm), _, _) => vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?,
             (None, Some(inc), _) => return self.receiving(inc, req),
@@ -312,7 +336,16 @@ impl ApiHandler for VmApi {
             }
             ApiRequest::Snapshot(req) => {
                 use crate::snapshot::{snapshot_to_file, SnapshotError as E};
-                match snapshot_to_file(&vm, std::path::Path::new(&req.path)) {
+                // As a migration: the snapshot's hold is released in Drop, its panic contained.
+                let path = std::path::Path::new(&req.path);
+                let r = kumo_sandbox::contain(kumo_sandbox::ThreadKind::Migration, "snapshot job", || {
+                    snapshot_to_file(&vm, path)
+                })
+                .unwrap_or_else(|p| {
+                    crate::panics::contained(&p);
+                    Err(E::Vm(format!("{p}; the VM runs on here")))
+                });
+                match r {
                     Ok(r) => Ok(ApiResponse::Json(to_json(&r)?)),
                     Err(e @ E::BadRequest(_)) => Err(ApiError::bad_request(e.to_string())),
                     Err(e @ E::Conflict(_)) => Err(ApiError::conflict(e.to_string())),

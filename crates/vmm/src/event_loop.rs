@@ -149,6 +149,9 @@ fn run(state: &State) {
             if ev.data() == STOP {
                 return;
             }
+            if kumo_sandbox::test_hook_once("panic:device") {
+                panic!("test hook panic:device: the device event loop panics on purpose");
+            }
             let (id, source) = (ev.data() / SOURCES_PER_HANDLER, (ev.data() % SOURCES_PER_HANDLER) as usize);
             let mut slots = lock(&state.slots);
             // A handler removed earlier in this batch has nothing left to run.

@@ -70,6 +70,7 @@ pub fn outcome(o: &crate::Outcome) -> Value {
         Error(e) => ("error", Some(e.clone())),
         TimedOut => ("timed-out", None),
         Migrated(to) => ("migrated", Some(to.clone())),
+        Panicked(p) => ("panic", Some(p.clone())),
     };
     let mut v = json!({"outcome": what, "exit_code": o.exit_code()});
     if let Some(d) = detail {

@@ -24,6 +24,7 @@ pub mod lifecycle;
 pub mod migration;
 pub mod nic;
 pub mod nic_vhost_user;
+pub mod panics;
 pub mod pci;
 pub mod persist;
 pub mod snapshot;

@@ -93,6 +93,16 @@ impl EmptyVmm {
         self.changed.notify_all();
     }
 
+    /// A thread panicked before the main thread took a VM: the VMM ends with `why` (a VM
+    /// already brought is stopped by its own registration and ends as any VM does).
+    pub fn fail_waiting(&self, why: String) {
+        let mut st = self.stage();
+        if matches!(*st, Stage::Empty | Stage::Becoming(_)) {
+            *st = Stage::Failed(why);
+            self.changed.notify_all();
+        }
+    }
+
     /// Blocks until the API has brought a VM (it runs, or waits paused) or failed to.
     pub fn wait(&self) -> Result<Arc<RunningVm>, String> {
         let mut st = self.stage();
@@ -167,5 +177,17 @@ mod tests {
         };
         e.fail("no".into());
         assert_eq!(waiter.join().unwrap().err().as_deref(), Some("no"));
+    }
+
+    #[test]
+    fn a_panic_ends_a_waiting_vmm_but_not_one_that_failed_already() {
+        let e = EmptyVmm::new(Box::new(|_| {}), Box::new(|| Box::new(std::io::sink())));
+        e.fail_waiting("api thread panicked".into());
+        assert_eq!(e.claim("a restore").unwrap_err(), "this VMM is ending");
+        assert_eq!(e.wait().err().as_deref(), Some("api thread panicked"));
+        let e = EmptyVmm::new(Box::new(|_| {}), Box::new(|| Box::new(std::io::sink())));
+        e.fail("first".into());
+        e.fail_waiting("later".into());
+        assert_eq!(e.wait().err().as_deref(), Some("first"));
     }
 }

@@ -91,7 +91,9 @@ pub fn check_target(path: &Path) -> Result<()> {
 /// Pauses `vm`, writes it to `path` and resumes it (unless the user had paused it).
 pub fn snapshot_to_file(vm: &RunningVm, path: &Path) -> Result<SnapshotReport> {
     check_target(path)?;
-    vm.begin_migration().map_err(|e| SnapshotError::Conflict(format!("cannot snapshot: {e}")))?;
+    // Given back however this ends, a panic included (resuming the VM unless the user had
+    // paused it).
+    let mut lease = vm.lease_run_state().map_err(|e| SnapshotError::Conflict(format!("cannot snapshot: {e}")))?;
     let r: Result<SnapshotReport> = (|| {
         vm.migration_pause().map_err(|e| SnapshotError::Conflict(format!("cannot snapshot: {e}")))?;
         let t = Instant::now();
@@ -105,7 +107,8 @@ pub fn snapshot_to_file(vm: &RunningVm, path: &Path) -> Result<SnapshotReport> {
         let (pages, bytes, state_bytes) = written?;
         Ok(SnapshotReport { path: path.to_path_buf(), pages, bytes, state_bytes, paused_ms, paused })
     })();
-    vm.end_migration();
+    lease.settle();
+    drop(lease);
     match &r {
         Ok(rep) => event_monitor::vm_event(
             "snapshot",

@@ -9,7 +9,7 @@
 use kumo_sandbox::ThreadKind;
 use std::io::{Cursor, Write};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -52,6 +52,8 @@ pub enum Outcome {
     TimedOut,
     /// The VM was migrated to another kumo (named here) and this copy stopped.
     Migrated(String),
+    /// A kumo thread panicked (its kind, name and message): a bug, so the VM was stopped.
+    Panicked(String),
 }
 
 impl Outcome {
@@ -62,6 +64,8 @@ impl Outcome {
             Outcome::Shutdown | Outcome::PowerOff | Outcome::Migrated(_) => 0,
             Outcome::Reset(_) | Outcome::Error(_) => 1,
             Outcome::TimedOut => 124,
+            // As a Rust program that panics exits.
+            Outcome::Panicked(_) => 101,
         }
     }
 }
@@ -189,6 +193,33 @@ impl Shared {
     }
 }
 
+impl crate::panics::OnPanic for Shared {
+    fn panicked(&self, p: &kumo_sandbox::ThreadPanic) {
+        self.finish(Outcome::Panicked(p.to_string()));
+    }
+}
+
+/// Held by a vCPU thread while it runs: whether it returns or unwinds, it leaves the live
+/// count (pause and stop wait on it) and clears its thread id and parked mark.
+struct VcpuAlive<'a> {
+    shared: &'a Shared,
+    id: u32,
+}
+
+impl Drop for VcpuAlive<'_> {
+    fn drop(&mut self) {
+        set_tid(self.shared, self.id, None);
+        let mut c = lock(&self.shared.ctl);
+        c.live = c.live.saturating_sub(1);
+        if let Some(parked) = c.vcpu_parked.get_mut(self.id as usize) {
+            if std::mem::take(parked) {
+                c.parked = c.parked.saturating_sub(1);
+            }
+        }
+        self.shared.cv.notify_all();
+    }
+}
+
 /// The console sink: line-buffered, and notes when the first byte arrived.
 struct TimedSink {
     out: Box<dyn Write + Send>,
@@ -221,13 +252,19 @@ extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc
     kumo_vm::vcpu::on_kick_signal();
 }
 
+/// The signal that kicks a vCPU out of KVM_RUN (its handler is installed by
+/// [`install_kick_signal`] before any vCPU thread starts).
 fn kick_signal() -> libc::c_int {
-    static INIT: Once = Once::new();
-    INIT.call_once(|| {
-        // A no-op handler: its only purpose is to make KVM_RUN return EINTR.
-        register_signal_handler(SIGRTMIN(), kick_handler).expect("register vCPU kick signal");
-    });
     SIGRTMIN()
+}
+
+/// Installs the kick signal's handler, once per process; a failure fails the VM's start.
+fn install_kick_signal() -> Result<()> {
+    static INIT: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    // The handler's only purpose is to make KVM_RUN return EINTR (and, with kumo's APIC, to end
+    // a KVM_RUN that a kick just missed).
+    let r = INIT.get_or_init(|| register_signal_handler(SIGRTMIN(), kick_handler).map_err(|e| e.to_string()));
+    r.clone().map_err(|e| Error::Thread(std::io::Error::other(format!("cannot install the vCPU kick signal: {e}"))))
 }
 
 pub struct RunningVm {
@@ -357,6 +394,8 @@ impl RunningVm {
                 .collect(),
         });
 
+        crate::panics::register(Arc::downgrade(&shared) as std::sync::Weak<dyn crate::panics::OnPanic>);
+
         // PV features: resolved once and stored fully set, so a migration stream carries the
         // guest's CPUID as it is here (the destination's pins do not change it).
         let dedicated = kumo_vm::pv::pins_dedicated(&config.pins, config.cpus);
@@ -454,7 +493,7 @@ impl RunningVm {
             elastic,
             api_name: Default::default(),
         };
-        kick_signal(); // the handler must exist before any vCPU thread can be kicked
+        install_kick_signal()?; // before any vCPU thread can be kicked
         lock(&vm.shared.timings).vcpus_started_ns = Some(monotonic_ns());
         // The vCPUs a NIC's dedicated interrupt path names run prioritized (seed 000).
         let dedicated: Vec<u32> = vm
@@ -482,11 +521,17 @@ impl RunningVm {
                     kumo_vm::interrupt_paths::prioritize_this_thread(&format!("vCPU {id}"));
                 }
                 // After the start pin, so a vm.pin that finds the tid wins over it; cleared
-                // at exit so a reused tid is never re-pinned.
-                let tids = sh.clone();
-                set_tid(&tids, id, Some(kumo_vm::host_topology::this_tid()));
-                vcpu_thread(v, bus, sh);
-                set_tid(&tids, id, None);
+                // at exit (by `VcpuAlive`) so a reused tid is never re-pinned.
+                set_tid(&sh, id, Some(kumo_vm::host_topology::this_tid()));
+                // A panic stops this VM itself (whatever the process's handler does), with the
+                // message the thread's guard reports too.
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vcpu_thread(v, bus, &sh)));
+                if let Err(payload) = run {
+                    let message = kumo_sandbox::thread::panic_message(&*payload);
+                    let p = kumo_sandbox::ThreadPanic { kind: ThreadKind::Vcpu, thread: format!("vcpu{id}"), message };
+                    sh.finish(Outcome::Panicked(p.to_string()));
+                    std::panic::resume_unwind(payload);
+                }
             })
             .map_err(Error::Thread);
             match t {
@@ -740,6 +785,13 @@ impl RunningVm {
         Ok(())
     }
 
+    /// [`RunningVm::begin_migration`] as a lease that gives the run state back when dropped,
+    /// however the job ends (returned, failed early, panicked).
+    pub fn lease_run_state(&self) -> Result<RunStateLease<'_>> {
+        self.begin_migration()?;
+        Ok(RunStateLease { vm: self, settled: false, committed: Box::new(|| false) })
+    }
+
     /// Gives the run state back to the user.
     pub fn end_migration(&self) {
         let mut c = lock(&self.shared.ctl);
@@ -917,6 +969,55 @@ impl RunningVm {
     }
 }
 
+/// A migration's or snapshot's hold on the VM's run state ([`RunningVm::lease_run_state`]).
+/// Dropping it gives the run state back to the user. A job that ends on its own terms calls
+/// [`RunStateLease::settle`] first (it has put the VM where it should be); a lease dropped
+/// unsettled (the job panicked or returned early) also undoes what the job may have left: the
+/// throttle, dirty logging, and a pause the job made (a VM the user had paused stays paused),
+/// except once [`RunStateLease::committed_when`] says the VM's final state may be running at a
+/// destination: then it stays paused for the user to decide, as after an unconfirmed migration.
+pub struct RunStateLease<'a> {
+    vm: &'a RunningVm,
+    settled: bool,
+    committed: Box<dyn Fn() -> bool + 'a>,
+}
+
+impl RunStateLease<'_> {
+    /// The job has left the VM as it should be: dropping only gives the run state back.
+    pub fn settle(&mut self) {
+        self.settled = true;
+    }
+}
+
+impl<'a> RunStateLease<'a> {
+    /// How to tell that the VM's state has gone to a destination (a migration's commit).
+    pub fn committed_when(&mut self, f: impl Fn() -> bool + 'a) {
+        self.committed = Box::new(f);
+    }
+}
+
+impl Drop for RunStateLease<'_> {
+    fn drop(&mut self) {
+        let vm = self.vm;
+        if !self.settled {
+            tracing::warn!("a migration or snapshot ended without settling: giving the VM back as it was");
+            vm.set_throttle(0);
+            if let Err(e) = vm.vm.stop_dirty_log() {
+                tracing::warn!("cannot stop dirty logging: {e}");
+            }
+            if (self.committed)() {
+                tracing::error!("the VM stays paused: its final state went out and may run at the destination");
+            } else if vm.is_paused() && !vm.paused_by_user() && !vm.is_finished() {
+                vm.set_taps_attached(true);
+                if let Err(e) = vm.migration_resume() {
+                    tracing::error!("cannot resume the VM: {e}");
+                }
+            }
+        }
+        vm.end_migration();
+    }
+}
+
 /// How long parking a vCPU may take (it leaves KVM_RUN at the next kick, resent every 2 ms).
 const PARK_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -1044,10 +1145,22 @@ pub enum PinError {
     Failed(String),
 }
 
-fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: Arc<Shared>) {
+/// The test hook `panic:vcpu`: vCPU 0 panics on this exit, once the guest has run a while
+/// (booted and printed).
+const PANIC_HOOK_EXITS: u64 = 2000;
+
+fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: &Shared) {
     let id = lock(&vcpu).id;
+    let _alive = VcpuAlive { shared, id };
+    let mut panic_at = (id == 0 && kumo_sandbox::test_hook("panic:vcpu")).then_some(PANIC_HOOK_EXITS);
     while shared.wait_runnable(id as usize) {
         let r = lock(&vcpu).run(&bus);
+        if let Some(n) = panic_at.as_mut() {
+            *n -= 1;
+            if *n == 0 {
+                panic!("test hook panic:vcpu: vCPU {id} panics on purpose");
+            }
+        }
         match r {
             Ok(VcpuRun::Continue) => {}
             Ok(VcpuRun::Interrupted) => {
@@ -1070,7 +1183,78 @@ fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: Arc<Shared>) {
             Err(e) => shared.finish(Outcome::Error(e.to_string())),
         }
     }
-    let mut c = lock(&shared.ctl);
-    c.live -= 1;
-    shared.cv.notify_all();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::panics::OnPanic;
+
+    fn shared(cpus: usize) -> Shared {
+        Shared {
+            throttle: AtomicU32::new(0),
+            throttler: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+            request: AtomicU8::new(RUN),
+            ctl: Mutex::new(Control {
+                parked: 0,
+                live: cpus as u32,
+                outcome: None,
+                paused: false,
+                migrating: false,
+                user_paused: false,
+                stay_paused: false,
+                vcpu_parked: vec![false; cpus],
+            }),
+            cv: Condvar::new(),
+            timings: Mutex::new(Timings::default()),
+            vcpu_tids: Mutex::new(vec![Some(1); cpus]),
+            float_cpus: Vec::new(),
+            uapic: None,
+            parks: (0..cpus).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    #[test]
+    fn a_vcpu_thread_that_unwinds_leaves_the_live_count_and_its_park() {
+        let sh = shared(2);
+        {
+            let mut c = lock(&sh.ctl);
+            c.parked = 1;
+            c.vcpu_parked[1] = true;
+        }
+        std::thread::scope(|s| {
+            let t = s.spawn(|| {
+                let _alive = VcpuAlive { shared: &sh, id: 1 };
+                panic!("vCPU bug (expected by the test)");
+            });
+            assert!(t.join().is_err());
+        });
+        let c = lock(&sh.ctl);
+        assert_eq!((c.live, c.parked, c.vcpu_parked[1]), (1, 0, false));
+        assert_eq!(lock(&sh.vcpu_tids)[1], None, "its tid is cleared, so vm.pin cannot reach a reused one");
+        drop(c);
+        // The other one returns normally.
+        drop(VcpuAlive { shared: &sh, id: 0 });
+        assert_eq!(lock(&sh.ctl).live, 0, "stop_threads' wait ends");
+    }
+
+    #[test]
+    fn a_panic_is_the_stop_reason_unless_the_vm_had_ended_already() {
+        let sh = shared(1);
+        let p = kumo_sandbox::ThreadPanic {
+            kind: kumo_sandbox::ThreadKind::Device,
+            thread: "devices".into(),
+            message: "boom".into(),
+        };
+        sh.panicked(&p);
+        assert_eq!(sh.request.load(Ordering::Acquire), STOP);
+        let o = lock(&sh.ctl).outcome.clone().unwrap();
+        assert_eq!(o, Outcome::Panicked("device thread devices panicked: boom".into()));
+        assert_eq!(o.exit_code(), 101);
+        let sh = shared(1);
+        sh.finish(Outcome::GuestExit(0));
+        sh.panicked(&p);
+        assert_eq!(lock(&sh.ctl).outcome, Some(Outcome::GuestExit(0)), "the first outcome wins");
+    }
 }

@@ -214,6 +214,14 @@ pub fn estimate(
     policy: StopPolicy,
 ) -> Result<DryRunReport, String> {
     vm.vm().start_dirty_log().map_err(|e| e.to_string())?;
+    // Off again however the dry run ends (a panic included).
+    struct DirtyLogOff<'a>(&'a RunningVm);
+    impl Drop for DirtyLogOff<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.vm().stop_dirty_log();
+        }
+    }
+    let _off = DirtyLogOff(vm);
     let regions = vm.vm().memory.layout.ram().to_vec();
     let r = (|| {
         let mut scratch = PageBitmap::for_regions(&regions);
@@ -246,7 +254,6 @@ pub fn estimate(
             predicted: p,
         })
     })();
-    let _ = vm.vm().stop_dirty_log();
     r
 }
 
@@ -336,7 +343,8 @@ impl MigrationJob {
     }
 
     /// Runs a migration of `vm` to completion and answers its final status. Only one at a
-    /// time.
+    /// time. A job that panics leaves the VM as it was and this job ready for the next
+    /// (`RunStateLease`, `Running`); its caller contains the panic.
     pub fn run(&self, vm: &Arc<RunningVm>, req: &MigrateRequest) -> Result<MigrationStatus, JobError> {
         let (to, opts) = options(req).map_err(JobError::BadRequest)?;
         {
@@ -346,39 +354,19 @@ impl MigrationJob {
             }
             *s = JobState { running: true, cancel: Some(opts.cancel.clone()), ..Default::default() };
         }
-        let result: Result<MigrationResult, MigrateError> = if req.dry_run {
-            let bw = loopback_pages_per_s();
-            estimate(vm, Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000)), bw, opts.policy)
-                .map(MigrationResult::DryRun)
-                .map_err(MigrateError::Other)
-        } else if let Err(e) = vm.begin_migration() {
-            let mut s = self.lock();
-            s.running = false;
-            s.cancel = None;
-            return Err(JobError::Conflict(e.to_string()));
-        } else {
-            let total_pages = vm.config().memory / 4096;
-            let mut opts = opts;
-            // The stop phase's cost is measured only after the VM's state has gone out, so no
-            // migration can hand its measurement on yet: each starts from the engine's prior.
-            opts.policy.stop_phase = StopPhaseModel::with_prior(kumo_migration_engine::STOP_PHASE_PRIOR);
-            let r = migrate(&**vm, &to, &opts, &mut |e| {
-                if !matches!(e, Event::Progress { .. }) {
-                    tracing::info!(?e, "migration");
-                }
-                self.lock().events.push(e);
+        // Marks the job ended even if it unwinds, so the next migration is not refused as busy.
+        let running = Running { job: self, armed: true };
+        let result = self.run_job(vm, req, &to, opts);
+        running.disarm();
+        let result = match result {
+            Ok(r) => r,
+            Err(e) => {
+                let mut s = self.lock();
+                s.running = false;
+                s.cancel = None;
                 self.changed.notify_all();
-            })
-            .map(|r| {
-                let model = model_report(&r, opts.policy, total_pages);
-                let arrived_paused = vm.paused_by_user();
-                // The VM runs at the destination now; this copy stops (before the run state
-                // goes back to the user, so nothing can resume it in between).
-                vm.finish_migrated(to.to_string());
-                MigrationResult::Migrated(Box::new(SendReport { report: r, model, to: to.to_string(), arrived_paused }))
-            });
-            vm.end_migration();
-            r
+                return Err(e);
+            }
         };
         let mut s = self.lock();
         s.running = false;
@@ -395,6 +383,80 @@ impl MigrationJob {
                 Err(if s.cancelled { JobError::Cancelled } else { JobError::Failed(e.to_string()) })
             }
         }
+    }
+
+    /// The migration itself; `Err` only when it could not take the VM's run state.
+    fn run_job(
+        &self,
+        vm: &Arc<RunningVm>,
+        req: &MigrateRequest,
+        to: &Address,
+        opts: MigrateOptions,
+    ) -> Result<Result<MigrationResult, MigrateError>, JobError> {
+        if req.dry_run {
+            let bw = loopback_pages_per_s();
+            let window = Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000));
+            return Ok(estimate(vm, window, bw, opts.policy).map(MigrationResult::DryRun).map_err(MigrateError::Other));
+        }
+        // Given back however the job ends; unless settled (the engine returned: it has put the
+        // VM where it belongs), dropping it also resumes a VM the job paused, until the VM's
+        // state has been committed to the destination.
+        let mut lease = vm.lease_run_state().map_err(|e| JobError::Conflict(e.to_string()))?;
+        let token = opts.cancel.clone();
+        lease.committed_when(move || token.is_committed());
+        let total_pages = vm.config().memory / 4096;
+        let mut opts = opts;
+        // The stop phase's cost is measured only after the VM's state has gone out, so no
+        // migration can hand its measurement on yet: each starts from the engine's prior.
+        opts.policy.stop_phase = StopPhaseModel::with_prior(kumo_migration_engine::STOP_PHASE_PRIOR);
+        let r = migrate(&**vm, to, &opts, &mut |e| {
+            if !matches!(e, Event::Progress { .. }) {
+                tracing::info!(?e, "migration");
+            }
+            let round = matches!(e, Event::Round { .. });
+            self.lock().events.push(e);
+            self.changed.notify_all();
+            // After the first round dirty logging is on and the destination holds part of
+            // the guest: a job that panics here must leave the VM running and migratable.
+            if round && kumo_sandbox::test_hook_once("panic:migration") {
+                panic!("test hook panic:migration: the migration job panics on purpose");
+            }
+        })
+        .map(|r| {
+            let model = model_report(&r, opts.policy, total_pages);
+            let arrived_paused = vm.paused_by_user();
+            // The VM runs at the destination now; this copy stops (before the run state goes
+            // back to the user, so nothing can resume it in between).
+            vm.finish_migrated(to.to_string());
+            MigrationResult::Migrated(Box::new(SendReport { report: r, model, to: to.to_string(), arrived_paused }))
+        });
+        lease.settle();
+        Ok(r)
+    }
+}
+
+/// A migration job in progress: if it unwinds, the job is marked failed and not running.
+struct Running<'a> {
+    job: &'a MigrationJob,
+    armed: bool,
+}
+
+impl Running<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut s = self.job.lock();
+        s.running = false;
+        s.cancel = None;
+        s.error = Some("the migration job panicked (a bug); the VM runs on here".into());
+        self.job.changed.notify_all();
     }
 }
 
