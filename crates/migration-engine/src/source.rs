@@ -43,8 +43,29 @@ type SenderEnd = Result<(Box<dyn BatchSink>, Encoder, SenderStats), MigrateError
 
 /// A sender thread: owns one connection's sink and writes what it is given, returning buffers.
 struct Sender {
-    tx: SyncSender<Work>,
-    handle: std::thread::JoinHandle<SenderEnd>,
+    tx: Option<SyncSender<Work>>,
+    handle: Option<std::thread::JoinHandle<SenderEnd>>,
+}
+
+impl Sender {
+    fn send(&self, w: Work) -> Result<(), MigrateError> {
+        let stopped = || MigrateError::Other("sender thread stopped".into());
+        self.tx.as_ref().ok_or_else(stopped)?.send(w).map_err(|_| stopped())
+    }
+
+    /// Closes the queue and waits for the thread's end.
+    fn finish(&mut self) -> Option<std::thread::Result<SenderEnd>> {
+        drop(self.tx.take());
+        self.handle.take().map(|h| h.join())
+    }
+}
+
+impl Drop for Sender {
+    /// A session that returns early or unwinds still joins its senders: they read guest memory
+    /// through raw addresses ([`SendMem`]), which must not outlive the session.
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
 }
 
 /// One connection's wire as the sender threads see it: the transport boundary. The pre-copy
@@ -153,7 +174,7 @@ fn spawn_sender(
         add_cpu(&cpu, t0);
         r
     })?;
-    Ok(Sender { tx, handle })
+    Ok(Sender { tx: Some(tx), handle: Some(handle) })
 }
 
 /// Guest memory's host mapping, for zero-copy iovecs. Valid while the VM lives, which outlives
@@ -279,7 +300,7 @@ impl Collector<'_> {
             report(n, true);
         }
         for s in self.senders {
-            s.tx.send(Work::RoundEnd(round)).map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+            s.send(Work::RoundEnd(round))?;
         }
         Ok(n)
     }
@@ -305,8 +326,7 @@ impl Collector<'_> {
         }
         let s = &self.senders[self.next % self.senders.len()];
         self.next += 1;
-        s.tx.send(Work::Batch(Batch { round, gfns, data, checksum }))
-            .map_err(|_| MigrateError::Other("sender thread stopped".into()))?;
+        s.send(Work::Batch(Batch { round, gfns, data, checksum }))?;
         if let Some((replies, timeout)) = &mut self.lockstep {
             // The batch is done when the destination has it in place, as an RDMA write is
             // done at its completion; TCP's send buffer alone would already overlap stages.
@@ -687,18 +707,17 @@ fn migrate_inner(
         // A sender's own error (the connection broke) explains a failure better than the
         // collector's "sender stopped", so it goes first.
         let mut first_err = None;
-        for s in senders {
-            drop(s.tx);
-            match s.handle.join() {
-                Ok(Ok((c, e, zs))) => {
+        for mut s in senders {
+            match s.finish() {
+                Some(Ok(Ok((c, e, zs)))) => {
                     stats_zc.0 += zs.zc_completions;
                     stats_zc.1 += zs.zc_copied;
                     encs.push((c, e, zs.pages));
                 }
-                Ok(Err(e)) => {
+                Some(Ok(Err(e))) => {
                     first_err.get_or_insert(e);
                 }
-                Err(_) => {
+                Some(Err(_)) | None => {
                     first_err.get_or_insert(MigrateError::Other("sender thread panicked".into()));
                 }
             }
@@ -807,7 +826,7 @@ fn drain_pipeline(
     let mut acks = Vec::with_capacity(senders.len());
     for s in senders {
         let (tx, rx) = sync_channel(1);
-        s.tx.send(Work::Flush(tx)).map_err(|_| stopped())?;
+        s.send(Work::Flush(tx))?;
         acks.push(rx);
     }
     for rx in acks {
