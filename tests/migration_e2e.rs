@@ -893,7 +893,7 @@ fn a_stream_naming_resources_the_operator_did_not_give_is_refused() {
         let addr = format!("unix:{path}");
         let mut args = vec!["run", "--incoming", &addr];
         args.extend_from_slice(&extra);
-        let mut dst = Kid::spawn(&args).named(tag);
+        let dst = Kid::spawn(&args).named(tag);
         eventually(PATIENCE, || dst.stderr().contains("waiting for a migration").then_some(()));
         let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
         s.set_read_timeout(Some(PATIENCE)).unwrap();
@@ -910,9 +910,9 @@ fn a_stream_naming_resources_the_operator_did_not_give_is_refused() {
                 assert_ne!(state.trim(), "up", "{tag}: tap {t} was attached");
             }
         }
-        let status = eventually(PATIENCE, || dst.child.try_wait().unwrap());
-        let err = dst.stderr();
-        assert_eq!(status.code(), Some(1), "{tag}: {err}");
+        // Its whole stderr, read to the end once it exited.
+        let (code, _, err) = dst.wait();
+        assert_eq!(code, Some(1), "{tag}: {err}");
         assert!(err.contains("incoming migration failed") && err.contains(&want), "{tag}: {err}");
         assert!(!err.contains("panicked"), "{tag}: {err}");
     }
