@@ -124,8 +124,8 @@ pub fn guarded<T>(kind: ThreadKind, name: &str, f: impl FnOnce() -> T) -> T {
 
 /// Runs `f` as the body of a new thread of `kind`: its seccomp filter first, then `f` under the
 /// panic guard.
-fn body<T>(kind: ThreadKind, name: &str, f: impl FnOnce() -> T) -> T {
-    crate::seccomp::enter(kind, name);
+fn body<T>(kind: ThreadKind, name: &str, inherited: Option<ThreadKind>, f: impl FnOnce() -> T) -> T {
+    crate::seccomp::enter(kind, name, inherited);
     guarded(kind, name, f)
 }
 
@@ -147,11 +147,11 @@ where
                 if let Some(p) = placement {
                     p.apply();
                 }
-                body(kind, &thread_name, f)
+                body(kind, &thread_name, None, f)
             })
         })?;
     }
-    builder.spawn(move || body(kind, &thread_name, f))
+    builder.spawn(move || body(kind, &thread_name, None, f))
 }
 
 /// Starts a scoped thread of `kind` named `name` running `f` under the panic guard. It is
@@ -170,7 +170,8 @@ where
 {
     let name = name.into();
     let thread_name = name.clone();
-    std::thread::Builder::new().name(name).spawn_scoped(scope, move || body(kind, &thread_name, f))
+    let inherited = crate::seccomp::current_filter();
+    std::thread::Builder::new().name(name).spawn_scoped(scope, move || body(kind, &thread_name, inherited, f))
 }
 
 #[cfg(test)]

@@ -171,9 +171,20 @@ fn forbidden_call() {
     }
 }
 
+/// The filter this thread runs under, if any (a thread it creates itself inherits it).
+pub(crate) fn current_filter() -> Option<ThreadKind> {
+    filtered().then(current_kind).flatten()
+}
+
 /// Called first in every thread [`crate::spawn`] starts: its filter, or the end of the process
-/// if it cannot have one (no thread runs unfiltered when filters are on).
-pub(crate) fn enter(kind: ThreadKind, name: &str) {
+/// if it cannot have one (no thread runs unfiltered when filters are on). `inherited` is the
+/// filter its creator ran under: the same kind's is not installed twice.
+pub(crate) fn enter(kind: ThreadKind, name: &str, inherited: Option<ThreadKind>) {
+    if inherited == Some(kind) {
+        trap::set_current(kind, name);
+        FILTERED.with(|f| f.set(true));
+        return;
+    }
     if let Err(e) = filter_this_thread(kind, name) {
         tracing::error!("{kind} thread {name}: {e}");
         let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("kumo: {kind} thread {name}: {e}\n").as_bytes());

@@ -209,17 +209,20 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
     match kind {
         ThreadKind::Vcpu => {
             // KVM_RUN and its exits: port and MMIO writes reach eventfds, the serial's output,
-            // the console socket's queues; guest PCI programming maps BARs and routes MSIs.
+            // the console socket's queues; guest PCI programming maps BARs and routes MSIs; a
+            // virtio-net driver's setup sets the tap's offloads or talks vhost-user.
             allow(&mut r, IO);
-            allow(&mut r, &[SYS_sched_setaffinity, SYS_sched_getscheduler, SYS_sched_setscheduler, SYS_sched_getparam]);
-            allow(&mut r, &[SYS_sendmsg, SYS_sendto]);
-            ioctls(&mut r, &[]);
+            allow(&mut r, SOCKET_IO);
+            allow(&mut r, &[SYS_sched_setaffinity, SYS_sched_setscheduler]);
+            own_priority(&mut r);
+            ioctls(&mut r, TUN_IOCTLS);
         }
         ThreadKind::Device => {
             // Event loops: epoll, eventfds, taps, vhost-user messages, interrupt injection.
             allow(&mut r, IO);
             allow(&mut r, SOCKET_IO);
-            allow(&mut r, &[SYS_sched_setaffinity, SYS_sched_getscheduler, SYS_sched_setscheduler, SYS_sched_getparam]);
+            allow(&mut r, &[SYS_sched_setaffinity, SYS_sched_setscheduler]);
+            own_priority(&mut r);
             ioctls(&mut r, TUN_IOCTLS);
         }
         ThreadKind::Console => {
@@ -229,27 +232,28 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
             ioctls(&mut r, &[]);
         }
         ThreadKind::Signal => {
-            // Waits on signal-hook's pipe, shuts the VM down (pausing vCPUs, joining threads),
-            // or removes the sockets and exits.
+            // Waits on signal-hook's socket pair, shuts the VM down (pausing vCPUs, joining
+            // threads), or removes the sockets and exits.
             allow(&mut r, IO);
+            allow(&mut r, &[SYS_recvfrom, SYS_recvmsg]);
             allow(&mut r, &[SYS_unlink, SYS_unlinkat, SYS_rt_sigaction]);
             ioctls(&mut r, &[]);
         }
         ThreadKind::Api | ThreadKind::Migration | ThreadKind::Vmm => {
             // The control threads do the VMM's work: a restore or an incoming migration builds
-            // a VM (KVM, guest memory, devices, taps), a snapshot writes a file, a migration
-            // connects to its peer, a lend moves CPUs and memory.
+            // a VM (KVM, guest memory, devices, taps), a snapshot writes a file (finding the
+            // memory's holes with mincore), a migration connects to its peer and runs scoped
+            // transfer threads, a lend moves CPUs and memory. One list for the three: an API
+            // connection runs a snapshot's migration threads, whose filter stacks on its own.
             allow(&mut r, IO);
             allow(&mut r, SOCKET_IO);
             allow(&mut r, SOCKET_SETUP);
             allow(&mut r, FILES);
             allow(&mut r, PLACEMENT);
             allow(&mut r, SIGNALS);
+            allow(&mut r, &[SYS_mincore]);
             ioctls(&mut r, TUN_IOCTLS);
-            if kind == ThreadKind::Migration {
-                // Scoped transfer threads of their own kind (std::thread::scope).
-                thread_creation(&mut r);
-            }
+            thread_creation(&mut r);
         }
         ThreadKind::NetBackend => {
             // The vhost-user-net backend: its sockets, the tap, the VM's memory fds, its API.
@@ -259,9 +263,16 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
             allow(&mut r, &[SYS_openat, SYS_unlink, SYS_unlinkat, SYS_newfstatat, SYS_statx, SYS_umask, SYS_fchmod, SYS_chmod]);
             allow(&mut r, SIGNALS);
             ioctls(&mut r, TUN_IOCTLS);
+            // The vhost-user daemon library starts its own threads (they inherit this filter).
+            thread_creation(&mut r);
         }
     }
     r
+}
+
+/// setpriority on the calling thread only (a dedicated interrupt path lowers its nice value).
+fn own_priority(r: &mut Rules) {
+    allow_if(r, SYS_setpriority, vec![rule(vec![cond(0, Op::Eq, PRIO_PROCESS as u64), cond(1, Op::Eq, 0)])]);
 }
 
 /// Creating threads: `clone` only with CLONE_THREAD (no new process), `clone3` (whose flags
