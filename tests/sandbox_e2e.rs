@@ -85,11 +85,14 @@ fn a_forbidden_call_stops_the_vm_naming_the_call_and_the_kind() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o).1);
 }
 
-/// A user made for the test, with an ACL entry on /dev/kvm; both removed on drop.
+/// A user made for the test, with an ACL entry on /dev/kvm; on drop the user is removed and
+/// /dev/kvm's ACL set back to what it was.
 struct TempUser {
     name: String,
     uid: u32,
     gid: u32,
+    /// /dev/kvm's ACL before (`getfacl -c`), once it has been changed.
+    kvm_acl: Option<String>,
 }
 
 impl TempUser {
@@ -103,16 +106,25 @@ impl TempUser {
         };
         run("useradd", &["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", &name])?;
         let id = |flag: &str| run("id", &[flag, &name]).and_then(|s| s.trim().parse::<u32>().map_err(|e| e.to_string()));
-        let user = TempUser { uid: id("-u")?, gid: id("-g")?, name };
+        let mut user = TempUser { uid: id("-u")?, gid: id("-g")?, name, kvm_acl: None };
         // Dropped on failure from here: the user is removed again.
+        let before = run("getfacl", &["-c", "/dev/kvm"])?;
         run("setfacl", &["-m", &format!("u:{}:rw", user.name), "/dev/kvm"])?;
+        user.kvm_acl = Some(before);
         Ok(user)
     }
 }
 
 impl Drop for TempUser {
     fn drop(&mut self) {
-        let _ = Command::new("setfacl").args(["-x", &format!("u:{}", self.name), "/dev/kvm"]).status();
+        if let Some(acl) = &self.kvm_acl {
+            use std::io::Write;
+            let restore = Command::new("setfacl").args(["--set-file=-", "/dev/kvm"]).stdin(std::process::Stdio::piped()).spawn();
+            if let Ok(mut c) = restore {
+                let _ = c.stdin.take().map(|mut i| i.write_all(acl.as_bytes()));
+                let _ = c.wait();
+            }
+        }
         let _ = Command::new("userdel").arg(&self.name).status();
     }
 }
