@@ -64,6 +64,7 @@ type Job = Box<dyn FnOnce() + Send>;
 struct Sandbox {
     mode: Mode,
     filters: HashMap<ThreadKind, BpfProgram>,
+    no_clone3: BpfProgram,
     spawner: Option<Mutex<SyncSender<Job>>>,
 }
 
@@ -91,30 +92,50 @@ pub fn compile(kind: Option<ThreadKind>, mode: Mode) -> io::Result<BpfProgram> {
     filter.try_into().map_err(|e: seccompiler::BackendError| io::Error::other(e.to_string()))
 }
 
+/// A second filter every filtered thread carries: `clone3` fails with ENOSYS, so glibc falls
+/// back to `clone`, whose flags the kind filters check (threads only, no new process). The
+/// kind filters allow `clone3` where they allow threads; stacked, the error wins.
+pub fn no_clone3() -> io::Result<BpfProgram> {
+    let rules = Rules::from([(libc::SYS_clone3, Vec::new())]);
+    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(|e| io::Error::other(e.to_string()))?;
+    let errno = SeccompAction::Errno(libc::ENOSYS as u32);
+    let filter = SeccompFilter::new(rules, SeccompAction::Allow, errno, arch).map_err(|e| io::Error::other(e.to_string()))?;
+    filter.try_into().map_err(|e: seccompiler::BackendError| io::Error::other(e.to_string()))
+}
+
+/// Installs `kind_filter` and [`no_clone3`] on the calling thread.
+fn apply(kind_filter: &BpfProgram, no_clone3: &BpfProgram) -> io::Result<()> {
+    for p in [no_clone3, kind_filter] {
+        seccompiler::apply_filter(p).map_err(|e| io::Error::other(e.to_string()))?;
+    }
+    Ok(())
+}
+
 /// Sets the process's mode, once, before any thread is filtered: compiles every kind's filter,
 /// installs the SIGSYS handler and starts the spawner thread (under its own filter). A second
 /// call is an error.
 pub fn init(mode: Mode) -> io::Result<()> {
     let mut filters = HashMap::new();
     let mut spawner = None;
+    let no_clone3 = no_clone3()?;
     if mode != Mode::Off {
         for kind in ThreadKind::ALL {
             filters.insert(kind, compile(Some(kind), mode)?);
         }
         trap::install_handler()?;
-        spawner = Some(Mutex::new(start_spawner(compile(None, mode)?)?));
+        spawner = Some(Mutex::new(start_spawner(compile(None, mode)?, no_clone3.clone())?));
     }
     SANDBOX
-        .set(Sandbox { mode, filters, spawner })
+        .set(Sandbox { mode, filters, no_clone3, spawner })
         .map_err(|_| io::Error::other("the seccomp mode is set once per process"))
 }
 
 /// Starts the thread that creates threads for filtered threads; returns once it runs filtered.
-fn start_spawner(filter: BpfProgram) -> io::Result<SyncSender<Job>> {
+fn start_spawner(filter: BpfProgram, no_clone3: BpfProgram) -> io::Result<SyncSender<Job>> {
     let (jobs, queue) = sync_channel::<Job>(0);
     let (ready_tx, ready) = sync_channel(1);
     std::thread::Builder::new().name("kumo-spawner".into()).spawn(move || {
-        let applied = seccompiler::apply_filter(&filter).map_err(|e| io::Error::other(e.to_string()));
+        let applied = apply(&filter, &no_clone3);
         let ok = applied.is_ok();
         let _ = ready_tx.send(applied);
         if ok {
@@ -154,8 +175,7 @@ pub fn filter_this_thread(kind: ThreadKind, name: &str) -> io::Result<()> {
     if filtered() && current_kind() == Some(kind) {
         return Ok(());
     }
-    let prog = &s.filters[&kind];
-    seccompiler::apply_filter(prog).map_err(|e| io::Error::other(format!("cannot install the {kind} seccomp filter: {e}")))?;
+    apply(&s.filters[&kind], &s.no_clone3).map_err(|e| io::Error::other(format!("cannot install the {kind} seccomp filter: {e}")))?;
     FILTERED.with(|f| f.set(true));
     if crate::hooks::test_hook(&format!("seccomp-violation:{kind}")) {
         forbidden_call();

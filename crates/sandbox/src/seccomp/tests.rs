@@ -104,3 +104,26 @@ fn log_mode_lets_the_call_through() {
     });
     assert_eq!((status, err.as_str()), (0, ""));
 }
+
+#[test]
+fn a_control_thread_creates_threads_but_no_process() {
+    let prog = compile(Some(ThreadKind::Migration), Mode::Trap).unwrap();
+    let no_clone3 = no_clone3().unwrap();
+    let (status, err) = in_child(|| {
+        trap::install_handler().unwrap();
+        trap::set_current(ThreadKind::Migration, "mig-send");
+        apply(&prog, &no_clone3).unwrap();
+        // A thread: clone3 fails with ENOSYS, glibc falls back to clone with CLONE_THREAD.
+        std::thread::scope(|s| s.spawn(|| ()).join().unwrap());
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), b"thread ok\n");
+        // A process: clone without CLONE_THREAD is trapped.
+        // SAFETY: the child of this fork (if any) exits at once.
+        if unsafe { libc::fork() } == 0 {
+            // SAFETY: ends the grandchild at once.
+            unsafe { libc::_exit(0) };
+        }
+    });
+    assert_eq!(status, EXIT_STATUS, "{err}");
+    assert!(err.starts_with("thread ok\n"), "{err}");
+    assert!(err.contains("the migration thread mig-send made a forbidden system call: clone (56)"), "{err}");
+}
