@@ -166,7 +166,7 @@ const TUN_IOCTLS: &[u64] = &[
     0x8004_54cf, // TUNGETFEATURES
 ];
 /// Terminal and descriptor ioctls std and the log make (isatty, non-blocking, queue sizes).
-const FD_IOCTLS: &[u64] = &[TCGETS as u64, FIONBIO as u64, FIOCLEX as u64, FIONCLEX as u64, TIOCOUTQ as u64, FIONREAD as u64];
+const FD_IOCTLS: &[u64] = &[TCGETS, FIONBIO, FIOCLEX, FIONCLEX, TIOCOUTQ, FIONREAD];
 
 fn cond(arg: u8, op: Op, v: u64) -> Cond {
     Cond::new(arg, Len::Dword, op, v).expect("argument index below 6")

@@ -54,9 +54,9 @@ fn in_child(child: impl FnOnce()) -> (i32, String) {
         // SAFETY: ends the child without running the harness's exit path.
         unsafe { libc::_exit(0) };
     }
+    let mut out = Vec::new();
     // SAFETY: closing our copy of the write end, then reading the child's stderr into a
     // buffer of the given length.
-    let mut out = Vec::new();
     unsafe {
         libc::close(fds[1]);
         let mut buf = [0u8; 512];
