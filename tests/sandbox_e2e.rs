@@ -17,9 +17,8 @@ fn threads(pid: u32) -> Vec<(String, String, String)> {
     for t in tasks.flatten() {
         let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
         let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
-        let field = |k: &str| {
-            status.lines().find_map(|l| l.strip_prefix(k)).map(|s| s.trim().to_string()).unwrap_or_default()
-        };
+        let field =
+            |k: &str| status.lines().find_map(|l| l.strip_prefix(k)).map(|s| s.trim().to_string()).unwrap_or_default();
         v.push((comm.trim().to_string(), field("Seccomp:"), field("NoNewPrivs:")));
     }
     v
@@ -105,7 +104,8 @@ impl TempUser {
             o.status.success().then_some(out).ok_or_else(|| format!("{cmd} {args:?}: {err}"))
         };
         run("useradd", &["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", &name])?;
-        let id = |flag: &str| run("id", &[flag, &name]).and_then(|s| s.trim().parse::<u32>().map_err(|e| e.to_string()));
+        let id =
+            |flag: &str| run("id", &[flag, &name]).and_then(|s| s.trim().parse::<u32>().map_err(|e| e.to_string()));
         let mut user = TempUser { uid: id("-u")?, gid: id("-g")?, name, kvm_acl: None };
         // Dropped on failure from here: the user is removed again.
         let before = run("getfacl", &["-c", "/dev/kvm"])?;
@@ -119,7 +119,8 @@ impl Drop for TempUser {
     fn drop(&mut self) {
         if let Some(acl) = &self.kvm_acl {
             use std::io::Write;
-            let restore = Command::new("setfacl").args(["--set-file=-", "/dev/kvm"]).stdin(std::process::Stdio::piped()).spawn();
+            let restore =
+                Command::new("setfacl").args(["--set-file=-", "/dev/kvm"]).stdin(std::process::Stdio::piped()).spawn();
             if let Ok(mut c) = restore {
                 let _ = c.stdin.take().map(|mut i| i.write_all(acl.as_bytes()));
                 let _ = c.wait();
@@ -158,7 +159,8 @@ fn kumo_runs_as_an_ordinary_user_with_kvm_access() {
     };
     let api = dir.arg("api.sock");
     let mut cmd = Command::new(&bin);
-    cmd.args(["run", "--guest", "memtouch", "pages=64", "until_input=1", "--api-socket", &api]).current_dir(dir.path("."));
+    cmd.args(["run", "--guest", "memtouch", "pages=64", "until_input=1", "--api-socket", &api])
+        .current_dir(dir.path("."));
     if let Some(u) = &user {
         std::os::unix::process::CommandExt::uid(&mut cmd, u.uid);
         std::os::unix::process::CommandExt::gid(&mut cmd, u.gid);
@@ -180,4 +182,38 @@ fn kumo_runs_as_an_ordinary_user_with_kvm_access() {
 
 fn chown(p: &Path, uid: u32, gid: u32) {
     std::os::unix::fs::chown(p, Some(uid), Some(gid)).expect("chown the test directory");
+}
+
+#[test]
+fn landlock_confines_snapshots_to_the_paths_given() {
+    let test = "landlock_confines_snapshots_to_the_paths_given";
+    if !kvm_or_skip(test) {
+        return;
+    }
+    let dir = TestDir::new();
+    for d in ["api", "snaps", "other"] {
+        std::fs::create_dir(dir.path(d)).expect("mkdir");
+    }
+    let api = dir.path("api").join("api.sock").to_str().unwrap().to_string();
+    let snaps = format!("{}:rw", dir.arg("snaps"));
+    let args = ["run", "--guest", "memtouch", "pages=64", "until_input=1", "--api-socket", &api];
+    let mut vm = Kid::spawn(&[&args[..], &["--landlock", "--landlock-path", &snaps]].concat()).named("kumo");
+    eventually(PATIENCE, || kumo(&["--api-socket", &api, "ping"]).status.success().then_some(()));
+    let inside = dir.path("snaps").join("vm.snap");
+    let o = kumo(&["--api-socket", &api, "snapshot", "--to", inside.to_str().unwrap()]);
+    assert!(o.status.success(), "snapshot where --landlock-path allows: {:?}", text(&o));
+    assert!(inside.exists());
+    let outside = dir.path("other").join("vm.snap");
+    let o = kumo(&["--api-socket", &api, "snapshot", "--to", outside.to_str().unwrap()]);
+    let (_, err) = text(&o);
+    let enforced = !o.status.success();
+    if enforced {
+        assert!(err.to_lowercase().contains("permission denied"), "{err}");
+        assert!(!outside.exists() && std::fs::read_dir(dir.path("other")).unwrap().next().is_none());
+    } else {
+        eprintln!("{test}: the kernel has no Landlock: the snapshot outside the rules was written");
+    }
+    vm.stop_guest();
+    let (code, _, err) = vm.wait();
+    assert_eq!(code, Some(0), "{err}");
 }

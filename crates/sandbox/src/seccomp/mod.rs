@@ -88,7 +88,8 @@ pub fn compile(kind: Option<ThreadKind>, mode: Mode) -> io::Result<BpfProgram> {
     };
     let mismatch = if mode == Mode::Log { SeccompAction::Log } else { SeccompAction::Trap };
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(|e| io::Error::other(e.to_string()))?;
-    let filter = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, arch).map_err(|e| io::Error::other(e.to_string()))?;
+    let filter =
+        SeccompFilter::new(rules, mismatch, SeccompAction::Allow, arch).map_err(|e| io::Error::other(e.to_string()))?;
     filter.try_into().map_err(|e: seccompiler::BackendError| io::Error::other(e.to_string()))
 }
 
@@ -99,7 +100,8 @@ pub fn no_clone3() -> io::Result<BpfProgram> {
     let rules = Rules::from([(libc::SYS_clone3, Vec::new())]);
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(|e| io::Error::other(e.to_string()))?;
     let errno = SeccompAction::Errno(libc::ENOSYS as u32);
-    let filter = SeccompFilter::new(rules, SeccompAction::Allow, errno, arch).map_err(|e| io::Error::other(e.to_string()))?;
+    let filter =
+        SeccompFilter::new(rules, SeccompAction::Allow, errno, arch).map_err(|e| io::Error::other(e.to_string()))?;
     filter.try_into().map_err(|e: seccompiler::BackendError| io::Error::other(e.to_string()))
 }
 
@@ -175,7 +177,8 @@ pub fn filter_this_thread(kind: ThreadKind, name: &str) -> io::Result<()> {
     if filtered() && current_kind() == Some(kind) {
         return Ok(());
     }
-    apply(&s.filters[&kind], &s.no_clone3).map_err(|e| io::Error::other(format!("cannot install the {kind} seccomp filter: {e}")))?;
+    apply(&s.filters[&kind], &s.no_clone3)
+        .map_err(|e| io::Error::other(format!("cannot install the {kind} seccomp filter: {e}")))?;
     FILTERED.with(|f| f.set(true));
     if crate::hooks::test_hook(&format!("seccomp-violation:{kind}")) {
         forbidden_call();
@@ -207,7 +210,8 @@ pub(crate) fn enter(kind: ThreadKind, name: &str, inherited: Option<ThreadKind>)
     }
     if let Err(e) = filter_this_thread(kind, name) {
         tracing::error!("{kind} thread {name}: {e}");
-        let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("kumo: {kind} thread {name}: {e}\n").as_bytes());
+        let _ =
+            std::io::Write::write_all(&mut std::io::stderr(), format!("kumo: {kind} thread {name}: {e}\n").as_bytes());
         std::process::exit(1);
     }
 }
@@ -226,7 +230,8 @@ impl Placement {
         // SAFETY: with pid 0 these calls read the calling thread's own attributes into the
         // values given, which are valid and sized as the calls expect.
         unsafe {
-            let mut p = Placement { policy: libc::sched_getscheduler(0), param: std::mem::zeroed(), cpus: std::mem::zeroed() };
+            let mut p =
+                Placement { policy: libc::sched_getscheduler(0), param: std::mem::zeroed(), cpus: std::mem::zeroed() };
             let ok = p.policy >= 0
                 && libc::sched_getparam(0, &mut p.param) == 0
                 && libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut p.cpus) == 0;

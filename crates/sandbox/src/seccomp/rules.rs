@@ -89,7 +89,8 @@ const SOCKET_IO: &[c_long] = &[
 ];
 
 /// Making sockets: listening, accepting, connecting (the API, migration, console, backend).
-const SOCKET_SETUP: &[c_long] = &[SYS_socket, SYS_socketpair, SYS_bind, SYS_listen, SYS_accept, SYS_accept4, SYS_connect];
+const SOCKET_SETUP: &[c_long] =
+    &[SYS_socket, SYS_socketpair, SYS_bind, SYS_listen, SYS_accept, SYS_accept4, SYS_connect];
 
 /// Files by path: snapshots, restores, sockets' removal, sysfs/procfs reads.
 const FILES: &[c_long] = &[
@@ -260,7 +261,10 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
             allow(&mut r, IO);
             allow(&mut r, SOCKET_IO);
             allow(&mut r, SOCKET_SETUP);
-            allow(&mut r, &[SYS_openat, SYS_unlink, SYS_unlinkat, SYS_newfstatat, SYS_statx, SYS_umask, SYS_fchmod, SYS_chmod]);
+            allow(
+                &mut r,
+                &[SYS_openat, SYS_unlink, SYS_unlinkat, SYS_newfstatat, SYS_statx, SYS_umask, SYS_fchmod, SYS_chmod],
+            );
             allow(&mut r, SIGNALS);
             ioctls(&mut r, TUN_IOCTLS);
             // The vhost-user daemon library starts its own threads (they inherit this filter).

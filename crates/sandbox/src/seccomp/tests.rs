@@ -32,7 +32,9 @@ fn the_spawner_allows_what_every_kind_allows() {
 fn no_kind_may_exec_trace_or_mount() {
     for kind in ThreadKind::ALL {
         let r = rules::for_kind(kind, 1);
-        for call in [libc::SYS_execve, libc::SYS_execveat, libc::SYS_ptrace, libc::SYS_mount, libc::SYS_fork, libc::SYS_syslog] {
+        for call in
+            [libc::SYS_execve, libc::SYS_execveat, libc::SYS_ptrace, libc::SYS_mount, libc::SYS_fork, libc::SYS_syslog]
+        {
             assert!(!r.contains_key(&call), "{kind} allows {}", syscall_name(call as i32));
         }
     }
