@@ -172,9 +172,10 @@ pub(crate) fn on_spawner<R: Send + 'static>(make: impl FnOnce() -> R + Send + 's
 /// Puts the calling thread under `kind`'s filter (a no-op with filters off, or if it already
 /// runs under it); records its kind and name for the message of a forbidden call.
 pub fn filter_this_thread(kind: ThreadKind, name: &str) -> io::Result<()> {
+    let already = current_filter() == Some(kind);
     trap::set_current(kind, name);
     let Some(s) = SANDBOX.get().filter(|s| s.mode != Mode::Off) else { return Ok(()) };
-    if filtered() && current_kind() == Some(kind) {
+    if already {
         return Ok(());
     }
     apply(&s.filters[&kind], &s.no_clone3)
