@@ -105,12 +105,18 @@ pub fn no_clone3() -> io::Result<BpfProgram> {
     filter.try_into().map_err(|e: seccompiler::BackendError| io::Error::other(e.to_string()))
 }
 
-/// Installs `kind_filter` and [`no_clone3`] on the calling thread.
-fn apply(kind_filter: &BpfProgram, no_clone3: &BpfProgram) -> io::Result<()> {
-    for p in [no_clone3, kind_filter] {
+/// Installs `kind_filter` and, for a kind that may create threads, [`no_clone3`] on the
+/// calling thread (the others trap `clone3` anyway: one filter less on their every call).
+fn apply(kind_filter: &BpfProgram, no_clone3: Option<&BpfProgram>) -> io::Result<()> {
+    for p in no_clone3.into_iter().chain([kind_filter]) {
         seccompiler::apply_filter(p).map_err(|e| io::Error::other(e.to_string()))?;
     }
     Ok(())
+}
+
+/// Whether threads of `kind` may create threads (then they carry [`no_clone3`]).
+fn creates_threads(kind: ThreadKind) -> bool {
+    rules::for_kind(kind, 0).contains_key(&libc::SYS_clone3)
 }
 
 /// Sets the process's mode, once, before any thread is filtered: compiles every kind's filter,
@@ -137,7 +143,7 @@ fn start_spawner(filter: BpfProgram, no_clone3: BpfProgram) -> io::Result<SyncSe
     let (jobs, queue) = sync_channel::<Job>(0);
     let (ready_tx, ready) = sync_channel(1);
     std::thread::Builder::new().name("kumo-spawner".into()).spawn(move || {
-        let applied = apply(&filter, &no_clone3);
+        let applied = apply(&filter, Some(&no_clone3));
         let ok = applied.is_ok();
         let _ = ready_tx.send(applied);
         if ok {
@@ -178,7 +184,7 @@ pub fn filter_this_thread(kind: ThreadKind, name: &str) -> io::Result<()> {
     if already {
         return Ok(());
     }
-    apply(&s.filters[&kind], &s.no_clone3)
+    apply(&s.filters[&kind], creates_threads(kind).then_some(&s.no_clone3))
         .map_err(|e| io::Error::other(format!("cannot install the {kind} seccomp filter: {e}")))?;
     FILTERED.with(|f| f.set(true));
     if crate::hooks::test_hook(&format!("seccomp-violation:{kind}")) {
