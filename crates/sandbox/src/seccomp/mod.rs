@@ -44,7 +44,7 @@ impl FromStr for Mode {
             "true" => Ok(Mode::Trap),
             "false" => Ok(Mode::Off),
             "log" => Ok(Mode::Log),
-            _ => Err(format!("--seccomp {s}: expected true, false or log")),
+            _ => Err(format!("{s:?}: expected true, false or log")),
         }
     }
 }
