@@ -44,7 +44,7 @@ impl FromStr for PathRule {
             _ => (s, PathAccess::Read),
         };
         if path.is_empty() {
-            return Err(format!("--landlock-path {s}: expected PATH[:ro|:rw]"));
+            return Err(format!("{s:?}: expected PATH[:ro|:rw]"));
         }
         Ok(PathRule::new(path, access))
     }
