@@ -280,9 +280,45 @@ struct RunArgs {
     /// guest that speaks the channel (worker). `kumo lend` / `kumo return` move them.
     #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
     elastic: Option<String>,
+    /// seccomp filters, one per kind of thread (docs/security.md): true stops the VM at a
+    /// system call outside the thread's list with a message naming it; log lets the call
+    /// through and has the kernel log it (dmesg or the audit log), to find what is missing;
+    /// false runs unfiltered.
+    #[arg(long, value_name = "true|false|log", default_value = "true")]
+    seccomp: kumo_sandbox::seccomp::Mode,
+    /// Restrict the files kumo may open (Landlock, where the host kernel has it) to those it
+    /// is given at start (kernel, initrd, config, snapshot, sockets' directories), /dev/kvm,
+    /// /dev/net/tun, /sys, /proc and the --landlock-path additions.
+    #[arg(long)]
+    landlock: bool,
+    /// With --landlock: also allow PATH (a file, or a directory and all beneath it), read-only
+    /// (:ro, the default) or read-write (:rw); e.g. where `kumo snapshot --to` writes or
+    /// `kumo restore` reads later. Repeatable.
+    #[arg(long, value_name = "PATH[:ro|:rw]", requires = "landlock")]
+    landlock_path: Vec<kumo_sandbox::landlock::PathRule>,
     /// Guest arguments, key=value (with --guest).
     #[arg(value_name = "KEY=VALUE")]
     guest_args: Vec<String>,
+}
+
+/// Contains the process before it creates any thread (docs/security.md): Landlock first (every
+/// thread inherits it), then the seccomp mode, which each thread's filter follows.
+fn sandbox(a: &RunArgs, api_socket: Option<&std::path::Path>) -> Result<(), String> {
+    use kumo_sandbox::landlock::{self, parent_dir, PathAccess, PathRule};
+    if a.landlock {
+        let mut rules = landlock::system_rules();
+        let read = [&a.kernel, &a.initrd, &a.config, &a.restore];
+        rules.extend(read.into_iter().flatten().map(|p| PathRule::new(p, PathAccess::Read)));
+        let unix = a.incoming.as_deref().and_then(|i| i.strip_prefix("unix:")).map(PathBuf::from);
+        let written = [api_socket.map(PathBuf::from), a.console_socket.clone(), a.timings_json.clone(), unix];
+        rules.extend(written.iter().flatten().map(|p| PathRule::new(parent_dir(p), PathAccess::ReadWrite)));
+        rules.extend(a.landlock_path.iter().cloned());
+        match landlock::restrict(&rules)? {
+            landlock::Enforced::Not => tracing::debug!("landlock: not in this kernel; paths are not restricted"),
+            e => tracing::debug!("landlock: {e:?} enforced"),
+        }
+    }
+    kumo_sandbox::seccomp::init(a.seccomp).map_err(|e| format!("seccomp: {e}"))
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -439,6 +475,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
     if let Some(m) = &a.event_monitor {
         kumo_vmm::event_monitor::init(m)?;
     }
+    sandbox(&a, api_socket.as_deref())?;
     let sockets: Vec<PathBuf> = [&api_socket, &a.console_socket].into_iter().flatten().cloned().collect();
     // A panic before there is a VM to stop (a destination waiting for its migration) ends the
     // process as a signal would then; once there is one, the panic is its stop reason.
@@ -536,6 +573,12 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
     let stdin = std::os::fd::AsFd::as_fd(&std::io::stdin()).try_clone_to_owned();
     if !stdin.is_ok_and(|fd| vm.attach_console_input(fd).is_ok()) {
         spawn_console_input(Arc::downgrade(&vm));
+    }
+    // The main thread's setup ends here: from now on it waits for the VM's end, reports it
+    // and takes the VM down, under the VMM thread's filter.
+    if let Err(e) = kumo_sandbox::seccomp::filter_this_thread(ThreadKind::Vmm, "main") {
+        vm.shutdown();
+        return Err(e.to_string());
     }
     let report = vm.wait_timeout(a.timeout.filter(|t| !t.is_zero()));
     if let Some(p) = &a.timings_json {

@@ -25,6 +25,10 @@ pub struct Args {
     /// automatic failover when the owner disconnects.
     #[arg(long)]
     pub manual: bool,
+    /// seccomp filters on the backend's threads (docs/security.md): true, log or false, as for
+    /// `kumo run`.
+    #[arg(long, value_name = "true|false|log", default_value = "true")]
+    pub seccomp: kumo_sandbox::seccomp::Mode,
     #[command(subcommand)]
     pub cmd: Option<Cmd>,
 }
@@ -79,6 +83,7 @@ fn client(sock: &Path, method: &str, path: &str, body: Option<&str>) -> Result<i
 fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Result<i32, String> {
     let tap_name = a.tap.ok_or("net-backend needs --tap NAME")?;
     let socket = a.socket.ok_or("net-backend needs --socket PATH")?;
+    kumo_sandbox::seccomp::init(a.seccomp).map_err(|e| format!("seccomp: {e}"))?;
     let mac = match &a.mac {
         Some(m) => parse_mac(m)?,
         None => DEFAULT_MAC,
@@ -115,6 +120,8 @@ fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resul
     );
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(|e| format!("signals: {e}"))?;
+    // Setup is done: the main thread only waits for a signal and removes the sockets.
+    kumo_sandbox::seccomp::filter_this_thread(ThreadKind::NetBackend, "main").map_err(|e| e.to_string())?;
     let _ = signals.forever().next();
     // Only our own sockets: one replaced by someone else meanwhile stays.
     for (p, id) in cleanup {

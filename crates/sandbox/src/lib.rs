@@ -2,10 +2,13 @@
 //!
 //! Every kumo thread is started through [`thread::spawn`] with its [`ThreadKind`]: the thread
 //! runs under a panic guard that reports the panic to the process (the VMM turns it into the
-//! VM's stop reason) and, once the sandbox is configured, under its kind's seccomp filter.
+//! VM's stop reason) and, once the process has chosen its [`seccomp::Mode`], under its kind's
+//! seccomp filter. [`landlock`] limits the paths the process may open after its setup.
 
 pub mod fs;
 pub mod hooks;
+pub mod landlock;
+pub mod seccomp;
 pub mod sock;
 pub mod thread;
 

@@ -135,7 +135,16 @@ pub fn contain<T>(kind: ThreadKind, what: &str, f: impl FnOnce() -> T) -> Result
     })
 }
 
-/// Starts a thread of `kind` named `name` running `f` under the panic guard.
+/// Runs `f` as the body of a new thread of `kind`: its seccomp filter first, then `f` under the
+/// panic guard.
+fn body<T>(kind: ThreadKind, name: &str, inherited: Option<ThreadKind>, f: impl FnOnce() -> T) -> T {
+    crate::seccomp::enter(kind, name, inherited);
+    guarded(kind, name, f)
+}
+
+/// Starts a thread of `kind` named `name` running `f` under the panic guard and its kind's
+/// seccomp filter. A filtered caller has the spawner create it (crate::seccomp), with the
+/// caller's CPUs and scheduling policy, as a thread it created itself would have.
 pub fn spawn<F, T>(kind: ThreadKind, name: impl Into<String>, f: F) -> io::Result<JoinHandle<T>>
 where
     F: FnOnce() -> T + Send + 'static,
@@ -143,10 +152,25 @@ where
 {
     let name = name.into();
     let thread_name = name.clone();
-    std::thread::Builder::new().name(name).spawn(move || guarded(kind, &thread_name, f))
+    let builder = std::thread::Builder::new().name(name);
+    if crate::seccomp::filtered() {
+        let placement = crate::seccomp::Placement::current();
+        return crate::seccomp::on_spawner(move || {
+            builder.spawn(move || {
+                if let Some(p) = placement {
+                    p.apply();
+                }
+                body(kind, &thread_name, None, f)
+            })
+        })?;
+    }
+    builder.spawn(move || body(kind, &thread_name, None, f))
 }
 
-/// Starts a scoped thread of `kind` named `name` running `f` under the panic guard.
+/// Starts a scoped thread of `kind` named `name` running `f` under the panic guard. It is
+/// created by the caller, so it inherits the caller's filter: meant for helpers of the caller's
+/// own kind (a different kind's filter would stack on the caller's, allowing only what both
+/// allow).
 pub fn spawn_scoped<'scope, 'env, F, T>(
     scope: &'scope std::thread::Scope<'scope, 'env>,
     kind: ThreadKind,
@@ -159,7 +183,8 @@ where
 {
     let name = name.into();
     let thread_name = name.clone();
-    std::thread::Builder::new().name(name).spawn_scoped(scope, move || guarded(kind, &thread_name, f))
+    let inherited = crate::seccomp::current_filter();
+    std::thread::Builder::new().name(name).spawn_scoped(scope, move || body(kind, &thread_name, inherited, f))
 }
 
 #[cfg(test)]
