@@ -12,6 +12,8 @@ command -v zstd >/dev/null 2>&1 || need+=(zstd)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 # The network tests ping kumo's guests from the host.
 command -v ping >/dev/null 2>&1 || need+=(iputils-ping)
+# tests/sandbox_e2e.rs gives its unprivileged user access to /dev/kvm with an ACL entry.
+command -v setfacl >/dev/null 2>&1 || need+=(acl)
 # `kumo bench migrate` draws its PNG with this font.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if ((${#need[@]})); then
