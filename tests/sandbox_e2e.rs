@@ -247,3 +247,32 @@ fn every_thread_of_a_net_backend_is_filtered() {
     let (code, _, err) = kid.wait();
     assert_eq!(code, Some(0), "{err}");
 }
+
+/// A panic in one of the backend's threads ends the backend cleanly: one line naming the thread
+/// and the panic, exit status 101, its sockets removed (its VMs see the hang-up: link down).
+#[test]
+fn a_net_backend_thread_that_panics_ends_the_backend_and_removes_its_sockets() {
+    let test = "a_net_backend_thread_that_panics_ends_the_backend_and_removes_its_sockets";
+    // SAFETY: geteuid has no arguments and cannot fail.
+    if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/net/tun").exists() {
+        eprintln!("skipping {test}: creating a tap needs root and /dev/net/tun");
+        return;
+    }
+    let dir = TestDir::new();
+    let (sock, api) = (dir.arg("nic.sock"), dir.arg("backend.sock"));
+    let tap = format!("ksp{}", std::process::id() % 100_000);
+    let kid = Kid::spawn_cmd(
+        Command::new(kumo_bin())
+            .args(["--api-socket", &api, "net-backend", "--tap", &tap, "--socket", &sock])
+            .env("KUMO_TEST_HOOK", "panic:net-backend"),
+    )
+    .named("backend");
+    eventually(PATIENCE, || kid.stderr().contains("vhost-user socket").then_some(()));
+    // The API thread panics on this request.
+    let o = kumo(&["--api-socket", &api, "net-backend", "info"]);
+    assert!(!o.status.success(), "the request is not answered: {:?}", text(&o));
+    let (code, _, err) = kid.wait();
+    assert_eq!(code, Some(101), "{err}");
+    assert!(err.contains("nb-api panicked: test hook panic:net-backend") && err.contains("exiting"), "{err}");
+    assert!(!Path::new(&sock).exists() && !Path::new(&api).exists(), "the backend's sockets are removed");
+}

@@ -40,7 +40,13 @@ fn error(status: u16, msg: &str) -> Response {
 /// Routes one request.
 pub fn route(nic: &Nic, method: &str, path: &str, body: &[u8]) -> Response {
     match (method, path) {
-        ("GET", "/api/v1/backend.info") => json(200, &nic.info()),
+        ("GET", "/api/v1/backend.info") => {
+            // Debug builds only (tests/sandbox_e2e.rs): a bug in a request ends the backend.
+            if kumo_sandbox::test_hook("panic:net-backend") {
+                panic!("test hook panic:net-backend");
+            }
+            json(200, &nic.info())
+        }
         ("PUT", "/api/v1/backend.handover") => {
             let b: HandoverBody = match serde_json::from_slice(body) {
                 Ok(b) => b,

@@ -95,9 +95,26 @@ fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resul
     let listener = Server::bind(&socket).map_err(|e| format!("{}: {e}", socket.display()))?;
     let ours = |p: &PathBuf| (p.clone(), kumo_sandbox::sock::socket_id(p));
     let mut cleanup = vec![ours(&socket)];
-    if let Some(p) = &api_socket {
-        let l = Server::bind(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        cleanup.push(ours(p));
+    let api_listener = match &api_socket {
+        Some(p) => {
+            let l = Server::bind(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            cleanup.push(ours(p));
+            Some(l)
+        }
+        None => None,
+    };
+    // A panic in any of the backend's threads ends the backend, as one in a VMM's ends its VM:
+    // the ownership it tracks may be half-changed, and its VMs see the hang-up (link down) and
+    // run on. Its sockets go with it.
+    let on_panic = cleanup.clone();
+    kumo_sandbox::thread::set_panic_handler(move |p| {
+        eprintln!("kumo net-backend: error: {p}; exiting");
+        for (path, id) in &on_panic {
+            kumo_sandbox::sock::remove_socket(path, *id);
+        }
+        std::process::exit(101);
+    });
+    if let Some(l) = api_listener {
         let n = nic.clone();
         kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-api", move || {
             if let Err(e) = api::serve(n, l, allow) {

@@ -132,10 +132,33 @@ pub fn init(mode: Mode) -> io::Result<()> {
         }
         trap::install_handler()?;
         spawner = Some(Mutex::new(start_spawner(compile(None, mode)?, no_clone3.clone())?));
+        filtered_panic_hook();
     }
     SANDBOX
         .set(Sandbox { mode, filters, no_clone3, spawner })
         .map_err(|_| io::Error::other("the seccomp mode is set once per process"))
+}
+
+/// Makes a panic on a filtered thread print its message with `write(2)` alone. std's own hook
+/// may capture and symbolize a backtrace (`RUST_BACKTRACE`), which opens files and asks for the
+/// working directory: under a filter that would end the process by SIGSYS before the panic
+/// guard could stop the VM cleanly. Unfiltered threads keep std's hook.
+fn filtered_panic_hook() {
+    let std_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !filtered() {
+            return std_hook(info);
+        }
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("<unnamed>");
+        let at = info.location().map(|l| format!(" at {}:{}:{}", l.file(), l.line(), l.column())).unwrap_or_default();
+        let msg = crate::thread::panic_message(info.payload());
+        // One write: lines of concurrent panics do not interleave.
+        let line = format!(
+            "thread '{name}' panicked{at}:\n{msg}\n(no backtrace under the seccomp filter: --seccomp false for one)\n"
+        );
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+    }));
 }
 
 /// Starts the thread that creates threads for filtered threads; returns once it runs filtered.
