@@ -114,6 +114,7 @@ const FILES: &[c_long] = &[
     SYS_renameat2,
     SYS_mkdir,
     SYS_mkdirat,
+    SYS_rmdir,
     SYS_fsync,
     SYS_fdatasync,
     SYS_ftruncate,
@@ -265,6 +266,9 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
                 &mut r,
                 &[SYS_openat, SYS_unlink, SYS_unlinkat, SYS_newfstatat, SYS_statx, SYS_umask, SYS_fchmod, SYS_chmod],
             );
+            // Each frontend's relay channel is a private socket in a fresh 0700 directory
+            // (`kumo_sandbox::sock::PrivateSocket`), made and removed per connection.
+            allow(&mut r, &[SYS_mkdir, SYS_mkdirat, SYS_rmdir]);
             allow(&mut r, SIGNALS);
             ioctls(&mut r, TUN_IOCTLS);
             // The vhost-user daemon library starts its own threads (they inherit this filter).
