@@ -238,7 +238,10 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
             // threads), or removes the sockets and exits.
             allow(&mut r, IO);
             allow(&mut r, &[SYS_recvfrom, SYS_recvmsg]);
+            // A socket is removed only if it is still the one kumo bound (its device and inode:
+            // `kumo_sandbox::sock::remove_socket`), hence the stat calls.
             allow(&mut r, &[SYS_unlink, SYS_unlinkat, SYS_rt_sigaction]);
+            allow(&mut r, &[SYS_newfstatat, SYS_statx, SYS_stat, SYS_lstat, SYS_fstat]);
             ioctls(&mut r, &[]);
         }
         ThreadKind::Api | ThreadKind::Migration | ThreadKind::Vmm => {
