@@ -32,19 +32,7 @@ const MAX_BODY: usize = 1 << 20;
 
 /// The peer process of a unix stream (SO_PEERCRED).
 pub fn peer_pid(s: &UnixStream) -> Option<i32> {
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes one `struct ucred` into `cred`, whose size `len` says.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut libc::ucred as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    (r == 0 && cred.pid > 0).then_some(cred.pid)
+    kumo_sandbox::sock::peer_cred(s).ok().map(|c| c.pid).filter(|&pid| pid > 0)
 }
 
 /// Accepts frontends on `path` until the listener fails; each gets a thread.
