@@ -9,10 +9,11 @@
 //! others write (the reply channel runs against the page stream): the rustls state sits
 //! behind a mutex that is never held across a blocking socket call.
 
+use kumo_sandbox::lock;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
@@ -244,10 +245,6 @@ struct Shared {
     /// Held while a writer encrypts and sends: records go out in the order they were sealed.
     tx: Mutex<Vec<u8>>,
     side: Side,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A TLS connection over TCP, cloneable like the socket it runs on.

@@ -13,4 +13,4 @@ pub mod sock;
 pub mod thread;
 
 pub use hooks::{test_hook, test_hook_once};
-pub use thread::{contain, spawn, spawn_scoped, ThreadKind, ThreadPanic};
+pub use thread::{contain, lock, spawn, spawn_scoped, ThreadKind, ThreadPanic};

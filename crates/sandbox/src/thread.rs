@@ -122,6 +122,12 @@ pub fn guarded<T>(kind: ThreadKind, name: &str, f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Locks `m`, taking over a lock a panicking thread poisoned: the panic is reported by that
+/// thread's guard, and a second panic here would only cascade it.
+pub fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Runs a job whose panic its caller contains: `f`'s Drop guards release what the job held
 /// (a migration's run state, dirty logging, the throttle), so the caller answers an error and
 /// the VM runs on. The panic is logged but not handed to the process's handler, and comes back
