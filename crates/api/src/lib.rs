@@ -11,7 +11,7 @@ mod http;
 mod server;
 
 pub use client::{ApiClient, ClientError, DEFAULT_CLIENT_TIMEOUT};
-pub use server::{routes, ApiHandler, ApiServer, ApiServerHandle, ServerError};
+pub use server::{routes, ApiHandler, ApiServer, ApiServerHandle, BoundApi, ServerError};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};

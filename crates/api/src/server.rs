@@ -139,22 +139,56 @@ impl ApiServer {
         handler: Arc<dyn ApiHandler>,
         allow: Option<Vec<u32>>,
     ) -> Result<ApiServerHandle, ServerError> {
+        Self::bind(path)?.serve(handler, allow)
+    }
+
+    /// Binds `path` now and serves it later ([`BoundApi::serve`]): a VMM binds its socket before
+    /// the guest runs, so a client that sees the guest can connect (it waits in the backlog
+    /// until the VM is there to answer).
+    pub fn bind(path: &Path) -> Result<BoundApi, ServerError> {
         // The socket drives the VM: only its owner may connect (0600 from the start).
         let listener = bind(path)?;
-        let socket_id = socket_id(path);
-        let cleanup = |e: ServerError| {
-            let _ = fs::remove_file(path);
-            e
-        };
+        Ok(BoundApi { socket_id: socket_id(path), path: path.to_path_buf(), listener: Some(listener) })
+    }
+}
 
+/// A bound API socket not yet served; dropped unserved, it removes its socket file.
+pub struct BoundApi {
+    path: PathBuf,
+    socket_id: Option<(u64, u64)>,
+    listener: Option<UnixListener>,
+}
+
+impl BoundApi {
+    /// Serves the API from a background thread until the handle is shut down or dropped.
+    pub fn serve(
+        mut self,
+        handler: Arc<dyn ApiHandler>,
+        allow: Option<Vec<u32>>,
+    ) -> Result<ApiServerHandle, ServerError> {
+        let listener = self.listener.take().expect("a BoundApi is served once");
         let shared = Arc::new(Shared { allow, ..Shared::default() });
         let thread = kumo_sandbox::spawn(ThreadKind::Api, "kumo-api", {
             let shared = shared.clone();
             move || accept_loop(listener, &shared, handler)
         })
-        .map_err(|e| cleanup(ServerError::Spawn(e)))?;
-        info!(path = %path.display(), "API server listening");
-        Ok(ApiServerHandle { path: path.to_path_buf(), socket_id, shared, thread: Some(thread) })
+        .map_err(|e| {
+            if socket_id(&self.path) == self.socket_id {
+                let _ = fs::remove_file(&self.path);
+            }
+            ServerError::Spawn(e)
+        })?;
+        info!(path = %self.path.display(), "API server listening");
+        let path = std::mem::take(&mut self.path);
+        Ok(ApiServerHandle { path, socket_id: self.socket_id, shared, thread: Some(thread) })
+    }
+}
+
+impl Drop for BoundApi {
+    fn drop(&mut self) {
+        if self.listener.is_some() && self.socket_id.is_some() && socket_id(&self.path) == self.socket_id {
+            let _ = fs::remove_file(&self.path);
+        }
     }
 }
 

@@ -492,7 +492,10 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
     let console_out = console.as_ref().map_or_else(console::stdout_only, console::ConsoleSocket::output);
     let serial = move || -> Box<dyn std::io::Write + Send> { Box::new(console_out.clone()) };
     // The API of a VM built here starts once it exists; a shutdown on failure stops it again.
-    let serve = |vm: &Arc<RunningVm>| {
+    // A booted or restored VM's socket is bound before its guest runs, and served once the VM
+    // exists: a client that sees the guest's output can connect.
+    let bind = || api_socket.as_deref().map(ApiServer::bind).transpose().map_err(|e| e.to_string());
+    let serve = |vm: &Arc<RunningVm>, bound: Option<kumo_api::BoundApi>| {
         signals.watch(vm);
         // An elastic VM's API threads (they inherit the server's policy) run at real-time
         // priority: a lend must not wait behind vCPUs that spin on every host CPU
@@ -502,8 +505,9 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
                 .map_err(|e| tracing::warn!("elastic VM's API not prioritized (SCHED_FIFO): {e}"))
                 .ok()
         });
-        match &api_socket {
-            Some(p) => ApiServer::start_allowing(p, kumo_vmm::api::VmApi::new(vm), allow.clone())
+        match (bound, &api_socket) {
+            (Some(b), Some(p)) => b
+                .serve(kumo_vmm::api::VmApi::new(vm), allow.clone())
                 .map(|s| {
                     vm.set_api_name(p);
                     Some(s)
@@ -512,7 +516,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
                     vm.shutdown();
                     e.to_string()
                 }),
-            None => Ok(None),
+            _ => Ok(None),
         }
     };
     let (vm, _api) = match (&a.incoming, &a.restore) {
@@ -537,15 +541,17 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
             (vm, server)
         }
         (None, Some(file)) => {
+            let bound = bind()?;
             let vm = kumo_vmm::snapshot::restore_from_file(file, serial(), &host_resources(&a)?);
             let vm = Arc::new(vm.map_err(|e| e.to_string())?);
-            let server = serve(&vm)?;
+            let server = serve(&vm, bound)?;
             (vm, server)
         }
         (None, None) => match (build_config(&a)?, &api_socket) {
             (Some(config), _) => {
+                let bound = bind()?;
                 let vm = Arc::new(RunningVm::start(config, serial()).map_err(|e| e.to_string())?);
-                let server = serve(&vm)?;
+                let server = serve(&vm, bound)?;
                 (vm, server)
             }
             // An empty VMM: its API says what it becomes (vm.restore, vm.receive-migration).
