@@ -369,7 +369,7 @@ impl ApiHandler for VmApi {
             ApiRequest::Elastic => elastic_answer(vm.elastic_info()),
             ApiRequest::Lend(l) => {
                 use kumo_elastic::lend::{lend, LendError, LendRequest};
-                let local = crate::elastic::LocalPeer(&vm);
+                let local = crate::vmm::LocalPeer(&vm);
                 let to = self.peer(&l.to).with_timeout(kumo_elastic::lend::client_timeout(l.timeout_ms));
                 let req = LendRequest {
                     cpus: l.cpus,

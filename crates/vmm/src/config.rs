@@ -6,6 +6,7 @@ pub use kumo_vm::{parse_size, IrqchipMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
 pub use crate::guest_numa::{NumaConfig, NumaDistance, NumaNodeSpec};
+use crate::size::size_de;
 use crate::Error;
 
 /// What the VM boots.
@@ -223,19 +224,6 @@ fn default_cpus() -> u32 {
 }
 fn default_memory() -> u64 {
     256 << 20
-}
-
-pub(crate) fn size_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Size {
-        N(u64),
-        S(String),
-    }
-    match Size::deserialize(d)? {
-        Size::N(n) => Ok(n),
-        Size::S(s) => kumo_vm::parse_size(&s).map_err(serde::de::Error::custom),
-    }
 }
 
 /// A config file's contents: like `VmConfig`, but everything optional, so flags can complete it.

@@ -11,7 +11,7 @@
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use kumo_devices::persist::check_ids;
 use kumo_devices::{
@@ -27,10 +27,7 @@ use crate::event_loop::{EventHandler, EventLoop, Interest};
 use crate::nic::Nic;
 use crate::pci::Pci;
 use crate::{Error, Result};
-
-fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use kumo_sandbox::lock;
 
 fn dev_err(what: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |e| Error::Devices(format!("{what}: {e}"))

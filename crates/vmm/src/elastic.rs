@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::vcpu_manager::VcpuManager;
 use crate::Error;
 
 /// Default elastic block: one 2 MiB page.
@@ -43,13 +44,13 @@ pub struct ElasticConfig {
     #[serde(default)]
     pub cpus: Vec<u32>,
     /// Elastic memory of each guest node (the top of its RAM), bytes.
-    #[serde(default, deserialize_with = "crate::config::size_de")]
+    #[serde(default, deserialize_with = "crate::size::size_de")]
     pub memory: u64,
     /// How much of each node's elastic memory is plugged at boot (default: all of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugged: Option<u64>,
     /// The unit memory moves in, a multiple of 2 MiB.
-    #[serde(default = "default_block", deserialize_with = "crate::config::size_de")]
+    #[serde(default = "default_block", deserialize_with = "crate::size::size_de")]
     pub block: u64,
 }
 
@@ -173,18 +174,6 @@ pub fn plan_areas(
     Ok(out)
 }
 
-/// What kumo's VM gives the elastic side to act on its vCPU threads.
-pub(crate) trait VcpuControl {
-    /// Stops vCPU `v`'s thread out of KVM_RUN, parked in kumo; returns once it is.
-    fn park(&self, v: u32) -> Result<(), String>;
-    /// Lets a parked vCPU run again.
-    fn unpark(&self, v: u32);
-    /// Pins vCPU `v` to host CPU `cpu` (None: floating).
-    fn pin(&self, v: u32, cpu: Option<u32>) -> Result<(), String>;
-    /// Whether the VM runs (not paused, not stopping): its guest can only answer then.
-    fn running(&self) -> Result<(), String>;
-}
-
 /// Why an elastic request failed: one line, with the HTTP status it maps to.
 #[derive(Debug, thiserror::Error)]
 pub enum ElasticError {
@@ -254,7 +243,7 @@ pub struct ElasticVm {
 const MAX_EVENTS: usize = 1 << 20;
 
 fn now_ns() -> u64 {
-    crate::vmm::monotonic_ns()
+    crate::vcpu_manager::monotonic_ns()
 }
 
 fn ms(since: Instant) -> f64 {
@@ -364,7 +353,7 @@ impl ElasticVm {
 
 impl ElasticVm {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        kumo_sandbox::lock(&self.state)
     }
 
     fn channel<T>(&self, r: Result<T, String>) -> R<T> {
@@ -437,14 +426,14 @@ impl ElasticVm {
     }
 
     /// Books vCPU `v`, whose thread is parked now, as holding no host CPU, and records it.
-    fn mark_parked(ctl: &dyn VcpuControl, st: &mut State, v: u32) {
+    fn mark_parked(ctl: &VcpuManager, st: &mut State, v: u32) {
         let h = &mut st.vcpus[v as usize];
         let c = h.host_cpu.take().unwrap_or(0);
         h.parked = true;
         h.lender = None;
         Self::record(st, Self::cpu_event(Kind::CpuReleased, v, c));
         // Parked, it runs nowhere; unpinned, a later pin does not race a stale one.
-        let _ = ctl.pin(v, None);
+        let _ = ctl.set_pin(v, None);
     }
 
     fn record(st: &mut State, e: ElasticEvent) {
@@ -524,10 +513,10 @@ impl ElasticVm {
     }
 
     /// `vm.release`.
-    pub(crate) fn release(&self, ctl: &dyn VcpuControl, req: &ReleaseRequest) -> R<Released> {
+    pub(crate) fn release(&self, ctl: &VcpuManager, req: &ReleaseRequest) -> R<Released> {
         let t0 = Instant::now();
         let timeout = Duration::from_millis(req.timeout_ms.max(1));
-        ctl.running().map_err(ElasticError::Conflict)?;
+        ctl.check_running().map_err(ElasticError::Conflict)?;
         let mut st = self.lock();
         // Which vCPUs: those on the named host CPUs, or the last `cpus` the VM holds as asked.
         let held: Vec<u32> = (1..st.vcpus.len() as u32)
@@ -668,7 +657,7 @@ impl ElasticVm {
     /// they are parked again (the guest had not confirmed; its use of them ends there).
     fn give_cpus(
         &self,
-        ctl: &dyn VcpuControl,
+        ctl: &VcpuManager,
         st: &mut State,
         host_cpus: &[u32],
         lender: Option<String>,
@@ -692,7 +681,7 @@ impl ElasticVm {
         }
         let mask = mask_of(chosen.iter().copied());
         for (&v, &c) in chosen.iter().zip(host_cpus) {
-            ctl.pin(v, Some(c)).map_err(ElasticError::Failed)?;
+            ctl.set_pin(v, Some(c)).map_err(ElasticError::Failed)?;
         }
         for (&v, &c) in chosen.iter().zip(host_cpus) {
             // Recorded before the vCPU can run there.
@@ -734,10 +723,10 @@ impl ElasticVm {
     }
 
     /// `vm.acquire`.
-    pub(crate) fn acquire(&self, ctl: &dyn VcpuControl, req: &AcquireRequest) -> R<Acquired> {
+    pub(crate) fn acquire(&self, ctl: &VcpuManager, req: &AcquireRequest) -> R<Acquired> {
         let t0 = Instant::now();
         let timeout = Duration::from_millis(req.timeout_ms.max(1));
-        ctl.running().map_err(ElasticError::Conflict)?;
+        ctl.check_running().map_err(ElasticError::Conflict)?;
         let mut st = self.lock();
         let bs = self.layout.block_bytes;
         // Where memory goes: the node on the same host node, else the same node id, else 0.
@@ -878,22 +867,6 @@ fn pick_spare(vcpus: &[Hold], chosen: &[u32], c: u32, c_node: Option<u32>, vcpu_
             free.iter().copied().find(|&v| c_node.is_some() && vcpu_node.get(v as usize).copied().flatten() == c_node)
         })
         .or_else(|| free.first().copied())
-}
-
-/// This VM as one side of a lend run by its own VMM (`vm.lend`), named by its API socket as
-/// the other VM's record names it.
-pub struct LocalPeer<'a>(pub &'a crate::vmm::RunningVm);
-
-impl kumo_elastic::lend::Peer for LocalPeer<'_> {
-    fn name(&self) -> String {
-        self.0.api_name().unwrap_or_else(|| format!("kumo pid {}", std::process::id()))
-    }
-    fn release(&self, req: &ReleaseRequest) -> Result<Released, String> {
-        self.0.elastic_release(req).map_err(|e| e.to_string())
-    }
-    fn acquire(&self, req: &AcquireRequest) -> Result<Acquired, String> {
-        self.0.elastic_acquire(req).map_err(|e| e.to_string())
-    }
 }
 
 fn doorbell_fd(e: &EventFd) -> std::os::fd::RawFd {

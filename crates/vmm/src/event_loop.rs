@@ -12,6 +12,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use kumo_sandbox::lock;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -64,10 +65,6 @@ pub struct EventLoop {
     state: Arc<State>,
     stop: EventFd,
     thread: Option<JoinHandle<()>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl EventLoop {

@@ -37,7 +37,7 @@ pub struct NumaNodeSpec {
     /// vCPU indices.
     pub cpus: Vec<u32>,
     /// Bytes; in files also a string such as "256M".
-    #[serde(deserialize_with = "crate::config::size_de")]
+    #[serde(deserialize_with = "crate::size::size_de")]
     pub memory: u64,
     /// The host node its memory is bound to (`mbind(MPOL_BIND)`); none: the host's policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1,6 +1,7 @@
 //! kumo-vmm: builds a VM from a `VmConfig`, runs one thread per vCPU, and controls it: pause,
 //! resume, save and restore state, shut down. The control API and the CLI sit on top.
-//! - `vmm`: `RunningVm`, its vCPU threads and run-state control;
+//! - `vmm`: `RunningVm` and its build phases (boot, incoming); `vcpu_manager`: the vCPU threads
+//!   and their run state (pause, park, kick, throttle, pins);
 //! - `device_manager`: the devices, their buses and interrupt wiring; `event_loop`: the device
 //!   event thread; `pci`: PCI bus 0 and BAR placement; `nic`: a virtio-net NIC on a tap;
 //! - `persist`: the `Snapshot` every component saves into;
@@ -27,11 +28,14 @@ pub mod nic_vhost_user;
 pub mod panics;
 pub mod pci;
 pub mod persist;
+mod size;
 pub mod snapshot;
+pub mod vcpu_manager;
 pub mod vmm;
 
 pub use config::{ConfigFile, NetSpec, NumaConfig, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
-pub use vmm::{monotonic_ns, Outcome, RunReport, RunningVm, Snapshot, Timings};
+pub use vcpu_manager::{monotonic_ns, Outcome, Timings};
+pub use vmm::{RunReport, RunningVm, Snapshot};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -11,7 +11,7 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use kumo_devices::pci::{BarMove, BarSpec, Msix, PciConfig, PciDevice, PciFunction, PciIds, SharedMsix};
 use kumo_devices::virtio::net::tap::Tap;
@@ -29,15 +29,12 @@ use crate::event_loop::{EventHandler, EventLoop, Interest};
 use crate::nic_vhost_user::VhostUserNic;
 use crate::pci::Pci;
 use crate::{Error, Result};
+use kumo_sandbox::lock;
 
 /// The BAR: the virtio registers (0x4000), then the MSI-X table and PBA.
 const BAR_SIZE: u64 = 0x8000;
 const MSIX_TABLE: u32 = 0x4000;
 const MSIX_PBA: u32 = 0x6000;
-
-pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The virtio transport's interrupts, through MSI-X (no INTx: the function has no pin).
 struct MsixInterrupt(SharedMsix);

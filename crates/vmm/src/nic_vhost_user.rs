@@ -57,9 +57,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::NetSpec;
 use crate::event_loop::{EventHandler, EventLoop, Interest};
-use crate::nic::{irq_info, lock, wire, Control, NicFunction, Wired};
+use crate::nic::{irq_info, wire, Control, NicFunction, Wired};
 use crate::pci::Pci;
 use crate::{Error, Result};
+use kumo_sandbox::lock;
 
 /// One RX/TX pair: queue 0 receives, queue 1 transmits (no control queue).
 const QUEUES: usize = 2;

@@ -7,7 +7,7 @@
 //! (which vCPU threads share without a lock). Doorbells registered as ioeventfds
 //! ([`Pci::add_doorbells`]) follow their BAR: moved with it, and re-registered after a restore.
 
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use kumo_devices::pci::{
     BarAllocator, BarKind, BarMove, BarRelocation, PciBus, PciConfigIo, PciConfigMmio, PlacedBar, ECAM_BUS0_SIZE,
@@ -18,15 +18,12 @@ use kumo_vm::layout::MemoryLayout;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::{Error, Result};
+use kumo_sandbox::lock;
 
 /// Configuration mechanism #1's ports.
 pub const CONFIG_IO_PORT: u64 = 0xcf8;
 /// ECAM for bus 0, at the top of the 32-bit MMIO window; BARs go below it.
 pub const ECAM_SIZE: u64 = ECAM_BUS0_SIZE;
-
-fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A device's doorbells inside one of its BARs: `(offset in the BAR, eventfd)`.
 struct Doorbells {
