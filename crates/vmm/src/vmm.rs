@@ -22,8 +22,8 @@ use crate::config::{Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
 use crate::device_manager::DeviceManager;
 use crate::elastic::{AreaPlan, ElasticError, ElasticVm};
 pub use crate::persist::Snapshot;
-use crate::vcpu_manager::{VcpuManager, VcpuSetup};
 pub use crate::vcpu_manager::{monotonic_ns, Outcome, PinError, Timings};
+use crate::vcpu_manager::{VcpuManager, VcpuSetup};
 use crate::{Error, Result};
 
 #[derive(Debug)]
@@ -206,15 +206,8 @@ impl RunningVm {
                 _ => None,
             })
             .collect();
-        let vm = RunningVm {
-            vm,
-            config,
-            vcpus,
-            devices,
-            started: Instant::now(),
-            elastic,
-            api_name: Default::default(),
-        };
+        let vm =
+            RunningVm { vm, config, vcpus, devices, started: Instant::now(), elastic, api_name: Default::default() };
         vm.vcpus.start(vm.devices.buses(), &vm.config.pins, &prioritized)?;
         Ok(vm)
     }
@@ -652,12 +645,18 @@ impl Drop for RunStateLease<'_> {
 
 impl RunningVm {
     /// `vm.release` (elastic sharing).
-    pub fn elastic_release(&self, req: &kumo_api::ReleaseRequest) -> std::result::Result<kumo_api::Released, ElasticError> {
+    pub fn elastic_release(
+        &self,
+        req: &kumo_api::ReleaseRequest,
+    ) -> std::result::Result<kumo_api::Released, ElasticError> {
         self.elastic_side()?.release(&self.vcpus, req)
     }
 
     /// `vm.acquire` (elastic sharing).
-    pub fn elastic_acquire(&self, req: &kumo_api::AcquireRequest) -> std::result::Result<kumo_api::Acquired, ElasticError> {
+    pub fn elastic_acquire(
+        &self,
+        req: &kumo_api::AcquireRequest,
+    ) -> std::result::Result<kumo_api::Acquired, ElasticError> {
         self.elastic_side()?.acquire(&self.vcpus, req)
     }
 
