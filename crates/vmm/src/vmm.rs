@@ -128,12 +128,11 @@ impl RunningVm {
             }
             None => Vec::new(),
         };
-        let memory = match areas.is_empty() {
-            true => None,
-            false => {
-                let anon: Vec<(u64, u64)> = areas.iter().map(|a| (a.gpa, a.len)).collect();
-                Some(kumo_vm::Memory::with_anonymous(config.memory, &anon)?)
-            }
+        let memory = if areas.is_empty() {
+            None
+        } else {
+            let anon: Vec<(u64, u64)> = areas.iter().map(|a| (a.gpa, a.len)).collect();
+            Some(kumo_vm::Memory::with_anonymous(config.memory, &anon)?)
         };
         let vm = create_vm(&config, numa.as_ref(), memory)?;
         write_gdt(&vm.memory.guest, config.cpus)?;
