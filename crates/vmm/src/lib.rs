@@ -31,6 +31,7 @@ pub mod persist;
 mod size;
 pub mod snapshot;
 pub mod vcpu_manager;
+pub mod virtio_pci;
 pub mod vmm;
 
 pub use config::{ConfigFile, NetSpec, NumaConfig, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};

@@ -1,6 +1,6 @@
-//! A virtio-net NIC wired into a VM: the PCI function (`kumo_devices`' virtio PCI transport and
-//! MSI-X in one 32 KiB BAR, [`wire`]), its interrupt path (`kumo_vm::interrupt_paths`), its
-//! doorbells as ioeventfds, and its own event-loop thread. Two kinds share that function:
+//! A virtio-net NIC wired into a VM: the PCI function ([`crate::virtio_pci::wire`]: the virtio
+//! PCI transport and MSI-X, its interrupt path, its doorbells as ioeventfds), and its own
+//! event-loop thread. Two kinds share that function:
 //! [`TapNic`], whose thread moves frames between a host tap and the guest's rings, and
 //! [`VhostUserNic`](crate::nic_vhost_user::VhostUserNic), whose rings an external vhost-user
 //! backend serves.
@@ -10,15 +10,12 @@
 //! device, and frames that arrive meanwhile wait in the tap's queue until [`Nic::resume`].
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use kumo_devices::pci::{BarMove, BarSpec, Msix, PciConfig, PciDevice, PciFunction, PciIds, SharedMsix};
 use kumo_devices::virtio::net::tap::Tap;
 use kumo_devices::virtio::net::{Net, NetBackend, NetConfig};
-use kumo_devices::virtio::pci_transport::{NOTIFY_LEN, NOTIFY_OFFSET};
-use kumo_devices::virtio::{status, GuestMemory, Interrupt, VirtioDevice, VirtioPciTransport, NO_VECTOR};
-use kumo_devices::{PersistDyn, PersistError};
+use kumo_devices::virtio::{status, GuestMemory, VirtioDevice};
 use kumo_vm::interrupt_paths::{IrqPath, PathRouting, SharedDispatcher};
 use kumo_vm::interrupts::Interrupts;
 use vmm_sys_util::epoll::EventSet;
@@ -28,152 +25,9 @@ use crate::config::NetSpec;
 use crate::event_loop::{EventHandler, EventLoop, Interest};
 use crate::nic_vhost_user::VhostUserNic;
 use crate::pci::Pci;
+use crate::virtio_pci::{irq_info, wire, Control, VirtioFunction, Wired};
 use crate::{Error, Result};
 use kumo_sandbox::lock;
-
-/// The BAR: the virtio registers (0x4000), then the MSI-X table and PBA.
-const BAR_SIZE: u64 = 0x8000;
-const MSIX_TABLE: u32 = 0x4000;
-const MSIX_PBA: u32 = 0x6000;
-
-/// The virtio transport's interrupts, through MSI-X (no INTx: the function has no pin).
-struct MsixInterrupt(SharedMsix);
-
-impl Interrupt for MsixInterrupt {
-    fn trigger(&self, vector: u16) {
-        if vector != NO_VECTOR {
-            lock(&self.0).fire(vector);
-        }
-    }
-}
-
-/// The PCI function, which also tells the NIC's thread when the driver did something it must
-/// look at (DRIVER_OK, a doorbell written through the BAR rather than its ioeventfd).
-pub(crate) struct NicFunction<D: VirtioDevice + 'static> {
-    f: PciFunction<VirtioPciTransport<D>>,
-    kick: EventFd,
-}
-
-impl<D: VirtioDevice + 'static> NicFunction<D> {
-    pub(crate) fn transport(&mut self) -> &mut VirtioPciTransport<D> {
-        self.f.device_mut()
-    }
-}
-
-impl<D: VirtioDevice + 'static> PersistDyn for NicFunction<D> {
-    fn id(&self) -> String {
-        self.f.id()
-    }
-
-    fn save_value(&self) -> std::result::Result<serde_json::Value, PersistError> {
-        self.f.save_value()
-    }
-
-    fn restore_value(&mut self, state: serde_json::Value) -> std::result::Result<(), PersistError> {
-        self.f.restore_value(state)?;
-        let _ = self.kick.write(1);
-        Ok(())
-    }
-}
-
-impl<D: VirtioDevice + 'static> PciDevice for NicFunction<D> {
-    fn config(&self) -> &PciConfig {
-        self.f.config()
-    }
-
-    fn config_mut(&mut self) -> &mut PciConfig {
-        self.f.config_mut()
-    }
-
-    fn read_config(&mut self, reg: usize) -> u32 {
-        self.f.read_config(reg)
-    }
-
-    fn write_config(&mut self, reg: usize, byte: usize, data: &[u8]) -> Option<BarMove> {
-        self.f.write_config(reg, byte, data)
-    }
-
-    fn read_bar(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
-        self.f.read_bar(bar, offset, data)
-    }
-
-    fn write_bar(&mut self, bar: usize, offset: u64, data: &[u8]) {
-        let before = self.f.device().status();
-        self.f.write_bar(bar, offset, data);
-        let doorbell = (NOTIFY_OFFSET..NOTIFY_OFFSET + NOTIFY_LEN).contains(&offset);
-        if doorbell || self.f.device().status() != before {
-            let _ = self.kick.write(1);
-        }
-    }
-}
-
-/// Pause state shared by the NIC's thread and the VMM.
-pub(crate) struct Control {
-    pub(crate) paused: AtomicBool,
-    pub(crate) kick: EventFd,
-}
-
-/// A virtio-net PCI function on the bus: what [`wire`] made.
-pub(crate) struct Wired<D: VirtioDevice + 'static> {
-    pub(crate) function: Arc<Mutex<NicFunction<D>>>,
-    pub(crate) slot: u8,
-    pub(crate) routing: Arc<PathRouting>,
-    pub(crate) ctl: Arc<Control>,
-}
-
-/// Puts `device` on `pci` as virtio-net function `id`: its transport, MSI-X on interrupt path
-/// `path`, and `bells` (one eventfd per queue, in queue order) registered as its doorbells'
-/// ioeventfds. Tap and vhost-user NICs share it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn wire<D: VirtioDevice + 'static>(
-    id: &str,
-    device: D,
-    path: IrqPath,
-    bells: Vec<EventFd>,
-    mem: &GuestMemory,
-    irq: Arc<Interrupts>,
-    dispatcher: Option<Arc<SharedDispatcher>>,
-    pci: &mut Pci,
-    dev_err: &dyn Fn(String) -> Error,
-) -> Result<Wired<D>> {
-    let queues = device.queue_max_sizes().len();
-    let vectors = queues as u16 + 1;
-    let routing = Arc::new(PathRouting::new(path, irq, dispatcher).map_err(dev_err)?);
-    let msix =
-        Msix::new(vectors, (0, MSIX_TABLE), (0, MSIX_PBA), routing.clone()).map_err(|e| dev_err(e.to_string()))?;
-    let msix: SharedMsix = Arc::new(Mutex::new(msix));
-    let transport =
-        VirtioPciTransport::new(id.to_string(), device, mem.clone(), Arc::new(MsixInterrupt(msix.clone())), vectors);
-    let caps: Vec<Vec<u8>> = transport.capabilities(0).iter().map(|c| c.to_bytes()).collect();
-    let doorbells = transport.notify_offsets();
-    let ids = PciIds {
-        vendor: 0x1af4,
-        device: transport.pci_device_id(),
-        class: (0x02, 0x00, 0x00),
-        revision: 1,
-        subsystem_vendor: 0x1af4,
-        subsystem: 0x0001,
-    };
-    let f = PciFunction::new(ids, 0, BarSpec::mem32(BAR_SIZE), transport, Some(msix), &caps)
-        .map_err(|e| dev_err(e.to_string()))?;
-    let evt = || EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err(format!("eventfd: {e}")));
-    let ctl = Arc::new(Control { paused: AtomicBool::new(false), kick: evt()? });
-    let kick = ctl.kick.try_clone().map_err(|e| dev_err(format!("eventfd: {e}")))?;
-    let function = Arc::new(Mutex::new(NicFunction { f, kick }));
-    let slot = pci.add(function.clone())?;
-    // The PCI layer registers the doorbells with KVM and moves them with the BAR.
-    pci.add_doorbells(slot, 0, doorbells.into_iter().zip(bells).collect());
-    Ok(Wired { function, slot, routing, ctl })
-}
-
-/// The interrupt path as `vm.info` names it, and its vCPU.
-pub(crate) fn irq_info(routing: &PathRouting) -> (&'static str, Option<u32>) {
-    match routing.path() {
-        IrqPath::Direct => ("direct", None),
-        IrqPath::Dedicated { vcpu } => ("dedicated", Some(vcpu)),
-        IrqPath::Shared => ("shared", None),
-    }
-}
 
 /// One NIC of a VM.
 pub enum Nic {
@@ -248,7 +102,7 @@ pub struct TapNic {
     id: String,
     spec: NetSpec,
     slot: u8,
-    function: Arc<Mutex<NicFunction<Net<Tap>>>>,
+    function: Arc<Mutex<VirtioFunction<Net<Tap>>>>,
     routing: Arc<PathRouting>,
     ctl: Arc<Control>,
     _events: EventLoop,
@@ -369,7 +223,7 @@ impl TapNic {
 /// The NIC's event handler. Sources: 0 the kick, then one doorbell per queue, then one tap fd
 /// per queue pair.
 struct NicHandler {
-    function: Arc<Mutex<NicFunction<Net<Tap>>>>,
+    function: Arc<Mutex<VirtioFunction<Net<Tap>>>>,
     ctl: Arc<Control>,
     bells: Vec<EventFd>,
     pairs: usize,
@@ -391,7 +245,7 @@ impl NicHandler {
 
     /// Moves what the tap holds for `pair` into the guest; stops watching the fd if the guest
     /// has no room (its RX doorbell or the kick starts it again).
-    fn rx(&mut self, f: &mut NicFunction<Net<Tap>>, pair: usize, interest: &mut Interest) {
+    fn rx(&mut self, f: &mut VirtioFunction<Net<Tap>>, pair: usize, interest: &mut Interest) {
         let running = f.transport().status() & status::DRIVER_OK != 0;
         let moved = running && f.transport().device_mut().backend_ready(pair);
         self.watch_tap(pair, moved, interest);

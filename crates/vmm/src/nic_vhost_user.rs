@@ -1,6 +1,6 @@
 //! A virtio-net NIC whose queues an external vhost-user backend serves (`--net vhost-user=PATH`):
 //! kumo is a standard vhost-user-net frontend (rust-vmm `vhost`). The PCI function, MSI-X and the
-//! virtio transport are the tap NIC's ([`crate::nic::wire`]); only the device behind the
+//! virtio transport are the tap NIC's ([`crate::virtio_pci::wire`]); only the device behind the
 //! transport differs ([`VhostUserNet`]).
 //!
 //! - **Connect** (when the VM is built): SET_OWNER, GET_FEATURES, GET/SET_PROTOCOL_FEATURES
@@ -57,8 +57,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::NetSpec;
 use crate::event_loop::{EventHandler, EventLoop, Interest};
-use crate::nic::{irq_info, wire, Control, NicFunction, Wired};
 use crate::pci::Pci;
+use crate::virtio_pci::{irq_info, wire, Control, VirtioFunction, Wired};
 use crate::{Error, Result};
 use kumo_sandbox::lock;
 
@@ -428,7 +428,7 @@ pub struct VhostUserNic {
     id: String,
     path: PathBuf,
     slot: u8,
-    function: Arc<Mutex<NicFunction<VhostUserNet>>>,
+    function: Arc<Mutex<VirtioFunction<VhostUserNet>>>,
     shared: Arc<Shared>,
     routing: Arc<PathRouting>,
     features: (u64, u64),
@@ -537,7 +537,7 @@ impl VhostUserNic {
 /// The NIC's thread: relays the backend's calls to MSI-X, handles its requests and notices it
 /// hang up.
 struct Relay {
-    function: Arc<Mutex<NicFunction<VhostUserNet>>>,
+    function: Arc<Mutex<VirtioFunction<VhostUserNet>>>,
     shared: Arc<Shared>,
     calls: Vec<EventFd>,
     req: Option<FrontendReqHandler<ConfigChange>>,
