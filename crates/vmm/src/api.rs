@@ -447,3 +447,35 @@ impl From<crate::elastic::ElasticError> for ApiError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kumo_api::ErrorKind;
+
+    #[test]
+    fn an_empty_vmm_answers_what_needs_no_vm() {
+        let api = VmApi::empty(|_| {}, || Box::new(std::io::sink()));
+        let ApiResponse::Info(i) = api.handle(ApiRequest::Info).unwrap() else { panic!("not an info") };
+        assert_eq!((i.state, i.vcpus), (VmState::Created, 0));
+        let ApiResponse::Migration(st) = api.handle(ApiRequest::MigrationStatus).unwrap() else { panic!() };
+        assert_eq!(st.state, crate::migration::MigrationState::None);
+        let e = api.handle(ApiRequest::Pause).unwrap_err();
+        assert_eq!((e.kind, e.message.contains("no VM yet")), (ErrorKind::Conflict, true), "{e}");
+    }
+
+    #[test]
+    fn domain_errors_have_their_kinds() {
+        use crate::elastic::ElasticError;
+        let kind = |e: ApiError| e.kind;
+        assert_eq!(kind(ElasticError::Guest("late".into()).into()), ErrorKind::GuestTimeout);
+        assert_eq!(kind(ElasticError::Bad("x".into()).into()), ErrorKind::BadRequest);
+        assert_eq!(kind(JobError::Busy.into()), ErrorKind::Conflict);
+        assert_eq!(kind(JobError::Failed("x".into()).into()), ErrorKind::Internal);
+        let e: ApiError = JobError::Conflict("paused".into()).into();
+        assert_eq!(e.message, "cannot migrate: paused");
+        assert_eq!(kind(crate::vmm::PinError::NoThread("x".into()).into()), ErrorKind::Conflict);
+        assert_eq!(kind(crate::snapshot::SnapshotError::Read("x".into()).into()), ErrorKind::BadRequest);
+        assert_eq!(kind(Error::State("paused").into()), ErrorKind::Conflict);
+    }
+}
