@@ -260,7 +260,10 @@ pub(crate) fn parse_request_head(head: &[u8]) -> Result<RequestHead, ApiError> {
         Ok(httparse::Status::Complete(_)) => {}
         Ok(httparse::Status::Partial) => return Err(ApiError::bad_request("incomplete request head")),
         Err(httparse::Error::TooManyHeaders) => {
-            return Err(ApiError::new(ErrorKind::HeadersTooLarge, format!("request has over {MAX_HEADERS} header lines")))
+            return Err(ApiError::new(
+                ErrorKind::HeadersTooLarge,
+                format!("request has over {MAX_HEADERS} header lines"),
+            ))
         }
         Err(httparse::Error::Version) => {
             return Err(match other_http_version(head) {
@@ -333,12 +336,7 @@ pub(crate) fn reason(status: u16) -> &'static str {
 }
 
 /// Serializes a complete response.
-pub(crate) fn response_bytes(
-    status: u16,
-    body: Option<&str>,
-    extra_headers: &[(&str, &str)],
-    close: bool,
-) -> Vec<u8> {
+pub(crate) fn response_bytes(status: u16, body: Option<&str>, extra_headers: &[(&str, &str)], close: bool) -> Vec<u8> {
     let mut out = format!("HTTP/1.1 {status} {}\r\n", reason(status));
     for (name, value) in extra_headers {
         out += &format!("{name}: {value}\r\n");

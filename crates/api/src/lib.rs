@@ -580,7 +580,9 @@ pub enum ApiResponse {
     /// 204 No Content.
     Ok,
     /// 200 `{"kumo_version": ...}`.
-    Pong { kumo_version: String },
+    Pong {
+        kumo_version: String,
+    },
     /// 200 with the [`VmInfo`] as body.
     Info(VmInfo),
     /// `vm.migration`, and `vm.send-migration` once the migration ended.

@@ -184,7 +184,6 @@ pub enum RecvPhase {
     Restoring,
 }
 
-
 /// The dirty-page model fitted to a migration, and its prediction next to the measurement.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelReport {

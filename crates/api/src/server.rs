@@ -88,9 +88,9 @@ pub(crate) const NET_BACKEND_ROUTES: &[Route] = &[
         method: "PUT",
         path: net_backend::paths::HANDOVER,
         build: |b| {
-            serde_json::from_slice(b).map(ApiRequest::Handover).map_err(|e| {
-                ApiError::bad_request(format!("bad handover body (want {{\"to\": ID}}): {e}"))
-            })
+            serde_json::from_slice(b)
+                .map(ApiRequest::Handover)
+                .map_err(|e| ApiError::bad_request(format!("bad handover body (want {{\"to\": ID}}): {e}")))
         },
     },
 ];
@@ -636,7 +636,10 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
     if declared.is_none() && (route.build)(&[]).is_err() {
         // The route needs a body, and without a length any bytes sent would be taken for the
         // next request.
-        let e = ApiError::new(ErrorKind::LengthRequired, format!("{} {} needs a JSON body with Content-Length", req.method, req.path));
+        let e = ApiError::new(
+            ErrorKind::LengthRequired,
+            format!("{} {} needs a JSON body with Content-Length", req.method, req.path),
+        );
         return Next::Reply(Reply::error(e, true));
     }
     let deadline = Instant::now() + BODY_TIMEOUT;
@@ -780,9 +783,11 @@ mod tests {
                 ApiRequest::Counters => Ok(ApiResponse::Counters(Box::default())),
                 ApiRequest::CancelMigration => Err(ApiError::conflict("no migration is running")),
                 ApiRequest::ReceiveMigration(_) => Ok(ApiResponse::Ok),
-                ApiRequest::Restore(r) => {
-                    Ok(ApiResponse::Restore(crate::RestoreReport { path: r.source_url.into(), paused: false, pages: 1 }))
-                }
+                ApiRequest::Restore(r) => Ok(ApiResponse::Restore(crate::RestoreReport {
+                    path: r.source_url.into(),
+                    paused: false,
+                    pages: 1,
+                })),
                 ApiRequest::Pin(p) if p.vcpu >= 2 => Err(ApiError::bad_request("vCPU does not exist")),
                 ApiRequest::Pin(_) => Ok(ApiResponse::Ok),
                 ApiRequest::Release(r) if r.cpus > 1 => Err(ApiError::guest_timeout("the guest did not confirm")),
@@ -967,7 +972,10 @@ mod tests {
         assert!(body.unwrap()["error"].as_str().unwrap().starts_with("bad handover body"));
         assert_eq!(c.request("GET", net_backend::paths::HANDOVER, None).unwrap().0, 405);
         let _ = c.handover(&crate::HandoverRequest { to: 3, wait_ms: Some(5) });
-        assert_eq!(vm.calls(), [ApiRequest::BackendInfo, ApiRequest::Handover(crate::HandoverRequest { to: 3, wait_ms: Some(5) })]);
+        assert_eq!(
+            vm.calls(),
+            [ApiRequest::BackendInfo, ApiRequest::Handover(crate::HandoverRequest { to: 3, wait_ms: Some(5) })]
+        );
     }
 
     struct Fixture {
@@ -1358,6 +1366,10 @@ mod tests {
             let short = r.path.trim_start_matches("/api/v1");
             assert!(md.contains(&format!("{} {}", r.method, r.path)), "api.md lacks {} {}", r.method, r.path);
             assert!(yaml.contains(&format!("  {short}:")), "openapi.yaml lacks {short}");
+        }
+        let nb = include_str!("../../../docs/net-backend.md");
+        for r in NET_BACKEND_ROUTES {
+            assert!(nb.contains(&format!("{} {}", r.method, r.path)), "net-backend.md lacks {} {}", r.method, r.path);
         }
     }
 
