@@ -127,8 +127,7 @@ fn exits_without_listening(args: &[&str]) -> (Option<i32>, String) {
 /// How many connections the destination has dropped (its `vm.migration`'s `received`).
 fn rejected(api: &str) -> Option<u64> {
     let c = kumo_api::ApiClient::new(api);
-    let v: serde_json::Value = c.migration_status().ok()?;
-    v["received"]["rejected"].as_u64()
+    Some(c.migration_status().ok()?.received?.rejected)
 }
 
 #[test]

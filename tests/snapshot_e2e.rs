@@ -318,7 +318,7 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
         ("relative.snap".to_string(), "absolute"),
     ] {
         let req = kumo_api::RestoreRequest { source_url: url.clone(), net: vec![], numa: vec![] };
-        let e = c.restore::<Value>(&req).unwrap_err();
+        let e = c.restore(&req).unwrap_err();
         assert_eq!(e.status(), Some(400), "{url}: {e}");
         assert!(e.to_string().contains(want), "{url}: {e}");
         assert_eq!(vm_state(&dsock).as_deref(), Some("created"), "{url}: the VMM stays empty");
@@ -333,7 +333,7 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
         (vec![], vec![node], "--numa node=0: the VM has no NUMA nodes"),
     ] {
         let req = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net, numa };
-        let e = c.restore::<Value>(&req).unwrap_err();
+        let e = c.restore(&req).unwrap_err();
         assert_eq!(e.status(), Some(400), "{e}");
         assert!(e.to_string().contains(want), "want `{want}` in `{e}`");
         assert_eq!(vm_state(&dsock).as_deref(), Some("created"), "the VMM stays empty");
@@ -346,7 +346,7 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
     assert!(rep["pages"].as_u64().unwrap() > 0, "{rep}");
     assert_eq!(vm_state(&dsock).as_deref(), Some("running"));
     let again = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net: vec![], numa: vec![] };
-    assert_eq!(c.restore::<Value>(&again).unwrap_err().status(), Some(409), "it has a VM now");
+    assert_eq!(c.restore(&again).unwrap_err().status(), Some(409), "it has a VM now");
     dst.input(b"q");
     let (code, out, err) = dst.wait();
     assert_eq!(code, Some(0), "{err}");

@@ -2,7 +2,7 @@
 //! stateless (a CLI makes a handful of calls).
 
 use crate::http::{self, Conn, ReadError, MAX_BODY};
-use crate::{paths, VmInfo};
+use crate::{paths, MigrationStatus, VmInfo};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::io::{self, Write};
@@ -96,17 +96,12 @@ impl ApiClient {
 
     /// `GET /api/v1/vmm.ping`; returns the VM's kumo version.
     pub fn ping(&self) -> Result<String, ClientError> {
-        let body = self.call("GET", paths::PING, None)?;
-        match body.as_ref().and_then(|b| b.get("kumo_version")).and_then(Value::as_str) {
-            Some(v) => Ok(v.to_string()),
-            None => Err(self.bad("vmm.ping answer lacks kumo_version")),
-        }
+        self.get::<crate::Pong>(paths::PING).map(|p| p.kumo_version)
     }
 
     /// `GET /api/v1/vm.info`.
     pub fn info(&self) -> Result<VmInfo, ClientError> {
-        let body = self.call("GET", paths::INFO, None)?.ok_or_else(|| self.bad("empty vm.info answer"))?;
-        serde_json::from_value(body).map_err(|e| self.bad(format!("invalid vm.info answer: {e}")))
+        self.get(paths::INFO)
     }
 
     /// `PUT /api/v1/vm.pause`.
@@ -125,19 +120,15 @@ impl ApiClient {
     }
 
     /// `PUT /api/v1/vm.send-migration`: runs a migration (blocks until it ends: give the
-    /// client a long timeout) and returns its report, decoded as `T` (the VMM's report type).
-    pub fn send_migration<T: DeserializeOwned>(&self, req: &crate::MigrateRequest) -> Result<T, ClientError> {
-        let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
-        let v =
-            self.call("PUT", paths::MIGRATE, Some(&body))?.ok_or_else(|| self.bad("empty vm.send-migration answer"))?;
-        serde_json::from_value(v).map_err(|e| self.bad(format!("invalid vm.send-migration answer: {e}")))
+    /// client a long timeout) and returns its final status.
+    pub fn send_migration(&self, req: &crate::MigrateRequest) -> Result<MigrationStatus, ClientError> {
+        self.put(paths::MIGRATE, req)
     }
 
     /// `GET /api/v1/vm.migration`: progress events and result of the current or last
-    /// migration, decoded as `T`.
-    pub fn migration_status<T: DeserializeOwned>(&self) -> Result<T, ClientError> {
-        let v = self.call("GET", paths::MIGRATION, None)?.ok_or_else(|| self.bad("empty vm.migration answer"))?;
-        serde_json::from_value(v).map_err(|e| self.bad(format!("invalid vm.migration answer: {e}")))
+    /// migration.
+    pub fn migration_status(&self) -> Result<MigrationStatus, ClientError> {
+        self.get(paths::MIGRATION)
     }
 
     /// `PUT /api/v1/vm.cancel-migration`: the running migration stops and the VM runs on
@@ -147,9 +138,8 @@ impl ApiClient {
     }
 
     /// Writes the VM to the file `path` (absolute) and returns what was written.
-    pub fn snapshot(&self, path: &str) -> Result<Value, ClientError> {
-        let body = serde_json::json!({ "path": path });
-        self.call("PUT", paths::SNAPSHOT, Some(&body))?.ok_or_else(|| self.bad("empty vm.snapshot answer"))
+    pub fn snapshot(&self, path: &str) -> Result<crate::SnapshotReport, ClientError> {
+        self.put(paths::SNAPSHOT, &crate::SnapshotRequest { path: path.to_string() })
     }
 
     /// `PUT /api/v1/vm.receive-migration`: an empty VMM listens for a migrating VM; answers
@@ -160,11 +150,9 @@ impl ApiClient {
     }
 
     /// `PUT /api/v1/vm.restore`: an empty VMM runs the VM of a snapshot file; returns what was
-    /// restored, decoded as `T` (the VMM's report type).
-    pub fn restore<T: DeserializeOwned>(&self, req: &crate::RestoreRequest) -> Result<T, ClientError> {
-        let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
-        let v = self.call("PUT", paths::RESTORE, Some(&body))?.ok_or_else(|| self.bad("empty vm.restore answer"))?;
-        serde_json::from_value(v).map_err(|e| self.bad(format!("invalid vm.restore answer: {e}")))
+    /// restored.
+    pub fn restore(&self, req: &crate::RestoreRequest) -> Result<crate::RestoreReport, ClientError> {
+        self.put(paths::RESTORE, req)
     }
 
     /// `PUT /api/v1/vm.pin`: pins vCPU `vcpu` to host CPU `cpu` (`None`: unpins it).
@@ -176,43 +164,56 @@ impl ApiClient {
 
     /// `PUT /api/v1/vm.release`: the VM gives host CPUs and memory up (its guest confirms).
     pub fn release(&self, req: &crate::ReleaseRequest) -> Result<crate::Released, ClientError> {
-        self.put_json(paths::RELEASE, req)
+        self.put(paths::RELEASE, req)
     }
 
     /// `PUT /api/v1/vm.acquire`: the VM takes host CPUs and memory another VM released.
     pub fn acquire(&self, req: &crate::AcquireRequest) -> Result<crate::Acquired, ClientError> {
-        self.put_json(paths::ACQUIRE, req)
+        self.put(paths::ACQUIRE, req)
     }
 
     /// `PUT /api/v1/vm.lend`: this VM lends to (or returns to) another, both steps or neither.
-    pub fn lend(&self, req: &crate::LendApiRequest) -> Result<Value, ClientError> {
-        self.put_json(paths::LEND, req)
+    pub fn lend(&self, req: &crate::LendApiRequest) -> Result<crate::LendReport, ClientError> {
+        self.put(paths::LEND, req)
     }
 
     /// `GET /api/v1/vm.elastic`.
     pub fn elastic(&self) -> Result<crate::ElasticInfo, ClientError> {
-        let body = self.call("GET", paths::ELASTIC, None)?.ok_or_else(|| self.bad("empty vm.elastic answer"))?;
-        serde_json::from_value(body).map_err(|e| self.bad(format!("invalid vm.elastic answer: {e}")))
+        self.get(paths::ELASTIC)
     }
 
-    fn put_json<Q: serde::Serialize, A: serde::de::DeserializeOwned>(
-        &self,
-        path: &str,
-        req: &Q,
-    ) -> Result<A, ClientError> {
+    /// The VM's counters (vCPU exits by reason, assists, interrupts, migration bytes).
+    pub fn counters(&self) -> Result<crate::Counters, ClientError> {
+        self.get(paths::COUNTERS)
+    }
+
+    /// `kumo net-backend`'s `GET /api/v1/backend.info`.
+    pub fn backend_info(&self) -> Result<crate::BackendInfo, ClientError> {
+        self.get(crate::net_backend::paths::INFO)
+    }
+
+    /// `kumo net-backend`'s `PUT /api/v1/backend.handover`.
+    pub fn handover(&self, req: &crate::HandoverRequest) -> Result<crate::HandoverReport, ClientError> {
+        self.put(crate::net_backend::paths::HANDOVER, req)
+    }
+
+    /// A GET route's answer, decoded.
+    fn get<A: DeserializeOwned>(&self, path: &str) -> Result<A, ClientError> {
+        let answer = self.call("GET", path, None)?.ok_or_else(|| self.bad(format!("empty answer from {path}")))?;
+        serde_json::from_value(answer).map_err(|e| self.bad(format!("invalid answer from {path}: {e}")))
+    }
+
+    /// A PUT route's answer to `req`, decoded.
+    fn put<Q: serde::Serialize, A: DeserializeOwned>(&self, path: &str, req: &Q) -> Result<A, ClientError> {
         let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
         let answer =
             self.call("PUT", path, Some(&body))?.ok_or_else(|| self.bad(format!("empty answer from {path}")))?;
         serde_json::from_value(answer).map_err(|e| self.bad(format!("invalid answer from {path}: {e}")))
     }
 
-    /// The VM's counters (vCPU exits by reason, assists, interrupts, migration bytes).
-    pub fn counters(&self) -> Result<Value, ClientError> {
-        self.call("GET", paths::COUNTERS, None)?.ok_or_else(|| self.bad("empty vm.counters answer"))
-    }
-
     /// Like [`request`](Self::request), but a non-2xx status is an error
-    /// ([`ClientError::Http`], carrying the server's message).
+    /// ([`ClientError::Http`], carrying the server's message). Raw JSON, for tests and tools
+    /// that speak to routes by hand; the typed methods above are for programs.
     pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Option<Value>, ClientError> {
         let (status, body) = self.request(method, path, body)?;
         if (200..300).contains(&status) {

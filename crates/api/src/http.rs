@@ -4,8 +4,7 @@
 //! thread forever. Heads are parsed by the `httparse` crate; this module
 //! frames them, bounds them and turns its verdicts into status codes.
 
-use crate::ApiError;
-use serde_json::Value;
+use crate::{ApiError, ErrorKind};
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
@@ -261,11 +260,14 @@ pub(crate) fn parse_request_head(head: &[u8]) -> Result<RequestHead, ApiError> {
         Ok(httparse::Status::Complete(_)) => {}
         Ok(httparse::Status::Partial) => return Err(ApiError::bad_request("incomplete request head")),
         Err(httparse::Error::TooManyHeaders) => {
-            return Err(ApiError::new(431, format!("request has over {MAX_HEADERS} header lines")))
+            return Err(ApiError::new(
+                ErrorKind::HeadersTooLarge,
+                format!("request has over {MAX_HEADERS} header lines"),
+            ))
         }
         Err(httparse::Error::Version) => {
             return Err(match other_http_version(head) {
-                Some(v) => ApiError::new(505, format!("unsupported HTTP version {v}")),
+                Some(v) => ApiError::new(ErrorKind::HttpVersion, format!("unsupported HTTP version {v}")),
                 None => ApiError::bad_request(parse_error(httparse::Error::Version)),
             })
         }
@@ -315,6 +317,7 @@ pub(crate) fn reason(status: u16) -> &'static str {
         200 => "OK",
         204 => "No Content",
         400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
@@ -326,18 +329,14 @@ pub(crate) fn reason(status: u16) -> &'static str {
         500 => "Internal Server Error",
         501 => "Not Implemented",
         503 => "Service Unavailable",
+        504 => "Gateway Timeout",
         505 => "HTTP Version Not Supported",
         _ => "Unknown",
     }
 }
 
 /// Serializes a complete response.
-pub(crate) fn response_bytes(
-    status: u16,
-    body: Option<&Value>,
-    extra_headers: &[(&str, &str)],
-    close: bool,
-) -> Vec<u8> {
+pub(crate) fn response_bytes(status: u16, body: Option<&str>, extra_headers: &[(&str, &str)], close: bool) -> Vec<u8> {
     let mut out = format!("HTTP/1.1 {status} {}\r\n", reason(status));
     for (name, value) in extra_headers {
         out += &format!("{name}: {value}\r\n");
@@ -345,7 +344,7 @@ pub(crate) fn response_bytes(
     if close {
         out += "Connection: close\r\n";
     }
-    let body = body.map(Value::to_string).unwrap_or_default();
+    let body = body.unwrap_or_default();
     if !body.is_empty() {
         out += "Content-Type: application/json\r\n";
     }
@@ -354,7 +353,7 @@ pub(crate) fn response_bytes(
         out += &format!("Content-Length: {}\r\n", body.len());
     }
     out += "\r\n";
-    out += &body;
+    out += body;
     out.into_bytes()
 }
 
@@ -483,7 +482,7 @@ mod tests {
                     ok += 1;
                 }
                 Err(e) => {
-                    assert!([400, 431, 505].contains(&e.status), "case {i}: {} {}", e.status, e.message);
+                    assert!([400, 431, 505].contains(&e.status()), "case {i}: {} {}", e.status(), e.message);
                     assert!(!e.message.is_empty());
                     refused += 1;
                 }
@@ -501,7 +500,7 @@ mod tests {
             head.extend_from_slice(format!("X-{i}: a\r\n").as_bytes());
         }
         head.extend_from_slice(b"\r\n");
-        assert_eq!(parse_request_head(&head).unwrap_err().status, 431);
+        assert_eq!(parse_request_head(&head).unwrap_err().status(), 431);
     }
 
     #[test]
@@ -546,9 +545,9 @@ mod tests {
             b"GET / HTTP/1.1\r\nX: \xff\r\n\r\n",
         ] {
             let e = parse_request_head(bad).unwrap_err();
-            assert_eq!(e.status, 400, "{:?}", String::from_utf8_lossy(bad));
+            assert_eq!(e.status(), 400, "{:?}", String::from_utf8_lossy(bad));
         }
-        assert_eq!(parse_request_head(b"GET / HTTP/2.0\r\n\r\n").unwrap_err().status, 505);
+        assert_eq!(parse_request_head(b"GET / HTTP/2.0\r\n\r\n").unwrap_err().status(), 505);
     }
 
     #[test]
@@ -577,7 +576,7 @@ mod tests {
     fn serializes_responses() {
         let r = String::from_utf8(response_bytes(204, None, &[], false)).unwrap();
         assert_eq!(r, "HTTP/1.1 204 No Content\r\n\r\n");
-        let body = serde_json::json!({"error": "nope"});
+        let body = serde_json::json!({"error": "nope"}).to_string();
         let r = String::from_utf8(response_bytes(405, Some(&body), &[("Allow", "GET")], true)).unwrap();
         assert_eq!(
             r,

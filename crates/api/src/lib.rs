@@ -6,15 +6,25 @@
 //! client ([`ApiClient`]) is what `kumo` subcommands use to talk to a VM.
 //! See docs/api.md for the wire protocol.
 
+mod answers;
 mod client;
+mod error;
 mod http;
+pub mod migration;
+pub mod net_backend;
 mod server;
 
+pub use answers::{Counters, Exits, Interrupts, LendReport, MigrationBytes, RestoreReport, SnapshotReport};
 pub use client::{ApiClient, ClientError, DEFAULT_CLIENT_TIMEOUT};
-pub use server::{routes, ApiHandler, ApiServer, ApiServerHandle, BoundApi, ServerError};
+pub use error::{ApiError, ErrorBody, ErrorKind};
+pub use migration::{
+    DryRunReport, Event, MigrationLine, MigrationResult, MigrationState, MigrationStatus, ModelReport, RecvPhase,
+    RecvStatus, Report, RoundReport, SendReport, StopPhaseTimes,
+};
+pub use net_backend::{BackendClient, BackendInfo, HandoverReport, HandoverRequest};
+pub use server::{routes, ApiHandler, ApiServer, ApiServerHandle, BoundApi, ServerError, Service};
 
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
 
 /// Version reported by `vmm.ping` and `vm.info`.
 pub const KUMO_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -210,6 +220,10 @@ pub enum ApiRequest {
     Elastic,
     /// Lend to another VM (or return to it), with rollback.
     Lend(LendApiRequest),
+    /// `kumo net-backend`: its tap, owner, clients and counters.
+    BackendInfo,
+    /// `kumo net-backend`: hand the NIC to another client.
+    Handover(HandoverRequest),
 }
 
 /// Body of `PUT /api/v1/vm.lend`: `kumo lend` run by this VM's VMM, this VM giving.
@@ -559,36 +573,49 @@ impl MigrateRequest {
     }
 }
 
-/// What the handler answers on success.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What the handler answers on success: one typed answer per route, serialized only by the
+/// server.
+#[derive(Debug, Clone, PartialEq)]
 pub enum ApiResponse {
     /// 204 No Content.
     Ok,
     /// 200 `{"kumo_version": ...}`.
-    Pong { kumo_version: String },
+    Pong {
+        kumo_version: String,
+    },
     /// 200 with the [`VmInfo`] as body.
     Info(VmInfo),
-    /// 200 with any JSON body (migration reports, progress).
-    Json(Value),
+    /// `vm.migration`, and `vm.send-migration` once the migration ended.
+    Migration(Box<MigrationStatus>),
+    Snapshot(SnapshotReport),
+    Restore(RestoreReport),
+    Counters(Box<Counters>),
+    Released(Released),
+    Acquired(Acquired),
+    Elastic(ElasticInfo),
+    Lent(Box<LendReport>),
+    /// `kumo net-backend`'s `backend.info`.
+    BackendInfo(BackendInfo),
+    Handover(HandoverReport),
     /// 200 with JSON lines written as they come, until the producer ends; the connection
     /// closes after it (the body ends there).
     Stream(JsonLines),
 }
 
-/// The producer of a streamed answer: called once with a sink that writes one line and says
-/// whether to go on (false: the client left or the server stops).
+/// The producer of a streamed answer (`vm.migration-events`): called once with a sink that
+/// writes one line and says whether to go on (false: the client left or the server stops).
 #[derive(Clone)]
 pub struct JsonLines(std::sync::Arc<LineProducer>);
 
 /// Writes lines through the sink it is given until it is done or the sink says stop.
-pub type LineProducer = dyn Fn(&mut dyn FnMut(&Value) -> bool) + Send + Sync;
+pub type LineProducer = dyn Fn(&mut dyn FnMut(&MigrationLine) -> bool) + Send + Sync;
 
 impl JsonLines {
-    pub fn new(f: impl Fn(&mut dyn FnMut(&Value) -> bool) + Send + Sync + 'static) -> Self {
+    pub fn new(f: impl Fn(&mut dyn FnMut(&MigrationLine) -> bool) + Send + Sync + 'static) -> Self {
         JsonLines(std::sync::Arc::new(f))
     }
 
-    pub fn run(&self, sink: &mut dyn FnMut(&Value) -> bool) {
+    pub fn run(&self, sink: &mut dyn FnMut(&MigrationLine) -> bool) {
         (self.0)(sink)
     }
 }
@@ -605,70 +632,38 @@ impl PartialEq for JsonLines {
         std::sync::Arc::ptr_eq(&self.0, &other.0)
     }
 }
-impl Eq for JsonLines {}
+
+/// `{"kumo_version": ...}`, the body of `vmm.ping`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pong {
+    pub kumo_version: String,
+}
 
 impl ApiResponse {
-    /// Status and JSON body on the wire.
-    pub fn into_http(self) -> Result<(u16, Option<Value>), ApiError> {
-        Ok(match self {
-            ApiResponse::Ok => (204, None),
-            ApiResponse::Pong { kumo_version } => (200, Some(json!({ "kumo_version": kumo_version }))),
-            ApiResponse::Info(info) => (200, Some(to_json(&info)?)),
-            ApiResponse::Json(v) => (200, Some(v)),
+    /// Status and JSON body on the wire: the one place answers are serialized.
+    pub(crate) fn into_http(self) -> Result<(u16, Option<String>), ApiError> {
+        let body = match self {
+            ApiResponse::Ok => return Ok((204, None)),
             ApiResponse::Stream(_) => return Err(ApiError::internal("a streamed answer has no single body")),
-        })
+            ApiResponse::Pong { kumo_version } => to_json(&Pong { kumo_version }),
+            ApiResponse::Info(a) => to_json(&a),
+            ApiResponse::Migration(a) => to_json(&a),
+            ApiResponse::Snapshot(a) => to_json(&a),
+            ApiResponse::Restore(a) => to_json(&a),
+            ApiResponse::Counters(a) => to_json(&a),
+            ApiResponse::Released(a) => to_json(&a),
+            ApiResponse::Acquired(a) => to_json(&a),
+            ApiResponse::Elastic(a) => to_json(&a),
+            ApiResponse::Lent(a) => to_json(&a),
+            ApiResponse::BackendInfo(a) => to_json(&a),
+            ApiResponse::Handover(a) => to_json(&a),
+        };
+        Ok((200, Some(body?)))
     }
 }
 
-fn to_json<T: Serialize>(v: &T) -> Result<Value, ApiError> {
-    serde_json::to_value(v).map_err(|e| ApiError::internal(format!("cannot encode response: {e}")))
-}
-
-/// An error answered to the client as `status` with body `{"error": message}`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct ApiError {
-    pub status: u16,
-    pub message: String,
-}
-
-impl ApiError {
-    pub fn new(status: u16, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into() }
-    }
-    /// 400: the request is malformed or its body invalid.
-    pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(400, message)
-    }
-    /// 404: no such route.
-    pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new(404, message)
-    }
-    /// 405: the route exists but not with this method.
-    pub fn method_not_allowed(message: impl Into<String>) -> Self {
-        Self::new(405, message)
-    }
-    /// 409: not possible in the VM's current state (e.g. already paused).
-    pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(409, message)
-    }
-    /// 413: body over the size limit.
-    pub fn payload_too_large(message: impl Into<String>) -> Self {
-        Self::new(413, message)
-    }
-    /// 500: the VMM failed.
-    pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(500, message)
-    }
-    /// 503: the VMM cannot serve this right now (e.g. still booting).
-    pub fn unavailable(message: impl Into<String>) -> Self {
-        Self::new(503, message)
-    }
-
-    /// The error body, `{"error": message}`.
-    pub fn body(&self) -> Value {
-        json!({ "error": self.message })
-    }
+pub(crate) fn to_json<T: Serialize + ?Sized>(v: &T) -> Result<String, ApiError> {
+    serde_json::to_string(v).map_err(|e| ApiError::internal(format!("cannot encode response: {e}")))
 }
 
 #[cfg(test)]
@@ -685,7 +680,22 @@ mod tests {
     fn responses_on_the_wire() {
         assert_eq!(ApiResponse::Ok.into_http(), Ok((204, None)));
         let pong = ApiResponse::Pong { kumo_version: "1.2.3".into() }.into_http().unwrap();
-        assert_eq!(pong, (200, Some(json!({"kumo_version": "1.2.3"}))));
-        assert_eq!(ApiError::conflict("x").body(), json!({"error": "x"}));
+        assert_eq!(pong, (200, Some(r#"{"kumo_version":"1.2.3"}"#.to_string())));
+    }
+
+    #[test]
+    fn migration_lines_read_back_as_events_then_the_end() {
+        let ev = MigrationLine::Event(Event::Cancelled);
+        let end = MigrationLine::End(MigrationStatus {
+            state: MigrationState::Cancelled,
+            events: Vec::new(),
+            report: None,
+            error: None,
+            received: None,
+        });
+        for line in [ev, end] {
+            let text = serde_json::to_string(&line).unwrap();
+            assert_eq!(serde_json::from_str::<MigrationLine>(&text).unwrap(), line, "{text}");
+        }
     }
 }

@@ -9,9 +9,8 @@
 //! keeps it while the handler runs, however long (a migration takes minutes).
 
 use crate::http::{self, Conn, ReadError, MAX_BODY, MAX_HEAD};
-use crate::{paths, ApiError, ApiRequest, ApiResponse};
+use crate::{net_backend, paths, ApiError, ApiRequest, ApiResponse, ErrorKind};
 use kumo_sandbox::ThreadKind;
-use serde_json::Value;
 use std::collections::HashMap;
 use std::fs;
 use std::io;
@@ -61,7 +60,7 @@ pub(crate) struct Route {
     pub build: fn(&[u8]) -> Result<ApiRequest, ApiError>,
 }
 
-pub(crate) const ROUTES: &[Route] = &[
+pub(crate) const VM_ROUTES: &[Route] = &[
     Route { method: "GET", path: paths::PING, build: |_| Ok(ApiRequest::Ping) },
     Route { method: "GET", path: paths::INFO, build: |_| Ok(ApiRequest::Info) },
     Route { method: "PUT", path: paths::PAUSE, build: |_| Ok(ApiRequest::Pause) },
@@ -82,10 +81,58 @@ pub(crate) const ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::LEND, build: |b| Ok(ApiRequest::Lend(json_body(b)?)) },
 ];
 
-/// Every (method, path) the server answers, in route-table order: what docs/openapi.yaml must
-/// describe (checked by tests/openapi_e2e.rs).
+/// `kumo net-backend`'s routes (docs/net-backend.md).
+pub(crate) const NET_BACKEND_ROUTES: &[Route] = &[
+    Route { method: "GET", path: net_backend::paths::INFO, build: |_| Ok(ApiRequest::BackendInfo) },
+    Route {
+        method: "PUT",
+        path: net_backend::paths::HANDOVER,
+        build: |b| {
+            serde_json::from_slice(b)
+                .map(ApiRequest::Handover)
+                .map_err(|e| ApiError::bad_request(format!("bad handover body (want {{\"to\": ID}}): {e}")))
+        },
+    },
+];
+
+/// Which API a server serves: its route table and the names of its threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    /// A VMM's API (docs/api.md).
+    Vm,
+    /// `kumo net-backend`'s API (docs/net-backend.md).
+    NetBackend,
+}
+
+impl Service {
+    fn routes(self) -> &'static [Route] {
+        match self {
+            Service::Vm => VM_ROUTES,
+            Service::NetBackend => NET_BACKEND_ROUTES,
+        }
+    }
+
+    /// Its threads' kind (their seccomp filter): a net-backend's are its process's own.
+    fn thread_kind(self) -> ThreadKind {
+        match self {
+            Service::Vm => ThreadKind::Api,
+            Service::NetBackend => ThreadKind::NetBackend,
+        }
+    }
+
+    /// The accept thread's name and each connection thread's.
+    fn thread_names(self) -> (&'static str, &'static str) {
+        match self {
+            Service::Vm => ("kumo-api", "kumo-api-conn"),
+            Service::NetBackend => ("nb-api", "nb-api"),
+        }
+    }
+}
+
+/// Every (method, path) a VMM's server answers, in route-table order: what docs/openapi.yaml
+/// must describe (checked by tests/openapi_e2e.rs).
 pub fn routes() -> impl Iterator<Item = (&'static str, &'static str)> {
-    ROUTES.iter().map(|r| (r.method, r.path))
+    VM_ROUTES.iter().map(|r| (r.method, r.path))
 }
 
 /// Decodes the JSON body of a route that takes one.
@@ -97,8 +144,8 @@ fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 }
 
 /// Finds the route, or the error with, for 405, the `Allow` header value.
-fn resolve(method: &str, path: &str) -> Result<&'static Route, (ApiError, Option<String>)> {
-    let on_path: Vec<&Route> = ROUTES.iter().filter(|r| r.path == path).collect();
+fn resolve(routes: &'static [Route], method: &str, path: &str) -> Result<&'static Route, (ApiError, Option<String>)> {
+    let on_path: Vec<&Route> = routes.iter().filter(|r| r.path == path).collect();
     if let Some(route) = on_path.iter().find(|r| r.method == method) {
         return Ok(route);
     }
@@ -148,7 +195,12 @@ impl ApiServer {
     pub fn bind(path: &Path) -> Result<BoundApi, ServerError> {
         // The socket drives the VM: only its owner may connect (0600 from the start).
         let listener = bind(path)?;
-        Ok(BoundApi { socket_id: socket_id(path), path: path.to_path_buf(), listener: Some(listener) })
+        Ok(BoundApi {
+            socket_id: socket_id(path),
+            path: path.to_path_buf(),
+            listener: Some(listener),
+            service: Service::Vm,
+        })
     }
 }
 
@@ -157,9 +209,21 @@ pub struct BoundApi {
     path: PathBuf,
     socket_id: Option<(u64, u64)>,
     listener: Option<UnixListener>,
+    service: Service,
 }
 
 impl BoundApi {
+    /// Serves `service`'s routes (default: a VMM's).
+    pub fn service(mut self, service: Service) -> Self {
+        self.service = service;
+        self
+    }
+
+    /// The identity (device, inode) of the socket file it bound, for removing only that one.
+    pub fn socket_id(&self) -> Option<(u64, u64)> {
+        self.socket_id
+    }
+
     /// Serves the API from a background thread until the handle is shut down or dropped.
     pub fn serve(
         mut self,
@@ -167,8 +231,8 @@ impl BoundApi {
         allow: Option<Vec<u32>>,
     ) -> Result<ApiServerHandle, ServerError> {
         let listener = self.listener.take().expect("a BoundApi is served once");
-        let shared = Arc::new(Shared { allow, ..Shared::default() });
-        let thread = kumo_sandbox::spawn(ThreadKind::Api, "kumo-api", {
+        let shared = Arc::new(Shared { allow, service: self.service, ..Shared::default() });
+        let thread = kumo_sandbox::spawn(self.service.thread_kind(), self.service.thread_names().0, {
             let shared = shared.clone();
             move || accept_loop(listener, &shared, handler)
         })
@@ -239,12 +303,18 @@ enum Slot {
     Evicted,
 }
 
-#[derive(Default)]
 struct Shared {
     stop: AtomicBool,
     conns: Mutex<Conns>,
     /// The uids allowed to connect, if restricted.
     allow: Option<Vec<u32>>,
+    service: Service,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared { stop: AtomicBool::default(), conns: Mutex::default(), allow: None, service: Service::Vm }
+    }
 }
 
 impl Shared {
@@ -409,7 +479,7 @@ fn accept_loop(listener: UnixListener, shared: &Arc<Shared>, handler: Arc<dyn Ap
             conns.insert(id, entry);
         }
         let (shared2, handler) = (shared.clone(), handler.clone());
-        let spawned = kumo_sandbox::spawn(ThreadKind::Api, "kumo-api-conn", move || {
+        let spawned = kumo_sandbox::spawn(shared.service.thread_kind(), shared.service.thread_names().1, move || {
             // Deregisters even if serving unwinds.
             struct Deregister(Arc<Shared>, u64);
             impl Drop for Deregister {
@@ -430,17 +500,16 @@ fn accept_loop(listener: UnixListener, shared: &Arc<Shared>, handler: Arc<dyn Ap
 /// What to send back for one request.
 struct Reply {
     status: u16,
-    body: Option<Value>,
+    /// JSON text.
+    body: Option<String>,
     allow: Option<String>,
     close: bool,
 }
 
 impl Reply {
     fn error(e: ApiError, close: bool) -> Self {
-        // A handler returning a non-error status would make a failure look
-        // like success to the client.
-        let status = if (400..600).contains(&e.status) { e.status } else { 500 };
-        Reply { status, body: Some(e.body()), allow: None, close }
+        let body = crate::to_json(&e.body()).unwrap_or_else(|_| r#"{"error":"unprintable error"}"#.into());
+        Reply { status: e.status(), body: Some(body), allow: None, close }
     }
 }
 
@@ -467,10 +536,10 @@ fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Share
             Next::Reply(reply) => reply,
             Next::Call { .. } if refused.is_some() => {
                 let why = refused.as_ref().map(ToString::to_string).unwrap_or_default();
-                Reply::error(ApiError::new(403, why), true)
+                Reply::error(ApiError::new(ErrorKind::Forbidden, why), true)
             }
             Next::Call { req, keep_alive } => match shared.start_serving(id) {
-                Slot::Granted => match call(handler, req) {
+                Slot::Granted => match call(handler, shared.service, req) {
                     // A stream's body ends when the connection closes.
                     Ok(ApiResponse::Stream(lines)) => {
                         stream_lines(&mut conn, shared, &lines);
@@ -494,7 +563,7 @@ fn serve_connection(stream: UnixStream, handler: &dyn ApiHandler, shared: &Share
         if reply.status >= 400 {
             debug!(status = reply.status, body = ?reply.body, "API error reply");
         }
-        let bytes = http::response_bytes(reply.status, reply.body.as_ref(), &allow, close);
+        let bytes = http::response_bytes(reply.status, reply.body.as_deref(), &allow, close);
         if conn.write_all_by(&bytes, Instant::now() + WRITE_TIMEOUT).is_err() {
             break;
         }
@@ -517,7 +586,7 @@ fn stream_lines(conn: &mut Conn, shared: &Shared, lines: &crate::JsonLines) {
         return;
     }
     lines.run(&mut |v| {
-        let mut line = v.to_string();
+        let mut line = crate::to_json(v).unwrap_or_else(|e| crate::to_json(&e.body()).unwrap_or_default());
         line.push('\n');
         !shared.stopping() && conn.write_all_by(line.as_bytes(), Instant::now() + WRITE_TIMEOUT).is_ok()
     });
@@ -545,7 +614,7 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
         Err(e) => return Next::Reply(Reply::error(e, true)),
     };
     if req.headers.get("transfer-encoding").is_some() {
-        let e = ApiError::new(501, "Transfer-Encoding is not supported; send Content-Length");
+        let e = ApiError::new(ErrorKind::NotImplemented, "Transfer-Encoding is not supported; send Content-Length");
         return Next::Reply(Reply::error(e, true));
     }
     let declared = match req.headers.content_length() {
@@ -558,7 +627,7 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
         return Next::Reply(Reply::error(e, true));
     }
     let len = len as usize;
-    let route = match resolve(&req.method, &req.path) {
+    let route = match resolve(shared.service.routes(), &req.method, &req.path) {
         Ok(route) => route,
         Err((e, allow)) => {
             return Next::Reply(Reply { allow, ..Reply::error(e, !req.keep_alive || len > 0) });
@@ -567,7 +636,10 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
     if declared.is_none() && (route.build)(&[]).is_err() {
         // The route needs a body, and without a length any bytes sent would be taken for the
         // next request.
-        let e = ApiError::new(411, format!("{} {} needs a JSON body with Content-Length", req.method, req.path));
+        let e = ApiError::new(
+            ErrorKind::LengthRequired,
+            format!("{} {} needs a JSON body with Content-Length", req.method, req.path),
+        );
         return Next::Reply(Reply::error(e, true));
     }
     let deadline = Instant::now() + BODY_TIMEOUT;
@@ -595,14 +667,18 @@ fn read_failure(e: ReadError, mid_request: bool, evicted: bool) -> Next {
         _ if evicted => self::evicted(),
         ReadError::Io(_) => return Next::Close,
         ReadError::Closed { .. } => ApiError::bad_request("incomplete request"),
-        ReadError::TimedOut { .. } => ApiError::new(408, "request not received in time"),
-        ReadError::TooLarge { line: true } => ApiError::new(414, format!("request line is over {MAX_HEAD} bytes")),
-        ReadError::TooLarge { line: false } => ApiError::new(431, format!("request head is over {MAX_HEAD} bytes")),
+        ReadError::TimedOut { .. } => ApiError::new(ErrorKind::RequestTimeout, "request not received in time"),
+        ReadError::TooLarge { line: true } => {
+            ApiError::new(ErrorKind::UriTooLong, format!("request line is over {MAX_HEAD} bytes"))
+        }
+        ReadError::TooLarge { line: false } => {
+            ApiError::new(ErrorKind::HeadersTooLarge, format!("request head is over {MAX_HEAD} bytes"))
+        }
     };
     Next::Reply(Reply::error(e, true))
 }
 
-fn call(handler: &dyn ApiHandler, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+fn call(handler: &dyn ApiHandler, service: Service, req: ApiRequest) -> Result<ApiResponse, ApiError> {
     debug!(?req, "API request");
     // A panic that reaches here is a bug in a handler that may have left the VM half-changed
     // (a pause half-taken, a lend half-done): it is reported as the thread's panic, which stops
@@ -611,8 +687,8 @@ fn call(handler: &dyn ApiHandler, req: ApiRequest) -> Result<ApiResponse, ApiErr
     // get here (docs/security.md, "Panics").
     panic::catch_unwind(AssertUnwindSafe(|| handler.handle(req))).unwrap_or_else(|payload| {
         let p = kumo_sandbox::ThreadPanic {
-            kind: ThreadKind::Api,
-            thread: thread::current().name().unwrap_or("kumo-api-conn").to_string(),
+            kind: service.thread_kind(),
+            thread: thread::current().name().unwrap_or(service.thread_names().1).to_string(),
             message: kumo_sandbox::thread::panic_message(&*payload),
         };
         kumo_sandbox::thread::report_panic(&p);
@@ -688,36 +764,73 @@ mod tests {
                     Ok(ApiResponse::Ok)
                 }
                 ApiRequest::Migrate(m) if m.to.is_empty() => Err(ApiError::bad_request("no destination")),
-                ApiRequest::Migrate(m) => Ok(ApiResponse::Json(serde_json::json!({"to": m.to, "engine": m.engine}))),
-                ApiRequest::MigrationStatus => Ok(ApiResponse::Json(serde_json::json!({"state": "none"}))),
-                ApiRequest::Snapshot(s) => Ok(ApiResponse::Json(serde_json::json!({"path": s.path}))),
-                ApiRequest::Counters => Ok(ApiResponse::Json(serde_json::json!({"exits": {}}))),
+                ApiRequest::Migrate(m) => Ok(ApiResponse::Migration(Box::new(fake_status(
+                    crate::MigrationState::Completed,
+                    Some(m.to),
+                    m.engine,
+                )))),
+                ApiRequest::MigrationStatus => {
+                    Ok(ApiResponse::Migration(Box::new(fake_status(crate::MigrationState::None, None, None))))
+                }
+                ApiRequest::Snapshot(s) => Ok(ApiResponse::Snapshot(crate::SnapshotReport {
+                    path: s.path.into(),
+                    pages: 1,
+                    bytes: 4096,
+                    state_bytes: 0,
+                    paused_ms: 0.0,
+                    paused: false,
+                })),
+                ApiRequest::Counters => Ok(ApiResponse::Counters(Box::default())),
                 ApiRequest::CancelMigration => Err(ApiError::conflict("no migration is running")),
-                ApiRequest::ReceiveMigration(r) => Ok(ApiResponse::Json(serde_json::to_value(r).unwrap())),
-                ApiRequest::Restore(r) => Ok(ApiResponse::Json(serde_json::json!({"path": r.source_url}))),
+                ApiRequest::ReceiveMigration(_) => Ok(ApiResponse::Ok),
+                ApiRequest::Restore(r) => Ok(ApiResponse::Restore(crate::RestoreReport {
+                    path: r.source_url.into(),
+                    paused: false,
+                    pages: 1,
+                })),
                 ApiRequest::Pin(p) if p.vcpu >= 2 => Err(ApiError::bad_request("vCPU does not exist")),
                 ApiRequest::Pin(_) => Ok(ApiResponse::Ok),
-                ApiRequest::Release(r) if r.cpus > 1 => Err(ApiError::new(504, "the guest did not confirm")),
-                ApiRequest::Release(r) => Ok(ApiResponse::Json(
-                    serde_json::to_value(crate::Released { host_cpus: vec![3; r.cpus as usize], ..Default::default() })
-                        .unwrap(),
-                )),
-                ApiRequest::Acquire(r) => Ok(ApiResponse::Json(
-                    serde_json::to_value(crate::Acquired { vcpus: vec![2; r.host_cpus.len()], ..Default::default() })
-                        .unwrap(),
-                )),
-                ApiRequest::Elastic => {
-                    Ok(ApiResponse::Json(serde_json::to_value(crate::ElasticInfo::default()).unwrap()))
-                }
-                ApiRequest::Lend(l) => Ok(ApiResponse::Json(serde_json::json!({"to": l.to, "return": l.returning}))),
+                ApiRequest::Release(r) if r.cpus > 1 => Err(ApiError::guest_timeout("the guest did not confirm")),
+                ApiRequest::Release(r) => Ok(ApiResponse::Released(crate::Released {
+                    host_cpus: vec![3; r.cpus as usize],
+                    ..Default::default()
+                })),
+                ApiRequest::Acquire(r) => Ok(ApiResponse::Acquired(crate::Acquired {
+                    vcpus: vec![2; r.host_cpus.len()],
+                    ..Default::default()
+                })),
+                ApiRequest::Elastic => Ok(ApiResponse::Elastic(crate::ElasticInfo::default())),
+                ApiRequest::Lend(l) => Ok(ApiResponse::Lent(Box::new(crate::LendReport {
+                    released: crate::Released { lender: Some(l.to), ..Default::default() },
+                    acquired: crate::Acquired::default(),
+                    total_ms: if l.returning { 2.0 } else { 1.0 },
+                }))),
                 ApiRequest::MigrationEvents => Ok(ApiResponse::Stream(crate::JsonLines::new(|sink| {
-                    for i in 0..3 {
-                        if !sink(&serde_json::json!({ "n": i })) {
+                    for round in 0..3 {
+                        let e = crate::Event::StopAndCopy { reason: format!("r{round}"), pages: 0 };
+                        if !sink(&crate::MigrationLine::Event(e)) {
                             return;
                         }
                     }
                 }))),
+                ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend")),
             }
+        }
+    }
+
+    /// A migration status naming its destination (as `error`) and engine (a `started` event).
+    fn fake_status(
+        state: crate::MigrationState,
+        to: Option<String>,
+        engine: Option<crate::MigrationEngine>,
+    ) -> crate::MigrationStatus {
+        let started = |engine| crate::Event::Started { engine, connections: 1, total_pages: 0, touched_pages: 0 };
+        crate::MigrationStatus {
+            state,
+            events: engine.map(started).into_iter().collect(),
+            report: None,
+            error: to,
+            received: None,
         }
     }
 
@@ -729,10 +842,10 @@ mod tests {
             engine: Some(crate::MigrationEngine::Serial),
             ..migrate_req()
         };
-        let v: serde_json::Value = f.client.send_migration(&req).unwrap();
-        assert_eq!(v["to"], "tcp:127.0.0.1:1");
-        assert_eq!(v["engine"], "serial");
-        assert_eq!(f.client.migration_status::<serde_json::Value>().unwrap()["state"], "none");
+        let st = f.client.send_migration(&req).unwrap();
+        assert_eq!(st.error.as_deref(), Some("tcp:127.0.0.1:1"));
+        assert!(matches!(st.events[..], [crate::Event::Started { engine: crate::MigrationEngine::Serial, .. }]));
+        assert_eq!(f.client.migration_status().unwrap().state, crate::MigrationState::None);
         assert_eq!(f.client.cancel_migration().unwrap_err().status(), Some(409));
         // A stream: JSON lines until the connection closes.
         let mut c = std::os::unix::net::UnixStream::connect(f.server.path()).unwrap();
@@ -741,7 +854,9 @@ mod tests {
         std::io::Read::read_to_string(&mut c, &mut got).unwrap();
         let (head, body) = got.split_once("\r\n\r\n").unwrap();
         assert!(head.starts_with("HTTP/1.1 200") && head.contains("application/x-ndjson"), "{head}");
-        assert_eq!(body, "{\"n\":0}\n{\"n\":1}\n{\"n\":2}\n");
+        let lines: Vec<crate::MigrationLine> = body.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 3, "{body}");
+        assert!(body.starts_with("{\"event\":\"stop_and_copy\",\"reason\":\"r0\""), "{body}");
         // A body that is not a MigrateRequest is a 400 with the reason.
         let (status, body) =
             f.client.request("PUT", paths::MIGRATE, Some(&serde_json::json!({"to": "x", "bogus": 1}))).unwrap();
@@ -766,8 +881,8 @@ mod tests {
         f.client.receive_migration(&req).unwrap();
         let restore =
             crate::RestoreRequest { source_url: "file:///tmp/vm.snap".into(), net: Vec::new(), numa: Vec::new() };
-        let r: serde_json::Value = f.client.restore(&restore).unwrap();
-        assert_eq!(r["path"], "file:///tmp/vm.snap");
+        let r = f.client.restore(&restore).unwrap();
+        assert_eq!(r.path, std::path::Path::new("file:///tmp/vm.snap"));
         assert_eq!(f.vm.calls(), [ApiRequest::ReceiveMigration(req), ApiRequest::Restore(restore)]);
         // Cloud Hypervisor's field names; anything else is a 400 naming the field.
         for (path, body, want) in [
@@ -839,8 +954,28 @@ mod tests {
         assert_eq!(f.client.request("PUT", paths::RELEASE, Some(&body)).unwrap().0, 400);
         let lend = serde_json::json!({"to": "/run/b.sock", "cpus": 1, "return": true});
         let (s, b) = f.client.request("PUT", paths::LEND, Some(&lend)).unwrap();
-        assert_eq!((s, b.unwrap()["return"].as_bool()), (200, Some(true)));
+        assert_eq!((s, b.unwrap()["total_ms"].as_f64()), (200, Some(2.0)));
         assert_eq!(f.client.request("PUT", paths::LEND, Some(&serde_json::json!({"cpus": 1}))).unwrap().0, 400);
+    }
+
+    #[test]
+    fn a_net_backend_serves_its_routes_alone() {
+        let path = temp_sock();
+        let vm = Arc::new(FakeVm { state: Mutex::new(VmState::Running), calls: Mutex::default() });
+        let _server = ApiServer::bind(&path).unwrap().service(Service::NetBackend).serve(vm.clone(), None).unwrap();
+        let c = ApiClient::new(&path);
+        // The VM's routes are not there; the backend's are, with their own 400 text.
+        assert_eq!(c.ping().unwrap_err().status(), Some(404));
+        assert_eq!(c.backend_info().unwrap_err().status(), Some(404), "the fake VM refuses it");
+        let (status, body) = c.request("PUT", net_backend::paths::HANDOVER, Some(&serde_json::json!({}))).unwrap();
+        assert_eq!(status, 400);
+        assert!(body.unwrap()["error"].as_str().unwrap().starts_with("bad handover body"));
+        assert_eq!(c.request("GET", net_backend::paths::HANDOVER, None).unwrap().0, 405);
+        let _ = c.handover(&crate::HandoverRequest { to: 3, wait_ms: Some(5) });
+        assert_eq!(
+            vm.calls(),
+            [ApiRequest::BackendInfo, ApiRequest::Handover(crate::HandoverRequest { to: 3, wait_ms: Some(5) })]
+        );
     }
 
     struct Fixture {
@@ -866,7 +1001,7 @@ mod tests {
     }
 
     /// Reads one response: status, headers, JSON body.
-    fn read_one(conn: &mut Conn) -> (u16, Headers, Option<Value>) {
+    fn read_one(conn: &mut Conn) -> (u16, Headers, Option<serde_json::Value>) {
         let head = conn.read_head(deadline()).unwrap();
         let (status, headers) = parse_response_head(&head).unwrap();
         let len = headers.content_length().unwrap().unwrap_or(0) as usize;
@@ -876,7 +1011,7 @@ mod tests {
     }
 
     /// Sends raw bytes on a new connection and reads one response.
-    fn raw(path: &Path, bytes: &[u8]) -> (u16, Headers, Option<Value>, Conn) {
+    fn raw(path: &Path, bytes: &[u8]) -> (u16, Headers, Option<serde_json::Value>, Conn) {
         let mut conn = connect(path);
         conn.stream.write_all(bytes).unwrap();
         let (status, headers, body) = read_one(&mut conn);
@@ -887,7 +1022,7 @@ mod tests {
         assert!(matches!(conn.read_head(deadline()), Err(ReadError::Closed { partial: false })));
     }
 
-    fn error_of(body: Option<Value>) -> String {
+    fn error_of(body: Option<serde_json::Value>) -> String {
         body.unwrap()["error"].as_str().unwrap().to_string()
     }
 
@@ -1192,7 +1327,7 @@ mod tests {
         fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
             match req {
                 ApiRequest::Pause => panic!("handler bug (expected by the test)"),
-                ApiRequest::Resume => Err(ApiError::new(200, "not really an error status")),
+                ApiRequest::Resume => Err(ApiError::internal("an internal error")),
                 _ => Err(ApiError::unavailable("vm is still booting")),
             }
         }
@@ -1218,19 +1353,23 @@ mod tests {
             dest: String,
         }
         assert_eq!(json_body::<Target>(br#"{"dest":"x"}"#), Ok(Target { dest: "x".into() }));
-        assert_eq!(json_body::<Target>(b"").unwrap_err().status, 400);
-        assert_eq!(json_body::<Target>(b"{").unwrap_err().status, 400);
-        assert_eq!(json_body::<Target>(b"{}").unwrap_err().status, 400);
+        assert_eq!(json_body::<Target>(b"").unwrap_err().kind, ErrorKind::BadRequest);
+        assert_eq!(json_body::<Target>(b"{").unwrap_err().kind, ErrorKind::BadRequest);
+        assert_eq!(json_body::<Target>(b"{}").unwrap_err().kind, ErrorKind::BadRequest);
     }
 
     #[test]
     fn every_route_is_documented() {
         let md = include_str!("../../../docs/api.md");
         let yaml = include_str!("../../../docs/openapi.yaml");
-        for r in ROUTES {
+        for r in VM_ROUTES {
             let short = r.path.trim_start_matches("/api/v1");
             assert!(md.contains(&format!("{} {}", r.method, r.path)), "api.md lacks {} {}", r.method, r.path);
             assert!(yaml.contains(&format!("  {short}:")), "openapi.yaml lacks {short}");
+        }
+        let nb = include_str!("../../../docs/net-backend.md");
+        for r in NET_BACKEND_ROUTES {
+            assert!(nb.contains(&format!("{} {}", r.method, r.path)), "net-backend.md lacks {} {}", r.method, r.path);
         }
     }
 
@@ -1265,7 +1404,7 @@ mod tests {
                     while !*open {
                         open = self.opened.wait(open).unwrap();
                     }
-                    Ok(ApiResponse::Json(json!({"done": true})))
+                    Ok(ApiResponse::Migration(Box::new(fake_status(crate::MigrationState::Completed, None, None))))
                 }
                 _ => Err(ApiError::conflict("not in this test")),
             }
@@ -1282,7 +1421,7 @@ mod tests {
             .map(|_| {
                 let client = ApiClient::new(path);
                 thread::spawn(move || {
-                    assert_eq!(client.send_migration::<serde_json::Value>(&migrate_req()).unwrap()["done"], true);
+                    assert_eq!(client.send_migration(&migrate_req()).unwrap().state, crate::MigrationState::Completed);
                 })
             })
             .collect();

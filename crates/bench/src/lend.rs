@@ -634,10 +634,7 @@ impl Run<'_> {
         let v = from.api.lend(&req).map_err(|e| format!("vm.lend {kind} {} -> {}: {e}", from.name, to.name))?;
         let total_ms = start.elapsed().as_secs_f64() * 1e3;
         let end = kumo_vmm::vmm::monotonic_ns();
-        let part = |k: &str| v.get(k).cloned().ok_or_else(|| format!("vm.lend answered without `{k}`: {v}"));
-        let released = serde_json::from_value(part("released")?).map_err(|e| format!("vm.lend `released`: {e}"))?;
-        let acquired = serde_json::from_value(part("acquired")?).map_err(|e| format!("vm.lend `acquired`: {e}"))?;
-        let mut op = Op::new(kind, t, &LendReport { released, acquired, total_ms });
+        let mut op = Op::new(kind, t, &LendReport { total_ms, ..v });
         (op.release_start_ns, op.release_end_ns) = (ns, end);
         self.vmm_cpu.push(op);
         std::thread::sleep(GAP);

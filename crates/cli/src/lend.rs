@@ -45,12 +45,7 @@ pub fn run(a: LendArgs, returning: bool) -> Result<i32, String> {
     let _rt = kumo_vm::host_topology::realtime_this_thread();
     let r = lend(&from, &to, &req).map_err(|e| e.to_string())?;
     if a.json {
-        let v = serde_json::json!({
-            "released": r.released,
-            "acquired": r.acquired,
-            "total_ms": r.total_ms,
-        });
-        println!("{v}");
+        println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
     } else {
         let verb = if returning { "returned" } else { "lent" };
         let mut what = Vec::new();

@@ -751,8 +751,7 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             let from = std::path::absolute(from).map_err(|e| format!("snapshot path {}: {e}", from.display()))?;
             let source_url = from.to_str().ok_or_else(|| format!("snapshot path {} is not UTF-8", from.display()))?;
             let req = kumo_api::RestoreRequest { source_url: source_url.to_string(), net: ours.net, numa: ours.numa };
-            let r: kumo_vmm::snapshot::RestoreReport =
-                c.clone().with_timeout(Duration::from_secs(24 * 3600)).restore(&req).map_err(|e| e.to_string())?;
+            let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).restore(&req).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
         Cmd::Pin { vcpu, cpu } => {

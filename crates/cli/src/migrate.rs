@@ -6,9 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use kumo_api::{ApiClient, MigrateRequest, MigrationEngine};
-use kumo_migration_engine::Event;
-use kumo_vmm::migration::{DryRunReport, Incoming, MigrationResult, MigrationState, MigrationStatus, SendReport};
+use kumo_api::{
+    ApiClient, DryRunReport, Event, MigrateRequest, MigrationEngine, MigrationResult, MigrationState, SendReport,
+};
+use kumo_vmm::migration::Incoming;
 use kumo_vmm::RunningVm;
 
 /// How pages travel (docs/migration.md, "Engines").
@@ -136,7 +137,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     let worker = {
         let c = client.clone();
         let r = req.clone();
-        std::thread::spawn(move || c.send_migration::<MigrationStatus>(&r))
+        std::thread::spawn(move || c.send_migration(&r))
     };
     let mut out = Output::new(a.json);
     if a.dry_run {
@@ -153,7 +154,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
                 Err(e) => out.note(&format!("cannot cancel: {e}")),
             }
         }
-        if let Ok(st) = poller.migration_status::<MigrationStatus>() {
+        if let Ok(st) = poller.migration_status() {
             for e in st.events.iter().skip(seen) {
                 out.event(e);
             }
@@ -167,7 +168,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     // already be gone). A failed migration's source runs on and still answers.
     let status = match result {
         Ok(st) => st,
-        Err(e) => match poller.migration_status::<MigrationStatus>() {
+        Err(e) => match poller.migration_status() {
             Ok(st) if st.state != MigrationState::Running => {
                 for ev in st.events.iter().skip(seen) {
                     out.event(ev);

@@ -49,14 +49,8 @@ pub struct LendRequest {
     pub returning: bool,
 }
 
-/// A completed lend.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LendReport {
-    pub released: Released,
-    pub acquired: Acquired,
-    /// From the command to the borrower's confirmation, milliseconds.
-    pub total_ms: f64,
-}
+/// A completed lend: `vm.lend`'s answer, a kumo-api type.
+pub use kumo_api::LendReport;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LendError {

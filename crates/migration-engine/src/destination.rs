@@ -98,27 +98,7 @@ pub struct RecvProgress {
     restoring: AtomicBool,
 }
 
-/// What [`RecvProgress`] says at one moment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RecvStatus {
-    /// `listening` (no source yet), `receiving` or `restoring`.
-    pub phase: RecvPhase,
-    pub pages: u64,
-    pub bytes: u64,
-    pub rounds: u64,
-    /// Connections dropped because they were not a kumo source (junk, a port scan, a failed
-    /// TLS handshake).
-    #[serde(default)]
-    pub rejected: u64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RecvPhase {
-    Listening,
-    Receiving,
-    Restoring,
-}
+pub use kumo_api::{RecvPhase, RecvStatus};
 
 impl RecvProgress {
     pub fn status(&self) -> RecvStatus {

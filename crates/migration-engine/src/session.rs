@@ -28,43 +28,11 @@ use serde::{Deserialize, Serialize};
 use crate::control::CancelToken;
 use kumo_migration::format::{self, VmDescription};
 use kumo_migration::planner::StopPolicy;
-use kumo_migration::StopPhaseModel;
 
 pub(crate) const PAGE: usize = 4096;
 
-/// How pages travel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineKind {
-    Serial,
-    Overlap,
-    Zerocopy,
-    Local,
-}
-
-impl std::str::FromStr for EngineKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "serial" => Ok(EngineKind::Serial),
-            "overlap" => Ok(EngineKind::Overlap),
-            "zerocopy" => Ok(EngineKind::Zerocopy),
-            "local" => Ok(EngineKind::Local),
-            _ => Err(format!("unknown engine `{s}`: serial, overlap, zerocopy or local")),
-        }
-    }
-}
-
-impl std::fmt::Display for EngineKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            EngineKind::Serial => "serial",
-            EngineKind::Overlap => "overlap",
-            EngineKind::Zerocopy => "zerocopy",
-            EngineKind::Local => "local",
-        })
-    }
-}
+/// How pages travel: the API's engine, one enum.
+pub use kumo_api::MigrationEngine as EngineKind;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MigrateOptions {
@@ -257,134 +225,8 @@ pub(crate) fn send_err(e: io::Error, deadline: Duration) -> MigrateError {
     }
 }
 
-/// Progress of a migration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub enum Event {
-    Started {
-        engine: EngineKind,
-        connections: usize,
-        total_pages: u64,
-        touched_pages: u64,
-    },
-    Round {
-        round: u32,
-        pages_sent: u64,
-        ms: f64,
-        dirty_pages: u64,
-        mb_per_s: f64,
-        estimated_downtime_ms: Option<f64>,
-        /// vCPU throttle in force, percent (0: none).
-        #[serde(default)]
-        throttle_percent: u8,
-    },
-    /// The guest dirties memory faster than the migration sends it: the downtime target is not
-    /// in reach, and the vCPUs are throttled by `throttle_percent` from now on.
-    NotConverging {
-        round: u32,
-        estimated_downtime_ms: f64,
-        target_ms: Option<f64>,
-        throttle_percent: u8,
-    },
-    /// Within a round, at most every [`PROGRESS_INTERVAL`]: how far the round has got.
-    Progress {
-        round: u32,
-        /// Pages this round sends in all, and those handed to the wire so far.
-        round_pages: u64,
-        pages_sent: u64,
-        /// Page data of this round so far.
-        bytes_sent: u64,
-        /// Pages and page data of the whole migration so far.
-        total_pages_sent: u64,
-        total_bytes_sent: u64,
-        /// This round's rate so far.
-        mb_per_s: f64,
-        /// When this round will end at that rate.
-        eta_ms: Option<f64>,
-        /// The planner's latest estimate of the downtime (none before a round has ended).
-        estimated_downtime_ms: Option<f64>,
-    },
-    StopAndCopy {
-        reason: String,
-        pages: u64,
-    },
-    Completed {
-        total_ms: f64,
-        downtime_ms: f64,
-    },
-    Failed {
-        error: String,
-    },
-    /// The operator cancelled the migration; the VM runs on at the source.
-    Cancelled,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RoundReport {
-    pub round: u32,
-    pub pages: u64,
-    pub ms: f64,
-    /// Pages dirty when the round ended (distinct pages dirtied during it).
-    pub dirty_after: u64,
-}
-
-/// What a finished migration measured.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Report {
-    pub engine: EngineKind,
-    pub connections: usize,
-    pub total_ms: f64,
-    /// VM paused on the source until the destination said it runs it.
-    pub downtime_ms: f64,
-    pub rounds: Vec<RoundReport>,
-    pub stop_reason: String,
-    pub total_pages: u64,
-    pub bytes: u64,
-    pub mb_per_s: f64,
-    /// CPU time of the migration's own threads on the source (user + system).
-    pub sender_cpu_ms: f64,
-    /// Zero-copy sends the kernel completed, and how many of those it copied anyway.
-    pub zerocopy_completions: u64,
-    pub zerocopy_copied: u64,
-    /// (seconds into round 0, distinct pages dirtied so far): the dirty-page curve D(t),
-    /// sampled every 50 ms while round 0 ran (empty if the VM cannot be sampled).
-    #[serde(default)]
-    pub round0_dirty_samples: Vec<(f64, u64)>,
-    /// Where the downtime went.
-    #[serde(default)]
-    pub stop_phase: StopPhaseTimes,
-    /// The planner's downtime estimate when it stopped pre-copy (none for `local`, or when no
-    /// bandwidth had been measured).
-    #[serde(default)]
-    pub estimated_downtime_ms: Option<f64>,
-    /// The highest vCPU throttle the migration applied, percent.
-    #[serde(default)]
-    pub max_throttle_percent: u8,
-    /// The stop phase's cost as learned from this migration's measurements (each migration
-    /// starts from the engine's prior).
-    #[serde(default)]
-    pub stop_phase_model: StopPhaseModel,
-}
-
-/// The stop phase measured on the source, from the pause request to the destination's
-/// `Resumed`: the parts add up to the downtime.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct StopPhaseTimes {
-    /// Pausing the vCPUs (kick, park).
-    pub pause_ms: f64,
-    /// The last dirty-log harvest.
-    pub harvest_ms: f64,
-    /// Pages sent while paused.
-    pub pages: u64,
-    /// Sending them (the senders drained).
-    pub pages_ms: f64,
-    /// vCPU and device state: saving, encoding, sending.
-    pub state_bytes: u64,
-    pub state_ms: f64,
-    /// From the state sent to `Resumed`: the destination's placement, restore and resume, and
-    /// the reply's way back.
-    pub reply_ms: f64,
-}
+// The events and the report are API answers: their types live in kumo-api.
+pub use kumo_api::{Event, Report, RoundReport, StopPhaseTimes};
 
 /// CPU time (user + system) of the calling thread, in ms.
 pub fn thread_cpu_ms() -> f64 {

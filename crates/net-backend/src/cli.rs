@@ -56,28 +56,25 @@ pub fn run(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Res
     match a.cmd {
         Some(Cmd::Handover { to, wait_ms }) => {
             let sock = api_socket.ok_or("handover needs --api-socket PATH (the backend's API socket)")?;
-            let body = serde_json::json!({ "to": to, "wait_ms": wait_ms }).to_string();
-            client(&sock, "PUT", "/api/v1/backend.handover", Some(&body))
+            let req = kumo_api::HandoverRequest { to, wait_ms: Some(wait_ms) };
+            print_json(&client(&sock).handover(&req).map_err(|e| e.to_string())?)
         }
         Some(Cmd::Info) => {
             let sock = api_socket.ok_or("info needs --api-socket PATH (the backend's API socket)")?;
-            client(&sock, "GET", "/api/v1/backend.info", None)
+            print_json(&client(&sock).backend_info().map_err(|e| e.to_string())?)
         }
         None => serve(a, api_socket, allow),
     }
 }
 
-fn client(sock: &Path, method: &str, path: &str, body: Option<&str>) -> Result<i32, String> {
-    let (status, body) = api::request(sock, method, path, body)?;
-    if status == 200 {
-        println!("{body}");
-        return Ok(0);
-    }
-    let msg = serde_json::from_str::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
-        .unwrap_or(body);
-    Err(msg)
+/// A handover waits up to a minute for the new owner's first buffer.
+fn client(sock: &Path) -> kumo_api::ApiClient {
+    kumo_api::ApiClient::new(sock).with_timeout(std::time::Duration::from_secs(120))
+}
+
+fn print_json(v: &impl serde::Serialize) -> Result<i32, String> {
+    println!("{}", serde_json::to_string(v).map_err(|e| e.to_string())?);
+    Ok(0)
 }
 
 fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Result<i32, String> {
@@ -95,11 +92,11 @@ fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resul
     let listener = Server::bind(&socket).map_err(|e| format!("{}: {e}", socket.display()))?;
     let ours = |p: &PathBuf| (p.clone(), kumo_sandbox::sock::socket_id(p));
     let mut cleanup = vec![ours(&socket)];
-    let api_listener = match &api_socket {
+    let api_bound = match &api_socket {
         Some(p) => {
-            let l = Server::bind(p).map_err(|e| format!("{}: {e}", p.display()))?;
-            cleanup.push(ours(p));
-            Some(l)
+            let b = api::bind(p)?;
+            cleanup.push((p.clone(), b.socket_id()));
+            Some(b)
         }
         None => None,
     };
@@ -114,15 +111,10 @@ fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resul
         }
         std::process::exit(101);
     });
-    if let Some(l) = api_listener {
-        let n = nic.clone();
-        kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-api", move || {
-            if let Err(e) = api::serve(n, l, allow) {
-                tracing::error!("api: {e}");
-            }
-        })
-        .map_err(|e| e.to_string())?;
-    }
+    let api = match api_bound {
+        Some(b) => Some(api::serve(nic.clone(), b, allow)?),
+        None => None,
+    };
     let server = Server::new(nic);
     kumo_sandbox::spawn(ThreadKind::NetBackend, "nb-accept", move || {
         if let Err(e) = server.serve(listener) {
@@ -140,6 +132,8 @@ fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resul
     // Setup is done: the main thread only waits for a signal and removes the sockets.
     kumo_sandbox::seccomp::filter_this_thread(ThreadKind::NetBackend, "main").map_err(|e| e.to_string())?;
     let _ = signals.forever().next();
+    // Stops the API (its accept thread is woken through the socket, which it then removes).
+    drop(api);
     // Only our own sockets: one replaced by someone else meanwhile stays.
     for (p, id) in cleanup {
         kumo_sandbox::sock::remove_socket(&p, id);

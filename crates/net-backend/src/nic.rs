@@ -13,7 +13,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kumo_devices::virtio::net::NetBackend;
-use serde::Serialize;
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
@@ -177,25 +176,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One handover as measured inside the backend.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct HandoverReport {
-    pub from: Option<u32>,
-    pub to: u32,
-    /// µs from the last buffer served for `from` to the first served for `to` (null until B
-    /// is served, e.g. no traffic).
-    pub outage_us: Option<u64>,
-    /// µs from the last buffer served for `from` (or from the switch when there was none) to
-    /// the switch itself.
-    pub switch_us: u64,
-    /// µs from the switch to the first buffer served for `to`.
-    pub first_serve_after_switch_us: Option<u64>,
-    /// Frames that waited in the tap (or the backend's one-frame slot) and went to `to` at the switch.
-    pub drained_at_switch: u64,
-    /// µs the NIC was served by no one inside the backend: from the handover taking the data
-    /// path (A's last in-flight transmits are completed in it) to `to`'s queues being live.
-    pub pause_us: u64,
-}
+// What the API answers: kumo-api's types.
+pub use kumo_api::net_backend::{BackendClient as ClientInfo, BackendInfo as Info, HandoverReport};
 
 #[derive(Debug, Clone)]
 struct HandoverRecord {
@@ -247,34 +229,6 @@ struct State {
     handovers: u64,
     /// Buffers processed for a client that did not own the NIC (must stay 0).
     foreign_serves: u64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct ClientInfo {
-    pub id: u32,
-    pub pid: Option<i32>,
-    pub ready: bool,
-    pub migrating: bool,
-    pub link: bool,
-    pub features: u64,
-    pub rx_packets: u64,
-    pub rx_bytes: u64,
-    pub tx_packets: u64,
-    pub tx_bytes: u64,
-    pub rx_dropped: u64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Info {
-    pub tap: String,
-    pub mac: String,
-    pub owner: Option<u32>,
-    pub auto_own: bool,
-    pub clients: Vec<ClientInfo>,
-    pub handovers: u64,
-    pub last_handover: Option<HandoverReport>,
-    pub max_in_flight: usize,
-    pub foreign_serves: u64,
 }
 
 pub struct Nic {

@@ -1,11 +1,12 @@
-//! The control API's view of a running VM.
+//! The control API's view of a running VM. Domain errors become typed API errors here (the
+//! `From` impls at the end); the server picks the HTTP status from their kind.
 
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::host_resources::HostResources;
 use kumo_api::{
-    ApiError, ApiHandler, ApiRequest, ApiResponse, ReceiveMigrationRequest, RestoreRequest, VmInfo, VmState,
-    KUMO_VERSION,
+    ApiError, ApiHandler, ApiRequest, ApiResponse, MigrationStatus, ReceiveMigrationRequest, RestoreRequest, VmInfo,
+    VmState, KUMO_VERSION,
 };
 
 use crate::lifecycle::EmptyVmm;
@@ -13,13 +14,22 @@ use crate::migration::{Incoming, JobError, MigrationJob};
 use crate::vmm::RunningVm;
 use crate::Error;
 
-/// Serves API requests against a VM. Holds it weakly: the API never keeps a VM alive.
+/// What the API has to serve: it picks the answers.
+#[derive(Clone)]
+enum Mode {
+    /// An empty VMM waiting for `vm.restore` or `vm.receive-migration` (its [`EmptyVmm`]).
+    Empty,
+    /// A destination whose VM is arriving by migration.
+    Receiving(Arc<Incoming>),
+    /// The VM exists (held weakly: the API never keeps a VM alive); `arrived`: the migration it
+    /// came by, if it did.
+    Running { vm: Weak<RunningVm>, arrived: Option<Arc<Incoming>> },
+}
+
+/// Serves API requests against a VM.
 pub struct VmApi {
-    /// Set once the VM exists: at once, or for a destination once it has arrived.
-    vm: OnceLock<Weak<RunningVm>>,
+    mode: Mutex<Mode>,
     migration: Arc<MigrationJob>,
-    /// A destination's incoming migration: its progress while the VM arrives.
-    incoming: OnceLock<Arc<Incoming>>,
     /// An empty VMM: the VM its API is told to restore or receive.
     empty: Option<EmptyVmm>,
     /// This API, for the thread an incoming migration started through it runs on.
@@ -30,13 +40,13 @@ pub struct VmApi {
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
-        Self::build(OnceLock::from(Arc::downgrade(vm)), OnceLock::new(), None)
+        Self::build(Mode::Running { vm: Arc::downgrade(vm), arrived: None }, None)
     }
 
     /// The API of a destination, up while the VM arrives: `vm.info` says `receiving` and
     /// `vm.migration` shows what has arrived; [`VmApi::attach`] hands it the VM once it runs.
     pub fn incoming(incoming: &Arc<Incoming>) -> Arc<Self> {
-        Self::build(OnceLock::new(), OnceLock::from(incoming.clone()), None)
+        Self::build(Mode::Receiving(incoming.clone()), None)
     }
 
     /// The API of an empty VMM (`kumo run --api-socket S` with nothing to boot): `vm.info`
@@ -46,15 +56,14 @@ impl VmApi {
         say: impl Fn(&str) + Send + Sync + 'static,
         console: impl Fn() -> Box<dyn std::io::Write + Send> + Send + Sync + 'static,
     ) -> Arc<Self> {
-        Self::build(OnceLock::new(), OnceLock::new(), Some(EmptyVmm::new(Box::new(say), Box::new(console))))
+        Self::build(Mode::Empty, Some(EmptyVmm::new(Box::new(say), Box::new(console))))
     }
 
-    fn build(vm: OnceLock<Weak<RunningVm>>, incoming: OnceLock<Arc<Incoming>>, empty: Option<EmptyVmm>) -> Arc<Self> {
+    fn build(mode: Mode, empty: Option<EmptyVmm>) -> Arc<Self> {
         let is_empty = empty.is_some();
         let api = Arc::new_cyclic(|me| VmApi {
-            vm,
+            mode: Mutex::new(mode),
             migration: Arc::default(),
-            incoming,
             empty,
             me: me.clone(),
             peers: Default::default(),
@@ -66,6 +75,10 @@ impl VmApi {
         api
     }
 
+    fn mode(&self) -> Mode {
+        kumo_sandbox::lock(&self.mode).clone()
+    }
+
     /// A keep-alive client of the VM at `path` (shared by `vm.lend` calls to it).
     fn peer(&self, path: &str) -> kumo_api::ApiClient {
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
@@ -75,8 +88,15 @@ impl VmApi {
         peers.entry(path.to_string()).or_insert_with(|| kumo_api::ApiClient::new(path).keep_alive()).clone()
     }
 
+    /// The VM exists now (restored, or arrived): the API serves it. Only the first VM counts.
     pub fn attach(&self, vm: &Arc<RunningVm>) {
-        let _ = self.vm.set(Arc::downgrade(vm));
+        let mut mode = kumo_sandbox::lock(&self.mode);
+        let arrived = match &*mode {
+            Mode::Running { .. } => return,
+            Mode::Receiving(inc) => Some(inc.clone()),
+            Mode::Empty => None,
+        };
+        *mode = Mode::Running { vm: Arc::downgrade(vm), arrived };
     }
 
     /// An empty VMM: blocks until its API has brought a VM, running (or paused if it was saved
@@ -106,7 +126,7 @@ impl VmApi {
                 vcpu_pins: Vec::new(),
                 pv: None,
             })),
-            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration.status())?)),
+            ApiRequest::MigrationStatus => Ok(migration_answer(self.migration.status())),
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
             ApiRequest::Restore(r) => self.restore(e, &r),
             _ => Err(ApiError::conflict(match e.busy() {
@@ -131,7 +151,7 @@ impl VmApi {
             e.release();
             ApiError::bad_request(format!("cannot receive a migration: {why}"))
         })?;
-        let _ = self.incoming.set(inc.clone());
+        *kumo_sandbox::lock(&self.mode) = Mode::Receiving(inc.clone());
         let spawned = kumo_sandbox::spawn(kumo_sandbox::ThreadKind::Migration, "incoming", move || {
             let Some(e) = me.empty.as_ref() else { return };
             match inc.receive_on(ready, &*e.say, (e.console)()) {
@@ -155,18 +175,12 @@ impl VmApi {
     /// `vm.restore`: builds the VM from the snapshot file and runs it (paused if it was saved
     /// paused). A file that cannot be restored leaves the VMM empty and usable.
     fn restore(&self, e: &EmptyVmm, r: &RestoreRequest) -> Result<ApiResponse, ApiError> {
-        use crate::snapshot::SnapshotError as E;
         e.claim("a restore").map_err(ApiError::conflict)?;
         let restored = crate::lifecycle::source_path(&r.source_url).map_err(ApiError::bad_request).and_then(|path| {
             let ours = HostResources { net: r.net.clone(), numa: r.numa.clone() };
-            crate::snapshot::restore(&path, (e.console)(), &ours).map_err(|err| match err {
-                E::BadRequest(m) | E::Read(m) => ApiError::bad_request(m),
-                E::Conflict(m) => ApiError::conflict(m),
-                E::Write(m) | E::Vm(m) => ApiError::internal(m),
-            })
+            crate::snapshot::restore(&path, (e.console)(), &ours).map_err(ApiError::from)
         });
         let (vm, report) = restored.inspect_err(|_| e.release())?;
-        let answer = to_json(&report);
         (e.say)(&format!(
             "restored {} ({} pages){}",
             report.path.display(),
@@ -176,7 +190,7 @@ impl VmApi {
         let vm = Arc::new(vm);
         self.attach(&vm);
         e.fill(vm);
-        Ok(ApiResponse::Json(answer?))
+        Ok(ApiResponse::Restore(report))
     }
 
     /// Answers for a destination whose VM has not arrived yet.
@@ -197,7 +211,7 @@ impl VmApi {
                 vcpu_pins: Vec::new(),
                 pv: None,
             })),
-            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&inc.status())?)),
+            ApiRequest::MigrationStatus => Ok(migration_answer(inc.status())),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
         }
     }
@@ -248,23 +262,16 @@ fn pv_info(r: &kumo_vm::pv::PvRequest) -> Option<kumo_api::PvInfo> {
     })
 }
 
-fn to_json<T: serde::Serialize>(v: &T) -> Result<serde_json::Value, ApiError> {
-    serde_json::to_value(v).map_err(|e| ApiError::internal(format!("cannot encode the answer: {e}")))
-}
-
-fn to_api(e: Error) -> ApiError {
-    match e {
-        Error::State(what) => ApiError::conflict(format!("vm is {what}")),
-        other => ApiError::internal(other.to_string()),
-    }
+fn migration_answer(st: MigrationStatus) -> ApiResponse {
+    ApiResponse::Migration(Box::new(st))
 }
 
 impl VmApi {
     /// The last migration from here, or for a VM that arrived here and has not migrated since,
     /// how it came.
-    fn migration_status(&self) -> crate::migration::MigrationStatus {
+    fn migration_status(&self, arrived: Option<&Incoming>) -> MigrationStatus {
         let st = self.migration.status();
-        match (st.state, self.incoming.get()) {
+        match (st.state, arrived) {
             (crate::migration::MigrationState::None, Some(inc)) => inc.status(),
             _ => st,
         }
@@ -301,17 +308,21 @@ impl ApiHandler for VmApi {
         if matches!(req, ApiRequest::Counters) && kumo_sandbox::test_hook("panic:api") {
             panic!("test hook panic:api: the API handler panics on purpose");
         }
-        let vm = match (self.vm.get(), self.incoming.get(), &self.empty) {
-            (Some(vm), _, _) => vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?,
-            (None, Some(inc), _) => return self.receiving(inc, req),
-            (None, None, Some(e)) => return self.empty_vmm(e, req),
-            (None, None, None) => return Err(ApiError::unavailable("the VM does not exist yet")),
+        let (vm, arrived) = match self.mode() {
+            Mode::Running { vm, arrived } => {
+                (vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?, arrived)
+            }
+            Mode::Receiving(inc) => return self.receiving(&inc, req),
+            Mode::Empty => match &self.empty {
+                Some(e) => return self.empty_vmm(e, req),
+                None => return Err(ApiError::unavailable("the VM does not exist yet")),
+            },
         };
         match req {
             ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
             ApiRequest::Info => Ok(ApiResponse::Info(info(&vm))),
-            ApiRequest::Pause => vm.pause().map(|_| ApiResponse::Ok).map_err(to_api),
-            ApiRequest::Resume => vm.resume().map(|_| ApiResponse::Ok).map_err(to_api),
+            ApiRequest::Pause => vm.pause().map(|_| ApiResponse::Ok).map_err(ApiError::from),
+            ApiRequest::Resume => vm.resume().map(|_| ApiResponse::Ok).map_err(ApiError::from),
             ApiRequest::Shutdown => {
                 if vm.is_finished() {
                     return Err(ApiError::conflict("vm is already shutting down"));
@@ -319,21 +330,13 @@ impl ApiHandler for VmApi {
                 vm.shutdown();
                 Ok(ApiResponse::Ok)
             }
-            ApiRequest::Migrate(req) => match self.migrate(&vm, &req) {
-                Ok(st) => Ok(ApiResponse::Json(to_json(&st)?)),
-                Err(JobError::BadRequest(e)) => Err(ApiError::bad_request(e)),
-                Err(JobError::Conflict(e)) => Err(ApiError::conflict(format!("cannot migrate: {e}"))),
-                Err(e @ (JobError::Busy | JobError::Cancelled)) => Err(ApiError::conflict(e.to_string())),
-                Err(e) => Err(ApiError::internal(e.to_string())),
-            },
-            ApiRequest::MigrationStatus => Ok(ApiResponse::Json(to_json(&self.migration_status())?)),
+            ApiRequest::Migrate(req) => Ok(migration_answer(self.migrate(&vm, &req)?)),
+            ApiRequest::MigrationStatus => Ok(migration_answer(self.migration_status(arrived.as_deref()))),
             ApiRequest::MigrationEvents => {
                 let job = self.migration.clone();
                 Ok(ApiResponse::Stream(kumo_api::JsonLines::new(move |sink| job.stream(sink))))
             }
-            ApiRequest::CancelMigration => {
-                self.migration.cancel().map(|()| ApiResponse::Ok).map_err(|e| ApiError::conflict(e.to_string()))
-            }
+            ApiRequest::CancelMigration => Ok(self.migration.cancel().map(|()| ApiResponse::Ok)?),
             ApiRequest::Snapshot(req) => {
                 use crate::snapshot::{snapshot_to_file, SnapshotError as E};
                 // As a migration: the snapshot's hold is released in Drop, its panic contained.
@@ -345,59 +348,134 @@ impl ApiHandler for VmApi {
                     crate::panics::contained(&p);
                     Err(E::Vm(format!("{p}; the VM runs on here")))
                 });
-                match r {
-                    Ok(r) => Ok(ApiResponse::Json(to_json(&r)?)),
-                    Err(e @ E::BadRequest(_)) => Err(ApiError::bad_request(e.to_string())),
-                    Err(e @ E::Conflict(_)) => Err(ApiError::conflict(e.to_string())),
-                    Err(e) => Err(ApiError::internal(e.to_string())),
-                }
+                Ok(ApiResponse::Snapshot(r?))
             }
             ApiRequest::Counters => {
-                Ok(ApiResponse::Json(to_json(&crate::counters::collect(&vm, &self.migration_status()))?))
+                let st = self.migration_status(arrived.as_deref());
+                Ok(ApiResponse::Counters(Box::new(crate::counters::collect(&vm, &st))))
             }
-            ApiRequest::Pin(p) => {
-                use crate::vmm::PinError;
-                match vm.pin_vcpu(p.vcpu, p.cpu) {
-                    Ok(()) => Ok(ApiResponse::Ok),
-                    Err(e @ PinError::Bad(_)) => Err(ApiError::bad_request(e.to_string())),
-                    Err(e @ PinError::NoThread(_)) => Err(ApiError::conflict(e.to_string())),
-                    Err(e) => Err(ApiError::internal(e.to_string())),
-                }
-            }
-            ApiRequest::Release(r) => elastic_answer(vm.elastic_release(&r)),
-            ApiRequest::Acquire(r) => elastic_answer(vm.elastic_acquire(&r)),
-            ApiRequest::Elastic => elastic_answer(vm.elastic_info()),
-            ApiRequest::Lend(l) => {
-                use kumo_elastic::lend::{lend, LendError, LendRequest};
-                let local = crate::vmm::LocalPeer(&vm);
-                let to = self.peer(&l.to).with_timeout(kumo_elastic::lend::client_timeout(l.timeout_ms));
-                let req = LendRequest {
-                    cpus: l.cpus,
-                    memory_bytes: l.memory_bytes,
-                    node: l.node,
-                    timeout_ms: l.timeout_ms,
-                    returning: l.returning,
-                };
-                match lend(&local, &to, &req) {
-                    Ok(r) => Ok(ApiResponse::Json(serde_json::json!({
-                        "released": to_json(&r.released)?,
-                        "acquired": to_json(&r.acquired)?,
-                        "total_ms": r.total_ms,
-                    }))),
-                    Err(e @ LendError::Empty) => Err(ApiError::bad_request(e.to_string())),
-                    Err(e @ LendError::Lost { .. }) => Err(ApiError::internal(e.to_string())),
-                    Err(e) => Err(ApiError::conflict(e.to_string())),
-                }
-            }
+            ApiRequest::Pin(p) => Ok(vm.pin_vcpu(p.vcpu, p.cpu).map(|()| ApiResponse::Ok)?),
+            ApiRequest::Release(r) => Ok(ApiResponse::Released(vm.elastic_release(&r)?)),
+            ApiRequest::Acquire(r) => Ok(ApiResponse::Acquired(vm.elastic_acquire(&r)?)),
+            ApiRequest::Elastic => Ok(ApiResponse::Elastic(vm.elastic_info()?)),
+            ApiRequest::Lend(l) => self.lend(&vm, &l),
             ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }
+            ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend's API")),
         }
     }
 }
 
-/// An elastic request's answer as JSON, or its error with the status it maps to.
-fn elastic_answer<T: serde::Serialize>(r: Result<T, crate::elastic::ElasticError>) -> Result<ApiResponse, ApiError> {
-    let a = r.map_err(|e| ApiError::new(e.status(), e.to_string()))?;
-    Ok(ApiResponse::Json(to_json(&a)?))
+impl VmApi {
+    /// `vm.lend`: this VM gives, the VM at `l.to` takes, both or neither.
+    fn lend(&self, vm: &RunningVm, l: &kumo_api::LendApiRequest) -> Result<ApiResponse, ApiError> {
+        use kumo_elastic::lend::{lend, LendError, LendRequest};
+        let local = crate::vmm::LocalPeer(vm);
+        let to = self.peer(&l.to).with_timeout(kumo_elastic::lend::client_timeout(l.timeout_ms));
+        let req = LendRequest {
+            cpus: l.cpus,
+            memory_bytes: l.memory_bytes,
+            node: l.node,
+            timeout_ms: l.timeout_ms,
+            returning: l.returning,
+        };
+        match lend(&local, &to, &req) {
+            Ok(r) => Ok(ApiResponse::Lent(Box::new(r))),
+            Err(e @ LendError::Empty) => Err(ApiError::bad_request(e.to_string())),
+            Err(e @ LendError::Lost { .. }) => Err(ApiError::internal(e.to_string())),
+            Err(e) => Err(ApiError::conflict(e.to_string())),
+        }
+    }
+}
+
+// Each domain error's kind, for the server to answer with its status.
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::State(what) => ApiError::conflict(format!("vm is {what}")),
+            other => ApiError::internal(other.to_string()),
+        }
+    }
+}
+
+impl From<JobError> for ApiError {
+    fn from(e: JobError) -> Self {
+        match e {
+            JobError::BadRequest(m) => ApiError::bad_request(m),
+            JobError::Conflict(m) => ApiError::conflict(format!("cannot migrate: {m}")),
+            JobError::Busy | JobError::Cancelled | JobError::NotRunning | JobError::TooLate(_) => {
+                ApiError::conflict(e.to_string())
+            }
+            JobError::Failed(_) => ApiError::internal(e.to_string()),
+        }
+    }
+}
+
+impl From<crate::snapshot::SnapshotError> for ApiError {
+    fn from(e: crate::snapshot::SnapshotError) -> Self {
+        use crate::snapshot::SnapshotError as E;
+        match e {
+            // A file that cannot be read back is the request's fault (it names the file).
+            E::BadRequest(m) | E::Read(m) => ApiError::bad_request(m),
+            E::Conflict(m) => ApiError::conflict(m),
+            E::Write(m) | E::Vm(m) => ApiError::internal(m),
+        }
+    }
+}
+
+impl From<crate::vmm::PinError> for ApiError {
+    fn from(e: crate::vmm::PinError) -> Self {
+        use crate::vmm::PinError as E;
+        match e {
+            E::Bad(m) => ApiError::bad_request(m),
+            E::NoThread(m) => ApiError::conflict(m),
+            E::Failed(m) => ApiError::internal(m),
+        }
+    }
+}
+
+impl From<crate::elastic::ElasticError> for ApiError {
+    fn from(e: crate::elastic::ElasticError) -> Self {
+        use crate::elastic::ElasticError as E;
+        match e {
+            E::Bad(m) => ApiError::bad_request(m),
+            E::Conflict(m) => ApiError::conflict(m),
+            E::Guest(m) => ApiError::guest_timeout(m),
+            E::Failed(m) => ApiError::internal(m),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kumo_api::ErrorKind;
+
+    #[test]
+    fn an_empty_vmm_answers_what_needs_no_vm() {
+        let api = VmApi::empty(|_| {}, || Box::new(std::io::sink()));
+        let ApiResponse::Info(i) = api.handle(ApiRequest::Info).unwrap() else { panic!("not an info") };
+        assert_eq!((i.state, i.vcpus), (VmState::Created, 0));
+        let ApiResponse::Migration(st) = api.handle(ApiRequest::MigrationStatus).unwrap() else { panic!() };
+        assert_eq!(st.state, crate::migration::MigrationState::None);
+        let e = api.handle(ApiRequest::Pause).unwrap_err();
+        assert_eq!((e.kind, e.message.contains("no VM yet")), (ErrorKind::Conflict, true), "{e}");
+    }
+
+    #[test]
+    fn domain_errors_have_their_kinds() {
+        use crate::elastic::ElasticError;
+        let kind = |e: ApiError| e.kind;
+        assert_eq!(kind(ElasticError::Guest("late".into()).into()), ErrorKind::GuestTimeout);
+        assert_eq!(kind(ElasticError::Bad("x".into()).into()), ErrorKind::BadRequest);
+        assert_eq!(kind(JobError::Busy.into()), ErrorKind::Conflict);
+        assert_eq!(kind(JobError::Failed("x".into()).into()), ErrorKind::Internal);
+        let e: ApiError = JobError::Conflict("paused".into()).into();
+        assert_eq!(e.message, "cannot migrate: paused");
+        assert_eq!(kind(crate::vmm::PinError::NoThread("x".into()).into()), ErrorKind::Conflict);
+        assert_eq!(kind(crate::snapshot::SnapshotError::Read("x".into()).into()), ErrorKind::BadRequest);
+        assert_eq!(kind(Error::State("paused").into()), ErrorKind::Conflict);
+    }
 }

@@ -7,64 +7,12 @@ use std::sync::atomic::Ordering;
 use kumo_migration_engine::Event;
 use kumo_vm::emulate::AssistKind;
 use kumo_vm::ExitCounters;
-use serde::Serialize;
 
 use crate::migration::{MigrationResult, MigrationState, MigrationStatus};
 use crate::vmm::RunningVm;
 
-/// vCPU exits by reason, summed over the vCPUs.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct Exits {
-    /// Port I/O (the serial console, the exit port).
-    pub io: u64,
-    /// MMIO (dispatched to the MMIO bus; unclaimed reads see all ones).
-    pub mmio: u64,
-    /// HLT that KVM handed to kumo (only without an in-kernel LAPIC).
-    pub hlt: u64,
-    /// Triple faults.
-    pub shutdown: u64,
-    /// KVM_RUN interrupted by kumo's kick signal (pause, stop, throttle).
-    pub intr: u64,
-    /// Every other exit (emulation failures and assists, system events, IRQ windows, ...).
-    pub other: u64,
-    pub total: u64,
-}
-
-/// Interrupts kumo's devices raised.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct Interrupts {
-    /// COM1's interrupts (signals of its irqfd).
-    pub serial: u64,
-    /// Interrupts the shared path's dispatcher thread injected (seed 000), if a NIC uses it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub shared_path: Option<u64>,
-}
-
-/// Body of `GET /api/v1/vm.counters`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct Counters {
-    pub exits: Exits,
-    /// Instructions kumo carried out after KVM failed to emulate them, by kind (all kinds,
-    /// zero included).
-    pub assists: BTreeMap<String, u64>,
-    pub interrupts: Interrupts,
-    /// Each NIC's frame and interrupt counts, by id.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub net: BTreeMap<String, kumo_api::NetCounters>,
-    /// Bytes of the last migration from this VM, if one ran (`vm.migration`'s report).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub migration: Option<MigrationBytes>,
-}
-
-/// What the last migration sent from here, or brought here.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct MigrationBytes {
-    pub state: MigrationState,
-    pub pages_sent: u64,
-    pub bytes_sent: u64,
-    pub pages_received: u64,
-    pub bytes_received: u64,
-}
+// The answer's types live in kumo-api.
+pub use kumo_api::{Counters, Exits, Interrupts, MigrationBytes};
 
 /// Sums the vCPUs' counters.
 pub fn sum(vcpus: &[impl AsRef<ExitCounters>]) -> (Exits, BTreeMap<String, u64>) {

@@ -174,31 +174,20 @@ pub fn plan_areas(
     Ok(out)
 }
 
-/// Why an elastic request failed: one line, with the HTTP status it maps to.
+/// Why an elastic request failed: one line (its API error kind: `From` in api.rs).
 #[derive(Debug, thiserror::Error)]
 pub enum ElasticError {
-    /// A request that cannot be met as asked (400).
+    /// A request that cannot be met as asked.
     #[error("{0}")]
     Bad(String),
-    /// Not now: not enough to give, no spare vCPU, the VM is paused (409).
+    /// Not now: not enough to give, no spare vCPU, the VM is paused.
     #[error("{0}")]
     Conflict(String),
-    /// The guest did not confirm in time or refused; nothing changed (504).
+    /// The guest did not confirm in time or refused; nothing changed.
     #[error("{0}")]
     Guest(String),
     #[error("{0}")]
     Failed(String),
-}
-
-impl ElasticError {
-    pub fn status(&self) -> u16 {
-        match self {
-            ElasticError::Bad(_) => 400,
-            ElasticError::Conflict(_) => 409,
-            ElasticError::Guest(_) => 504,
-            ElasticError::Failed(_) => 500,
-        }
-    }
 }
 
 type R<T> = Result<T, ElasticError>;

@@ -13,12 +13,11 @@
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use kumo_migration::format::{self, Reader, Record, VmDescription, Writer, MAX_BATCH_PAGES, PAGE_SIZE};
 use kumo_migration_engine::SourceVm;
-use serde::Serialize;
 use serde_json::json;
 use vm_memory::{Bytes, GuestAddress};
 
@@ -51,21 +50,8 @@ pub enum SnapshotError {
 
 type Result<T> = std::result::Result<T, SnapshotError>;
 
-/// What a snapshot wrote.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct SnapshotReport {
-    pub path: PathBuf,
-    /// Guest pages in the file.
-    pub pages: u64,
-    /// Size of the file.
-    pub bytes: u64,
-    /// Size of the serialized vCPU, irqchip and device state.
-    pub state_bytes: u64,
-    /// How long the VM was paused for it (ms).
-    pub paused_ms: f64,
-    /// The user had paused the VM: it stays paused, and a restore starts it paused.
-    pub paused: bool,
-}
+// What a snapshot wrote, and what a restore ran: API answers, whose types live in kumo-api.
+pub use kumo_api::{RestoreReport, SnapshotReport};
 
 /// Checks a snapshot target before the VM is paused: an absolute path (the API server's
 /// working directory is not the client's) in an existing directory, not a directory itself,
@@ -304,16 +290,6 @@ pub fn read_file<T>(
     Ok(Loaded { target, desc, state, pages })
 }
 
-/// What a restore ran (the answer to `vm.restore`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct RestoreReport {
-    pub path: PathBuf,
-    /// It was saved paused, so it waits paused for `vm.resume`.
-    pub paused: bool,
-    /// Guest pages read from the file.
-    pub pages: u64,
-}
-
 /// Builds a VM from a snapshot file, restores its state and runs it (paused if it was paused
 /// when it was saved). Its NICs and NUMA nodes get the host resources in `ours`, as a
 /// migration's destination gives them (a snapshot's NIC without one is refused). Console output
@@ -356,6 +332,7 @@ pub fn restore(path: &Path, serial: Box<dyn Write + Send>, ours: &HostResources)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     const REGIONS: [(u64, u64); 2] = [(0, 64 * 4096), (1 << 32, 16 * 4096)];
 

@@ -108,10 +108,10 @@ impl VcpuRunState {
 /// Why `vm.pin` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PinError {
-    /// No such vCPU or host CPU (400).
+    /// No such vCPU or host CPU.
     #[error("{0}")]
     Bad(String),
-    /// The vCPU's thread is not running (409).
+    /// The vCPU's thread is not running.
     #[error("{0}")]
     NoThread(String),
     #[error("{0}")]

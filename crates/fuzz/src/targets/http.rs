@@ -10,7 +10,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use kumo_api::{ApiError, ApiHandler, ApiRequest, ApiResponse, ApiServer, ApiServerHandle};
-use serde_json::json;
 
 use crate::{CaseResult, Input};
 
@@ -20,8 +19,9 @@ impl ApiHandler for Handler {
     fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
         match req {
             ApiRequest::Ping => Ok(ApiResponse::Ok),
-            ApiRequest::Info | ApiRequest::Counters => Ok(ApiResponse::Json(json!({"ok": true}))),
-            _ => Err(ApiError { status: 409, message: "fuzz".into() }),
+            ApiRequest::Counters => Ok(ApiResponse::Counters(Box::default())),
+            ApiRequest::Elastic => Ok(ApiResponse::Elastic(Default::default())),
+            _ => Err(ApiError::conflict("fuzz")),
         }
     }
 }

@@ -4,7 +4,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kumo_api::{MigrateRequest, MigrationEngine};
+use kumo_api::{MigrateRequest, MigrationEngine, MigrationLine};
 use kumo_migration::format::VmDescription;
 use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
@@ -307,7 +307,7 @@ impl MigrationJob {
     /// Hands `sink` every event of the running migration (or the last one) as it comes, then
     /// the final status without its events, once the migration has ended. Stops early when
     /// `sink` says so.
-    pub fn stream(&self, sink: &mut dyn FnMut(&Value) -> bool) {
+    pub fn stream(&self, sink: &mut dyn FnMut(&MigrationLine) -> bool) {
         let mut sent = 0;
         loop {
             let (new, ended) = {
@@ -321,13 +321,13 @@ impl MigrationJob {
                 (new, ended)
             };
             sent += new.len();
-            for e in &new {
-                if !sink(&serde_json::to_value(e).unwrap_or(Value::Null)) {
+            for e in new {
+                if !sink(&MigrationLine::Event(e)) {
                     return;
                 }
             }
             if let Some(st) = ended {
-                sink(&serde_json::to_value(&st).unwrap_or(Value::Null));
+                sink(&MigrationLine::End(st));
                 return;
             }
         }
