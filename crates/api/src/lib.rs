@@ -495,16 +495,9 @@ pub struct SnapshotRequest {
     pub path: String,
 }
 
-/// How a migration moves pages (see docs/migration.md, "Engines").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MigrationEngine {
-    Serial,
-    Overlap,
-    Zerocopy,
-    /// Same host, `unix:PATH` only: guest memory is shared, not copied.
-    Local,
-}
+/// How a migration moves pages (see docs/migration.md, "Engines"): one enum, defined in the
+/// pure migration crate.
+pub use kumo_migration::MigrationEngine;
 
 /// Body of `PUT /api/v1/vm.send-migration`. `MigrateRequest::to(addr)` has every option at
 /// its default.

@@ -11,37 +11,14 @@ use kumo_migration_engine::Event;
 use kumo_vmm::migration::{DryRunReport, Incoming, MigrationResult, MigrationState, MigrationStatus, SendReport};
 use kumo_vmm::RunningVm;
 
-/// How pages travel (docs/migration.md, "Engines").
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-enum Engine {
-    /// Copy, send and wait for each batch to be placed: one batch in flight.
-    Serial,
-    /// Copy batch k+1 while batch k is on the wire.
-    Overlap,
-    /// Send straight from guest memory (MSG_ZEROCOPY).
-    Zerocopy,
-    /// Same host, unix:PATH only: guest memory is shared, not copied.
-    Local,
-}
-
-impl From<Engine> for MigrationEngine {
-    fn from(e: Engine) -> Self {
-        match e {
-            Engine::Serial => MigrationEngine::Serial,
-            Engine::Overlap => MigrationEngine::Overlap,
-            Engine::Zerocopy => MigrationEngine::Zerocopy,
-            Engine::Local => MigrationEngine::Local,
-        }
-    }
-}
-
 #[derive(clap::Args)]
 pub struct MigrateArgs {
     /// Destination: tcp:HOST:PORT or unix:PATH of a `kumo run --incoming`.
     #[arg(long, value_name = "ADDR")]
     to: Option<String>,
-    #[arg(long, value_enum, default_value_t = Engine::Overlap)]
-    engine: Engine,
+    /// How pages travel (docs/migration.md, "Engines").
+    #[arg(long, value_enum, default_value_t = MigrationEngine::Overlap)]
+    engine: MigrationEngine,
     /// Stop pre-copy once the rest fits this downtime (ms).
     #[arg(long, value_name = "MS")]
     downtime_ms: Option<u64>,
@@ -117,7 +94,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     };
     let req = MigrateRequest {
         to,
-        engine: Some(a.engine.into()),
+        engine: Some(a.engine),
         downtime_ms: a.downtime_ms,
         xen: a.no_xen.then_some(false),
         connections: Some(a.connections),

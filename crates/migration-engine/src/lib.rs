@@ -22,7 +22,7 @@ pub use accept::{AcceptLimits, MAX_BAD_CONNECTIONS};
 pub use control::{CancelError, CancelToken};
 pub use destination::{receive, receive_limited, receive_with, RecvPhase, RecvProgress, RecvReport, RecvStatus};
 pub use session::{
-    BoxError, DestVm, EngineKind, Event, MigrateError, MigrateOptions, Report, RoundReport, SourceVm, StopPhaseTimes,
+    BoxError, DestVm, MigrationEngine, Event, MigrateError, MigrateOptions, Report, RoundReport, SourceVm, StopPhaseTimes,
     VmError, VmOp, HANDSHAKE_TIMEOUT, PROGRESS_INTERVAL, PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
 };
 pub use source::migrate;

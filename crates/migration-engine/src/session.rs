@@ -21,7 +21,7 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kumo_vm::dirty::PageBitmap;
+use kumo_migration::PageBitmap;
 use kumo_vm::GuestMemory;
 use serde::{Deserialize, Serialize};
 
@@ -32,43 +32,12 @@ use kumo_migration::StopPhaseModel;
 
 pub(crate) const PAGE: usize = 4096;
 
-/// How pages travel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineKind {
-    Serial,
-    Overlap,
-    Zerocopy,
-    Local,
-}
-
-impl std::str::FromStr for EngineKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "serial" => Ok(EngineKind::Serial),
-            "overlap" => Ok(EngineKind::Overlap),
-            "zerocopy" => Ok(EngineKind::Zerocopy),
-            "local" => Ok(EngineKind::Local),
-            _ => Err(format!("unknown engine `{s}`: serial, overlap, zerocopy or local")),
-        }
-    }
-}
-
-impl std::fmt::Display for EngineKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            EngineKind::Serial => "serial",
-            EngineKind::Overlap => "overlap",
-            EngineKind::Zerocopy => "zerocopy",
-            EngineKind::Local => "local",
-        })
-    }
-}
+/// How pages travel: the one engine enum, defined in `kumo-migration`.
+pub use kumo_migration::MigrationEngine;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MigrateOptions {
-    pub engine: EngineKind,
+    pub engine: MigrationEngine,
     pub policy: StopPolicy,
     /// Parallel connections (overlap and zerocopy).
     pub connections: usize,
@@ -106,7 +75,7 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
 impl Default for MigrateOptions {
     fn default() -> Self {
         MigrateOptions {
-            engine: EngineKind::Overlap,
+            engine: MigrationEngine::Overlap,
             policy: StopPolicy::default(),
             connections: 1,
             progress_timeout: PROGRESS_TIMEOUT,
@@ -262,7 +231,7 @@ pub(crate) fn send_err(e: io::Error, deadline: Duration) -> MigrateError {
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Started {
-        engine: EngineKind,
+        engine: MigrationEngine,
         connections: usize,
         total_pages: u64,
         touched_pages: u64,
@@ -331,7 +300,7 @@ pub struct RoundReport {
 /// What a finished migration measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Report {
-    pub engine: EngineKind,
+    pub engine: MigrationEngine,
     pub connections: usize,
     pub total_ms: f64,
     /// VM paused on the source until the destination said it runs it.

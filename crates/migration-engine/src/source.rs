@@ -10,7 +10,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kumo_vm::dirty::PageBitmap;
+use kumo_migration::PageBitmap;
 use kumo_vm::GuestMemory;
 use vm_memory::{Bytes, GuestAddress};
 
@@ -392,17 +392,17 @@ struct Plan {
 impl Plan {
     fn new(opts: &MigrateOptions) -> Result<Plan, MigrateError> {
         let e = opts.engine;
-        if e == EngineKind::Zerocopy && opts.tls.is_some() {
+        if e == MigrationEngine::Zerocopy && opts.tls.is_some() {
             return Err(MigrateError::Other(ZEROCOPY_TLS.into()));
         }
-        if e == EngineKind::Serial && opts.connections > 1 {
+        if e == MigrationEngine::Serial && opts.connections > 1 {
             return Err(MigrateError::Other(
                 "the serial engine sends one batch at a time on one connection: use --connections 1".into(),
             ));
         }
-        let shared_memory = e == EngineKind::Local;
-        let copy = e != EngineKind::Zerocopy;
-        let lockstep = e == EngineKind::Serial;
+        let shared_memory = e == MigrationEngine::Local;
+        let copy = e != MigrationEngine::Zerocopy;
+        let lockstep = e == MigrationEngine::Serial;
         Ok(Plan {
             connections: if shared_memory { 1 } else { opts.connections.clamp(1, format::MAX_CONNECTIONS as usize) },
             shared_memory,

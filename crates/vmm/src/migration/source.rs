@@ -10,10 +10,10 @@ use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
 use kumo_migration::StopPhaseModel;
 use kumo_migration_engine::{
-    migrate, Address, BoxError, CancelToken, EngineKind, Event, MigrateError, MigrateOptions, Report, SourceVm,
+    migrate, Address, BoxError, CancelToken, Event, MigrateError, MigrateOptions, Report, SourceVm,
     VmError, VmOp,
 };
-use kumo_vm::dirty::PageBitmap;
+use kumo_migration::PageBitmap;
 use kumo_vm::GuestMemory;
 use serde_json::Value;
 
@@ -77,12 +77,7 @@ pub const MIN_BANDWIDTH: u64 = 1_000_000;
 /// Turns an API request into migration options.
 pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String> {
     let to: Address = req.to.parse()?;
-    let engine = match req.engine.unwrap_or(MigrationEngine::Overlap) {
-        MigrationEngine::Serial => EngineKind::Serial,
-        MigrationEngine::Overlap => EngineKind::Overlap,
-        MigrationEngine::Zerocopy => EngineKind::Zerocopy,
-        MigrationEngine::Local => EngineKind::Local,
-    };
+    let engine = req.engine.unwrap_or_default();
     let downtime = req.downtime_ms.map(Duration::from_millis);
     let xen = req.xen.unwrap_or(downtime.is_none());
     if !xen && downtime.is_none() {
@@ -93,7 +88,7 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
     if !(1..=max).contains(&connections) {
         return Err(format!("connections must be 1..={max}, not {connections}"));
     }
-    if engine == EngineKind::Serial && connections > 1 {
+    if engine == MigrationEngine::Serial && connections > 1 {
         return Err("the serial engine sends one batch at a time on one connection: use connections 1".into());
     }
     if let Some(b) = req.max_bandwidth.filter(|&b| b < MIN_BANDWIDTH) {
@@ -107,7 +102,7 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
         (None, None) => None,
     };
     if tls.is_some() {
-        if engine == EngineKind::Zerocopy {
+        if engine == MigrationEngine::Zerocopy {
             return Err(kumo_migration_engine::source::ZEROCOPY_TLS.into());
         }
         if let Address::Unix(_) = to {
