@@ -524,6 +524,10 @@ pub struct MigrateRequest {
     pub dry_run: bool,
     #[serde(default)]
     pub estimate_ms: Option<u64>,
+    /// Dry run only: measure this host's loopback TCP (64 MiB sent to itself) and predict at
+    /// that bandwidth. Without it the prediction assumes 1 GB/s and nothing is sent.
+    #[serde(default)]
+    pub measure_link: bool,
     /// Give up when the destination takes no data or does not answer for this long (ms);
     /// the source then runs on. Default 15,000.
     #[serde(default)]

@@ -37,6 +37,10 @@ pub struct MigrateArgs {
     /// How long the dry run watches (ms).
     #[arg(long, default_value_t = 2000)]
     estimate_ms: u64,
+    /// With --dry-run: measure this host's loopback TCP (64 MiB sent to itself) and predict at
+    /// that bandwidth, instead of assuming 1 GB/s.
+    #[arg(long, requires = "dry_run")]
+    measure_link: bool,
     /// Make --downtime-ms a promise: fail (the VM runs on here) rather than exceed it.
     #[arg(long, requires = "downtime_ms")]
     strict: bool,
@@ -100,6 +104,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
         connections: Some(a.connections),
         dry_run: a.dry_run,
         estimate_ms: Some(a.estimate_ms),
+        measure_link: a.measure_link,
         progress_timeout_ms: a.progress_timeout_ms,
         strict: a.strict.then_some(true),
         max_bandwidth: a.max_bandwidth,

@@ -100,7 +100,12 @@ impl FakeSource {
 
 impl SourceVm for FakeSource {
     fn description(&self) -> VmDescription {
-        VmDescription::new(1, "kernel", serde_json::json!({"fake": true}), regions())
+        VmDescription::new(
+            1,
+            kumo_migration::format::Irqchip::Kernel,
+            kumo_migration::format::PayloadDescription::guest("test"),
+            regions(),
+        )
     }
     fn memory(&self) -> &GuestMemory {
         &self.mem.guest
@@ -304,8 +309,9 @@ fn local_engine_needs_a_unix_socket() {
     let src = FakeSource::new(10);
     let (l, addr) = listen(false, "local-tcp");
     let _dest = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest));
-    let e = migrate(&*src, &addr, &MigrateOptions { engine: MigrationEngine::Local, ..Default::default() }, &mut |_| {})
-        .unwrap_err();
+    let e =
+        migrate(&*src, &addr, &MigrateOptions { engine: MigrationEngine::Local, ..Default::default() }, &mut |_| {})
+            .unwrap_err();
     assert!(e.to_string().contains("unix socket"), "{e}");
     src.stop_writer();
 }
@@ -362,8 +368,9 @@ fn a_receiver_dying_mid_stream_leaves_the_source_running() {
         drop(c);
         desc
     });
-    let e = migrate(&*src, &addr, &MigrateOptions { engine: MigrationEngine::Serial, ..Default::default() }, &mut |_| {})
-        .unwrap_err();
+    let e =
+        migrate(&*src, &addr, &MigrateOptions { engine: MigrationEngine::Serial, ..Default::default() }, &mut |_| {})
+            .unwrap_err();
     t.join().unwrap();
     assert!(matches!(e, MigrateError::Io(_) | MigrateError::Stream(_)), "{e}");
     assert!(src.running.load(Ordering::Acquire), "source runs on");
@@ -375,7 +382,12 @@ fn a_source_that_vanishes_fails_the_receiver_cleanly() {
     let (l, addr) = listen(false, "vanish");
     let t = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest).map(|_| ()));
     let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
-    let desc = VmDescription::new(1, "kernel", serde_json::json!(null), regions());
+    let desc = VmDescription::new(
+        1,
+        kumo_migration::format::Irqchip::Kernel,
+        kumo_migration::format::PayloadDescription::guest("test"),
+        regions(),
+    );
     kumo_migration::format::write_header(&mut c, &desc).unwrap();
     drop(c);
     let e = t.join().unwrap().unwrap_err();
@@ -576,7 +588,12 @@ fn a_silent_source_fails_the_receiver_within_its_deadline() {
     let (l, addr) = listen(false, "silent-src");
     let t = std::thread::spawn(move || receive(&l, Duration::from_millis(300), make_dest).map(|_| ()));
     let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
-    let desc = VmDescription::new(1, "kernel", serde_json::json!(null), regions());
+    let desc = VmDescription::new(
+        1,
+        kumo_migration::format::Irqchip::Kernel,
+        kumo_migration::format::PayloadDescription::guest("test"),
+        regions(),
+    );
     kumo_migration::format::write_header(&mut c, &desc).unwrap();
     // The handshake, then nothing: a stopped source. The connection stays open.
     let mut replies = kumo_migration::format::ReplyReader::new(c.try_clone().unwrap());

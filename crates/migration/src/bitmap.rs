@@ -96,5 +96,4 @@ mod tests {
         c.clear();
         assert_eq!(c.count(), 0);
     }
-
 }

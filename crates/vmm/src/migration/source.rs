@@ -8,12 +8,11 @@ use kumo_api::{MigrateRequest, MigrationEngine};
 use kumo_migration::format::VmDescription;
 use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
+use kumo_migration::PageBitmap;
 use kumo_migration::StopPhaseModel;
 use kumo_migration_engine::{
-    migrate, Address, BoxError, CancelToken, Event, MigrateError, MigrateOptions, Report, SourceVm,
-    VmError, VmOp,
+    migrate, Address, BoxError, CancelToken, Event, MigrateError, MigrateOptions, Report, SourceVm, VmError, VmOp,
 };
-use kumo_migration::PageBitmap;
 use kumo_vm::GuestMemory;
 use serde_json::Value;
 
@@ -23,9 +22,7 @@ use super::*;
 
 impl SourceVm for RunningVm {
     fn description(&self) -> VmDescription {
-        let c = self.config();
-        let payload = serde_json::to_value(c).unwrap_or(Value::Null);
-        VmDescription::new(c.cpus, &c.irqchip.to_string(), payload, self.vm().memory.layout.ram().to_vec())
+        describe(self.config(), self.vm().memory.layout.ram().to_vec())
     }
     fn memory(&self) -> &GuestMemory {
         RunningVm::memory(self)
@@ -389,7 +386,7 @@ impl MigrationJob {
         opts: MigrateOptions,
     ) -> Result<Result<MigrationResult, MigrateError>, JobError> {
         if req.dry_run {
-            let bw = loopback_pages_per_s();
+            let bw = if req.measure_link { loopback_pages_per_s() } else { ASSUMED_LINK_PAGES_PER_S };
             let window = Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000));
             return Ok(estimate(vm, window, bw, opts.policy).map(MigrationResult::DryRun).map_err(MigrateError::Other));
         }
@@ -473,10 +470,13 @@ pub enum JobError {
     TooLate(String),
 }
 
+/// The link a dry run assumes unless asked to measure one (`measure_link`): 1 GB/s in pages/s.
+pub const ASSUMED_LINK_PAGES_PER_S: f64 = 1e9 / 4096.0;
+
 /// This host's loopback TCP throughput in pages/s, measured by sending 64 MiB to ourselves:
-/// the bandwidth a dry run assumes for a local destination.
+/// the bandwidth a dry run with `measure_link` predicts at (opt-in: it loads the host).
 pub fn loopback_pages_per_s() -> f64 {
     kumo_migration_engine::transport::loopback_tcp_bytes_per_s(64 << 20, 1 << 20)
         .map(|b| b / 4096.0)
-        .unwrap_or(250_000.0)
+        .unwrap_or(ASSUMED_LINK_PAGES_PER_S)
 }
