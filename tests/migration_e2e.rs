@@ -421,6 +421,12 @@ fn a_dry_run_predicts_the_migration() {
     let (ok, out, err) = migrate(&sock, &["--dry-run", "--estimate-ms", "3000"]);
     assert!(ok, "{out}\n{err}");
     assert!(out.contains("dirty-page model: M =") && out.contains("predicted"), "{out}");
+    // Without --measure-link nothing is measured: the prediction is at the assumed 1 GB/s.
+    assert!(out.contains("predicted at 244141 pages/s"), "{out}");
+    // With it, at this host's loopback TCP bandwidth.
+    let (ok, out, err) = migrate(&sock, &["--dry-run", "--estimate-ms", "3000", "--measure-link"]);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("predicted at") && !out.contains("predicted at 244141 pages/s"), "{out}");
     // The source was not moved and still answers.
     assert!(kumo(&["--api-socket", &sock, "info"]).status.success());
     assert!(kumo(&["--api-socket", &sock, "shutdown"]).status.success());
@@ -440,6 +446,7 @@ fn bad_migrate_requests_are_refused() {
         (&["--to", "tcp:127.0.0.1:1", "--no-xen"][..], "no stop rule"),
         (&["--to", "tcp:127.0.0.1:1", "--engine", "serial", "--connections", "2"][..], "one connection"),
         (&[][..], "needs --to"),
+        (&["--to", "tcp:127.0.0.1:1", "--measure-link"][..], "--dry-run"),
     ] {
         let (ok, out, err) = migrate(&sock, args);
         assert!(!ok, "{args:?}: {out}");

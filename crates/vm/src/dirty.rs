@@ -17,6 +17,7 @@ use vmm_sys_util::ioctl_iowr_nr;
 
 use std::sync::atomic::Ordering;
 
+/// The page set the dirty log fills, defined in the pure migration crate (its rounds send it).
 pub use kumo_migration::PageBitmap;
 
 use crate::vm::Vm;
