@@ -350,22 +350,10 @@ fn destination(tag: &str, extra: &[&str]) -> (Kid, std::path::PathBuf, u16) {
 /// fail before any VM is built, so they need no KVM.
 #[test]
 fn crafted_headers_get_a_failed_reply() {
-    use kumo_migration::format::{write_header, Reply, ReplyReader, VmDescription};
-    use kumo_vmm::{config::IrqchipMode, Payload, VmConfig};
+    use kumo_migration::format::{write_header, Irqchip, PayloadDescription, Reply, ReplyReader, VmDescription};
     let header = |cpus: u32, memory: u64| {
-        let c = VmConfig {
-            cpus,
-            memory,
-            irqchip: IrqchipMode::Kernel,
-            payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
-            net: vec![],
-            numa: None,
-            pins: vec![],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
-        };
-        VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
+        let guest = PayloadDescription::guest("memtouch");
+        VmDescription::new(cpus, Irqchip::Kernel, guest, kumo_vm::layout::ram_regions(memory))
     };
     let mut cases: Vec<(&str, &[&str], VmDescription, &str)> = vec![
         ("pib", &[], header(1, 1 << 50), "memory 1 PiB is more than this host can back"),

@@ -266,6 +266,7 @@ fn request_bodies_with_every_field_fit_the_document() {
         connections: Some(4),
         dry_run: false,
         estimate_ms: Some(1000),
+        measure_link: false,
         progress_timeout_ms: Some(15000),
         strict: Some(true),
         max_bandwidth: Some(100 << 20),

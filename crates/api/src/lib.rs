@@ -509,16 +509,9 @@ pub struct SnapshotRequest {
     pub path: String,
 }
 
-/// How a migration moves pages (see docs/migration.md, "Engines").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MigrationEngine {
-    Serial,
-    Overlap,
-    Zerocopy,
-    /// Same host, `unix:PATH` only: guest memory is shared, not copied.
-    Local,
-}
+/// How a migration moves pages (see docs/migration.md, "Engines"): one enum, defined in the
+/// pure migration crate.
+pub use kumo_migration::MigrationEngine;
 
 /// Body of `PUT /api/v1/vm.send-migration`. `MigrateRequest::to(addr)` has every option at
 /// its default.
@@ -545,6 +538,10 @@ pub struct MigrateRequest {
     pub dry_run: bool,
     #[serde(default)]
     pub estimate_ms: Option<u64>,
+    /// Dry run only: measure this host's loopback TCP (64 MiB sent to itself) and predict at
+    /// that bandwidth. Without it the prediction assumes 1 GB/s and nothing is sent.
+    #[serde(default)]
+    pub measure_link: bool,
     /// Give up when the destination takes no data or does not answer for this long (ms);
     /// the source then runs on. Default 15,000.
     #[serde(default)]

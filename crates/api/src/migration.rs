@@ -9,30 +9,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::MigrationEngine;
 
-impl std::str::FromStr for MigrationEngine {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "serial" => Ok(MigrationEngine::Serial),
-            "overlap" => Ok(MigrationEngine::Overlap),
-            "zerocopy" => Ok(MigrationEngine::Zerocopy),
-            "local" => Ok(MigrationEngine::Local),
-            _ => Err(format!("unknown engine `{s}`: serial, overlap, zerocopy or local")),
-        }
-    }
-}
-
-impl std::fmt::Display for MigrationEngine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            MigrationEngine::Serial => "serial",
-            MigrationEngine::Overlap => "overlap",
-            MigrationEngine::Zerocopy => "zerocopy",
-            MigrationEngine::Local => "local",
-        })
-    }
-}
-
 /// Progress of a migration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]

@@ -12,37 +12,14 @@ use kumo_api::{
 use kumo_vmm::migration::Incoming;
 use kumo_vmm::RunningVm;
 
-/// How pages travel (docs/migration.md, "Engines").
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-enum Engine {
-    /// Copy, send and wait for each batch to be placed: one batch in flight.
-    Serial,
-    /// Copy batch k+1 while batch k is on the wire.
-    Overlap,
-    /// Send straight from guest memory (MSG_ZEROCOPY).
-    Zerocopy,
-    /// Same host, unix:PATH only: guest memory is shared, not copied.
-    Local,
-}
-
-impl From<Engine> for MigrationEngine {
-    fn from(e: Engine) -> Self {
-        match e {
-            Engine::Serial => MigrationEngine::Serial,
-            Engine::Overlap => MigrationEngine::Overlap,
-            Engine::Zerocopy => MigrationEngine::Zerocopy,
-            Engine::Local => MigrationEngine::Local,
-        }
-    }
-}
-
 #[derive(clap::Args)]
 pub struct MigrateArgs {
     /// Destination: tcp:HOST:PORT or unix:PATH of a `kumo run --incoming`.
     #[arg(long, value_name = "ADDR")]
     to: Option<String>,
-    #[arg(long, value_enum, default_value_t = Engine::Overlap)]
-    engine: Engine,
+    /// How pages travel (docs/migration.md, "Engines").
+    #[arg(long, value_enum, default_value_t = MigrationEngine::Overlap)]
+    engine: MigrationEngine,
     /// Stop pre-copy once the rest fits this downtime (ms).
     #[arg(long, value_name = "MS")]
     downtime_ms: Option<u64>,
@@ -61,6 +38,10 @@ pub struct MigrateArgs {
     /// How long the dry run watches (ms).
     #[arg(long, default_value_t = 2000)]
     estimate_ms: u64,
+    /// With --dry-run: measure this host's loopback TCP (64 MiB sent to itself) and predict at
+    /// that bandwidth, instead of assuming 1 GB/s.
+    #[arg(long, requires = "dry_run")]
+    measure_link: bool,
     /// Make --downtime-ms a promise: fail (the VM runs on here) rather than exceed it.
     #[arg(long, requires = "downtime_ms")]
     strict: bool,
@@ -118,12 +99,13 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     };
     let req = MigrateRequest {
         to,
-        engine: Some(a.engine.into()),
+        engine: Some(a.engine),
         downtime_ms: a.downtime_ms,
         xen: a.no_xen.then_some(false),
         connections: Some(a.connections),
         dry_run: a.dry_run,
         estimate_ms: Some(a.estimate_ms),
+        measure_link: a.measure_link,
         progress_timeout_ms: a.progress_timeout_ms,
         strict: a.strict.then_some(true),
         max_bandwidth: a.max_bandwidth,

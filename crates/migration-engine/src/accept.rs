@@ -183,7 +183,12 @@ mod tests {
     use std::net::TcpStream;
 
     fn header() -> Vec<u8> {
-        let desc = VmDescription::new(1, "kernel", serde_json::Value::Null, vec![(0, 1 << 20)]);
+        let desc = VmDescription::new(
+            1,
+            kumo_migration::format::Irqchip::Kernel,
+            kumo_migration::format::PayloadDescription::guest("test"),
+            vec![(0, 1 << 20)],
+        );
         let mut v = Vec::new();
         format::write_header(&mut v, &desc).unwrap();
         v

@@ -192,7 +192,8 @@ pub fn receive_with<V: DestVm>(
 }
 
 /// [`receive_with`], with bounds on how long and through how many connections that are not a
-/// kumo source it waits for one (`accept.rs`).
+/// kumo source it waits for one (`accept.rs`). The phases in order: handshake, build, the
+/// rounds, commit ([`DestSession`]).
 pub fn receive_limited<V: DestVm>(
     listener: &Listener,
     idle: Duration,
@@ -200,165 +201,235 @@ pub fn receive_limited<V: DestVm>(
     progress: &RecvProgress,
     create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, VmError>,
 ) -> Result<(V, RecvReport), MigrateError> {
-    // The header was read unbuffered: a local migration's memory file follows it on the
-    // socket, and a buffer would swallow the byte that carries it.
-    let (conn0, desc) = accept_source(listener, limits, &progress.rejected)?;
-    let t0 = Instant::now();
-    conn0.set_read_timeout(Some(idle))?;
-    conn0.set_write_timeout(Some(idle))?;
-    let raw0 = conn0.try_clone()?;
-    let mut conn0 = Replier { enc: Encoder::new(), conn: conn0 };
-    // A valid header: say so at once, before building anything (the source's handshake).
-    conn0.send(&Reply::Accepted);
-    progress.connected.store(true, Ordering::Release);
-    let fail = |conn0: &mut Replier, e: MigrateError| -> MigrateError {
-        conn0.send(&Reply::Failed(e.to_string()));
-        e
-    };
-    let memfd = if desc.shared_memory {
-        match conn0.conn.recv_fd() {
-            Ok(fd) => Some(File::from(fd)),
-            Err(e) => return Err(fail(&mut conn0, e.into())),
-        }
-    } else {
-        None
-    };
-    let nconn = desc.connections.max(1) as usize;
-    let mut readers = vec![Reader::new(buffered(raw0), &desc)];
-    // The other connections, vetted like the first; they must arrive within `idle`.
-    let more = AcceptLimits { deadline: Some(idle), ..*limits };
-    for i in 1..nconn {
-        let (c, d) = match accept_source(listener, &more, &progress.rejected) {
-            Ok(x) => x,
-            Err(e) => {
-                return Err(fail(
-                    &mut conn0,
-                    MigrateError::Other(format!("connection {i} of {nconn} did not arrive: {e}")),
-                ))
-            }
-        };
-        if d != desc {
-            return Err(fail(&mut conn0, MigrateError::Other(format!("connection {i} describes another VM"))));
-        }
-        c.set_read_timeout(Some(idle))?;
-        readers.push(Reader::secondary(buffered(c), &desc));
-    }
-    let vm = match create(&desc, memfd) {
-        Ok(vm) => vm,
-        Err(e) => return Err(fail(&mut conn0, MigrateError::DestVm(e))),
-    };
-    conn0.send(&Reply::Ready);
-    // Shared with the first connection's receiving thread, which sends the Placed notices.
-    let conn0 = Mutex::new(conn0);
-    let reply = |r: &Reply| conn0.lock().unwrap_or_else(|p| p.into_inner()).send(r);
+    let (s, readers, memfd) = DestSession::handshake(listener, idle, limits, progress)?;
+    let vm = s.build(create, memfd)?;
+    let received = s.receive_rounds(vm.memory(), readers);
+    let restore_ms = s.commit(&vm, received)?;
+    let report = s.report(restore_ms);
+    Ok((vm, report))
+}
 
-    let barrier = RoundBarrier::new(nconn);
-    let cpu = AtomicU64::new(0);
-    let pages = AtomicU64::new(0);
-    let state: Mutex<Option<Vec<u8>>> = Mutex::new(None);
-    let mem = vm.memory();
-    let result: Result<(), MigrateError> = std::thread::scope(|s| {
-        let handles: Vec<_> = readers
-            .into_iter()
-            .enumerate()
-            .map(|(i, mut r)| {
-                let (barrier, cpu, pages, state, reply) = (&barrier, &cpu, &pages, &state, &reply);
-                kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, format!("mig-recv{i}"), move || {
-                    let _unwinding = BreakOnUnwind(barrier);
-                    let c0 = thread_cpu_ms();
-                    let mut placer = MemPlacer { mem };
-                    let res = (|| -> Result<(), MigrateError> {
-                        while let Some(rec) = r.next_record_placed(&mut placer).map_err(|e| recv_err(e.into(), idle))? {
-                            match rec {
-                                Record::MemBatch(b) => {
-                                    pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
-                                    progress.pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
-                                    if b.ack {
-                                        reply(&Reply::Placed(b.seq));
-                                    }
-                                }
-                                // Pages of round r+1 must not land before every connection's pages
-                                // of round r: a page resent later would be overwritten by its stale
-                                // copy on a slower connection.
-                                Record::RoundEnd { .. } if nconn > 1 => {
-                                    if i == 0 {
-                                        progress.rounds.fetch_add(1, Ordering::Relaxed);
-                                    }
-                                    if !barrier.wait() {
-                                        return Err(MigrateError::Other("another connection failed".into()));
-                                    }
-                                }
-                                Record::RoundEnd { .. } => {
-                                    progress.rounds.fetch_add(1, Ordering::Relaxed);
-                                }
-                                Record::State(st) if i == 0 => {
-                                    *state.lock().unwrap_or_else(|p| p.into_inner()) = Some(st.to_vec());
-                                }
-                                Record::State(_) => {
-                                    return Err(MigrateError::Other(format!("state sent on connection {i}")))
-                                }
-                                Record::Complete { .. } => {}
-                                Record::Abort(why) => {
-                                    return Err(MigrateError::Other(format!("the source aborted: {why}")))
-                                }
-                            }
-                        }
-                        Ok(())
-                    })();
-                    if res.is_err() {
-                        barrier.break_all();
-                    }
-                    add_cpu(cpu, c0);
-                    res
-                })
-            })
-            .collect();
-        let mut first = Ok(());
-        for h in handles {
-            let r = match h {
-                Ok(h) => h.join().unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into()))),
+/// One connection's records, read through a buffer.
+type ConnReader = Reader<BufReader<Conn>>;
+
+/// An incoming migration on the destination, one method per phase:
+/// - [`DestSession::handshake`]: the source's header vetted and `Accepted`, a local
+///   migration's memory file, the stream's other connections;
+/// - [`DestSession::build`]: the empty VM built from the description, `Ready`;
+/// - [`DestSession::receive_rounds`]: pre-copy and stop-and-copy as the receiver sees them,
+///   each connection's batches placed straight into guest memory by a thread of its own, up to
+///   `State` and `Complete`;
+/// - [`DestSession::commit`]: the state restored, the VM resumed, `Resumed`.
+///
+/// Any phase that fails tells the source why (`Failed`); the caller drops the VM.
+struct DestSession<'a> {
+    idle: Duration,
+    progress: &'a RecvProgress,
+    desc: VmDescription,
+    /// The first connection's reply side, shared with its receiving thread (Placed notices).
+    replier: Mutex<Replier>,
+    t0: Instant,
+    /// Keeps the connections' rounds in step (see [`DestSession::receive_connection`]).
+    barrier: RoundBarrier,
+    /// Pages placed, and the receiving threads' CPU time (µs).
+    pages: AtomicU64,
+    cpu: AtomicU64,
+    /// The VM's state, from the first connection.
+    state: Mutex<Option<Vec<u8>>>,
+}
+
+impl<'a> DestSession<'a> {
+    /// Handshake: waits for a source's header (`accept.rs` vets each connection), answers
+    /// `Accepted` at once, before building anything, then takes the memory file of a local
+    /// migration and the stream's other connections, which must arrive within `idle` and
+    /// describe the same VM. Returns each connection's reader and the memory file.
+    fn handshake(
+        listener: &Listener,
+        idle: Duration,
+        limits: &AcceptLimits,
+        progress: &'a RecvProgress,
+    ) -> Result<(Self, Vec<ConnReader>, Option<File>), MigrateError> {
+        // The header was read unbuffered: a local migration's memory file follows it on the
+        // socket, and a buffer would swallow the byte that carries it.
+        let (conn0, desc) = accept_source(listener, limits, &progress.rejected)?;
+        let t0 = Instant::now();
+        conn0.set_read_timeout(Some(idle))?;
+        conn0.set_write_timeout(Some(idle))?;
+        let raw0 = conn0.try_clone()?;
+        let nconn = desc.connections.max(1) as usize;
+        let s = DestSession {
+            idle,
+            progress,
+            desc,
+            replier: Mutex::new(Replier { enc: Encoder::new(), conn: conn0 }),
+            t0,
+            barrier: RoundBarrier::new(nconn),
+            pages: AtomicU64::new(0),
+            cpu: AtomicU64::new(0),
+            state: Mutex::new(None),
+        };
+        s.reply(&Reply::Accepted);
+        progress.connected.store(true, Ordering::Release);
+        let memfd = if s.desc.shared_memory {
+            match kumo_sandbox::lock(&s.replier).conn.recv_fd() {
+                Ok(fd) => Some(File::from(fd)),
+                Err(e) => return Err(s.fail(e.into())),
+            }
+        } else {
+            None
+        };
+        let mut readers = vec![Reader::new(buffered(raw0), &s.desc)];
+        let more = AcceptLimits { deadline: Some(idle), ..*limits };
+        for i in 1..nconn {
+            let (c, d) = match accept_source(listener, &more, &progress.rejected) {
+                Ok(x) => x,
                 Err(e) => {
-                    // The other connections must not wait at a round barrier for this one.
-                    barrier.break_all();
-                    Err(MigrateError::Io(e))
+                    let e = MigrateError::Other(format!("connection {i} of {nconn} did not arrive: {e}"));
+                    return Err(s.fail(e));
                 }
             };
-            if first.is_ok() {
-                first = r;
+            if d != s.desc {
+                return Err(s.fail(MigrateError::Other(format!("connection {i} describes another VM"))));
+            }
+            c.set_read_timeout(Some(idle))?;
+            readers.push(Reader::secondary(buffered(c), &s.desc));
+        }
+        Ok((s, readers, memfd))
+    }
+
+    /// A reply on the first connection.
+    fn reply(&self, r: &Reply) {
+        kumo_sandbox::lock(&self.replier).send(r);
+    }
+
+    /// Tells the source why the migration failed, and returns the error.
+    fn fail(&self, e: MigrateError) -> MigrateError {
+        self.reply(&Reply::Failed(e.to_string()));
+        e
+    }
+
+    /// Build: the empty VM the description asks for (on the source's memory file for a local
+    /// migration), then `Ready`: the source may send records.
+    fn build<V>(
+        &self,
+        create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, VmError>,
+        memfd: Option<File>,
+    ) -> Result<V, MigrateError> {
+        let vm = create(&self.desc, memfd).map_err(|e| self.fail(MigrateError::DestVm(e)))?;
+        self.reply(&Reply::Ready);
+        Ok(vm)
+    }
+
+    /// The rounds, as the receiver sees pre-copy and stop-and-copy: one thread per connection
+    /// reads its records, placing page data straight into `mem`, until `Complete`. Any
+    /// thread's failure stops the others (the round barrier breaks).
+    fn receive_rounds(&self, mem: &GuestMemory, readers: Vec<ConnReader>) -> Result<(), MigrateError> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = readers
+                .into_iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, format!("mig-recv{i}"), move || {
+                        let _unwinding = BreakOnUnwind(&self.barrier);
+                        let c0 = thread_cpu_ms();
+                        let res = self.receive_connection(i, r, mem);
+                        if res.is_err() {
+                            self.barrier.break_all();
+                        }
+                        add_cpu(&self.cpu, c0);
+                        res
+                    })
+                })
+                .collect();
+            let mut first = Ok(());
+            for h in handles {
+                let r = match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| Err(MigrateError::Other("receiver thread panicked".into()))),
+                    Err(e) => {
+                        // The other connections must not wait at a round barrier for this one.
+                        self.barrier.break_all();
+                        Err(MigrateError::Io(e))
+                    }
+                };
+                if first.is_ok() {
+                    first = r;
+                }
+            }
+            first
+        })
+    }
+
+    /// Connection `i`'s records, read by its own thread: batches placed (and acknowledged when
+    /// asked), rounds counted, the state kept (first connection only).
+    fn receive_connection(&self, i: usize, mut r: ConnReader, mem: &GuestMemory) -> Result<(), MigrateError> {
+        let (progress, multi) = (self.progress, self.barrier.n > 1);
+        let mut placer = MemPlacer { mem };
+        while let Some(rec) = r.next_record_placed(&mut placer).map_err(|e| recv_err(e.into(), self.idle))? {
+            match rec {
+                Record::MemBatch(b) => {
+                    self.pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
+                    progress.pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);
+                    if b.ack {
+                        self.reply(&Reply::Placed(b.seq));
+                    }
+                }
+                // Pages of round r+1 must not land before every connection's pages of round r:
+                // a page resent later would be overwritten by its stale copy on a slower
+                // connection.
+                Record::RoundEnd { .. } if multi => {
+                    if i == 0 {
+                        progress.rounds.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if !self.barrier.wait() {
+                        return Err(MigrateError::Other("another connection failed".into()));
+                    }
+                }
+                Record::RoundEnd { .. } => {
+                    progress.rounds.fetch_add(1, Ordering::Relaxed);
+                }
+                Record::State(st) if i == 0 => {
+                    *kumo_sandbox::lock(&self.state) = Some(st.to_vec());
+                }
+                Record::State(_) => return Err(MigrateError::Other(format!("state sent on connection {i}"))),
+                Record::Complete { .. } => {}
+                Record::Abort(why) => return Err(MigrateError::Other(format!("the source aborted: {why}"))),
             }
         }
-        first
-    });
-    let t_restore = Instant::now();
-    progress.restoring.store(result.is_ok(), Ordering::Release);
-    let finish = result.and_then(|()| {
-        let st = state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .ok_or_else(|| MigrateError::Other("the stream carried no VM state".into()))?;
-        vm.restore_state(&st).map_err(MigrateError::DestVm)?;
-        vm.resume().map_err(MigrateError::DestVm)
-    });
-    let restore_ms = ms_since(t_restore);
-    let mut conn0 = conn0.into_inner().unwrap_or_else(|p| p.into_inner());
-    if let Err(e) = finish {
-        return Err(fail(&mut conn0, e));
+        Ok(())
     }
-    conn0.send(&Reply::Resumed);
-    let pages = pages.load(Ordering::Relaxed);
-    Ok((
-        vm,
+
+    /// Commit: once every connection has completed, restores the VM's state and resumes it,
+    /// then tells the source (`Resumed`, or `Failed` on any error, the rounds' included).
+    /// Returns how long restoring and resuming took, ms.
+    fn commit<V: DestVm>(&self, vm: &V, received: Result<(), MigrateError>) -> Result<f64, MigrateError> {
+        let t_restore = Instant::now();
+        self.progress.restoring.store(received.is_ok(), Ordering::Release);
+        let finish = received.and_then(|()| {
+            let st = kumo_sandbox::lock(&self.state)
+                .take()
+                .ok_or_else(|| MigrateError::Other("the stream carried no VM state".into()))?;
+            vm.restore_state(&st).map_err(MigrateError::DestVm)?;
+            vm.resume().map_err(MigrateError::DestVm)
+        });
+        let restore_ms = ms_since(t_restore);
+        finish.map_err(|e| self.fail(e))?;
+        self.reply(&Reply::Resumed);
+        Ok(restore_ms)
+    }
+
+    /// What the destination measured.
+    fn report(&self, restore_ms: f64) -> RecvReport {
+        let pages = self.pages.load(Ordering::Relaxed);
         RecvReport {
-            connections: nconn,
+            connections: self.barrier.n,
             pages,
             bytes: pages * PAGE as u64,
-            total_ms: t0.elapsed().as_secs_f64() * 1e3,
-            receiver_cpu_ms: cpu.load(Ordering::Relaxed) as f64 / 1e3,
-            shared_memory: desc.shared_memory,
+            total_ms: self.t0.elapsed().as_secs_f64() * 1e3,
+            receiver_cpu_ms: self.cpu.load(Ordering::Relaxed) as f64 / 1e3,
+            shared_memory: self.desc.shared_memory,
             restore_ms,
-        },
-    ))
+        }
+    }
 }
 
 /// The receiver's view of an error: a read deadline becomes "no progress".

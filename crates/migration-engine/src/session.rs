@@ -21,7 +21,7 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kumo_vm::dirty::PageBitmap;
+use kumo_migration::PageBitmap;
 use kumo_vm::GuestMemory;
 use serde::{Deserialize, Serialize};
 
@@ -31,12 +31,12 @@ use kumo_migration::planner::StopPolicy;
 
 pub(crate) const PAGE: usize = 4096;
 
-/// How pages travel: the API's engine, one enum.
-pub use kumo_api::MigrationEngine as EngineKind;
+/// How pages travel: the one engine enum, defined in `kumo-migration`.
+pub use kumo_migration::MigrationEngine;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MigrateOptions {
-    pub engine: EngineKind,
+    pub engine: MigrationEngine,
     pub policy: StopPolicy,
     /// Parallel connections (overlap and zerocopy).
     pub connections: usize,
@@ -74,7 +74,7 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
 impl Default for MigrateOptions {
     fn default() -> Self {
         MigrateOptions {
-            engine: EngineKind::Overlap,
+            engine: MigrationEngine::Overlap,
             policy: StopPolicy::default(),
             connections: 1,
             progress_timeout: PROGRESS_TIMEOUT,

@@ -10,13 +10,13 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kumo_vm::dirty::PageBitmap;
+use kumo_migration::PageBitmap;
 use kumo_vm::GuestMemory;
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::control::{CancelToken, SystemClock, TokenBucket};
 use crate::transport::{Address, Conn, ZeroCopy};
-use kumo_migration::format::{self, BatchFrame, Checksum, Encoder, Reply, ReplyReader, MAX_BATCH_PAGES};
+use kumo_migration::format::{self, BatchFrame, Checksum, Encoder, Reply, ReplyReader, VmDescription, MAX_BATCH_PAGES};
 use kumo_migration::planner::{Decision, Planner, RoundExtras, RoundStats};
 use kumo_migration::StopPhaseSample;
 
@@ -392,17 +392,17 @@ struct Plan {
 impl Plan {
     fn new(opts: &MigrateOptions) -> Result<Plan, MigrateError> {
         let e = opts.engine;
-        if e == EngineKind::Zerocopy && opts.tls.is_some() {
+        if e == MigrationEngine::Zerocopy && opts.tls.is_some() {
             return Err(MigrateError::Other(ZEROCOPY_TLS.into()));
         }
-        if e == EngineKind::Serial && opts.connections > 1 {
+        if e == MigrationEngine::Serial && opts.connections > 1 {
             return Err(MigrateError::Other(
                 "the serial engine sends one batch at a time on one connection: use --connections 1".into(),
             ));
         }
-        let shared_memory = e == EngineKind::Local;
-        let copy = e != EngineKind::Zerocopy;
-        let lockstep = e == EngineKind::Serial;
+        let shared_memory = e == MigrationEngine::Local;
+        let copy = e != MigrationEngine::Zerocopy;
+        let lockstep = e == MigrationEngine::Serial;
         Ok(Plan {
             connections: if shared_memory { 1 } else { opts.connections.clamp(1, format::MAX_CONNECTIONS as usize) },
             shared_memory,
@@ -427,6 +427,7 @@ pub fn migrate(
 ) -> Result<Report, MigrateError> {
     let paused = AtomicBool::new(false);
     let r = migrate_inner(src, to, opts, events, &paused);
+    // Teardown: whatever the phases left behind goes back to how the VM was.
     src.set_throttle(0);
     if let Err(e) = &r {
         src.stop_dirty_log();
@@ -443,6 +444,8 @@ pub fn migrate(
     r
 }
 
+/// The phases in order: handshake; then pre-copy and stop-and-copy over the engine's pipeline
+/// (or, for `local`, the pause alone: memory is shared); then commit.
 fn migrate_inner(
     src: &dyn SourceVm,
     to: &Address,
@@ -450,100 +453,246 @@ fn migrate_inner(
     events: &mut dyn FnMut(Event),
     paused: &AtomicBool,
 ) -> Result<Report, MigrateError> {
-    let t_start = Instant::now();
-    let cpu = Arc::new(AtomicU64::new(0));
-    let cpu0 = thread_cpu_ms();
-    let plan = Plan::new(opts)?;
-    if opts.tls.is_some() && matches!(to, Address::Unix(_)) {
-        return Err(MigrateError::Other(crate::transport::TLS_UNIX.into()));
-    }
-    let (local, nconn) = (plan.shared_memory, plan.connections);
-    let mut desc = src.description();
-    desc.connections = nconn as u32;
-    desc.shared_memory = local;
-    let deadline = opts.progress_timeout;
+    let mut s = SourceSession::new(src, to, opts, events, paused)?;
+    let (mut replies, conns) = s.handshake()?;
+    let (mut closing, pause_at) =
+        if s.plan.shared_memory { s.share_memory(conns)? } else { s.transfer(conns, &mut replies)? };
+    let downtime = s.commit(&mut closing, &mut replies, pause_at)?;
+    Ok(s.report(downtime))
+}
 
-    let connect = || -> Result<Conn, MigrateError> {
-        let c = Conn::connect_with(to, Duration::from_secs(10), opts.tls.as_ref())
-            .map_err(|e| MigrateError::Connect { addr: to.to_string(), source: e })?;
-        c.set_write_timeout(Some(deadline))?;
-        Ok(c)
-    };
-    let mut conn0 = connect()?;
-    if local && !conn0.is_unix() {
-        return Err(MigrateError::Other(
-            "the local engine passes guest memory over a unix socket: use --to unix:PATH".into(),
-        ));
+/// A connection after its last batch: its sink, its encoder (the stream's seq) and the pages it
+/// carried, for the closing records (`State`, `Complete` or `Abort`).
+type Closing = (Box<dyn BatchSink>, Encoder, u64);
+
+/// Sends `Abort` with `why` on every connection that still takes it (best effort: the
+/// destination may be gone).
+fn abort_all(closing: &mut [Closing], why: &str) {
+    for (c, enc, _) in closing {
+        let mut out = Vec::new();
+        enc.abort(&mut out, why);
+        let _ = c.send_records(&out);
     }
-    format::write_header(&mut conn0, &desc).map_err(|e| match e {
-        format::Error::Io(io) => send_err(io, opts.handshake_timeout),
-        e => e.into(),
-    })?;
-    let mut replies = Replies(ReplyReader::new(conn0.try_clone()?));
-    // The handshake: a kumo destination answers a valid header at once; anything else (no
-    // answer, bytes that are not a reply) is not a kumo destination.
-    // A TLS destination answers a plain header with a TLS alert: say what may be missing.
-    let hint = match (to, &opts.tls) {
-        (Address::Tcp(_), None) => "; if it listens with a TLS directory, give one here too",
-        _ => "",
-    };
-    let not_kumo = |why: String| MigrateError::NotKumo { addr: to.to_string(), why: format!("{why}{hint}") };
-    match replies.wait(opts.handshake_timeout) {
-        Err(e) if tls_failure(to, &e).is_some() => return Err(tls_failure(to, &e).unwrap_or(e)),
-        Ok(Reply::Accepted) => {}
-        Ok(Reply::Failed(why)) => return Err(MigrateError::Refused(why)),
-        Ok(other) => return Err(not_kumo(format!("it answered {other:?} to the stream header"))),
-        Err(MigrateError::ReplyTimeout(t)) => {
-            return Err(not_kumo(format!("no answer to the stream header within {} s", t.as_secs_f64())))
+}
+
+/// The engine's pipeline as [`SourceSession::start_pipeline`] builds it.
+struct Pipeline {
+    /// One sender thread per connection.
+    senders: Vec<Sender>,
+    /// A handle on each socket, to watch its send queue drain.
+    watch: Vec<Conn>,
+    /// Buffers the senders give back.
+    free_rx: Receiver<Vec<u8>>,
+}
+
+/// A live migration on the source, one method per phase:
+/// - [`SourceSession::handshake`]: connect, send the header, `Accepted`, `Ready`;
+/// - [`SourceSession::precopy`]: round 0 and the live rounds while the VM runs, until the
+///   planner stops them;
+/// - [`SourceSession::stop_and_copy`]: pause, the last harvest, the final round;
+/// - [`SourceSession::commit`]: the VM's state and `Complete`, then the destination's `Resumed`.
+///
+/// `local` shares memory instead of sending it ([`SourceSession::share_memory`]): no rounds.
+/// What the phases measure accumulates here and becomes the [`Report`].
+struct SourceSession<'a> {
+    src: &'a dyn SourceVm,
+    to: &'a Address,
+    opts: &'a MigrateOptions,
+    events: &'a mut dyn FnMut(Event),
+    /// Set once the VM is paused, so that `migrate` resumes it if the migration fails.
+    paused: &'a AtomicBool,
+    plan: Plan,
+    desc: VmDescription,
+    /// The progress deadline.
+    deadline: Duration,
+    t_start: Instant,
+    /// CPU time of the migration's threads (µs), and this thread's when it started (ms).
+    cpu: Arc<AtomicU64>,
+    cpu0: f64,
+    rounds: Vec<RoundReport>,
+    stop_reason: String,
+    /// Pages sent in the rounds so far.
+    sent_total: u64,
+    bytes: u64,
+    /// Zero-copy sends completed, and those the kernel copied anyway.
+    zc: (u64, u64),
+    round0_samples: Vec<(f64, u64)>,
+    stop: StopPhaseTimes,
+    max_throttle: u8,
+    /// The planner's downtime estimate when it stopped pre-copy.
+    estimated_downtime: Option<Duration>,
+    /// Its latest estimate, ms: progress events carry it.
+    estimate_ms: Option<f64>,
+    /// The planner, once its rounds are over: it learns the stop phase's cost.
+    learned: Option<Planner>,
+}
+
+impl<'a> SourceSession<'a> {
+    /// Setup: the engine's plan and the stream's description; nothing is contacted yet.
+    fn new(
+        src: &'a dyn SourceVm,
+        to: &'a Address,
+        opts: &'a MigrateOptions,
+        events: &'a mut dyn FnMut(Event),
+        paused: &'a AtomicBool,
+    ) -> Result<Self, MigrateError> {
+        let (t_start, cpu0) = (Instant::now(), thread_cpu_ms());
+        let plan = Plan::new(opts)?;
+        if opts.tls.is_some() && matches!(to, Address::Unix(_)) {
+            return Err(MigrateError::Other(crate::transport::TLS_UNIX.into()));
         }
-        Err(MigrateError::Stream(e)) => return Err(not_kumo(e.to_string())),
-        Err(e) => return Err(e),
+        let mut desc = src.description();
+        desc.connections = plan.connections as u32;
+        desc.shared_memory = plan.shared_memory;
+        Ok(SourceSession {
+            src,
+            to,
+            opts,
+            events,
+            paused,
+            plan,
+            desc,
+            deadline: opts.progress_timeout,
+            t_start,
+            cpu: Arc::new(AtomicU64::new(0)),
+            cpu0,
+            rounds: Vec::new(),
+            stop_reason: String::from("local: memory shared, no pre-copy"),
+            sent_total: 0,
+            bytes: 0,
+            zc: (0, 0),
+            round0_samples: Vec::new(),
+            stop: StopPhaseTimes::default(),
+            max_throttle: 0,
+            estimated_downtime: None,
+            estimate_ms: None,
+            learned: None,
+        })
     }
-    if local {
-        conn0.send_fd(src.memfd())?;
-    }
-    let mut conns = vec![conn0];
-    for _ in 1..nconn {
-        let mut c = connect()?;
-        format::write_header(&mut c, &desc)?;
-        conns.push(c);
-    }
-    match replies.wait(deadline)? {
-        Reply::Ready => {}
-        Reply::Failed(why) => return Err(MigrateError::Refused(why)),
-        other => return Err(MigrateError::Other(format!("expected Ready from the destination, got {other:?}"))),
-    }
-    let total_pages = desc.total_pages();
-    let mem = src.memory();
-    let regions: Vec<(u64, u64)> = desc.regions.clone();
 
-    let mut rounds = Vec::new();
-    let mut stop_reason = String::from("local: memory shared, no pre-copy");
-    let mut bytes = 0u64;
-    let mut sent_total = 0u64;
-    let mut stats_zc = (0, 0);
-    let pause_at;
-    let mut encs: Vec<(Box<dyn BatchSink>, Encoder, u64)> = Vec::new();
-    let mut round0_samples = Vec::new();
-    let mut stop = StopPhaseTimes::default();
-    let mut max_throttle = 0u8;
-    let mut estimated_downtime = None;
-    let mut learned: Option<Planner> = None;
+    fn connect(&self) -> Result<Conn, MigrateError> {
+        let to = self.to;
+        let c = Conn::connect_with(to, Duration::from_secs(10), self.opts.tls.as_ref())
+            .map_err(|e| MigrateError::Connect { addr: to.to_string(), source: e })?;
+        c.set_write_timeout(Some(self.deadline))?;
+        Ok(c)
+    }
 
-    if local {
-        events(Event::Started { engine: opts.engine, connections: 1, total_pages, touched_pages: 0 });
-        src.pause().map_err(MigrateError::Source)?;
-        paused.store(true, Ordering::Release);
-        pause_at = Instant::now();
+    /// Handshake: the header on the first connection, the destination's `Accepted`, the memory
+    /// file (local), the header on every other connection, then `Ready` once the destination
+    /// has built the VM. Returns the reply channel and the connections.
+    fn handshake(&mut self) -> Result<(Replies, Vec<Conn>), MigrateError> {
+        let mut conn0 = self.connect()?;
+        if self.plan.shared_memory && !conn0.is_unix() {
+            return Err(MigrateError::Other(
+                "the local engine passes guest memory over a unix socket: use --to unix:PATH".into(),
+            ));
+        }
+        format::write_header(&mut conn0, &self.desc).map_err(|e| match e {
+            format::Error::Io(io) => send_err(io, self.opts.handshake_timeout),
+            e => e.into(),
+        })?;
+        let mut replies = Replies(ReplyReader::new(conn0.try_clone()?));
+        self.accepted(&mut replies)?;
+        if self.plan.shared_memory {
+            conn0.send_fd(self.src.memfd())?;
+        }
+        let mut conns = vec![conn0];
+        for _ in 1..self.plan.connections {
+            let mut c = self.connect()?;
+            format::write_header(&mut c, &self.desc)?;
+            conns.push(c);
+        }
+        match replies.wait(self.deadline)? {
+            Reply::Ready => Ok((replies, conns)),
+            Reply::Failed(why) => Err(MigrateError::Refused(why)),
+            other => Err(MigrateError::Other(format!("expected Ready from the destination, got {other:?}"))),
+        }
+    }
+
+    /// A kumo destination answers a valid header at once; anything else (no answer, bytes that
+    /// are not a reply) is not a kumo destination. A TLS destination answers a plain header
+    /// with a TLS alert: say what may be missing.
+    fn accepted(&self, replies: &mut Replies) -> Result<(), MigrateError> {
+        let to = self.to;
+        let hint = match (to, &self.opts.tls) {
+            (Address::Tcp(_), None) => "; if it listens with a TLS directory, give one here too",
+            _ => "",
+        };
+        let not_kumo = |why: String| MigrateError::NotKumo { addr: to.to_string(), why: format!("{why}{hint}") };
+        match replies.wait(self.opts.handshake_timeout) {
+            Err(e) if tls_failure(to, &e).is_some() => Err(tls_failure(to, &e).unwrap_or(e)),
+            Ok(Reply::Accepted) => Ok(()),
+            Ok(Reply::Failed(why)) => Err(MigrateError::Refused(why)),
+            Ok(other) => Err(not_kumo(format!("it answered {other:?} to the stream header"))),
+            Err(MigrateError::ReplyTimeout(t)) => {
+                Err(not_kumo(format!("no answer to the stream header within {} s", t.as_secs_f64())))
+            }
+            Err(MigrateError::Stream(e)) => Err(not_kumo(e.to_string())),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `local`, instead of the rounds: guest memory went with the handshake, so the VM pauses
+    /// at once. Returns the connection for the closing records and when the VM was paused.
+    fn share_memory(&mut self, mut conns: Vec<Conn>) -> Result<(Vec<Closing>, Instant), MigrateError> {
+        let total_pages = self.desc.total_pages();
+        (self.events)(Event::Started { engine: self.opts.engine, connections: 1, total_pages, touched_pages: 0 });
+        self.src.pause().map_err(MigrateError::Source)?;
+        self.paused.store(true, Ordering::Release);
+        let pause_at = Instant::now();
         let conn = conns.pop().ok_or_else(|| MigrateError::Other("no connection to the destination".into()))?;
-        encs.push((Box::new(CopySink(conn, deadline)), Encoder::new(), 0));
-    } else {
+        Ok((vec![(Box::new(CopySink(conn, self.deadline)), Encoder::new(), 0)], pause_at))
+    }
+
+    /// The engines' phases between handshake and commit: dirty logging on, the pipeline up,
+    /// [`Self::precopy`], [`Self::stop_and_copy`], the pipeline down. Returns each connection
+    /// for the closing records and when the VM was paused.
+    fn transfer(&mut self, conns: Vec<Conn>, replies: &mut Replies) -> Result<(Vec<Closing>, Instant), MigrateError> {
+        let (src, opts) = (self.src, self.opts);
         src.start_dirty_log().map_err(MigrateError::Source)?;
         let touched = src.touched_pages().map_err(MigrateError::Source)?;
-        events(Event::Started { engine: opts.engine, connections: nconn, total_pages, touched_pages: touched.count() });
+        let total_pages = self.desc.total_pages();
+        (self.events)(Event::Started {
+            engine: opts.engine,
+            connections: self.plan.connections,
+            total_pages,
+            touched_pages: touched.count(),
+        });
+        let Pipeline { senders, watch, free_rx } = self.start_pipeline(conns)?;
+        // Bursts of one batch: the cap holds over any stretch longer than a batch takes.
+        let bucket = opts
+            .max_bandwidth
+            .map(|rate| TokenBucket::new(rate, (MAX_BATCH_PAGES * PAGE) as u64, SystemClock::default()));
+        let mut col = Collector {
+            mem: src.memory(),
+            copy: self.plan.copy,
+            lockstep: self.plan.lockstep.then_some((replies, self.deadline)),
+            free_rx,
+            senders: &senders,
+            next: 0,
+            spare: None,
+            cancel: &opts.cancel,
+            bucket,
+        };
+        let mut planner = Planner::new(opts.policy, total_pages);
+        let result = self.precopy(&mut col, &watch, &mut planner, touched);
+        // Downtime counts from the pause request: vCPUs stop as they are kicked.
+        let pause_at = Instant::now();
+        let result = result.and_then(|(dirty, round)| self.stop_and_copy(&mut col, dirty, round, pause_at));
+        drop(col);
+        let closing = self.join_senders(senders, result)?;
+        self.stop.pages_ms = ms_since(pause_at) - self.stop.pause_ms - self.stop.harvest_ms;
+        self.bytes = self.sent_total * PAGE as u64;
+        self.learned = Some(planner);
+        Ok((closing, pause_at))
+    }
 
-        let copy = plan.copy;
-        let send_mem = if copy { None } else { Some(SendMem::new(mem)) };
+    /// Setup of the engine's pipeline: a sender thread per connection on the engine's sink
+    /// (copying, or zero-copy from guest memory), and the pool of buffers they give back.
+    fn start_pipeline(&self, conns: Vec<Conn>) -> Result<Pipeline, MigrateError> {
+        let deadline = self.deadline;
+        let send_mem = if self.plan.copy { None } else { Some(SendMem::new(self.src.memory())) };
         let sink = |conn: Conn| -> Box<dyn BatchSink> {
             match &send_mem {
                 Some(mem) => {
@@ -555,164 +704,183 @@ fn migrate_inner(
         };
         // Serial: one batch in flight, each acknowledged (Placed) before the next; overlap and
         // zerocopy: a few batches queued per sender.
-        let (serial, depth) = (plan.lockstep, plan.depth);
-        let (free_tx, free_rx) = sync_channel::<Vec<u8>>(nconn * (depth + 2));
-        // The session keeps a handle on each socket to watch its send queue drain.
+        let (serial, depth) = (self.plan.lockstep, self.plan.depth);
+        let (free_tx, free_rx) = sync_channel::<Vec<u8>>(conns.len() * (depth + 2));
         let watch: Vec<Conn> = conns.iter().map(Conn::try_clone).collect::<io::Result<_>>()?;
         let senders: Vec<Sender> = conns
-            .drain(..)
-            .map(|c| spawn_sender(sink(c), serial, free_tx.clone(), cpu.clone(), depth))
+            .into_iter()
+            .map(|c| spawn_sender(sink(c), serial, free_tx.clone(), self.cpu.clone(), depth))
             .collect::<io::Result<_>>()?;
         // Only the senders may hold the pool's sending side: when they all stop, a collector
         // waiting for a buffer must see the channel close instead of waiting forever.
         drop(free_tx);
-        let lockstep = serial.then_some((&mut replies, deadline));
-        // Bursts of one batch: the cap holds over any stretch longer than a batch takes.
-        let bucket = opts
-            .max_bandwidth
-            .map(|rate| TokenBucket::new(rate, (MAX_BATCH_PAGES * PAGE) as u64, SystemClock::default()));
-        let cancel = &opts.cancel;
-        let mut col =
-            Collector { mem, copy, lockstep, free_rx, senders: &senders, next: 0, spare: None, cancel, bucket };
-        let mut planner = Planner::new(opts.policy, total_pages);
-        // Pages sent in rounds before the current one, and the latest downtime estimate: what
-        // progress events add to a round's own count.
-        let mut before = 0u64;
-        let mut estimate_ms: Option<f64> = None;
-        let progress_event = |p: RoundProgress, before: u64, estimate_ms: Option<f64>| {
-            let secs = p.elapsed.as_secs_f64();
-            let rate = if secs > 0.0 { p.pages_sent as f64 / secs } else { 0.0 };
-            Event::Progress {
-                round: p.round,
-                round_pages: p.round_pages,
-                pages_sent: p.pages_sent,
-                bytes_sent: p.pages_sent * PAGE as u64,
-                total_pages_sent: before + p.pages_sent,
-                total_bytes_sent: (before + p.pages_sent) * PAGE as u64,
-                mb_per_s: rate * PAGE as f64 / 1e6,
-                eta_ms: (rate > 0.0).then(|| p.round_pages.saturating_sub(p.pages_sent) as f64 / rate * 1e3),
-                estimated_downtime_ms: estimate_ms,
-            }
-        };
-        let live_checksum = plan.live_checksum;
+        Ok(Pipeline { senders, watch, free_rx })
+    }
 
+    /// Pre-copy: round 0 sends every page the guest ever touched, each later round the pages
+    /// dirtied during the one before, while the VM runs, until the planner stops. Returns the
+    /// pages dirty since the last round and the final round's number.
+    fn precopy(
+        &mut self,
+        col: &mut Collector<'_>,
+        watch: &[Conn],
+        planner: &mut Planner,
+        touched: PageBitmap,
+    ) -> Result<(PageBitmap, u32), MigrateError> {
         let mut to_send = touched;
         let mut round = 0u32;
-        let result = (|| -> Result<(), MigrateError> {
-            loop {
-                if cancel.is_cancelled() {
-                    return Err(MigrateError::Cancelled);
-                }
-                let t = Instant::now();
-                let round_pages = to_send.count();
-                let mut progress = |p: RoundProgress| events(progress_event(p, before, estimate_ms));
-                let n = if round == 0 {
-                    // Sample D(t) while round 0 runs: its length spans the workload's curve,
-                    // unlike the short later rounds.
-                    let done = AtomicBool::new(false);
-                    std::thread::scope(|s| {
-                        let sampler = kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, "mig-sampler", || {
-                            let mut v = Vec::new();
-                            while !done.load(Ordering::Acquire) {
-                                std::thread::sleep(Duration::from_millis(50));
-                                match src.peek_dirty_count() {
-                                    Some(c) => v.push((t.elapsed().as_secs_f64(), c)),
-                                    None => break,
-                                }
-                            }
-                            v
-                        });
-                        let n = col.send_round(round, to_send.gfns(), round_pages, live_checksum, &mut progress);
-                        done.store(true, Ordering::Release);
-                        // Without its thread (none could be started) there are no samples: the model
-                        // falls back as it does for a short round 0.
-                        round0_samples = sampler.ok().and_then(|h| h.join().ok()).unwrap_or_default();
-                        n
-                    })?
-                } else {
-                    col.send_round(round, to_send.gfns(), round_pages, live_checksum, &mut progress)?
-                };
-                // The round ends when its pages are on the wire and delivered, not when they
-                // are queued: the bandwidth the planner estimates downtime from is the real one,
-                // and nothing of this round is left to send during the downtime.
-                drain_pipeline(&senders, &watch, deadline, cancel)?;
-                let mut dirty = PageBitmap::for_regions(&regions);
-                let th = Instant::now();
-                let d = src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
-                let harvest = th.elapsed();
-                let dur = t.elapsed();
-                sent_total += n;
-                before = sent_total;
-                let st =
-                    RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
-                let decision = planner.after_round_with(&st, &RoundExtras { harvest: Some(harvest), rtt: None });
-                rounds.push(RoundReport { round, pages: n, ms: dur.as_secs_f64() * 1e3, dirty_after: d });
-                // A throttle stays in force until the planner changes it (it never lowers it
-                // within a migration); it ends with the migration.
-                let throttle = planner.throttle_percent();
-                src.set_throttle(throttle.into());
-                max_throttle = max_throttle.max(throttle);
-                estimate_ms = planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3);
-                events(Event::Round {
-                    round,
-                    pages_sent: n,
-                    ms: dur.as_secs_f64() * 1e3,
-                    dirty_pages: d,
-                    mb_per_s: planner.bandwidth().unwrap_or(0.0) / 1e6,
-                    estimated_downtime_ms: estimate_ms,
-                    throttle_percent: throttle,
-                });
-                to_send = dirty;
-                round += 1;
-                match decision {
-                    Decision::Continue => {}
-                    Decision::NotConverging { estimated, throttle_percent } => events(Event::NotConverging {
-                        round: round - 1,
-                        estimated_downtime_ms: estimated.as_secs_f64() * 1e3,
-                        target_ms: opts.policy.downtime.map(|t| t.as_secs_f64() * 1e3),
-                        throttle_percent,
-                    }),
-                    Decision::StopAndCopy(reason) => {
-                        stop_reason = planner.describe_stop(&reason);
-                        estimated_downtime = planner.last_estimate();
-                        return Ok(());
-                    }
-                    Decision::GiveUp(why) => return Err(MigrateError::GaveUp(why.to_string())),
-                }
+        loop {
+            if self.opts.cancel.is_cancelled() {
+                return Err(MigrateError::Cancelled);
             }
-        })();
-        // Downtime counts from the pause request: vCPUs stop as they are kicked.
-        pause_at = Instant::now();
-        let paused_result = result.and_then(|()| {
-            src.pause().map_err(MigrateError::Source)?;
-            paused.store(true, Ordering::Release);
-            Ok(())
-        });
-        stop.pause_ms = ms_since(pause_at);
-        let final_result = paused_result.and_then(|()| {
             let t = Instant::now();
-            src.fetch_dirty(&mut to_send).map_err(MigrateError::Source)?;
-            stop.harvest_ms = ms_since(t);
-            stop.pages = to_send.count();
-            events(Event::StopAndCopy { reason: stop_reason.clone(), pages: to_send.count() });
-            let t = Instant::now();
-            let mut progress = |p: RoundProgress| events(progress_event(p, before, estimate_ms));
-            let n = col.send_round(round, to_send.gfns(), stop.pages, Checksum::Full, &mut progress)?;
-            sent_total += n;
-            rounds.push(RoundReport { round, pages: n, ms: t.elapsed().as_secs_f64() * 1e3, dirty_after: 0 });
-            Ok(())
+            let n = self.send_live_round(col, round, &to_send, t)?;
+            // The round ends when its pages are on the wire and delivered, not when they are
+            // queued: the bandwidth the planner estimates downtime from is the real one, and
+            // nothing of this round is left to send during the downtime.
+            drain_pipeline(col.senders, watch, self.deadline, &self.opts.cancel)?;
+            let mut dirty = PageBitmap::for_regions(&self.desc.regions);
+            let th = Instant::now();
+            let d = self.src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
+            let decision = self.end_round(planner, round, n, t.elapsed(), th.elapsed(), d);
+            to_send = dirty;
+            round += 1;
+            match decision {
+                Decision::Continue => {}
+                Decision::NotConverging { estimated, throttle_percent } => (self.events)(Event::NotConverging {
+                    round: round - 1,
+                    estimated_downtime_ms: estimated.as_secs_f64() * 1e3,
+                    target_ms: self.opts.policy.downtime.map(|t| t.as_secs_f64() * 1e3),
+                    throttle_percent,
+                }),
+                Decision::StopAndCopy(reason) => {
+                    self.stop_reason = planner.describe_stop(&reason);
+                    self.estimated_downtime = planner.last_estimate();
+                    return Ok((to_send, round));
+                }
+                Decision::GiveUp(why) => return Err(MigrateError::GaveUp(why.to_string())),
+            }
+        }
+    }
+
+    /// Sends the pages of live round `round` (started at `t`). Round 0 also samples D(t)
+    /// while it runs: its length spans the workload's curve, unlike the short later rounds.
+    fn send_live_round(
+        &mut self,
+        col: &mut Collector<'_>,
+        round: u32,
+        to_send: &PageBitmap,
+        t: Instant,
+    ) -> Result<u64, MigrateError> {
+        let (round_pages, checksum, src) = (to_send.count(), self.plan.live_checksum, self.src);
+        let (before, estimate_ms, events) = (self.sent_total, self.estimate_ms, &mut *self.events);
+        let mut progress = |p: RoundProgress| events(progress_event(p, before, estimate_ms));
+        if round > 0 {
+            return col.send_round(round, to_send.gfns(), round_pages, checksum, &mut progress);
+        }
+        let done = AtomicBool::new(false);
+        let (n, samples) = std::thread::scope(|s| {
+            let sampler = kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, "mig-sampler", || {
+                let mut v = Vec::new();
+                while !done.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(50));
+                    match src.peek_dirty_count() {
+                        Some(c) => v.push((t.elapsed().as_secs_f64(), c)),
+                        None => break,
+                    }
+                }
+                v
+            });
+            let n = col.send_round(round, to_send.gfns(), round_pages, checksum, &mut progress);
+            done.store(true, Ordering::Release);
+            // Without its thread (none could be started) there are no samples: the model
+            // falls back as it does for a short round 0.
+            (n, sampler.ok().and_then(|h| h.join().ok()).unwrap_or_default())
         });
-        drop(col);
-        // Close the queues and collect every sender, also after a failure, so no thread is left.
-        // A sender's own error (the connection broke) explains a failure better than the
-        // collector's "sender stopped", so it goes first.
+        self.round0_samples = samples;
+        n
+    }
+
+    /// Ends a live round of `n` pages that took `dur` (`harvest` of it reading the dirty log,
+    /// which found `d` pages): counts it, asks the planner, throttles the vCPUs as it says
+    /// and reports the round.
+    fn end_round(
+        &mut self,
+        planner: &mut Planner,
+        round: u32,
+        n: u64,
+        dur: Duration,
+        harvest: Duration,
+        d: u64,
+    ) -> Decision {
+        self.sent_total += n;
+        let st = RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
+        let decision = planner.after_round_with(&st, &RoundExtras { harvest: Some(harvest), rtt: None });
+        self.rounds.push(RoundReport { round, pages: n, ms: dur.as_secs_f64() * 1e3, dirty_after: d });
+        // A throttle stays in force until the planner changes it (it never lowers it within a
+        // migration); it ends with the migration.
+        let throttle = planner.throttle_percent();
+        self.src.set_throttle(throttle.into());
+        self.max_throttle = self.max_throttle.max(throttle);
+        self.estimate_ms = planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3);
+        (self.events)(Event::Round {
+            round,
+            pages_sent: n,
+            ms: dur.as_secs_f64() * 1e3,
+            dirty_pages: d,
+            mb_per_s: planner.bandwidth().unwrap_or(0.0) / 1e6,
+            estimated_downtime_ms: self.estimate_ms,
+            throttle_percent: throttle,
+        });
+        decision
+    }
+
+    /// Stop-and-copy: pauses the VM (asked at `pause_at`), harvests the dirty log one last time
+    /// and sends those pages, fully checksummed, as round `round`.
+    fn stop_and_copy(
+        &mut self,
+        col: &mut Collector<'_>,
+        mut to_send: PageBitmap,
+        round: u32,
+        pause_at: Instant,
+    ) -> Result<(), MigrateError> {
+        let paused = self.src.pause().map_err(MigrateError::Source);
+        if paused.is_ok() {
+            self.paused.store(true, Ordering::Release);
+        }
+        self.stop.pause_ms = ms_since(pause_at);
+        paused?;
+        let t = Instant::now();
+        self.src.fetch_dirty(&mut to_send).map_err(MigrateError::Source)?;
+        self.stop.harvest_ms = ms_since(t);
+        self.stop.pages = to_send.count();
+        (self.events)(Event::StopAndCopy { reason: self.stop_reason.clone(), pages: to_send.count() });
+        let t = Instant::now();
+        let (before, estimate_ms, events) = (self.sent_total, self.estimate_ms, &mut *self.events);
+        let mut progress = |p: RoundProgress| events(progress_event(p, before, estimate_ms));
+        let n = col.send_round(round, to_send.gfns(), self.stop.pages, Checksum::Full, &mut progress)?;
+        self.sent_total += n;
+        self.rounds.push(RoundReport { round, pages: n, ms: t.elapsed().as_secs_f64() * 1e3, dirty_after: 0 });
+        Ok(())
+    }
+
+    /// Teardown of the pipeline: closes the queues and collects every sender, also after a
+    /// failure, so no thread is left. A sender's own error (the connection broke) explains a
+    /// failure better than the collector's "sender stopped", so it goes first; on a failure
+    /// every connection gets `Abort`.
+    fn join_senders(
+        &mut self,
+        senders: Vec<Sender>,
+        result: Result<(), MigrateError>,
+    ) -> Result<Vec<Closing>, MigrateError> {
+        let mut closing = Vec::new();
         let mut first_err = None;
         for mut s in senders {
             match s.finish() {
                 Some(Ok(Ok((c, e, zs)))) => {
-                    stats_zc.0 += zs.zc_completions;
-                    stats_zc.1 += zs.zc_copied;
-                    encs.push((c, e, zs.pages));
+                    self.zc.0 += zs.zc_completions;
+                    self.zc.1 += zs.zc_copied;
+                    closing.push((c, e, zs.pages));
                 }
                 Some(Ok(Err(e))) => {
                     first_err.get_or_insert(e);
@@ -722,96 +890,122 @@ fn migrate_inner(
                 }
             }
         }
-        if let Err(e) = final_result {
+        if let Err(e) = result {
             first_err.get_or_insert(e);
         }
-        if let Some(e) = first_err {
-            for (mut c, mut enc, _) in encs {
-                let mut out = Vec::new();
-                enc.abort(&mut out, &e.to_string());
-                let _ = c.send_records(&out);
+        match first_err {
+            Some(e) => {
+                abort_all(&mut closing, &e.to_string());
+                Err(e)
             }
-            return Err(e);
+            None => Ok(closing),
         }
-        stop.pages_ms = ms_since(pause_at) - stop.pause_ms - stop.harvest_ms;
-        bytes = sent_total * PAGE as u64;
-        learned = Some(planner);
     }
 
-    // The point of no return: after the state goes out the destination may run the VM, so a
-    // cancel that comes later is refused; one that came first backs out here.
-    if !opts.cancel.commit() {
-        for (c, enc, _) in &mut encs {
-            let mut out = Vec::new();
-            enc.abort(&mut out, &MigrateError::Cancelled.to_string());
-            let _ = c.send_records(&out);
+    /// Commit, the point of no return: after the state goes out the destination may run the
+    /// VM, so a cancel that comes later is refused; one that came first backs out here. Sends
+    /// the state on the first connection and `Complete` (with the pages each connection
+    /// carried, which its receiver checks) on all, then waits for `Resumed`. Returns the
+    /// downtime.
+    fn commit(
+        &mut self,
+        closing: &mut [Closing],
+        replies: &mut Replies,
+        pause_at: Instant,
+    ) -> Result<Duration, MigrateError> {
+        if !self.opts.cancel.commit() {
+            abort_all(closing, &MigrateError::Cancelled.to_string());
+            return Err(MigrateError::Cancelled);
         }
-        return Err(MigrateError::Cancelled);
-    }
-    // Closing records: the state on the first connection, Complete (with the pages each
-    // connection carried, which its receiver checks) on all.
-    let t_state = Instant::now();
-    let state = src.save_state().map_err(MigrateError::Source)?;
-    let mut out = Vec::new();
-    for (i, (c, enc, pages)) in encs.iter_mut().enumerate() {
-        out.clear();
-        if i == 0 {
-            enc.state(&mut out, &state)?;
+        let t_state = Instant::now();
+        let state = self.src.save_state().map_err(MigrateError::Source)?;
+        let mut out = Vec::new();
+        for (i, (c, enc, pages)) in closing.iter_mut().enumerate() {
+            out.clear();
+            if i == 0 {
+                enc.state(&mut out, &state)?;
+            }
+            enc.complete(&mut out, *pages);
+            c.send_records(&out)?;
         }
-        enc.complete(&mut out, *pages);
-        c.send_records(&out)?;
-    }
-    bytes += state.len() as u64;
-    stop.state_bytes = state.len() as u64;
-    stop.state_ms = ms_since(t_state);
-    // Committed: the destination has everything it needs to run the VM. From here on only its
-    // explicit Failed gives the VM back to the source.
-    let t_reply = Instant::now();
-    let reply = replies.wait(deadline);
-    stop.reply_ms = ms_since(t_reply);
-    let downtime = pause_at.elapsed();
-    match reply {
-        Ok(Reply::Resumed) => {}
-        Ok(Reply::Failed(why)) => return Err(MigrateError::Dest(why)),
-        Ok(other) => return Err(MigrateError::Unconfirmed(format!("it answered {other:?} instead of Resumed"))),
-        Err(e) => return Err(MigrateError::Unconfirmed(e.to_string())),
-    }
-    src.stop_dirty_log();
-    add_cpu(&cpu, cpu0);
-    // Learn this stop phase's cost for the next migration's estimates.
-    let stop_phase_model = match learned.as_mut() {
-        Some(p) => {
-            p.observe_stop_phase(&StopPhaseSample {
-                pages: stop.pages,
-                state_bytes: stop.state_bytes,
-                measured_downtime: downtime,
-                harvest: Some(Duration::from_secs_f64(stop.harvest_ms / 1e3)),
-            });
-            p.stop_phase_model()
+        self.bytes += state.len() as u64;
+        self.stop.state_bytes = state.len() as u64;
+        self.stop.state_ms = ms_since(t_state);
+        // Committed: the destination has everything it needs to run the VM. From here on only
+        // its explicit Failed gives the VM back to the source.
+        let t_reply = Instant::now();
+        let reply = replies.wait(self.deadline);
+        self.stop.reply_ms = ms_since(t_reply);
+        let downtime = pause_at.elapsed();
+        match reply {
+            Ok(Reply::Resumed) => {}
+            Ok(Reply::Failed(why)) => return Err(MigrateError::Dest(why)),
+            Ok(other) => return Err(MigrateError::Unconfirmed(format!("it answered {other:?} instead of Resumed"))),
+            Err(e) => return Err(MigrateError::Unconfirmed(e.to_string())),
         }
-        None => opts.policy.stop_phase,
-    };
-    let total = t_start.elapsed();
-    events(Event::Completed { total_ms: total.as_secs_f64() * 1e3, downtime_ms: downtime.as_secs_f64() * 1e3 });
-    Ok(Report {
-        engine: opts.engine,
-        connections: nconn,
-        total_ms: total.as_secs_f64() * 1e3,
-        downtime_ms: downtime.as_secs_f64() * 1e3,
-        rounds,
-        stop_reason,
-        total_pages: sent_total,
-        bytes,
-        mb_per_s: bytes as f64 / total.as_secs_f64() / 1e6,
-        sender_cpu_ms: cpu.load(Ordering::Relaxed) as f64 / 1e3,
-        zerocopy_completions: stats_zc.0,
-        zerocopy_copied: stats_zc.1,
-        round0_dirty_samples: round0_samples,
-        stop_phase: stop,
-        estimated_downtime_ms: estimated_downtime.map(|d| d.as_secs_f64() * 1e3),
-        max_throttle_percent: max_throttle,
-        stop_phase_model,
-    })
+        self.src.stop_dirty_log();
+        add_cpu(&self.cpu, self.cpu0);
+        Ok(downtime)
+    }
+
+    /// The finished migration's report; the planner learns this stop phase's cost for the
+    /// next migration's estimates.
+    fn report(mut self, downtime: Duration) -> Report {
+        let stop = &self.stop;
+        let stop_phase_model = match self.learned.as_mut() {
+            Some(p) => {
+                p.observe_stop_phase(&StopPhaseSample {
+                    pages: stop.pages,
+                    state_bytes: stop.state_bytes,
+                    measured_downtime: downtime,
+                    harvest: Some(Duration::from_secs_f64(stop.harvest_ms / 1e3)),
+                });
+                p.stop_phase_model()
+            }
+            None => self.opts.policy.stop_phase,
+        };
+        let total = self.t_start.elapsed();
+        (self.events)(Event::Completed {
+            total_ms: total.as_secs_f64() * 1e3,
+            downtime_ms: downtime.as_secs_f64() * 1e3,
+        });
+        Report {
+            engine: self.opts.engine,
+            connections: self.plan.connections,
+            total_ms: total.as_secs_f64() * 1e3,
+            downtime_ms: downtime.as_secs_f64() * 1e3,
+            rounds: self.rounds,
+            stop_reason: self.stop_reason,
+            total_pages: self.sent_total,
+            bytes: self.bytes,
+            mb_per_s: self.bytes as f64 / total.as_secs_f64() / 1e6,
+            sender_cpu_ms: self.cpu.load(Ordering::Relaxed) as f64 / 1e3,
+            zerocopy_completions: self.zc.0,
+            zerocopy_copied: self.zc.1,
+            round0_dirty_samples: self.round0_samples,
+            stop_phase: self.stop,
+            estimated_downtime_ms: self.estimated_downtime.map(|d| d.as_secs_f64() * 1e3),
+            max_throttle_percent: self.max_throttle,
+            stop_phase_model,
+        }
+    }
+}
+
+/// A progress event for a round, `before` pages having been sent in the rounds before it.
+fn progress_event(p: RoundProgress, before: u64, estimate_ms: Option<f64>) -> Event {
+    let secs = p.elapsed.as_secs_f64();
+    let rate = if secs > 0.0 { p.pages_sent as f64 / secs } else { 0.0 };
+    Event::Progress {
+        round: p.round,
+        round_pages: p.round_pages,
+        pages_sent: p.pages_sent,
+        bytes_sent: p.pages_sent * PAGE as u64,
+        total_pages_sent: before + p.pages_sent,
+        total_bytes_sent: (before + p.pages_sent) * PAGE as u64,
+        mb_per_s: rate * PAGE as f64 / 1e6,
+        eta_ms: (rate > 0.0).then(|| p.round_pages.saturating_sub(p.pages_sent) as f64 / rate * 1e3),
+        estimated_downtime_ms: estimate_ms,
+    }
 }
 
 /// Waits until every sender has written what it was given and the kernel has delivered it:

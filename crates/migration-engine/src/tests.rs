@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kumo_migration::format::VmDescription;
 use kumo_migration::planner::{StopPolicy, XenRule};
-use kumo_vm::dirty::PageBitmap;
+use kumo_migration::PageBitmap;
 use kumo_vm::{GuestMemory, Memory};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -100,7 +100,12 @@ impl FakeSource {
 
 impl SourceVm for FakeSource {
     fn description(&self) -> VmDescription {
-        VmDescription::new(1, "kernel", serde_json::json!({"fake": true}), regions())
+        VmDescription::new(
+            1,
+            kumo_migration::format::Irqchip::Kernel,
+            kumo_migration::format::PayloadDescription::guest("test"),
+            regions(),
+        )
     }
     fn memory(&self) -> &GuestMemory {
         &self.mem.guest
@@ -192,7 +197,7 @@ fn listen(unix: bool, tag: &str) -> (Listener, Address) {
     (l, a)
 }
 
-fn run(engine: EngineKind, connections: usize, unix: bool, tag: &str) -> (Report, RecvReport) {
+fn run(engine: MigrationEngine, connections: usize, unix: bool, tag: &str) -> (Report, RecvReport) {
     run_tls(engine, connections, unix, tag, None)
 }
 
@@ -208,7 +213,7 @@ fn tls_pair(tag: &str) -> (crate::ListenOptions, crate::ClientTls) {
 }
 
 fn run_tls(
-    engine: EngineKind,
+    engine: MigrationEngine,
     connections: usize,
     unix: bool,
     tag: &str,
@@ -246,7 +251,7 @@ fn run_tls(
 
 #[test]
 fn serial_engine_moves_memory_exactly() {
-    let (r, rr) = run(EngineKind::Serial, 1, false, "serial");
+    let (r, rr) = run(MigrationEngine::Serial, 1, false, "serial");
     assert!(r.rounds.len() >= 2, "a live round and the final one: {:?}", r.rounds);
     assert_eq!(r.rounds[0].pages, PAGES, "round 0 sends every touched page");
     assert_eq!(rr.pages, r.total_pages);
@@ -254,14 +259,14 @@ fn serial_engine_moves_memory_exactly() {
 
 #[test]
 fn overlap_engine_with_one_and_three_connections() {
-    run(EngineKind::Overlap, 1, false, "ov1");
-    let (r, rr) = run(EngineKind::Overlap, 3, false, "ov3");
+    run(MigrationEngine::Overlap, 1, false, "ov1");
+    let (r, rr) = run(MigrationEngine::Overlap, 3, false, "ov3");
     assert_eq!((r.connections, rr.connections), (3, 3));
 }
 
 #[test]
 fn tls_migrations_with_the_stream_engines() {
-    for (engine, n) in [(EngineKind::Serial, 1), (EngineKind::Overlap, 1), (EngineKind::Overlap, 2)] {
+    for (engine, n) in [(MigrationEngine::Serial, 1), (MigrationEngine::Overlap, 1), (MigrationEngine::Overlap, 2)] {
         let (r, rr) =
             run_tls(engine, n, false, &format!("tls-{engine}-{n}"), Some(tls_pair(&format!("eng-{engine}-{n}"))));
         assert_eq!(rr.pages, r.total_pages);
@@ -272,10 +277,10 @@ fn tls_migrations_with_the_stream_engines() {
 fn zerocopy_and_local_are_refused_under_tls() {
     let src = FakeSource::new(1);
     let (_, client) = tls_pair("refused");
-    let opts = MigrateOptions { engine: EngineKind::Zerocopy, tls: Some(client.clone()), ..Default::default() };
+    let opts = MigrateOptions { engine: MigrationEngine::Zerocopy, tls: Some(client.clone()), ..Default::default() };
     let e = migrate(&*src, &Address::Tcp("127.0.0.1:9".into()), &opts, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("zerocopy engine") && e.contains("cannot run over TLS"), "{e}");
-    let opts = MigrateOptions { engine: EngineKind::Local, tls: Some(client), ..Default::default() };
+    let opts = MigrateOptions { engine: MigrationEngine::Local, tls: Some(client), ..Default::default() };
     let e = migrate(&*src, &Address::Unix("/nowhere.sock".into()), &opts, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("TLS is for tcp:"), "{e}");
     src.stop_writer();
@@ -283,18 +288,18 @@ fn zerocopy_and_local_are_refused_under_tls() {
 
 #[test]
 fn zerocopy_engine_with_one_and_two_connections() {
-    run(EngineKind::Zerocopy, 1, false, "zc1");
-    run(EngineKind::Zerocopy, 2, false, "zc2");
+    run(MigrationEngine::Zerocopy, 1, false, "zc1");
+    run(MigrationEngine::Zerocopy, 2, false, "zc2");
 }
 
 #[test]
 fn engines_work_over_unix_sockets_too() {
-    run(EngineKind::Overlap, 2, true, "unix-ov");
+    run(MigrationEngine::Overlap, 2, true, "unix-ov");
 }
 
 #[test]
 fn local_engine_shares_memory_instead_of_sending_it() {
-    let (r, rr) = run(EngineKind::Local, 1, true, "local");
+    let (r, rr) = run(MigrationEngine::Local, 1, true, "local");
     assert_eq!(r.total_pages, 0);
     assert!(rr.shared_memory);
 }
@@ -304,8 +309,9 @@ fn local_engine_needs_a_unix_socket() {
     let src = FakeSource::new(10);
     let (l, addr) = listen(false, "local-tcp");
     let _dest = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest));
-    let e = migrate(&*src, &addr, &MigrateOptions { engine: EngineKind::Local, ..Default::default() }, &mut |_| {})
-        .unwrap_err();
+    let e =
+        migrate(&*src, &addr, &MigrateOptions { engine: MigrationEngine::Local, ..Default::default() }, &mut |_| {})
+            .unwrap_err();
     assert!(e.to_string().contains("unix socket"), "{e}");
     src.stop_writer();
 }
@@ -362,8 +368,9 @@ fn a_receiver_dying_mid_stream_leaves_the_source_running() {
         drop(c);
         desc
     });
-    let e = migrate(&*src, &addr, &MigrateOptions { engine: EngineKind::Serial, ..Default::default() }, &mut |_| {})
-        .unwrap_err();
+    let e =
+        migrate(&*src, &addr, &MigrateOptions { engine: MigrationEngine::Serial, ..Default::default() }, &mut |_| {})
+            .unwrap_err();
     t.join().unwrap();
     assert!(matches!(e, MigrateError::Io(_) | MigrateError::Stream(_)), "{e}");
     assert!(src.running.load(Ordering::Acquire), "source runs on");
@@ -375,7 +382,12 @@ fn a_source_that_vanishes_fails_the_receiver_cleanly() {
     let (l, addr) = listen(false, "vanish");
     let t = std::thread::spawn(move || receive(&l, Duration::from_secs(5), make_dest).map(|_| ()));
     let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
-    let desc = VmDescription::new(1, "kernel", serde_json::json!(null), regions());
+    let desc = VmDescription::new(
+        1,
+        kumo_migration::format::Irqchip::Kernel,
+        kumo_migration::format::PayloadDescription::guest("test"),
+        regions(),
+    );
     kumo_migration::format::write_header(&mut c, &desc).unwrap();
     drop(c);
     let e = t.join().unwrap().unwrap_err();
@@ -441,7 +453,7 @@ fn serial_waits_for_each_batch_to_be_placed() {
         (ack, pages, more.is_err())
     });
     let opts = MigrateOptions {
-        engine: EngineKind::Serial,
+        engine: MigrationEngine::Serial,
         progress_timeout: Duration::from_millis(800),
         ..Default::default()
     };
@@ -495,7 +507,7 @@ fn a_peer_speaking_another_protocol_is_not_kumo() {
 
 #[test]
 fn a_destination_that_stops_reading_fails_the_migration_and_the_source_runs_on() {
-    for engine in [EngineKind::Serial, EngineKind::Overlap, EngineKind::Zerocopy] {
+    for engine in [MigrationEngine::Serial, MigrationEngine::Overlap, MigrationEngine::Zerocopy] {
         let src = FakeSource::new(1000);
         let (l, addr) = listen(false, &format!("stalled-{engine}"));
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -520,7 +532,7 @@ fn serial_with_several_connections_is_refused_up_front() {
     let src = FakeSource::new(10);
     // Nothing listens there: the refusal must come before any connection is tried.
     let addr = Address::Unix(std::env::temp_dir().join(format!("kumo-nobody-{}.sock", std::process::id())));
-    let opts = MigrateOptions { engine: EngineKind::Serial, connections: 2, ..Default::default() };
+    let opts = MigrateOptions { engine: MigrationEngine::Serial, connections: 2, ..Default::default() };
     let e = migrate(&*src, &addr, &opts, &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("--connections 1"), "{e}");
     src.stop_writer();
@@ -576,7 +588,12 @@ fn a_silent_source_fails_the_receiver_within_its_deadline() {
     let (l, addr) = listen(false, "silent-src");
     let t = std::thread::spawn(move || receive(&l, Duration::from_millis(300), make_dest).map(|_| ()));
     let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
-    let desc = VmDescription::new(1, "kernel", serde_json::json!(null), regions());
+    let desc = VmDescription::new(
+        1,
+        kumo_migration::format::Irqchip::Kernel,
+        kumo_migration::format::PayloadDescription::guest("test"),
+        regions(),
+    );
     kumo_migration::format::write_header(&mut c, &desc).unwrap();
     // The handshake, then nothing: a stopped source. The connection stays open.
     let mut replies = kumo_migration::format::ReplyReader::new(c.try_clone().unwrap());

@@ -12,13 +12,12 @@
 use std::fmt;
 use std::io::{self, Read, Write};
 
-use serde::{Deserialize, Serialize};
-
 /// First 8 bytes of every stream.
 pub const MAGIC: [u8; 8] = *b"KUMOMIG\0";
-/// The stream version this code writes and the only one it reads. Version 4: the `State`
-/// record's snapshot keeps device states by component id (docs/migration-format.md).
-pub const VERSION: u32 = 4;
+/// The stream version this code writes and the only one it reads. Version 5: the header's
+/// VM description is typed to the last field ([`VmDescription`]; version 4 carried the VM's
+/// config as an opaque value). docs/migration-format.md has the history.
+pub const VERSION: u32 = 5;
 /// Guest page size; the only one this version allows.
 pub const PAGE_SIZE: u32 = 4096;
 const PAGE: usize = PAGE_SIZE as usize;
@@ -222,125 +221,8 @@ impl fmt::Display for Tag {
 // ---------------------------------------------------------------------------------------------
 // Stream header
 
-/// What the destination needs to build an empty VM to migrate into; the JSON in the header.
-///
-/// Unknown fields are rejected: any change to this structure is a new stream version.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VmDescription {
-    /// Number of vCPUs.
-    pub cpus: u32,
-    /// Guest RAM size; the sum of the region lengths.
-    pub memory_bytes: u64,
-    /// Irqchip mode (`kernel` or `split`).
-    pub irqchip: String,
-    /// What the VM runs (kumo's payload config), opaque to the stream.
-    pub payload: serde_json::Value,
-    /// Page size; must be [`PAGE_SIZE`].
-    pub page_size: u32,
-    /// RAM regions as `(gpa, len)`, page-aligned and disjoint.
-    pub regions: Vec<(u64, u64)>,
-    /// Connections the stream is spread over, each starting with this header; the first
-    /// carries the state. 1 when absent.
-    #[serde(default = "one")]
-    pub connections: u32,
-    /// Guest memory is shared, not sent (a local migration): the memory file follows the
-    /// header on a unix socket (SCM_RIGHTS) and no `MemBatch` records come.
-    #[serde(default)]
-    pub shared_memory: bool,
-}
-
-fn one() -> u32 {
-    1
-}
-
-/// Most connections a stream may be spread over.
-pub const MAX_CONNECTIONS: u32 = 16;
-/// Most vCPUs a description may have (above any KVM's limit; the receiver checks its own).
-pub const MAX_CPUS: u32 = 4096;
-/// Most RAM regions a description may have.
-pub const MAX_REGIONS: usize = 64;
-/// Guest physical addresses end below 2^52 (x86-64's widest physical address space): no
-/// region, and so no memory size, may reach past it.
-pub const MAX_GPA: u64 = 1 << 52;
-
-impl VmDescription {
-    /// A description with the page size set to [`PAGE_SIZE`] and `memory_bytes` set to the
-    /// sum of the region lengths.
-    pub fn new(cpus: u32, irqchip: &str, payload: serde_json::Value, regions: Vec<(u64, u64)>) -> Self {
-        let memory_bytes = regions.iter().fold(0u64, |s, r| s.saturating_add(r.1));
-        VmDescription {
-            cpus,
-            memory_bytes,
-            irqchip: irqchip.to_string(),
-            payload,
-            page_size: PAGE_SIZE,
-            regions,
-            connections: 1,
-            shared_memory: false,
-        }
-    }
-
-    /// Checks what a receiver relies on: page size, alignment, disjoint regions below
-    /// [`MAX_GPA`] that add up to `memory_bytes`, and vCPUs and regions within bounds. Whether
-    /// this host can hold the VM is the receiver's own check, made before it allocates.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::BadDescription(m));
-        if self.cpus == 0 {
-            return bad("no vCPUs".into());
-        }
-        if self.cpus > MAX_CPUS {
-            return bad(format!("{} vCPUs (at most {MAX_CPUS})", self.cpus));
-        }
-        if self.regions.len() > MAX_REGIONS {
-            return bad(format!("{} memory regions (at most {MAX_REGIONS})", self.regions.len()));
-        }
-        if self.page_size != PAGE_SIZE {
-            return bad(format!("page size {} (only {PAGE_SIZE} is supported)", self.page_size));
-        }
-        if self.regions.is_empty() {
-            return bad("no memory regions".into());
-        }
-        if self.connections == 0 || self.connections > MAX_CONNECTIONS {
-            return bad(format!("{} connections (1 to {MAX_CONNECTIONS})", self.connections));
-        }
-        let mut sorted = self.regions.clone();
-        sorted.sort_unstable();
-        let mut sum = 0u64;
-        let mut prev_end = 0u64;
-        for (i, &(gpa, len)) in sorted.iter().enumerate() {
-            if len == 0 || gpa % PAGE as u64 != 0 || len % PAGE as u64 != 0 {
-                return bad(format!("region {gpa:#x}+{len:#x} is empty or not page-aligned"));
-            }
-            let Some(end) = gpa.checked_add(len) else {
-                return bad(format!("region {gpa:#x}+{len:#x} wraps around"));
-            };
-            if end > MAX_GPA {
-                return bad(format!("region {gpa:#x}+{len:#x} ends beyond the 52-bit physical address space"));
-            }
-            if i > 0 && gpa < prev_end {
-                return bad(format!("region {gpa:#x}+{len:#x} overlaps the one before"));
-            }
-            prev_end = end;
-            sum = sum.saturating_add(len);
-        }
-        if sum != self.memory_bytes {
-            return bad(format!("regions cover {sum} bytes but memory_bytes is {}", self.memory_bytes));
-        }
-        Ok(())
-    }
-
-    /// Number of guest pages.
-    pub fn total_pages(&self) -> u64 {
-        self.memory_bytes / PAGE as u64
-    }
-
-    /// Whether guest page frame `gfn` lies in a region.
-    pub fn contains_gfn(&self, gfn: u64) -> bool {
-        let page = PAGE as u64;
-        self.regions.iter().any(|&(gpa, len)| gfn >= gpa / page && gfn - gpa / page < len / page)
-    }
-}
+mod description;
+pub use description::*;
 
 /// The bytes of a stream header for `desc` (for senders that write to a raw socket).
 pub fn encode_header(desc: &VmDescription) -> Result<Vec<u8>> {

@@ -1,6 +1,8 @@
 //! The pure core of kumo's live migration: no KVM and no I/O beyond
 //! [`std::io::Read`]/[`std::io::Write`], so every piece is testable on its own.
 //!
+//! - [`bitmap`]: [`PageBitmap`], the set of guest pages pre-copy rounds send.
+//! - [`engine`]: [`MigrationEngine`], how pages travel (one enum for the API, CLI and engines).
 //! - [`format`](mod@format): the versioned, checksummed migration stream (docs/migration-format.md),
 //!   with encoders for both copying and zero-copy senders.
 //! - [`planner`]: pre-copy stop rules (Xen's and a downtime target), bandwidth estimation, the
@@ -11,6 +13,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod bitmap;
+pub mod engine;
 pub mod format;
 pub mod model;
 pub mod planner;
@@ -40,6 +44,8 @@ impl TestRng {
     }
 }
 
+pub use bitmap::PageBitmap;
+pub use engine::MigrationEngine;
 pub use format::{
     read_header, write_header, Batch, BatchFrame, Checksum, Encoder, Error, Reader, Record, Reply, ReplyReader, Tag,
     VmDescription, Writer,

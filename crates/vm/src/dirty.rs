@@ -17,82 +17,15 @@ use vmm_sys_util::ioctl_iowr_nr;
 
 use std::sync::atomic::Ordering;
 
+/// The page set the dirty log fills, defined in the pure migration crate (its rounds send it).
+pub use kumo_migration::PageBitmap;
+
 use crate::vm::Vm;
 use crate::{Error, Result};
 
 pub const PAGE_SIZE: u64 = 4096;
 const KVMIO: u32 = 0xAE;
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
-
-/// A set of guest pages, one bit per page, per RAM region.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PageBitmap {
-    /// (first gfn of the region, pages in the region, bits)
-    pub regions: Vec<(u64, u64, Vec<u64>)>,
-}
-
-impl PageBitmap {
-    /// An empty bitmap shaped like `vm`'s memory.
-    pub fn for_regions(regions: &[(u64, u64)]) -> Self {
-        PageBitmap {
-            regions: regions
-                .iter()
-                .map(|&(gpa, len)| {
-                    (gpa / PAGE_SIZE, len / PAGE_SIZE, vec![0u64; (len / PAGE_SIZE).div_ceil(64) as usize])
-                })
-                .collect(),
-        }
-    }
-
-    pub fn count(&self) -> u64 {
-        self.regions.iter().map(|(_, _, b)| b.iter().map(|w| w.count_ones() as u64).sum::<u64>()).sum()
-    }
-
-    pub fn clear(&mut self) {
-        for (_, _, b) in &mut self.regions {
-            b.fill(0);
-        }
-    }
-
-    pub fn set(&mut self, gfn: u64) -> bool {
-        for (first, n, b) in &mut self.regions {
-            if gfn >= *first && gfn < *first + *n {
-                let i = gfn - *first;
-                b[(i / 64) as usize] |= 1 << (i % 64);
-                return true;
-            }
-        }
-        false
-    }
-
-    /// Adds every page of `other` (same shape) to this set.
-    pub fn union(&mut self, other: &PageBitmap) {
-        for ((_, _, a), (_, _, b)) in self.regions.iter_mut().zip(&other.regions) {
-            for (x, y) in a.iter_mut().zip(b) {
-                *x |= *y;
-            }
-        }
-    }
-
-    /// The set pages' frame numbers, ascending.
-    pub fn gfns(&self) -> impl Iterator<Item = u64> + '_ {
-        self.regions.iter().flat_map(|(first, n, bits)| {
-            bits.iter().enumerate().flat_map(move |(w, &word)| {
-                let mut word = word;
-                std::iter::from_fn(move || {
-                    if word == 0 {
-                        return None;
-                    }
-                    let b = word.trailing_zeros() as u64;
-                    word &= word - 1;
-                    Some(w as u64 * 64 + b)
-                })
-                .filter(move |i| i < n)
-                .map(move |i| first + i)
-            })
-        })
-    }
-}
 
 /// The bitmap of pages kumo wrote in `region` (through vm-memory), one bit per page.
 fn vmm_bitmap(
@@ -228,23 +161,6 @@ impl Vm {
 mod tests {
     use super::*;
     use crate::vcpu::VcpuRun;
-
-    #[test]
-    fn bitmap_sets_and_lists_pages_across_regions() {
-        let mut b = PageBitmap::for_regions(&[(0, 130 * PAGE_SIZE), (1 << 32, 64 * PAGE_SIZE)]);
-        for g in [0, 63, 64, 129, (1 << 20) + 5] {
-            assert!(b.set(g));
-        }
-        assert!(!b.set(130), "outside every region");
-        assert_eq!(b.gfns().collect::<Vec<_>>(), vec![0, 63, 64, 129, (1 << 20) + 5]);
-        assert_eq!(b.count(), 5);
-        let mut c = PageBitmap::for_regions(&[(0, 130 * PAGE_SIZE), (1 << 32, 64 * PAGE_SIZE)]);
-        c.set(7);
-        c.union(&b);
-        assert_eq!(c.count(), 6);
-        c.clear();
-        assert_eq!(c.count(), 0);
-    }
 
     #[test]
     fn kvm_reports_exactly_the_pages_the_guest_wrote() {

@@ -337,7 +337,7 @@ mod tests {
     const REGIONS: [(u64, u64); 2] = [(0, 64 * 4096), (1 << 32, 16 * 4096)];
 
     fn desc() -> VmDescription {
-        VmDescription::new(2, "kernel", json!({"guest": "test"}), REGIONS.to_vec())
+        VmDescription::new(2, format::Irqchip::Kernel, format::PayloadDescription::guest("test"), REGIONS.to_vec())
     }
 
     /// A scratch directory per test.

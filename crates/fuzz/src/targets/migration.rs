@@ -2,7 +2,7 @@
 //! a source's `ReplyReader`): streams a `Writer` made from arbitrary records (valid CRCs over
 //! whatever a peer may put in them), then changed byte-wise.
 
-use kumo_migration::format::PAGE_SIZE;
+use kumo_migration::format::{Irqchip, PayloadDescription, PAGE_SIZE};
 use kumo_migration::{Checksum, Reader, Record, ReplyReader, VmDescription, Writer};
 
 use crate::{CaseResult, Input};
@@ -18,7 +18,7 @@ fn description(u: &mut Input<'_>) -> arbitrary::Result<VmDescription> {
             .collect::<arbitrary::Result<_>>()?
     };
     let cpus = if u.ratio(7, 8)? { 2 } else { u.arbitrary()? };
-    Ok(VmDescription::new(cpus, "kernel", serde_json::json!({"guest": {"name": "memtouch"}}), regions))
+    Ok(VmDescription::new(cpus, Irqchip::Kernel, PayloadDescription::guest("memtouch"), regions))
 }
 
 /// A stream of arbitrary records; the writer frames them, the grammar is the peer's choice.

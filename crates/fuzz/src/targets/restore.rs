@@ -1,6 +1,6 @@
 //! Snapshot and migration state restore: every component's `Persist` restore fed valid states
 //! with arbitrary changes (a snapshot file or a migration peer supplies them), the whole
-//! `Snapshot` document, and a stream header's VM config (`config_from_description`).
+//! `Snapshot` document, and a stream header's VM description (`config_from_description`).
 //!
 //! A refused state must leave the component exactly as it was (`Persist::restore`'s
 //! promise); an accepted one must leave it within its register semantics and working.
@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kumo_devices::apic::{IoApic, LocalApic, ManualClock, Pic};
 use kumo_devices::{Persist, PersistDyn};
-use kumo_migration::format::VmDescription;
+use kumo_migration::format::{SourceBackend, VmDescription};
 use serde_json::{json, Value};
 
 use super::apic::{check_lapic, check_pic};
@@ -141,48 +141,55 @@ fn nic(u: &mut Input<'_>) -> CaseResult {
     Ok(())
 }
 
-/// A valid VM config as a stream header carries it.
-fn config_seed(u: &mut Input<'_>) -> arbitrary::Result<Value> {
+/// A valid VM description as a stream header carries it.
+fn description_seed(u: &mut Input<'_>) -> arbitrary::Result<Value> {
+    let regions = |memory: u64| json!(kumo_vm::layout::ram_regions(memory));
     Ok(match u.int_in_range(0..=3)? {
-        0 => json!({"cpus": 2, "memory": 67108864, "irqchip": "kernel",
+        0 => json!({"cpus": 2, "memory_bytes": 67108864, "irqchip": "kernel", "page_size": 4096,
+                    "regions": regions(67108864),
                     "payload": {"guest": {"name": "memtouch", "args": ["mb=4"]}}}),
-        1 => json!({"cpus": 2, "memory": 536870912, "irqchip": "split",
+        1 => json!({"cpus": 2, "memory_bytes": 536870912, "irqchip": "split", "page_size": 4096,
+                    "regions": regions(536870912),
                     "payload": {"guest": {"name": "worker"}},
                     "numa": {"nodes": [{"id": 0, "cpus": [0], "memory": 268435456},
                                        {"id": 1, "cpus": [1], "memory": 268435456}],
-                             "distances": [{"src": 0, "dst": 1, "value": 21}]},
-                    "elastic": {"cpus": [], "memory": 67108864, "block": 2097152}}),
-        2 => json!({"cpus": 1, "memory": 134217728, "irqchip": "user",
+                             "distances": [{"src": 0, "dst": 1, "value": 21}]}}),
+        2 => json!({"cpus": 1, "memory_bytes": 134217728, "irqchip": "user", "page_size": 4096,
+                    "regions": regions(134217728),
                     "payload": {"kernel": {"path": "/boot/vmlinuz", "cmdline": "console=ttyS0"}},
-                    "net": [{"tap": "tap0", "mac": "52:54:00:12:34:56", "queues": 1},
-                            {"vhost_user": "/tmp/nb.sock", "queues": 1}]}),
-        _ => json!({"cpus": 4, "memory": 268435456, "payload": {"guest": {"name": "smp"}},
-                    "pv": {"steal_time": true}}),
+                    "nets": [{"mac": "52:54:00:12:34:56", "queues": 1, "source_backend": {"tap": "tap0"}},
+                             {"mac": "52:54:00:12:34:57", "queues": 1, "irq": {"path": "dedicated", "vcpu": 0},
+                              "source_backend": {"vhost_user": "/tmp/nb.sock"}}]}),
+        _ => json!({"cpus": 4, "memory_bytes": 268435456, "irqchip": "kernel", "page_size": 4096,
+                    "regions": regions(268435456),
+                    "payload": {"guest": {"name": "smp"}}, "pv": {"steal_time": true}}),
     })
 }
 
+/// A stream header's description as the destination reads it: parsed and checked
+/// (`read_header`), then turned into the VM it builds (`config_from_description`).
 fn config(u: &mut Input<'_>) -> CaseResult {
-    let seed = config_seed(u)?;
-    let payload = mutated_or_garbage(u, &seed)?;
-    // The description mostly agrees with the config, so the checks behind that one run.
-    let cpus = if u.ratio(7, 8)? { payload["cpus"].as_u64().unwrap_or(1) as u32 } else { u.arbitrary()? };
-    let memory = payload["memory"].as_u64().unwrap_or(64 << 20);
-    let regions =
-        if u.ratio(7, 8)? { kumo_vm::layout::ram_regions(memory) } else { vec![(u.arbitrary()?, u.arbitrary()?)] };
-    // The destination's operator names a backend for each NIC the payload has, so the NIC
+    let seed = description_seed(u)?;
+    let v = mutated_or_garbage(u, &seed)?;
+    let Ok(d) = serde_json::from_value::<VmDescription>(v) else { return Ok(()) };
+    if d.validate().is_err() {
+        return Ok(());
+    }
+    // The destination's operator names a backend of the right kind for each NIC, so the NIC
     // checks behind the matching run too.
-    let nics = payload["net"].as_array().cloned().unwrap_or_default();
-    let net = nics
+    let net = d
+        .nets
         .iter()
         .enumerate()
-        .map(|(i, n)| kumo_api::NicBackend {
-            id: format!("net{i}"),
-            tap: n["tap"].as_str().map(String::from),
-            vhost_user: n["vhost_user"].as_str().map(String::from),
+        .map(|(i, n)| {
+            let (tap, vhost_user) = match &n.source_backend {
+                SourceBackend::Tap(t) => (Some(t.clone()), None),
+                SourceBackend::VhostUser(p) => (None, Some(p.to_string_lossy().into_owned())),
+            };
+            kumo_api::NicBackend { id: format!("net{i}"), tap, vhost_user }
         })
         .collect();
     let ours = kumo_vmm::host_resources::HostResources { net, numa: Vec::new() };
-    let d = VmDescription::new(cpus, "kernel", payload, regions);
     if let Ok(c) = kumo_vmm::migration::config_from_description(&d, &ours) {
         assert_eq!((c.cpus, c.memory), (d.cpus, d.memory_bytes));
         c.validate_shape().expect("an accepted config has a valid shape");

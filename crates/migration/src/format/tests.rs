@@ -4,8 +4,8 @@ use super::*;
 fn desc() -> VmDescription {
     VmDescription::new(
         2,
-        "kernel",
-        serde_json::json!({"guest": {"name": "memtouch"}}),
+        Irqchip::Kernel,
+        PayloadDescription::guest("memtouch"),
         vec![(0, 16 * 4096), (0x10_0000, 16 * 4096)],
     )
 }
@@ -194,7 +194,12 @@ fn every_record_kind_round_trips() {
     assert_eq!(got[1], Owned::Abort("source VM failed: ü".into()));
     // Empty state and a maximum batch.
     let gfns: Vec<u64> = (0..MAX_BATCH_PAGES as u64).collect();
-    let big = VmDescription::new(1, "split", serde_json::Value::Null, vec![(0, MAX_BATCH_PAGES as u64 * 4096)]);
+    let big = VmDescription::new(
+        1,
+        Irqchip::Split,
+        PayloadDescription::guest("memtouch"),
+        vec![(0, MAX_BATCH_PAGES as u64 * 4096)],
+    );
     let mut w = Writer::start(Vec::new(), &big).unwrap();
     let data = pages(&gfns, 0);
     w.mem_batch(0, &gfns, &data).unwrap();
@@ -422,7 +427,7 @@ fn descriptions_are_validated_before_writing() {
     d.page_size = 2 << 20;
     assert!(matches!(write_header(&mut Vec::new(), &d), Err(Error::BadDescription(_))));
     for regions in [vec![], vec![(0, 100)], vec![(1, 4096)], vec![(u64::MAX - 4095, 8192)]] {
-        let d = VmDescription::new(1, "kernel", serde_json::Value::Null, regions);
+        let d = VmDescription::new(1, Irqchip::Kernel, PayloadDescription::guest("memtouch"), regions);
         assert!(matches!(d.validate(), Err(Error::BadDescription(_))), "{d:?}");
     }
     let mut d = desc();
@@ -434,8 +439,9 @@ fn descriptions_are_validated_before_writing() {
 /// proportion to what they describe.
 #[test]
 fn absurd_descriptions_are_refused() {
-    let with =
-        |cpus: u32, regions: Vec<(u64, u64)>| VmDescription::new(cpus, "kernel", serde_json::Value::Null, regions);
+    let with = |cpus: u32, regions: Vec<(u64, u64)>| {
+        VmDescription::new(cpus, Irqchip::Kernel, PayloadDescription::guest("memtouch"), regions)
+    };
     let bad = [
         (with(1, vec![(0, MAX_GPA + 4096)]), "52-bit"),
         (with(1, vec![(0, 1 << 30), (MAX_GPA - 4096, 8192)]), "52-bit"),
@@ -960,4 +966,74 @@ fn accepted_comes_first_and_once() {
         &[Reply::Accepted, Reply::Ready, Reply::Resumed],
         &[vec![Reply::Accepted, Reply::Accepted], vec![Reply::Ready, Reply::Accepted]],
     );
+}
+
+/// A description with every field set survives the header; an unknown field anywhere in it is
+/// refused (a newer sender's VM is not half-read); an older stream version is refused in one
+/// line before its description is read.
+#[test]
+fn typed_descriptions_round_trip_and_refuse_what_they_do_not_know() {
+    let mut d = VmDescription::new(
+        2,
+        Irqchip::User,
+        PayloadDescription::Kernel {
+            path: "/boot/vmlinuz".into(),
+            initrd: Some("/boot/initrd".into()),
+            cmdline: Some("console=ttyS0".into()),
+        },
+        vec![(0, 64 << 20)],
+    );
+    d.nets = vec![
+        NicDescription {
+            mac: "52:54:00:12:34:56".into(),
+            queues: 2,
+            irq: NicIrqPath::Dedicated { vcpu: 1 },
+            source_backend: SourceBackend::Tap("tap0".into()),
+        },
+        NicDescription {
+            mac: "52:54:00:12:34:57".into(),
+            queues: 1,
+            irq: NicIrqPath::Shared,
+            source_backend: SourceBackend::VhostUser("/run/nb.sock".into()),
+        },
+    ];
+    d.numa = Some(NumaDescription {
+        nodes: vec![
+            NumaNodeDescription { id: 0, cpus: vec![0], memory: 32 << 20 },
+            NumaNodeDescription { id: 1, cpus: vec![1], memory: 32 << 20 },
+        ],
+        distances: vec![NumaDistanceDescription { src: 0, dst: 1, value: 21 }],
+    });
+    d.pv = PvDescription { steal_time: Some(true), pv_ipi: Some(false), ..Default::default() };
+    let mut bytes = Vec::new();
+    write_header(&mut bytes, &d).unwrap();
+    assert_eq!(read_header(&mut &bytes[..]).unwrap(), d);
+    let j = serde_json::to_value(&d).unwrap();
+    assert_eq!(j["irqchip"], "user");
+    assert_eq!(j["nets"][0]["irq"], serde_json::json!({"path": "dedicated", "vcpu": 1}));
+    assert_eq!(j["nets"][1]["source_backend"], serde_json::json!({"vhost_user": "/run/nb.sock"}));
+    // A plain description leaves the optional parts out.
+    let plain = serde_json::to_value(desc()).unwrap();
+    for k in ["nets", "numa", "pv"] {
+        assert!(plain.get(k).is_none(), "{k} in {plain}");
+    }
+    let refused = |patch: &dyn Fn(&mut serde_json::Value), want: &str| {
+        let mut v = j.clone();
+        patch(&mut v);
+        let e = read_header(&mut raw_header(VERSION, v.to_string().as_bytes()).as_slice()).unwrap_err();
+        assert!(matches!(&e, Error::BadDescription(m) if m.contains(want)), "want `{want}` in `{e}`");
+    };
+    refused(&|v| v["pins"] = serde_json::json!([1, 2]), "unknown field `pins`");
+    refused(&|v| v["payload"]["kernel"]["x"] = 1.into(), "unknown field `x`");
+    refused(&|v| v["nets"][0]["tap"] = "t".into(), "unknown field `tap`");
+    refused(&|v| v["nets"][0]["irq"]["x"] = 1.into(), "unknown field `x`");
+    refused(&|v| v["numa"]["nodes"][0]["host_node"] = 1.into(), "unknown field `host_node`");
+    refused(&|v| v["pv"]["x"] = true.into(), "unknown field `x`");
+    refused(&|v| v["irqchip"] = "qemu".into(), "unknown variant `qemu`");
+    refused(&|v| v["payload"] = serde_json::json!({"guest": "memtouch"}), "invalid type");
+    // Version 4 carried an opaque config: refused by its version, in one line.
+    let mut old = bytes.clone();
+    old[8..12].copy_from_slice(&4u32.to_le_bytes());
+    let e = read_header(&mut &old[..]).unwrap_err().to_string();
+    assert_eq!(e, format!("unsupported migration stream version 4 (this kumo reads version {VERSION})"));
 }

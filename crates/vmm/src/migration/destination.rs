@@ -3,17 +3,14 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kumo_migration::format::VmDescription;
 use kumo_migration_engine::{
     receive_with, Address, BoxError, DestVm, ListenOptions, Listener, RecvProgress, RecvReport, ServerTls, VmError,
     VmOp,
 };
-use kumo_vm::layout::ram_regions;
 use kumo_vm::GuestMemory;
 
 use crate::host_resources::HostResources;
 use crate::vmm::{RunningVm, Snapshot};
-use crate::VmConfig;
 
 use super::*;
 
@@ -29,28 +26,6 @@ impl DestVm for RunningVm {
     fn resume(&self) -> Result<(), VmError> {
         self.resume_incoming().map_err(|e| VmError::new(VmOp::Resume, e))
     }
-}
-
-/// The VM an incoming stream (or a snapshot file) describes, on this host's resources: its
-/// config (unknown fields refused) checked against the stream's own shape, its NICs and NUMA
-/// nodes given the backends and host nodes this host's operator gave (`ours`, see
-/// [`crate::host_resources`]), then validated as strictly as a `kumo run` config and its
-/// backends checked on this host. Nothing is built or attached before it returns; its error
-/// is one line, sent back to the source as the Failed reply.
-pub fn config_from_description(d: &VmDescription, ours: &HostResources) -> Result<VmConfig, String> {
-    let c: VmConfig =
-        serde_json::from_value(d.payload.clone()).map_err(|e| format!("the stream's VM config is not kumo's: {e}"))?;
-    if c.cpus != d.cpus
-        || c.memory != d.memory_bytes
-        || ram_regions(c.memory) != d.regions
-        || c.irqchip.to_string() != d.irqchip
-    {
-        return Err("the stream's VM config contradicts its description".into());
-    }
-    let c = crate::host_resources::resolve(c, ours).map_err(|e| e.to_string())?;
-    c.validate_arriving().map_err(|e| e.to_string())?;
-    crate::host_resources::check_on_host(&c).map_err(|e| e.to_string())?;
-    Ok(c)
 }
 
 /// How a destination listens (`--tls-dir`, `--insecure`; API `tls_dir`, `insecure`): the TLS

@@ -8,14 +8,12 @@ use kumo_api::{MigrateRequest, MigrationEngine, MigrationLine};
 use kumo_migration::format::VmDescription;
 use kumo_migration::model::{compare, predict, DirtyModel, PredictParams};
 use kumo_migration::planner::{RoundStats, StopPolicy, XenRule};
+use kumo_migration::PageBitmap;
 use kumo_migration::StopPhaseModel;
 use kumo_migration_engine::{
-    migrate, Address, BoxError, CancelToken, EngineKind, Event, MigrateError, MigrateOptions, Report, SourceVm,
-    VmError, VmOp,
+    migrate, Address, BoxError, CancelToken, Event, MigrateError, MigrateOptions, Report, SourceVm, VmError, VmOp,
 };
-use kumo_vm::dirty::PageBitmap;
 use kumo_vm::GuestMemory;
-use serde_json::Value;
 
 use crate::vmm::RunningVm;
 
@@ -23,9 +21,7 @@ use super::*;
 
 impl SourceVm for RunningVm {
     fn description(&self) -> VmDescription {
-        let c = self.config();
-        let payload = serde_json::to_value(c).unwrap_or(Value::Null);
-        VmDescription::new(c.cpus, &c.irqchip.to_string(), payload, self.vm().memory.layout.ram().to_vec())
+        describe(self.config(), self.vm().memory.layout.ram().to_vec())
     }
     fn memory(&self) -> &GuestMemory {
         RunningVm::memory(self)
@@ -77,12 +73,7 @@ pub const MIN_BANDWIDTH: u64 = 1_000_000;
 /// Turns an API request into migration options.
 pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String> {
     let to: Address = req.to.parse()?;
-    let engine = match req.engine.unwrap_or(MigrationEngine::Overlap) {
-        MigrationEngine::Serial => EngineKind::Serial,
-        MigrationEngine::Overlap => EngineKind::Overlap,
-        MigrationEngine::Zerocopy => EngineKind::Zerocopy,
-        MigrationEngine::Local => EngineKind::Local,
-    };
+    let engine = req.engine.unwrap_or_default();
     let downtime = req.downtime_ms.map(Duration::from_millis);
     let xen = req.xen.unwrap_or(downtime.is_none());
     if !xen && downtime.is_none() {
@@ -93,7 +84,7 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
     if !(1..=max).contains(&connections) {
         return Err(format!("connections must be 1..={max}, not {connections}"));
     }
-    if engine == EngineKind::Serial && connections > 1 {
+    if engine == MigrationEngine::Serial && connections > 1 {
         return Err("the serial engine sends one batch at a time on one connection: use connections 1".into());
     }
     if let Some(b) = req.max_bandwidth.filter(|&b| b < MIN_BANDWIDTH) {
@@ -107,7 +98,7 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
         (None, None) => None,
     };
     if tls.is_some() {
-        if engine == EngineKind::Zerocopy {
+        if engine == MigrationEngine::Zerocopy {
             return Err(kumo_migration_engine::source::ZEROCOPY_TLS.into());
         }
         if let Address::Unix(_) = to {
@@ -394,7 +385,7 @@ impl MigrationJob {
         opts: MigrateOptions,
     ) -> Result<Result<MigrationResult, MigrateError>, JobError> {
         if req.dry_run {
-            let bw = loopback_pages_per_s();
+            let bw = if req.measure_link { loopback_pages_per_s() } else { ASSUMED_LINK_PAGES_PER_S };
             let window = Duration::from_millis(req.estimate_ms.unwrap_or(2000).clamp(100, 60_000));
             return Ok(estimate(vm, window, bw, opts.policy).map(MigrationResult::DryRun).map_err(MigrateError::Other));
         }
@@ -478,10 +469,13 @@ pub enum JobError {
     TooLate(String),
 }
 
+/// The link a dry run assumes unless asked to measure one (`measure_link`): 1 GB/s in pages/s.
+pub const ASSUMED_LINK_PAGES_PER_S: f64 = 1e9 / 4096.0;
+
 /// This host's loopback TCP throughput in pages/s, measured by sending 64 MiB to ourselves:
-/// the bandwidth a dry run assumes for a local destination.
+/// the bandwidth a dry run with `measure_link` predicts at (opt-in: it loads the host).
 pub fn loopback_pages_per_s() -> f64 {
     kumo_migration_engine::transport::loopback_tcp_bytes_per_s(64 << 20, 1 << 20)
         .map(|b| b / 4096.0)
-        .unwrap_or(250_000.0)
+        .unwrap_or(ASSUMED_LINK_PAGES_PER_S)
 }
