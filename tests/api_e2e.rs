@@ -1,8 +1,7 @@
 //! End to end: a VM's control API through `kumo --api-socket PATH info|pause|resume|shutdown`,
 //! signals, logging and the CLI's refusals.
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 use std::process::Command;
 use std::time::Duration;
 

@@ -10,9 +10,8 @@
 //! Outcomes only: the guests run until the test stops them, and every wait is a safety net
 //! far above need.
 
-mod common;
 
-use common::*;
+use kumo_testkit::*;
 use kumo_api::{ApiClient, ElasticInfo};
 
 fn two_cpus_or_skip(test: &str) -> bool {

@@ -1,7 +1,6 @@
 //! End to end: `kumo run` with each built guest, `kumo guests`, and clear errors for bad input.
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -351,20 +350,9 @@ fn destination(tag: &str, extra: &[&str]) -> (Kid, std::path::PathBuf, u16) {
 #[test]
 fn crafted_headers_get_a_failed_reply() {
     use kumo_migration::format::{write_header, Reply, ReplyReader, VmDescription};
-    use kumo_vmm::{config::IrqchipMode, Payload, VmConfig};
+    use kumo_vmm::{Payload, VmConfig};
     let header = |cpus: u32, memory: u64| {
-        let c = VmConfig {
-            cpus,
-            memory,
-            irqchip: IrqchipMode::Kernel,
-            payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
-            net: vec![],
-            numa: None,
-            pins: vec![],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
-        };
+        let c = VmConfig { cpus, memory, ..VmConfig::new(Payload::guest("memtouch", &[])) };
         VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
     };
     let mut cases: Vec<(&str, &[&str], VmDescription, &str)> = vec![

@@ -2,8 +2,7 @@
 //! guests: xAPIC MMIO, the TSC-deadline timer (memtouch's rate limit idles on it) and IPIs
 //! between vCPUs (smp).
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);

@@ -3,13 +3,12 @@
 //! documented schema (objects closed: a field the document does not describe fails). Request
 //! bodies with every field set fit their documented schemas too.
 
-mod common;
 #[path = "openapi/http.rs"]
 mod http;
 #[path = "openapi/schema.rs"]
 mod schema;
 
-use common::*;
+use kumo_testkit::*;
 use http::{exchange, Answer};
 use schema::Spec;
 use serde_json::{json, Value};

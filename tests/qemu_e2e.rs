@@ -3,22 +3,12 @@
 //! why, when QEMU or /dev/kvm is missing. The harness is kumo-bench's `qemu` module.
 
 use kumo_bench::qemu::{self, QemuSpec, QemuVm};
+use kumo_testkit::{field, sv};
 use std::time::Duration;
 
 /// A safety net against hangs only: far above what anything takes, even on a busy machine.
 const LIMIT: Duration = Duration::from_secs(300);
 
-fn sv(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
-}
-
-/// The value of `key=` on the first serial line starting with `prefix`.
-fn field(out: &str, prefix: &str, key: &str) -> Option<String> {
-    out.lines()
-        .filter(|l| l.starts_with(prefix))
-        .flat_map(|l| l.split_whitespace())
-        .find_map(|w| w.strip_prefix(&format!("{key}=")).map(String::from))
-}
 
 fn checksum(out: &str, key: &str) -> u64 {
     let hex = field(out, "memtouch: checksum", key).unwrap_or_else(|| panic!("no {key} line:\n{out}"));

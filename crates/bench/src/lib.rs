@@ -49,29 +49,10 @@ pub(crate) fn check_plot(name: &str, plot: impl FnOnce(&Path) -> Result<(), Stri
     assert!(std::fs::metadata(&p).expect("png").len() > 0);
 }
 
-/// The `kumo` binary the benchmarks run: `$KUMO_BIN` (set by `kumo bench`), else `kumo` next to
-/// this executable (both live in cargo's target directory).
-pub fn kumo_binary() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("KUMO_BIN") {
-        return Ok(PathBuf::from(p));
-    }
-    let me = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
-    let kumo = me.with_file_name("kumo");
-    if kumo.is_file() {
-        Ok(kumo)
-    } else {
-        Err(format!("no kumo binary at {} (build it with `cargo build -p kumo-cli`, or set KUMO_BIN)", kumo.display()))
-    }
-}
+pub use kumo_testkit::{kumo_binary, try_free_port as free_port};
 
 /// Creates the output directory and returns `dir/name`.
 pub fn out_file(dir: &Path, name: &str) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     Ok(dir.join(name))
-}
-
-/// A TCP port on 127.0.0.1 that was free a moment ago (for a destination about to listen).
-pub fn free_port() -> Result<u16, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use kumo_guests::numabench;
 use serde::Serialize;
 
-use crate::net::host::Proc;
+use kumo_testkit::Kid;
 use crate::net::stats::median;
 
 #[derive(clap::Args)]
@@ -348,9 +348,9 @@ pub fn memory_mib(mb: u64, smb: u64, vcpus: u32) -> u64 {
 
 /// Runs `argv` to its end and parses its result line; the checksum must match `want`.
 fn run_once(argv: &[String], limit: Duration, want: Option<u64>) -> Result<numabench::Result, String> {
-    let mut p = Proc::spawn(None, argv)?;
+    let mut p = Kid::start_in(None, argv)?;
     let code = p.wait_exit(limit)?;
-    let out: Vec<String> = p.stdout().into_iter().map(|(_, l)| l).collect();
+    let out: Vec<String> = p.lines().into_iter().map(|(_, l)| l).collect();
     let out = out.join("\n");
     if code != 0 {
         let last = out.lines().last().unwrap_or("");
@@ -575,12 +575,7 @@ mod tests {
             println!("skipping the VM half: no /dev/kvm");
             return;
         }
-        // `cargo test` runs from target/<profile>/deps; kumo is built one level up.
-        let kumo = crate::kumo_binary().ok().or_else(|| {
-            let up = std::env::current_exe().ok()?.parent()?.parent()?.join("kumo");
-            up.is_file().then_some(up)
-        });
-        let Some(kumo) = kumo else {
+        let Ok(kumo) = crate::kumo_binary() else {
             println!("skipping the VM half: no kumo binary (cargo build -p kumo-cli)");
             return;
         };

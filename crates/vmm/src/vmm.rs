@@ -292,7 +292,7 @@ mod linux_loader_shim {
     pub fn load_elf(mem: &kumo_vm::GuestMemory, elf: &[u8]) -> Result<(u64, u64)> {
         let r = Elf::load(mem, None, &mut Cursor::new(elf), Some(GuestAddress(HIMEM_START)))
             .map_err(|e| Error::Load(e.to_string()))?;
-        let end = kumo_guests::image_end(elf).map_err(Error::Load)?;
+        let end = crate::guest_program::image_end(elf).map_err(Error::Load)?;
         Ok((r.kernel_load.0, end.max(r.kernel_end)))
     }
 }
@@ -415,10 +415,10 @@ impl RunningVm {
         let entries: Vec<Option<Entry>> = match &config.payload {
             // Memory and registers arrive with the migration stream.
             _ if incoming => vec![None; config.cpus as usize],
-            Payload::Guest { name, args } => {
-                let guest = kumo_guests::find(name)?;
-                let cmdline = guest.command_line(args)?;
-                let (rip, end) = load_elf(mem, guest.elf)?;
+            Payload::Guest { name, program, .. } => {
+                let program = program.as_ref().ok_or_else(|| Error::Config(format!("guest {name}: no program image")))?;
+                let cmdline = program.cmdline.clone();
+                let (rip, end) = load_elf(mem, &program.elf)?;
                 // Elastic memory is not the guest's to allocate from until it is plugged.
                 let free_end = areas.iter().map(|a| a.gpa).fold(layout.low_ram_end(), u64::min);
                 let info = KumoBootInfo {
@@ -471,7 +471,7 @@ impl RunningVm {
             None => None,
         };
         let sink = TimedSink { out: serial, shared: shared.clone(), seen: false, line: Vec::new() };
-        let devices = DeviceManager::new(&vm, Box::new(sink), &config.net)?;
+        let devices = DeviceManager::new(&vm, Box::new(sink), &config.net, config.debug_exit)?;
         if !incoming {
             crate::acpi::install(&vm, &devices, entries[0], numa.as_ref())?;
         }
