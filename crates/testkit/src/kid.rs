@@ -346,7 +346,8 @@ mod tests {
 
     #[test]
     fn output_is_collected_as_text_and_stamped_lines() {
-        let mut p = sh("echo ready; printf 'a\\nb'; echo '{\"n\":3}'; echo oops >&2");
+        // A line written in two pieces is one line.
+        let mut p = sh("echo ready; printf 'a\\nb'; printf 'c\\n'; echo '{\"n\":3}'; echo oops >&2");
         let (_, l) = p.wait_line(PATIENCE, "ready", |l| (l == "ready").then_some(1)).expect("ready");
         assert_eq!(l, 1);
         #[derive(serde::Deserialize)]
@@ -356,8 +357,8 @@ mod tests {
         let r: R = p.json_result(PATIENCE).expect("json");
         assert_eq!(r.n, 3);
         let lines: Vec<String> = p.lines().into_iter().map(|(_, l)| l).collect();
-        assert_eq!(lines, ["ready", "a", "b{\"n\":3}"]);
-        assert_eq!(p.stdout(), "ready\na\nb{\"n\":3}\n");
+        assert_eq!(lines, ["ready", "a", "bc", "{\"n\":3}"]);
+        assert_eq!(p.stdout(), "ready\na\nbc\n{\"n\":3}\n");
         assert_eq!(p.stderr(), "oops\n");
     }
 
