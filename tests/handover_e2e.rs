@@ -8,13 +8,12 @@
 //! missing. Outcomes only: guests end by their end marker or by console input from the test,
 //! and every wait is a safety net far above need.
 
-
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use kumo_testkit::*;
 use kumo_testkit::net::{have_ping, ping, subnet, tap_name, tap_or_skip_with, udp_echoes, Tap};
+use kumo_testkit::*;
 use serde_json::{json, Value};
 
 /// A plain (single-queue) tap for the backend, `kh{tag}{pid}` with `host/24` on it.

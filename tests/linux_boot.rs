@@ -19,7 +19,6 @@
 //! kernel's virtio drivers are modules, which cannot be loaded here (no initrd with them), so
 //! enumeration is as far as Linux drives the NIC; kumo's own guests drive it (tests/net_e2e.rs).
 
-
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};

@@ -26,15 +26,8 @@ fn spawn_logged(args: &[&str], tag: &str) -> Vmp {
 
 /// `kumo ARGS`, inside network namespace `netns` if given. `tag` names the process in failures.
 fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Vmp {
-    let mut cmd = match netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(kumo_bin());
-            c
-        }
-        None => Command::new(kumo_bin()),
-    };
-    Kid::spawn_cmd(cmd.args(args)).named(tag)
+    let argv = [vec![kumo_bin().display().to_string()], sv(args)].concat();
+    Kid::start_in(netns, &argv).unwrap_or_else(|e| panic!("{e}")).named(tag)
 }
 
 /// A destination: `kumo run --incoming ADDR [--api-socket API]`, waited for until it listens.

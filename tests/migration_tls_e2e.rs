@@ -84,7 +84,7 @@ fn check_arrived(src: Kid, mut dest: Kid, seed: u64) {
     dest.stop_guest();
     let (code, out, err) = dest.wait();
     assert_eq!(code, Some(0), "{out}\n{err}");
-    kumo_guests::memtouch::check_output(&out, 3000, seed, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&out, 3000, seed, true);
 }
 
 /// Waits until `d` has dropped `n` connections, failing at once if it exits instead (as a

@@ -8,13 +8,11 @@
 //! either is missing. Outcomes only: no durations are asserted, guests end by `count=` or are
 //! stopped by the test, and every wait is a safety net far above need.
 
-
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::process::{Command, Stdio};
 
-use kumo_testkit::*;
 use kumo_testkit::net::{have_ping, ping, subnet, tap_name, tap_or_skip, tap_or_skip_with, udp_echoes, Bridge, Tap};
-
+use kumo_testkit::*;
 
 /// `kumo run` of a network guest with an API socket; returns once its NIC 0 is up.
 fn boot(tag: &str, dir: &TestDir, cpus: u32, net: &str, guest: &str, args: &[String]) -> (Kid, String) {

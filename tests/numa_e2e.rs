@@ -2,7 +2,6 @@
 //! one-line errors (exit status 1) before any VM is built, so these cases need no /dev/kvm;
 //! `--numa mirror` and `--cpus N,pin=` pin vCPU threads, and `vm.pin` re-pins them (KVM).
 
-
 use kumo_testkit::*;
 
 #[test]

@@ -8,8 +8,8 @@ mod http;
 #[path = "openapi/schema.rs"]
 mod schema;
 
-use kumo_testkit::*;
 use http::{exchange, Answer};
+use kumo_testkit::*;
 use schema::Spec;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;

@@ -104,7 +104,6 @@ fn a_device_event_loop_that_panics_stops_the_vm() {
     assert_stopped_by_panic(code, &err, &sock, &events(&ev), "device", "devices", "panic:device");
 }
 
-
 #[test]
 fn a_migration_job_that_panics_leaves_the_vm_running_and_migratable() {
     if !kvm_or_skip("a_migration_job_that_panics_leaves_the_vm_running_and_migratable") {
@@ -164,7 +163,7 @@ fn a_migration_job_that_panics_leaves_the_vm_running_and_migratable() {
     dest2.stop_guest();
     let (code, dout, derr) = dest2.finish(PATIENCE);
     assert_eq!(code, Some(0), "{derr}");
-    kumo_guests::memtouch::check_output(&dout, pages, seed, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&dout, pages, seed, true);
 }
 
 #[test]

@@ -2,7 +2,6 @@
 //! status 1, found before any VM is built (no /dev/kvm needed); with a good one `hello` prints
 //! the leaf it sees.
 
-
 use kumo_testkit::*;
 
 #[test]

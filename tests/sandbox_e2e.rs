@@ -2,7 +2,6 @@
 //! its seccomp filter, a forbidden system call stops the VM with a message naming it and the
 //! thread's kind, and kumo runs as an ordinary user with access to /dev/kvm.
 
-
 use kumo_testkit::*;
 use std::os::unix::net::UnixStream;
 use std::path::Path;

@@ -8,7 +8,6 @@
 //! Needs /dev/kvm; skips, saying why, where it is missing. Outcomes only: every wait is a safety
 //! net far above need, nothing races a guest timer.
 
-
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};

@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::net::stats::{median, percentile};
 use kumo_testkit::net::{self as host, NetGuard};
 use kumo_testkit::Kid;
-use crate::net::stats::{median, percentile};
 
 #[derive(clap::Args)]
 pub struct Args {

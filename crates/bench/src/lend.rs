@@ -26,9 +26,9 @@ use kumo_api::{ApiClient, ElasticEvent, ElasticEventKind};
 use kumo_elastic::lend::{lend, LendReport, LendRequest};
 use serde::Serialize;
 
+use crate::net::stats::percentile;
 use kumo_testkit::net as host;
 use kumo_testkit::Kid;
-use crate::net::stats::percentile;
 
 #[derive(clap::Args)]
 pub struct Args {

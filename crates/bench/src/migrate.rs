@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kumo_testkit::kid::{lines_of, text_of, SharedOutput};
-use kumo_testkit::Kid;
+use kumo_testkit::{sv, Kid};
 
 /// A kumo child process, killed when dropped.
 type Proc = Kid;
@@ -132,10 +132,6 @@ impl Ctx {
     fn note(&self, msg: &str) {
         self.bar.suspend(|| eprintln!("{msg}"));
     }
-}
-
-fn sv(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
 }
 
 use crate::free_port;

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use kumo_testkit::net::{self as host, NetGuard};
-use kumo_testkit::Kid;
+use kumo_testkit::{sv, Kid};
 use stats::{median, Latency, Runs};
 use tools::SinkResult;
 
@@ -154,10 +154,6 @@ pub struct Ctx {
     /// API sockets; removed at the end.
     pub dir: vmm_sys_util::tempdir::TempDir,
     seq: std::sync::atomic::AtomicU32,
-}
-
-fn sv<S: AsRef<str>>(v: &[S]) -> Vec<String> {
-    v.iter().map(|s| s.as_ref().to_string()).collect()
 }
 
 /// Which subnet a `ip/len` belongs to does not matter here: all live in the run's namespaces.

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use kumo_guests::numabench;
 use serde::Serialize;
 
-use kumo_testkit::Kid;
 use crate::net::stats::median;
+use kumo_testkit::Kid;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -463,6 +463,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kumo_testkit::sv;
 
     fn res(total: u64) -> numabench::Result {
         numabench::Result {
@@ -563,7 +564,6 @@ mod tests {
     /// The guest and hosted builds compute the same thing (equal checksums) on a tiny input.
     #[test]
     fn guest_and_host_builds_agree() {
-        let sv = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let host = kumo_guests::host_program("numabench").unwrap().display().to_string();
         let args = ["mb=1", "smb=1", "iters=2"];
         let mut argv = sv(&[&host, "threads=2"]);

@@ -245,7 +245,12 @@ impl Kid {
 
     /// Polls `f` over (stdout, stderr) until it finds something; fails when the process exits
     /// first or after `limit`.
-    pub fn wait_for<T>(&mut self, limit: Duration, what: &str, f: impl Fn(&str, &str) -> Option<T>) -> Result<T, String> {
+    pub fn wait_for<T>(
+        &mut self,
+        limit: Duration,
+        what: &str,
+        f: impl Fn(&str, &str) -> Option<T>,
+    ) -> Result<T, String> {
         self.poll(limit, what, |k| f(&k.stdout(), &k.stderr()))
     }
 

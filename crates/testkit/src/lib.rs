@@ -172,8 +172,8 @@ pub fn check_memtouch(out: &str, pages: u64, seed: u64, random: bool) -> u64 {
 }
 
 /// `strs` as owned strings (argument lists).
-pub fn sv(strs: &[&str]) -> Vec<String> {
-    strs.iter().map(|s| s.to_string()).collect()
+pub fn sv<S: AsRef<str>>(strs: &[S]) -> Vec<String> {
+    strs.iter().map(|s| s.as_ref().to_string()).collect()
 }
 
 #[cfg(test)]

@@ -345,7 +345,9 @@ impl VmConfig {
         self.validate_common()?;
         match &self.payload {
             Payload::Guest { name, program: None, .. } => {
-                return Err(Error::Config(format!("guest {name}: no program image given (`kumo run --guest` resolves it)")));
+                return Err(Error::Config(format!(
+                    "guest {name}: no program image given (`kumo run --guest` resolves it)"
+                )));
             }
             Payload::Guest { .. } => {}
             Payload::Kernel { path, initrd, .. } => {
@@ -780,7 +782,8 @@ mod tests {
         );
         assert_eq!(numa.nodes[1].memory, 256 << 20);
         assert_eq!(numa.distances, vec![NumaDistance { src: 0, dst: 1, value: 21 }]);
-        let c = VmConfig { cpus: 2, memory: 512 << 20, numa: Some(numa), ..VmConfig::new(Payload::guest("memtouch", &[])) };
+        let c =
+            VmConfig { cpus: 2, memory: 512 << 20, numa: Some(numa), ..VmConfig::new(Payload::guest("memtouch", &[])) };
         // A config travels in migration streams and snapshots: the topology survives the trip,
         // and a config without NUMA nodes reads and writes as before.
         let back: VmConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();

@@ -416,7 +416,8 @@ impl RunningVm {
             // Memory and registers arrive with the migration stream.
             _ if incoming => vec![None; config.cpus as usize],
             Payload::Guest { name, program, .. } => {
-                let program = program.as_ref().ok_or_else(|| Error::Config(format!("guest {name}: no program image")))?;
+                let program =
+                    program.as_ref().ok_or_else(|| Error::Config(format!("guest {name}: no program image")))?;
                 let cmdline = program.cmdline.clone();
                 let (rip, end) = load_elf(mem, &program.elf)?;
                 // Elastic memory is not the guest's to allocate from until it is plugged.
