@@ -1,8 +1,8 @@
 //! End to end under QEMU: kumo's guests boot through their PVH entry, and a QEMU→QEMU live
 //! migration of memtouch keeps its memory (checked against the reference model). Skips, saying
-//! why, when QEMU or /dev/kvm is missing. The harness is kumo-bench's `qemu` module.
+//! why, when QEMU or /dev/kvm is missing. The harness is kumo-testkit's `qemu` module.
 
-use kumo_bench::qemu::{self, QemuSpec, QemuVm};
+use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
 use kumo_testkit::{check_memtouch, field, sv};
 use std::time::Duration;
 

@@ -1,11 +1,12 @@
-//! kumo-bench owns kumo's benchmarks and its QEMU harness, out of the `kumo` binary (plotters
+//! kumo-bench owns kumo's benchmarks, out of the `kumo` binary (plotters
 //! and the bench's progress bars are linked only here): `boot` (start-up and IPI round trips),
 //! `migrate` (live migration against raw loopback TCP and QEMU), `net` (the NIC's interrupt
 //! paths against veth), `ipi` (synchronisation on each interrupt path, seed 003), `handover`
 //! (NIC handover between VMs, seed 001), `numa` (a memory-bound kernel, bare metal vs VMs),
-//! `lend` (lending CPUs and memory between running VMs, issue 13) and `qemu` (runs kumo's
-//! guests under QEMU, also used by tests/qemu_e2e.rs). Benchmarks drive a `kumo` binary as
-//! child processes ([`kumo_binary`]) and write their results into one output directory.
+//! `lend` (lending CPUs and memory between running VMs, issue 13); `qemu` (runs kumo's guests
+//! under QEMU) is kumo-testkit's, shared with tests/qemu_e2e.rs. Benchmarks drive a `kumo`
+//! binary as child processes ([`kumo_binary`], kumo-testkit's `Kid`) and write their results
+//! into one output directory.
 
 pub mod boot;
 pub mod handover;
@@ -14,7 +15,7 @@ pub mod lend;
 pub mod migrate;
 pub mod net;
 pub mod numa;
-pub mod qemu;
+pub use kumo_testkit::qemu;
 
 use std::path::{Path, PathBuf};
 

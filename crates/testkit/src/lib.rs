@@ -1,10 +1,13 @@
 //! kumo-testkit: what kumo's end-to-end tests (`tests/`, compiled by kumo-cli) and its
 //! benchmarks (kumo-bench) share, one copy each: the child-process harness ([`Kid`]), the
 //! `kumo` binary they drive, temporary directories and ports, bounded waiting, guest output
-//! checks, and host network set-up ([`net`]). It is never linked into the `kumo` binary.
+//! checks, host network set-up ([`net`]) and the QEMU harness that runs kumo's guests under
+//! QEMU ([`qemu`]: `kumo bench migrate`'s comparison, tests/qemu_e2e.rs). It is never linked
+//! into the `kumo` binary.
 
 pub mod kid;
 pub mod net;
+pub mod qemu;
 
 pub use kid::Kid;
 
