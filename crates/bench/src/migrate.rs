@@ -107,8 +107,9 @@ impl Ctx {
         self.dir.as_path().join(format!("{:03}-{tag}", self.seq.fetch_add(1, Ordering::Relaxed)))
     }
 
-    fn spawn(&self, _tag: &str, args: &[String]) -> Result<Proc, String> {
-        let what = format!("`kumo {}`", args.iter().take(4).cloned().collect::<Vec<_>>().join(" "));
+    /// `kumo ARGS`, named in errors by `tag` (src, dst, …) and its first arguments.
+    fn spawn(&self, tag: &str, args: &[String]) -> Result<Proc, String> {
+        let what = format!("{tag} `kumo {}`", args.iter().take(4).cloned().collect::<Vec<_>>().join(" "));
         Ok(Kid::start(Command::new(&self.kumo).args(args))?.named(&what))
     }
 
