@@ -10,7 +10,6 @@ use kumo_testkit::net::Netns;
 use kumo_testkit::*;
 
 use std::io::{Read, Write};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
