@@ -149,6 +149,8 @@ fn flags_that_do_not_apply_are_refused() {
         (&["run", "--guest", "hello", "--cmdline", "quiet"][..], "--cmdline applies to a Linux kernel"),
         (&["run", "--guest", "hello", "--timeout=-1"][..], "not a usable number of seconds"),
         (&["run", "--guest", "hello", "--timeout", "soon"][..], "not a number of seconds"),
+        (&["run", "--debug-exit"][..], "--debug-exit given, but nothing to boot"),
+        (&["run", "--incoming", "unix:/tmp/x", "--debug-exit"][..], "cannot be used with"),
     ] {
         let o = kumo(args);
         let (_, err) = text(&o);
