@@ -9,13 +9,6 @@ pub use crate::guest_numa::{NumaConfig, NumaDistance, NumaNodeSpec};
 use crate::guest_program::GuestProgram;
 use crate::Error;
 
-impl Payload {
-    /// Guest program `name` with `args`, not resolved yet (no program image).
-    pub fn guest(name: &str, args: &[&str]) -> Payload {
-        Payload::Guest { name: name.into(), args: args.iter().map(|s| s.to_string()).collect(), program: None }
-    }
-}
-
 /// What the VM boots.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase", deny_unknown_fields)]
@@ -38,6 +31,13 @@ pub enum Payload {
         #[serde(default)]
         cmdline: Option<String>,
     },
+}
+
+impl Payload {
+    /// Guest program `name` with `args`, not resolved yet (no program image).
+    pub fn guest(name: &str, args: &[&str]) -> Payload {
+        Payload::Guest { name: name.into(), args: args.iter().map(|s| s.to_string()).collect(), program: None }
+    }
 }
 
 /// The command line for `--kernel` without `--cmdline`: the serial console, no reboot loop, and
