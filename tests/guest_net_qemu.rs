@@ -8,9 +8,9 @@
 //! is missing. The host's `ping` part is skipped (with a message) where `ping` is not installed.
 //! Outcomes only: no durations are asserted, and every wait is a safety net far above need.
 
-use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
 use kumo_guests::net;
 use kumo_testkit::net::{have_ping, HostEcho, Tap};
+use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
 use kumo_testkit::sv;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::process::Command;
