@@ -7,17 +7,15 @@
 
 use std::io::{Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use kumo_sandbox::lock;
 
 use crate::{kumo_bin, PATIENCE};
 
 /// Pids of all live [`Kid`]s, for a signal handler that must kill them (drops do not run then).
 static LIVE: Mutex<Vec<u32>> = Mutex::new(Vec::new());
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The pids of the [`Kid`]s alive now.
 pub fn live_pids() -> Vec<u32> {
