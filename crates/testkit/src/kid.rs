@@ -43,6 +43,15 @@ impl Output {
         }
     }
 
+    /// At the end of the stream: an unterminated last line is a line too.
+    fn close(&mut self) {
+        if self.line_start < self.bytes.len() {
+            let line = String::from_utf8_lossy(&self.bytes[self.line_start..]).trim_end().to_string();
+            self.lines.push((Instant::now(), line));
+            self.line_start = self.bytes.len();
+        }
+    }
+
     /// Everything so far, as text.
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.bytes).into_owned()
@@ -73,6 +82,7 @@ fn collect(mut from: impl Read + Send + 'static, into: SharedOutput) -> std::thr
         while let Ok(n @ 1..) = from.read(&mut buf) {
             lock(&into).push(&buf[..n]);
         }
+        lock(&into).close();
     })
 }
 
@@ -350,7 +360,7 @@ mod tests {
     #[test]
     fn output_is_collected_as_text_and_stamped_lines() {
         // A line written in two pieces is one line.
-        let mut p = sh("echo ready; printf 'a\\nb'; printf 'c\\n'; echo '{\"n\":3}'; echo oops >&2");
+        let mut p = sh("echo ready; printf 'a\\nb'; printf 'c\\n'; echo '{\"n\":3}'; printf oops >&2");
         let (_, l) = p.wait_line(PATIENCE, "ready", |l| (l == "ready").then_some(1)).expect("ready");
         assert_eq!(l, 1);
         #[derive(serde::Deserialize)]
@@ -362,7 +372,8 @@ mod tests {
         let lines: Vec<String> = p.lines().into_iter().map(|(_, l)| l).collect();
         assert_eq!(lines, ["ready", "a", "bc", "{\"n\":3}"]);
         assert_eq!(p.stdout(), "ready\na\nbc\n{\"n\":3}\n");
-        assert_eq!(p.stderr(), "oops\n");
+        assert_eq!(p.stderr(), "oops");
+        assert_eq!(lines_of(&p.err).last().map(|l| l.1.as_str()), Some("oops"), "an unterminated last line");
     }
 
     #[test]
