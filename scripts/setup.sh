@@ -24,7 +24,7 @@ if ((${#need[@]})); then
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
 fi
 # QEMU runs kumo's guests for the comparison with QEMU's migration (tests/qemu_e2e.rs,
-# crates/bench/src/qemu.rs); without recommends it is the emulator and its firmware only.
+# crates/testkit/src/qemu.rs); without recommends it is the emulator and its firmware only.
 if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -1,8 +1,7 @@
 //! End to end: a VM's control API through `kumo --api-socket PATH info|pause|resume|shutdown`,
 //! signals, logging and the CLI's refusals.
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 use std::process::Command;
 use std::time::Duration;
 
@@ -80,7 +79,7 @@ fn a_paused_guest_makes_no_progress() {
     assert_eq!(code, Some(0), "{err}");
     let us: u64 = field(&out, "memtouch: done", "elapsed_us").unwrap().parse().unwrap();
     assert!(us >= 2_000_000, "the guest's clock ran through the 2 s pause: {us} us");
-    kumo_guests::memtouch::check_output(&out, 64, 1, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&out, 64, 1, true);
 }
 
 #[test]
@@ -150,6 +149,8 @@ fn flags_that_do_not_apply_are_refused() {
         (&["run", "--guest", "hello", "--cmdline", "quiet"][..], "--cmdline applies to a Linux kernel"),
         (&["run", "--guest", "hello", "--timeout=-1"][..], "not a usable number of seconds"),
         (&["run", "--guest", "hello", "--timeout", "soon"][..], "not a number of seconds"),
+        (&["run", "--debug-exit"][..], "--debug-exit given, but nothing to boot"),
+        (&["run", "--incoming", "unix:/tmp/x", "--debug-exit"][..], "cannot be used with"),
     ] {
         let o = kumo(args);
         let (_, err) = text(&o);
@@ -242,7 +243,7 @@ fn the_console_socket_shows_the_output_and_types_on_the_console() {
     assert_eq!(code, Some(0), "{err}");
     let seen = String::from_utf8_lossy(&seen);
     assert!(seen.contains("memtouch: done"), "the client saw the guest finish: {seen}");
-    kumo_guests::memtouch::check_output(&out, 64, 1, true).unwrap();
+    check_memtouch(&out, 64, 1, true);
     assert!(!cons.exists(), "the console socket is removed when the VM ends");
 }
 

@@ -10,10 +10,8 @@
 //! Outcomes only: the guests run until the test stops them, and every wait is a safety net
 //! far above need.
 
-mod common;
-
-use common::*;
 use kumo_api::{ApiClient, ElasticInfo};
+use kumo_testkit::*;
 
 fn two_cpus_or_skip(test: &str) -> bool {
     if !kvm_or_skip(test) {

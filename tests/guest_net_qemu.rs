@@ -8,12 +8,10 @@
 //! is missing. The host's `ping` part is skipped (with a message) where `ping` is not installed.
 //! Outcomes only: no durations are asserted, and every wait is a safety net far above need.
 
-#[path = "common/net.rs"]
-mod hostnet;
-
-use hostnet::{have_ping, HostEcho, Tap};
-use kumo_bench::qemu::{self, QemuSpec, QemuVm};
 use kumo_guests::net;
+use kumo_testkit::net::{have_ping, HostEcho, Tap};
+use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
+use kumo_testkit::sv;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::process::Command;
 use std::time::Duration;
@@ -21,10 +19,6 @@ use std::time::Duration;
 /// A safety net against hangs only: far above what anything takes, even on a busy machine.
 const LIMIT: Duration = Duration::from_secs(300);
 const GUEST_MAC: &str = "52:54:00:12:34:56";
-
-fn sv(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
-}
 
 fn nic_args(tap: &str) -> Vec<String> {
     sv(&[

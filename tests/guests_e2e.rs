@@ -1,7 +1,6 @@
 //! End to end: `kumo run` with each built guest, `kumo guests`, and clear errors for bad input.
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -327,7 +326,7 @@ fn decimal_memory_sizes_parse() {
 
 /// A `kumo run --incoming` destination, stderr in a file, listening on a free port.
 fn destination(tag: &str, extra: &[&str]) -> (Kid, std::path::PathBuf, u16) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = free_port();
     let err = temp_path(&format!("{tag}.err"));
     let addr = format!("tcp:127.0.0.1:{port}");
     let kid = Kid::from_child(

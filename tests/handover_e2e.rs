@@ -8,34 +8,17 @@
 //! missing. Outcomes only: guests end by their end marker or by console input from the test,
 //! and every wait is a safety net far above need.
 
-mod common;
-#[path = "common/net.rs"]
-mod hostnet;
-
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use common::*;
-use hostnet::{have_ping, ping, udp_echoes, Tap};
+use kumo_testkit::net::{have_ping, ping, subnet, tap_name, tap_or_skip_with, udp_echoes, Tap};
+use kumo_testkit::*;
 use serde_json::{json, Value};
 
-fn subnet(a: u8) -> (Ipv4Addr, Ipv4Addr) {
-    let b = (std::process::id() % 250) as u8;
-    (Ipv4Addr::new(10, a, b, 1), Ipv4Addr::new(10, a, b, 2))
-}
-
+/// A plain (single-queue) tap for the backend, `kh{tag}{pid}` with `host/24` on it.
 fn tap_or_skip(test: &str, tag: &str, host: Ipv4Addr) -> Option<Tap> {
-    if !kvm_or_skip(test) {
-        return None;
-    }
-    match Tap::create(&format!("kh{tag}{}", std::process::id() % 100_000), &format!("{host}/24")) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            eprintln!("skipping {test}: cannot create a tap: {e}");
-            None
-        }
-    }
+    tap_or_skip_with(test, || Tap::create(&tap_name(&format!("h{tag}")), &format!("{host}/24")))
 }
 
 /// A running `kumo net-backend` on `tap`, with its vhost-user and API sockets.
@@ -112,7 +95,7 @@ fn send(sock: &UdpSocket, to: SocketAddrV4, seq: u64, total: u64) {
 #[test]
 fn handovers_under_traffic_lose_nothing_and_the_new_owner_answers() {
     let test = "handovers_under_traffic_lose_nothing_and_the_new_owner_answers";
-    let (host, guest) = subnet(216);
+    let (host, guest, _) = subnet(216);
     let Some(tap) = tap_or_skip(test, "t", host) else { return };
     let dir = TestDir::new();
     let backend = Backend::start(&dir, &tap.name);
@@ -124,7 +107,7 @@ fn handovers_under_traffic_lose_nothing_and_the_new_owner_answers() {
     assert_eq!(backend.info()["owner"].as_u64(), Some(id_a), "the first ready VM owns the NIC");
     // The guest's MAC (the backend's) as a permanent neighbour: no ARP resolution for the host
     // to queue datagrams behind, and drop them beyond its queue, while a busy guest answers.
-    hostnet::ip(&[
+    kumo_testkit::net::ip(&[
         "neigh",
         "replace",
         &guest.to_string(),
@@ -204,7 +187,7 @@ fn handovers_under_traffic_lose_nothing_and_the_new_owner_answers() {
 #[test]
 fn the_nic_fails_over_when_its_owner_is_killed() {
     let test = "the_nic_fails_over_when_its_owner_is_killed";
-    let (host, guest) = subnet(217);
+    let (host, guest, _) = subnet(217);
     let Some(tap) = tap_or_skip(test, "f", host) else { return };
     let dir = TestDir::new();
     let backend = Backend::start(&dir, &tap.name);
@@ -231,7 +214,7 @@ fn the_nic_fails_over_when_its_owner_is_killed() {
 #[test]
 fn a_refused_handover_leaves_the_owner_working() {
     let test = "a_refused_handover_leaves_the_owner_working";
-    let (host, guest) = subnet(218);
+    let (host, guest, _) = subnet(218);
     let Some(tap) = tap_or_skip(test, "r", host) else { return };
     let dir = TestDir::new();
     let backend = Backend::start(&dir, &tap.name);

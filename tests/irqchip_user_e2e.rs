@@ -2,8 +2,7 @@
 //! guests: xAPIC MMIO, the TSC-deadline timer (memtouch's rate limit idles on it) and IPIs
 //! between vCPUs (smp).
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -144,7 +143,7 @@ fn a_snapshot_of_a_user_apic_vm_runs_on_in_a_new_process() {
     let (code, out, err) = dst.finish(LIMIT);
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
     assert!(!out.contains("memtouch: pages="), "the guest must carry on, not restart:\n{out}");
-    kumo_guests::memtouch::check_output(&out, 3000, 7, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&out, 3000, 7, true);
 }
 
 /// A Linux kernel for the banner test: `KUMO_LINUX_VMLINUX`, else the fetch script's cache.
@@ -230,5 +229,5 @@ fn a_user_apic_vm_migrates_live() {
     dest.input(b"q");
     let (code, dout, derr) = dest.finish(LIMIT);
     assert_eq!(code, Some(0), "stdout:\n{dout}\nstderr:\n{derr}");
-    kumo_guests::memtouch::check_output(&dout, 2000, 5, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&dout, 2000, 5, true);
 }

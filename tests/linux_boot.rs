@@ -19,9 +19,6 @@
 //! kernel's virtio drivers are modules, which cannot be loaded here (no initrd with them), so
 //! enumeration is as far as Linux drives the NIC; kumo's own guests drive it (tests/net_e2e.rs).
 
-#[path = "common/net.rs"]
-mod hostnet;
-
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -247,7 +244,7 @@ fn bzimage_enumerates_the_nic() {
         return;
     };
     let name = format!("klx{}", std::process::id() % 100_000);
-    let tap = match hostnet::Tap::multi_queue(&name, None) {
+    let tap = match kumo_testkit::net::Tap::multi_queue(&name, None) {
         Ok(t) => t,
         Err(e) => return println!("skipping: cannot create a tap: {e}"),
     };

@@ -6,13 +6,10 @@
 //! writes they made, so the model's checksum is computed for exactly that count. Deadlines
 //! below are only safety nets against hangs.
 
-mod common;
-#[path = "common/net.rs"]
-mod hostnet;
-use common::*;
+use kumo_testkit::net::Netns;
+use kumo_testkit::*;
 
 use std::io::{Read, Write};
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,47 +25,16 @@ fn spawn_logged(args: &[&str], tag: &str) -> Vmp {
 
 /// `kumo ARGS`, inside network namespace `netns` if given. `tag` names the process in failures.
 fn spawn_logged_in(netns: Option<&str>, args: &[&str], tag: &str) -> Vmp {
-    let mut cmd = match netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(kumo_bin());
-            c
-        }
-        None => Command::new(kumo_bin()),
-    };
-    Kid::spawn_cmd(cmd.args(args)).named(tag)
+    let argv = [vec![kumo_bin().display().to_string()], sv(args)].concat();
+    Kid::start_in(netns, &argv).unwrap_or_else(|e| panic!("{e}")).named(tag)
 }
 
-impl Kid {
-    /// A destination: `kumo run --incoming ADDR`, waited for until it listens.
-    fn incoming(addr: &str, tag: &str, api: Option<&str>) -> Vmp {
-        let mut args = vec!["run", "--incoming", addr];
-        if let Some(a) = api {
-            args.extend(["--api-socket", a]);
-        }
-        let d = spawn_logged(&args, tag);
-        eventually(PATIENCE, || d.stderr().contains("waiting for a migration").then_some(()));
-        d
+/// A destination: `kumo run --incoming ADDR [--api-socket API]`, waited for until it listens.
+fn incoming_api(addr: &str, tag: &str, api: Option<&str>) -> Vmp {
+    match api {
+        Some(a) => incoming(addr, &["--api-socket", a], tag),
+        None => incoming(addr, &[], tag),
     }
-}
-
-fn hex_field(out: &str, key: &str) -> Option<u64> {
-    field(out, &format!("memtouch: {key}"), key).and_then(|v| u64::from_str_radix(&v, 16).ok())
-}
-
-/// The writes a stopped memtouch reports, and whether its checksum is the model's for them.
-fn check_memtouch(out: &str, pages: u64, seed: u64, random: bool) -> u64 {
-    kumo_guests::memtouch::check_output(out, pages, seed, random).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn migrate(sock: &str, args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(kumo_bin())
-        .args(["--api-socket", sock, "migrate"])
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
 }
 
 /// Starts memtouch with an API socket and waits until it runs.
@@ -79,12 +45,6 @@ fn source(tag: &str, mem: &str, guest_args: &[&str]) -> (Vmp, String) {
     let d = spawn_logged(&args, tag);
     eventually(PATIENCE, || d.stdout().contains("memtouch: pages=").then_some(()));
     (d, sock)
-}
-
-fn vm_state(sock: &str) -> Option<String> {
-    let o = kumo(&["--api-socket", sock, "info"]);
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).ok()?;
-    v["state"].as_str().map(String::from)
 }
 
 /// A source whose migration succeeded: exits 0, saying where the VM went.
@@ -103,7 +63,7 @@ fn a_loaded_guest_migrates_with_every_engine() {
     for (engine, conns) in [("serial", "1"), ("overlap", "1"), ("overlap", "2"), ("zerocopy", "1"), ("zerocopy", "2")] {
         let tag = format!("eng-{engine}-{conns}");
         let addr = format!("tcp:127.0.0.1:{}", free_port());
-        let mut dest = Vmp::incoming(&addr, &format!("{tag}-dst"), None);
+        let mut dest = incoming_api(&addr, &format!("{tag}-dst"), None);
         // Writes at 250,000 pages/s until told to stop: under load whenever it migrates.
         let (src, sock) =
             source(&format!("{tag}-src"), "64M", &["pages=4000", "rate=250000", "seed=9", "until_input=1"]);
@@ -127,7 +87,7 @@ fn local_migration_shares_memory() {
         return;
     }
     let addr = format!("unix:{}", temp_path("local-mig.sock").display());
-    let mut dest = Vmp::incoming(&addr, "local-dst", None);
+    let mut dest = incoming_api(&addr, "local-dst", None);
     let (src, sock) = source("local-src", "64M", &["pages=4000", "rate=200000", "seed=4", "until_input=1"]);
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "local"]);
     assert!(ok, "{out}\n{err}\n{}", dest.stderr());
@@ -145,7 +105,7 @@ fn an_idle_guest_keeps_its_memory() {
         return;
     }
     let addr = format!("unix:{}", temp_path("idle-mig.sock").display());
-    let mut dest = Vmp::incoming(&addr, "idle-dst", None);
+    let mut dest = incoming_api(&addr, "idle-dst", None);
     let (src, sock) = source("idle-src", "128M", &["pages=8000", "writes=30000", "seed=2", "hold_input=1"]);
     eventually(PATIENCE, || src.stdout().contains("memtouch: checksum=").then_some(()));
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "overlap"]);
@@ -169,7 +129,7 @@ fn twenty_migrations_in_a_row() {
     for hop in 0..20 {
         let addr = format!("unix:{}", temp_path(&format!("hop{hop}.sock")).display());
         let api = temp_path(&format!("hop{hop}-api.sock")).to_str().unwrap().to_string();
-        let next = Vmp::incoming(&addr, &format!("hop{hop}"), Some(&api));
+        let next = incoming_api(&addr, &format!("hop{hop}"), Some(&api));
         let engine = ["serial", "overlap", "zerocopy"][hop % 3];
         let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine]);
         assert!(ok, "hop {hop} ({engine}) failed:\n{out}\n{err}\nnext:\n{}", next.stderr());
@@ -264,7 +224,7 @@ fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
     let (mut src, sock) = source("peer-src", "64M", &["pages=1000", "rate=100000", "until_input=1"]);
     // A kumo destination that is stopped (SIGSTOP): the kernel still accepts the connection.
     let addr = format!("tcp:127.0.0.1:{}", free_port());
-    let dest = Vmp::incoming(&addr, "peer-stopped", None);
+    let dest = incoming_api(&addr, "peer-stopped", None);
     let pid = dest.id() as libc::pid_t;
     // SAFETY: signalling our own child process.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
@@ -309,7 +269,7 @@ fn pause_resume_and_a_second_migration_are_refused_while_migrating() {
         return;
     }
     let addr = format!("tcp:127.0.0.1:{}", free_port());
-    let mut dest = Vmp::incoming(&addr, "hammer-dst", None);
+    let mut dest = incoming_api(&addr, "hammer-dst", None);
     let (src, sock) = source(
         "hammer-src",
         "512M",
@@ -370,7 +330,7 @@ fn a_paused_vm_migrates_and_arrives_paused() {
     }
     let addr = format!("unix:{}", temp_path("paused-mig.sock").display());
     let api = temp_path("paused-dst-api.sock").to_str().unwrap().to_string();
-    let mut dest = Vmp::incoming(&addr, "paused-dst", Some(&api));
+    let mut dest = incoming_api(&addr, "paused-dst", Some(&api));
     let (src, sock) = source("paused-src", "64M", &["pages=3000", "rate=100000", "seed=11", "until_input=1"]);
     assert!(kumo(&["--api-socket", &sock, "pause"]).status.success());
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "zerocopy"]);
@@ -392,7 +352,7 @@ fn garbage_sent_to_a_destination_is_answered_and_dropped() {
         return;
     }
     let port = free_port();
-    let dest = Vmp::incoming(&format!("tcp:127.0.0.1:{port}"), "garbage-dst", None);
+    let dest = incoming_api(&format!("tcp:127.0.0.1:{port}"), "garbage-dst", None);
     // Each garbage sender is told why; the destination keeps waiting, up to its bound.
     for _ in 0..kumo_migration_engine::MAX_BAD_CONNECTIONS {
         let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -458,54 +418,6 @@ fn bad_migrate_requests_are_refused() {
     assert_eq!(vm_state(&sock).as_deref(), Some("running"));
     kumo(&["--api-socket", &sock, "shutdown"]);
     assert_eq!(src.wait().0, Some(0));
-}
-
-/// Two network namespaces joined by a veth pair: two "hosts" on this machine, with addresses
-/// that exist only inside them. Needs root and iproute2; skips otherwise.
-struct Netns {
-    a: String,
-    b: String,
-}
-
-impl Netns {
-    fn create() -> Result<Netns, String> {
-        let id = std::process::id() % 100_000;
-        let (a, b) = (format!("kumo-a{id}"), format!("kumo-b{id}"));
-        let ns = Netns { a: a.clone(), b: b.clone() };
-        let (va, vb) = (format!("kva{id}"), format!("kvb{id}"));
-        let steps: Vec<Vec<String>> = vec![
-            vec!["netns", "add", &a],
-            vec!["netns", "add", &b],
-            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
-            vec!["link", "set", &va, "netns", &a],
-            vec!["link", "set", &vb, "netns", &b],
-            vec!["-n", &a, "addr", "add", "10.77.0.1/24", "dev", &va],
-            vec!["-n", &b, "addr", "add", "10.77.0.2/24", "dev", &vb],
-            vec!["-n", &a, "link", "set", &va, "up"],
-            vec!["-n", &b, "link", "set", &vb, "up"],
-            vec!["-n", &a, "link", "set", "lo", "up"],
-            vec!["-n", &b, "link", "set", "lo", "up"],
-        ]
-        .into_iter()
-        .map(|v| v.into_iter().map(String::from).collect())
-        .collect();
-        for step in steps {
-            let o = Command::new("ip").args(&step).output().map_err(|e| format!("ip: {e}"))?;
-            if !o.status.success() {
-                return Err(format!("ip {}: {}", step.join(" "), String::from_utf8_lossy(&o.stderr).trim()));
-            }
-        }
-        Ok(ns)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        // Deleting the namespaces removes the veth pair with them.
-        for n in [&self.a, &self.b] {
-            let _ = Command::new("ip").args(["netns", "delete", n]).status();
-        }
-    }
 }
 
 #[test]
@@ -588,7 +500,7 @@ fn the_event_stream_shows_progress_within_round_0() {
     }
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let dsock = temp_path("events-dst.sock").to_str().unwrap().to_string();
-    let mut dest = Vmp::incoming(&addr, "events-dst", Some(&dsock));
+    let mut dest = incoming_api(&addr, "events-dst", Some(&dsock));
     // An idle guest (it holds its memory) of ~16 MiB sent at 8 MiB/s: the cap makes round 0
     // last seconds whatever the machine, so progress events must come within it.
     let (src, sock) = source("events-src", "64M", &["pages=4000", "writes=20000", "seed=5", "hold_input=1"]);
@@ -632,7 +544,7 @@ fn ctrl_c_cancels_a_migration_and_the_source_runs_on() {
         return;
     }
     let addr = format!("tcp:127.0.0.1:{}", free_port());
-    let dest = Vmp::incoming(&addr, "cancel-dst", None);
+    let dest = incoming_api(&addr, "cancel-dst", None);
     let (mut src, sock) =
         source("cancel-src", "64M", &["pages=4000", "rate=50000", "seed=6", "report_ms=20", "until_input=1"]);
     // 1 MiB/s: a round of the guest's 4,000 hot pages takes many seconds, so the migration is
@@ -670,7 +582,7 @@ fn the_cancel_route_stops_a_migration() {
     }
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let dsock = temp_path("cancel-api-dst.sock").to_str().unwrap().to_string();
-    let dest = Vmp::incoming(&addr, "cancel-api-dst", Some(&dsock));
+    let dest = incoming_api(&addr, "cancel-api-dst", Some(&dsock));
     // The destination's API is up before any VM exists.
     assert_eq!(vm_state(&dsock).as_deref(), Some("receiving"));
     let (mut src, sock) = source("cancel-api-src", "64M", &["pages=4000", "rate=50000", "seed=7", "until_input=1"]);
@@ -821,8 +733,8 @@ fn a_stream_naming_resources_the_operator_did_not_give_is_refused() {
     let pid = std::process::id() % 100_000;
     let (victim, own, single) = (format!("h2v{pid}"), format!("h2w{pid}"), format!("h2x{pid}"));
     // As root: the stream's tap exists (single-queue, so an attached one would show its carrier).
-    let taps = [&victim, &own].map(|t| hostnet::Tap::create(t, "10.234.0.1/32"));
-    let single_tap = hostnet::Tap::create(&single, "10.234.0.2/32");
+    let taps = [&victim, &own].map(|t| kumo_testkit::net::Tap::create(t, "10.234.0.1/32"));
+    let single_tap = kumo_testkit::net::Tap::create(&single, "10.234.0.2/32");
     let rooted = taps.iter().all(Result::is_ok) && single_tap.is_ok();
     if !rooted {
         eprintln!(

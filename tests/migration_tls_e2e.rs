@@ -6,8 +6,7 @@
 //! As in migration_e2e.rs, guests run until the test types a byte on their console; deadlines
 //! are only safety nets against hangs.
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -41,20 +40,6 @@ impl Pki {
         std::fs::write(dir.join("key.pem"), key.serialize_pem()).unwrap();
         dir.to_str().unwrap().to_string()
     }
-}
-
-/// `kumo run --incoming ADDR EXTRA…`, waited for until it listens.
-fn incoming(addr: &str, extra: &[&str], tag: &str) -> Kid {
-    let mut args = vec!["run", "--incoming", addr];
-    args.extend_from_slice(extra);
-    let mut d = Kid::spawn(&args).named(tag);
-    eventually(PATIENCE, || {
-        if let Ok(Some(st)) = d.child.try_wait() {
-            panic!("{tag} exited ({st}) instead of listening:\n{}", d.stderr());
-        }
-        d.stderr().contains("waiting for a migration").then_some(())
-    });
-    d
 }
 
 /// memtouch with an API socket, running.
@@ -99,7 +84,7 @@ fn check_arrived(src: Kid, mut dest: Kid, seed: u64) {
     dest.stop_guest();
     let (code, out, err) = dest.wait();
     assert_eq!(code, Some(0), "{out}\n{err}");
-    kumo_guests::memtouch::check_output(&out, 3000, seed, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&out, 3000, seed, true);
 }
 
 /// Waits until `d` has dropped `n` connections, failing at once if it exits instead (as a

@@ -8,39 +8,11 @@
 //! either is missing. Outcomes only: no durations are asserted, guests end by `count=` or are
 //! stopped by the test, and every wait is a safety net far above need.
 
-mod common;
-#[path = "common/net.rs"]
-mod hostnet;
-
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::process::{Command, Stdio};
 
-use common::*;
-use hostnet::{have_ping, ping, udp_echoes, Bridge, Tap};
-
-/// A per-process subnet `10.A.B.0/24` (B from the pid), so parallel runs do not collide.
-fn subnet(a: u8) -> (Ipv4Addr, Ipv4Addr, Ipv4Addr) {
-    let b = (std::process::id() % 250) as u8;
-    (Ipv4Addr::new(10, a, b, 1), Ipv4Addr::new(10, a, b, 2), Ipv4Addr::new(10, a, b, 3))
-}
-
-fn tap_name(tag: &str) -> String {
-    format!("k{tag}{}", std::process::id() % 100_000)
-}
-
-/// Skips (None, after saying why) where KVM or a tap is not available.
-fn tap_or_skip(test: &str, tag: &str, host: Ipv4Addr) -> Option<Tap> {
-    if !kvm_or_skip(test) {
-        return None;
-    }
-    match Tap::multi_queue(&tap_name(tag), Some(&format!("{host}/24"))) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            eprintln!("skipping {test}: cannot create a tap: {e}");
-            None
-        }
-    }
-}
+use kumo_testkit::net::{have_ping, ping, subnet, tap_name, tap_or_skip, tap_or_skip_with, udp_echoes, Bridge, Tap};
+use kumo_testkit::*;
 
 /// `kumo run` of a network guest with an API socket; returns once its NIC 0 is up.
 fn boot(tag: &str, dir: &TestDir, cpus: u32, net: &str, guest: &str, args: &[String]) -> (Kid, String) {
@@ -53,9 +25,7 @@ fn boot(tag: &str, dir: &TestDir, cpus: u32, net: &str, guest: &str, args: &[Str
     (vm, sock)
 }
 
-fn info(sock: &str) -> kumo_api::VmInfo {
-    kumo_api::ApiClient::new(sock).info().unwrap_or_else(|e| panic!("vm.info: {e}"))
-}
+use kumo_testkit::vm_info as info;
 
 fn counters(sock: &str) -> serde_json::Value {
     let c = kumo_api::ApiClient::new(sock).counters().unwrap_or_else(|e| panic!("vm.counters: {e}"));
@@ -234,17 +204,8 @@ fn bad_nic_options_are_one_line_errors() {
 /// A tap named `h2{tag}{pid}` (migration tests of the destination's own resources), multi-queue,
 /// with `host` on it if given; None (after saying why) where KVM or taps are not available.
 fn h2_tap(test: &str, tag: &str, host: Option<Ipv4Addr>) -> Option<Tap> {
-    if !kvm_or_skip(test) {
-        return None;
-    }
     let name = format!("h2{tag}{}", std::process::id() % 100_000);
-    match Tap::multi_queue(&name, host.map(|h| format!("{h}/24")).as_deref()) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            eprintln!("skipping {test}: cannot create a tap: {e}");
-            None
-        }
-    }
+    tap_or_skip_with(test, || Tap::multi_queue(&name, host.map(|h| format!("{h}/24")).as_deref()))
 }
 
 /// `kumo run --incoming unix:…` with `extra` flags, once it listens.

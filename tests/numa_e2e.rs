@@ -2,9 +2,7 @@
 //! one-line errors (exit status 1) before any VM is built, so these cases need no /dev/kvm;
 //! `--numa mirror` and `--cpus N,pin=` pin vCPU threads, and `vm.pin` re-pins them (KVM).
 
-mod common;
-
-use common::*;
+use kumo_testkit::*;
 
 #[test]
 fn bad_numa_options_are_one_line_errors() {

@@ -3,14 +3,13 @@
 //! documented schema (objects closed: a field the document does not describe fails). Request
 //! bodies with every field set fit their documented schemas too.
 
-mod common;
 #[path = "openapi/http.rs"]
 mod http;
 #[path = "openapi/schema.rs"]
 mod schema;
 
-use common::*;
 use http::{exchange, Answer};
+use kumo_testkit::*;
 use schema::Spec;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;

@@ -6,8 +6,7 @@
 //! Guests run until the test stops them (memtouch `until_input=1`); a VM that a panic should
 //! have stopped but did not is caught by a bounded wait, never a hang.
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 
 use std::process::Command;
 use std::time::Duration;
@@ -105,30 +104,6 @@ fn a_device_event_loop_that_panics_stops_the_vm() {
     assert_stopped_by_panic(code, &err, &sock, &events(&ev), "device", "devices", "panic:device");
 }
 
-/// `kumo migrate ARGS` through the VM's API: (success, stdout, stderr).
-fn migrate(sock: &str, args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(kumo_bin())
-        .args(["--api-socket", sock, "migrate"])
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
-}
-
-fn vm_state(sock: &str) -> Option<String> {
-    let o = kumo(&["--api-socket", sock, "info"]);
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).ok()?;
-    v["state"].as_str().map(String::from)
-}
-
-/// A destination, waited for until it listens.
-fn incoming(addr: &str, tag: &str) -> Kid {
-    let d = Kid::spawn(&["run", "--incoming", addr]).named(tag);
-    eventually(PATIENCE, || d.stderr().contains("waiting for a migration").then_some(()));
-    d
-}
-
 #[test]
 fn a_migration_job_that_panics_leaves_the_vm_running_and_migratable() {
     if !kvm_or_skip("a_migration_job_that_panics_leaves_the_vm_running_and_migratable") {
@@ -161,7 +136,7 @@ fn a_migration_job_that_panics_leaves_the_vm_running_and_migratable() {
 
     // The first migration's job panics after its first round, with dirty logging on.
     let addr = format!("tcp:127.0.0.1:{}", free_port());
-    let dest1 = incoming(&addr, "mig-dst1");
+    let dest1 = incoming(&addr, &[], "mig-dst1");
     let (ok, out, err) = migrate(&s, &["--to", &addr]);
     assert!(!ok, "the panicking migration must fail:\n{out}");
     assert!(err.contains("migration thread migration job panicked: test hook panic:migration"), "{err}");
@@ -179,7 +154,7 @@ fn a_migration_job_that_panics_leaves_the_vm_running_and_migratable() {
 
     // And it migrates again (the hook fires once): the run state was given back.
     let addr = format!("tcp:127.0.0.1:{}", free_port());
-    let mut dest2 = incoming(&addr, "mig-dst2");
+    let mut dest2 = incoming(&addr, &[], "mig-dst2");
     let (ok, out, err) = migrate(&s, &["--to", &addr]);
     assert!(ok, "the second migration must succeed:\n{out}\n{err}\nsource:\n{}", src.stderr());
     let (code, _, serr) = src.finish(PATIENCE);
@@ -188,7 +163,7 @@ fn a_migration_job_that_panics_leaves_the_vm_running_and_migratable() {
     dest2.stop_guest();
     let (code, dout, derr) = dest2.finish(PATIENCE);
     assert_eq!(code, Some(0), "{derr}");
-    kumo_guests::memtouch::check_output(&dout, pages, seed, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&dout, pages, seed, true);
 }
 
 #[test]

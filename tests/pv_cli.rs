@@ -2,9 +2,7 @@
 //! status 1, found before any VM is built (no /dev/kvm needed); with a good one `hello` prints
 //! the leaf it sees.
 
-mod common;
-
-use common::*;
+use kumo_testkit::*;
 
 #[test]
 fn bad_pv_options_are_one_line_errors() {

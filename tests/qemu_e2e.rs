@@ -1,24 +1,13 @@
 //! End to end under QEMU: kumo's guests boot through their PVH entry, and a QEMU→QEMU live
 //! migration of memtouch keeps its memory (checked against the reference model). Skips, saying
-//! why, when QEMU or /dev/kvm is missing. The harness is kumo-bench's `qemu` module.
+//! why, when QEMU or /dev/kvm is missing. The harness is kumo-testkit's `qemu` module.
 
-use kumo_bench::qemu::{self, QemuSpec, QemuVm};
+use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
+use kumo_testkit::{check_memtouch, field, sv};
 use std::time::Duration;
 
 /// A safety net against hangs only: far above what anything takes, even on a busy machine.
 const LIMIT: Duration = Duration::from_secs(300);
-
-fn sv(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
-}
-
-/// The value of `key=` on the first serial line starting with `prefix`.
-fn field(out: &str, prefix: &str, key: &str) -> Option<String> {
-    out.lines()
-        .filter(|l| l.starts_with(prefix))
-        .flat_map(|l| l.split_whitespace())
-        .find_map(|w| w.strip_prefix(&format!("{key}=")).map(String::from))
-}
 
 fn checksum(out: &str, key: &str) -> u64 {
     let hex = field(out, "memtouch: checksum", key).unwrap_or_else(|| panic!("no {key} line:\n{out}"));
@@ -58,7 +47,7 @@ fn a_paused_and_resumed_qemu_guest_stops_when_typed_at() {
     vm.send_input(b"q").unwrap();
     assert_eq!(vm.wait_exit(LIMIT).unwrap(), 0, "{}", vm.serial());
     let out = vm.serial();
-    kumo_guests::memtouch::check_output(&out, 2000, 3, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&out, 2000, 3, true);
     assert!(vm.lines().iter().any(|(_, l)| l.starts_with("memtouch: checksum=")));
 }
 
@@ -117,7 +106,7 @@ fn qemu_live_migration_of_a_writing_memtouch_keeps_its_memory() {
     dst.wait_serial("memtouch: progress", LIMIT).unwrap();
     dst.send_input(b"q").unwrap();
     let out = dst.wait_serial("memtouch: checksum=", LIMIT).unwrap();
-    let writes = kumo_guests::memtouch::check_output(&out, pages, seed, true).unwrap_or_else(|e| panic!("{e}"));
+    let writes = check_memtouch(&out, pages, seed, true);
     assert!(writes > 0, "{out}");
     assert!(m.total_ms > 0 && m.transferred_bytes > 0 && m.dirty_sync_count >= 1, "{m:?}");
     assert!(m.normal_pages > 0, "the written pages must have been sent: {m:?}");
@@ -161,7 +150,7 @@ fn measure_loaded_2gib() {
         qemu::migrate_memtouch(2048, &args, "memtouch: progress t_ms=2000", None, true, Duration::from_secs(120))
             .unwrap();
     println!("qemu loaded 2048 MiB rate=52500 pages=100000: {}", serde_json::to_string(&m).unwrap());
-    kumo_guests::memtouch::check_output(&out, 100_000, 1, true).unwrap_or_else(|e| panic!("{e}"));
+    check_memtouch(&out, 100_000, 1, true);
     let t_ms: Vec<u64> = out.lines().filter_map(|l| field(l, "memtouch: progress", "t_ms")?.parse().ok()).collect();
     println!("destination progress from t_ms={:?}: the guest ran on after the switch-over", t_ms.first());
 }

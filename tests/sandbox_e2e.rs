@@ -2,9 +2,7 @@
 //! its seccomp filter, a forbidden system call stops the VM with a message naming it and the
 //! thread's kind, and kumo runs as an ordinary user with access to /dev/kvm.
 
-mod common;
-
-use common::*;
+use kumo_testkit::*;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;

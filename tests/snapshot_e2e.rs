@@ -6,11 +6,10 @@
 //! (`until_input=1`), then reports how many writes it made, so the model's checksum is computed
 //! for exactly that count. Deadlines are only safety nets against hangs.
 
-mod common;
-use common::*;
+use kumo_testkit::*;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use serde_json::Value;
 
@@ -19,22 +18,7 @@ use serde_json::Value;
 type Vmp = Kid;
 
 /// `kumo --api-socket SOCK ARGS…`: (success, stdout, stderr).
-fn api(sock: &str, args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(kumo_bin()).arg("--api-socket").arg(sock).args(args).stdin(Stdio::null()).output().unwrap();
-    let (out, err) = text(&o);
-    (o.status.success(), out, err)
-}
-
-fn vm_state(sock: &str) -> Option<String> {
-    let (_, out, _) = api(sock, &["info"]);
-    let v: Value = serde_json::from_str(&out).ok()?;
-    v["state"].as_str().map(String::from)
-}
-
-/// The writes a stopped memtouch (random mode) reports, after checking its checksum.
-fn check_memtouch(out: &str, pages: u64, seed: u64) -> u64 {
-    kumo_guests::memtouch::check_output(out, pages, seed, true).unwrap_or_else(|e| panic!("{e}"))
-}
+use kumo_testkit::kumo_api as api;
 
 /// memtouch with an API socket and an event monitor, waited for until it runs.
 fn memtouch(tag: &str, guest_args: &[&str]) -> (Vmp, String, PathBuf) {
@@ -140,7 +124,7 @@ fn a_snapshot_runs_on_in_a_new_process() {
     let (code, out, err) = dst.wait();
     assert_eq!(code, Some(0), "{err}");
     assert!(!out.contains("memtouch: pages="), "the guest must carry on, not restart:\n{out}");
-    let writes = check_memtouch(&out, 3000, 7);
+    let writes = check_memtouch(&out, 3000, 7, true);
     assert!(writes >= before, "{writes} writes in all, {before} before the snapshot");
     let ev = events(&dst_events);
     assert_eq!(names(&ev), ["restored", "resumed", "shutdown"], "{ev:?}");
@@ -177,7 +161,7 @@ fn a_paused_vm_is_snapshotted_and_restored_paused() {
     dst.input(b"q");
     let (code, out, err) = dst.wait();
     assert_eq!(code, Some(0), "{err}");
-    check_memtouch(&out, 2000, 9);
+    check_memtouch(&out, 2000, 9, true);
 }
 
 #[test]
@@ -201,7 +185,7 @@ fn counters_and_the_event_monitor_follow_a_running_vm() {
     vm.input(b"q");
     let (code, out, err) = vm.wait();
     assert_eq!(code, Some(0), "{err}");
-    check_memtouch(&out, 500, 1);
+    check_memtouch(&out, 500, 1, true);
     let ev = events(&ev_path);
     assert_eq!(names(&ev), ["booted", "paused", "resumed", "shutdown"], "{ev:?}");
     assert_eq!(ev[1].1["by"], "user");
@@ -276,7 +260,7 @@ fn a_snapshot_owns_the_run_state_until_it_ends_and_a_failed_one_leaves_the_vm_ru
     vm.input(b"q");
     let (code, out, err) = vm.wait();
     assert_eq!(code, Some(0), "{err}");
-    check_memtouch(&out, 500, 4);
+    check_memtouch(&out, 500, 4, true);
 }
 
 /// An empty VMM (`kumo run --api-socket S`, nothing to boot), waited for until its API answers.
@@ -351,7 +335,7 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
     let (code, out, err) = dst.wait();
     assert_eq!(code, Some(0), "{err}");
     assert!(!out.contains("memtouch: pages="), "the guest must carry on, not restart:\n{out}");
-    check_memtouch(&out, 2000, 5);
+    check_memtouch(&out, 2000, 5, true);
 }
 
 #[test]
@@ -374,7 +358,7 @@ fn a_snapshot_to_a_symlink_is_refused_and_its_target_untouched() {
     vm.input(b"q");
     let (code, out, err) = vm.wait();
     assert_eq!(code, Some(0), "{err}");
-    check_memtouch(&out, 100, 5);
+    check_memtouch(&out, 100, 5, true);
     let _ = std::fs::remove_file(&link);
     let _ = std::fs::remove_file(&victim);
 }

@@ -1,20 +1,12 @@
 //! Pause → save → (clobber) → restore → resume, in process: the guest must carry on exactly
 //! where it was, which memtouch's checksum (against the reference model) proves.
 
-/// The CLI tests' helpers need the kumo binary; this in-process test only needs KVM.
-fn kvm_or_skip(test: &str) -> bool {
-    let ok = kumo_vm::vm::kvm_available();
-    if !ok {
-        eprintln!("skipping {test}: /dev/kvm not available");
-    }
-    ok
-}
-
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kumo_vmm::{Outcome, Payload, RunningVm, Snapshot, VmConfig};
+use kumo_testkit::{check_memtouch, kvm_or_skip};
+use kumo_vmm::{GuestProgram, Outcome, Payload, RunningVm, Snapshot, VmConfig};
 
 #[derive(Clone, Default)]
 struct Console(Arc<Mutex<Vec<u8>>>);
@@ -42,24 +34,13 @@ fn wait_for(console: &Console, needle: &str, n: usize) {
     }
 }
 
-/// The writes a stopped memtouch reports, after checking its checksum against the model.
-fn check_memtouch(out: &str, pages: u64, seed: u64) -> u64 {
-    kumo_guests::memtouch::check_output(out, pages, seed, true).unwrap_or_else(|e| panic!("{e}"))
-}
-
+/// memtouch with `args`, its program handed to the VMM as `kumo run --guest` does.
 fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
-    VmConfig {
-        cpus,
-        memory: 128 << 20,
-        irqchip: Default::default(),
-        payload: Payload::Guest { name: "memtouch".into(), args: args.iter().map(|s| s.to_string()).collect() },
-        net: vec![],
-        numa: None,
-        pins: vec![],
-        pv: Default::default(),
-        halt_poll_ns: None,
-        elastic: None,
-    }
+    let guest = kumo_guests::find("memtouch").unwrap();
+    let args = kumo_testkit::sv(args);
+    let program = GuestProgram { elf: guest.elf.into(), cmdline: guest.command_line(&args).unwrap() };
+    let payload = Payload::Guest { name: "memtouch".into(), args, program: Some(program) };
+    VmConfig { cpus, memory: 128 << 20, ..VmConfig::new(payload) }
 }
 
 #[test]
@@ -107,7 +88,7 @@ fn pause_save_restore_resume_keeps_the_guest_going() {
     let out = console.text();
     assert_eq!(report.outcome, Outcome::GuestExit(0), "{out}");
     assert_eq!(out.matches("memtouch: pages=").count(), 1, "the guest must not restart: {out}");
-    check_memtouch(&out, 4000, 3);
+    check_memtouch(&out, 4000, 3, true);
 }
 
 #[test]
@@ -155,5 +136,5 @@ fn a_throttled_guest_runs_on_and_keeps_its_memory() {
     let report = vm.wait_timeout(Some(Duration::from_secs(600)));
     let out = console.text();
     assert_eq!(report.outcome, Outcome::GuestExit(0), "{out}");
-    check_memtouch(&out, 2000, 5);
+    check_memtouch(&out, 2000, 5, true);
 }

@@ -8,8 +8,6 @@
 //! Needs /dev/kvm; skips, saying why, where it is missing. Outcomes only: every wait is a safety
 //! net far above need, nothing races a guest timer.
 
-mod common;
-
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
@@ -18,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
-use common::*;
+use kumo_testkit::*;
 use vhost::vhost_user::{Backend, Listener, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -290,9 +288,7 @@ fn udp_frame(payload: &[u8]) -> Vec<u8> {
     f
 }
 
-fn info(sock: &str) -> kumo_api::VmInfo {
-    kumo_api::ApiClient::new(sock).info().unwrap_or_else(|e| panic!("vm.info: {e}"))
-}
+use kumo_testkit::vm_info as info;
 
 #[test]
 fn netecho_answers_through_a_vhost_user_backend_and_survives_its_hangup() {

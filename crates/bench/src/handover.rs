@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::net::host::{self, NetGuard, Proc};
 use crate::net::stats::{median, percentile};
+use kumo_testkit::net::{self as host, NetGuard};
+use kumo_testkit::Kid;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -105,7 +106,7 @@ struct Report {
 
 /// The backend process and its API.
 struct Backend {
-    _proc: Proc,
+    _proc: Kid,
     sock: String,
     api: kumo_api::ApiClient,
 }
@@ -125,7 +126,7 @@ impl Backend {
             sock.display().to_string(),
         ]
         .into();
-        let p = Proc::spawn(None, &argv)?;
+        let p = Kid::start_in(None, &argv)?;
         let t = Instant::now();
         while !(sock.exists() && api.exists()) {
             if t.elapsed() > LIMIT {
@@ -184,7 +185,7 @@ fn pause_of(report: &serde_json::Value) -> Option<u64> {
 }
 
 /// A kumo VM running `guest` on the backend's NIC, once its driver is up (or waits for input).
-fn vm(b: &Backend, guest: &str, args: &[String], wait_for: &str) -> Result<Proc, String> {
+fn vm(b: &Backend, guest: &str, args: &[String], wait_for: &str) -> Result<Kid, String> {
     let kumo = crate::kumo_binary()?;
     let mut argv: Vec<String> = vec![
         kumo.display().to_string(),
@@ -197,7 +198,7 @@ fn vm(b: &Backend, guest: &str, args: &[String], wait_for: &str) -> Result<Proc,
         guest.into(),
     ];
     argv.extend(args.iter().cloned());
-    let mut p = Proc::spawn(None, &argv)?;
+    let mut p = Kid::start_in(None, &argv)?;
     p.wait_line(LIMIT, wait_for, |l| l.contains(wait_for).then_some(()))?;
     Ok(p)
 }
@@ -256,8 +257,8 @@ fn send_stream(
     at
 }
 
-fn sink_counts(p: &Proc) -> Option<(u64, u64)> {
-    let line = p.stdout().into_iter().find_map(|(_, l)| l.strip_prefix("udpsink: received=").map(str::to_string))?;
+fn sink_counts(p: &Kid) -> Option<(u64, u64)> {
+    let line = p.lines().into_iter().find_map(|(_, l)| l.strip_prefix("udpsink: received=").map(str::to_string))?;
     let received = line.split_whitespace().next()?.parse().ok()?;
     let dup = line.split_whitespace().find_map(|w| w.strip_prefix("dup="))?.parse().ok()?;
     Some((received, dup))
@@ -267,9 +268,9 @@ fn sink_counts(p: &Proc) -> Option<(u64, u64)> {
 fn loss_run(b: &Backend, net: &Net, n: u64, gap: Duration) -> Result<LossRun, String> {
     let args = vec![format!("ip={}", net.guest), "until_input=1".into()];
     let mut a = vm(b, "udpsink", &args, "up nic=0")?;
-    let id_a = b.ready_client(a.pid())?;
+    let id_a = b.ready_client(a.id())?;
     let mut bb = vm(b, "udpsink", &args, "up nic=0")?;
-    let id_b = b.ready_client(bb.pid())?;
+    let id_b = b.ready_client(bb.id())?;
     if b.info()?["owner"].as_u64() != Some(id_a) {
         b.handover(id_a)?;
     }
@@ -291,7 +292,7 @@ fn loss_run(b: &Backend, net: &Net, n: u64, gap: Duration) -> Result<LossRun, St
         let _ = sock.send_to(&datagram(u64::MAX, n), to);
     }
     bb.wait_exit(LIMIT)?;
-    a.input(b"q")?;
+    a.send(b"q")?;
     a.wait_exit(LIMIT)?;
     let (ra, da) = sink_counts(&a).ok_or_else(|| a.why("printed no counts"))?;
     let (rb, db) = sink_counts(&bb).ok_or_else(|| bb.why("printed no counts"))?;
@@ -387,9 +388,9 @@ fn stranded(sends: &[Instant], rtt: &[Option<f64>], at: Instant, until: Option<I
 fn cycles_run(b: &Backend, net: &Net, handovers: u64) -> Result<Cycles, String> {
     let args = vec![format!("ip={}", net.guest)];
     let a = vm(b, "netecho", &args, "up nic=0")?;
-    let id_a = b.ready_client(a.pid())?;
+    let id_a = b.ready_client(a.id())?;
     let bb = vm(b, "netecho", &args, "up nic=0")?;
-    let id_b = b.ready_client(bb.pid())?;
+    let id_b = b.ready_client(bb.id())?;
     if b.info()?["owner"].as_u64() != Some(id_a) {
         b.handover(id_a)?;
     }
@@ -457,7 +458,7 @@ fn cycles_run(b: &Backend, net: &Net, handovers: u64) -> Result<Cycles, String> 
 
 fn baseline_run(b: &Backend, net: &Net) -> Result<Baseline, String> {
     let a = vm(b, "netecho", &[format!("ip={}", net.guest)], "up nic=0")?;
-    b.ready_client(a.pid())?;
+    b.ready_client(a.id())?;
     let mut bb = vm(b, "netecho", &[format!("ip={}", net.guest), "init_on_input=1".into()], "waits for console input")?;
     let n = 4000;
     let sock = net.socket()?;
@@ -479,7 +480,7 @@ fn baseline_run(b: &Backend, net: &Net) -> Result<Baseline, String> {
         // Unplug from A (its VMM goes away with its NIC), plug into B: its driver starts now.
         let unplug = Instant::now();
         drop(a.take());
-        bb.input(b"go")?;
+        bb.send(b"go")?;
         let sends = sender.join().map_err(|_| "the sender panicked".to_string())?;
         std::thread::sleep(Duration::from_millis(200));
         stop.store(1, Ordering::SeqCst);
@@ -511,7 +512,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let n = a.packets.unwrap_or(if a.quick { 3000 } else { 10_000 });
     let handovers = a.cycles.unwrap_or(if a.quick { 20 } else { 100 });
     host::sweep_stale();
-    host::cleanup_on_signals()?;
+    host::cleanup_on_signals("kumo bench handover")?;
     let mut guard = NetGuard::default();
     let tap = host::name("h");
     let b3 = (std::process::id() % 250) as u8;

@@ -26,8 +26,9 @@ use kumo_api::{ApiClient, ElasticEvent, ElasticEventKind};
 use kumo_elastic::lend::{lend, LendReport, LendRequest};
 use serde::Serialize;
 
-use crate::net::host::{self, Proc};
 use crate::net::stats::percentile;
+use kumo_testkit::net as host;
+use kumo_testkit::Kid;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -252,7 +253,7 @@ struct Report {
 /// A running elastic VM: its kumo process (killed when dropped) and API.
 struct Vm {
     name: &'static str,
-    proc: Proc,
+    proc: Kid,
     api: ApiClient,
     argv: Vec<String>,
 }
@@ -281,7 +282,7 @@ impl Vm {
             format!("tag={tag}"),
         ]
         .into();
-        let mut proc = Proc::spawn(None, &argv)?;
+        let mut proc = Kid::start_in(None, &argv)?;
         // One connection for the whole run (as a control plane would keep): no connect and no
         // new server thread per request.
         let api = ApiClient::new(&sock).keep_alive();
@@ -318,13 +319,13 @@ impl Vm {
 
     /// The console (stdout) and kumo's stderr, for a failure report.
     fn output(&self) -> String {
-        let out: Vec<String> = self.proc.stdout().into_iter().map(|(_, l)| l).collect();
+        let out: Vec<String> = self.proc.lines().into_iter().map(|(_, l)| l).collect();
         format!(
             "--- {} console ---\n{}\n--- {} stderr ---\n{}\n",
             self.name,
             out.join("\n"),
             self.name,
-            self.proc.stderr_text()
+            self.proc.stderr()
         )
     }
 }
@@ -736,7 +737,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
     let cycles = args.cycles.unwrap_or(if args.quick { 30 } else { 100 });
     let holds = args.holds.unwrap_or(if args.quick { 3 } else { 5 });
     let hold = Duration::from_millis(args.hold_ms);
-    host::cleanup_on_signals()?;
+    host::cleanup_on_signals("kumo bench lend")?;
     let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-lend-"))
         .map_err(|e| e.to_string())?;
     let t0 = Instant::now();

@@ -1,11 +1,12 @@
-//! kumo-bench owns kumo's benchmarks and its QEMU harness, out of the `kumo` binary (plotters
+//! kumo-bench owns kumo's benchmarks, out of the `kumo` binary (plotters
 //! and the bench's progress bars are linked only here): `boot` (start-up and IPI round trips),
 //! `migrate` (live migration against raw loopback TCP and QEMU), `net` (the NIC's interrupt
 //! paths against veth), `ipi` (synchronisation on each interrupt path, seed 003), `handover`
 //! (NIC handover between VMs, seed 001), `numa` (a memory-bound kernel, bare metal vs VMs),
-//! `lend` (lending CPUs and memory between running VMs, issue 13) and `qemu` (runs kumo's
-//! guests under QEMU, also used by tests/qemu_e2e.rs). Benchmarks drive a `kumo` binary as
-//! child processes ([`kumo_binary`]) and write their results into one output directory.
+//! `lend` (lending CPUs and memory between running VMs, issue 13); `qemu` (runs kumo's guests
+//! under QEMU) is kumo-testkit's, shared with tests/qemu_e2e.rs. Benchmarks drive a `kumo`
+//! binary as child processes ([`kumo_binary`], kumo-testkit's `Kid`) and write their results
+//! into one output directory.
 
 pub mod boot;
 pub mod handover;
@@ -14,7 +15,7 @@ pub mod lend;
 pub mod migrate;
 pub mod net;
 pub mod numa;
-pub mod qemu;
+pub use kumo_testkit::qemu;
 
 use std::path::{Path, PathBuf};
 
@@ -49,29 +50,10 @@ pub(crate) fn check_plot(name: &str, plot: impl FnOnce(&Path) -> Result<(), Stri
     assert!(std::fs::metadata(&p).expect("png").len() > 0);
 }
 
-/// The `kumo` binary the benchmarks run: `$KUMO_BIN` (set by `kumo bench`), else `kumo` next to
-/// this executable (both live in cargo's target directory).
-pub fn kumo_binary() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("KUMO_BIN") {
-        return Ok(PathBuf::from(p));
-    }
-    let me = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
-    let kumo = me.with_file_name("kumo");
-    if kumo.is_file() {
-        Ok(kumo)
-    } else {
-        Err(format!("no kumo binary at {} (build it with `cargo build -p kumo-cli`, or set KUMO_BIN)", kumo.display()))
-    }
-}
+pub use kumo_testkit::{kumo_binary, try_free_port as free_port};
 
 /// Creates the output directory and returns `dir/name`.
 pub fn out_file(dir: &Path, name: &str) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     Ok(dir.join(name))
-}
-
-/// A TCP port on 127.0.0.1 that was free a moment ago (for a destination about to listen).
-pub fn free_port() -> Result<u16, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot find a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
 }

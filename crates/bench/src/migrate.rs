@@ -26,15 +26,17 @@
 //! then. The hold must outlast the hops, so it is generous, and the wait for its end is deferred
 //! ([`Pending`]): the halted VM uses no CPU while the next measurements run.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kumo_testkit::kid::{lines_of, text_of, SharedOutput};
+use kumo_testkit::{sv, Kid};
+
+/// A kumo child process, killed when dropped.
+type Proc = Kid;
 use kumo_guests::memtouch::expected_checksum;
 use kumo_migration::{predict, DirtyModel, PredictParams, StopPolicy, XenRule};
 use serde::Serialize;
@@ -84,105 +86,11 @@ const BEST: Engine = ENGINES[4];
 const KUMO_DEFAULT_TARGET_MS: u64 = 50;
 
 // ---------------------------------------------------------------------------------------------
-// Child processes
+// Child processes: kumo-testkit's `Kid` (stdout lines stamped with the host time they arrived: a
+// guest's own clock stops while it is paused; stdin is the guest's console input)
 
-/// Lines a process printed, each with the host time it arrived.
-type Lines = Arc<Mutex<Vec<(Instant, String)>>>;
-
-/// A kumo child process with its output in files; killed when dropped, on every path. Its
-/// stdout passes through a thread that stamps each line with the host time it arrived (a
-/// guest's own clock stops while it is paused); its stdin is the guest's console input.
-struct Proc {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: Lines,
-    /// The stdout copier; joined once the process has exited, so its output is complete.
-    reader: Option<std::thread::JoinHandle<()>>,
-    out: PathBuf,
-    err: PathBuf,
-    what: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    /// Waits for the stdout copier after the process exited: its output is then all there.
-    fn drain(&mut self) {
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-    }
-
-    fn stdout(&self) -> String {
-        std::fs::read_to_string(&self.out).unwrap_or_default()
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-
-    /// Types `bytes` on the guest's serial console (`kumo run` feeds its stdin to it).
-    fn send_input(&mut self, bytes: &[u8]) -> Result<(), String> {
-        let r = match self.stdin.as_mut() {
-            Some(s) => s.write_all(bytes).and_then(|_| s.flush()).map_err(|e| e.to_string()),
-            None => Err("no stdin".into()),
-        };
-        r.map_err(|e| self.why(&format!("console input failed: {e}")))
-    }
-
-    /// `msg`, naming the process and quoting the end of its stderr.
-    fn why(&self, msg: &str) -> String {
-        let err = self.stderr();
-        let tail: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-        let tail = tail[tail.len().saturating_sub(2)..].join(" | ");
-        format!("{} {msg}{}", self.what, if tail.is_empty() { String::new() } else { format!(": {tail}") })
-    }
-
-    /// Polls (stdout, stderr) until `f` finds something; fails when the process exits first or
-    /// after `limit`.
-    fn wait_for<T>(&mut self, limit: Duration, what: &str, f: impl Fn(&str, &str) -> Option<T>) -> Result<T, String> {
-        let t = Instant::now();
-        loop {
-            let exited = self.child.try_wait().ok().flatten();
-            if exited.is_some() {
-                self.drain();
-            }
-            // Read after try_wait: output written just before an exit is still seen.
-            if let Some(v) = f(&self.stdout(), &self.stderr()) {
-                return Ok(v);
-            }
-            if let Some(st) = exited {
-                return Err(self.why(&format!("exited ({st}) before {what}")));
-            }
-            if t.elapsed() > limit {
-                return Err(self.why(&format!("gave no {what} within {} s", limit.as_secs())));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn wait_exit(&mut self, limit: Duration) -> Result<i32, String> {
-        let t = Instant::now();
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(st)) => {
-                    self.drain();
-                    return Ok(st.code().unwrap_or(-1));
-                }
-                Err(e) => return Err(self.why(&format!("cannot be waited for: {e}"))),
-                Ok(None) if t.elapsed() > limit => {
-                    return Err(self.why(&format!("did not exit within {} s", limit.as_secs())))
-                }
-                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
-            }
-        }
-    }
-}
+/// What a process printed on stdout, readable after the process is gone.
+type Lines = SharedOutput;
 
 /// The run's context: the kumo binary, a private temp dir (removed at the end), progress.
 struct Ctx {
@@ -199,38 +107,10 @@ impl Ctx {
         self.dir.as_path().join(format!("{:03}-{tag}", self.seq.fetch_add(1, Ordering::Relaxed)))
     }
 
+    /// `kumo ARGS`, named in errors by `tag` (src, dst, …) and its first arguments.
     fn spawn(&self, tag: &str, args: &[String]) -> Result<Proc, String> {
-        let base = self.path(tag);
-        let (out, err) = (base.with_extension("out"), base.with_extension("err"));
-        let create = |p: &Path| File::create(p).map_err(|e| format!("cannot create {}: {e}", p.display()));
-        let mut file = create(&out)?;
-        let mut child = Command::new(&self.kumo)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(create(&err)?)
-            .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", self.kumo.display()))?;
-        let lines: Lines = Arc::default();
-        let reader = child.stdout.take().map(|stdout| {
-            let lines = lines.clone();
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(stdout);
-                let mut buf = Vec::new();
-                while matches!(r.read_until(b'\n', &mut buf), Ok(n) if n > 0) {
-                    let at = Instant::now();
-                    let _ = file.write_all(&buf);
-                    if buf.ends_with(b"\n") {
-                        if let Ok(mut l) = lines.lock() {
-                            l.push((at, String::from_utf8_lossy(&buf).trim_end().to_string()));
-                        }
-                    }
-                    buf.clear();
-                }
-            })
-        });
-        let what = format!("`kumo {}`", args.iter().take(4).cloned().collect::<Vec<_>>().join(" "));
-        Ok(Proc { stdin: child.stdin.take(), child, lines, reader, out, err, what })
+        let what = format!("{tag} `kumo {}`", args.iter().take(4).cloned().collect::<Vec<_>>().join(" "));
+        Ok(Kid::start(Command::new(&self.kumo).args(args))?.named(&what))
     }
 
     /// Runs `kumo args` to completion (bounded) and fails unless it exits 0.
@@ -253,10 +133,6 @@ impl Ctx {
     fn note(&self, msg: &str) {
         self.bar.suspend(|| eprintln!("{msg}"));
     }
-}
-
-fn sv(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
 }
 
 use crate::free_port;
@@ -304,11 +180,11 @@ impl Clock {
 
 /// The progress lines of a guest that moved from the process that wrote `before` to `vm`, once
 /// `vm` has reported past guest time `until`.
-fn moved_progress(vm: &mut Vm, before: &Path, until: f64) -> Result<Vec<(f64, f64)>, String> {
+fn moved_progress(vm: &mut Vm, before: &SharedOutput, until: f64) -> Result<Vec<(f64, f64)>, String> {
     vm.proc.wait_for(Duration::from_secs(30), "progress past the window", |o, _| {
         progress(o).last().is_some_and(|p| p.0 >= until).then_some(())
     })?;
-    let mut p = progress(&std::fs::read_to_string(before).unwrap_or_default());
+    let mut p = progress(&text_of(before));
     p.extend(progress(&vm.proc.stdout()));
     Ok(p)
 }
@@ -811,7 +687,7 @@ fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, with_downtime_rule: bool, r
                     let clock = Clock::read(&mut vm)?;
                     let before =
                         rate(&progress(&vm.proc.stdout()), clock.t_ms - settle.as_secs_f64() * 800.0, clock.t_ms);
-                    let src_out = vm.proc.out.clone();
+                    let src_out = vm.proc.stdout_handle();
                     let m = hop_to(ctx, &mut vm, dst, mem_mib, d, raw)?;
                     let (a, b) = m.window.ok_or("no migration window")?;
                     let (a, b) = (clock.guest_ms(a), clock.guest_ms(b));
@@ -1143,8 +1019,8 @@ fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration, qu
             return c;
         }
     };
-    let mut history: Vec<Lines> = vec![vm.proc.lines.clone()];
-    let all = |h: &[Lines]| h.iter().flat_map(|l| l.lock().map(|v| v.clone()).unwrap_or_default()).collect::<Vec<_>>();
+    let mut history: Vec<Lines> = vec![vm.proc.stdout_handle()];
+    let all = |h: &[Lines]| h.iter().flat_map(lines_of).collect::<Vec<_>>();
     let mut ready = std::collections::VecDeque::new();
     for (i, &(target, measure)) in steps.iter().enumerate() {
         if ready.is_empty() {
@@ -1162,7 +1038,7 @@ fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration, qu
                 std::thread::sleep(win);
             }
             let m = hop_to(ctx, &mut vm, dst, mem, target.or(Some(KUMO_DEFAULT_TARGET_MS)), 1.0)?;
-            history.push(vm.proc.lines.clone());
+            history.push(vm.proc.stdout_handle());
             h.total_ms = m.total_ms;
             h.downtime_ms = m.downtime_ms;
             if measure && !w.halted {
@@ -1173,10 +1049,10 @@ fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration, qu
         h.error = r.err();
         c.hops.push(h);
     }
-    let out = vm.proc.out.clone();
-    let mut send = || vm.proc.send_input(b"q");
+    let out = vm.proc.stdout_handle();
+    let mut send = || vm.proc.send(b"q");
     ctx.step(format!("kumo, {} {mem} MiB: stopping the guest, checking its memory", w.key));
-    c.memory = Some(finish_guest(w, &mut send, &|| std::fs::read_to_string(&out).unwrap_or_default()));
+    c.memory = Some(finish_guest(w, &mut send, &|| text_of(&out)));
     let _ = vm.proc.wait_exit(Duration::from_secs(30));
     c
 }

@@ -20,7 +20,6 @@
 //! Without `kumo run --net` (or the network guests) the bench measures veth, says so in one line
 //! and exits 1.
 
-pub mod host;
 pub mod stats;
 pub mod tools;
 
@@ -29,7 +28,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use host::{NetGuard, Proc};
+use kumo_testkit::net::{self as host, NetGuard};
+use kumo_testkit::{sv, Kid};
 use stats::{median, Latency, Runs};
 use tools::SinkResult;
 
@@ -156,31 +156,27 @@ pub struct Ctx {
     seq: std::sync::atomic::AtomicU32,
 }
 
-fn sv<S: AsRef<str>>(v: &[S]) -> Vec<String> {
-    v.iter().map(|s| s.as_ref().to_string()).collect()
-}
-
 /// Which subnet a `ip/len` belongs to does not matter here: all live in the run's namespaces.
 fn cidr(addr: &str) -> String {
     format!("{addr}/24")
 }
 
 /// `kumo-bench net-tool ARGS` in namespace `ns`.
-fn tool(bench: &Path, ns: &str, args: &[String]) -> Result<Proc, String> {
+fn tool(bench: &Path, ns: &str, args: &[String]) -> Result<Kid, String> {
     tool_on(bench, ns, args, None)
 }
 
 /// [`tool`] on host CPU `cpu` (`taskset`), if given.
-fn tool_on(bench: &Path, ns: &str, args: &[String], cpu: Option<usize>) -> Result<Proc, String> {
+fn tool_on(bench: &Path, ns: &str, args: &[String], cpu: Option<usize>) -> Result<Kid, String> {
     let mut argv = vec![bench.display().to_string(), "net-tool".into()];
     if let Some(c) = cpu {
         argv.splice(0..0, ["taskset".to_string(), "-c".into(), c.to_string()]);
     }
     argv.extend(args.iter().cloned());
-    Proc::spawn(Some(ns), &argv)
+    Kid::start_in(Some(ns), &argv)
 }
 
-fn wait_ready(p: &mut Proc) -> Result<(), String> {
+fn wait_ready(p: &mut Kid) -> Result<(), String> {
     p.wait_line(Duration::from_secs(30), "ready", |l| (l == "ready").then_some(())).map(|_| ())
 }
 
@@ -349,20 +345,20 @@ struct Nic<'a> {
 
 /// A kumo VM process and its API socket.
 pub struct KumoVm {
-    pub proc: Proc,
+    pub proc: Kid,
     kumo: PathBuf,
     api: PathBuf,
 }
 
 impl std::ops::Deref for KumoVm {
-    type Target = Proc;
-    fn deref(&self) -> &Proc {
+    type Target = Kid;
+    fn deref(&self) -> &Kid {
         &self.proc
     }
 }
 
 impl std::ops::DerefMut for KumoVm {
-    fn deref_mut(&mut self) -> &mut Proc {
+    fn deref_mut(&mut self) -> &mut Kid {
         &mut self.proc
     }
 }
@@ -371,11 +367,11 @@ impl KumoVm {
     /// `kumo counters` (at most 10 s); None if unreadable.
     pub fn counters(&self) -> Option<serde_json::Value> {
         let argv = sv(&[&self.kumo.display().to_string(), "--api-socket", &self.api.display().to_string(), "counters"]);
-        let mut p = Proc::spawn(None, &argv).ok()?;
+        let mut p = Kid::start_in(None, &argv).ok()?;
         if p.wait_exit(Duration::from_secs(10)).ok()? != 0 {
             return None;
         }
-        let text: Vec<String> = p.stdout().into_iter().map(|(_, l)| l).collect();
+        let text: Vec<String> = p.lines().into_iter().map(|(_, l)| l).collect();
         serde_json::from_str(&text.join("\n")).ok()
     }
 }
@@ -392,7 +388,7 @@ fn kumo_vm(ctx: &Ctx, guest: &str, cpus: u32, nics: &[Nic], guest_args: &[String
     }
     argv.push("--".into());
     argv.extend(guest_args.iter().cloned());
-    Ok(KumoVm { proc: Proc::spawn(Some(&ctx.ns), &argv)?, kumo: ctx.kumo.clone(), api })
+    Ok(KumoVm { proc: Kid::start_in(Some(&ctx.ns), &argv)?, kumo: ctx.kumo.clone(), api })
 }
 
 /// Waits for `<guest>: up nic=N` of a guest program.
@@ -485,7 +481,7 @@ fn host_rtt_into(ctx: &Ctx, path: IrqPath, cpus: u32, quiet: &mut RttRow, loud: 
     wait_up(&mut vm, "netecho", 1)?;
     let place = placement();
     if let Some(p) = place {
-        pin_kumo_threads(vm.proc.pid(), consumer, p)?;
+        pin_kumo_threads(vm.proc.id(), consumer, p)?;
     }
     let (measured, interference) = (place.map(|p| p.measured), place.map(|p| p.interference));
     let mut pps = vec![];
@@ -635,7 +631,7 @@ fn vm_to_vm_once(ctx: &Ctx, path: IrqPath) -> Result<SinkResult, String> {
     let mut b = kumo_vm(ctx, "udpsend", 1, &nic_b, &udpsend_args(ctx, VM_B, VM_A))?;
     let limit = BOOT_LIMIT + Duration::from_secs(120);
     let (sent_at, _) = b.wait_line(limit, "udpsend's result", |l| l.contains("udpsend: sent=").then_some(()))?;
-    let start = b.stdout().first().map_or(b.started, |(at, _)| *at);
+    let start = b.lines().first().map_or(b.started, |(at, _)| *at);
     b.wait_exit(Duration::from_secs(30))?;
     // The sink stops at its count or the end marker. If the stream's 3 end markers were all
     // dropped, the host sends them again across the bridge, and the stream ends at udpsend's
@@ -1137,7 +1133,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let (json, png) = (crate::out_file(out, "net.json")?, out.join("net.png"));
     let bench = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
     let plan = Plan { flood_size: a.flood_size, ..Plan::new(a.quick, a.runs, a.flood_pps) };
-    host::cleanup_on_signals()?;
+    host::cleanup_on_signals("kumo bench net")?;
     host::sweep_stale();
     let mut r = Report {
         bench: "net",

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use kumo_guests::numabench;
 use serde::Serialize;
 
-use crate::net::host::Proc;
 use crate::net::stats::median;
+use kumo_testkit::Kid;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -348,9 +348,9 @@ pub fn memory_mib(mb: u64, smb: u64, vcpus: u32) -> u64 {
 
 /// Runs `argv` to its end and parses its result line; the checksum must match `want`.
 fn run_once(argv: &[String], limit: Duration, want: Option<u64>) -> Result<numabench::Result, String> {
-    let mut p = Proc::spawn(None, argv)?;
+    let mut p = Kid::start_in(None, argv)?;
     let code = p.wait_exit(limit)?;
-    let out: Vec<String> = p.stdout().into_iter().map(|(_, l)| l).collect();
+    let out: Vec<String> = p.lines().into_iter().map(|(_, l)| l).collect();
     let out = out.join("\n");
     if code != 0 {
         let last = out.lines().last().unwrap_or("");
@@ -463,6 +463,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kumo_testkit::sv;
 
     fn res(total: u64) -> numabench::Result {
         numabench::Result {
@@ -563,7 +564,6 @@ mod tests {
     /// The guest and hosted builds compute the same thing (equal checksums) on a tiny input.
     #[test]
     fn guest_and_host_builds_agree() {
-        let sv = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let host = kumo_guests::host_program("numabench").unwrap().display().to_string();
         let args = ["mb=1", "smb=1", "iters=2"];
         let mut argv = sv(&[&host, "threads=2"]);
@@ -575,12 +575,7 @@ mod tests {
             println!("skipping the VM half: no /dev/kvm");
             return;
         }
-        // `cargo test` runs from target/<profile>/deps; kumo is built one level up.
-        let kumo = crate::kumo_binary().ok().or_else(|| {
-            let up = std::env::current_exe().ok()?.parent()?.parent()?.join("kumo");
-            up.is_file().then_some(up)
-        });
-        let Some(kumo) = kumo else {
+        let Ok(kumo) = crate::kumo_binary() else {
             println!("skipping the VM half: no kumo binary (cargo build -p kumo-cli)");
             return;
         };

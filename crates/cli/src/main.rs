@@ -11,6 +11,7 @@ macro_rules! note {
 }
 
 mod console;
+mod guest;
 mod lend;
 mod migrate;
 
@@ -272,6 +273,10 @@ struct RunArgs {
     /// KVM_CAP_HALT_POLL); default: the host's kvm.halt_poll_ns.
     #[arg(long, value_name = "NS", conflicts_with_all = ["incoming", "restore"])]
     halt_poll_ns: Option<u32>,
+    /// Give the VM the debug exit port (0x501: the guest ends the VM with an exit code).
+    /// Always on with --guest (kumo's guests need it); off by default for --kernel.
+    #[arg(long, conflicts_with_all = ["incoming", "restore"])]
+    debug_exit: bool,
     /// Elastic sharing with other VMs (docs/elastic.md): cpus=LIST,memory=SIZE[,plugged=SIZE]
     /// [,block=SIZE]. cpus= are the host CPUs the VM holds at boot (vCPU 1 pinned on the first,
     /// vCPU 2 on the next...; vCPU 0 floats and is never lent; the other vCPUs are spares,
@@ -340,7 +345,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
     };
     let mut payload = match (&a.kernel, &a.guest, &file.payload) {
         (Some(k), ..) => Payload::Kernel { path: k.clone(), initrd: a.initrd.clone(), cmdline: a.cmdline.clone() },
-        (None, Some(g), _) => Payload::Guest { name: g.clone(), args: a.guest_args.clone() },
+        (None, Some(g), _) => Payload::Guest { name: g.clone(), args: a.guest_args.clone(), program: None },
         (None, None, Some(p)) => p.clone(),
         (None, None, None) => {
             let given = [
@@ -354,6 +359,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 ("--numa-distance", !a.numa_distance.is_empty()),
                 ("--pv", a.pv.is_some()),
                 ("--halt-poll-ns", a.halt_poll_ns.is_some()),
+                ("--debug-exit", a.debug_exit),
                 ("guest arguments", !a.guest_args.is_empty()),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
@@ -442,7 +448,8 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             .collect::<Result<_, _>>()
             .map_err(err)?;
     }
-    Ok(Some(VmConfig {
+    let debug_exit = a.debug_exit || file.debug_exit.unwrap_or(false) || matches!(payload, Payload::Guest { .. });
+    let mut config = VmConfig {
         cpus,
         memory,
         irqchip,
@@ -463,7 +470,10 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             Some(s) => Some(kumo_vmm::elastic::ElasticConfig::parse(s).map_err(|e| e.to_string())?),
             None => file.elastic,
         },
-    }))
+        debug_exit,
+    };
+    guest::resolve(&mut config)?;
+    Ok(Some(config))
 }
 
 /// `--net` and `--numa` of `--incoming` or `--restore`: the arriving VM's host resources.
@@ -803,6 +813,8 @@ fn init_logging(verbose: u8, log_file: Option<&std::path::Path>) -> Result<(), S
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The VMM knows no guest programs: it checks an arriving VM's guest through kumo-guests.
+    kumo_vmm::guest_program::set_guest_check(guest::check);
     if let Err(e) = init_logging(cli.verbose, cli.log_file.as_deref()) {
         note!("kumo: error: {e}");
         return ExitCode::from(1);

@@ -58,38 +58,3 @@ mod tests {
         assert!(section(elf, ".nope").unwrap_err().contains("no .nope"));
     }
 }
-
-/// End (highest `p_paddr + p_memsz`) of the PT_LOAD segments: where free memory starts.
-pub fn image_end(elf: &[u8]) -> Result<u64, String> {
-    let bad = || "truncated or malformed ELF".to_string();
-    if elf.get(..4) != Some(b"\x7fELF") {
-        return Err("not an ELF image".into());
-    }
-    let phoff = u64_at(elf, 0x20).ok_or_else(bad)?;
-    let phentsize = u16_at(elf, 0x36).ok_or_else(bad)? as usize;
-    let phnum = u16_at(elf, 0x38).ok_or_else(bad)? as usize;
-    let mut end = 0u64;
-    for i in 0..phnum {
-        let h = phoff.checked_add(i.checked_mul(phentsize).ok_or_else(bad)?).ok_or_else(bad)?;
-        if u32_at(elf, h).ok_or_else(bad)? == 1 {
-            let paddr = u64_at(elf, h + 0x18).ok_or_else(bad)? as u64;
-            let memsz = u64_at(elf, h + 0x28).ok_or_else(bad)? as u64;
-            end = end.max(paddr.checked_add(memsz).ok_or_else(bad)?);
-        }
-    }
-    if end == 0 {
-        return Err("no loadable segment".into());
-    }
-    Ok(end)
-}
-
-#[cfg(test)]
-mod image_tests {
-    #[test]
-    fn image_end_covers_bss() {
-        let (_, elf) = crate::BUILT[1]; // memtouch: its stacks live in .bss
-        let end = super::image_end(elf).unwrap();
-        assert!(end > 0x100000 + 64 * 16384, "{end:#x}");
-        assert!(super::image_end(b"nope").is_err());
-    }
-}

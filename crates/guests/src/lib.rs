@@ -11,7 +11,6 @@ pub mod numabench;
 pub mod sync;
 pub mod worker;
 
-pub use elf::image_end;
 pub use manifest::{Manifest, Param, ParamKind};
 
 include!(concat!(env!("OUT_DIR"), "/built.rs"));

@@ -6,6 +6,7 @@ pub use kumo_vm::{parse_size, IrqchipMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
 pub use crate::guest_numa::{NumaConfig, NumaDistance, NumaNodeSpec};
+use crate::guest_program::GuestProgram;
 use crate::size::size_de;
 use crate::Error;
 
@@ -13,11 +14,15 @@ use crate::Error;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase", deny_unknown_fields)]
 pub enum Payload {
-    /// One of kumo's own guest programs, with `key=value` arguments.
+    /// One of kumo's own guest programs, with `key=value` arguments. The name and arguments
+    /// travel with the VM (migrations, snapshots, `vm.info`); the program itself is resolved
+    /// by whoever builds the config (`kumo run --guest NAME`) and is needed only to boot.
     Guest {
         name: String,
         #[serde(default)]
         args: Vec<String>,
+        #[serde(skip)]
+        program: Option<GuestProgram>,
     },
     /// A Linux kernel (bzImage or PVH vmlinux).
     Kernel {
@@ -27,6 +32,13 @@ pub enum Payload {
         #[serde(default)]
         cmdline: Option<String>,
     },
+}
+
+impl Payload {
+    /// Guest program `name` with `args`, not resolved yet (no program image).
+    pub fn guest(name: &str, args: &[&str]) -> Payload {
+        Payload::Guest { name: name.into(), args: args.iter().map(|s| s.to_string()).collect(), program: None }
+    }
 }
 
 /// The command line for `--kernel` without `--cmdline`: the serial console, no reboot loop, and
@@ -81,6 +93,16 @@ pub struct VmConfig {
     /// Elastic sharing of host CPUs and memory with other VMs (`--elastic`, docs/elastic.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elastic: Option<crate::elastic::ElasticConfig>,
+    /// The debug exit port (ports 0x501–0x502, `--debug-exit`): how kumo's guests end the VM
+    /// with an exit code and mark timings; `kumo run --guest` turns it on, a Linux kernel does
+    /// without. Carried to a migration's destination; a stream or snapshot without it comes
+    /// from before it was optional, when every VM had the port.
+    #[serde(default = "every_vm_had_it")]
+    pub debug_exit: bool,
+}
+
+fn every_vm_had_it() -> bool {
+    true
 }
 
 /// One virtio-net NIC, on a host tap (`tap=NAME[,mac=52:54:00:..][,queues=N][,irq=PATH][,vcpu=N]`)
@@ -243,6 +265,8 @@ pub struct ConfigFile {
     pub pv: Option<kumo_vm::pv::PvRequest>,
     #[serde(default)]
     pub elastic: Option<crate::elastic::ElasticConfig>,
+    #[serde(default)]
+    pub debug_exit: Option<bool>,
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -267,8 +291,29 @@ impl ConfigFile {
 }
 
 impl VmConfig {
+    /// A VM booting `payload` with the defaults of a config file that says nothing else: one
+    /// vCPU, 256 MiB, KVM's irqchip, no NICs, no NUMA nodes, no pins, the default PV features,
+    /// the debug exit port for a kumo guest only. Tests write `VmConfig { cpus: 2,
+    /// ..VmConfig::new(payload) }`.
+    pub fn new(payload: Payload) -> VmConfig {
+        VmConfig {
+            cpus: default_cpus(),
+            memory: default_memory(),
+            irqchip: IrqchipMode::default(),
+            debug_exit: matches!(payload, Payload::Guest { .. }),
+            payload,
+            net: Vec::new(),
+            numa: None,
+            pins: Vec::new(),
+            pv: Default::default(),
+            halt_poll_ns: None,
+            elastic: None,
+        }
+    }
+
     /// Checks the VM's shape before anything is allocated: vCPUs and memory against kumo's and
-    /// this host's limits (`kumo_vm::layout::check_shape`), and a kumo guest's own vCPU range.
+    /// this host's limits (`kumo_vm::layout::check_shape`), and a kumo guest's own vCPU range
+    /// and arguments (the registered `guest_program::GuestCheck`).
     /// Every path that builds a VM comes through here, incoming migrations included.
     pub fn validate_shape(&self) -> Result<(), Error> {
         self.validate_shape_on(&kumo_vm::layout::HostLimits::probe()?)
@@ -277,8 +322,8 @@ impl VmConfig {
     /// [`Self::validate_shape`] against given host limits.
     pub fn validate_shape_on(&self, host: &kumo_vm::layout::HostLimits) -> Result<(), Error> {
         kumo_vm::layout::check_shape(self.cpus, self.memory, host)?;
-        if let Payload::Guest { name, .. } = &self.payload {
-            kumo_guests::find(name)?.check_cpus(self.cpus)?;
+        if let Payload::Guest { name, args, .. } = &self.payload {
+            crate::guest_program::check(name, args, self.cpus)?;
         }
         Ok(())
     }
@@ -287,6 +332,11 @@ impl VmConfig {
     pub fn validate(&self) -> Result<(), Error> {
         self.validate_common()?;
         match &self.payload {
+            Payload::Guest { name, program: None, .. } => {
+                return Err(Error::Config(format!(
+                    "guest {name}: no program image given (`kumo run --guest` resolves it)"
+                )));
+            }
             Payload::Guest { .. } => {}
             Payload::Kernel { path, initrd, .. } => {
                 for (what, p) in
@@ -308,16 +358,12 @@ impl VmConfig {
 
     /// What [`Self::validate`] checks of a VM that boots here and of one that arrives (a
     /// migration's or a snapshot's, after its host resources are resolved): the shape, the NICs,
-    /// the NUMA nodes (their host nodes exist), elastic sharing, a kumo guest's arguments.
+    /// the NUMA nodes (their host nodes exist), elastic sharing.
     fn validate_common(&self) -> Result<(), Error> {
         self.validate_shape()?;
         self.validate_net()?;
         self.validate_numa()?;
-        self.validate_elastic()?;
-        if let Payload::Guest { name, args } = &self.payload {
-            kumo_guests::find(name)?.command_line(args)?;
-        }
-        Ok(())
+        self.validate_elastic()
     }
 
     /// Checks an arriving VM (a migration stream's or a snapshot's config, its host resources
@@ -425,7 +471,7 @@ mod tests {
         .unwrap();
         assert_eq!(t.cpus, Some(2));
         assert_eq!(t.memory, Some(512 << 20));
-        assert_eq!(t.payload, Some(Payload::Guest { name: "memtouch".into(), args: vec!["pages=10".into()] }));
+        assert_eq!(t.payload, Some(Payload::guest("memtouch", &["pages=10"])));
         let j = ConfigFile::load(&write(
             "b.json",
             r#"{"memory": 67108864, "irqchip": "split", "payload": {"kernel": {"path": "/k"}}}"#,
@@ -439,18 +485,7 @@ mod tests {
     }
 
     fn base() -> VmConfig {
-        VmConfig {
-            cpus: 1,
-            memory: 64 << 20,
-            irqchip: IrqchipMode::Kernel,
-            payload: Payload::Guest { name: "hello".into(), args: vec![] },
-            net: vec![],
-            numa: None,
-            pins: vec![],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
-        }
+        VmConfig { memory: 64 << 20, ..VmConfig::new(Payload::guest("hello", &[])) }
     }
 
     #[test]
@@ -518,23 +553,20 @@ mod tests {
 
     #[test]
     fn validation() {
-        let guest = |name: &str, args: &[&str]| Payload::Guest {
-            name: name.into(),
-            args: args.iter().map(|s| s.to_string()).collect(),
+        crate::guest_program::tests::test_guests();
+        // A guest resolved by its caller (an empty image: nothing is loaded here).
+        let guest = |name: &str, args: &[&str]| match Payload::guest(name, args) {
+            Payload::Guest { name, args, .. } => {
+                let program = crate::GuestProgram { elf: std::sync::Arc::from(&[][..]), cmdline: args.join(" ") };
+                Payload::Guest { name, args, program: Some(program) }
+            }
+            k => k,
         };
-        let ok = VmConfig {
-            cpus: 1,
-            memory: 64 << 20,
-            irqchip: IrqchipMode::Kernel,
-            payload: guest("hello", &[]),
-            net: vec![],
-            numa: None,
-            pins: vec![],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
-        };
+        let ok = VmConfig { memory: 64 << 20, ..VmConfig::new(guest("hello", &[])) };
         ok.validate().unwrap();
+        assert!(ok.debug_exit, "a kumo guest's VM has the debug exit port");
+        let e = VmConfig { payload: Payload::guest("hello", &[]), ..ok.clone() }.validate().unwrap_err().to_string();
+        assert!(e.contains("guest hello: no program image given"), "{e}");
         assert!(VmConfig { cpus: 0, ..ok.clone() }.validate().unwrap_err().to_string().contains("at least 1"));
         assert!(VmConfig { cpus: 9999, ..ok.clone() }.validate().unwrap_err().to_string().contains("kumo's limit"));
         assert!(VmConfig { memory: 1000, ..ok.clone() }.validate().unwrap_err().to_string().contains("4 KiB"));
@@ -563,21 +595,11 @@ mod tests {
     fn shape_table() {
         use kumo_vm::layout::HostLimits;
         use kumo_vm::memory::HostMemory;
+        crate::guest_program::tests::test_guests();
         let host = HostLimits { memory: HostMemory { total: 24 << 30 }, kvm_max_vcpus: Some(128) };
-        let guest = |name: &str| Payload::Guest { name: name.into(), args: vec![] };
+        let guest = |name: &str| Payload::guest(name, &[]);
         let kernel = Payload::Kernel { path: "/k".into(), initrd: None, cmdline: None };
-        let vm = |cpus, memory, payload: Payload| VmConfig {
-            cpus,
-            memory,
-            irqchip: IrqchipMode::Kernel,
-            payload,
-            net: vec![],
-            numa: None,
-            pins: vec![],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
-        };
+        let vm = |cpus, memory, payload: Payload| VmConfig { cpus, memory, ..VmConfig::new(payload) };
         for ok in [
             vm(1, 8 << 20, guest("hello")),
             vm(64, 1 << 30, guest("memtouch")),
@@ -623,18 +645,8 @@ mod tests {
         );
         assert_eq!(numa.nodes[1].memory, 256 << 20);
         assert_eq!(numa.distances, vec![NumaDistance { src: 0, dst: 1, value: 21 }]);
-        let c = VmConfig {
-            cpus: 2,
-            memory: 512 << 20,
-            irqchip: IrqchipMode::Kernel,
-            payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
-            net: vec![],
-            numa: Some(numa),
-            pins: vec![],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
-        };
+        let c =
+            VmConfig { cpus: 2, memory: 512 << 20, numa: Some(numa), ..VmConfig::new(Payload::guest("memtouch", &[])) };
         // A config travels in migration streams and snapshots: the topology survives the trip,
         // and a config without NUMA nodes reads and writes as before.
         let back: VmConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
@@ -658,6 +670,20 @@ mod tests {
         std::fs::remove_dir_all(&root).unwrap();
     }
 
+    /// The debug exit port travels with the VM; a stream or snapshot from before it was
+    /// optional keeps the port every VM then had.
+    #[test]
+    fn debug_exit_travels_and_old_streams_keep_the_port() {
+        let k = VmConfig::new(Payload::Kernel { path: "/k".into(), initrd: None, cmdline: None });
+        assert!(!k.debug_exit);
+        let v = serde_json::to_value(&k).unwrap();
+        assert_eq!(v["debug_exit"], false);
+        assert_eq!(serde_json::from_value::<VmConfig>(v).unwrap(), k);
+        let old: VmConfig = serde_json::from_str(r#"{"payload": {"kernel": {"path": "/k"}}}"#).unwrap();
+        assert!(old.debug_exit);
+        assert_eq!(ConfigFile::load(&write("x.toml", "debug_exit = true\n")).unwrap().debug_exit, Some(true));
+    }
+
     #[test]
     fn absurd_sizes_in_files_are_refused() {
         let e = ConfigFile::load(&write("f.toml", "memory = \"99999999999T\"\n")).unwrap_err().to_string();
@@ -670,18 +696,7 @@ mod tests {
     #[test]
     fn pv_travels_and_old_configs_read_as_before() {
         use kumo_vm::pv::{PvRequest, PvSet};
-        let c = VmConfig {
-            cpus: 1,
-            memory: 64 << 20,
-            irqchip: IrqchipMode::Kernel,
-            payload: Payload::Guest { name: "hello".into(), args: vec![] },
-            net: vec![],
-            numa: None,
-            pins: vec![],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
-        };
+        let c = VmConfig { memory: 64 << 20, ..VmConfig::new(Payload::guest("hello", &[])) };
         let v = serde_json::to_value(&c).unwrap();
         assert!(v.get("pv").is_none(), "{v}");
         assert_eq!(serde_json::from_value::<VmConfig>(v).unwrap(), c);

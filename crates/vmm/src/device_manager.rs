@@ -4,8 +4,9 @@
 //! snapshots carry (`persist`). A new device (virtio-net over PCI, a userspace APIC) is added
 //! here and in nothing else in `RunningVm`.
 //!
-//! Today's devices: COM1 (8250 UART on port 0x3f8, IRQ 4 through an irqfd), the debug port
-//! (guest exit and timing markers, ports 0x501–0x502), PCI bus 0 with its host bridge
+//! Today's devices: COM1 (8250 UART on port 0x3f8, IRQ 4 through an irqfd), the debug exit
+//! port if the VM asks for it (guest exit and timing markers, ports 0x501–0x502: kumo's guests
+//! need it, a Linux kernel does without), PCI bus 0 with its host bridge
 //! (`pci`), and virtio-net NICs on host taps (`nic`), each on its seed-000 interrupt path.
 
 use std::io::{Read, Write};
@@ -50,8 +51,9 @@ pub struct DeviceManager {
 }
 
 impl DeviceManager {
-    /// Creates the devices of `vm`, with COM1's output going to `console`, and its NICs.
-    pub fn new(vm: &Vm, console: Box<dyn Write + Send>, nets: &[NetSpec]) -> Result<DeviceManager> {
+    /// Creates the devices of `vm`, with COM1's output going to `console`, its NICs, and the
+    /// debug exit port if `debug_exit`.
+    pub fn new(vm: &Vm, console: Box<dyn Write + Send>, nets: &[NetSpec], debug_exit: bool) -> Result<DeviceManager> {
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("serial interrupt"))?;
         // With a split irqchip there is no in-kernel IOAPIC pin: the serial then runs polled.
         vm.interrupts.register_irqfd(&irq, COM1_IRQ).map_err(kumo_vm::Error::from)?;
@@ -62,7 +64,9 @@ impl DeviceManager {
         let mut buses = Buses::default();
         let bus_err = |e: kumo_devices::BusError| Error::Devices(e.to_string());
         buses.pio.insert(COM1_PORT.into(), 8, serial.clone()).map_err(bus_err)?;
-        buses.pio.insert(EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort))).map_err(bus_err)?;
+        if debug_exit {
+            buses.pio.insert(EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort))).map_err(bus_err)?;
+        }
 
         let mut pci = Pci::new(&vm.memory.layout, vm.interrupts.clone(), &mut buses)?;
         let dispatcher = if nets.iter().any(|n| n.irq == IrqPath::Shared) {
@@ -298,7 +302,7 @@ mod tests {
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[]).unwrap();
+        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
         let (mut user, end) = UnixStream::pair().unwrap();
         dm.attach_console_input(end.into()).unwrap();
         let (other, _keep) = UnixStream::pair().unwrap();
@@ -318,7 +322,7 @@ mod tests {
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let a = DeviceManager::new(&vm, Box::new(std::io::sink()), &[]).unwrap();
+        let a = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
         a.buses().pio.write(u64::from(COM1_PORT) + 7, &[0x5a]); // scratch register
         a.serial_input(b"hi");
         let states: DeviceStates =
@@ -326,7 +330,7 @@ mod tests {
         assert_eq!(states.keys().collect::<Vec<_>>(), ["com1", "pci-root"]);
 
         let vm_b = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let b = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[]).unwrap();
+        let b = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
         let mut extra = states.clone();
         extra.insert("net0".into(), serde_json::json!({}));
         let e = b.restore_states(&extra).unwrap_err().to_string();
@@ -341,13 +345,27 @@ mod tests {
     }
 
     #[test]
+    fn the_debug_exit_port_is_there_only_when_asked_for() {
+        if !kumo_vm::vm::kvm_available() {
+            eprintln!("skipping the_debug_exit_port_is_there_only_when_asked_for: /dev/kvm not available");
+            return;
+        }
+        for on in [true, false] {
+            let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+            let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], on).unwrap();
+            assert_eq!(dm.buses().pio.lookup(EXIT_PORT.into()).is_some(), on);
+            assert_eq!(dm.buses().pio.write(EXIT_PORT.into(), &[3]).is_some(), on, "an exit with code 3");
+        }
+    }
+
+    #[test]
     fn a_regular_file_is_refused_as_console_input() {
         if !kumo_vm::vm::kvm_available() {
             eprintln!("skipping a_regular_file_is_refused_as_console_input: /dev/kvm not available");
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[]).unwrap();
+        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
         let f = vmm_sys_util::tempfile::TempFile::new().unwrap();
         let fd: OwnedFd = f.into_file().into();
         let e = dm.attach_console_input(fd).unwrap_err().to_string();

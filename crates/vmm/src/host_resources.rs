@@ -252,21 +252,16 @@ fn parse_node(s: &str) -> Result<NodeBinding, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{IrqchipMode, NumaConfig, NumaNodeSpec};
+    use crate::config::{NumaConfig, NumaNodeSpec};
     use crate::{NetSpec, Payload};
 
     fn vm(nets: &[&str]) -> VmConfig {
         VmConfig {
             cpus: 2,
             memory: 64 << 20,
-            irqchip: IrqchipMode::Kernel,
-            payload: Payload::Guest { name: "netecho".into(), args: vec![] },
             net: nets.iter().map(|s| NetSpec::parse(s).unwrap()).collect(),
-            numa: None,
             pins: vec![Some(3), Some(4)],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
+            ..VmConfig::new(Payload::guest("netecho", &[]))
         }
     }
 

@@ -9,6 +9,8 @@
 //!   `event_monitor`: the lifecycle event monitor;
 //! - `host_resources`: what an arriving VM's NICs and NUMA nodes get on this host;
 //! - `config`, `api` (the control API's handler), `migration` (source and destination sides);
+//! - `guest_program`: a kumo guest program as an ELF image and command line (the VMM links no
+//!   guests; the `kumo` CLI resolves `--guest NAME`);
 //! - `lifecycle`: an empty VMM, which its API tells to restore a snapshot or receive a VM.
 
 pub mod acpi;
@@ -20,6 +22,7 @@ pub mod elastic;
 pub mod event_loop;
 pub mod event_monitor;
 pub mod guest_numa;
+pub mod guest_program;
 pub mod host_resources;
 pub mod lifecycle;
 pub mod migration;
@@ -35,6 +38,7 @@ pub mod virtio_pci;
 pub mod vmm;
 
 pub use config::{ConfigFile, NetSpec, NumaConfig, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
+pub use guest_program::GuestProgram;
 pub use vcpu_manager::{monotonic_ns, Outcome, Timings};
 pub use vmm::{RunReport, RunningVm, Snapshot};
 
@@ -42,8 +46,9 @@ pub use vmm::{RunReport, RunningVm, Snapshot};
 pub enum Error {
     #[error("config: {0}")]
     Config(String),
-    #[error(transparent)]
-    Guest(#[from] kumo_guests::GuestError),
+    /// A guest program's own check failed (`guest_program::GuestCheck`).
+    #[error("{0}")]
+    Guest(String),
     #[error(transparent)]
     Vm(#[from] kumo_vm::Error),
     #[error("loading guest program: {0}")]

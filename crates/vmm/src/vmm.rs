@@ -89,7 +89,7 @@ mod linux_loader_shim {
     pub fn load_elf(mem: &kumo_vm::GuestMemory, elf: &[u8]) -> Result<(u64, u64)> {
         let r = Elf::load(mem, None, &mut Cursor::new(elf), Some(GuestAddress(HIMEM_START)))
             .map_err(|e| Error::Load(e.to_string()))?;
-        let end = kumo_guests::image_end(elf).map_err(Error::Load)?;
+        let end = crate::guest_program::image_end(elf).map_err(Error::Load)?;
         Ok((r.kernel_load.0, end.max(r.kernel_end)))
     }
 }
@@ -273,7 +273,7 @@ fn create_devices(
     vcpus: &Arc<VcpuManager>,
 ) -> Result<DeviceManager> {
     let sink = TimedSink { out: serial, vcpus: vcpus.clone(), seen: false, line: Vec::new() };
-    DeviceManager::new(vm, Box::new(sink), &config.net)
+    DeviceManager::new(vm, Box::new(sink), &config.net, config.debug_exit)
 }
 
 /// Loads the payload into guest memory; returns each vCPU's entry (`None`: it waits for
@@ -281,8 +281,10 @@ fn create_devices(
 fn load_payload(vm: &Vm, config: &VmConfig, areas: &[AreaPlan], vcpus: &[Vcpu]) -> Result<Vec<Option<Entry>>> {
     let n = config.cpus as usize;
     match &config.payload {
-        Payload::Guest { name, args } => {
-            let rip = load_kumo_guest(vm, config, areas, vcpus, name, args)?;
+        Payload::Guest { name, program, .. } => {
+            let program =
+                program.as_ref().ok_or_else(|| Error::Config(format!("guest {name}: no program image given")))?;
+            let rip = load_kumo_guest(vm, config, areas, vcpus, name, program)?;
             Ok(vec![Some(Entry::KumoGuest { rip }); n])
         }
         Payload::Kernel { path, initrd, cmdline } => {
@@ -309,12 +311,11 @@ fn load_kumo_guest(
     areas: &[AreaPlan],
     vcpus: &[Vcpu],
     name: &str,
-    args: &[String],
+    program: &crate::guest_program::GuestProgram,
 ) -> Result<u64> {
     let mem = &vm.memory.guest;
-    let guest = kumo_guests::find(name)?;
-    let cmdline = guest.command_line(args)?;
-    let (rip, end) = load_elf(mem, guest.elf)?;
+    let cmdline = program.cmdline.clone();
+    let (rip, end) = load_elf(mem, &program.elf)?;
     // Elastic memory is not the guest's to allocate from until it is plugged.
     let free_end = areas.iter().map(|a| a.gpa).fold(vm.memory.layout.low_ram_end(), u64::min);
     let info = KumoBootInfo {

@@ -41,6 +41,9 @@ pub struct VmDescription {
     /// KVM paravirtual features the guest was given, so its CPUID does not change on arrival.
     #[serde(default, skip_serializing_if = "PvDescription::is_empty")]
     pub pv: PvDescription,
+    /// kumo's debug exit port is on the bus (kumo's own guests end through it).
+    #[serde(default)]
+    pub debug_exit: bool,
     /// Page size; must be [`PAGE_SIZE`].
     pub page_size: u32,
     /// RAM regions as `(gpa, len)`, page-aligned and disjoint.
@@ -229,6 +232,7 @@ impl VmDescription {
             nets: Vec::new(),
             numa: None,
             pv: PvDescription::default(),
+            debug_exit: false,
             page_size: PAGE_SIZE,
             regions,
             connections: 1,

@@ -22,13 +22,14 @@ pub fn describe(c: &VmConfig, regions: Vec<(u64, u64)>) -> VmDescription {
         IrqchipMode::User => wire::Irqchip::User,
     };
     let payload = match &c.payload {
-        Payload::Guest { name, args } => wire::PayloadDescription::Guest { name: name.clone(), args: args.clone() },
+        Payload::Guest { name, args, .. } => wire::PayloadDescription::Guest { name: name.clone(), args: args.clone() },
         Payload::Kernel { path, initrd, cmdline } => {
             wire::PayloadDescription::Kernel { path: path.clone(), initrd: initrd.clone(), cmdline: cmdline.clone() }
         }
     };
     let mut d = VmDescription::new(c.cpus, irqchip, payload, regions);
     d.memory_bytes = c.memory;
+    d.debug_exit = c.debug_exit;
     d.nets = c.net.iter().map(describe_nic).collect();
     d.numa = c.numa.as_ref().map(|n| wire::NumaDescription {
         nodes: n
@@ -85,7 +86,11 @@ fn config_of(d: &VmDescription) -> VmConfig {
         wire::Irqchip::User => IrqchipMode::User,
     };
     let payload = match &d.payload {
-        wire::PayloadDescription::Guest { name, args } => Payload::Guest { name: name.clone(), args: args.clone() },
+        // The program image is the embedding program's to find (`guest_program`): a migrated
+        // or restored VM's memory already holds it.
+        wire::PayloadDescription::Guest { name, args } => {
+            Payload::Guest { name: name.clone(), args: args.clone(), program: None }
+        }
         wire::PayloadDescription::Kernel { path, initrd, cmdline } => {
             Payload::Kernel { path: path.clone(), initrd: initrd.clone(), cmdline: cmdline.clone() }
         }
@@ -133,6 +138,7 @@ fn config_of(d: &VmDescription) -> VmConfig {
         },
         halt_poll_ns: None,
         elastic: None,
+        debug_exit: d.debug_exit,
     }
 }
 
@@ -159,18 +165,9 @@ mod tests {
     use kumo_vm::pv::{PvRequest, PvSet};
 
     fn vm(cpus: u32, memory: u64, guest: &str) -> VmConfig {
-        VmConfig {
-            cpus,
-            memory,
-            irqchip: IrqchipMode::Kernel,
-            payload: Payload::Guest { name: guest.into(), args: vec![] },
-            net: vec![],
-            numa: None,
-            pins: vec![],
-            pv: Default::default(),
-            halt_poll_ns: None,
-            elastic: None,
-        }
+        // An arriving guest is checked by what the embedding program registered.
+        crate::guest_program::tests::test_guests();
+        VmConfig { cpus, memory, irqchip: IrqchipMode::Kernel, ..VmConfig::new(Payload::guest(guest, &[])) }
     }
 
     fn desc(c: &VmConfig) -> VmDescription {
@@ -257,14 +254,7 @@ mod tests {
         let with_numa = |n: NumaConfig| VmConfig { numa: Some(n), ..base.clone() };
         let queues = |q| NetSpec { queues: q, ..nic("tap=t") };
         let cases = [
-            (
-                VmConfig {
-                    payload: Payload::Guest { name: "memtouch".into(), args: vec!["pages=x".into()] },
-                    ..base.clone()
-                },
-                ours(&[], &[]),
-                "pages",
-            ),
+            (VmConfig { payload: Payload::guest("memtouch", &["pages=x"]), ..base.clone() }, ours(&[], &[]), "pages"),
             (with_net(vec![queues(17)]), ours(&["tap=mine"], &[]), "queues=17 is not 1..=16"),
             (with_net(vec![queues(0)]), ours(&["tap=mine"], &[]), "queues=0"),
             (

@@ -560,7 +560,7 @@ fn parse_migration(info: &Value) -> Result<QemuMigration, String> {
     })
 }
 
-pub use crate::free_port;
+pub use crate::try_free_port as free_port;
 
 #[cfg(test)]
 mod tests {
