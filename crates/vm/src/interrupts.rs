@@ -369,6 +369,23 @@ impl Interrupts {
         i.gsis.release(gsi)
     }
 
+    /// Sends one MSI now, with no GSI or irqfd: a VMM-side notification (the elastic channel's
+    /// vector). KVM's LAPICs take it through `KVM_SIGNAL_MSI`; with `--irqchip user` kumo's own
+    /// LAPICs do, as a device's routed MSI reaches them.
+    pub fn send_msi(&self, msg: MsiMessage) -> Result<()> {
+        if let Some(u) = &self.user {
+            u.apics.msi(msg.address, msg.data);
+            return Ok(());
+        }
+        let msi = kvm_bindings::kvm_msi {
+            address_lo: msg.address as u32,
+            address_hi: (msg.address >> 32) as u32,
+            data: msg.data,
+            ..Default::default()
+        };
+        self.fd.signal_msi(msi).map(drop).map_err(kvm("KVM_SIGNAL_MSI"))
+    }
+
     /// Whether `gsi` has somewhere to go: legacy pins only exist with the in-kernel irqchip.
     fn routable(&self, gsi: u32) -> bool {
         gsi >= IOAPIC_PINS || matches!(self.mode, IrqchipMode::Kernel | IrqchipMode::User)

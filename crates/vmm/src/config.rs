@@ -362,17 +362,15 @@ impl VmConfig {
         Ok(())
     }
 
-    /// Checks `--elastic` against the rest: a kumo guest (only they speak the channel), KVM's
-    /// local APIC (the channel's interrupt), vCPU pins of its own, room for the areas.
+    /// Checks `--elastic` against the rest: a kumo guest (only they speak the channel), vCPU
+    /// pins of its own, room for the areas. Any irqchip: the channel's interrupt goes through
+    /// `kumo_vm::interrupts`, which reaches kumo's LAPICs with `--irqchip user` too.
     pub fn validate_elastic(&self) -> Result<(), Error> {
         let Some(e) = &self.elastic else { return Ok(()) };
         e.validate(self.cpus)?;
         let bad = |m: &str| Err(Error::Config(format!("--elastic: {m}")));
         if !matches!(self.payload, Payload::Guest { .. }) {
             return bad("needs a kumo guest that speaks the elastic channel (e.g. --guest worker)");
-        }
-        if self.irqchip == IrqchipMode::User {
-            return bad("needs KVM's local APIC (--irqchip kernel or split), not --irqchip user");
         }
         if self.pins.iter().any(Option::is_some) || self.numa.as_ref().is_some_and(|n| n.pins_vcpus()) {
             return bad("pins the vCPUs itself (cpus=); drop --cpus …,pin= and --numa …,pin=");

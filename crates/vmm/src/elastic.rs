@@ -243,7 +243,8 @@ pub struct ElasticVm {
     mem: GuestMemory,
     /// Where blocks the guest does not hold are fenced off (kumo_vm::memory::Fences).
     fences: Arc<kumo_vm::memory::Fences>,
-    fd: Arc<kvm_ioctls::VmFd>,
+    /// The channel's vector goes through the VM's interrupt layer, to KVM's LAPICs or kumo's.
+    irq: Arc<kumo_vm::interrupts::Interrupts>,
     doorbell: EventFd,
     epoll: Epoll,
     /// One request at a time: the channel has one request slot.
@@ -347,7 +348,7 @@ impl ElasticVm {
             mailbox,
             mem,
             fences: vm.memory.fences.clone(),
-            fd: vm.fd.clone(),
+            irq: vm.interrupts.clone(),
             doorbell,
             epoll,
             state: Mutex::new(State { vcpus, plugged, borrowed: vec![BTreeMap::new(); areas.len()], events }),
@@ -373,12 +374,8 @@ impl ElasticVm {
 
     /// Sends the channel's vector to vCPU `v` (its APIC ID is its index): wakes it if halted.
     fn notify(&self, v: u32) -> R<()> {
-        let msi = kvm_bindings::kvm_msi {
-            address_lo: 0xfee0_0000 | (v << 12),
-            data: mailbox::VECTOR as u32,
-            ..Default::default()
-        };
-        self.fd.signal_msi(msi).map(drop).map_err(|e| ElasticError::Failed(format!("KVM_SIGNAL_MSI to vCPU {v}: {e}")))
+        let msg = kumo_vm::interrupts::MsiMessage { address: 0xfee0_0000 | (u64::from(v) << 12), data: mailbox::VECTOR.into() };
+        self.irq.send_msi(msg).map_err(|e| ElasticError::Failed(format!("the channel's MSI to vCPU {v}: {e}")))
     }
 
     fn notify_all(&self, mask: u64) -> R<()> {

@@ -1079,6 +1079,10 @@ impl crate::elastic::VcpuControl for RunningVm {
             if let Some(t) = lock(&self.shared.threads).get(id).filter(|t| !t.is_finished()) {
                 let _ = t.kill(kick_signal());
             }
+            // With kumo's APIC a halted vCPU waits outside KVM_RUN, where no signal reaches it.
+            if let Some(u) = &self.shared.uapic {
+                u.wake_all();
+            }
             let c = lock(&self.shared.ctl);
             if !c.vcpu_parked[id] {
                 drop(self.shared.cv.wait_timeout(c, Duration::from_millis(2)));
@@ -1174,8 +1178,10 @@ fn vcpu_thread(vcpu: Arc<Mutex<Vcpu>>, bus: Arc<Buses>, shared: &Shared) {
             Ok(VcpuRun::Device(DeviceEvent::Marker(m))) => shared.mark(m),
             // With KVM's LAPIC, HLT only exits here if KVM chose not to park the vCPU itself.
             Ok(VcpuRun::Halted) => match &shared.uapic {
-                // kumo's APIC: wait for an interrupt (or a pause/stop request).
-                Some(u) => u.halt(id, || shared.request.load(Ordering::Acquire) != RUN),
+                // kumo's APIC: wait for an interrupt (or a pause/stop request, or a park).
+                Some(u) => u.halt(id, || {
+                    shared.request.load(Ordering::Acquire) != RUN || shared.parks[id as usize].load(Ordering::Acquire)
+                }),
                 None => std::thread::sleep(Duration::from_micros(100)),
             },
             Ok(VcpuRun::Reset(why)) => shared.finish(Outcome::Reset(why)),
