@@ -360,9 +360,8 @@ fn crafted_headers_get_a_failed_reply() {
             payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
             net: vec![],
             numa: None,
-            pins: vec![],
             pv: Default::default(),
-            halt_poll_ns: None,
+            host: Default::default(),
             elastic: None,
         };
         VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))

@@ -61,7 +61,7 @@ fn numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes() {
     if !kvm_or_skip("numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes") {
         return;
     }
-    let host = match kumo_vm::host_topology::HostTopology::read_live() {
+    let host = match kumo_vmm::placement::HostTopology::read_live() {
         Ok(h) => h,
         Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
     };
@@ -85,7 +85,7 @@ fn numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes() {
     assert!(!nodes.is_empty() && nodes.len() <= host.nodes.len(), "{nodes:?}");
     assert_eq!(nodes.iter().map(|n| n.memory_bytes).sum::<u64>(), 256 << 20, "{nodes:?}");
     // vCPU 0's thread is pinned to one host CPU, the one the plan chose.
-    let plan = kumo_vm::host_topology::mirror(&host, 1, 256 << 20).unwrap();
+    let plan = kumo_vmm::placement::mirror(&host, 1, 256 << 20).unwrap();
     let task = std::fs::read_dir(format!("/proc/{}/task", vm.id()))
         .unwrap()
         .flatten()
@@ -169,11 +169,11 @@ fn cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them() {
     if !kvm_or_skip("cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them") {
         return;
     }
-    let online = match kumo_vm::host_topology::HostTopology::read_live() {
+    let online = match kumo_vmm::placement::HostTopology::read_live() {
         Ok(h) => h.online_cpus(),
         Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
     };
-    if !(online.contains(&0) && online.contains(&1)) || kumo_vm::host_topology::thread_affinity().unwrap().len() < 2 {
+    if !(online.contains(&0) && online.contains(&1)) || kumo_vm::sched::thread_affinity().unwrap().len() < 2 {
         return eprintln!("skipping: needs host CPUs 0 and 1 online and allowed");
     }
     let dir = TestDir::new();
@@ -225,14 +225,14 @@ fn numa_nodes_pin_their_vcpus() {
     if !kvm_or_skip("numa_nodes_pin_their_vcpus") {
         return;
     }
-    let host = match kumo_vm::host_topology::HostTopology::read_live() {
+    let host = match kumo_vmm::placement::HostTopology::read_live() {
         Ok(h) => h,
         Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
     };
     let Some(node0) = host.nodes.first() else { return eprintln!("skipping: no host node") };
     let first = host.fill_order(node0)[0];
     let other = *host.online_cpus().last().unwrap();
-    if kumo_vm::host_topology::thread_affinity().unwrap().len() < host.online_cpus().len() {
+    if kumo_vm::sched::thread_affinity().unwrap().len() < host.online_cpus().len() {
         return eprintln!("skipping: this process may not run on every online CPU");
     }
     let dir = TestDir::new();

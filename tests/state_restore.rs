@@ -55,9 +55,8 @@ fn memtouch(cpus: u32, args: &[&str]) -> VmConfig {
         payload: Payload::Guest { name: "memtouch".into(), args: args.iter().map(|s| s.to_string()).collect() },
         net: vec![],
         numa: None,
-        pins: vec![],
         pv: Default::default(),
-        halt_poll_ns: None,
+        host: Default::default(),
         elastic: None,
     }
 }

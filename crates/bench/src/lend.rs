@@ -777,7 +777,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         s.spawn(move || sampler(apis, t0, stop, samples));
         // As `kumo lend` does: the coordinator must not wait a scheduler slice behind the
         // vCPUs spinning on both host CPUs between its steps (it blocks in between).
-        let rt = kumo_vm::host_topology::realtime_this_thread();
+        let rt = kumo_vmm::placement::realtime_this_thread();
         if let Err(e) = &rt {
             say(&format!("the lends run unprioritized (SCHED_FIFO: {e})"));
         }

@@ -7,8 +7,9 @@
 //! - memory: `memory` (memfd-backed guest RAM), `layout` (the `MemoryLayout` and fixed boot
 //!   addresses), `dirty` (dirty logging for migration);
 //! - boot: `boot` (GDT, TSS, page tables, entry registers) and its Linux loader `boot::linux`;
-//! - the host: `host_topology` (NUMA nodes, CPUs and distances read from sysfs, the
-//!   `--numa mirror` planner, vCPU pin specs, pinning a thread to a host CPU);
+//! - host scheduling: `sched` (a thread's host CPUs and real-time priority, as system calls);
+//!   where a VM's threads run is decided in `kumo_vmm::placement`;
+//! - paravirtual features: `pv` (the guest's KVM PV CPUID leaf, `--pv` requests);
 //! - emulation assists: `emulate` (the one x86 decoder and what kumo carries out when nested KVM
 //!   cannot).
 
@@ -16,12 +17,12 @@ pub mod boot;
 pub mod cpuid;
 pub mod dirty;
 pub mod emulate;
-pub mod host_topology;
 pub mod interrupt_paths;
 pub mod interrupts;
 pub mod layout;
 pub mod memory;
 pub mod pv;
+pub mod sched;
 pub mod state;
 pub mod uapic;
 pub mod vcpu;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 pub use kumo_vm::{parse_size, IrqchipMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
-pub use crate::guest_numa::{NumaConfig, NumaDistance, NumaNodeSpec};
+pub use crate::placement::{HostPlacement, NumaConfig, NumaDistance, NumaNodeSpec, NumaRequest};
 use crate::Error;
 
 /// What the VM boots.
@@ -63,20 +63,15 @@ pub struct VmConfig {
     /// Guest NUMA nodes (`--numa`); none: Linux sees one node (no SRAT).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa: Option<NumaConfig>,
-    /// Host CPU of each vCPU (`pins[v]`, from `--cpus N,pin=` or `--numa mirror`); `None` or
-    /// past the end: not pinned, it floats. A property of this host, so not carried to a
-    /// migration's destination.
-    #[serde(skip)]
-    pub pins: Vec<Option<u32>>,
     /// KVM paravirtual features (`--pv`, docs/pv-features.md); unset ones follow the vCPUs'
     /// placement. The VMM stores the resolved set here at boot, so a migration stream carries
     /// it and the guest's CPUID does not change on the destination.
     #[serde(default, skip_serializing_if = "kumo_vm::pv::PvRequest::is_default")]
     pub pv: kumo_vm::pv::PvRequest,
-    /// KVM's halt polling for this VM in ns (`--halt-poll-ns`, KVM_CAP_HALT_POLL); none: the
-    /// host's module parameter. A tuning of this host, so not carried to a destination.
+    /// This host's settings for the VM (vCPU pins, halt polling): not part of the VM
+    /// description, so not carried to a migration's destination or into a snapshot.
     #[serde(skip)]
-    pub halt_poll_ns: Option<u32>,
+    pub host: HostPlacement,
     /// Elastic sharing of host CPUs and memory with other VMs (`--elastic`, docs/elastic.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elastic: Option<crate::elastic::ElasticConfig>,
@@ -249,8 +244,9 @@ pub struct ConfigFile {
     pub payload: Option<Payload>,
     #[serde(default)]
     pub net: Vec<NetSpec>,
+    /// Guest NUMA nodes, or `"mirror"` (as `--numa mirror`).
     #[serde(default)]
-    pub numa: Option<NumaConfig>,
+    pub numa: Option<NumaRequest>,
     #[serde(default)]
     pub pv: Option<kumo_vm::pv::PvRequest>,
     #[serde(default)]
@@ -372,7 +368,7 @@ impl VmConfig {
         if !matches!(self.payload, Payload::Guest { .. }) {
             return bad("needs a kumo guest that speaks the elastic channel (e.g. --guest worker)");
         }
-        if self.pins.iter().any(Option::is_some) || self.numa.as_ref().is_some_and(|n| n.pins_vcpus()) {
+        if self.host.pins.iter().any(Option::is_some) || self.numa.as_ref().is_some_and(|n| n.pins_vcpus()) {
             return bad("pins the vCPUs itself (cpus=); drop --cpus …,pin= and --numa …,pin=");
         }
         // A released block is fenced off (PROT_NONE): a device writing guest memory where the
@@ -388,7 +384,7 @@ impl VmConfig {
 
     /// Checks the guest NUMA nodes, if any: the topology and that each host node exists.
     pub fn validate_numa(&self) -> Result<(), Error> {
-        self.validate_numa_on(Path::new(crate::guest_numa::HOST_NODE_SYSFS))
+        self.validate_numa_on(Path::new(crate::placement::HOST_NODE_SYSFS))
     }
 
     /// [`Self::validate_numa`] with the host's nodes listed under `sysfs`.
@@ -456,9 +452,8 @@ mod tests {
             payload: Payload::Guest { name: "hello".into(), args: vec![] },
             net: vec![],
             numa: None,
-            pins: vec![],
             pv: Default::default(),
-            halt_poll_ns: None,
+            host: Default::default(),
             elastic: None,
         }
     }
@@ -539,9 +534,8 @@ mod tests {
             payload: guest("hello", &[]),
             net: vec![],
             numa: None,
-            pins: vec![],
             pv: Default::default(),
-            halt_poll_ns: None,
+            host: Default::default(),
             elastic: None,
         };
         ok.validate().unwrap();
@@ -583,9 +577,8 @@ mod tests {
             payload,
             net: vec![],
             numa: None,
-            pins: vec![],
             pv: Default::default(),
-            halt_poll_ns: None,
+            host: Default::default(),
             elastic: None,
         };
         for ok in [
@@ -630,9 +623,8 @@ mod tests {
                 payload: Payload::Guest { name: guest.into(), args: vec![] },
                 net: vec![],
                 numa: None,
-                pins: vec![],
                 pv: Default::default(),
-                halt_poll_ns: None,
+                host: Default::default(),
                 elastic: None,
             };
             VmDescription::new(cpus, "kernel", serde_json::to_value(&c).unwrap(), kumo_vm::layout::ram_regions(memory))
@@ -760,7 +752,7 @@ mod tests {
              [[numa.distances]]\nsrc = 0\ndst = 1\nvalue = 21\n",
         ))
         .unwrap();
-        let numa = t.numa.unwrap();
+        let Some(NumaRequest::Nodes(numa)) = t.numa else { panic!("not nodes: {:?}", t.numa) };
         assert_eq!(
             numa.nodes[0],
             NumaNodeSpec { id: 0, cpus: vec![0], memory: 256 << 20, host_node: Some(0), pin: None }
@@ -774,9 +766,8 @@ mod tests {
             payload: Payload::Guest { name: "memtouch".into(), args: vec![] },
             net: vec![],
             numa: Some(numa),
-            pins: vec![],
             pv: Default::default(),
-            halt_poll_ns: None,
+            host: Default::default(),
             elastic: None,
         };
         // A config travels in migration streams and snapshots: the topology survives the trip,
@@ -802,6 +793,27 @@ mod tests {
         std::fs::remove_dir_all(&root).unwrap();
     }
 
+    /// A config file can say `mirror` as `--numa mirror` does, in TOML and JSON; the CLI then
+    /// plans it with `placement::place` exactly as the flag.
+    #[test]
+    fn numa_mirror_in_files() {
+        let t = ConfigFile::load(&write("m.toml", "cpus = 4\nmemory = \"4G\"\nnuma = \"mirror\"\n")).unwrap();
+        assert_eq!(t.numa, Some(NumaRequest::Mirror));
+        let j = ConfigFile::load(&write("m.json", r#"{"cpus": 2, "numa": "mirror"}"#)).unwrap();
+        assert_eq!(j.numa, Some(NumaRequest::Mirror));
+        let e = ConfigFile::load(&write("m2.toml", "numa = \"mirrored\"\n")).unwrap_err().to_string();
+        assert!(e.contains("m2.toml") && e.contains(r#"expected "mirror" or a table of nodes"#), "{e}");
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sysfs-2node");
+        let host = || crate::placement::HostTopology::read(&fixture);
+        let (numa, pins) = crate::placement::place(4, 4 << 30, vec![], t.numa, host).unwrap();
+        let nodes = numa.unwrap().nodes;
+        assert_eq!(nodes.iter().map(|n| (n.cpus.clone(), n.host_node)).collect::<Vec<_>>(), [
+            (vec![0, 1], Some(0)),
+            (vec![2, 3], Some(1))
+        ]);
+        assert_eq!(pins, [Some(0), Some(1), Some(8), Some(9)]);
+    }
+
     #[test]
     fn absurd_sizes_in_files_are_refused() {
         let e = ConfigFile::load(&write("f.toml", "memory = \"99999999999T\"\n")).unwrap_err().to_string();
@@ -821,9 +833,8 @@ mod tests {
             payload: Payload::Guest { name: "hello".into(), args: vec![] },
             net: vec![],
             numa: None,
-            pins: vec![],
             pv: Default::default(),
-            halt_poll_ns: None,
+            host: Default::default(),
             elastic: None,
         };
         let v = serde_json::to_value(&c).unwrap();

@@ -67,7 +67,7 @@ impl ElasticConfig {
             let size = |v: &str| kumo_vm::parse_size(v).map_err(bad);
             match k {
                 "cpus" if v.is_empty() => c.cpus.clear(),
-                "cpus" => c.cpus = crate::guest_numa::parse_cpu_list(v).map_err(bad)?,
+                "cpus" => c.cpus = crate::placement::parse_cpu_list(v, ':').map_err(|e| bad(format!("cpus={v}: {e}")))?,
                 "memory" => c.memory = size(v)?,
                 "plugged" => c.plugged = Some(size(v)?),
                 "block" => c.block = size(v)?,
@@ -133,7 +133,7 @@ pub struct AreaPlan {
 pub fn plan_areas(
     cfg: &ElasticConfig,
     layout: &kumo_vm::layout::MemoryLayout,
-    numa: Option<(&crate::guest_numa::NumaConfig, &kumo_acpi::NumaTopology)>,
+    numa: Option<(&crate::placement::NumaConfig, &kumo_acpi::NumaTopology)>,
 ) -> Result<Vec<AreaPlan>, Error> {
     if cfg.memory == 0 {
         return Ok(Vec::new());
@@ -337,7 +337,7 @@ impl ElasticVm {
                 at_boot: true,
             });
         }
-        let cpu_node = kumo_vm::host_topology::HostTopology::read_live()
+        let cpu_node = crate::placement::HostTopology::read_live()
             .map(|t| t.cpus.iter().map(|c| (c.id, c.node)).collect())
             .unwrap_or_default();
         let evm = ElasticVm {
@@ -925,7 +925,7 @@ mod tests {
             assert!(e.contains(want), "{spec}: {e}");
         }
         for (spec, want) in [
-            ("cpus=x", "not a CPU number"),
+            ("cpus=x", r#"cpus=x: "x" in CPU list "x" is not N or N-M"#),
             ("memory=lots", "not a size"),
             ("nope=1", "unknown key"),
             ("cpus", "key=value"),
@@ -965,10 +965,10 @@ mod tests {
 
     #[test]
     fn areas_follow_the_numa_nodes() {
-        let numa = crate::guest_numa::NumaConfig {
+        let numa = crate::placement::NumaConfig {
             nodes: vec![
-                crate::guest_numa::NumaNodeSpec::parse("node=0,cpus=0-1,memory=128M,host-node=0").unwrap(),
-                crate::guest_numa::NumaNodeSpec::parse("node=1,cpus=2,memory=128M").unwrap(),
+                crate::placement::NumaNodeSpec::parse("node=0,cpus=0-1,memory=128M,host-node=0").unwrap(),
+                crate::placement::NumaNodeSpec::parse("node=1,cpus=2,memory=128M").unwrap(),
             ],
             distances: vec![],
         };

@@ -331,7 +331,7 @@ impl RunningVm {
         let areas = match &config.elastic {
             Some(_) if incoming => return Err(Error::Config("an elastic VM cannot arrive by migration".into())),
             Some(e) => {
-                config.pins = e.pins(config.cpus);
+                config.host.pins = e.pins(config.cpus);
                 let layout = kumo_vm::layout::MemoryLayout::new(config.memory);
                 crate::elastic::plan_areas(e, &layout, config.numa.as_ref().zip(numa.as_ref()))?
             }
@@ -345,15 +345,7 @@ impl RunningVm {
             }
             None => Vm::new(config.cpus, config.memory, config.irqchip)?,
         };
-        if let Some(ns) = config.halt_poll_ns {
-            vm.set_halt_poll_ns(ns)?;
-        } else if config.elastic.is_some() {
-            // An idle vCPU of an elastic VM must cost no host CPU: KVM's halt polling would
-            // spin its thread (200 us a halt by default) on CPUs other VMs are using.
-            if let Err(e) = vm.set_halt_poll_ns(0) {
-                tracing::warn!("elastic VM: halt polling left on: {e}");
-            }
-        }
+        crate::placement::set_halt_polling(&vm, &config.host, config.elastic.is_some())?;
         let mem = &vm.memory.guest;
         let layout = &vm.memory.layout;
         // Before anything is written: the guest's pages are then faulted on their host node.
@@ -387,7 +379,7 @@ impl RunningVm {
             cv: Condvar::new(),
             timings: Mutex::new(Timings { start_ns, ..Default::default() }),
             vcpu_tids: Mutex::new(vec![None; config.cpus as usize]),
-            float_cpus: kumo_vm::host_topology::thread_affinity().unwrap_or_default(),
+            float_cpus: kumo_vm::sched::thread_affinity().unwrap_or_default(),
             uapic: vm.uapic.clone(),
             parks: (0..config.cpus)
                 .map(|v| AtomicBool::new(config.elastic.as_ref().is_some_and(|e| e.spares(config.cpus).contains(&v))))
@@ -398,17 +390,8 @@ impl RunningVm {
 
         // PV features: resolved once and stored fully set, so a migration stream carries the
         // guest's CPUID as it is here (the destination's pins do not change it).
-        let dedicated = kumo_vm::pv::pins_dedicated(&config.pins, config.cpus);
-        let pv = config
-            .pv
-            .resolve(kumo_vm::pv::host_supported_eax(&vm.kvm)?, dedicated)
-            .map_err(|e| Error::Config(e.to_string()))?;
-        // PV unhalt and PV IPIs are KVM LAPIC deliveries: without KVM's LAPIC they reach no one.
-        let pv = match config.irqchip {
-            kumo_vm::IrqchipMode::User => kumo_vm::pv::PvSet { pv_unhalt: false, pv_ipi: false, ..pv },
-            _ => pv,
-        };
-        kumo_vm::pv::check_pv_ipi(&vm.kvm, &pv).map_err(|e| Error::Config(e.to_string()))?;
+        let (pv, dedicated) =
+            crate::placement::pv_features(&config.pv, &config.host.pins, config.cpus, config.irqchip, &vm.kvm)?;
         config.pv = kumo_vm::pv::PvRequest::from_set(pv);
         tracing::info!(pv = %pv.describe(), dedicated, "paravirtual features");
         let vcpus: Vec<Vcpu> = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;
@@ -509,11 +492,11 @@ impl RunningVm {
             let (v, bus, sh) = (v.clone(), vm.devices.buses().clone(), vm.shared.clone());
             let id = lock(&v).id;
             let prioritized = dedicated.contains(&id);
-            let pin = vm.config.pins.get(id as usize).copied().flatten();
+            let pin = vm.config.host.pins.get(id as usize).copied().flatten();
             lock(&vm.shared.ctl).live += 1;
             let t = kumo_sandbox::spawn(ThreadKind::Vcpu, format!("vcpu{id}"), move || {
                 if let Some(cpu) = pin {
-                    if let Err(e) = kumo_vm::host_topology::pin_thread(cpu) {
+                    if let Err(e) = kumo_vm::sched::pin_thread(cpu) {
                         tracing::warn!("vCPU {id} not pinned to host CPU {cpu}: {e}");
                     }
                 }
@@ -522,7 +505,7 @@ impl RunningVm {
                 }
                 // After the start pin, so a vm.pin that finds the tid wins over it; cleared
                 // at exit (by `VcpuAlive`) so a reused tid is never re-pinned.
-                set_tid(&sh, id, Some(kumo_vm::host_topology::this_tid()));
+                set_tid(&sh, id, Some(kumo_vm::sched::this_tid()));
                 // A panic stops this VM itself (whatever the process's handler does), with the
                 // message the thread's guard reports too.
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vcpu_thread(v, bus, &sh)));
@@ -557,7 +540,7 @@ impl RunningVm {
     /// had at start), running or paused: its thread's affinity is set by tid, so the vCPU need
     /// not be woken. Errors are one line, for a 400 (bad vCPU or CPU) or 409 (no thread).
     pub fn pin_vcpu(&self, vcpu: u32, cpu: Option<u32>) -> std::result::Result<(), PinError> {
-        use kumo_vm::host_topology::{format_cpulist, HostTopology};
+        use crate::placement::{format_cpulist, HostTopology};
         if vcpu >= self.config.cpus {
             return Err(PinError::Bad(format!("vCPU {vcpu} does not exist (the VM has {} vCPUs)", self.config.cpus)));
         }
@@ -589,7 +572,7 @@ impl RunningVm {
             .copied()
             .flatten()
             .ok_or_else(|| PinError::NoThread(format!("vCPU {vcpu} has no running thread")))?;
-        kumo_vm::host_topology::set_affinity(tid, cpus)
+        kumo_vm::sched::set_affinity(tid, cpus)
             .map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
     }
 
@@ -598,7 +581,7 @@ impl RunningVm {
     pub fn vcpu_pins(&self) -> Vec<Option<u32>> {
         lock(&self.shared.vcpu_tids)
             .iter()
-            .map(|t| match t.map(kumo_vm::host_topology::affinity_of) {
+            .map(|t| match t.map(kumo_vm::sched::affinity_of) {
                 Some(Ok(c)) if c.len() == 1 => Some(c[0]),
                 _ => None,
             })
