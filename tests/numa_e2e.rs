@@ -55,7 +55,8 @@ fn bad_numa_options_are_one_line_errors() {
     }
 }
 
-/// `--numa mirror` reproduces this host's nodes and pins each vCPU to a host CPU of its own.
+/// `--numa mirror` (or a config file's `numa = "mirror"`) reproduces this host's nodes and pins
+/// each vCPU to a host CPU of its own.
 #[test]
 fn numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes() {
     if !kvm_or_skip("numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes") {
@@ -66,37 +67,34 @@ fn numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes() {
         Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
     };
     let dir = TestDir::new();
-    let sock = dir.arg("api.sock");
-    let mut vm = Kid::spawn(&[
-        "run",
-        "--api-socket",
-        &sock,
-        "--cpus",
-        "1",
-        "--numa",
-        "mirror",
-        "--guest",
-        "memtouch",
-        "until_input=1",
-    ]);
-    vm.wait_stdout("memtouch: pages=", PATIENCE);
-    let info = eventually(PATIENCE, || kumo_api::ApiClient::new(&sock).info().ok());
-    let nodes = info.numa;
-    assert!(!nodes.is_empty() && nodes.len() <= host.nodes.len(), "{nodes:?}");
-    assert_eq!(nodes.iter().map(|n| n.memory_bytes).sum::<u64>(), 256 << 20, "{nodes:?}");
-    // vCPU 0's thread is pinned to one host CPU, the one the plan chose.
-    let plan = kumo_vmm::placement::mirror(&host, 1, 256 << 20).unwrap();
-    let task = std::fs::read_dir(format!("/proc/{}/task", vm.id()))
-        .unwrap()
-        .flatten()
-        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "vcpu0"))
-        .expect("a vcpu0 thread");
-    let status = std::fs::read_to_string(task.path().join("status")).unwrap();
-    let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string();
-    assert_eq!(allowed, plan.pins[0].to_string(), "{status}");
-    vm.stop_guest();
-    let (code, out, err) = vm.wait();
-    assert_eq!(code, Some(0), "{out}\n{err}");
+    let file = dir.path("mirror.toml");
+    std::fs::write(&file, "cpus = 1\nnuma = \"mirror\"\n").unwrap();
+    let file = file.display().to_string();
+    for (i, how) in [&["--cpus", "1", "--numa", "mirror"][..], &["--config", &file]].into_iter().enumerate() {
+        let sock = dir.arg(&format!("api{i}.sock"));
+        let mut args = vec!["run", "--api-socket", &sock];
+        args.extend_from_slice(how);
+        args.extend_from_slice(&["--guest", "memtouch", "until_input=1"]);
+        let mut vm = Kid::spawn(&args);
+        vm.wait_stdout("memtouch: pages=", PATIENCE);
+        let info = eventually(PATIENCE, || kumo_api::ApiClient::new(&sock).info().ok());
+        let nodes = info.numa;
+        assert!(!nodes.is_empty() && nodes.len() <= host.nodes.len(), "{how:?}: {nodes:?}");
+        assert_eq!(nodes.iter().map(|n| n.memory_bytes).sum::<u64>(), 256 << 20, "{nodes:?}");
+        // vCPU 0's thread is pinned to one host CPU, the one the plan chose.
+        let plan = kumo_vmm::placement::mirror(&host, 1, 256 << 20).unwrap();
+        let task = std::fs::read_dir(format!("/proc/{}/task", vm.id()))
+            .unwrap()
+            .flatten()
+            .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "vcpu0"))
+            .expect("a vcpu0 thread");
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap();
+        let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string();
+        assert_eq!(allowed, plan.pins[0].to_string(), "{how:?}: {status}");
+        vm.stop_guest();
+        let (code, out, err) = vm.wait();
+        assert_eq!(code, Some(0), "{how:?}: {out}\n{err}");
+    }
 }
 
 /// The `numa` guest prints exactly the configured topology, read from kumo's SRAT and SLIT, and
