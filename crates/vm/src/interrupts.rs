@@ -23,10 +23,33 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::uapic::UserApics;
-use crate::vm::IrqchipMode;
+
+/// Where the interrupt controllers live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IrqchipMode {
+    /// PIC, IOAPIC, LAPICs and PIT all in KVM.
+    #[default]
+    Kernel,
+    /// LAPICs in KVM; PIC/IOAPIC/PIT left to userspace (interrupts arrive as MSIs).
+    Split,
+    /// No interrupt controller in KVM: kumo emulates the LAPICs (`crate::uapic`).
+    User,
+}
+
+impl std::fmt::Display for IrqchipMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IrqchipMode::Kernel => "kernel",
+            IrqchipMode::Split => "split",
+            IrqchipMode::User => "user",
+        })
+    }
+}
 
 /// IOAPIC input pins; also the first GSI handed out for MSIs.
 pub const IOAPIC_PINS: u32 = 24;

@@ -10,7 +10,6 @@ use kvm_bindings::{
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Cap, Kvm, VmFd};
-use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::interrupts::Interrupts;
@@ -21,28 +20,8 @@ use crate::uapic::UserApics;
 use crate::vcpu::Vcpu;
 use crate::{Error, Result};
 
-/// Where the interrupt controllers live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IrqchipMode {
-    /// PIC, IOAPIC, LAPICs and PIT all in KVM.
-    #[default]
-    Kernel,
-    /// LAPICs in KVM; PIC/IOAPIC/PIT left to userspace (interrupts arrive as MSIs).
-    Split,
-    /// No interrupt controller in KVM: kumo emulates the LAPICs (`crate::uapic`).
-    User,
-}
-
-impl std::fmt::Display for IrqchipMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            IrqchipMode::Kernel => "kernel",
-            IrqchipMode::Split => "split",
-            IrqchipMode::User => "user",
-        })
-    }
-}
+/// Where the interrupt controllers live (defined beside the routing it shapes).
+pub use crate::interrupts::IrqchipMode;
 
 pub struct Vm {
     pub kvm: Kvm,
