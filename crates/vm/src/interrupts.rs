@@ -679,6 +679,28 @@ mod tests {
         irq.unregister_irqfd(&com1, 4).unwrap();
     }
 
+    /// A VMM-side MSI (the elastic channel's) with no GSI: KVM takes it where it has the
+    /// LAPICs, kumo's LAPIC (here APIC 1's) with `--irqchip user`.
+    #[test]
+    fn send_msi_reaches_kvms_or_kumos_lapic() {
+        if !kvm_available() {
+            eprintln!("skipping send_msi_reaches_kvms_or_kumos_lapic: /dev/kvm not available");
+            return;
+        }
+        let to_apic1 = MsiMessage { address: 0xfee0_0000 | (1 << 12), data: 0x31 };
+        for mode in [IrqchipMode::Kernel, IrqchipMode::Split] {
+            let vm = Vm::new(2, 16 << 20, mode).unwrap();
+            vm.create_vcpu(0).unwrap();
+            vm.interrupts.send_msi(to_apic1).unwrap_or_else(|e| panic!("{mode}: {e}"));
+        }
+        let vm = Vm::new(2, 16 << 20, IrqchipMode::User).unwrap();
+        let apics = vm.uapic.clone().unwrap();
+        apics.lock(1).lapic.write_mmio(0xF0, &0x1FFu32.to_le_bytes()); // software enable
+        vm.interrupts.send_msi(to_apic1).unwrap();
+        assert_eq!(apics.lock(1).lapic.pending_vector(), Some(0x31));
+        assert_eq!(apics.lock(0).lapic.pending_vector(), None);
+    }
+
     #[test]
     fn msix_vectors_get_their_own_routes_and_move_alone() {
         if !kvm_available() {
