@@ -250,8 +250,8 @@ struct RunArgs {
     /// 0-1:4-5); every vCPU in one node, the sizes adding up to --memory, laid out in node order
     /// from address 0. host-node=N binds the node's memory to host node N (mbind). pin= pins
     /// the node's vCPUs in order to those host CPUs, or to host node N's CPUs (one per core
-    /// first). `--numa mirror` reproduces the host's nodes and pins every vCPU. Given, it
-    /// replaces a config file's nodes.
+    /// first). `--numa mirror` (a config file: numa = "mirror") reproduces the host's nodes and
+    /// pins every vCPU. Given, it replaces a config file's nodes.
     /// With --incoming or --restore: node=ID[,host-node=N], the host node of each of the
     /// arriving VM's nodes (give every node, or none: then no node's memory is bound).
     #[arg(long, value_name = "SPEC")]

@@ -43,10 +43,13 @@ pub struct NumaNodeSpec {
     #[serde(deserialize_with = "crate::config::size_de")]
     pub memory: u64,
     /// The host node its memory is bound to (`mbind(MPOL_BIND)`); none: the host's policy.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Host-local: read from flags and files, never written into the VM description a
+    /// migration stream or snapshot carries (an arriving VM gets its operator's).
+    #[serde(default, skip_serializing)]
     pub host_node: Option<u32>,
     /// Where the node's vCPUs run; none: as `--cpus` says (floating unless pinned there).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Host-local like `host_node`: its pins end up in `HostPlacement::pins`.
+    #[serde(default, skip_serializing)]
     pub pin: Option<NodePin>,
 }
 
@@ -335,7 +338,10 @@ mod tests {
                                  {"id":1,"cpus":[2],"memory":"256M","pin":"7"}]}"#;
         let f: NumaConfig = serde_json::from_str(json).unwrap();
         assert_eq!(f.pins(&host).unwrap(), [Some(8), Some(9), Some(7)]);
-        assert_eq!(serde_json::to_value(&f.nodes[1].pin).unwrap(), "7");
+        assert_eq!(String::from(f.nodes[1].pin.clone().unwrap()), "7");
+        // Host-local: a node's host node and pins are not part of the description that travels.
+        let v = serde_json::to_value(&f).unwrap();
+        assert!(v["nodes"][0].get("host_node").is_none() && v["nodes"][0].get("pin").is_none(), "{v}");
         for (spec, want) in [
             ("node=0,cpus=0-1,memory=256M,pin=3", "NUMA node 0: pin=3: 1 host CPUs for the node's 2 vCPUs"),
             ("node=0,cpus=0,memory=256M,pin=99", "NUMA node 0: pin=99: host CPU 99 is not online (online: 0-31)"),
