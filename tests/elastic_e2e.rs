@@ -238,7 +238,8 @@ fn a_lend_and_its_return_work_with_the_userspace_irqchip() {
     assert_eq!((ib.vcpus[2].host_cpu, ib.vcpus[2].parked), (Some(1), false), "{ib:?}");
     assert_eq!(ib.nodes[0].plugged_bytes, 16 << 20);
     b.works_on(2, 100);
-    let back = ["return", "--from", &b.sock, "--to", &a.sock, "--cpus", "1", "--memory", "16M", "--timeout-ms", "20000"];
+    let back =
+        ["return", "--from", &b.sock, "--to", &a.sock, "--cpus", "1", "--memory", "16M", "--timeout-ms", "20000"];
     let (ok, out, err) = lend(&back);
     assert!(ok, "return failed: {err}");
     assert!(out.contains("returned host CPUs [1]"), "{out}");

@@ -272,7 +272,9 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
             use kumo_vmm::placement::pv_probe::{probe_pv_ipi, PvIpiProbe, PV_IPI_PROBE_LIMIT};
             match probe_pv_ipi(&kvm, PV_IPI_PROBE_LIMIT) {
                 PvIpiProbe::Works(_) => "works (not yet a sync path: the guest sends by APIC)".into(),
-                PvIpiProbe::Hangs => format!("hangs the vCPU (no return in {} s): refused", PV_IPI_PROBE_LIMIT.as_secs()),
+                PvIpiProbe::Hangs => {
+                    format!("hangs the vCPU (no return in {} s): refused", PV_IPI_PROBE_LIMIT.as_secs())
+                }
                 other => format!("unusable: {other:?}"),
             }
         }

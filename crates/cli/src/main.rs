@@ -393,7 +393,8 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
     let live = kumo_vmm::placement::HostTopology::read_live;
     let (cpus, pins) = match &a.cpus {
         Some(arg) => {
-            let online = live().map(|t| t.online_cpus()).map_err(|e| format!("--cpus: cannot read the host's CPUs: {e}"))?;
+            let online =
+                live().map(|t| t.online_cpus()).map_err(|e| format!("--cpus: cannot read the host's CPUs: {e}"))?;
             kumo_vmm::placement::parse_cpus_arg(arg, &online)?
         }
         None => (file.cpus.unwrap_or(1), Vec::new()),

@@ -22,8 +22,8 @@ use kvm_bindings::{
     KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI, KVM_MAX_IRQ_ROUTES,
 };
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use serde::{Deserialize, Serialize};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::uapic::UserApics;

@@ -810,10 +810,10 @@ mod tests {
         let host = || crate::placement::HostTopology::read(&fixture);
         let (numa, pins) = crate::placement::place(4, 4 << 30, vec![], t.numa, host).unwrap();
         let nodes = numa.unwrap().nodes;
-        assert_eq!(nodes.iter().map(|n| (n.cpus.clone(), n.host_node)).collect::<Vec<_>>(), [
-            (vec![0, 1], Some(0)),
-            (vec![2, 3], Some(1))
-        ]);
+        assert_eq!(
+            nodes.iter().map(|n| (n.cpus.clone(), n.host_node)).collect::<Vec<_>>(),
+            [(vec![0, 1], Some(0)), (vec![2, 3], Some(1))]
+        );
         assert_eq!(pins, [Some(0), Some(1), Some(8), Some(9)]);
     }
 

@@ -67,7 +67,9 @@ impl ElasticConfig {
             let size = |v: &str| kumo_vm::parse_size(v).map_err(bad);
             match k {
                 "cpus" if v.is_empty() => c.cpus.clear(),
-                "cpus" => c.cpus = crate::placement::parse_cpu_list(v, ':').map_err(|e| bad(format!("cpus={v}: {e}")))?,
+                "cpus" => {
+                    c.cpus = crate::placement::parse_cpu_list(v, ':').map_err(|e| bad(format!("cpus={v}: {e}")))?
+                }
                 "memory" => c.memory = size(v)?,
                 "plugged" => c.plugged = Some(size(v)?),
                 "block" => c.block = size(v)?,
@@ -374,7 +376,10 @@ impl ElasticVm {
 
     /// Sends the channel's vector to vCPU `v` (its APIC ID is its index): wakes it if halted.
     fn notify(&self, v: u32) -> R<()> {
-        let msg = kumo_vm::interrupts::MsiMessage { address: 0xfee0_0000 | (u64::from(v) << 12), data: mailbox::VECTOR.into() };
+        let msg = kumo_vm::interrupts::MsiMessage {
+            address: 0xfee0_0000 | (u64::from(v) << 12),
+            data: mailbox::VECTOR.into(),
+        };
         self.irq.send_msi(msg).map_err(|e| ElasticError::Failed(format!("the channel's MSI to vCPU {v}: {e}")))
     }
 

@@ -572,8 +572,7 @@ impl RunningVm {
             .copied()
             .flatten()
             .ok_or_else(|| PinError::NoThread(format!("vCPU {vcpu} has no running thread")))?;
-        kumo_vm::sched::set_affinity(tid, cpus)
-            .map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
+        kumo_vm::sched::set_affinity(tid, cpus).map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
     }
 
     /// Each vCPU's host CPU as its thread's affinity reads now: `Some(cpu)` when it may run on

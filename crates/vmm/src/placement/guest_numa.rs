@@ -358,7 +358,10 @@ mod tests {
         let e = big.pins(&host).unwrap_err().to_string();
         assert_eq!(e, "config: NUMA node 0: pin=host-node: host node 0 has 16 CPUs for the node's 17 vCPUs");
         let e = NumaNodeSpec::parse("node=0,cpus=0,memory=256M,pin=x").unwrap_err().to_string();
-        assert!(e.contains(r#"--numa node=0,cpus=0,memory=256M,pin=x: pin=x: "x" in CPU list "x" is not N or N-M"#), "{e}");
+        assert!(
+            e.contains(r#"--numa node=0,cpus=0,memory=256M,pin=x: pin=x: "x" in CPU list "x" is not N or N-M"#),
+            "{e}"
+        );
     }
 
     #[test]

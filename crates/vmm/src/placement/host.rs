@@ -233,4 +233,3 @@ pub fn format_cpulist(cpus: &[u32]) -> String {
     }
     out
 }
-

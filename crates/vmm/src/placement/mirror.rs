@@ -137,4 +137,3 @@ impl NumaConfig {
         NumaConfig { nodes, distances }
     }
 }
-

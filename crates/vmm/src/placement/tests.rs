@@ -416,7 +416,8 @@ fn place_plans_nodes_and_pins_from_what_was_asked() {
     };
     let (numa, pins) = place(2, GIB, vec![], Some(NumaRequest::Nodes(nodes.clone())), host).unwrap();
     assert_eq!((numa, pins), (Some(nodes.clone()), vec![Some(8), Some(9)]));
-    let plain = NumaConfig { nodes: vec![NumaNodeSpec::parse("node=0,cpus=0-1,memory=1G").unwrap()], distances: vec![] };
+    let plain =
+        NumaConfig { nodes: vec![NumaNodeSpec::parse("node=0,cpus=0-1,memory=1G").unwrap()], distances: vec![] };
     let (numa, pins) = place(2, GIB, vec![Some(5)], Some(NumaRequest::Nodes(plain.clone())), no_host).unwrap();
     assert_eq!((numa, pins), (Some(plain), vec![Some(5)]));
     for (numa, want) in [
