@@ -52,7 +52,7 @@ pub struct VmConfig {
     #[serde(default = "default_cpus")]
     pub cpus: u32,
     /// Bytes; in files also a string such as "512M".
-    #[serde(default = "default_memory", deserialize_with = "size_de")]
+    #[serde(default = "default_memory", deserialize_with = "kumo_vm::memory::deserialize_size")]
     pub memory: u64,
     #[serde(default)]
     pub irqchip: IrqchipMode,
@@ -220,19 +220,6 @@ fn default_memory() -> u64 {
     256 << 20
 }
 
-pub(crate) fn size_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Size {
-        N(u64),
-        S(String),
-    }
-    match Size::deserialize(d)? {
-        Size::N(n) => Ok(n),
-        Size::S(s) => kumo_vm::parse_size(&s).map_err(serde::de::Error::custom),
-    }
-}
-
 /// A config file's contents: like `VmConfig`, but everything optional, so flags can complete it.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -254,7 +241,7 @@ pub struct ConfigFile {
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    size_de(d).map(Some)
+    kumo_vm::memory::deserialize_size(d).map(Some)
 }
 
 impl ConfigFile {

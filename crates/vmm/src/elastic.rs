@@ -43,13 +43,13 @@ pub struct ElasticConfig {
     #[serde(default)]
     pub cpus: Vec<u32>,
     /// Elastic memory of each guest node (the top of its RAM), bytes.
-    #[serde(default, deserialize_with = "crate::config::size_de")]
+    #[serde(default, deserialize_with = "kumo_vm::memory::deserialize_size")]
     pub memory: u64,
     /// How much of each node's elastic memory is plugged at boot (default: all of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugged: Option<u64>,
     /// The unit memory moves in, a multiple of 2 MiB.
-    #[serde(default = "default_block", deserialize_with = "crate::config::size_de")]
+    #[serde(default = "default_block", deserialize_with = "kumo_vm::memory::deserialize_size")]
     pub block: u64,
 }
 

@@ -40,7 +40,7 @@ pub struct NumaNodeSpec {
     /// vCPU indices.
     pub cpus: Vec<u32>,
     /// Bytes; in files also a string such as "256M".
-    #[serde(deserialize_with = "crate::config::size_de")]
+    #[serde(deserialize_with = "kumo_vm::memory::deserialize_size")]
     pub memory: u64,
     /// The host node its memory is bound to (`mbind(MPOL_BIND)`); none: the host's policy.
     /// Host-local: read from flags and files, never written into the VM description a
