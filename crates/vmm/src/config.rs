@@ -263,15 +263,15 @@ impl ConfigFile {
 
 impl VmConfig {
     /// Checks the VM's shape before anything is allocated: vCPUs and memory against kumo's and
-    /// this host's limits (`kumo_vm::layout::check_shape`), and a kumo guest's own vCPU range.
+    /// this host's limits (`kumo_vm::vm::check_shape`), and a kumo guest's own vCPU range.
     /// Every path that builds a VM comes through here, incoming migrations included.
     pub fn validate_shape(&self) -> Result<(), Error> {
-        self.validate_shape_on(&kumo_vm::layout::HostLimits::probe()?)
+        self.validate_shape_on(&kumo_vm::vm::HostLimits::probe()?)
     }
 
     /// [`Self::validate_shape`] against given host limits.
-    pub fn validate_shape_on(&self, host: &kumo_vm::layout::HostLimits) -> Result<(), Error> {
-        kumo_vm::layout::check_shape(self.cpus, self.memory, host)?;
+    pub fn validate_shape_on(&self, host: &kumo_vm::vm::HostLimits) -> Result<(), Error> {
+        kumo_vm::vm::check_shape(self.cpus, self.memory, host)?;
         if let Payload::Guest { name, .. } = &self.payload {
             kumo_guests::find(name)?.check_cpus(self.cpus)?;
         }
@@ -552,8 +552,8 @@ mod tests {
 
     #[test]
     fn shape_table() {
-        use kumo_vm::layout::HostLimits;
         use kumo_vm::memory::HostMemory;
+        use kumo_vm::vm::HostLimits;
         let host = HostLimits { memory: HostMemory { total: 24 << 30 }, kvm_max_vcpus: Some(128) };
         let guest = |name: &str| Payload::Guest { name: name.into(), args: vec![] };
         let kernel = Payload::Kernel { path: "/k".into(), initrd: None, cmdline: None };
