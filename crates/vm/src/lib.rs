@@ -1,9 +1,11 @@
 //! kumo-vm: the KVM edge of kumo. Almost all of kumo's `unsafe` lives here, at the KVM and
 //! memory boundary. By concern:
-//! - the VM and its vCPUs: `vm` (VM fd, irqchip, VM-wide state), `vcpu` (exit handling, which
-//!   dispatches port I/O and MMIO to `kumo_devices::Buses`), `cpuid`, `state` (saved state,
-//!   through the persist pattern of `kumo_devices::persist`);
-//! - interrupts: `interrupts` (GSI allocation, GSI routes with MSI, irqfd, ioeventfd);
+//! - the VM and its vCPUs: `vm` (VM fd, irqchip, VM-wide state, the host's limits on a VM's
+//!   shape), `vcpu` (exit handling, which dispatches port I/O and MMIO to
+//!   `kumo_devices::Buses`), `cpuid`, `state` (saved state, through the persist pattern of
+//!   `kumo_devices::persist`);
+//! - interrupts: `interrupts` (the irqchip mode, GSI allocation, GSI routes with MSI, irqfd,
+//!   ioeventfd, an MSI sent by the VMM);
 //! - memory: `memory` (memfd-backed guest RAM), `layout` (the `MemoryLayout` and fixed boot
 //!   addresses), `dirty` (dirty logging for migration);
 //! - boot: `boot` (GDT, TSS, page tables, entry registers) and its Linux loader `boot::linux`;
