@@ -332,20 +332,7 @@ impl Vm {
 /// The first two online host CPUs (B holds the first, A the second), from
 /// /sys/devices/system/cpu/online ("0-3,6").
 fn two_cpus(online: &str) -> Option<(u32, u32)> {
-    let mut cpus = Vec::new();
-    for part in online.trim().split(',').filter(|p| !p.is_empty()) {
-        let (lo, hi) = match part.split_once('-') {
-            Some((lo, hi)) => (lo.parse::<u32>().ok()?, hi.parse::<u32>().ok()?),
-            None => {
-                let c = part.parse::<u32>().ok()?;
-                (c, c)
-            }
-        };
-        cpus.extend(lo..=hi);
-        if cpus.len() >= 2 {
-            break;
-        }
-    }
+    let cpus = kumo_vmm::placement::parse_cpu_set(online).ok()?;
     (cpus.len() >= 2).then(|| (cpus[0], cpus[1]))
 }
 
