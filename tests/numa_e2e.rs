@@ -53,48 +53,46 @@ fn bad_numa_options_are_one_line_errors() {
     }
 }
 
-/// `--numa mirror` reproduces this host's nodes and pins each vCPU to a host CPU of its own.
+/// `--numa mirror` (or a config file's `numa = "mirror"`) reproduces this host's nodes and pins
+/// each vCPU to a host CPU of its own.
 #[test]
 fn numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes() {
     if !kvm_or_skip("numa_mirror_pins_each_vcpu_and_mirrors_the_host_nodes") {
         return;
     }
-    let host = match kumo_vm::host_topology::HostTopology::read_live() {
+    let host = match kumo_vmm::placement::HostTopology::read_live() {
         Ok(h) => h,
         Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
     };
     let dir = TestDir::new();
-    let sock = dir.arg("api.sock");
-    let mut vm = Kid::spawn(&[
-        "run",
-        "--api-socket",
-        &sock,
-        "--cpus",
-        "1",
-        "--numa",
-        "mirror",
-        "--guest",
-        "memtouch",
-        "until_input=1",
-    ]);
-    vm.wait_stdout("memtouch: pages=", PATIENCE);
-    let info = eventually(PATIENCE, || kumo_api::ApiClient::new(&sock).info().ok());
-    let nodes = info.numa;
-    assert!(!nodes.is_empty() && nodes.len() <= host.nodes.len(), "{nodes:?}");
-    assert_eq!(nodes.iter().map(|n| n.memory_bytes).sum::<u64>(), 256 << 20, "{nodes:?}");
-    // vCPU 0's thread is pinned to one host CPU, the one the plan chose.
-    let plan = kumo_vm::host_topology::mirror(&host, 1, 256 << 20).unwrap();
-    let task = std::fs::read_dir(format!("/proc/{}/task", vm.id()))
-        .unwrap()
-        .flatten()
-        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "vcpu0"))
-        .expect("a vcpu0 thread");
-    let status = std::fs::read_to_string(task.path().join("status")).unwrap();
-    let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string();
-    assert_eq!(allowed, plan.pins[0].to_string(), "{status}");
-    vm.stop_guest();
-    let (code, out, err) = vm.wait();
-    assert_eq!(code, Some(0), "{out}\n{err}");
+    let file = dir.path("mirror.toml");
+    std::fs::write(&file, "cpus = 1\nnuma = \"mirror\"\n").unwrap();
+    let file = file.display().to_string();
+    for (i, how) in [&["--cpus", "1", "--numa", "mirror"][..], &["--config", &file]].into_iter().enumerate() {
+        let sock = dir.arg(&format!("api{i}.sock"));
+        let mut args = vec!["run", "--api-socket", &sock];
+        args.extend_from_slice(how);
+        args.extend_from_slice(&["--guest", "memtouch", "until_input=1"]);
+        let mut vm = Kid::spawn(&args);
+        vm.wait_stdout("memtouch: pages=", PATIENCE);
+        let info = eventually(PATIENCE, || kumo_api::ApiClient::new(&sock).info().ok());
+        let nodes = info.numa;
+        assert!(!nodes.is_empty() && nodes.len() <= host.nodes.len(), "{how:?}: {nodes:?}");
+        assert_eq!(nodes.iter().map(|n| n.memory_bytes).sum::<u64>(), 256 << 20, "{nodes:?}");
+        // vCPU 0's thread is pinned to one host CPU, the one the plan chose.
+        let plan = kumo_vmm::placement::mirror(&host, 1, 256 << 20).unwrap();
+        let task = std::fs::read_dir(format!("/proc/{}/task", vm.id()))
+            .unwrap()
+            .flatten()
+            .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "vcpu0"))
+            .expect("a vcpu0 thread");
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap();
+        let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string();
+        assert_eq!(allowed, plan.pins[0].to_string(), "{how:?}: {status}");
+        vm.stop_guest();
+        let (code, out, err) = vm.wait();
+        assert_eq!(code, Some(0), "{how:?}: {out}\n{err}");
+    }
 }
 
 /// The `numa` guest prints exactly the configured topology, read from kumo's SRAT and SLIT, and
@@ -167,11 +165,11 @@ fn cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them() {
     if !kvm_or_skip("cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them") {
         return;
     }
-    let online = match kumo_vm::host_topology::HostTopology::read_live() {
+    let online = match kumo_vmm::placement::HostTopology::read_live() {
         Ok(h) => h.online_cpus(),
         Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
     };
-    if !(online.contains(&0) && online.contains(&1)) || kumo_vm::host_topology::thread_affinity().unwrap().len() < 2 {
+    if !(online.contains(&0) && online.contains(&1)) || kumo_vm::sched::thread_affinity().unwrap().len() < 2 {
         return eprintln!("skipping: needs host CPUs 0 and 1 online and allowed");
     }
     let dir = TestDir::new();
@@ -223,14 +221,14 @@ fn numa_nodes_pin_their_vcpus() {
     if !kvm_or_skip("numa_nodes_pin_their_vcpus") {
         return;
     }
-    let host = match kumo_vm::host_topology::HostTopology::read_live() {
+    let host = match kumo_vmm::placement::HostTopology::read_live() {
         Ok(h) => h,
         Err(e) => return eprintln!("skipping: cannot read this host's topology: {e}"),
     };
     let Some(node0) = host.nodes.first() else { return eprintln!("skipping: no host node") };
     let first = host.fill_order(node0)[0];
     let other = *host.online_cpus().last().unwrap();
-    if kumo_vm::host_topology::thread_affinity().unwrap().len() < host.online_cpus().len() {
+    if kumo_vm::sched::thread_affinity().unwrap().len() < host.online_cpus().len() {
         return eprintln!("skipping: this process may not run on every online CPU");
     }
     let dir = TestDir::new();

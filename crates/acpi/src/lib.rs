@@ -58,7 +58,6 @@
 //! Without a topology the SRAT/SLIT lines give way to "No NUMA
 //! configuration found" / "Faking a node at [mem 0x0000000000000000-0x000000001fffffff]".
 
-mod mirror;
 mod topology;
 
 use std::ops::Range;

@@ -120,7 +120,8 @@ struct Report {
     command: String,
     host_cpus: usize,
     params: String,
-    /// The PV IPI hypercall on this host (`kumo_vm::pv::probe`): a fast path only where it works.
+    /// The PV IPI hypercall on this host (`kumo_vmm::placement::pv_probe`): a fast path only where
+    /// it works.
     pv_ipi_probe: String,
     rows: Vec<Row>,
     headline: Headline,
@@ -267,13 +268,16 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         .collect();
     let headline = headline(&rows);
     let pv_ipi_probe = match kumo_vm::vm::open_kvm() {
-        Ok(kvm) => match kumo_vm::pv::probe::probe_pv_ipi(&kvm, kumo_vm::pv::PV_IPI_PROBE_LIMIT) {
-            kumo_vm::pv::probe::PvIpiProbe::Works(_) => "works (not yet a sync path: the guest sends by APIC)".into(),
-            kumo_vm::pv::probe::PvIpiProbe::Hangs => {
-                format!("hangs the vCPU (no return in {} s): refused", kumo_vm::pv::PV_IPI_PROBE_LIMIT.as_secs())
+        Ok(kvm) => {
+            use kumo_vmm::placement::pv_probe::{probe_pv_ipi, PvIpiProbe, PV_IPI_PROBE_LIMIT};
+            match probe_pv_ipi(&kvm, PV_IPI_PROBE_LIMIT) {
+                PvIpiProbe::Works(_) => "works (not yet a sync path: the guest sends by APIC)".into(),
+                PvIpiProbe::Hangs => {
+                    format!("hangs the vCPU (no return in {} s): refused", PV_IPI_PROBE_LIMIT.as_secs())
+                }
+                other => format!("unusable: {other:?}"),
             }
-            other => format!("unusable: {other:?}"),
-        },
+        }
         Err(e) => format!("not probed: {e}"),
     };
     progress(t0, &format!("PV IPI hypercall: {pv_ipi_probe}"));

@@ -333,20 +333,7 @@ impl Vm {
 /// The first two online host CPUs (B holds the first, A the second), from
 /// /sys/devices/system/cpu/online ("0-3,6").
 fn two_cpus(online: &str) -> Option<(u32, u32)> {
-    let mut cpus = Vec::new();
-    for part in online.trim().split(',').filter(|p| !p.is_empty()) {
-        let (lo, hi) = match part.split_once('-') {
-            Some((lo, hi)) => (lo.parse::<u32>().ok()?, hi.parse::<u32>().ok()?),
-            None => {
-                let c = part.parse::<u32>().ok()?;
-                (c, c)
-            }
-        };
-        cpus.extend(lo..=hi);
-        if cpus.len() >= 2 {
-            break;
-        }
-    }
+    let cpus = kumo_vmm::placement::parse_cpu_set(online).ok()?;
     (cpus.len() >= 2).then(|| (cpus[0], cpus[1]))
 }
 
@@ -775,7 +762,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         s.spawn(move || sampler(apis, t0, stop, samples));
         // As `kumo lend` does: the coordinator must not wait a scheduler slice behind the
         // vCPUs spinning on both host CPUs between its steps (it blocks in between).
-        let rt = kumo_vm::host_topology::realtime_this_thread();
+        let rt = kumo_vmm::placement::realtime_this_thread();
         if let Err(e) = &rt {
             say(&format!("the lends run unprioritized (SCHED_FIFO: {e})"));
         }

@@ -42,7 +42,7 @@ pub fn run(a: LendArgs, returning: bool) -> Result<i32, String> {
         returning,
     };
     // Between the two VMs' steps the coordinator must not wait behind spinning vCPUs either.
-    let _rt = kumo_vm::host_topology::realtime_this_thread();
+    let _rt = kumo_vmm::placement::realtime_this_thread();
     let r = lend(&from, &to, &req).map_err(|e| e.to_string())?;
     if a.json {
         println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);

@@ -251,8 +251,8 @@ struct RunArgs {
     /// 0-1:4-5); every vCPU in one node, the sizes adding up to --memory, laid out in node order
     /// from address 0. host-node=N binds the node's memory to host node N (mbind). pin= pins
     /// the node's vCPUs in order to those host CPUs, or to host node N's CPUs (one per core
-    /// first). `--numa mirror` reproduces the host's nodes and pins every vCPU. Given, it
-    /// replaces a config file's nodes.
+    /// first). `--numa mirror` (a config file: numa = "mirror") reproduces the host's nodes and
+    /// pins every vCPU. Given, it replaces a config file's nodes.
     /// With --incoming or --restore: node=ID[,host-node=N], the host node of each of the
     /// arriving VM's nodes (give every node, or none: then no node's memory is bound).
     #[arg(long, value_name = "SPEC")]
@@ -396,49 +396,31 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
         None => file.irqchip.unwrap_or_default(),
     };
     let err = |e: kumo_vmm::Error| e.to_string();
-    let (cpus, mut pins) = match &a.cpus {
+    let live = kumo_vmm::placement::HostTopology::read_live;
+    let (cpus, pins) = match &a.cpus {
         Some(arg) => {
-            let online = kumo_vm::host_topology::HostTopology::read_live()
-                .map(|t| t.online_cpus())
-                .map_err(|e| format!("--cpus: cannot read the host's CPUs: {e}"))?;
-            kumo_vm::host_topology::parse_cpus_arg(arg, &online)?
+            let online =
+                live().map(|t| t.online_cpus()).map_err(|e| format!("--cpus: cannot read the host's CPUs: {e}"))?;
+            kumo_vmm::placement::parse_cpus_arg(arg, &online)?
         }
         None => (file.cpus.unwrap_or(1), Vec::new()),
     };
     let memory = a.memory.or(file.memory).unwrap_or(256 << 20);
-    let mut numa = match a.numa.as_slice() {
+    use kumo_vmm::placement::NumaRequest;
+    let numa = match a.numa.as_slice() {
         [] => file.numa,
-        [m] if m.trim() == "mirror" => {
-            // Full vNUMA: the host's nodes and distances, each vCPU pinned to a host CPU.
-            use kumo_vm::host_topology::{mirror, HostTopology};
-            let host = HostTopology::read_live().map_err(|e| format!("--numa mirror: {e}"))?;
-            // Explicit pins are refused rather than merged: mirror's nodes are built from its
-            // own vCPU→host CPU choice, other pins would break the node a vCPU sits in.
-            if pins.iter().any(Option::is_some) {
-                return Err("--cpus N,pin= and --numa mirror both pin vCPUs; give one of them".into());
-            }
-            let plan = mirror(&host, cpus, memory).map_err(|e| e.to_string())?;
-            pins = plan.pins.iter().copied().map(Some).collect();
-            Some(kumo_vmm::NumaConfig::from_mirror(&plan))
-        }
-        specs => Some(kumo_vmm::NumaConfig {
+        [m] if m.trim() == "mirror" => Some(NumaRequest::Mirror),
+        specs => Some(NumaRequest::Nodes(kumo_vmm::NumaConfig {
             nodes: specs
                 .iter()
                 .map(|s| kumo_vmm::config::NumaNodeSpec::parse(s))
                 .collect::<Result<_, _>>()
                 .map_err(err)?,
             distances: Vec::new(),
-        }),
+        })),
     };
-    if let Some(n) = numa.as_ref().filter(|n| n.pins_vcpus()) {
-        // Per-node pins, refused beside --cpus pins for the same reason as with mirror.
-        if pins.iter().any(Option::is_some) {
-            return Err("--cpus N,pin= and a NUMA node's pin= both pin vCPUs; give one of them".into());
-        }
-        let host = kumo_vm::host_topology::HostTopology::read_live()
-            .map_err(|e| format!("a NUMA node's pin=: cannot read the host's topology: {e}"))?;
-        pins = n.pins(&host).map_err(err)?;
-    }
+    // Mirror mode (full vNUMA) and nodes' pin= say where vCPUs run (docs/numa.md).
+    let (mut numa, pins) = kumo_vmm::placement::place(cpus, memory, pins, numa, live)?;
     if !a.numa_distance.is_empty() {
         let n = numa.as_mut().ok_or("--numa-distance given, but no NUMA nodes (--numa or a config file's numa)")?;
         n.distances = a
@@ -460,12 +442,11 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             a.net.iter().map(|s| NetSpec::parse(s)).collect::<Result<_, _>>().map_err(|e| e.to_string())?
         },
         numa,
-        pins,
         pv: match &a.pv {
             Some(s) => kumo_vm::pv::PvRequest::parse(s).map_err(|e| e.to_string())?,
             None => file.pv.unwrap_or_default(),
         },
-        halt_poll_ns: a.halt_poll_ns,
+        host: kumo_vmm::placement::HostPlacement { pins, halt_poll_ns: a.halt_poll_ns },
         elastic: match &a.elastic {
             Some(s) => Some(kumo_vmm::elastic::ElasticConfig::parse(s).map_err(|e| e.to_string())?),
             None => file.elastic,
@@ -511,7 +492,7 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
         // priority: a lend must not wait behind vCPUs that spin on every host CPU
         // (docs/elastic.md). They block in between; migration, the one long API job, is refused.
         let _rt = vm.config().elastic.as_ref().and_then(|_| {
-            kumo_vm::host_topology::realtime_this_thread()
+            kumo_vmm::placement::realtime_this_thread()
                 .map_err(|e| tracing::warn!("elastic VM's API not prioritized (SCHED_FIFO): {e}"))
                 .ok()
         });

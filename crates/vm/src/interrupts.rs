@@ -22,11 +22,34 @@ use kvm_bindings::{
     KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI, KVM_MAX_IRQ_ROUTES,
 };
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use serde::{Deserialize, Serialize};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::uapic::UserApics;
-use crate::vm::IrqchipMode;
+
+/// Where the interrupt controllers live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IrqchipMode {
+    /// PIC, IOAPIC, LAPICs and PIT all in KVM.
+    #[default]
+    Kernel,
+    /// LAPICs in KVM; PIC/IOAPIC/PIT left to userspace (interrupts arrive as MSIs).
+    Split,
+    /// No interrupt controller in KVM: kumo emulates the LAPICs (`crate::uapic`).
+    User,
+}
+
+impl std::fmt::Display for IrqchipMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IrqchipMode::Kernel => "kernel",
+            IrqchipMode::Split => "split",
+            IrqchipMode::User => "user",
+        })
+    }
+}
 
 /// IOAPIC input pins; also the first GSI handed out for MSIs.
 pub const IOAPIC_PINS: u32 = 24;
@@ -369,6 +392,23 @@ impl Interrupts {
         i.gsis.release(gsi)
     }
 
+    /// Sends one MSI now, with no GSI or irqfd: a VMM-side notification (the elastic channel's
+    /// vector). KVM's LAPICs take it through `KVM_SIGNAL_MSI`; with `--irqchip user` kumo's own
+    /// LAPICs do, as a device's routed MSI reaches them.
+    pub fn send_msi(&self, msg: MsiMessage) -> Result<()> {
+        if let Some(u) = &self.user {
+            u.apics.msi(msg.address, msg.data);
+            return Ok(());
+        }
+        let msi = kvm_bindings::kvm_msi {
+            address_lo: msg.address as u32,
+            address_hi: (msg.address >> 32) as u32,
+            data: msg.data,
+            ..Default::default()
+        };
+        self.fd.signal_msi(msi).map(drop).map_err(kvm("KVM_SIGNAL_MSI"))
+    }
+
     /// Whether `gsi` has somewhere to go: legacy pins only exist with the in-kernel irqchip.
     fn routable(&self, gsi: u32) -> bool {
         gsi >= IOAPIC_PINS || matches!(self.mode, IrqchipMode::Kernel | IrqchipMode::User)
@@ -637,6 +677,28 @@ mod tests {
         irq.unregister_irqfd(&msi, gsi).unwrap();
         irq.release_msi(gsi).unwrap();
         irq.unregister_irqfd(&com1, 4).unwrap();
+    }
+
+    /// A VMM-side MSI (the elastic channel's) with no GSI: KVM takes it where it has the
+    /// LAPICs, kumo's LAPIC (here APIC 1's) with `--irqchip user`.
+    #[test]
+    fn send_msi_reaches_kvms_or_kumos_lapic() {
+        if !kvm_available() {
+            eprintln!("skipping send_msi_reaches_kvms_or_kumos_lapic: /dev/kvm not available");
+            return;
+        }
+        let to_apic1 = MsiMessage { address: 0xfee0_0000 | (1 << 12), data: 0x31 };
+        for mode in [IrqchipMode::Kernel, IrqchipMode::Split] {
+            let vm = Vm::new(2, 16 << 20, mode).unwrap();
+            vm.create_vcpu(0).unwrap();
+            vm.interrupts.send_msi(to_apic1).unwrap_or_else(|e| panic!("{mode}: {e}"));
+        }
+        let vm = Vm::new(2, 16 << 20, IrqchipMode::User).unwrap();
+        let apics = vm.uapic.clone().unwrap();
+        apics.lock(1).lapic.write_mmio(0xF0, &0x1FFu32.to_le_bytes()); // software enable
+        vm.interrupts.send_msi(to_apic1).unwrap();
+        assert_eq!(apics.lock(1).lapic.pending_vector(), Some(0x31));
+        assert_eq!(apics.lock(0).lapic.pending_vector(), None);
     }
 
     #[test]

@@ -53,44 +53,6 @@ pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
 /// Most vCPUs kumo supports (bounded by GDT room for TSS descriptors and xAPIC IDs).
 pub const MAX_VCPUS: u32 = 240;
 
-/// What this host allows a VM: the memory it can back and KVM's vCPU limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HostLimits {
-    pub memory: crate::memory::HostMemory,
-    /// KVM_CAP_MAX_VCPUS; `None` where /dev/kvm cannot be opened (building the VM then fails
-    /// with that error).
-    pub kvm_max_vcpus: Option<u32>,
-}
-
-impl HostLimits {
-    /// Reads /proc/meminfo and asks KVM: cheap, nothing is allocated.
-    pub fn probe() -> crate::Result<HostLimits> {
-        Ok(HostLimits { memory: crate::memory::HostMemory::read()?, kvm_max_vcpus: crate::vm::kvm_max_vcpus() })
-    }
-}
-
-/// vCPUs: at least 1, at most [`MAX_VCPUS`] and KVM's limit (if known).
-pub fn check_vcpus(cpus: u32, kvm_max: Option<u32>) -> crate::Result<()> {
-    if cpus == 0 {
-        return Err(crate::Error::NoVcpus);
-    }
-    if cpus > MAX_VCPUS {
-        return Err(crate::Error::AboveKumoVcpuLimit(cpus));
-    }
-    match kvm_max {
-        Some(max) if cpus > max => Err(crate::Error::AboveKvmVcpuLimit(cpus, max)),
-        _ => Ok(()),
-    }
-}
-
-/// The one check of a VM's shape against kumo's and this host's limits, made on every path
-/// (flags, config files, migration headers, prepared destinations) before anything is
-/// allocated: vCPUs ([`check_vcpus`]), then memory ([`crate::memory::check_size`]).
-pub fn check_shape(cpus: u32, memory: u64, host: &HostLimits) -> crate::Result<()> {
-    check_vcpus(cpus, host.kvm_max_vcpus)?;
-    crate::memory::check_size(memory, &host.memory)
-}
-
 /// A range of guest-physical addresses something other than RAM or free MMIO space occupies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Reserved {
@@ -215,35 +177,6 @@ mod tests {
         for x in &r {
             assert!(gap.start <= x.start && x.start + x.len <= gap.end && x.start >= mmio.end, "{x:x?}");
         }
-    }
-
-    #[test]
-    fn shapes() {
-        let host = HostLimits { memory: crate::memory::HostMemory { total: 24 << 30 }, kvm_max_vcpus: Some(64) };
-        for (cpus, mem) in [(1, 8 << 20), (1, 256 << 20), (64, 1 << 30), (2, host.memory.usable())] {
-            check_shape(cpus, mem, &host).unwrap();
-        }
-        let bad: &[(u32, u64, &str)] = &[
-            (0, 256 << 20, "cpus must be at least 1"),
-            (65, 256 << 20, "cpus 65 exceeds this host's KVM limit of 64 vCPUs"),
-            (241, 256 << 20, "cpus 241 exceeds kumo's limit of 240"),
-            (u32::MAX, 256 << 20, "kumo's limit"),
-            (1, 0, "at least 8 MiB"),
-            (1, 4 << 20, "at least 8 MiB"),
-            (1, (256 << 20) + 512, "multiple of 4 KiB"),
-            (1, 1 << 40, "memory 1 TiB is more than this host can back (22.8 GiB usable of 24 GiB)"),
-            (1, 1 << 50, "memory 1 PiB is more than this host can back"),
-            (1, u64::MAX, "multiple of 4 KiB"),
-        ];
-        for &(cpus, mem, want) in bad {
-            let e = check_shape(cpus, mem, &host).unwrap_err().to_string();
-            assert!(e.contains(want) && !e.contains('\n'), "{cpus} cpus, {mem} bytes: {e}");
-        }
-        // KVM's limit unknown: kumo's own still applies.
-        let unknown = HostLimits { kvm_max_vcpus: None, ..host };
-        check_shape(200, 1 << 30, &unknown).unwrap();
-        assert!(check_shape(241, 1 << 30, &unknown).is_err());
-        assert!(HostLimits::probe().unwrap().memory.total > 0);
     }
 
     #[test]

@@ -1,14 +1,17 @@
 //! kumo-vm: the KVM edge of kumo. Almost all of kumo's `unsafe` lives here, at the KVM and
 //! memory boundary. By concern:
-//! - the VM and its vCPUs: `vm` (VM fd, irqchip, VM-wide state), `vcpu` (exit handling, which
-//!   dispatches port I/O and MMIO to `kumo_devices::Buses`), `cpuid`, `state` (saved state,
-//!   through the persist pattern of `kumo_devices::persist`);
-//! - interrupts: `interrupts` (GSI allocation, GSI routes with MSI, irqfd, ioeventfd);
+//! - the VM and its vCPUs: `vm` (VM fd, irqchip, VM-wide state, the host's limits on a VM's
+//!   shape), `vcpu` (exit handling, which dispatches port I/O and MMIO to
+//!   `kumo_devices::Buses`), `cpuid`, `state` (saved state, through the persist pattern of
+//!   `kumo_devices::persist`);
+//! - interrupts: `interrupts` (the irqchip mode, GSI allocation, GSI routes with MSI, irqfd,
+//!   ioeventfd, an MSI sent by the VMM);
 //! - memory: `memory` (memfd-backed guest RAM), `layout` (the `MemoryLayout` and fixed boot
 //!   addresses), `dirty` (dirty logging for migration);
 //! - boot: `boot` (GDT, TSS, page tables, entry registers) and its Linux loader `boot::linux`;
-//! - the host: `host_topology` (NUMA nodes, CPUs and distances read from sysfs, the
-//!   `--numa mirror` planner, vCPU pin specs, pinning a thread to a host CPU);
+//! - host scheduling: `sched` (a thread's host CPUs and real-time priority, as system calls);
+//!   where a VM's threads run is decided in `kumo_vmm::placement`;
+//! - paravirtual features: `pv` (the guest's KVM PV CPUID leaf, `--pv` requests);
 //! - emulation assists: `emulate` (the one x86 decoder and what kumo carries out when nested KVM
 //!   cannot).
 
@@ -16,12 +19,12 @@ pub mod boot;
 pub mod cpuid;
 pub mod dirty;
 pub mod emulate;
-pub mod host_topology;
 pub mod interrupt_paths;
 pub mod interrupts;
 pub mod layout;
 pub mod memory;
 pub mod pv;
+pub mod sched;
 pub mod state;
 pub mod uapic;
 pub mod vcpu;

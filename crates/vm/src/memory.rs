@@ -412,6 +412,21 @@ pub fn bind_to_host_node(mem: &GuestMemory, gpa: u64, len: u64, node: u32) -> Re
     Ok(())
 }
 
+/// Reads a size in bytes from a number or a [`parse_size`] string ("256M"), for
+/// `#[serde(deserialize_with = ...)]` in config files, streams and API bodies.
+pub fn deserialize_size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        N(u64),
+        S(String),
+    }
+    match <Size as serde::Deserialize>::deserialize(d)? {
+        Size::N(n) => Ok(n),
+        Size::S(s) => parse_size(&s).map_err(serde::de::Error::custom),
+    }
+}
+
 /// Parses sizes like `512M`, `2G`, `1.5G`, `1048576`, `64KiB` (binary units up to P). A
 /// decimal must come to whole bytes; sizes past 16 EiB are refused, never wrapped.
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {

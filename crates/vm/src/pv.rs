@@ -3,9 +3,8 @@
 //!
 //! Defaults: for shared vCPUs KVM's usual set (less PV IPI, which hangs the vCPU on this host's
 //! nested KVM, shared/NESTED-KVM.md); for dedicated vCPUs (each pinned to a host CPU of its
-//! own) `KVM_HINTS_REALTIME` and none of the features built for overcommit (seed 002).
-
-pub mod probe;
+//! own) `KVM_HINTS_REALTIME` and none of the features built for overcommit (seed 002). Which
+//! of the two a VM gets, and the PV IPI probe, are `kumo_vmm::placement`'s.
 
 use kvm_bindings::CpuId;
 use serde::{Deserialize, Serialize};
@@ -230,28 +229,6 @@ fn set_by_name(s: &mut PvSet, name: &str, on: bool) {
     }
 }
 
-/// How long the PV IPI probe waits for its vCPU before calling the hypercall hung.
-pub const PV_IPI_PROBE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Checks, with a probe VM, that the PV IPI hypercall works on this host, for a `set` that
-/// turns it on (a guest would send every IPI through it). Nothing to check otherwise.
-pub fn check_pv_ipi(kvm: &kvm_ioctls::Kvm, set: &PvSet) -> Result<(), PvError> {
-    if !set.pv_ipi {
-        return Ok(());
-    }
-    match probe::probe_pv_ipi(kvm, PV_IPI_PROBE_LIMIT) {
-        probe::PvIpiProbe::Works(_) => Ok(()),
-        probe::PvIpiProbe::Hangs => Err(PvError::PvIpiBroken(format!(
-            "KVM_HC_SEND_IPI hung a probe vCPU (no return within {} s)",
-            PV_IPI_PROBE_LIMIT.as_secs()
-        ))),
-        probe::PvIpiProbe::Refused(rc) => {
-            Err(PvError::PvIpiBroken(format!("KVM_HC_SEND_IPI returned {rc} in a probe VM")))
-        }
-        probe::PvIpiProbe::Failed(e) => Err(PvError::PvIpiBroken(format!("its probe VM failed: {e}"))),
-    }
-}
-
 /// KVM's supported EAX of leaf 0x4000_0001 in `cpuid`, if the leaf is there.
 pub fn supported_eax(cpuid: &CpuId) -> Option<u32> {
     cpuid.as_slice().iter().find(|e| e.function == FEATURES_LEAF).map(|e| e.eax)
@@ -263,13 +240,6 @@ pub fn host_supported_eax(kvm: &kvm_ioctls::Kvm) -> crate::Result<Option<u32>> {
         .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
         .map_err(|e| crate::Error::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
     Ok(supported_eax(&c))
-}
-
-/// Whether `pins` (host CPU of each vCPU, `pins[v]`; `None` floats) gives each of `ncpus` vCPUs
-/// a host CPU of its own: then the PV defaults are those for dedicated vCPUs.
-pub fn pins_dedicated(pins: &[Option<u32>], ncpus: u32) -> bool {
-    let pairs: Vec<(u32, u32)> = pins.iter().enumerate().filter_map(|(v, h)| h.map(|h| (v as u32, h))).collect();
-    !pairs.is_empty() && crate::host_topology::is_dedicated(&pairs, ncpus)
 }
 
 /// Writes `set` into leaf 0x4000_0001 of `cpuid`; bits outside the controlled ones (clock
@@ -367,15 +337,6 @@ mod tests {
             let e = PvRequest::parse(s).unwrap_err().to_string();
             assert!(!e.contains('\n') && e.starts_with("--pv "), "{e}");
         }
-    }
-
-    #[test]
-    fn dedicated_needs_a_host_cpu_per_vcpu() {
-        assert!(pins_dedicated(&[Some(2), Some(3)], 2));
-        assert!(!pins_dedicated(&[Some(2), Some(2)], 2));
-        assert!(!pins_dedicated(&[Some(2)], 2));
-        assert!(!pins_dedicated(&[Some(2), None], 2), "a floating vCPU is not dedicated");
-        assert!(!pins_dedicated(&[], 2));
     }
 
     #[test]

@@ -57,16 +57,3 @@ impl std::fmt::Debug for VmState {
 pub fn vcpu_id(id: u32) -> String {
     format!("vcpu{id}")
 }
-
-impl kumo_devices::Persist for crate::Vcpu {
-    type State = VcpuState;
-    fn id(&self) -> String {
-        vcpu_id(self.id)
-    }
-    fn save(&self) -> Result<VcpuState, kumo_devices::PersistError> {
-        self.save_state().map_err(|e| kumo_devices::PersistError::component(vcpu_id(self.id), e))
-    }
-    fn restore(&mut self, s: &VcpuState) -> Result<(), kumo_devices::PersistError> {
-        self.restore_state(s).map_err(|e| kumo_devices::PersistError::component(vcpu_id(self.id), e))
-    }
-}

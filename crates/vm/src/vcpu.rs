@@ -742,6 +742,20 @@ fn set_lapic_reg(regs: &mut [std::os::raw::c_char; 1024], offset: usize, mode: u
     }
 }
 
+/// A vCPU saves and restores through the persist pattern, as devices do (`crate::state`).
+impl kumo_devices::Persist for Vcpu {
+    type State = VcpuState;
+    fn id(&self) -> String {
+        crate::state::vcpu_id(self.id)
+    }
+    fn save(&self) -> std::result::Result<VcpuState, kumo_devices::PersistError> {
+        self.save_state().map_err(|e| kumo_devices::PersistError::component(crate::state::vcpu_id(self.id), e))
+    }
+    fn restore(&mut self, s: &VcpuState) -> std::result::Result<(), kumo_devices::PersistError> {
+        self.restore_state(s).map_err(|e| kumo_devices::PersistError::component(crate::state::vcpu_id(self.id), e))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,6 @@ use kvm_bindings::{
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Cap, Kvm, VmFd};
-use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::interrupts::Interrupts;
@@ -21,28 +20,8 @@ use crate::uapic::UserApics;
 use crate::vcpu::Vcpu;
 use crate::{Error, Result};
 
-/// Where the interrupt controllers live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IrqchipMode {
-    /// PIC, IOAPIC, LAPICs and PIT all in KVM.
-    #[default]
-    Kernel,
-    /// LAPICs in KVM; PIC/IOAPIC/PIT left to userspace (interrupts arrive as MSIs).
-    Split,
-    /// No interrupt controller in KVM: kumo emulates the LAPICs (`crate::uapic`).
-    User,
-}
-
-impl std::fmt::Display for IrqchipMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            IrqchipMode::Kernel => "kernel",
-            IrqchipMode::Split => "split",
-            IrqchipMode::User => "user",
-        })
-    }
-}
+/// Where the interrupt controllers live (defined beside the routing it shapes).
+pub use crate::interrupts::IrqchipMode;
 
 pub struct Vm {
     pub kvm: Kvm,
@@ -74,6 +53,44 @@ pub fn kvm_max_vcpus() -> Option<u32> {
 /// True if /dev/kvm can be opened: tests that need KVM skip when it cannot.
 pub fn kvm_available() -> bool {
     open_kvm().is_ok()
+}
+
+/// What this host allows a VM: the memory it can back and KVM's vCPU limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostLimits {
+    pub memory: crate::memory::HostMemory,
+    /// KVM_CAP_MAX_VCPUS; `None` where /dev/kvm cannot be opened (building the VM then fails
+    /// with that error).
+    pub kvm_max_vcpus: Option<u32>,
+}
+
+impl HostLimits {
+    /// Reads /proc/meminfo and asks KVM: cheap, nothing is allocated.
+    pub fn probe() -> Result<HostLimits> {
+        Ok(HostLimits { memory: crate::memory::HostMemory::read()?, kvm_max_vcpus: kvm_max_vcpus() })
+    }
+}
+
+/// vCPUs: at least 1, at most [`MAX_VCPUS`](crate::layout::MAX_VCPUS) and KVM's limit (if known).
+pub fn check_vcpus(cpus: u32, kvm_max: Option<u32>) -> Result<()> {
+    if cpus == 0 {
+        return Err(Error::NoVcpus);
+    }
+    if cpus > crate::layout::MAX_VCPUS {
+        return Err(Error::AboveKumoVcpuLimit(cpus));
+    }
+    match kvm_max {
+        Some(max) if cpus > max => Err(Error::AboveKvmVcpuLimit(cpus, max)),
+        _ => Ok(()),
+    }
+}
+
+/// The one check of a VM's shape against kumo's and this host's limits, made on every path
+/// (flags, config files, migration headers, prepared destinations) before anything is
+/// allocated: vCPUs ([`check_vcpus`]), then memory ([`crate::memory::check_size`]).
+pub fn check_shape(cpus: u32, memory: u64, host: &HostLimits) -> Result<()> {
+    check_vcpus(cpus, host.kvm_max_vcpus)?;
+    crate::memory::check_size(memory, &host.memory)
 }
 
 impl Vm {
@@ -113,7 +130,7 @@ impl Vm {
                 }
             }
         }
-        crate::layout::check_vcpus(ncpus, Some(u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX)))?;
+        check_vcpus(ncpus, Some(u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX)))?;
         Ok(kvm)
     }
 
@@ -289,6 +306,35 @@ mod tests {
     use super::*;
     use crate::vcpu::VcpuRun;
     use kumo_devices::DeviceEvent;
+
+    #[test]
+    fn shapes() {
+        let host = HostLimits { memory: crate::memory::HostMemory { total: 24 << 30 }, kvm_max_vcpus: Some(64) };
+        for (cpus, mem) in [(1, 8 << 20), (1, 256 << 20), (64, 1 << 30), (2, host.memory.usable())] {
+            check_shape(cpus, mem, &host).unwrap();
+        }
+        let bad: &[(u32, u64, &str)] = &[
+            (0, 256 << 20, "cpus must be at least 1"),
+            (65, 256 << 20, "cpus 65 exceeds this host's KVM limit of 64 vCPUs"),
+            (241, 256 << 20, "cpus 241 exceeds kumo's limit of 240"),
+            (u32::MAX, 256 << 20, "kumo's limit"),
+            (1, 0, "at least 8 MiB"),
+            (1, 4 << 20, "at least 8 MiB"),
+            (1, (256 << 20) + 512, "multiple of 4 KiB"),
+            (1, 1 << 40, "memory 1 TiB is more than this host can back (22.8 GiB usable of 24 GiB)"),
+            (1, 1 << 50, "memory 1 PiB is more than this host can back"),
+            (1, u64::MAX, "multiple of 4 KiB"),
+        ];
+        for &(cpus, mem, want) in bad {
+            let e = check_shape(cpus, mem, &host).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{cpus} cpus, {mem} bytes: {e}");
+        }
+        // KVM's limit unknown: kumo's own still applies.
+        let unknown = HostLimits { kvm_max_vcpus: None, ..host };
+        check_shape(200, 1 << 30, &unknown).unwrap();
+        assert!(check_shape(241, 1 << 30, &unknown).is_err());
+        assert!(HostLimits::probe().unwrap().memory.total > 0);
+    }
 
     /// Runs raw ring-0 code at 1 MiB on a 1-vCPU VM until it exits or fails.
     fn run_code(code: &[u8]) -> Option<Result<VcpuRun>> {

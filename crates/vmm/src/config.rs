@@ -5,9 +5,8 @@ use std::path::{Path, PathBuf};
 pub use kumo_vm::{parse_size, IrqchipMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
-pub use crate::guest_numa::{NumaConfig, NumaDistance, NumaNodeSpec};
 use crate::guest_program::GuestProgram;
-use crate::size::size_de;
+pub use crate::placement::{HostPlacement, NumaConfig, NumaDistance, NumaNodeSpec, NumaRequest};
 use crate::Error;
 
 /// What the VM boots.
@@ -65,7 +64,7 @@ pub struct VmConfig {
     #[serde(default = "default_cpus")]
     pub cpus: u32,
     /// Bytes; in files also a string such as "512M".
-    #[serde(default = "default_memory", deserialize_with = "size_de")]
+    #[serde(default = "default_memory", deserialize_with = "kumo_vm::memory::deserialize_size")]
     pub memory: u64,
     #[serde(default)]
     pub irqchip: IrqchipMode,
@@ -76,20 +75,15 @@ pub struct VmConfig {
     /// Guest NUMA nodes (`--numa`); none: Linux sees one node (no SRAT).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa: Option<NumaConfig>,
-    /// Host CPU of each vCPU (`pins[v]`, from `--cpus N,pin=` or `--numa mirror`); `None` or
-    /// past the end: not pinned, it floats. A property of this host, so not carried to a
-    /// migration's destination.
-    #[serde(skip)]
-    pub pins: Vec<Option<u32>>,
     /// KVM paravirtual features (`--pv`, docs/pv-features.md); unset ones follow the vCPUs'
     /// placement. The VMM stores the resolved set here at boot, so a migration stream carries
     /// it and the guest's CPUID does not change on the destination.
     #[serde(default, skip_serializing_if = "kumo_vm::pv::PvRequest::is_default")]
     pub pv: kumo_vm::pv::PvRequest,
-    /// KVM's halt polling for this VM in ns (`--halt-poll-ns`, KVM_CAP_HALT_POLL); none: the
-    /// host's module parameter. A tuning of this host, so not carried to a destination.
+    /// This host's settings for the VM (vCPU pins, halt polling): not part of the VM
+    /// description, so not carried to a migration's destination or into a snapshot.
     #[serde(skip)]
-    pub halt_poll_ns: Option<u32>,
+    pub host: HostPlacement,
     /// Elastic sharing of host CPUs and memory with other VMs (`--elastic`, docs/elastic.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elastic: Option<crate::elastic::ElasticConfig>,
@@ -259,8 +253,9 @@ pub struct ConfigFile {
     pub payload: Option<Payload>,
     #[serde(default)]
     pub net: Vec<NetSpec>,
+    /// Guest NUMA nodes, or `"mirror"` (as `--numa mirror`).
     #[serde(default)]
-    pub numa: Option<NumaConfig>,
+    pub numa: Option<NumaRequest>,
     #[serde(default)]
     pub pv: Option<kumo_vm::pv::PvRequest>,
     #[serde(default)]
@@ -270,7 +265,7 @@ pub struct ConfigFile {
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    size_de(d).map(Some)
+    kumo_vm::memory::deserialize_size(d).map(Some)
 }
 
 impl ConfigFile {
@@ -304,24 +299,23 @@ impl VmConfig {
             payload,
             net: Vec::new(),
             numa: None,
-            pins: Vec::new(),
             pv: Default::default(),
-            halt_poll_ns: None,
+            host: Default::default(),
             elastic: None,
         }
     }
 
     /// Checks the VM's shape before anything is allocated: vCPUs and memory against kumo's and
-    /// this host's limits (`kumo_vm::layout::check_shape`), and a kumo guest's own vCPU range
+    /// this host's limits (`kumo_vm::vm::check_shape`), and a kumo guest's own vCPU range
     /// and arguments (the registered `guest_program::GuestCheck`).
     /// Every path that builds a VM comes through here, incoming migrations included.
     pub fn validate_shape(&self) -> Result<(), Error> {
-        self.validate_shape_on(&kumo_vm::layout::HostLimits::probe()?)
+        self.validate_shape_on(&kumo_vm::vm::HostLimits::probe()?)
     }
 
     /// [`Self::validate_shape`] against given host limits.
-    pub fn validate_shape_on(&self, host: &kumo_vm::layout::HostLimits) -> Result<(), Error> {
-        kumo_vm::layout::check_shape(self.cpus, self.memory, host)?;
+    pub fn validate_shape_on(&self, host: &kumo_vm::vm::HostLimits) -> Result<(), Error> {
+        kumo_vm::vm::check_shape(self.cpus, self.memory, host)?;
         if let Payload::Guest { name, args, .. } = &self.payload {
             crate::guest_program::check(name, args, self.cpus)?;
         }
@@ -396,8 +390,9 @@ impl VmConfig {
         Ok(())
     }
 
-    /// Checks `--elastic` against the rest: a kumo guest (only they speak the channel), KVM's
-    /// local APIC (the channel's interrupt), vCPU pins of its own, room for the areas.
+    /// Checks `--elastic` against the rest: a kumo guest (only they speak the channel), vCPU
+    /// pins of its own, room for the areas. Any irqchip: the channel's interrupt goes through
+    /// `kumo_vm::interrupts`, which reaches kumo's LAPICs with `--irqchip user` too.
     pub fn validate_elastic(&self) -> Result<(), Error> {
         let Some(e) = &self.elastic else { return Ok(()) };
         e.validate(self.cpus)?;
@@ -405,10 +400,7 @@ impl VmConfig {
         if !matches!(self.payload, Payload::Guest { .. }) {
             return bad("needs a kumo guest that speaks the elastic channel (e.g. --guest worker)");
         }
-        if self.irqchip == IrqchipMode::User {
-            return bad("needs KVM's local APIC (--irqchip kernel or split), not --irqchip user");
-        }
-        if self.pins.iter().any(Option::is_some) || self.numa.as_ref().is_some_and(|n| n.pins_vcpus()) {
+        if self.host.pins.iter().any(Option::is_some) || self.numa.as_ref().is_some_and(|n| n.pins_vcpus()) {
             return bad("pins the vCPUs itself (cpus=); drop --cpus …,pin= and --numa …,pin=");
         }
         // A released block is fenced off (PROT_NONE): a device writing guest memory where the
@@ -424,7 +416,7 @@ impl VmConfig {
 
     /// Checks the guest NUMA nodes, if any: the topology and that each host node exists.
     pub fn validate_numa(&self) -> Result<(), Error> {
-        self.validate_numa_on(Path::new(crate::guest_numa::HOST_NODE_SYSFS))
+        self.validate_numa_on(Path::new(crate::placement::HOST_NODE_SYSFS))
     }
 
     /// [`Self::validate_numa`] with the host's nodes listed under `sysfs`.
@@ -593,9 +585,9 @@ mod tests {
 
     #[test]
     fn shape_table() {
-        use kumo_vm::layout::HostLimits;
         use kumo_vm::memory::HostMemory;
         crate::guest_program::tests::test_guests();
+        use kumo_vm::vm::HostLimits;
         let host = HostLimits { memory: HostMemory { total: 24 << 30 }, kvm_max_vcpus: Some(128) };
         let guest = |name: &str| Payload::guest(name, &[]);
         let kernel = Payload::Kernel { path: "/k".into(), initrd: None, cmdline: None };
@@ -638,7 +630,7 @@ mod tests {
              [[numa.distances]]\nsrc = 0\ndst = 1\nvalue = 21\n",
         ))
         .unwrap();
-        let numa = t.numa.unwrap();
+        let Some(NumaRequest::Nodes(numa)) = t.numa else { panic!("not nodes: {:?}", t.numa) };
         assert_eq!(
             numa.nodes[0],
             NumaNodeSpec { id: 0, cpus: vec![0], memory: 256 << 20, host_node: Some(0), pin: None }
@@ -647,10 +639,13 @@ mod tests {
         assert_eq!(numa.distances, vec![NumaDistance { src: 0, dst: 1, value: 21 }]);
         let c =
             VmConfig { cpus: 2, memory: 512 << 20, numa: Some(numa), ..VmConfig::new(Payload::guest("memtouch", &[])) };
-        // A config travels in migration streams and snapshots: the topology survives the trip,
-        // and a config without NUMA nodes reads and writes as before.
+        // A config travels in migration streams and snapshots: the topology survives the trip
+        // (the host node, this host's, does not), and a config without NUMA nodes reads and
+        // writes as before.
         let back: VmConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
-        assert_eq!(back, c);
+        let mut here = c.clone();
+        here.numa.as_mut().unwrap().nodes[0].host_node = None;
+        assert_eq!(back, here);
         assert_eq!(back.numa_topology().unwrap().unwrap().nodes[1].memory, vec![(256 << 20, 256 << 20)]);
         let plain = VmConfig { numa: None, ..c.clone() };
         assert!(!serde_json::to_string(&plain).unwrap().contains("numa"));
@@ -682,6 +677,27 @@ mod tests {
         let old: VmConfig = serde_json::from_str(r#"{"payload": {"kernel": {"path": "/k"}}}"#).unwrap();
         assert!(old.debug_exit);
         assert_eq!(ConfigFile::load(&write("x.toml", "debug_exit = true\n")).unwrap().debug_exit, Some(true));
+    }
+
+    /// A config file can say `mirror` as `--numa mirror` does, in TOML and JSON; the CLI then
+    /// plans it with `placement::place` exactly as the flag.
+    #[test]
+    fn numa_mirror_in_files() {
+        let t = ConfigFile::load(&write("m.toml", "cpus = 4\nmemory = \"4G\"\nnuma = \"mirror\"\n")).unwrap();
+        assert_eq!(t.numa, Some(NumaRequest::Mirror));
+        let j = ConfigFile::load(&write("m.json", r#"{"cpus": 2, "numa": "mirror"}"#)).unwrap();
+        assert_eq!(j.numa, Some(NumaRequest::Mirror));
+        let e = ConfigFile::load(&write("m2.toml", "numa = \"mirrored\"\n")).unwrap_err().to_string();
+        assert!(e.contains("m2.toml") && e.contains(r#"expected "mirror" or a table of nodes"#), "{e}");
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sysfs-2node");
+        let host = || crate::placement::HostTopology::read(&fixture);
+        let (numa, pins) = crate::placement::place(4, 4 << 30, vec![], t.numa, host).unwrap();
+        let nodes = numa.unwrap().nodes;
+        assert_eq!(
+            nodes.iter().map(|n| (n.cpus.clone(), n.host_node)).collect::<Vec<_>>(),
+            [(vec![0, 1], Some(0)), (vec![2, 3], Some(1))]
+        );
+        assert_eq!(pins, [Some(0), Some(1), Some(8), Some(9)]);
     }
 
     #[test]

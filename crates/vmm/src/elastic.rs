@@ -44,13 +44,13 @@ pub struct ElasticConfig {
     #[serde(default)]
     pub cpus: Vec<u32>,
     /// Elastic memory of each guest node (the top of its RAM), bytes.
-    #[serde(default, deserialize_with = "crate::size::size_de")]
+    #[serde(default, deserialize_with = "kumo_vm::memory::deserialize_size")]
     pub memory: u64,
     /// How much of each node's elastic memory is plugged at boot (default: all of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugged: Option<u64>,
     /// The unit memory moves in, a multiple of 2 MiB.
-    #[serde(default = "default_block", deserialize_with = "crate::size::size_de")]
+    #[serde(default = "default_block", deserialize_with = "kumo_vm::memory::deserialize_size")]
     pub block: u64,
 }
 
@@ -68,7 +68,9 @@ impl ElasticConfig {
             let size = |v: &str| kumo_vm::parse_size(v).map_err(bad);
             match k {
                 "cpus" if v.is_empty() => c.cpus.clear(),
-                "cpus" => c.cpus = crate::guest_numa::parse_cpu_list(v).map_err(bad)?,
+                "cpus" => {
+                    c.cpus = crate::placement::parse_cpu_list(v, ':').map_err(|e| bad(format!("cpus={v}: {e}")))?
+                }
                 "memory" => c.memory = size(v)?,
                 "plugged" => c.plugged = Some(size(v)?),
                 "block" => c.block = size(v)?,
@@ -134,7 +136,7 @@ pub struct AreaPlan {
 pub fn plan_areas(
     cfg: &ElasticConfig,
     layout: &kumo_vm::layout::MemoryLayout,
-    numa: Option<(&crate::guest_numa::NumaConfig, &kumo_acpi::NumaTopology)>,
+    numa: Option<(&crate::placement::NumaConfig, &kumo_acpi::NumaTopology)>,
 ) -> Result<Vec<AreaPlan>, Error> {
     if cfg.memory == 0 {
         return Ok(Vec::new());
@@ -221,7 +223,8 @@ pub struct ElasticVm {
     mem: GuestMemory,
     /// Where blocks the guest does not hold are fenced off (kumo_vm::memory::Fences).
     fences: Arc<kumo_vm::memory::Fences>,
-    fd: Arc<kvm_ioctls::VmFd>,
+    /// The channel's vector goes through the VM's interrupt layer, to KVM's LAPICs or kumo's.
+    irq: Arc<kumo_vm::interrupts::Interrupts>,
     doorbell: EventFd,
     epoll: Epoll,
     /// One request at a time: the channel has one request slot.
@@ -314,7 +317,7 @@ impl ElasticVm {
                 at_boot: true,
             });
         }
-        let cpu_node = kumo_vm::host_topology::HostTopology::read_live()
+        let cpu_node = crate::placement::HostTopology::read_live()
             .map(|t| t.cpus.iter().map(|c| (c.id, c.node)).collect())
             .unwrap_or_default();
         let evm = ElasticVm {
@@ -325,7 +328,7 @@ impl ElasticVm {
             mailbox,
             mem,
             fences: vm.memory.fences.clone(),
-            fd: vm.fd.clone(),
+            irq: vm.interrupts.clone(),
             doorbell,
             epoll,
             state: Mutex::new(State { vcpus, plugged, borrowed: vec![BTreeMap::new(); areas.len()], events }),
@@ -351,12 +354,11 @@ impl ElasticVm {
 
     /// Sends the channel's vector to vCPU `v` (its APIC ID is its index): wakes it if halted.
     fn notify(&self, v: u32) -> R<()> {
-        let msi = kvm_bindings::kvm_msi {
-            address_lo: 0xfee0_0000 | (v << 12),
-            data: mailbox::VECTOR as u32,
-            ..Default::default()
+        let msg = kumo_vm::interrupts::MsiMessage {
+            address: 0xfee0_0000 | (u64::from(v) << 12),
+            data: mailbox::VECTOR.into(),
         };
-        self.fd.signal_msi(msi).map(drop).map_err(|e| ElasticError::Failed(format!("KVM_SIGNAL_MSI to vCPU {v}: {e}")))
+        self.irq.send_msi(msg).map_err(|e| ElasticError::Failed(format!("the channel's MSI to vCPU {v}: {e}")))
     }
 
     fn notify_all(&self, mask: u64) -> R<()> {
@@ -890,7 +892,7 @@ mod tests {
             assert!(e.contains(want), "{spec}: {e}");
         }
         for (spec, want) in [
-            ("cpus=x", "not a CPU number"),
+            ("cpus=x", r#"cpus=x: "x" in CPU list "x" is not N or N-M"#),
             ("memory=lots", "not a size"),
             ("nope=1", "unknown key"),
             ("cpus", "key=value"),
@@ -930,10 +932,10 @@ mod tests {
 
     #[test]
     fn areas_follow_the_numa_nodes() {
-        let numa = crate::guest_numa::NumaConfig {
+        let numa = crate::placement::NumaConfig {
             nodes: vec![
-                crate::guest_numa::NumaNodeSpec::parse("node=0,cpus=0-1,memory=128M,host-node=0").unwrap(),
-                crate::guest_numa::NumaNodeSpec::parse("node=1,cpus=2,memory=128M").unwrap(),
+                crate::placement::NumaNodeSpec::parse("node=0,cpus=0-1,memory=128M,host-node=0").unwrap(),
+                crate::placement::NumaNodeSpec::parse("node=1,cpus=2,memory=128M").unwrap(),
             ],
             distances: vec![],
         };

@@ -116,8 +116,8 @@ pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, Resou
         nic.tap = b.tap.clone().unwrap_or_default();
         nic.vhost_user = b.vhost_user.as_ref().map(PathBuf::from);
     }
-    // Pins name the source's host CPUs: the destination's own are not carried (see `pins`).
-    vm.pins.clear();
+    // Pins name the source's host CPUs: the destination's own are not carried (`HostPlacement`).
+    vm.host = Default::default();
     match vm.numa.as_mut() {
         None => {
             if let Some(b) = ours.numa.first() {
@@ -260,7 +260,7 @@ mod tests {
             cpus: 2,
             memory: 64 << 20,
             net: nets.iter().map(|s| NetSpec::parse(s).unwrap()).collect(),
-            pins: vec![Some(3), Some(4)],
+            host: crate::placement::HostPlacement { pins: vec![Some(3), Some(4)], halt_poll_ns: Some(0) },
             ..VmConfig::new(Payload::guest("netecho", &[]))
         }
     }
@@ -282,7 +282,7 @@ mod tests {
             assert_eq!(r.net[1].mac.as_deref(), Some("52:54:00:00:00:07"));
             assert_eq!(r.net[0].queues, 2);
             assert_eq!(r.net[0].irq, kumo_vm::interrupt_paths::IrqPath::Dedicated { vcpu: 1 });
-            assert!(r.pins.is_empty(), "the source's pins are not carried");
+            assert_eq!(r.host, Default::default(), "the source's pins and halt polling are not carried");
             r.validate_net().unwrap();
         }
         let v = resolve(vm(&["vhost-user=/their.sock"]), &ours(&["vhost-user=/run/mine.sock"], &[])).unwrap();

@@ -7,6 +7,8 @@
 //! - `persist`: the `Snapshot` every component saves into;
 //! - `snapshot`: snapshots to and restores from files; `counters`: the VM's counters;
 //!   `event_monitor`: the lifecycle event monitor;
+//! - `placement`: where the VM sits on this host (seed 002): guest NUMA nodes, `--numa mirror`,
+//!   vCPU pins, the PV defaults they imply, halt polling, real-time priority;
 //! - `host_resources`: what an arriving VM's NICs and NUMA nodes get on this host;
 //! - `config`, `api` (the control API's handler), `migration` (source and destination sides);
 //! - `guest_program`: a kumo guest program as an ELF image and command line (the VMM links no
@@ -21,7 +23,6 @@ pub mod device_manager;
 pub mod elastic;
 pub mod event_loop;
 pub mod event_monitor;
-pub mod guest_numa;
 pub mod guest_program;
 pub mod host_resources;
 pub mod lifecycle;
@@ -31,7 +32,7 @@ pub mod nic_vhost_user;
 pub mod panics;
 pub mod pci;
 pub mod persist;
-mod size;
+pub mod placement;
 pub mod snapshot;
 pub mod vcpu_manager;
 pub mod virtio_pci;

@@ -236,7 +236,7 @@ impl VcpuManager {
             cv: Condvar::new(),
             threads: Mutex::new(Vec::new()),
             tids: Mutex::new(vec![None; n]),
-            float_cpus: kumo_vm::host_topology::thread_affinity().unwrap_or_default(),
+            float_cpus: kumo_vm::sched::thread_affinity().unwrap_or_default(),
             uapic: setup.uapic,
             parks: (0..n as u32).map(|v| AtomicBool::new(setup.parked.contains(&v))).collect(),
             throttle: AtomicU32::new(0),
@@ -286,7 +286,7 @@ impl VcpuManager {
     /// A vCPU thread: its start-up placement, then its run loop, under a panic guard.
     fn thread_main(&self, id: u32, vcpu: Arc<Mutex<Vcpu>>, bus: &Buses, pin: Option<u32>, prioritized: bool) {
         if let Some(cpu) = pin {
-            if let Err(e) = kumo_vm::host_topology::pin_thread(cpu) {
+            if let Err(e) = kumo_vm::sched::pin_thread(cpu) {
                 tracing::warn!("vCPU {id} not pinned to host CPU {cpu}: {e}");
             }
         }
@@ -295,7 +295,7 @@ impl VcpuManager {
         }
         // After the start pin, so a vm.pin that finds the tid wins over it; cleared at exit
         // (by `VcpuAlive`) so a reused tid is never re-pinned.
-        self.set_tid(id, Some(kumo_vm::host_topology::this_tid()));
+        self.set_tid(id, Some(kumo_vm::sched::this_tid()));
         // A panic stops this VM itself (whatever the process's handler does), with the message
         // the thread's guard reports too.
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_loop(id, &vcpu, bus)));
@@ -332,8 +332,10 @@ impl VcpuManager {
                 Ok(VcpuRun::Device(DeviceEvent::Marker(m))) => self.mark(m),
                 // With KVM's LAPIC, HLT only exits here if KVM chose not to park the vCPU itself.
                 Ok(VcpuRun::Halted) => match &self.uapic {
-                    // kumo's APIC: wait for an interrupt (or a pause/stop request).
-                    Some(u) => u.halt(id, || self.request.load(Ordering::Acquire) != RUN),
+                    // kumo's APIC: wait for an interrupt (or a pause/stop request, or a park).
+                    Some(u) => u.halt(id, || {
+                        self.request.load(Ordering::Acquire) != RUN || self.parks[id as usize].load(Ordering::Acquire)
+                    }),
                     None => std::thread::sleep(Duration::from_micros(100)),
                 },
                 Ok(VcpuRun::Reset(why)) => self.finish(Outcome::Reset(why)),
@@ -405,6 +407,10 @@ impl VcpuManager {
     fn kick_one(&self, v: u32) {
         if let Some(t) = lock(&self.threads).get(v as usize).filter(|t| !t.is_finished()) {
             let _ = t.kill(kick_signal());
+        }
+        // With kumo's APIC a halted vCPU waits outside KVM_RUN, where no signal reaches it.
+        if let Some(u) = &self.uapic {
+            u.wake_all();
         }
     }
 
@@ -601,7 +607,7 @@ impl VcpuManager {
     /// had at start), running or paused: its thread's affinity is set by tid, so the vCPU need
     /// not be woken. Errors are one line: a bad vCPU or CPU, no thread, or a failure.
     pub fn pin_vcpu(&self, vcpu: u32, cpu: Option<u32>) -> std::result::Result<(), PinError> {
-        use kumo_vm::host_topology::{format_cpulist, HostTopology};
+        use crate::placement::{format_cpulist, HostTopology};
         if vcpu >= self.count() {
             return Err(PinError::Bad(format!("vCPU {vcpu} does not exist (the VM has {} vCPUs)", self.count())));
         }
@@ -643,8 +649,7 @@ impl VcpuManager {
             .copied()
             .flatten()
             .ok_or_else(|| PinError::NoThread(format!("vCPU {vcpu} has no running thread")))?;
-        kumo_vm::host_topology::set_affinity(tid, cpus)
-            .map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
+        kumo_vm::sched::set_affinity(tid, cpus).map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
     }
 
     /// Each vCPU's host CPU as its thread's affinity reads now: `Some(cpu)` when it may run on
@@ -652,7 +657,7 @@ impl VcpuManager {
     pub fn vcpu_pins(&self) -> Vec<Option<u32>> {
         lock(&self.tids)
             .iter()
-            .map(|t| match t.map(kumo_vm::host_topology::affinity_of) {
+            .map(|t| match t.map(kumo_vm::sched::affinity_of) {
                 Some(Ok(c)) if c.len() == 1 => Some(c[0]),
                 _ => None,
             })

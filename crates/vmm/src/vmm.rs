@@ -122,7 +122,7 @@ impl RunningVm {
         // Elastic memory is anonymous huge pages (fast to discard), the rest the memfd.
         let areas = match &config.elastic {
             Some(e) => {
-                config.pins = e.pins(config.cpus);
+                config.host.pins = e.pins(config.cpus);
                 let layout = kumo_vm::layout::MemoryLayout::new(config.memory);
                 crate::elastic::plan_areas(e, &layout, config.numa.as_ref().zip(numa.as_ref()))?
             }
@@ -207,7 +207,7 @@ impl RunningVm {
             .collect();
         let vm =
             RunningVm { vm, config, vcpus, devices, started: Instant::now(), elastic, api_name: Default::default() };
-        vm.vcpus.start(vm.devices.buses(), &vm.config.pins, &prioritized)?;
+        vm.vcpus.start(vm.devices.buses(), &vm.config.host.pins, &prioritized)?;
         Ok(vm)
     }
 }
@@ -219,15 +219,7 @@ fn create_vm(config: &VmConfig, numa: Option<&kumo_acpi::NumaTopology>, memory: 
         Some(m) => Vm::with_memory(config.cpus, m, config.irqchip)?,
         None => Vm::new(config.cpus, config.memory, config.irqchip)?,
     };
-    if let Some(ns) = config.halt_poll_ns {
-        vm.set_halt_poll_ns(ns)?;
-    } else if config.elastic.is_some() {
-        // An idle vCPU of an elastic VM must cost no host CPU: KVM's halt polling would
-        // spin its thread (200 us a halt by default) on CPUs other VMs are using.
-        if let Err(e) = vm.set_halt_poll_ns(0) {
-            tracing::warn!("elastic VM: halt polling left on: {e}");
-        }
-    }
+    crate::placement::set_halt_polling(&vm, &config.host, config.elastic.is_some())?;
     // Before anything is written: the guest's pages are then faulted on their host node.
     if let (Some(n), Some(t)) = (&config.numa, numa) {
         for (gpa, len, node) in n.bindings(t) {
@@ -241,17 +233,8 @@ fn create_vm(config: &VmConfig, numa: Option<&kumo_acpi::NumaTopology>, memory: 
 /// guest's CPUID as it is here: the destination's pins do not change it) and creates the
 /// vCPUs.
 fn create_vcpus(vm: &Vm, config: &mut VmConfig) -> Result<(Vec<Vcpu>, kumo_vm::pv::PvSet)> {
-    let dedicated = kumo_vm::pv::pins_dedicated(&config.pins, config.cpus);
-    let pv = config
-        .pv
-        .resolve(kumo_vm::pv::host_supported_eax(&vm.kvm)?, dedicated)
-        .map_err(|e| Error::Config(e.to_string()))?;
-    // PV unhalt and PV IPIs are KVM LAPIC deliveries: without KVM's LAPIC they reach no one.
-    let pv = match config.irqchip {
-        kumo_vm::IrqchipMode::User => kumo_vm::pv::PvSet { pv_unhalt: false, pv_ipi: false, ..pv },
-        _ => pv,
-    };
-    kumo_vm::pv::check_pv_ipi(&vm.kvm, &pv).map_err(|e| Error::Config(e.to_string()))?;
+    let (pv, dedicated) =
+        crate::placement::pv_features(&config.pv, &config.host.pins, config.cpus, config.irqchip, &vm.kvm)?;
     config.pv = kumo_vm::pv::PvRequest::from_set(pv);
     tracing::info!(pv = %pv.describe(), dedicated, "paravirtual features");
     let vcpus = (0..config.cpus).map(|i| vm.create_vcpu(i)).collect::<kumo_vm::Result<_>>()?;

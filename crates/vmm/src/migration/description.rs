@@ -127,7 +127,6 @@ fn config_of(d: &VmDescription) -> VmConfig {
         payload,
         net,
         numa,
-        pins: Vec::new(),
         pv: PvRequest {
             steal_time: p.steal_time,
             pv_unhalt: p.pv_unhalt,
@@ -136,7 +135,7 @@ fn config_of(d: &VmDescription) -> VmConfig {
             pv_ipi: p.pv_ipi,
             realtime: p.realtime,
         },
-        halt_poll_ns: None,
+        host: Default::default(),
         elastic: None,
         debug_exit: d.debug_exit,
     }
@@ -191,9 +190,8 @@ mod tests {
                 nodes: vec![node(0, vec![0], Some(5)), node(1, vec![1], None)],
                 distances: vec![NumaDistance { src: 0, dst: 1, value: 31 }],
             }),
-            pins: vec![Some(3), Some(4)],
             pv: PvRequest::from_set(PvSet::DEDICATED),
-            halt_poll_ns: Some(0),
+            host: crate::placement::HostPlacement { pins: vec![Some(3), Some(4)], halt_poll_ns: Some(0) },
             ..vm(2, 64 << 20, "memtouch")
         };
         let d = desc(&c);
@@ -209,7 +207,7 @@ mod tests {
         let numa = back.numa.as_ref().unwrap();
         assert_eq!(numa.nodes.iter().map(|n| n.host_node).collect::<Vec<_>>(), [None, None]);
         assert_eq!(numa.distances, c.numa.as_ref().unwrap().distances);
-        assert!(back.pins.is_empty() && back.halt_poll_ns.is_none(), "host settings stay behind");
+        assert!(back.host.pins.is_empty() && back.host.halt_poll_ns.is_none(), "host settings stay behind");
         let j = serde_json::to_value(&d).unwrap();
         assert!(!j.to_string().contains("host_node") && !j.to_string().contains("pins"), "{j}");
     }

@@ -107,9 +107,9 @@ impl Incoming {
     /// page faults (expensive on nested hosts). Nothing has been received when it returns.
     pub fn listen(&self, say: &dyn Fn(&str)) -> Result<Listening, String> {
         let (memory, cpus) = (self.memory, self.cpus);
-        let host = kumo_vm::layout::HostLimits::probe().map_err(|e| e.to_string())?;
+        let host = kumo_vm::vm::HostLimits::probe().map_err(|e| e.to_string())?;
         if let Some(n) = cpus {
-            kumo_vm::layout::check_vcpus(n, host.kvm_max_vcpus).map_err(|e| e.to_string())?;
+            kumo_vm::vm::check_vcpus(n, host.kvm_max_vcpus).map_err(|e| e.to_string())?;
         }
         if let Some(size) = memory {
             kumo_vm::memory::check_size(size, &host.memory).map_err(|e| e.to_string())?;

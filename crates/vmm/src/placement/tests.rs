@@ -1,5 +1,5 @@
 use super::*;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const KB: u64 = 1024;
 const MIB: u64 = 1 << 20;
@@ -14,7 +14,7 @@ fn read(name: &str) -> HostTopology {
 }
 
 fn list(s: &str) -> Vec<u32> {
-    parse_cpulist(s).unwrap()
+    parse_cpu_set(s).unwrap()
 }
 
 #[test]
@@ -26,9 +26,12 @@ fn cpulist_parser() {
     assert_eq!(list("7-7"), [7]);
     assert_eq!(list("8,0-2,1"), [0, 1, 2, 8]);
     for bad in ["3-1", "1,,2", "a", "-1", "1-", "0-3:2", " 1, 2", "4294967296"] {
-        assert!(parse_cpulist(bad).is_err(), "{bad:?} parsed");
+        assert!(parse_cpu_set(bad).is_err(), "{bad:?} parsed");
     }
-    assert_eq!(parse_cpulist("3-1").unwrap_err(), r#"range "3-1" in CPU list "3-1" runs backwards"#);
+    assert_eq!(parse_cpu_set("3-1").unwrap_err(), r#"range "3-1" in CPU list "3-1" runs backwards"#);
+    // kumo's own lists (`cpus=`, `pin=`) are joined by `:` and keep their order and repeats.
+    assert_eq!(parse_cpu_list("5:0-1:5", ':').unwrap(), [5, 0, 1, 5]);
+    assert_eq!(parse_cpu_list("0-1,4", ':').unwrap_err(), r#""0-1,4" in CPU list "0-1,4" is not N or N-M"#);
     assert_eq!(format_cpulist(&[0, 1, 2, 3, 8, 16, 17]), "0-3,8,16-17");
     assert_eq!(format_cpulist(&[]), "");
     assert_eq!(list(&format_cpulist(&list("0-7,16-23"))), list("0-7,16-23"));
@@ -84,7 +87,7 @@ fn reads_this_host() {
         return;
     }
     let t = HostTopology::read_live().unwrap();
-    let online = parse_cpulist(&std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap()).unwrap();
+    let online = parse_cpu_set(&std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap()).unwrap();
     assert_eq!(t.online_cpus(), online);
     assert!(!t.nodes.is_empty() && t.memory() > 0);
     assert_eq!(t.distances.len(), t.nodes.len());
@@ -101,7 +104,7 @@ fn reads_this_host() {
 }
 
 /// A copy of a fixture with `edit` applied, in a fresh temporary directory.
-fn broken(name: &str, edit: impl FnOnce(&Path)) -> (HostTopologyError, String) {
+fn broken(name: &str, edit: impl FnOnce(&Path)) -> (PlacementError, String) {
     let dir = std::env::temp_dir().join(format!("kumo-hosttopo-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     copy_dir(&fixture("sysfs-2node"), &dir);
@@ -180,7 +183,7 @@ fn a_malformed_tree_is_a_one_line_error_naming_the_file() {
     ];
     for (name, edit, want) in cases {
         let (e, msg) = broken(name, edit);
-        assert!(matches!(e, HostTopologyError::Read { .. }));
+        assert!(matches!(e, PlacementError::Read { .. }));
         assert_eq!(msg, want);
         assert!(!msg.contains('\n'));
     }
@@ -309,21 +312,6 @@ fn dedicated_means_every_vcpu_on_a_cpu_of_its_own() {
 }
 
 #[test]
-fn pins_this_thread_to_cpu_0() {
-    std::thread::spawn(|| {
-        if !thread_affinity().unwrap().contains(&0) {
-            eprintln!("skipping: CPU 0 is not in this process's affinity mask");
-            return;
-        }
-        pin_thread(0).unwrap();
-        assert_eq!(thread_affinity().unwrap(), [0]);
-    })
-    .join()
-    .unwrap();
-    assert!(pin_thread(100_000).is_err());
-}
-
-#[test]
 fn cpus_arg() {
     let online = [0, 1, 2, 3];
     assert_eq!(parse_cpus_arg("2", &online).unwrap(), (2, vec![]));
@@ -351,14 +339,110 @@ fn cpus_arg() {
 }
 
 #[test]
-fn affinity_of_this_thread_reads_back() {
-    let before = affinity_of(0).unwrap();
-    assert_eq!(before, thread_affinity().unwrap());
-    assert!(!before.is_empty());
-    let tid = this_tid();
-    set_affinity(tid, &before[..1]).unwrap();
-    assert_eq!(affinity_of(tid).unwrap(), &before[..1]);
-    set_affinity(tid, &before).unwrap();
-    assert_eq!(affinity_of(0).unwrap(), before);
-    assert!(set_affinity(tid, &[u32::MAX]).is_err());
+fn dedicated_needs_a_host_cpu_per_vcpu() {
+    assert!(pins_dedicated(&[Some(2), Some(3)], 2));
+    assert!(!pins_dedicated(&[Some(2), Some(2)], 2));
+    assert!(!pins_dedicated(&[Some(2)], 2));
+    assert!(!pins_dedicated(&[Some(2), None], 2), "a floating vCPU is not dedicated");
+    assert!(!pins_dedicated(&[], 2));
+}
+
+/// A mirror plan's guest nodes, as the VM's `NumaConfig` gives them to the ACPI tables: each
+/// node's memory cut from guest RAM in node order (across the MMIO gap), the host's distances.
+#[test]
+fn a_two_node_mirror_crosses_the_mmio_gap() {
+    use kumo_acpi::NumaNode;
+    let plan = mirror(&read("sysfs-2node"), 4, 4 * GIB).unwrap();
+    let t = NumaConfig::from_mirror(&plan).topology(4, 4 * GIB).unwrap();
+    assert_eq!(t.nodes[0], NumaNode { id: 0, cpus: vec![0, 1], memory: vec![(0, 2 * GIB)] });
+    assert_eq!(t.nodes[1], NumaNode { id: 1, cpus: vec![2, 3], memory: vec![(2 * GIB, GIB), (4 * GIB, GIB)] });
+    assert_eq!(t.distances, [[10, 21], [21, 10]]);
+}
+
+#[test]
+fn a_four_node_mirror_builds_srat_and_slit() {
+    use kumo_vm::layout::MemoryLayout;
+    let plan = mirror(&read("sysfs-4node"), 2, 512 * MIB + 4096).unwrap();
+    let layout = MemoryLayout::new(512 * MIB + 4096);
+    let t = NumaConfig::from_mirror(&plan).topology(2, 512 * MIB + 4096).unwrap();
+    let mem: Vec<Vec<(u64, u64)>> = t.nodes.iter().map(|n| n.memory.clone()).collect();
+    assert_eq!(
+        mem,
+        [
+            vec![(0, 128 * MIB)],
+            vec![(128 * MIB, 128 * MIB)],
+            vec![(256 * MIB, 128 * MIB)],
+            vec![(384 * MIB, 128 * MIB + 4096)]
+        ]
+    );
+    let cpus: Vec<Vec<u32>> = t.nodes.iter().map(|n| n.cpus.clone()).collect();
+    assert_eq!(cpus, [vec![0], vec![1], vec![], vec![]]);
+    assert_eq!(t.distance(0, 1), 11);
+    assert_eq!(t.distance(1, 3), 21);
+    let cfg = kumo_acpi::AcpiConfig {
+        cpus: 2,
+        layout: &layout,
+        irqchip: kumo_vm::IrqchipMode::Kernel,
+        pci: None,
+        numa: Some(&t),
+    };
+    let tables = kumo_acpi::build(&cfg).unwrap();
+    let slit = &tables.find(b"SLIT").unwrap().1;
+    // 36-byte header, 8-byte node count, then the 4x4 matrix.
+    assert_eq!(u64::from_le_bytes(slit[36..44].try_into().unwrap()), 4);
+    assert_eq!(slit[44..60], [10, 11, 21, 21, 11, 10, 21, 21, 21, 21, 10, 11, 21, 21, 11, 10]);
+    assert!(tables.find(b"SRAT").is_some());
+    // A plan for other memory does not fit the VM.
+    let plan = mirror(&read("sysfs-2node"), 2, GIB).unwrap();
+    let e = NumaConfig::from_mirror(&plan).topology(2, 2 * GIB).unwrap_err();
+    assert_eq!(e.to_string(), "config: NUMA node memory sums to 1 GiB, not the VM's memory of 2 GiB");
+}
+
+/// `place` for a booting VM: mirror (from the flag or a config file) plans nodes and pins from
+/// the host, a node's pin= gives pins, --cpus pins pass through, and two sources of pins are
+/// refused; the host is read only when needed.
+#[test]
+fn place_plans_nodes_and_pins_from_what_was_asked() {
+    let host = || Ok(read("sysfs-2node"));
+    let (numa, pins) = place(4, 4 * GIB, vec![], Some(NumaRequest::Mirror), host).unwrap();
+    let plan = mirror(&read("sysfs-2node"), 4, 4 * GIB).unwrap();
+    assert_eq!(numa, Some(NumaConfig::from_mirror(&plan)));
+    assert_eq!(pins, [Some(0), Some(1), Some(8), Some(9)]);
+    let no_host = || -> Result<HostTopology> { panic!("the host is not read without mirror or a node pin=") };
+    assert_eq!(place(2, GIB, vec![None, Some(3)], None, no_host).unwrap(), (None, vec![None, Some(3)]));
+    let nodes = NumaConfig {
+        nodes: vec![NumaNodeSpec::parse("node=0,cpus=0-1,memory=1G,host-node=1,pin=host-node").unwrap()],
+        distances: vec![],
+    };
+    let (numa, pins) = place(2, GIB, vec![], Some(NumaRequest::Nodes(nodes.clone())), host).unwrap();
+    assert_eq!((numa, pins), (Some(nodes.clone()), vec![Some(8), Some(9)]));
+    let plain =
+        NumaConfig { nodes: vec![NumaNodeSpec::parse("node=0,cpus=0-1,memory=1G").unwrap()], distances: vec![] };
+    let (numa, pins) = place(2, GIB, vec![Some(5)], Some(NumaRequest::Nodes(plain.clone())), no_host).unwrap();
+    assert_eq!((numa, pins), (Some(plain), vec![Some(5)]));
+    for (numa, want) in [
+        (NumaRequest::Mirror, "--cpus N,pin= and --numa mirror both pin vCPUs; give one of them"),
+        (NumaRequest::Nodes(nodes), "--cpus N,pin= and a NUMA node's pin= both pin vCPUs; give one of them"),
+    ] {
+        assert_eq!(place(2, GIB, vec![Some(1)], Some(numa), host).unwrap_err(), want);
+    }
+    let e = place(64, GIB, vec![], Some(NumaRequest::Mirror), host).unwrap_err();
+    assert!(e.starts_with("--numa mirror: 64 vCPUs but this host has 32 online CPUs"), "{e}");
+    let broken = || Err(PlacementError::Read { path: "/sys".into(), what: "gone".into() });
+    assert_eq!(place(1, GIB, vec![], Some(NumaRequest::Mirror), broken).unwrap_err(), "--numa mirror: /sys: gone");
+}
+
+/// A config file says `mirror` as the flag does: `numa = "mirror"` (TOML) or `"numa": "mirror"`
+/// (JSON); a table is nodes as before; any other word is a one-line error.
+#[test]
+fn numa_requests_read_from_files() {
+    let m: NumaRequest = serde_json::from_str(r#""mirror""#).unwrap();
+    assert_eq!(m, NumaRequest::Mirror);
+    let n: NumaRequest = serde_json::from_str(r#"{"nodes": [{"id": 0, "cpus": [0], "memory": "1G"}]}"#).unwrap();
+    let NumaRequest::Nodes(n) = n else { panic!("not nodes") };
+    assert_eq!(n.nodes[0], NumaNodeSpec { id: 0, cpus: vec![0], memory: GIB, host_node: None, pin: None });
+    let e = serde_json::from_str::<NumaRequest>(r#""mirrored""#).unwrap_err().to_string();
+    assert!(e.contains(r#"invalid value: string "mirrored", expected "mirror" or a table of nodes"#), "{e}");
+    let e = serde_json::from_str::<NumaRequest>(r#"{"nodes": [], "x": 1}"#).unwrap_err().to_string();
+    assert!(e.contains("unknown field `x`"), "{e}");
 }

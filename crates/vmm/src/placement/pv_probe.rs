@@ -1,7 +1,8 @@
 //! Does this host's KVM handle the PV IPI hypercall (KVM_HC_SEND_IPI)? KVM may advertise
 //! KVM_FEATURE_PV_SEND_IPI and still hang the vCPU on the hypercall (this project's nested KVM
 //! does: shared/NESTED-KVM.md). A guest told the feature exists sends every IPI that way, so
-//! `--pv pv-ipi=on` is refused unless a throw-away VM gets through one hypercall.
+//! `--pv pv-ipi=on` is refused unless a throw-away VM gets through one hypercall. The probe VM
+//! is built here, over `kumo_vm`, not inside it: `kumo_vm::pv` stays a leaf its vCPUs use.
 
 use kumo_sandbox::ThreadKind;
 use std::sync::{mpsc, Arc, Mutex};
@@ -13,10 +14,11 @@ use kumo_devices::DeviceEvent;
 use kvm_ioctls::Kvm;
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::boot::{write_gdt, write_page_tables, Entry};
-use crate::vcpu::VcpuRun;
-use crate::vm::Vm;
-use crate::IrqchipMode;
+use kumo_vm::boot::{write_gdt, write_page_tables, Entry};
+use kumo_vm::pv::{PvError, PvSet};
+use kumo_vm::vcpu::VcpuRun;
+use kumo_vm::vm::Vm;
+use kumo_vm::IrqchipMode;
 
 /// What the probe saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,15 +61,15 @@ fn is_amd() -> bool {
 /// Runs the probe, waiting at most `limit` for the vCPU. A hung vCPU's thread is left behind
 /// (it cannot be stopped from here): the caller refuses the feature, the process goes on.
 pub fn probe_pv_ipi(kvm: &Kvm, limit: Duration) -> PvIpiProbe {
-    let setup = || -> crate::Result<(Vm, crate::vcpu::Vcpu)> {
+    let setup = || -> kumo_vm::Result<(Vm, kumo_vm::Vcpu)> {
         let vm = Vm::new(1, PROBE_RAM, IrqchipMode::Kernel)?;
         let mem = &vm.memory.guest;
         write_gdt(mem, 1)?;
         write_page_tables(mem, vm.memory.layout.ram_end())?;
         mem.write_slice(&code(is_amd()), GuestAddress(CODE_GPA))
-            .map_err(|e| crate::Error::Memory(format!("probe code: {e}")))?;
+            .map_err(|e| kumo_vm::Error::Memory(format!("probe code: {e}")))?;
         let vcpu = vm.create_vcpu(0)?;
-        let pv = super::PvSet { pv_ipi: true, ..super::PvSet::SHARED };
+        let pv = PvSet { pv_ipi: true, ..PvSet::SHARED };
         vcpu.configure(kvm, 1, Some(Entry::KumoGuest { rip: CODE_GPA }), &pv)?;
         Ok((vm, vcpu))
     };
@@ -101,6 +103,26 @@ pub fn probe_pv_ipi(kvm: &Kvm, limit: Duration) -> PvIpiProbe {
     rx.recv_timeout(limit).unwrap_or(PvIpiProbe::Hangs)
 }
 
+/// How long the PV IPI probe waits for its vCPU before calling the hypercall hung.
+pub const PV_IPI_PROBE_LIMIT: Duration = Duration::from_secs(5);
+
+/// Checks, with a probe VM, that the PV IPI hypercall works on this host, for a `set` that
+/// turns it on (a guest would send every IPI through it). Nothing to check otherwise.
+pub fn check_pv_ipi(kvm: &Kvm, set: &PvSet) -> Result<(), PvError> {
+    if !set.pv_ipi {
+        return Ok(());
+    }
+    match probe_pv_ipi(kvm, PV_IPI_PROBE_LIMIT) {
+        PvIpiProbe::Works(_) => Ok(()),
+        PvIpiProbe::Hangs => Err(PvError::PvIpiBroken(format!(
+            "KVM_HC_SEND_IPI hung a probe vCPU (no return within {} s)",
+            PV_IPI_PROBE_LIMIT.as_secs()
+        ))),
+        PvIpiProbe::Refused(rc) => Err(PvError::PvIpiBroken(format!("KVM_HC_SEND_IPI returned {rc} in a probe VM"))),
+        PvIpiProbe::Failed(e) => Err(PvError::PvIpiBroken(format!("its probe VM failed: {e}"))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,7 +138,7 @@ mod tests {
     /// hangs; elsewhere it works). Either way the probe answers instead of hanging the caller.
     #[test]
     fn the_probe_answers() {
-        let Ok(kvm) = crate::vm::open_kvm() else {
+        let Ok(kvm) = kumo_vm::vm::open_kvm() else {
             eprintln!("skipping the_probe_answers: no /dev/kvm");
             return;
         };

@@ -1,6 +1,8 @@
 //! Guest NUMA nodes from the command line (`--numa`, `--numa-distance`) or a config file's
 //! `numa` section, turned into the `kumo_acpi::NumaTopology` the SRAT/SLIT describe, and the
-//! host nodes each node's memory is bound to.
+//! host nodes each node's memory is bound to. The nodes' ids, vCPUs, memory and distances are
+//! the VM's and migrate; a node's `host_node` and `pin` are this host's (an arriving VM gets
+//! its operator's, `crate::host_resources`; its vCPU pins are [`super::pins`]').
 //!
 //! Syntax: `--numa node=ID,cpus=LIST,memory=SIZE[,host-node=N][,pin=host-node|LIST]`, where
 //! LIST is ranges `A-B` or single CPUs joined by `:` (`0-3`, `0:2`, `0-1:4-5`), since `,`
@@ -14,6 +16,7 @@ use kumo_acpi::{NumaNode, NumaTopology, LOCAL_DISTANCE, REMOTE_DISTANCE};
 use kumo_vm::layout::MemoryLayout;
 use serde::{Deserialize, Serialize};
 
+use super::parse_cpu_list;
 use crate::Error;
 
 /// Where the host's NUMA nodes are listed (`nodeN` directories).
@@ -37,13 +40,16 @@ pub struct NumaNodeSpec {
     /// vCPU indices.
     pub cpus: Vec<u32>,
     /// Bytes; in files also a string such as "256M".
-    #[serde(deserialize_with = "crate::size::size_de")]
+    #[serde(deserialize_with = "kumo_vm::memory::deserialize_size")]
     pub memory: u64,
     /// The host node its memory is bound to (`mbind(MPOL_BIND)`); none: the host's policy.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Host-local: read from flags and files, never written into the VM description a
+    /// migration stream or snapshot carries (an arriving VM gets its operator's).
+    #[serde(default, skip_serializing)]
     pub host_node: Option<u32>,
     /// Where the node's vCPUs run; none: as `--cpus` says (floating unless pinned there).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Host-local like `host_node`: its pins end up in `HostPlacement::pins`.
+    #[serde(default, skip_serializing)]
     pub pin: Option<NodePin>,
 }
 
@@ -62,7 +68,7 @@ impl TryFrom<String> for NodePin {
     fn try_from(s: String) -> Result<NodePin, String> {
         match s.trim() {
             "host-node" => Ok(NodePin::HostNode),
-            list => Ok(NodePin::Cpus(parse_cpu_list(list).map_err(|e| e.replace("cpus=", "pin="))?)),
+            list => Ok(NodePin::Cpus(parse_cpu_list(list, ':').map_err(|e| format!("pin={list}: {e}"))?)),
         }
     }
 }
@@ -85,28 +91,6 @@ pub struct NumaDistance {
     pub value: u8,
 }
 
-/// Parses a CPU list: `A-B` ranges or single CPUs joined by `:`.
-pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
-    let num = |t: &str| t.trim().parse::<u32>().map_err(|_| format!("`{t}` in cpus={s} is not a CPU number"));
-    let mut cpus = Vec::new();
-    for part in s.split(':') {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b) = (num(a)?, num(b)?);
-                if a > b {
-                    return Err(format!("cpus={s}: range {a}-{b} is backwards"));
-                }
-                if b - a >= 4096 {
-                    return Err(format!("cpus={s}: range {a}-{b} is too long"));
-                }
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(num(part)?),
-        }
-    }
-    Ok(cpus)
-}
-
 impl NumaNodeSpec {
     /// Parses the `--numa` syntax.
     pub fn parse(s: &str) -> Result<NumaNodeSpec, Error> {
@@ -120,7 +104,7 @@ impl NumaNodeSpec {
             let n = |v: &str| v.parse::<u32>().map_err(|_| bad(format!("{k} `{v}` is not a number")));
             match k {
                 "node" => id = Some(n(v)?),
-                "cpus" => cpus = Some(parse_cpu_list(v).map_err(bad)?),
+                "cpus" => cpus = Some(parse_cpu_list(v, ':').map_err(|e| bad(format!("cpus={v}: {e}")))?),
                 "memory" => memory = Some(kumo_vm::parse_size(v).map_err(bad)?),
                 "host-node" => host_node = Some(n(v)?),
                 "pin" => pin = Some(NodePin::try_from(v.to_string()).map_err(bad)?),
@@ -134,33 +118,6 @@ impl NumaNodeSpec {
             host_node,
             pin,
         })
-    }
-}
-
-impl NumaConfig {
-    /// The guest topology of a `--numa mirror` plan: guest node i is host node i (memory bound
-    /// to it), with the host's distances.
-    pub fn from_mirror(plan: &kumo_vm::host_topology::MirrorPlan) -> NumaConfig {
-        let nodes = plan
-            .nodes
-            .iter()
-            .map(|n| NumaNodeSpec {
-                id: n.id,
-                cpus: n.vcpus.clone(),
-                memory: n.memory,
-                host_node: Some(n.host_node),
-                pin: None,
-            })
-            .collect();
-        let mut distances = Vec::new();
-        for (i, row) in plan.distances.iter().enumerate() {
-            for (j, &value) in row.iter().enumerate() {
-                if i != j {
-                    distances.push(NumaDistance { src: i as u32, dst: j as u32, value });
-                }
-            }
-        }
-        NumaConfig { nodes, distances }
     }
 }
 
@@ -249,62 +206,6 @@ impl NumaConfig {
             }
         }
         Ok(())
-    }
-
-    /// Whether any node says where its vCPUs run (`pin=`).
-    pub fn pins_vcpus(&self) -> bool {
-        self.nodes.iter().any(|n| n.pin.is_some())
-    }
-
-    /// `pins[v]`, the host CPU of vCPU `v`, from the nodes' `pin=` (the form `--cpus N,pin=`
-    /// gives): a node's vCPUs in ascending order onto its host CPUs in order. Refuses a list
-    /// whose length is not the node's vCPU count, a CPU `host` does not have online, and
-    /// `pin=host-node` without a `host-node` or on a host node with fewer CPUs than vCPUs.
-    pub fn pins(&self, host: &kumo_vm::host_topology::HostTopology) -> Result<Vec<Option<u32>>, Error> {
-        let mut pins: Vec<Option<u32>> = Vec::new();
-        let online = host.online_cpus();
-        for n in &self.nodes {
-            let Some(pin) = &n.pin else { continue };
-            let bad = |m: String| Error::Config(format!("NUMA node {}: pin={}: {m}", n.id, String::from(pin.clone())));
-            let mut vcpus = n.cpus.clone();
-            vcpus.sort_unstable();
-            let hosts = match pin {
-                NodePin::Cpus(list) => {
-                    if list.len() != vcpus.len() {
-                        return Err(bad(format!("{} host CPUs for the node's {} vCPUs", list.len(), vcpus.len())));
-                    }
-                    if let Some(c) = list.iter().find(|c| !online.contains(c)) {
-                        let online = kumo_vm::host_topology::format_cpulist(&online);
-                        return Err(bad(format!("host CPU {c} is not online (online: {online})")));
-                    }
-                    list.clone()
-                }
-                NodePin::HostNode => {
-                    let h = n.host_node.ok_or_else(|| bad("needs host-node=N".into()))?;
-                    let node = host
-                        .nodes
-                        .iter()
-                        .find(|x| x.id == h)
-                        .ok_or_else(|| bad(format!("host node {h} does not exist")))?;
-                    let order = host.fill_order(node);
-                    if order.len() < vcpus.len() {
-                        return Err(bad(format!(
-                            "host node {h} has {} CPUs for the node's {} vCPUs",
-                            order.len(),
-                            vcpus.len()
-                        )));
-                    }
-                    order[..vcpus.len()].to_vec()
-                }
-            };
-            for (v, h) in vcpus.into_iter().zip(hosts) {
-                if pins.len() <= v as usize {
-                    pins.resize(v as usize + 1, None);
-                }
-                pins[v as usize] = Some(h);
-            }
-        }
-        Ok(pins)
     }
 
     /// `(guest-physical start, length, host node)` of every range bound to a host node.
@@ -400,7 +301,7 @@ mod tests {
         for (spec, want) in [
             ("node=0,cpus=0", "memory=SIZE is required"),
             ("cpus=0,memory=1G", "node=ID is required"),
-            ("node=0,cpus=3-1,memory=1G", "range 3-1 is backwards"),
+            ("node=0,cpus=3-1,memory=1G", r#"cpus=3-1: range "3-1" in CPU list "3-1" runs backwards"#),
             ("node=0,cpus=0,1,memory=1G", "`1` is not key=value"),
             ("node=x,cpus=0,memory=1G", "node `x` is not a number"),
             ("node=0,cpu=0,memory=1G", "unknown key `cpu`"),
@@ -418,8 +319,8 @@ mod tests {
 
     #[test]
     fn nodes_pin_their_vcpus_to_host_cpus_or_their_host_node() {
-        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../vm/tests/fixtures/sysfs-2node");
-        let host = kumo_vm::host_topology::HostTopology::read(&fixture).unwrap();
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sysfs-2node");
+        let host = crate::placement::HostTopology::read(&fixture).unwrap();
         let specs = [
             "node=0,cpus=0:2,memory=256M,host-node=0,pin=3:5",
             "node=1,cpus=1:3,memory=256M,host-node=1,pin=host-node",
@@ -437,7 +338,10 @@ mod tests {
                                  {"id":1,"cpus":[2],"memory":"256M","pin":"7"}]}"#;
         let f: NumaConfig = serde_json::from_str(json).unwrap();
         assert_eq!(f.pins(&host).unwrap(), [Some(8), Some(9), Some(7)]);
-        assert_eq!(serde_json::to_value(&f.nodes[1].pin).unwrap(), "7");
+        assert_eq!(String::from(f.nodes[1].pin.clone().unwrap()), "7");
+        // Host-local: a node's host node and pins are not part of the description that travels.
+        let v = serde_json::to_value(&f).unwrap();
+        assert!(v["nodes"][0].get("host_node").is_none() && v["nodes"][0].get("pin").is_none(), "{v}");
         for (spec, want) in [
             ("node=0,cpus=0-1,memory=256M,pin=3", "NUMA node 0: pin=3: 1 host CPUs for the node's 2 vCPUs"),
             ("node=0,cpus=0,memory=256M,pin=99", "NUMA node 0: pin=99: host CPU 99 is not online (online: 0-31)"),
@@ -454,7 +358,10 @@ mod tests {
         let e = big.pins(&host).unwrap_err().to_string();
         assert_eq!(e, "config: NUMA node 0: pin=host-node: host node 0 has 16 CPUs for the node's 17 vCPUs");
         let e = NumaNodeSpec::parse("node=0,cpus=0,memory=256M,pin=x").unwrap_err().to_string();
-        assert!(e.contains("--numa node=0,cpus=0,memory=256M,pin=x: `x` in pin=x is not a CPU number"), "{e}");
+        assert!(
+            e.contains(r#"--numa node=0,cpus=0,memory=256M,pin=x: pin=x: "x" in CPU list "x" is not N or N-M"#),
+            "{e}"
+        );
     }
 
     #[test]
