@@ -5,7 +5,7 @@
 //! keeps waiting for the real source, within bounds: after [`MAX_BAD_CONNECTIONS`] such
 //! connections, or past an optional deadline, it gives up with an error.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -22,10 +22,6 @@ pub const MAX_BAD_CONNECTIONS: u32 = 16;
 /// A kumo source does both at once; a silent peer holds the door this long.
 pub const VET_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How long a dropped peer's leftover bytes are read before its socket is closed, so that it
-/// gets the answer (an alert, a `Failed`) rather than a reset.
-const LINGER: Duration = Duration::from_secs(1);
-
 /// Bounds on waiting for a source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AcceptLimits {
@@ -40,22 +36,6 @@ pub struct AcceptLimits {
 impl Default for AcceptLimits {
     fn default() -> Self {
         AcceptLimits { max_bad: MAX_BAD_CONNECTIONS, deadline: None, vet_timeout: VET_TIMEOUT }
-    }
-}
-
-/// Reads what a dropped peer still sends (at most 64 KiB, for at most [`LINGER`]) after
-/// closing our side for writing.
-pub(crate) fn linger_close(sock: &std::net::TcpStream) {
-    let _ = sock.shutdown(std::net::Shutdown::Write);
-    let _ = sock.set_read_timeout(Some(LINGER));
-    let t = Instant::now();
-    let mut buf = [0u8; 4096];
-    let mut n = 0;
-    while n < (64 << 10) && t.elapsed() < LINGER {
-        match (&*sock).read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(k) => n += k,
-        }
     }
 }
 
@@ -121,10 +101,10 @@ fn vet(listener: &Listener, conn: Conn, timeout: Duration) -> Result<(Conn, VmDe
             let mut c = conn;
             let _ = c.write_all(&out);
             match &c {
-                Conn::Tcp(s) => linger_close(s),
+                Conn::Tcp(s) => crate::linger::linger_close(s),
                 Conn::Tls(s) => {
                     s.shutdown(std::net::Shutdown::Write);
-                    linger_close(s.socket());
+                    crate::linger::linger_close(s.socket());
                 }
                 Conn::Unix(_) => {}
             }
@@ -180,6 +160,7 @@ mod tests {
     use crate::tls::tests::{temp_dir, TestPki};
     use crate::tls::{ClientTls, ServerTls};
     use crate::transport::{Address, ListenOptions};
+    use std::io::Read;
     use std::net::TcpStream;
 
     fn header() -> Vec<u8> {

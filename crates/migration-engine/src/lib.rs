@@ -10,6 +10,7 @@
 pub mod accept;
 pub mod control;
 pub mod destination;
+mod linger;
 pub mod session;
 pub mod source;
 pub mod tls;

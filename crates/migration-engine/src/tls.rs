@@ -266,7 +266,7 @@ impl TlsStream {
         while conn.is_handshaking() {
             if let Err(e) = conn.complete_io(&mut sock) {
                 if side == Side::Destination {
-                    crate::accept::linger_close(&sock);
+                    crate::linger::linger_close(&sock);
                 }
                 let rustls_err = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>());
                 return Err(match rustls_err {

@@ -7,10 +7,12 @@
 
 pub mod fs;
 pub mod hooks;
+mod kind;
 pub mod landlock;
 pub mod seccomp;
 pub mod sock;
 pub mod thread;
 
 pub use hooks::{test_hook, test_hook_once};
-pub use thread::{contain, lock, spawn, spawn_scoped, ThreadKind, ThreadPanic};
+pub use kind::ThreadKind;
+pub use thread::{contain, lock, spawn, spawn_scoped, ThreadPanic};

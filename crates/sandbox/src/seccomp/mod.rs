@@ -152,7 +152,7 @@ fn filtered_panic_hook() {
         let thread = std::thread::current();
         let name = thread.name().unwrap_or("<unnamed>");
         let at = info.location().map(|l| format!(" at {}:{}:{}", l.file(), l.line(), l.column())).unwrap_or_default();
-        let msg = crate::thread::panic_message(info.payload());
+        let msg = crate::kind::panic_message(info.payload());
         // One write: lines of concurrent panics do not interleave.
         let line = format!(
             "thread '{name}' panicked{at}:\n{msg}\n(no backtrace under the seccomp filter: --seccomp false for one)\n"
