@@ -37,6 +37,9 @@ pub const VIRTIO_BLK_F_FLUSH: u64 = bit(vb::VIRTIO_BLK_F_FLUSH);
 pub const VIRTIO_BLK_F_MQ: u64 = bit(vb::VIRTIO_BLK_F_MQ);
 pub const VIRTIO_BLK_F_DISCARD: u64 = bit(vb::VIRTIO_BLK_F_DISCARD);
 pub const VIRTIO_BLK_F_WRITE_ZEROES: u64 = bit(vb::VIRTIO_BLK_F_WRITE_ZEROES);
+/// Indirect descriptor tables (virtio-queue follows them): a request's segments take one slot
+/// of the ring.
+pub const VIRTIO_F_INDIRECT_DESC: u64 = bit(virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC);
 
 /// Default queue size, and the largest a disk takes.
 pub const QUEUE_SIZE: u16 = 256;
@@ -443,6 +446,10 @@ impl Block {
                     zero_fill(&self.image, *offset, *len).map(|_| 0)
                 }
             }
+            // A short transfer: the image shrank under the disk.
+            (Ok(n), Op::Read { iov, .. } | Op::Write { iov, .. }) if n != iov.len() => {
+                Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("{n} of {} bytes moved", iov.len())))
+            }
             (r, _) => r,
         };
         match result {
@@ -525,6 +532,7 @@ impl VirtioDevice for Block {
     fn features(&self) -> u64 {
         let mut f = VIRTIO_F_VERSION_1
             | VIRTIO_F_RING_EVENT_IDX
+            | VIRTIO_F_INDIRECT_DESC
             | VIRTIO_BLK_F_SIZE_MAX
             | VIRTIO_BLK_F_SEG_MAX
             | VIRTIO_BLK_F_BLK_SIZE
