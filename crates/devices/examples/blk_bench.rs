@@ -8,7 +8,7 @@
 
 use std::os::unix::fs::FileExt;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,7 +44,7 @@ fn slot(k: u16) -> (u64, u64, u64) {
     (base, base + 0x1000, base + 16)
 }
 
-fn run_device(path: &PathBuf, direct: bool, backend: BackendKind, write: bool, qd: u16, secs: f64) -> (f64, String) {
+fn run_device(path: &Path, direct: bool, backend: BackendKind, write: bool, qd: u16, secs: f64) -> (f64, String) {
     let img = DiskImage::open(path, false, direct).expect("image");
     let blk = Block::new("bench", BlockConfig { queue_size: QSIZE, backend, ..Default::default() }, img).expect("disk");
     let name = blk.backend_name().to_string();
@@ -97,7 +97,7 @@ fn run_device(path: &PathBuf, direct: bool, backend: BackendKind, write: bool, q
     (done as f64 / el, name)
 }
 
-fn run_host(path: &PathBuf, direct: bool, write: bool, secs: f64) -> f64 {
+fn run_host(path: &Path, direct: bool, write: bool, secs: f64) -> f64 {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
