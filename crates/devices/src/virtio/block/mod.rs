@@ -135,6 +135,11 @@ struct Active {
     queues: Vec<Queue>,
     /// Queues stopped by a broken chain or ring until the driver resets the device.
     broken: Vec<bool>,
+    /// Per queue, requests in flight: at most the queue's size. A driver that offers one head
+    /// again before it was used could otherwise keep adding work without bound; such a queue
+    /// waits (`full`) until completions make room.
+    busy: Vec<u16>,
+    full: Vec<bool>,
 }
 
 /// A virtio-blk device.
@@ -248,6 +253,10 @@ impl Block {
             }
             loop {
                 let a = self.active.as_mut().expect("active");
+                if a.busy[qi] >= a.queues[qi].size() {
+                    a.full[qi] = true;
+                    break 'outer;
+                }
                 let (head, descs) = {
                     let q = &mut a.queues[qi];
                     let chain = match q.iter(&a.mem) {
@@ -356,6 +365,9 @@ impl Block {
         match unsafe { self.backend.queue(slot as u64, &p.op) } {
             Ok(()) => {
                 self.in_flight += 1;
+                if let Some(b) = self.active.as_mut().and_then(|a| a.busy.get_mut(qi)) {
+                    *b += 1;
+                }
                 None
             }
             Err(e) => {
@@ -421,6 +433,9 @@ impl Block {
             let Some(p) = self.pending.get_mut(token as usize).and_then(Option::take) else { continue };
             self.free.push(token as usize);
             self.in_flight -= 1;
+            if let Some(b) = self.active.as_mut().and_then(|a| a.busy.get_mut(p.queue as usize)) {
+                *b = b.saturating_sub(1);
+            }
             let code = self.finish(&p, result);
             let len = if p.kind == Kind::In && code == S_OK { p.op_len() as u32 + 1 } else { 1 };
             if self.answer(p.queue as usize, p.head, p.status, code, len) {
@@ -431,6 +446,11 @@ impl Block {
         for (qi, t) in touched.into_iter().enumerate() {
             if t {
                 self.notify(qi);
+            }
+            // A queue that waited for room goes on.
+            let resume = self.active.as_mut().is_some_and(|a| std::mem::take(&mut a.full[qi]));
+            if resume {
+                self.process_queue(qi);
             }
         }
     }
@@ -578,8 +598,9 @@ impl VirtioDevice for Block {
         interrupt: DeviceInterrupt,
         queues: Vec<Queue>,
     ) -> Result<(), ActivateError> {
-        let broken = vec![false; queues.len()];
-        self.active = Some(Active { features: acked_features, mem, irq: interrupt, queues, broken });
+        let n = queues.len();
+        let (broken, busy, full) = (vec![false; n], vec![0; n], vec![false; n]);
+        self.active = Some(Active { features: acked_features, mem, irq: interrupt, queues, broken, busy, full });
         Ok(())
     }
 

@@ -520,3 +520,28 @@ fn a_reset_completes_requests_in_flight_first() {
         assert_eq!(&rig.file()[..512], &[4; 512], "{b:?}");
     }
 }
+
+#[test]
+fn a_head_offered_again_does_not_pile_up_work() {
+    let mut rig = Rig::with("pileup", 16, BackendKind::Threads);
+    let h = rig.header(T_IN, 0);
+    let (d, s) = (rig.buf(512), rig.buf(1));
+    let head = rig.qs[0].add_chain(&rig.mem, &[(h, 16, false), (d, 512, true), (s, 1, true)]);
+    // The driver offers the same chain again and again, without waiting for it to be used.
+    for round in 0..3 {
+        let n = if round == 0 { 15 } else { 16 };
+        for _ in 0..n {
+            rig.qs[0].publish(&rig.mem, head);
+        }
+        kick(&mut rig.t, 0);
+        assert!(rig.t.device().in_flight() <= 16, "{} in flight", rig.t.device().in_flight());
+        // Completions make room, and the queue goes on by itself.
+        while rig.t.device().in_flight() == 16 {
+            backend::wait_readable(rig.t.device().completion_fd(), 1000);
+            rig.t.device_mut().process_completions();
+        }
+    }
+    rig.t.device_mut().drain();
+    assert_eq!(rig.qs[0].used_idx(&rig.mem), 48, "every offer answered");
+    assert_eq!(rig.counters().read_bytes, 48 * 512);
+}
