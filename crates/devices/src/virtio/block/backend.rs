@@ -37,7 +37,9 @@ impl IoVecs {
 #[derive(Debug, Clone)]
 pub enum Op {
     Read { offset: u64, iov: IoVecs },
-    Write { offset: u64, iov: IoVecs },
+    /// `dsync`: on stable storage when it completes (a driver without FLUSH gets
+    /// write-through).
+    Write { offset: u64, iov: IoVecs, dsync: bool },
     Flush,
     /// `fallocate` with `mode` on `[offset, offset + len)`.
     Fallocate { offset: u64, len: u64, mode: i32 },
@@ -88,7 +90,7 @@ fn run_op(fd: RawFd, op: &Op) -> io::Result<u64> {
             // SAFETY: fallocate on an fd the image keeps open; no memory is passed.
             cvt(unsafe { libc::fallocate(fd, *mode, *offset as i64, *len as i64) } as isize).map(|_| 0)
         }
-        Op::Read { offset, iov } | Op::Write { offset, iov } => {
+        Op::Read { offset, iov } | Op::Write { offset, iov, .. } => {
             let write = matches!(op, Op::Write { .. });
             let mut v = iov.0.clone();
             let (mut start, mut done, total) = (0usize, 0u64, iov.len());
@@ -124,6 +126,9 @@ fn run_op(fd: RawFd, op: &Op) -> io::Result<u64> {
                         left = 0;
                     }
                 }
+            }
+            if let Op::Write { dsync: true, .. } = op {
+                run_op(fd, &Op::Flush)?;
             }
             Ok(done)
         }
@@ -264,9 +269,10 @@ impl IoBackend for UringBackend {
         let fd = types::Fd(self.fd);
         let sqe = match op {
             Op::Read { offset, iov } => opcode::Readv::new(fd, iov.0.as_ptr(), iov.0.len() as u32).offset(*offset).build(),
-            Op::Write { offset, iov } => {
-                opcode::Writev::new(fd, iov.0.as_ptr(), iov.0.len() as u32).offset(*offset).build()
-            }
+            Op::Write { offset, iov, dsync } => opcode::Writev::new(fd, iov.0.as_ptr(), iov.0.len() as u32)
+                .offset(*offset)
+                .rw_flags(if *dsync { libc::RWF_DSYNC } else { 0 })
+                .build(),
             Op::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
             Op::Fallocate { offset, len, mode } => opcode::Fallocate::new(fd, *len).offset(*offset).mode(*mode).build(),
         }

@@ -331,7 +331,8 @@ impl Block {
                 if req.kind == Kind::In {
                     Op::Read { offset, iov }
                 } else {
-                    Op::Write { offset, iov }
+                    // Without FLUSH the driver cannot ask for stable storage: write-through.
+                    Op::Write { offset, iov, dsync: a.features & VIRTIO_BLK_F_FLUSH == 0 }
                 }
             }
             Kind::Flush => {

@@ -406,17 +406,24 @@ fn flush_syncs_the_image() {
         assert_eq!(rig.counters().flushes, 1);
         rig.t.device_mut().quiesce().unwrap();
     }
-    // Without the FLUSH feature: UNSUPP.
-    let path = dir("noflush").join("d.img");
-    std::fs::write(&path, vec![0u8; 4096]).unwrap();
-    let blk = Block::new("noflush", BlockConfig::default(), DiskImage::open(&path, false, false).unwrap()).unwrap();
-    let mem = memory();
-    let irqs = Arc::new(Irqs::default());
-    let mut t = VirtioPciTransport::new("blk0", blk, mem.clone(), shared(&irqs), 2);
-    let qs = vec![GuestQueue::new(0, 16)];
-    bring_up(&mut t, VIRTIO_F_VERSION_1, &qs);
-    let mut rig = Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE };
-    assert_eq!(rig.request(T_FLUSH, 0, &[]), S_UNSUPP);
+    // Without the FLUSH feature: FLUSH is UNSUPP, and writes go through to stable storage
+    // (RWF_DSYNC, or fdatasync after the write).
+    for b in backends() {
+        let path = dir(&format!("noflush-{b:?}")).join("d.img");
+        std::fs::write(&path, vec![0u8; 4096]).unwrap();
+        let img = DiskImage::open(&path, false, false).unwrap();
+        let blk = Block::new("noflush", BlockConfig { backend: b, ..Default::default() }, img).unwrap();
+        let mem = memory();
+        let irqs = Arc::new(Irqs::default());
+        let mut t = VirtioPciTransport::new("blk0", blk, mem.clone(), shared(&irqs), 2);
+        let qs = vec![GuestQueue::new(0, 16)];
+        bring_up(&mut t, VIRTIO_F_VERSION_1, &qs);
+        let mut rig = Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE };
+        assert_eq!(rig.request(T_FLUSH, 0, &[]), S_UNSUPP);
+        assert_eq!(rig.write(1, &[3; 512]), S_OK, "{b:?}");
+        assert_eq!(&rig.file()[512..1024], &[3; 512]);
+        assert_eq!(rig.counters().write_bytes, 512);
+    }
 }
 
 #[test]
