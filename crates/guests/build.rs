@@ -7,8 +7,20 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const GUESTS: &[&str] =
-    &["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync", "numabench", "worker", "blkbench"];
+const GUESTS: &[&str] = &[
+    "hello",
+    "memtouch",
+    "smp",
+    "netecho",
+    "udpping",
+    "udpsink",
+    "udpsend",
+    "numa",
+    "sync",
+    "numabench",
+    "worker",
+    "blkbench",
+];
 /// Guests also built as hosted Linux programs (with `-D<NAME>_HOSTED`, e.g. NUMABENCH_HOSTED),
 /// the bare-metal side of a benchmark: the same C source and code-generation flags.
 const HOSTED: &[&str] = &["numabench"];

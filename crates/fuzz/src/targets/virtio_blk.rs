@@ -162,7 +162,14 @@ impl Driver {
             Op::Desc { q, i, addr, len, flags, next } => {
                 let q = &self.qs[self.queue(q)];
                 let addr = if addr & 1 == 0 { BUF_BASE + addr % 0x10_0000 } else { addr };
-                q.write_desc(&mem, i as u16 % q.size, addr, Self::len(len), flags as u16 % 8, next as u16 % (q.size + 4));
+                q.write_desc(
+                    &mem,
+                    i as u16 % q.size,
+                    addr,
+                    Self::len(len),
+                    flags as u16 % 8,
+                    next as u16 % (q.size + 4),
+                );
             }
             Op::Publish { q, head } => {
                 let i = self.queue(q);

@@ -36,13 +36,24 @@ impl IoVecs {
 /// One operation on the image.
 #[derive(Debug, Clone)]
 pub enum Op {
-    Read { offset: u64, iov: IoVecs },
+    Read {
+        offset: u64,
+        iov: IoVecs,
+    },
     /// `dsync`: on stable storage when it completes (a driver without FLUSH gets
     /// write-through).
-    Write { offset: u64, iov: IoVecs, dsync: bool },
+    Write {
+        offset: u64,
+        iov: IoVecs,
+        dsync: bool,
+    },
     Flush,
     /// `fallocate` with `mode` on `[offset, offset + len)`.
-    Fallocate { offset: u64, len: u64, mode: i32 },
+    Fallocate {
+        offset: u64,
+        len: u64,
+        mode: i32,
+    },
 }
 
 /// Which backend a disk uses.
@@ -268,7 +279,9 @@ impl IoBackend for UringBackend {
         use io_uring::{opcode, types};
         let fd = types::Fd(self.fd);
         let sqe = match op {
-            Op::Read { offset, iov } => opcode::Readv::new(fd, iov.0.as_ptr(), iov.0.len() as u32).offset(*offset).build(),
+            Op::Read { offset, iov } => {
+                opcode::Readv::new(fd, iov.0.as_ptr(), iov.0.len() as u32).offset(*offset).build()
+            }
             Op::Write { offset, iov, dsync } => opcode::Writev::new(fd, iov.0.as_ptr(), iov.0.len() as u32)
                 .offset(*offset)
                 .rw_flags(if *dsync { libc::RWF_DSYNC } else { 0 })

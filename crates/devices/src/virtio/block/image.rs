@@ -168,7 +168,8 @@ impl DiskImage {
     /// Gives the lock back (the file stays open).
     pub fn unlock(&mut self) -> Result<(), ImageError> {
         if self.locked {
-            self.ofd_lock(libc::F_UNLCK as i16).map_err(|e| ImageError::Io(self.path.clone(), format!("unlocking it: {e}")))?;
+            self.ofd_lock(libc::F_UNLCK as i16)
+                .map_err(|e| ImageError::Io(self.path.clone(), format!("unlocking it: {e}")))?;
             self.locked = false;
         }
         Ok(())

@@ -117,6 +117,14 @@ pub struct BlockState {
     pub counters: BlockCounters,
 }
 
+/// What a queue holds next.
+enum Next {
+    Chain(u16, Vec<Descriptor>),
+    Empty,
+    /// As many requests in flight as the queue has entries.
+    Full,
+}
+
 /// A request whose I/O runs in the backend.
 struct Pending {
     queue: u16,
@@ -246,58 +254,8 @@ impl Block {
         }
         let lim = self.limits(a.features);
         let mut answered = false;
-        'outer: loop {
-            let a = self.active.as_mut().expect("active");
-            if a.queues[qi].disable_notification(&a.mem).is_err() {
-                break self.break_queue(qi, "cannot write its used ring");
-            }
-            loop {
-                let a = self.active.as_mut().expect("active");
-                if a.busy[qi] >= a.queues[qi].size() {
-                    a.full[qi] = true;
-                    break 'outer;
-                }
-                let (head, descs) = {
-                    let q = &mut a.queues[qi];
-                    let chain = match q.iter(&a.mem) {
-                        Ok(mut it) => it.next(),
-                        Err(_) => break 'outer self.break_queue(qi, "a bad avail ring"),
-                    };
-                    let Some(chain) = chain else { break };
-                    if chain.head_index() >= q.size() {
-                        break 'outer self.break_queue(qi, "a head outside the descriptor table");
-                    }
-                    let head = chain.head_index();
-                    // A chain yields at most queue-size descriptors (or an indirect table's).
-                    let descs: Vec<Descriptor> = chain.collect();
-                    (head, descs)
-                };
-                self.counters.requests += 1;
-                let parsed = request::parse(&descs, &a.mem, &lim);
-                match parsed {
-                    Ok(req) => {
-                        if let Some(status) = self.start(qi, head, req) {
-                            answered |= self.answer(qi, head, status.0, status.1, status.2);
-                        }
-                    }
-                    Err(Bad::Status { status, code, why }) => {
-                        tracing::debug!(disk = %self.name, queue = qi, "virtio-blk: {why}");
-                        let code = self.error(code);
-                        answered |= self.answer(qi, head, status, code, 1);
-                    }
-                    Err(Bad::Broken(why)) => {
-                        let a = self.active.as_mut().expect("active");
-                        let _ = a.queues[qi].add_used(&a.mem, head, 0);
-                        break 'outer self.break_queue(qi, why);
-                    }
-                }
-            }
-            let a = self.active.as_mut().expect("active");
-            match a.queues[qi].enable_notification(&a.mem) {
-                Ok(true) => continue,
-                Ok(false) => break,
-                Err(_) => break self.break_queue(qi, "cannot write its used ring"),
-            }
+        if let Err(why) = self.serve(qi, &lim, &mut answered) {
+            self.break_queue(qi, why);
         }
         if let Err(e) = self.backend.commit() {
             tracing::warn!(disk = %self.name, "virtio-blk: starting I/O: {e}");
@@ -305,6 +263,64 @@ impl Block {
         if answered {
             self.notify(qi);
         }
+    }
+
+    /// [`Block::process_queue`]'s loop, with EVENT_IDX's re-check; `Err` says why the queue
+    /// must stop.
+    fn serve(&mut self, qi: usize, lim: &Limits, answered: &mut bool) -> Result<(), &'static str> {
+        const USED: &str = "cannot write its used ring";
+        loop {
+            let Some(a) = self.active.as_mut() else { return Ok(()) };
+            a.queues[qi].disable_notification(&a.mem).map_err(|_| USED)?;
+            loop {
+                let (head, descs) = match self.next_chain(qi)? {
+                    Next::Chain(head, descs) => (head, descs),
+                    Next::Empty => break,
+                    Next::Full => return Ok(()),
+                };
+                self.counters.requests += 1;
+                let Some(a) = self.active.as_ref() else { return Ok(()) };
+                match request::parse(&descs, &a.mem, lim) {
+                    Ok(req) => {
+                        if let Some((status, code, len)) = self.start(qi, head, req) {
+                            *answered |= self.answer(qi, head, status, code, len);
+                        }
+                    }
+                    Err(Bad::Status { status, code, why }) => {
+                        tracing::debug!(disk = %self.name, queue = qi, "virtio-blk: {why}");
+                        let code = self.error(code);
+                        *answered |= self.answer(qi, head, status, code, 1);
+                    }
+                    Err(Bad::Broken(why)) => {
+                        if let Some(a) = self.active.as_mut() {
+                            let _ = a.queues[qi].add_used(&a.mem, head, 0);
+                        }
+                        return Err(why);
+                    }
+                }
+            }
+            let Some(a) = self.active.as_mut() else { return Ok(()) };
+            if !a.queues[qi].enable_notification(&a.mem).map_err(|_| USED)? {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Queue `qi`'s next chain: its head and descriptors.
+    fn next_chain(&mut self, qi: usize) -> Result<Next, &'static str> {
+        let Some(a) = self.active.as_mut() else { return Ok(Next::Empty) };
+        if a.busy[qi] >= a.queues[qi].size() {
+            a.full[qi] = true;
+            return Ok(Next::Full);
+        }
+        let q = &mut a.queues[qi];
+        let chain = q.iter(&a.mem).map_err(|_| "a bad avail ring")?.next();
+        let Some(chain) = chain else { return Ok(Next::Empty) };
+        if chain.head_index() >= q.size() {
+            return Err("a head outside the descriptor table");
+        }
+        // A chain yields at most queue-size descriptors (or an indirect table's).
+        Ok(Next::Chain(chain.head_index(), chain.collect()))
     }
 
     /// Starts `req`'s I/O, or answers it at once: `Some((status address, code, used length))`.
@@ -648,7 +664,12 @@ impl VirtioDevice for Block {
             ));
         }
         if s.readonly != self.image.readonly() {
-            return Err(format!("disk {}: saved read-only={}, this disk's is {}", self.name, s.readonly, self.image.readonly()));
+            return Err(format!(
+                "disk {}: saved read-only={}, this disk's is {}",
+                self.name,
+                s.readonly,
+                self.image.readonly()
+            ));
         }
         if s.queues != self.config.queues || s.queue_size != self.config.queue_size {
             return Err(format!(

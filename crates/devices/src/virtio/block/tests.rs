@@ -163,7 +163,9 @@ fn config_space_and_features() {
     assert_eq!((u32_at(48), u32_at(52), cfg[56]), (MAX_DISCARD_SECTORS, 1, 1));
     assert_eq!(&cfg[CONFIG_LEN..], &[0; 4], "past the end reads zero");
     let f = rig.t.device().features();
-    for b in [VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_F_SEG_MAX] {
+    for b in
+        [VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_F_SEG_MAX]
+    {
         assert!(f & b != 0, "{b:#x}");
     }
     assert!(f & VIRTIO_BLK_F_RO == 0);
@@ -181,9 +183,15 @@ fn bad_configs_are_refused() {
     std::fs::write(&p, vec![0u8; 4096]).unwrap();
     let mk = |c: BlockConfig| Block::new("d", c, DiskImage::open(&p, true, false).unwrap()).err().unwrap().to_string();
     assert_eq!(mk(BlockConfig { queues: 0, ..Default::default() }), "bad queue count 0: a disk has 1 to 64");
-    assert_eq!(mk(BlockConfig { queue_size: 100, ..Default::default() }), "bad queue size 100: a power of two from 2 to 1024");
+    assert_eq!(
+        mk(BlockConfig { queue_size: 100, ..Default::default() }),
+        "bad queue size 100: a power of two from 2 to 1024"
+    );
     let long = "x".repeat(21);
-    assert_eq!(mk(BlockConfig { serial: long.clone(), ..Default::default() }), format!("serial {long:?} is longer than 20 bytes"));
+    assert_eq!(
+        mk(BlockConfig { serial: long.clone(), ..Default::default() }),
+        format!("serial {long:?} is longer than 20 bytes")
+    );
 }
 
 #[test]
