@@ -560,3 +560,25 @@ fn a_head_offered_again_does_not_pile_up_work() {
     assert_eq!(rig.qs[0].used_idx(&rig.mem), 48, "every offer answered");
     assert_eq!(rig.counters().read_bytes, 48 * 512);
 }
+
+#[test]
+fn reads_mark_the_guest_pages_they_fill_dirty() {
+    use vm_memory::bitmap::Bitmap;
+    use vm_memory::{GuestMemoryBackend as _, GuestMemoryRegion};
+    for b in backends() {
+        let mut rig = Rig::with(&format!("dirty-{b:?}"), 64, b);
+        let data = rig.buf(8192);
+        let spare = rig.buf(4096);
+        let region = rig.mem.find_region(GuestAddress(data)).unwrap();
+        assert!(!region.bitmap().dirty_at(data as usize), "fresh memory starts clean");
+        let h = rig.header(T_IN, 0);
+        let s = rig.buf(1);
+        rig.run(0, &[(h, 16, false), (data, 8192, true), (s, 1, true)]);
+        assert_eq!(rig.mem.read_obj::<u8>(GuestAddress(s)).unwrap(), S_OK);
+        let region = rig.mem.find_region(GuestAddress(data)).unwrap();
+        for page in [data, data + 4096] {
+            assert!(region.bitmap().dirty_at(page as usize), "{b:?}: page {page:#x} written through iovecs is dirty");
+        }
+        assert!(!region.bitmap().dirty_at(spare as usize), "the page after is not");
+    }
+}
