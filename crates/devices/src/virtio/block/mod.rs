@@ -377,7 +377,8 @@ impl Block {
             op,
         });
         // SAFETY: the iovecs point into guest memory, which this device holds until every
-        // request has completed (reset and drop drain first); the array lives in `pending`
+        // request has completed (reset and drop drain first); the iovec array is the heap
+        // buffer of the Vec kept in `pending[slot]` (which does not move when `pending` grows)
         // until the completion is reaped.
         match unsafe { self.backend.queue(slot as u64, &p.op) } {
             Ok(()) => {
