@@ -582,3 +582,32 @@ fn reads_mark_the_guest_pages_they_fill_dirty() {
         assert!(!region.bitmap().dirty_at(spare as usize), "the page after is not");
     }
 }
+
+#[test]
+fn direct_io_goes_to_the_file_and_refuses_misaligned_buffers() {
+    for b in backends() {
+        let d = dir(&format!("direct-{b:?}"));
+        let path = d.join("disk.img");
+        std::fs::write(&path, vec![0u8; 64 * 512]).unwrap();
+        let img = match DiskImage::open(&path, false, true) {
+            Ok(i) => i,
+            Err(e) => return eprintln!("no O_DIRECT here: {e}"),
+        };
+        let blk = Block::new("direct", BlockConfig { backend: b, ..Default::default() }, img).unwrap();
+        let mem = memory();
+        let irqs = Arc::new(Irqs::default());
+        let mut t = VirtioPciTransport::new("blk0", blk, mem.clone(), shared(&irqs), 2);
+        let qs = vec![GuestQueue::new(0, 16)];
+        let f = t.device().features();
+        bring_up(&mut t, f, &qs);
+        let mut rig = Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE };
+        let pat = pattern(4096, 5);
+        assert_eq!(rig.write(8, &pat), S_OK, "{b:?}");
+        assert_eq!(&rig.file()[4096..8192], &pat[..]);
+        assert_eq!(rig.read(8, 4096), (S_OK, pat.clone()));
+        // A buffer O_DIRECT cannot take (not on a 512-byte boundary): the host refuses, IOERR.
+        let odd = rig.buf(8192) + 100;
+        assert_eq!(rig.request(T_IN, 8, &[(odd, 4096, true)]), S_IOERR, "{b:?}");
+        assert_eq!(rig.counters().host_errors, 1);
+    }
+}
