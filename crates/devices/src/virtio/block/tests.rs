@@ -50,6 +50,18 @@ struct Rig {
     qs: Vec<GuestQueue>,
     path: PathBuf,
     next_buf: u64,
+    /// Leave the image's directory when dropped (a test opens the image again).
+    keep: bool,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        if !self.keep {
+            if let Some(d) = self.path.parent() {
+                let _ = std::fs::remove_dir_all(d);
+            }
+        }
+    }
 }
 
 impl Rig {
@@ -65,7 +77,7 @@ impl Rig {
         let features = t.device().features();
         let st = bring_up(&mut t, features, &qs);
         assert_eq!(st, status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK);
-        Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE }
+        Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE, keep: false }
     }
 
     fn with(test: &str, sectors: usize, backend: BackendKind) -> Rig {
@@ -426,7 +438,7 @@ fn flush_syncs_the_image() {
         let mut t = VirtioPciTransport::new("blk0", blk, mem.clone(), shared(&irqs), 2);
         let qs = vec![GuestQueue::new(0, 16)];
         bring_up(&mut t, VIRTIO_F_VERSION_1, &qs);
-        let mut rig = Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE };
+        let mut rig = Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE, keep: false };
         assert_eq!(rig.request(T_FLUSH, 0, &[]), S_UNSUPP);
         assert_eq!(rig.write(1, &[3; 512]), S_OK, "{b:?}");
         assert_eq!(&rig.file()[512..1024], &[3; 512]);
@@ -497,6 +509,7 @@ fn snapshots_wait_for_requests_in_flight_and_check_the_image() {
     assert_eq!((saved.size, saved.counters.requests), (16 * 512, 2));
 
     // Restored onto the same image (another open of it: the first lets go).
+    rig.keep = true;
     let path = rig.path.clone();
     let mem = rig.mem.clone();
     drop(rig);
@@ -509,7 +522,7 @@ fn snapshots_wait_for_requests_in_flight_and_check_the_image() {
     let mut q = GuestQueue::new(0, 16);
     q.next_desc = 6;
     q.avail_idx = 2;
-    let mut rig = Rig { t, mem, irqs, qs: vec![q], path: path.clone(), next_buf: BUF_BASE + 0x10_0000 };
+    let mut rig = Rig { t, mem, irqs, qs: vec![q], path: path.clone(), next_buf: BUF_BASE + 0x10_0000, keep: true };
     assert_eq!(rig.read(0, 512), (S_OK, vec![1; 512]));
     drop(rig);
 
@@ -519,6 +532,8 @@ fn snapshots_wait_for_requests_in_flight_and_check_the_image() {
     let mut t = VirtioPciTransport::new("blk0", blk, memory(), shared(&Arc::new(Irqs::default())), 2);
     let e = t.restore(&state).unwrap_err().to_string();
     assert_eq!(e, format!("blk0: disk r: the snapshot's image was 8192 bytes, {} is 16384 bytes", path.display()));
+    drop(t);
+    let _ = std::fs::remove_dir_all(path.parent().unwrap());
 }
 
 #[test]
@@ -600,7 +615,7 @@ fn direct_io_goes_to_the_file_and_refuses_misaligned_buffers() {
         let qs = vec![GuestQueue::new(0, 16)];
         let f = t.device().features();
         bring_up(&mut t, f, &qs);
-        let mut rig = Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE };
+        let mut rig = Rig { t, mem, irqs, qs, path, next_buf: BUF_BASE, keep: false };
         let pat = pattern(4096, 5);
         assert_eq!(rig.write(8, &pat), S_OK, "{b:?}");
         assert_eq!(&rig.file()[4096..8192], &pat[..]);
