@@ -204,6 +204,7 @@ fn bad_configs_are_refused() {
         mk(BlockConfig { serial: long.clone(), ..Default::default() }),
         format!("serial {long:?} is longer than 20 bytes")
     );
+    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
