@@ -7,8 +7,20 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const GUESTS: &[&str] =
-    &["hello", "memtouch", "smp", "netecho", "udpping", "udpsink", "udpsend", "numa", "sync", "numabench", "worker"];
+const GUESTS: &[&str] = &[
+    "hello",
+    "memtouch",
+    "smp",
+    "netecho",
+    "udpping",
+    "udpsink",
+    "udpsend",
+    "numa",
+    "sync",
+    "numabench",
+    "worker",
+    "blkbench",
+];
 /// Guests also built as hosted Linux programs (with `-D<NAME>_HOSTED`, e.g. NUMABENCH_HOSTED),
 /// the bare-metal side of a benchmark: the same C source and code-generation flags.
 const HOSTED: &[&str] = &["numabench"];
@@ -29,6 +41,9 @@ const HOSTED_CFLAGS: &[&str] = &[
 /// Guests linked with the network driver and stack (guests/src/net/).
 const NET_GUESTS: &[&str] = &["netecho", "udpping", "udpsink", "udpsend"];
 const NET_SOURCES: &[&str] = &["net/boot.c", "net/pci.c", "net/virtio.c", "net/stack.c"];
+/// Guests linked with the virtio-blk driver (guests/src/blk/).
+const BLK_GUESTS: &[&str] = &["blkbench"];
+const BLK_SOURCES: &[&str] = &["blk/blk.c"];
 const CFLAGS: &[&str] = &[
     "-m64",
     "-O2",
@@ -98,6 +113,7 @@ fn main() {
             .args(&runtime)
             .arg(src.join(format!("src/{name}.c")))
             .args(NET_SOURCES.iter().filter(|_| NET_GUESTS.contains(name)).map(|f| src.join("src").join(f)))
+            .args(BLK_SOURCES.iter().filter(|_| BLK_GUESTS.contains(name)).map(|f| src.join("src").join(f)))
             .status()
             .unwrap_or_else(|e| panic!("cannot run {cc} to build guest {name}: {e}"));
         assert!(status.success(), "building guest {name} with {cc} failed");

@@ -195,6 +195,7 @@ mod tests {
         http => "http",
         migration_stream => "migration-stream",
         virtio_net => "virtio-net",
+        virtio_blk => "virtio-blk",
         pci => "pci",
         vcpu_restore => "vcpu-restore",
     }

@@ -134,7 +134,8 @@ mod tests {
                 "numa",
                 "sync",
                 "numabench",
-                "worker"
+                "worker",
+                "blkbench"
             ]
         );
         let m = find("memtouch").unwrap().manifest;
@@ -162,6 +163,15 @@ mod tests {
     }
 
     #[test]
+    fn blkbench_takes_its_region_time_and_seed() {
+        let g = find("blkbench").unwrap();
+        let line = g.command_line(&["size_mib=32".into(), "ms=200".into(), "seed=7".into(), "readonly=1".into()]);
+        assert_eq!(line.unwrap(), "size_mib=32 ms=200 seed=7 readonly=1");
+        assert!(g.command_line(&["size_mib=lots".into()]).is_err());
+        assert!(g.command_line(&["qd=4".into()]).is_err());
+    }
+
+    #[test]
     fn guests_are_x86_64_elf_executables() {
         for g in all().unwrap() {
             assert_eq!(&g.elf[..4], b"\x7fELF");
@@ -175,7 +185,7 @@ mod tests {
         let e = find("nope").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend, numa, sync, numabench, worker"
+            "unknown guest `nope`; built guests: hello, memtouch, smp, netecho, udpping, udpsink, udpsend, numa, sync, numabench, worker, blkbench"
         );
     }
 

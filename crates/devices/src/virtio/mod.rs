@@ -1,5 +1,5 @@
 //! virtio 1.x devices: the modern PCI transport's register logic ([`pci_transport`]) and the
-//! devices behind it ([`net`]).
+//! devices behind it ([`net`], [`block`]).
 //!
 //! The transport knows nothing of PCI config space or MSI-X: it exposes one BAR's register
 //! block (common config, ISR, device config, notifications) and the list of virtio capabilities
@@ -7,6 +7,7 @@
 //! PCI/MSI-X layer implements. A device ([`VirtioDevice`]) gets its queues, the guest's memory
 //! and a [`DeviceInterrupt`] when the driver sets DRIVER_OK.
 
+pub mod block;
 pub mod net;
 pub mod pci_transport;
 
@@ -146,6 +147,11 @@ pub trait VirtioDevice: Send {
     fn queues(&self) -> Option<&[Queue]>;
     /// Back to the state before activation; the backend is kept.
     fn reset(&mut self);
+    /// Requests whose I/O has not completed: a snapshot is refused while there are any (the
+    /// device must be drained first).
+    fn in_flight(&self) -> usize {
+        0
+    }
     /// Device-specific state for snapshots (configuration, counters).
     fn save_state(&self) -> serde_json::Value;
     /// Puts back [`VirtioDevice::save_state`]'s value; called before a re-activation.

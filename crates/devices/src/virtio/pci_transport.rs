@@ -497,6 +497,11 @@ impl<D: VirtioDevice> Persist for VirtioPciTransport<D> {
     }
 
     fn save(&self) -> Result<TransportState, PersistError> {
+        let busy = self.device.in_flight();
+        if busy > 0 {
+            let m = format!("{busy} requests in flight: the device must be drained before it is saved");
+            return Err(PersistError::component(self.id.clone(), m));
+        }
         let running = self.device.queues();
         let queues = self
             .queues

@@ -10,6 +10,7 @@ pub mod restore;
 pub mod serial;
 pub mod vcpu;
 pub mod vhost_user;
+pub mod virtio_blk;
 pub mod virtio_net;
 pub mod x86;
 
@@ -79,6 +80,13 @@ pub static ALL: &[Target] = &[
         test_cases: 1_000,
         max_input: 1024,
         run: virtio_net::run,
+    },
+    Target {
+        name: "virtio-blk",
+        about: "virtio-blk request chains on a raw image (both I/O backends): types, sectors, segments, status buffers",
+        test_cases: 1_000,
+        max_input: 1024,
+        run: virtio_blk::run,
     },
     Target {
         name: "pci",

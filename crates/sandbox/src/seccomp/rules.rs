@@ -75,6 +75,11 @@ const IO: &[c_long] = &[
     SYS_timerfd_gettime,
 ];
 
+/// A virtio-blk disk's I/O (`kumo_devices::virtio::block`): its pool's threads move data with
+/// preadv/pwritev (in [`IO`]), flush and punch or zero ranges; its event loop starts io_uring
+/// operations.
+const DISK_IO: &[c_long] = &[SYS_fdatasync, SYS_fallocate, SYS_io_uring_enter];
+
 /// Connected sockets: streams, vhost-user messages with descriptors.
 const SOCKET_IO: &[c_long] = &[
     SYS_recvfrom,
@@ -223,6 +228,7 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
             // Event loops: epoll, eventfds, taps, vhost-user messages, interrupt injection.
             allow(&mut r, IO);
             allow(&mut r, SOCKET_IO);
+            allow(&mut r, DISK_IO);
             allow(&mut r, &[SYS_sched_setaffinity, SYS_sched_setscheduler]);
             own_priority(&mut r);
             ioctls(&mut r, TUN_IOCTLS);
@@ -257,6 +263,9 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
             allow(&mut r, PLACEMENT);
             allow(&mut r, SIGNALS);
             allow(&mut r, &[SYS_mincore]);
+            // A disk made here sets up its io_uring (or starts its pool).
+            allow(&mut r, DISK_IO);
+            allow(&mut r, &[SYS_io_uring_setup, SYS_io_uring_register]);
             ioctls(&mut r, TUN_IOCTLS);
             thread_creation(&mut r);
         }

@@ -130,3 +130,19 @@ fn a_control_thread_creates_threads_but_no_process() {
     assert!(err.starts_with("thread ok\n"), "{err}");
     assert!(err.contains("the migration thread mig-send made a forbidden system call: clone (56)"), "{err}");
 }
+
+#[test]
+fn a_disks_io_is_allowed_where_it_runs() {
+    // The pool's threads and the event loop (Device), and the control threads that make disks.
+    let io = [libc::SYS_preadv, libc::SYS_pwritev, libc::SYS_pwrite64, libc::SYS_fdatasync, libc::SYS_fallocate];
+    for kind in [ThreadKind::Device, ThreadKind::Vmm, ThreadKind::Api, ThreadKind::Migration] {
+        let r = rules::for_kind(kind, 1);
+        for call in io.iter().chain(&[libc::SYS_io_uring_enter, libc::SYS_poll]) {
+            assert!(r.contains_key(call), "{kind} lacks {}", syscall_name(*call as i32));
+        }
+    }
+    for kind in [ThreadKind::Vmm, ThreadKind::Api, ThreadKind::Migration] {
+        let r = rules::for_kind(kind, 1);
+        assert!(r.contains_key(&libc::SYS_io_uring_setup) && r.contains_key(&libc::SYS_io_uring_register), "{kind}");
+    }
+}
