@@ -174,7 +174,7 @@ impl DeviceManager {
             .iter()
             .map(|d| {
                 let d = lock(d);
-                Ok((d.id(), d.save_value()?))
+                Ok((d.id(), d.save_dyn()?))
             })
             .collect()
     }
@@ -190,7 +190,7 @@ impl DeviceManager {
         for d in &self.persist {
             let mut d = lock(d);
             let id = d.id();
-            d.restore_value(states[&id].clone())?;
+            d.restore_dyn(&states[&id])?;
         }
         // BARs are where the guest had them: the window and doorbells follow.
         self.pci.refresh();
@@ -332,7 +332,7 @@ mod tests {
         let vm_b = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
         let b = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
         let mut extra = states.clone();
-        extra.insert("net0".into(), serde_json::json!({}));
+        extra.insert("net0".into(), states["com1"].clone());
         let e = b.restore_states(&extra).unwrap_err().to_string();
         assert_eq!(e, "the snapshot has state for net0, which this VM lacks");
         let e = b.restore_states(&DeviceStates::new()).unwrap_err().to_string();
