@@ -39,7 +39,8 @@ use std::time::Duration;
 
 use kumo_devices::virtio::net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS};
 use kumo_devices::virtio::{
-    status, ActivateError, DeviceInterrupt, GuestMemory, VhostUserState, VirtioDevice, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
+    status, ActivateError, DeviceInterrupt, GuestMemory, VhostUserState, VirtioDevice, VIRTIO_F_RING_EVENT_IDX,
+    VIRTIO_F_VERSION_1,
 };
 use kumo_vm::interrupt_paths::{PathRouting, SharedDispatcher};
 use kumo_vm::interrupts::Interrupts;

@@ -9,8 +9,8 @@
 //! changing its shape is a new stream version.
 
 use kumo_devices::{DeviceState, DeviceStates};
-use serde::de::Error as _;
 use kumo_vm::{VcpuState, VmState};
+use serde::de::Error as _;
 
 /// Everything needed to put a paused VM back where it was (memory stays in place).
 #[derive(serde::Serialize, serde::Deserialize)]
