@@ -277,4 +277,17 @@ mod tests {
         let e = check_ids(&states, []).unwrap_err().to_string();
         assert_eq!(e, "the snapshot has state for com1, which this VM lacks");
     }
+
+    #[test]
+    fn kinds_are_named_as_encoded() {
+        let states = [
+            DeviceState::PciRoot(crate::pci::PciRoot::new().save().unwrap()),
+            DeviceState::IoApic(crate::apic::IoApic::new().save().unwrap()),
+            DeviceState::Pic(crate::apic::Pic::new().save().unwrap()),
+        ];
+        for s in states {
+            let v = serde_json::to_value(&s).unwrap();
+            assert_eq!(v.as_object().unwrap().keys().collect::<Vec<_>>(), [s.kind()]);
+        }
+    }
 }

@@ -337,6 +337,10 @@ mod tests {
         assert_eq!(e, "the snapshot has state for net0, which this VM lacks");
         let e = b.restore_states(&DeviceStates::new()).unwrap_err().to_string();
         assert_eq!(e, "the snapshot has no state for com1");
+        let mut swapped = states.clone();
+        swapped.insert("com1".into(), states["pci-root"].clone());
+        let e = b.restore_states(&swapped).unwrap_err().to_string();
+        assert_eq!(e, "com1: saved state is a pci-root state, not this component's");
         b.restore_states(&states).unwrap();
         let mut r = [0u8];
         b.buses().pio.read(u64::from(COM1_PORT) + 7, &mut r);
