@@ -162,6 +162,11 @@ impl PersistError {
     pub fn component(id: impl Into<String>, msg: impl ToString) -> Self {
         PersistError::Component { id: id.into(), msg: msg.to_string() }
     }
+
+    /// `state` is not of component `id`'s kind.
+    pub fn kind(id: impl Into<String>, state: &DeviceState) -> Self {
+        PersistError::Kind { id: id.into(), found: state.kind() }
+    }
 }
 
 /// A component whose state a snapshot carries.
@@ -181,8 +186,11 @@ pub trait Persist {
 pub trait PersistDyn: Send {
     fn id(&self) -> String;
     fn save_dyn(&self) -> Result<DeviceState, PersistError>;
-    /// Puts back a state of this component's kind; another kind is refused
-    /// ([`PersistError::Kind`]).
+    /// Refuses a state of another kind than this component's ([`PersistError::Kind`]), so a
+    /// restore can check every component before it changes any.
+    fn check_kind(&self, state: &DeviceState) -> Result<(), PersistError>;
+    /// Puts back a state of this component's kind; another kind is refused as by
+    /// [`PersistDyn::check_kind`].
     fn restore_dyn(&mut self, state: &DeviceState) -> Result<(), PersistError>;
 }
 
@@ -198,8 +206,12 @@ where
         Ok(self.save()?.into_device_state())
     }
 
+    fn check_kind(&self, state: &DeviceState) -> Result<(), PersistError> {
+        T::State::of(state).map(|_| ()).ok_or_else(|| PersistError::kind(Persist::id(self), state))
+    }
+
     fn restore_dyn(&mut self, state: &DeviceState) -> Result<(), PersistError> {
-        let s = T::State::of(state).ok_or_else(|| PersistError::Kind { id: Persist::id(self), found: state.kind() })?;
+        let s = T::State::of(state).ok_or_else(|| PersistError::kind(Persist::id(self), state))?;
         self.restore(s)
     }
 }
@@ -267,6 +279,8 @@ mod tests {
         let pic = DeviceState::Pic(crate::apic::Pic::new().save().unwrap());
         let e = c.restore_dyn(&pic).unwrap_err().to_string();
         assert_eq!(e, "counter: saved state is a pic state, not this component's");
+        assert_eq!(c.check_kind(&pic).unwrap_err().to_string(), e);
+        c.check_kind(&DeviceState::TestCounter(101)).unwrap();
         let e = c.restore_dyn(&DeviceState::TestCounter(101)).unwrap_err().to_string();
         assert_eq!(e, "counter: above 100");
         assert_eq!(c.0, 1);

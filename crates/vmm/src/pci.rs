@@ -133,6 +133,10 @@ impl PersistDyn for PciPersist {
         lock(&self.0).save_dyn()
     }
 
+    fn check_kind(&self, state: &DeviceState) -> std::result::Result<(), PersistError> {
+        lock(&self.0).check_kind(state)
+    }
+
     fn restore_dyn(&mut self, state: &DeviceState) -> std::result::Result<(), PersistError> {
         lock(&self.0).restore_dyn(state)
     }

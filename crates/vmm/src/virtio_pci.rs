@@ -55,6 +55,10 @@ impl<D: VirtioDevice + 'static> PersistDyn for VirtioFunction<D> {
         self.f.save_dyn()
     }
 
+    fn check_kind(&self, state: &DeviceState) -> std::result::Result<(), PersistError> {
+        self.f.check_kind(state)
+    }
+
     fn restore_dyn(&mut self, state: &DeviceState) -> std::result::Result<(), PersistError> {
         self.f.restore_dyn(state)?;
         let _ = self.kick.write(1);
