@@ -1901,6 +1901,107 @@ fn plot_downtime<DB: plotters::prelude::DrawingBackend>(
 
 // ---------------------------------------------------------------------------------------------
 
+/// Section 2: one idle VM per size, hopping through every engine. Holds are generous (their
+/// ends are awaited later, while other work runs): 1 s + 8 ms per MiB per hop, more if the
+/// previous size's hops were slower than that.
+fn idle_sizes(ctx: &Ctx, sizes: &[u64], big: u64, raw: f64) -> (Vec<IdleSize>, Vec<Option<Pending>>) {
+    let (mut idle, mut pending, mut ms_per_mib) = (Vec::new(), Vec::new(), 0.0f64);
+    for &mem in sizes {
+        let hop_ms = (1000.0 + 8.0 * mem as f64).max(3.0 * ms_per_mib * mem as f64);
+        let t = Instant::now();
+        let extra = if mem == big { 2 } else { 0 };
+        let hops = (ENGINES.len() + extra) as f64;
+        let (s, p) = idle_size(ctx, mem, (hop_ms * hops) as u64, extra, raw);
+        ms_per_mib = t.elapsed().as_secs_f64() * 1e3 / ENGINES.len() as f64 / mem as f64;
+        idle.push(s);
+        pending.push(p);
+    }
+    (idle, pending)
+}
+
+/// Section 4: single migrations of idle and loaded guests, the two in parallel.
+fn correctness(ctx: &Ctx, n_correct: usize, raw: f64) -> [Correct; 2] {
+    std::thread::scope(|s| {
+        let idle = s.spawn(|| correct_idle(ctx, n_correct, 256, raw));
+        let loaded = correct_loaded(ctx, n_correct, 256, raw);
+        let idle = idle.join().unwrap_or_else(|_| Correct {
+            runs: n_correct,
+            failures: vec!["the idle thread panicked".into()],
+            ..Default::default()
+        });
+        [idle, loaded]
+    })
+}
+
+/// Headline figures, medians: the fastest network engine's idle MB/s (median of its runs)
+/// over raw TCP; kumo's downtime at the 30 ms target on the paper workload; the share of
+/// its write rate a flat-out guest keeps while migrated, under kumo and under QEMU.
+fn set_headlines(r: &mut Report) {
+    let raw = r.raw_tcp.median_mb_per_s;
+    r.throughput_ratio = r.idle.last().and_then(|s| {
+        ENGINES
+            .iter()
+            .filter(|g| g.network())
+            .filter_map(|g| {
+                median(s.runs.iter().filter(|m| m.ok() && m.engine == g.label).map(|m| m.mb_per_s).collect())
+            })
+            .reduce(f64::max)
+            .map(|v| v / raw)
+    });
+    r.downtime_ms = r
+        .compare
+        .downtime
+        .iter()
+        .find(|d| d.vmm == "kumo" && d.workload == "paper" && d.target_ms == HEADLINE_TARGET)
+        .and_then(|d| d.median);
+    let kept = |vmm: &str| {
+        let c = r.compare.chains.iter().rev().find(|c| c.vmm == vmm && c.workload == "flat")?;
+        median(c.default_hops().filter_map(|h| h.kept).collect())
+    };
+    (r.guest_kept, r.qemu_guest_kept) = (kept("kumo"), kept("qemu"));
+}
+
+/// Prints the tables and the headline, writes the JSON; 1 if a comparison run failed.
+fn publish(r: &Report, json: &Path) -> Result<i32, String> {
+    println!(
+        "kumo bench migrate{}: live migration between kumo processes on this host ({} CPUs), {:.0} s",
+        if r.quick { " --quick" } else { "" },
+        r.host_cpus,
+        r.elapsed_s
+    );
+    print_all(r);
+    let text = serde_json::to_string_pretty(r).map_err(|e| e.to_string())?;
+    std::fs::write(json, text).map_err(|e| format!("cannot write {}: {e}", json.display()))?;
+    println!(
+        "\nJSON written to {}{}",
+        json.display(),
+        r.png.as_ref().map_or(String::new(), |p| format!("; plot written to {p}"))
+    );
+    let failures: Vec<String> = r.compare.chains.iter().flat_map(Chain::failures).collect();
+    if !failures.is_empty() {
+        println!("\nFAILED: {} of the kumo/QEMU comparison's runs failed:", failures.len());
+        for f in &failures {
+            println!("  {f}");
+        }
+    }
+    println!(
+        "throughput_ratio={} downtime_ms={} guest_kept={} qemu_guest_kept={}",
+        opt(r.throughput_ratio, 3),
+        opt(r.downtime_ms, 1),
+        opt(r.guest_kept, 3),
+        opt(r.qemu_guest_kept, 3)
+    );
+    if !failures.is_empty() {
+        eprintln!(
+            "kumo bench migrate: {} comparison run(s) failed (first: {}); see the table above",
+            failures.len(),
+            failures[0]
+        );
+        return Ok(1);
+    }
+    Ok(0)
+}
+
 pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let kumo = crate::kumo_binary()?;
     let (json, png) = (crate::out_file(out, "migrate.json")?, out.join("migrate.png"));
@@ -1930,32 +2031,10 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
 
     let raw_tcp = raw_tcp(&ctx)?;
     let raw = raw_tcp.median_mb_per_s;
-
-    // Holds are generous (their ends are awaited later, while other work runs): 1 s + 8 ms per
-    // MiB per hop, more if the previous size's hops were slower than that.
-    let (mut idle, mut pending, mut ms_per_mib) = (Vec::new(), Vec::new(), 0.0f64);
-    for &mem in sizes {
-        let hop_ms = (1000.0 + 8.0 * mem as f64).max(3.0 * ms_per_mib * mem as f64);
-        let t = Instant::now();
-        let extra = if mem == big { 2 } else { 0 };
-        let hops = (ENGINES.len() + extra) as f64;
-        let (s, p) = idle_size(&ctx, mem, (hop_ms * hops) as u64, extra, raw);
-        ms_per_mib = t.elapsed().as_secs_f64() * 1e3 / ENGINES.len() as f64 / mem as f64;
-        idle.push(s);
-        pending.push(p);
-    }
+    let (mut idle, pending) = idle_sizes(&ctx, sizes, big, raw);
     let settle = Duration::from_millis(if a.quick { 500 } else { 3000 });
     let loaded = loaded(&ctx, big, settle, !a.quick, raw);
-    let correctness = std::thread::scope(|s| {
-        let idle = s.spawn(|| correct_idle(&ctx, n_correct, 256, raw));
-        let loaded = correct_loaded(&ctx, n_correct, 256, raw);
-        let idle = idle.join().unwrap_or_else(|_| Correct {
-            runs: n_correct,
-            failures: vec!["the idle thread panicked".into()],
-            ..Default::default()
-        });
-        [idle, loaded]
-    });
+    let correctness = correctness(&ctx, n_correct, raw);
     let other_runs = if a.quick { 1 } else { side_runs };
     let compare = compare(&ctx, side_sizes, 512, (side_runs, other_runs, n_target), win, qemu_cpu);
     ctx.step("checking the idle VMs' memory".into());
@@ -1966,30 +2045,6 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         });
     }
 
-    // Headline figures, medians: the fastest network engine's idle MB/s (median of its runs)
-    // over raw TCP; kumo's downtime at the 30 ms target on the paper workload; the share of
-    // its write rate a flat-out guest keeps while migrated, under kumo and under QEMU.
-    let throughput_ratio = idle.last().and_then(|s| {
-        ENGINES
-            .iter()
-            .filter(|g| g.network())
-            .filter_map(|g| {
-                median(s.runs.iter().filter(|m| m.ok() && m.engine == g.label).map(|m| m.mb_per_s).collect())
-            })
-            .reduce(f64::max)
-            .map(|v| v / raw)
-    });
-    let downtime_ms = compare
-        .downtime
-        .iter()
-        .find(|d| d.vmm == "kumo" && d.workload == "paper" && d.target_ms == HEADLINE_TARGET)
-        .and_then(|d| d.median);
-    let kept = |vmm: &str| {
-        let c = compare.chains.iter().rev().find(|c| c.vmm == vmm && c.workload == "flat")?;
-        median(c.default_hops().filter_map(|h| h.kept).collect())
-    };
-    let (guest_kept, qemu_guest_kept) = (kept("kumo"), kept("qemu"));
-    let failures: Vec<String> = compare.chains.iter().flat_map(Chain::failures).collect();
     let mut report = Report {
         bench: "migrate",
         quick: a.quick,
@@ -2003,12 +2058,13 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         correctness,
         compare,
         targets: vec![],
-        throughput_ratio,
-        downtime_ms,
-        guest_kept,
-        qemu_guest_kept,
+        throughput_ratio: None,
+        downtime_ms: None,
+        guest_kept: None,
+        qemu_guest_kept: None,
         png: None,
     };
+    set_headlines(&mut report);
     report.targets = targets(&report);
     ctx.step("drawing the plot".into());
     match plot(&png, &report) {
@@ -2017,41 +2073,5 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     }
     ctx.bar.finish_and_clear();
     report.elapsed_s = ctx.t0.elapsed().as_secs_f64();
-
-    println!(
-        "kumo bench migrate{}: live migration between kumo processes on this host ({} CPUs), {:.0} s",
-        if a.quick { " --quick" } else { "" },
-        report.host_cpus,
-        report.elapsed_s
-    );
-    print_all(&report);
-    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-    std::fs::write(&json, text).map_err(|e| format!("cannot write {}: {e}", json.display()))?;
-    println!(
-        "\nJSON written to {}{}",
-        json.display(),
-        report.png.as_ref().map_or(String::new(), |p| format!("; plot written to {p}"))
-    );
-    if !failures.is_empty() {
-        println!("\nFAILED: {} of the kumo/QEMU comparison's runs failed:", failures.len());
-        for f in &failures {
-            println!("  {f}");
-        }
-    }
-    println!(
-        "throughput_ratio={} downtime_ms={} guest_kept={} qemu_guest_kept={}",
-        opt(report.throughput_ratio, 3),
-        opt(report.downtime_ms, 1),
-        opt(report.guest_kept, 3),
-        opt(report.qemu_guest_kept, 3)
-    );
-    if !failures.is_empty() {
-        eprintln!(
-            "kumo bench migrate: {} comparison run(s) failed (first: {}); see the table above",
-            failures.len(),
-            failures[0]
-        );
-        return Ok(1);
-    }
-    Ok(0)
+    publish(&report, &json)
 }

@@ -16,7 +16,7 @@ pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError, BusKind, Buses, SharedDevice};
 pub use debug_port::{DebugPort, EXIT_PORT, MARKER_PORT};
-pub use persist::{DeviceStates, Persist, PersistDyn, PersistError};
+pub use persist::{DeviceState, DeviceStateKind, DeviceStates, Persist, PersistDyn, PersistError, VirtioFunctionState};
 pub use serial::{SerialConsole, SerialSnapshot, COM1_IRQ, COM1_PORT};
 
 /// Something a device write asks the VMM to act on.

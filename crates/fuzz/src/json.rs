@@ -2,6 +2,7 @@
 //! changed, removed or replaced, so restores see inputs that pass the parser and reach the
 //! checks behind it (pure garbage rarely gets past serde).
 
+use kumo_devices::Persist;
 use serde_json::{Map, Number, Value};
 
 use crate::Input;
@@ -180,4 +181,16 @@ pub fn mutated_or_garbage(u: &mut Input<'_>, valid: &Value) -> arbitrary::Result
     let mut v = valid.clone();
     mutate(u, &mut v)?;
     Ok(v)
+}
+
+/// `c`'s state as JSON, the form a snapshot file or a migration peer sends it in.
+pub fn save_json<P: Persist + ?Sized>(c: &P) -> Value {
+    serde_json::to_value(c.save().expect("saves")).expect("a state encodes")
+}
+
+/// Decodes `v` as `c`'s state and restores it. A state that does not decode is refused as
+/// the snapshot's decoder refuses it, before the component sees it.
+pub fn restore_json<P: Persist + ?Sized>(c: &mut P, v: Value) -> Result<(), String> {
+    let s: P::State = serde_json::from_value(v).map_err(|e| format!("{}: saved state does not fit: {e}", c.id()))?;
+    c.restore(&s).map_err(|e| e.to_string())
 }

@@ -408,14 +408,7 @@ fn timer_thread(apics: Weak<UserApics>, cpu: u32) {
     }
 }
 
-/// One vCPU's user APIC in snapshots (component `lapic<N>`): the register model's state and
-/// whether the vCPU waits for a SIPI (a Linux AP not started yet).
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct UserLapicState {
-    pub lapic: kumo_devices::apic::LapicState,
-    pub wait_sipi: bool,
-    pub nmi: bool,
-}
+pub use kumo_devices::apic::UserLapicState;
 
 /// vCPU `cpu`'s APIC as a persistable component.
 pub struct LapicPersist {

@@ -174,14 +174,20 @@ impl DeviceManager {
             .iter()
             .map(|d| {
                 let d = lock(d);
-                Ok((d.id(), d.save_value()?))
+                Ok((d.id(), d.save_dyn()?))
             })
             .collect()
     }
 
-    /// Checks that `states` has a state for each device and none for a device this VM lacks.
+    /// Checks that `states` has a state for each device, of its kind, and none for a device this
+    /// VM lacks.
     pub fn check_states(&self, states: &DeviceStates) -> std::result::Result<(), PersistError> {
-        check_ids(states, self.persist.iter().map(|d| lock(d).id()))
+        check_ids(states, self.persist.iter().map(|d| lock(d).id()))?;
+        self.persist.iter().try_for_each(|d| {
+            let d = lock(d);
+            let id = d.id();
+            states.get(&id).map_or(Err(PersistError::Missing(id)), |s| d.check_kind(s))
+        })
     }
 
     /// Restores every device from `states` (checked first, see [`DeviceManager::check_states`]).
@@ -190,7 +196,7 @@ impl DeviceManager {
         for d in &self.persist {
             let mut d = lock(d);
             let id = d.id();
-            d.restore_value(states[&id].clone())?;
+            d.restore_dyn(states.get(&id).ok_or(PersistError::Missing(id))?)?;
         }
         // BARs are where the guest had them: the window and doorbells follow.
         self.pci.refresh();
@@ -332,11 +338,19 @@ mod tests {
         let vm_b = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
         let b = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
         let mut extra = states.clone();
-        extra.insert("net0".into(), serde_json::json!({}));
+        extra.insert("net0".into(), states["com1"].clone());
         let e = b.restore_states(&extra).unwrap_err().to_string();
         assert_eq!(e, "the snapshot has state for net0, which this VM lacks");
         let e = b.restore_states(&DeviceStates::new()).unwrap_err().to_string();
         assert_eq!(e, "the snapshot has no state for com1");
+        // A state of another kind is refused before any device changes (com1 comes first).
+        let mut swapped = states.clone();
+        swapped.insert("pci-root".into(), states["com1"].clone());
+        let e = b.restore_states(&swapped).unwrap_err().to_string();
+        assert_eq!(e, "pci-root: saved state is a serial state, not this component's");
+        let mut r = [0u8];
+        b.buses().pio.read(u64::from(COM1_PORT) + 7, &mut r);
+        assert_eq!(r[0], 0, "com1 untouched");
         b.restore_states(&states).unwrap();
         let mut r = [0u8];
         b.buses().pio.read(u64::from(COM1_PORT) + 7, &mut r);

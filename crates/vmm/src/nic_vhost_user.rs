@@ -39,7 +39,8 @@ use std::time::Duration;
 
 use kumo_devices::virtio::net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS};
 use kumo_devices::virtio::{
-    status, ActivateError, DeviceInterrupt, GuestMemory, VirtioDevice, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
+    status, ActivateError, DeviceInterrupt, GuestMemory, VhostUserState, VirtioDevice, VIRTIO_F_RING_EVENT_IDX,
+    VIRTIO_F_VERSION_1,
 };
 use kumo_vm::interrupt_paths::{PathRouting, SharedDispatcher};
 use kumo_vm::interrupts::Interrupts;
@@ -353,6 +354,8 @@ impl VhostUserNet {
 }
 
 impl VirtioDevice for VhostUserNet {
+    type State = VhostUserState;
+
     fn device_type(&self) -> u32 {
         1
     }
@@ -414,11 +417,11 @@ impl VirtioDevice for VhostUserNet {
         self.queues = None;
     }
 
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::Value::Null
+    fn save_state(&self) -> VhostUserState {
+        VhostUserState {}
     }
 
-    fn restore_state(&mut self, _state: &serde_json::Value) -> std::result::Result<(), String> {
+    fn restore_state(&mut self, _state: &VhostUserState) -> std::result::Result<(), String> {
         Err("a vhost-user NIC's state lives in its backend: it cannot be restored".into())
     }
 }

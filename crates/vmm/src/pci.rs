@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use kumo_devices::pci::{
     BarAllocator, BarKind, BarMove, BarRelocation, PciBus, PciConfigIo, PciConfigMmio, PlacedBar, ECAM_BUS0_SIZE,
 };
-use kumo_devices::{BusDevice, Buses, DeviceEvent, PersistDyn, PersistError, SharedDevice};
+use kumo_devices::{BusDevice, Buses, DeviceEvent, DeviceState, PersistDyn, PersistError, SharedDevice};
 use kumo_vm::interrupts::{Datamatch, Interrupts, IoAddress};
 use kumo_vm::layout::MemoryLayout;
 use vmm_sys_util::eventfd::EventFd;
@@ -129,12 +129,16 @@ impl PersistDyn for PciPersist {
         lock(&self.0).id()
     }
 
-    fn save_value(&self) -> std::result::Result<serde_json::Value, PersistError> {
-        lock(&self.0).save_value()
+    fn save_dyn(&self) -> std::result::Result<DeviceState, PersistError> {
+        lock(&self.0).save_dyn()
     }
 
-    fn restore_value(&mut self, state: serde_json::Value) -> std::result::Result<(), PersistError> {
-        lock(&self.0).restore_value(state)
+    fn check_kind(&self, state: &DeviceState) -> std::result::Result<(), PersistError> {
+        lock(&self.0).check_kind(state)
+    }
+
+    fn restore_dyn(&mut self, state: &DeviceState) -> std::result::Result<(), PersistError> {
+        lock(&self.0).restore_dyn(state)
     }
 }
 

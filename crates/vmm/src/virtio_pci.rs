@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use kumo_devices::pci::{BarMove, BarSpec, Msix, PciConfig, PciDevice, PciFunction, PciIds, SharedMsix};
 use kumo_devices::virtio::pci_transport::{NOTIFY_LEN, NOTIFY_OFFSET};
 use kumo_devices::virtio::{GuestMemory, Interrupt, VirtioDevice, VirtioPciTransport, NO_VECTOR};
-use kumo_devices::{PersistDyn, PersistError};
+use kumo_devices::{DeviceState, PersistDyn, PersistError};
 use kumo_sandbox::lock;
 use kumo_vm::interrupt_paths::{IrqPath, PathRouting, SharedDispatcher};
 use kumo_vm::interrupts::Interrupts;
@@ -51,12 +51,16 @@ impl<D: VirtioDevice + 'static> PersistDyn for VirtioFunction<D> {
         self.f.id()
     }
 
-    fn save_value(&self) -> std::result::Result<serde_json::Value, PersistError> {
-        self.f.save_value()
+    fn save_dyn(&self) -> std::result::Result<DeviceState, PersistError> {
+        self.f.save_dyn()
     }
 
-    fn restore_value(&mut self, state: serde_json::Value) -> std::result::Result<(), PersistError> {
-        self.f.restore_value(state)?;
+    fn check_kind(&self, state: &DeviceState) -> std::result::Result<(), PersistError> {
+        self.f.check_kind(state)
+    }
+
+    fn restore_dyn(&mut self, state: &DeviceState) -> std::result::Result<(), PersistError> {
+        self.f.restore_dyn(state)?;
         let _ = self.kick.write(1);
         Ok(())
     }

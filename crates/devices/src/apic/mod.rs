@@ -147,3 +147,12 @@ impl VectorSet {
         (self.0[i / 2] >> (32 * (i % 2))) as u32
     }
 }
+
+/// One vCPU's user APIC in snapshots (component `lapic<N>`, kept by `kumo-vm`): the register
+/// model's state and whether the vCPU waits for a SIPI (a Linux AP not started yet).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct UserLapicState {
+    pub lapic: LapicState,
+    pub wait_sipi: bool,
+    pub nmi: bool,
+}

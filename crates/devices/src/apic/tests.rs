@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::*;
-use crate::persist::{Persist, PersistDyn};
+use crate::persist::Persist;
 
 const GHZ: u64 = 1_000_000_000;
 /// Tests start the clock here, not at 0, so elapsed times can be subtracted.
@@ -677,14 +677,14 @@ fn save_restore_round_trip() {
     c.advance(3_300_000);
 
     let state = a.save().unwrap();
-    let json = a.save_value().unwrap();
+    let json = serde_json::to_string(&a.save().unwrap()).unwrap();
     assert_eq!(Persist::id(&a), "lapic1");
 
     // The destination's clock is elsewhere: the timer goes on with the same phase.
     let c2 = clock(GHZ);
     c2.set(50 * T0);
     let mut b = LocalApic::new(1, false, c2.clone());
-    b.restore_value(json).unwrap();
+    b.restore(&serde_json::from_str(&json).unwrap()).unwrap();
     assert_eq!(b.save().unwrap(), state);
     for off in
         [TPR, PPR, LDR, SVR, ISR0 + 0x30, IRR0 + 0x20, TMR0 + 0x30, ICR_LOW, ICR_HIGH, LVT_TIMER, INITIAL, CURRENT]

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{BarMove, BarSpec, Msix, MsixState, PciConfig, PciConfigState, PciDevice, PciError, PciIds};
 use crate::bus::BusDevice;
-use crate::persist::{PersistDyn, PersistError};
+use crate::persist::{DeviceStateKind, Persist, PersistError};
 
 /// MSI-X shared between the function (config and BAR accesses) and whoever fires vectors (a
 /// device's queue thread): lock, then [`Msix::fire`].
@@ -19,24 +19,24 @@ fn lock(m: &SharedMsix) -> std::sync::MutexGuard<'_, Msix> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// What a [`PciFunction`]'s snapshot holds.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct PciFunctionState {
+/// What a [`PciFunction`]'s snapshot holds: `S` is its register block's state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PciFunctionState<S> {
     pub config: PciConfigState,
     pub msix: Option<MsixState>,
-    pub device: serde_json::Value,
+    pub device: S,
 }
 
 /// A function whose BAR `bar` is `dev`'s register block; MSI-X accesses inside it go to MSI-X
 /// first.
-pub struct PciFunction<D: BusDevice + PersistDyn> {
+pub struct PciFunction<D: BusDevice + Persist> {
     config: PciConfig,
     msix: Option<SharedMsix>,
     bar: usize,
     dev: D,
 }
 
-impl<D: BusDevice + PersistDyn> PciFunction<D> {
+impl<D: BusDevice + Persist> PciFunction<D> {
     /// `caps` are whole capabilities as bytes (id, next — overwritten when linked — body),
     /// added after MSI-X's.
     pub fn new(
@@ -83,24 +83,23 @@ impl<D: BusDevice + PersistDyn> PciFunction<D> {
     }
 }
 
-impl<D: BusDevice + PersistDyn> PersistDyn for PciFunction<D> {
+impl<D: BusDevice + Persist> Persist for PciFunction<D> {
+    type State = PciFunctionState<D::State>;
+
     fn id(&self) -> String {
         self.dev.id()
     }
 
-    fn save_value(&self) -> Result<serde_json::Value, PersistError> {
-        let s = PciFunctionState {
+    fn save(&self) -> Result<Self::State, PersistError> {
+        Ok(PciFunctionState {
             config: self.config.state(),
             msix: self.msix.as_ref().map(|m| lock(m).state()),
-            device: self.dev.save_value()?,
-        };
-        serde_json::to_value(s).map_err(|err| PersistError::Format { id: self.id(), err })
+            device: self.dev.save()?,
+        })
     }
 
-    fn restore_value(&mut self, state: serde_json::Value) -> Result<(), PersistError> {
+    fn restore(&mut self, s: &Self::State) -> Result<(), PersistError> {
         let id = self.id();
-        let s: PciFunctionState =
-            serde_json::from_value(state).map_err(|err| PersistError::Format { id: id.clone(), err })?;
         if s.msix.is_some() != self.msix.is_some() {
             return Err(PersistError::component(id, "saved MSI-X state does not match the device's"));
         }
@@ -110,7 +109,7 @@ impl<D: BusDevice + PersistDyn> PersistDyn for PciFunction<D> {
         }
         let before = self.config.state();
         self.config.restore(&s.config).map_err(|e| PersistError::component(&id, e))?;
-        let rest = self.dev.restore_value(s.device).and_then(|()| match (&self.msix, &s.msix) {
+        let rest = self.dev.restore(&s.device).and_then(|()| match (&self.msix, &s.msix) {
             (Some(m), Some(ms)) => lock(m).restore(ms).map_err(|e| PersistError::component(&id, e)),
             _ => Ok(()),
         });
@@ -122,7 +121,10 @@ impl<D: BusDevice + PersistDyn> PersistDyn for PciFunction<D> {
     }
 }
 
-impl<D: BusDevice + PersistDyn> PciDevice for PciFunction<D> {
+impl<D: BusDevice + Persist + Send> PciDevice for PciFunction<D>
+where
+    PciFunctionState<D::State>: DeviceStateKind,
+{
     fn config(&self) -> &PciConfig {
         &self.config
     }
@@ -166,7 +168,7 @@ mod tests {
     use super::*;
     use crate::bus::SharedDevice;
     use crate::pci::{BarAllocator, MsiMessage, MsixRouting, PciBus, PciConfigMmio, MSIX_CAP_ID};
-    use crate::persist::Persist;
+    use crate::persist::{DeviceState, Persist, PersistDyn};
     use crate::DeviceEvent;
 
     #[derive(Default)]
@@ -256,12 +258,13 @@ mod tests {
         f.write_bar(0, 0x4000, &0xfee0_0000u64.to_le_bytes());
         f.write_bar(0, 0x400c, &0u32.to_le_bytes());
         f.write_bar(0, 5, &[9]);
-        let saved = serde_json::to_string(&f.save_value().unwrap()).unwrap();
+        let saved = serde_json::to_string(&f.save_dyn().unwrap()).unwrap();
+        let saved: DeviceState = serde_json::from_str(&saved).unwrap();
 
         let routes = Arc::new(Routes::default());
         let mut g = function(routes.clone());
         assert_eq!(PersistDyn::id(&g), "blk0");
-        g.restore_value(serde_json::from_str(&saved).unwrap()).unwrap();
+        g.restore_dyn(&saved).unwrap();
         assert_eq!(g.config.bar_mapped(0), Some(0xc000_0000));
         assert_eq!(g.dev.0[5], 9);
         assert!(g.msix().unwrap().lock().unwrap().enabled());
@@ -269,8 +272,10 @@ mod tests {
         assert_eq!(got, vec![(0, Some(MsiMessage { address: 0xfee0_0000, data: 0 })), (1, None)]);
 
         let mut no_msix = PciFunction::new(ids(), 0, BarSpec::mem32(0x1000), Block::default(), None, &[]).unwrap();
-        let e = no_msix.restore_value(serde_json::from_str(&saved).unwrap()).unwrap_err().to_string();
+        let e = no_msix.restore_dyn(&saved).unwrap_err().to_string();
         assert_eq!(e, "blk0: saved MSI-X state does not match the device's");
+        let e = g.restore_dyn(&DeviceState::TestCounter(1)).unwrap_err().to_string();
+        assert_eq!(e, "blk0: saved state is a test state, not this component's");
     }
 
     /// Found while fuzzing restores (kumo-fuzz `restore`): an MSI-X table of another size was
@@ -278,13 +283,13 @@ mod tests {
     #[test]
     fn a_refused_msix_state_leaves_the_device_as_it_was() {
         let mut f = function(Arc::new(Routes::default()));
-        let before = f.save_value().unwrap();
+        let before = f.save().unwrap();
         let mut bad = before.clone();
-        bad["device"][5] = 9.into();
-        bad["msix"]["entries"].as_array_mut().unwrap().pop();
-        let e = f.restore_value(bad).unwrap_err().to_string();
+        bad.device[5] = 9;
+        bad.msix.as_mut().unwrap().entries.pop();
+        let e = f.restore(&bad).unwrap_err().to_string();
         assert!(e.contains("MSI-X table of another size"), "{e}");
-        assert!(f.save_value().unwrap() == before, "a refused state changes nothing");
+        assert!(f.save().unwrap() == before, "a refused state changes nothing");
     }
 
     #[test]

@@ -16,7 +16,7 @@ mod config;
 mod function;
 mod msix;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::sync::{Arc, Mutex};
 

@@ -48,8 +48,8 @@ struct Nic {
     regs: [u32; 4],
 }
 
-#[derive(Serialize, Deserialize)]
-struct NicState {
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NicState {
     config: PciConfigState,
     msix: MsixState,
     regs: [u32; 4],
@@ -190,13 +190,14 @@ fn a_device_with_msix_migrates() {
     v.bar0.lock().unwrap().write(0, &0x1234u32.to_le_bytes());
     let saved = {
         let n = v.nic.lock().unwrap();
-        serde_json::to_string(&PersistDyn::save_value(&*n).unwrap()).unwrap()
+        serde_json::to_string(&PersistDyn::save_dyn(&*n).unwrap()).unwrap()
     };
+    let saved: crate::persist::DeviceState = serde_json::from_str(&saved).unwrap();
 
     // The destination builds the same device; the BAR ends up where the guest had it.
     let log = Arc::new(Log::default());
     let mut dest = Nic::new(log.clone());
-    dest.restore_value(serde_json::from_str(&saved).unwrap()).unwrap();
+    dest.restore_dyn(&saved).unwrap();
     assert_eq!(dest.config.bar_mapped(0), Some(BASE));
     assert_eq!(dest.config.read_reg(4), v.nic.lock().unwrap().config.read_reg(4));
     assert_eq!(dest.config.read(4, 2), 0x0006, "command");
@@ -209,9 +210,9 @@ fn a_device_with_msix_migrates() {
     let mut alloc = BarAllocator::new((BASE, 0x100_0000)).unwrap();
     alloc.reserve(dest.config.bar(0).unwrap(), BASE).unwrap();
 
-    // A state that does not fit is refused with the device's id.
-    let e = dest.restore_value(serde_json::json!({"config": 1})).unwrap_err().to_string();
-    assert!(e.starts_with("net0: saved state does not fit"), "{e}");
+    // A state of another kind is refused with the device's id.
+    let e = dest.restore_dyn(&crate::persist::DeviceState::TestCounter(1)).unwrap_err().to_string();
+    assert_eq!(e, "net0: saved state is a test state, not this component's");
 }
 
 #[test]

@@ -20,6 +20,23 @@ use vm_memory::GuestMemoryMmap;
 
 pub use pci_transport::{VirtioPciCap, VirtioPciTransport};
 
+use crate::persist::{DeviceState, VirtioFunctionState};
+
+/// A virtio device's own state in snapshots ([`VirtioDevice::State`]): the [`DeviceState`]
+/// variant that holds its PCI function's state. Implemented with
+/// [`crate::virtio_state_kind!`], beside the variant.
+pub trait VirtioState:
+    serde::Serialize + serde::de::DeserializeOwned + Clone + std::fmt::Debug + Send + 'static
+{
+    fn into_device_state(s: VirtioFunctionState<Self>) -> DeviceState;
+    /// The function's state if `s` is of this device's kind.
+    fn of(s: &DeviceState) -> Option<&VirtioFunctionState<Self>>;
+}
+
+/// A vhost-user device's state: none here, it lives in the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct VhostUserState {}
+
 /// The guest memory devices work on: the VM's own (`kumo_vm::GuestMemory`), whose per-page
 /// bitmap records every write a device makes, so a live migration resends RX buffers and used
 /// rings the device filled after the page was sent.
@@ -121,6 +138,8 @@ pub enum ActivateError {
 
 /// A virtio device behind a transport.
 pub trait VirtioDevice: Send {
+    /// Its own state in snapshots (configuration, counters), with its [`DeviceState`] variant.
+    type State: VirtioState;
     /// The virtio device id (1: network).
     fn device_type(&self) -> u32;
     /// Each queue's maximum size (a power of two); the length is the number of queues.
@@ -152,10 +171,11 @@ pub trait VirtioDevice: Send {
     fn in_flight(&self) -> usize {
         0
     }
-    /// Device-specific state for snapshots (configuration, counters).
-    fn save_state(&self) -> serde_json::Value;
-    /// Puts back [`VirtioDevice::save_state`]'s value; called before a re-activation.
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
+    /// Device-specific state for snapshots.
+    fn save_state(&self) -> Self::State;
+    /// Puts back [`VirtioDevice::save_state`]'s state; called before a re-activation (and once
+    /// before the transport's reset, to check it: a refusal then leaves everything as it was).
+    fn restore_state(&mut self, state: &Self::State) -> Result<(), String>;
 }
 
 #[cfg(any(test, feature = "testutil"))]

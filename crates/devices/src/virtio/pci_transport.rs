@@ -104,7 +104,7 @@ pub struct QueueSnapshot {
 
 /// A virtio PCI device's state in a snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TransportState {
+pub struct TransportState<S> {
     pub device_type: u32,
     pub device_feature_select: u32,
     pub driver_feature_select: u32,
@@ -115,7 +115,8 @@ pub struct TransportState {
     pub msix_config: u16,
     pub queue_select: u16,
     pub queues: Vec<QueueSnapshot>,
-    pub device: serde_json::Value,
+    /// The device's own state.
+    pub device: S,
 }
 
 /// The transport of one virtio device: the common config registers, feature negotiation, the
@@ -490,13 +491,13 @@ fn queue_addr(q: &QueueRegs, offset: u64) -> u64 {
 }
 
 impl<D: VirtioDevice> Persist for VirtioPciTransport<D> {
-    type State = TransportState;
+    type State = TransportState<D::State>;
 
     fn id(&self) -> String {
         self.id.clone()
     }
 
-    fn save(&self) -> Result<TransportState, PersistError> {
+    fn save(&self) -> Result<Self::State, PersistError> {
         let busy = self.device.in_flight();
         if busy > 0 {
             let m = format!("{busy} requests in flight: the device must be drained before it is saved");
@@ -531,7 +532,7 @@ impl<D: VirtioDevice> Persist for VirtioPciTransport<D> {
         })
     }
 
-    fn restore(&mut self, s: &TransportState) -> Result<(), PersistError> {
+    fn restore(&mut self, s: &Self::State) -> Result<(), PersistError> {
         let id = self.id.clone();
         let err = move |m: String| PersistError::component(id.clone(), m);
         if s.device_type != self.device.device_type() {

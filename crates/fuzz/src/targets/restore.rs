@@ -8,24 +8,24 @@
 use std::sync::Arc;
 
 use kumo_devices::apic::{IoApic, LocalApic, ManualClock, Pic};
-use kumo_devices::{Persist, PersistDyn};
+use kumo_devices::Persist;
 use kumo_migration::format::{SourceBackend, VmDescription};
 use serde_json::{json, Value};
 
 use super::apic::{check_lapic, check_pic};
 use super::nic::rig;
-use crate::json::mutated_or_garbage;
+use crate::json::{mutated_or_garbage, restore_json, save_json};
 use crate::{CaseResult, Input};
 
 /// Restores a mutated copy of `c`'s own state; checks the all-or-nothing promise and returns
 /// whether it was taken.
-fn restore_mutated(u: &mut Input<'_>, c: &mut dyn PersistDyn) -> arbitrary::Result<bool> {
-    let before = c.save_value().expect("saves");
+fn restore_mutated<P: Persist>(u: &mut Input<'_>, c: &mut P) -> arbitrary::Result<bool> {
+    let before = save_json(c);
     let v = mutated_or_garbage(u, &before)?;
-    Ok(match c.restore_value(v) {
+    Ok(match restore_json(c, v) {
         Ok(()) => true,
         Err(e) => {
-            assert!(c.save_value().expect("saves") == before, "refused restore ({e}) changed {}", c.id());
+            assert!(save_json(c) == before, "refused restore ({e}) changed {}", c.id());
             false
         }
     })
@@ -115,13 +115,13 @@ fn nic(u: &mut Input<'_>) -> CaseResult {
         alloc.place(kumo_devices::pci::PciDevice::config_mut(&mut r.f)).expect("placed");
         r.bring_up();
     }
-    let before = r.f.save_value().expect("saves");
+    let before = save_json(&r.f);
     let v = if u.ratio(1, 4)? { nic_shaped(u, &before)? } else { mutated_or_garbage(u, &before)? };
-    if let Err(e) = r.f.restore_value(v) {
-        assert!(r.f.save_value().expect("saves") == before, "refused restore ({e}) changed the NIC");
+    if let Err(e) = restore_json(&mut r.f, v) {
+        assert!(save_json(&r.f) == before, "refused restore ({e}) changed the NIC");
         return Ok(());
     }
-    let s = r.f.save_value().expect("saves");
+    let s = save_json(&r.f);
     let pairs = s["device"]["device"]["active_pairs"].as_u64().expect("active_pairs");
     assert!((1..=r.pairs as u64).contains(&pairs), "{pairs} active pairs restored on a NIC with {}", r.pairs);
     if let Some(a) = s["config"]["mapped"][0].as_u64() {
@@ -208,9 +208,9 @@ fn snapshot(u: &mut Input<'_>) -> CaseResult {
         "vm": {"irqchips": [], "pit": null, "clock": {"clock": 5, "flags": 0, "pad0": 0, "realtime": 0,
                 "host_tsc": 0, "pad": [0, 0, 0, 0]}},
         "vcpus": [],
-        "devices": {"com1": {"baud_divisor_low": 12, "baud_divisor_high": 0, "interrupt_enable": 0,
+        "devices": {"com1": {"serial": {"baud_divisor_low": 12, "baud_divisor_high": 0, "interrupt_enable": 0,
                     "interrupt_identification": 1, "line_control": 3, "line_status": 96, "modem_control": 8,
-                    "modem_status": 176, "scratch": 0, "in_buffer": []}},
+                    "modem_status": 176, "scratch": 0, "in_buffer": []}}},
         "paused": false
     });
     let v = mutated_or_garbage(u, &seed)?;

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use arbitrary::Arbitrary;
-use kumo_devices::{BusDevice, PersistDyn, SerialConsole, SerialSnapshot};
+use kumo_devices::{BusDevice, SerialConsole, SerialSnapshot};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::{CaseResult, Input};
@@ -98,7 +98,7 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
                 let before = com1.state();
                 let valid = serde_json::to_value(&before).expect("serializes");
                 let v = crate::json::mutated_or_garbage(u, &valid)?;
-                if com1.restore_value(v).is_err() {
+                if crate::json::restore_json(&mut com1, v).is_err() {
                     assert_eq!(com1.state(), before, "a refused restore changed the UART");
                 }
             }

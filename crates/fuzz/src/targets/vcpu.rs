@@ -8,17 +8,18 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use kumo_devices::PersistDyn;
+use kumo_devices::Persist;
+use kumo_vm::vm::VmPersist;
 use kumo_vm::{IrqchipMode, Vcpu, Vm};
 
-use crate::json::mutated_or_garbage;
+use crate::json::{mutated_or_garbage, restore_json, save_json};
 use crate::{CaseResult, Input};
 
 struct Kvm {
     _vm: Vm,
     vcpu: Vcpu,
     vm_state: serde_json::Value,
-    vm_persist: Box<dyn PersistDyn>,
+    vm_persist: VmPersist,
     saved: serde_json::Value,
 }
 
@@ -34,9 +35,9 @@ fn kvm() -> Option<&'static Mutex<Kvm>> {
         let vcpu = vm.create_vcpu(0).ok()?;
         let entry = kumo_vm::Entry::KumoGuest { rip: 0x10_0000 };
         vcpu.configure(&vm.kvm, 1, Some(entry), &kumo_vm::pv::PvSet::SHARED).ok()?;
-        let saved = vcpu.save_value().ok()?;
-        let vm_persist: Box<dyn PersistDyn> = Box::new(vm.persist());
-        let vm_state = vm_persist.save_value().ok()?;
+        let saved = serde_json::to_value(vcpu.save().ok()?).ok()?;
+        let vm_persist = vm.persist();
+        let vm_state = serde_json::to_value(vm_persist.save().ok()?).ok()?;
         Some(Mutex::new(Kvm { _vm: vm, vcpu, vm_state, vm_persist, saved }))
     })
     .as_ref()
@@ -63,11 +64,11 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
     let mut k = k.lock().unwrap_or_else(|p| p.into_inner());
     if u.ratio(1, 4)? {
         let v = mutated_or_garbage(u, &k.vm_state.clone())?;
-        let before = k.vm_persist.save_value().expect("saves");
-        if let Err(e) = k.vm_persist.restore_value(v) {
+        let before = save_json(&k.vm_persist);
+        if let Err(e) = restore_json(&mut k.vm_persist, v) {
             let msg = e.to_string();
             if refused_up_front(&msg) {
-                let after = k.vm_persist.save_value().expect("saves");
+                let after = save_json(&k.vm_persist);
                 // The clock moves on its own: compare the irqchips and PIT only.
                 assert!(
                     after["irqchips"] == before["irqchips"] && after["pit"] == before["pit"],
@@ -76,7 +77,7 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
             }
         }
         let s = k.vm_state.clone();
-        k.vm_persist.restore_value(s).expect("the VM takes its saved state back");
+        restore_json(&mut k.vm_persist, s).expect("the VM takes its saved state back");
         return Ok(());
     }
     let mut v = k.saved.clone();
@@ -98,11 +99,11 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
             }
         }
     }
-    let before = k.vcpu.save_value().expect("saves");
-    if let Err(e) = k.vcpu.restore_value(v) {
+    let before = save_json(&k.vcpu);
+    if let Err(e) = restore_json(&mut k.vcpu, v) {
         let msg = e.to_string();
         if refused_up_front(&msg) {
-            let after = k.vcpu.save_value().expect("saves");
+            let after = save_json(&k.vcpu);
             if stable(&after) != stable(&before) {
                 let diff: Vec<_> = after
                     .as_object()
@@ -116,6 +117,6 @@ pub fn run(u: &mut Input<'_>) -> CaseResult {
         }
     }
     let s = k.saved.clone();
-    k.vcpu.restore_value(s).expect("the vCPU takes its saved state back");
+    restore_json(&mut k.vcpu, s).expect("the vCPU takes its saved state back");
     Ok(())
 }

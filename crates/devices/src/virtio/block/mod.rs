@@ -559,6 +559,8 @@ fn zero_fill(image: &DiskImage, mut offset: u64, len: u64) -> std::io::Result<()
 }
 
 impl VirtioDevice for Block {
+    type State = BlockState;
+
     fn device_type(&self) -> u32 {
         virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK
     }
@@ -641,20 +643,18 @@ impl VirtioDevice for Block {
         self.in_flight
     }
 
-    fn save_state(&self) -> serde_json::Value {
-        let s = BlockState {
+    fn save_state(&self) -> BlockState {
+        BlockState {
             size: self.image.size(),
             readonly: self.image.readonly(),
             serial: self.config.serial.clone(),
             queues: self.config.queues,
             queue_size: self.config.queue_size,
             counters: self.counters,
-        };
-        serde_json::to_value(s).unwrap_or(serde_json::Value::Null)
+        }
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let s: BlockState = serde_json::from_value(state.clone()).map_err(|e| format!("virtio-blk state: {e}"))?;
+    fn restore_state(&mut self, s: &BlockState) -> Result<(), String> {
         if s.size != self.image.size() {
             return Err(format!(
                 "disk {}: the snapshot's image was {} bytes, {} is {} bytes",
@@ -679,9 +679,9 @@ impl VirtioDevice for Block {
             ));
         }
         if s.serial.len() > request::ID_BYTES {
-            return Err(BlockError::Serial(s.serial).to_string());
+            return Err(BlockError::Serial(s.serial.clone()).to_string());
         }
-        self.config.serial = s.serial;
+        self.config.serial = s.serial.clone();
         self.counters = s.counters;
         Ok(())
     }

@@ -506,7 +506,7 @@ fn snapshots_wait_for_requests_in_flight_and_check_the_image() {
     let state = rig.t.save().unwrap();
     assert_eq!(state.queues[0].next_avail, 2);
     assert_eq!(state.queues[0].next_used, 2);
-    let saved: BlockState = serde_json::from_value(state.device.clone()).unwrap();
+    let saved = &state.device;
     assert_eq!((saved.size, saved.counters.requests), (16 * 512, 2));
 
     // Restored onto the same image (another open of it: the first lets go).

@@ -491,6 +491,8 @@ impl<B: NetBackend> Net<B> {
 }
 
 impl<B: NetBackend> VirtioDevice for Net<B> {
+    type State = NetState;
+
     fn device_type(&self) -> u32 {
         virtio_bindings::virtio_ids::VIRTIO_ID_NET
     }
@@ -568,18 +570,16 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
         self.pending.iter_mut().for_each(|p| *p = None);
     }
 
-    fn save_state(&self) -> serde_json::Value {
-        let s = NetState {
+    fn save_state(&self) -> NetState {
+        NetState {
             config: self.config,
             link_up: self.link_up,
             active_pairs: self.active_pairs,
             counters: self.counters,
-        };
-        serde_json::to_value(s).unwrap_or(serde_json::Value::Null)
+        }
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let s: NetState = serde_json::from_value(state.clone()).map_err(|e| format!("virtio-net state: {e}"))?;
+    fn restore_state(&mut self, s: &NetState) -> Result<(), String> {
         if s.config.pairs != self.config.pairs {
             return Err(format!("{} queue pairs saved, this NIC has {}", s.config.pairs, self.config.pairs));
         }

@@ -202,7 +202,7 @@ fn multiqueue_pairs_use_their_own_queues_and_backend_channels() {
         assert_eq!(mem.read_obj::<u8>(GuestAddress(BUF_BASE + 0x200)).unwrap(), want, "pairs {n}");
     }
     assert_eq!(qs[4].used_idx(&mem), 2);
-    assert_eq!(t.save().unwrap().device["active_pairs"], 2);
+    assert_eq!(t.save().unwrap().device.active_pairs, 2);
     irqs.take();
 
     // TX on pair 1 (queue 3) reaches backend channel 1 only.
@@ -454,16 +454,16 @@ fn a_refused_device_state_leaves_a_running_nic_as_it_was() {
     let mut t = nic(2, &mem, &irqs);
     assert_eq!(bring_up(&mut t, BASE, &queues(5)), OK);
     let state = t.save().unwrap();
-    let with = |f: &dyn Fn(&mut serde_json::Value)| {
+    let with = |f: &dyn Fn(&mut NetState)| {
         let mut s = state.clone();
         f(&mut s.device);
         s
     };
     for (bad, want) in [
-        (with(&|d| d["counters"] = serde_json::Value::Null), "virtio-net state"),
-        (with(&|d| d["active_pairs"] = 0.into()), "0 active queue pairs saved"),
-        (with(&|d| d["active_pairs"] = 3.into()), "3 active queue pairs saved"),
-        (with(&|d| d["config"]["mac"][0] = 1.into()), "multicast"),
+        (with(&|d| d.config.pairs = 1), "1 queue pairs saved"),
+        (with(&|d| d.active_pairs = 0), "0 active queue pairs saved"),
+        (with(&|d| d.active_pairs = 3), "3 active queue pairs saved"),
+        (with(&|d| d.config.mac[0] = 1), "multicast"),
     ] {
         let e = t.restore(&bad).unwrap_err().to_string();
         assert!(e.contains(want), "want `{want}` in `{e}`");
