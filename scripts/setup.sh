@@ -14,6 +14,8 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v ping >/dev/null 2>&1 || need+=(iputils-ping)
 # tests/sandbox_e2e.rs gives its unprivileged user access to /dev/kvm with an ACL entry.
 command -v setfacl >/dev/null 2>&1 || need+=(acl)
+# CI's shape checks (scripts/fn-lengths.py, scripts/module-cycles.py).
+command -v python3 >/dev/null 2>&1 || need+=(python3)
 # `kumo bench migrate` draws its PNG with this font.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if ((${#need[@]})); then

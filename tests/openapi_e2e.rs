@@ -152,7 +152,44 @@ fn every_route_answers_as_the_document_says() {
     c.call(&sock, "GET", "/api/v1/vm.elastic", None, 409);
     c.misuse_every_route(&sock);
 
-    // An elastic VM (docs/elastic.md): its memory moves out and back in; bad requests fail.
+    elastic_routes(&mut c, &dir);
+
+    // A destination answers while it waits for the VM, then with the VM that arrived.
+    let dsock = dir.path("dst.sock");
+    let listen = format!("unix:{}", dir.path("mig.sock").display());
+    let dst = Kid::spawn(&["run", "--incoming", &listen, "--api-socket", dsock.to_str().unwrap()]);
+    api_up(&dsock);
+    assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "receiving");
+    c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200);
+    c.call(&dsock, "PUT", "/api/v1/vm.pause", None, 409);
+    eventually(PATIENCE, || dir.path("mig.sock").exists().then_some(()));
+
+    let req = json!({ "to": listen, "engine": "overlap", "connections": 2, "downtime_ms": 300, "xen": true,
+        "progress_timeout_ms": 60000, "max_bandwidth": 1_000_000_000u64 });
+    let done = c.call(&sock, "PUT", "/api/v1/vm.send-migration", Some(req), 200).json();
+    assert_eq!(done["state"], "completed", "{done}");
+    let (code, _, err) = src.finish(PATIENCE);
+    assert_eq!(code, Some(0), "the source stops once its VM has moved: {err}");
+
+    eventually(PATIENCE, || {
+        let a = exchange(&dsock, "GET", "/api/v1/vm.info", None);
+        (a.status == 200 && a.json()["state"] == "running").then_some(())
+    });
+    assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200).json()["state"], "received");
+    c.call(&dsock, "GET", "/api/v1/vm.counters", None, 200);
+    c.call(&dsock, "PUT", "/api/v1/vm.shutdown", None, 204);
+    let (code, _, err) = dst.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
+
+    empty_vmm_routes(&mut c, &dir, &snap);
+
+    let all: BTreeSet<(String, String)> = kumo_api::routes().map(|(m, p)| (m.to_string(), p.to_string())).collect();
+    let missed: Vec<_> = all.difference(&c.seen).collect();
+    assert!(missed.is_empty(), "routes this test does not call: {missed:?}");
+}
+
+/// An elastic VM (docs/elastic.md): its memory moves out and back in; bad requests fail.
+fn elastic_routes(c: &mut Caller, dir: &TestDir) {
     let esock = dir.path("elastic.sock");
     let elastic = Kid::spawn(&[
         "run",
@@ -190,35 +227,10 @@ fn every_route_answers_as_the_document_says() {
     c.call(&esock, "PUT", "/api/v1/vm.shutdown", None, 204);
     let (code, _, err) = elastic.finish(PATIENCE);
     assert_eq!(code, Some(0), "{err}");
+}
 
-    // A destination answers while it waits for the VM, then with the VM that arrived.
-    let dsock = dir.path("dst.sock");
-    let listen = format!("unix:{}", dir.path("mig.sock").display());
-    let dst = Kid::spawn(&["run", "--incoming", &listen, "--api-socket", dsock.to_str().unwrap()]);
-    api_up(&dsock);
-    assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "receiving");
-    c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200);
-    c.call(&dsock, "PUT", "/api/v1/vm.pause", None, 409);
-    eventually(PATIENCE, || dir.path("mig.sock").exists().then_some(()));
-
-    let req = json!({ "to": listen, "engine": "overlap", "connections": 2, "downtime_ms": 300, "xen": true,
-        "progress_timeout_ms": 60000, "max_bandwidth": 1_000_000_000u64 });
-    let done = c.call(&sock, "PUT", "/api/v1/vm.send-migration", Some(req), 200).json();
-    assert_eq!(done["state"], "completed", "{done}");
-    let (code, _, err) = src.finish(PATIENCE);
-    assert_eq!(code, Some(0), "the source stops once its VM has moved: {err}");
-
-    eventually(PATIENCE, || {
-        let a = exchange(&dsock, "GET", "/api/v1/vm.info", None);
-        (a.status == 200 && a.json()["state"] == "running").then_some(())
-    });
-    assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200).json()["state"], "received");
-    c.call(&dsock, "GET", "/api/v1/vm.counters", None, 200);
-    c.call(&dsock, "PUT", "/api/v1/vm.shutdown", None, 204);
-    let (code, _, err) = dst.finish(PATIENCE);
-    assert_eq!(code, Some(0), "{err}");
-
-    // An empty VMM: told to restore (a bad file first: 400, it stays empty), or to receive.
+/// An empty VMM: told to restore (a bad file first: 400, it stays empty), or to receive.
+fn empty_vmm_routes(c: &mut Caller, dir: &TestDir, snap: &Path) {
     let esock = dir.path("empty.sock");
     let empty = Kid::spawn(&["run", "--api-socket", esock.to_str().unwrap()]);
     api_up(&esock);
@@ -246,10 +258,6 @@ fn every_route_answers_as_the_document_says() {
     receiver.signal("TERM");
     let (_, _, err) = receiver.finish(PATIENCE);
     assert!(err.contains("no VM yet; exiting"), "{err}");
-
-    let all: BTreeSet<(String, String)> = kumo_api::routes().map(|(m, p)| (m.to_string(), p.to_string())).collect();
-    let missed: Vec<_> = all.difference(&c.seen).collect();
-    assert!(missed.is_empty(), "routes this test does not call: {missed:?}");
 }
 
 /// Every field of the request types, set: the document must describe each.
