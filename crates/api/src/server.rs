@@ -730,6 +730,7 @@ mod tests {
                 uptime_ms: 1234,
                 kumo_version: KUMO_VERSION.into(),
                 net: Vec::new(),
+                disks: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: vec![Some(0), None],
                 pv: None,

@@ -24,7 +24,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use kumo_api::{ApiClient, ApiServer};
 use kumo_vmm::config::IrqchipMode;
-use kumo_vmm::{ConfigFile, NetSpec, Payload, RunningVm, VmConfig};
+use kumo_vmm::{ConfigFile, DiskSpec, NetSpec, Payload, RunningVm, VmConfig};
 
 const LOG_HELP: &str = "\
 Logging: warnings and errors go to stderr. -v adds info, -vv debug; without -v the KUMO_LOG
@@ -246,6 +246,15 @@ struct RunArgs {
     /// Every NIC of the VM needs one, or the VM is refused; MAC, queues and irq are the VM's.
     #[arg(long, value_name = "SPEC")]
     net: Vec<String>,
+    /// A virtio-blk disk on a raw image file (repeatable; disk0 first, on PCI after the NICs):
+    /// path=FILE[,id=ID][,readonly=on][,serial=STR][,queues=N][,queue_size=N][,direct=on].
+    /// queues defaults to one per vCPU; direct=on opens the image O_DIRECT. The image is
+    /// locked (shared when read-only, exclusive otherwise): a second writer is refused.
+    /// Given, it replaces a config file's disks.
+    /// With --incoming or --restore: the arriving VM's image of each disk, by id:
+    /// id=diskN,path=FILE (every disk of the VM needs one; its size must be the source's).
+    #[arg(long, value_name = "SPEC")]
+    disk: Vec<String>,
     /// A guest NUMA node (repeatable): node=ID,cpus=LIST,memory=SIZE[,host-node=N]
     /// [,pin=host-node|LIST]. LIST is CPU ranges or single CPUs joined by `:` (0-3, 0:2,
     /// 0-1:4-5); every vCPU in one node, the sizes adding up to --memory, laid out in node order
@@ -355,6 +364,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 ("--initrd", a.initrd.is_some()),
                 ("--cmdline", a.cmdline.is_some()),
                 ("--net", !a.net.is_empty()),
+                ("--disk", !a.disk.is_empty()),
                 ("--numa", !a.numa.is_empty()),
                 ("--numa-distance", !a.numa_distance.is_empty()),
                 ("--pv", a.pv.is_some()),
@@ -440,6 +450,11 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             file.net
         } else {
             a.net.iter().map(|s| NetSpec::parse(s)).collect::<Result<_, _>>().map_err(|e| e.to_string())?
+        },
+        disks: if a.disk.is_empty() {
+            file.disks
+        } else {
+            a.disk.iter().map(|s| DiskSpec::parse(s)).collect::<Result<_, _>>().map_err(|e| e.to_string())?
         },
         numa,
         pv: match &a.pv {

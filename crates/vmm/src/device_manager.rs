@@ -7,7 +7,8 @@
 //! Today's devices: COM1 (8250 UART on port 0x3f8, IRQ 4 through an irqfd), the debug exit
 //! port if the VM asks for it (guest exit and timing markers, ports 0x501–0x502: kumo's guests
 //! need it, a Linux kernel does without), PCI bus 0 with its host bridge
-//! (`pci`), and virtio-net NICs on host taps (`nic`), each on its seed-000 interrupt path.
+//! (`pci`), virtio-net NICs on host taps (`nic`), each on its seed-000 interrupt path, and
+//! virtio-blk disks on image files (`disk`), after the NICs.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -23,7 +24,8 @@ use kumo_vm::Vm;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::config::NetSpec;
+use crate::config::{DiskSpec, NetSpec};
+use crate::disk::Disk;
 use crate::event_loop::{EventHandler, EventLoop, Interest};
 use crate::nic::Nic;
 use crate::pci::Pci;
@@ -45,6 +47,7 @@ pub struct DeviceManager {
     persist: Vec<Arc<Mutex<dyn PersistDyn>>>,
     events: EventLoop,
     nics: Vec<Nic>,
+    disks: Vec<Disk>,
     pci: Pci,
     /// The shared interrupt path's thread, if a device uses it.
     dispatcher: Option<Arc<SharedDispatcher>>,
@@ -52,7 +55,7 @@ pub struct DeviceManager {
 
 impl DeviceManager {
     /// Creates the devices of `vm`, with COM1's output going to `console`, its NICs, and the
-    /// debug exit port if `debug_exit`.
+    /// debug exit port if `debug_exit`. Disks are added by [`DeviceManager::add_disks`].
     pub fn new(vm: &Vm, console: Box<dyn Write + Send>, nets: &[NetSpec], debug_exit: bool) -> Result<DeviceManager> {
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("serial interrupt"))?;
         // With a split irqchip there is no in-kernel IOAPIC pin: the serial then runs polled.
@@ -101,9 +104,51 @@ impl DeviceManager {
             console_attached: AtomicBool::new(false),
             events,
             nics,
+            disks: Vec::new(),
             pci,
             dispatcher,
         })
+    }
+
+    /// Puts `specs`' disks on PCI after the NICs, on a VM of `cpus` vCPUs; an `incoming` VM's
+    /// images are opened unlocked (see [`DeviceManager::lock_disks`]). Called once, before any
+    /// vCPU runs.
+    pub fn add_disks(&mut self, vm: &Vm, specs: &[DiskSpec], cpus: u32, incoming: bool) -> Result<()> {
+        for (i, spec) in specs.iter().enumerate() {
+            let d = Disk::new(i, spec, cpus, incoming, &vm.memory.guest, vm.interrupts.clone(), &mut self.pci)?;
+            self.disks.push(d);
+        }
+        let known: Vec<String> = self.persist.iter().map(|d| lock(d).id()).collect();
+        self.persist.extend(self.pci.persist_list().into_iter().filter(|d| !known.contains(&lock(d).id())));
+        Ok(())
+    }
+
+    /// Completes the disks' requests and flushes their images: before a migration's or a
+    /// snapshot's final state is taken (the VM paused).
+    pub fn quiesce_disks(&self) -> Result<()> {
+        self.disks.iter().try_for_each(Disk::quiesce)
+    }
+
+    /// Gives the disks' image locks up (a migration's source, before its commit) or takes them
+    /// back (`on`: a failed migration's source; a destination when the state arrives).
+    pub fn lock_disks(&self, on: bool) -> Result<()> {
+        self.disks.iter().try_for_each(|d| if on { d.relock() } else { d.unlock() })
+    }
+
+    /// The disks as `vm.info` shows them.
+    pub fn disks(&self) -> Vec<kumo_api::DiskInfo> {
+        self.disks.iter().map(Disk::info).collect()
+    }
+
+    /// Each disk's id, image path and size.
+    pub fn disk_images(&self) -> Vec<(String, std::path::PathBuf, u64)> {
+        self.disks
+            .iter()
+            .map(|d| {
+                let (p, s) = d.image();
+                (d.id().to_string(), p, s)
+            })
+            .collect()
     }
 
     /// Stops devices that work outside the vCPU threads (the NICs) from touching guest memory;
@@ -112,12 +157,18 @@ impl DeviceManager {
         for n in &self.nics {
             n.pause();
         }
+        for d in &self.disks {
+            d.pause();
+        }
     }
 
     /// Lets them run again.
     pub fn resume(&self) {
         for n in &self.nics {
             n.resume();
+        }
+        for d in &self.disks {
+            d.resume();
         }
     }
 

@@ -148,7 +148,7 @@ impl RunningVm {
         };
         let parked = config.elastic.as_ref().map(|e| e.spares(config.cpus)).unwrap_or_default();
         let vcpus = manage_vcpus(vcpus, VcpuSetup { paused: false, parked, uapic: vm.uapic.clone(), start_ns });
-        let devices = create_devices(&vm, &config, serial, &vcpus)?;
+        let devices = create_devices(&vm, &config, serial, &vcpus, false)?;
         crate::acpi::install(&vm, &devices, entries[0], numa.as_ref())?;
         let vm = Self::launch(vm, config, vcpus, devices, elastic)?;
         crate::event_monitor::vm_event(
@@ -182,7 +182,7 @@ impl RunningVm {
         }
         let setup = VcpuSetup { paused: true, parked: Vec::new(), uapic: vm.uapic.clone(), start_ns };
         let vcpus = manage_vcpus(vcpus, setup);
-        let devices = create_devices(&vm, &config, serial, &vcpus)?;
+        let devices = create_devices(&vm, &config, serial, &vcpus, true)?;
         devices.pause();
         devices.set_taps_attached(false);
         Self::launch(vm, config, vcpus, devices, None)
@@ -254,9 +254,12 @@ fn create_devices(
     config: &VmConfig,
     serial: Box<dyn Write + Send>,
     vcpus: &Arc<VcpuManager>,
+    incoming: bool,
 ) -> Result<DeviceManager> {
     let sink = TimedSink { out: serial, vcpus: vcpus.clone(), seen: false, line: Vec::new() };
-    DeviceManager::new(vm, Box::new(sink), &config.net, config.debug_exit)
+    let mut devices = DeviceManager::new(vm, Box::new(sink), &config.net, config.debug_exit)?;
+    devices.add_disks(vm, &config.disks, config.cpus, incoming)?;
+    Ok(devices)
 }
 
 /// Loads the payload into guest memory; returns each vCPU's entry (`None`: it waits for
@@ -534,6 +537,11 @@ impl RunningVm {
     /// The NICs, as `vm.info` shows them.
     pub fn nics(&self) -> Vec<kumo_api::NetInfo> {
         self.devices.nics()
+    }
+
+    /// The disks, as `vm.info` shows them.
+    pub fn disks(&self) -> Vec<kumo_api::DiskInfo> {
+        self.devices.disks()
     }
 
     /// Interrupts the shared interrupt path's dispatcher injected (None: no device uses it).

@@ -126,6 +126,7 @@ fn config_of(d: &VmDescription) -> VmConfig {
         irqchip,
         payload,
         net,
+        disks: Vec::new(),
         numa,
         pv: PvRequest {
             steal_time: p.steal_time,
