@@ -474,7 +474,9 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
 
 /// `--net` and `--numa` of `--incoming` or `--restore`: the arriving VM's host resources.
 fn host_resources(a: &RunArgs) -> Result<kumo_vmm::host_resources::HostResources, String> {
-    kumo_vmm::host_resources::HostResources::parse(&a.net, &a.numa).map_err(|e| e.to_string())
+    kumo_vmm::host_resources::HostResources::parse(&a.net, &a.numa)
+        .and_then(|r| r.with_disks(&a.disk))
+        .map_err(|e| e.to_string())
 }
 
 fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Result<i32, String> {

@@ -510,6 +510,8 @@ impl RunningVm {
             .into());
         }
         self.devices.check_states(&s.devices)?;
+        // An arriving VM's images are locked only now: its source has let them go.
+        self.devices.lock_disks(true)?;
         self.devices.restore_states(&s.devices)?;
         self.vm.persist().restore(&s.vm)?;
         self.vcpus.restore_states(&s.vcpus)?;
@@ -542,6 +544,23 @@ impl RunningVm {
     /// The disks, as `vm.info` shows them.
     pub fn disks(&self) -> Vec<kumo_api::DiskInfo> {
         self.devices.disks()
+    }
+
+    /// Completes the disks' requests and flushes their images (the VM paused): a migration's
+    /// stop phase, a snapshot.
+    pub fn quiesce_disks(&self) -> Result<()> {
+        self.devices.quiesce_disks()
+    }
+
+    /// Gives the disks' image locks up (`false`: a migration's source before its commit) or
+    /// takes them (back).
+    pub fn lock_disks(&self, on: bool) -> Result<()> {
+        self.devices.lock_disks(on)
+    }
+
+    /// Each disk's id, image path and size.
+    pub fn disk_images(&self) -> Vec<(String, std::path::PathBuf, u64)> {
+        self.devices.disk_images()
     }
 
     /// Interrupts the shared interrupt path's dispatcher injected (None: no device uses it).

@@ -9,7 +9,7 @@ use kumo_vm::layout::ram_regions;
 use kumo_vm::pv::PvRequest;
 use kumo_vm::IrqchipMode;
 
-use crate::config::{NetSpec, NumaConfig, NumaDistance, NumaNodeSpec, Payload};
+use crate::config::{DiskSpec, NetSpec, NumaConfig, NumaDistance, NumaNodeSpec, Payload};
 use crate::host_resources::HostResources;
 use crate::VmConfig;
 
@@ -31,6 +31,22 @@ pub fn describe(c: &VmConfig, regions: Vec<(u64, u64)>) -> VmDescription {
     d.memory_bytes = c.memory;
     d.debug_exit = c.debug_exit;
     d.nets = c.net.iter().map(describe_nic).collect();
+    // Sizes are the open images' (the source fills them in, `SourceVm::description`).
+    d.disks = c
+        .disks
+        .iter()
+        .enumerate()
+        .map(|(i, k)| wire::DiskDescription {
+            id: k.id_at(i),
+            size: 0,
+            readonly: k.readonly,
+            serial: k.serial.clone(),
+            queues: k.queues_for(c.cpus),
+            queue_size: k.queue_size,
+            direct: k.direct,
+            source_path: k.path.clone(),
+        })
+        .collect();
     d.numa = c.numa.as_ref().map(|n| wire::NumaDescription {
         nodes: n
             .nodes
@@ -126,7 +142,20 @@ fn config_of(d: &VmDescription) -> VmConfig {
         irqchip,
         payload,
         net,
-        disks: Vec::new(),
+        // Still on the source's paths: `host_resources::resolve` gives each this host's.
+        disks: d
+            .disks
+            .iter()
+            .map(|k| DiskSpec {
+                path: k.source_path.clone(),
+                id: Some(k.id.clone()),
+                readonly: k.readonly,
+                serial: k.serial.clone(),
+                queues: Some(k.queues),
+                queue_size: k.queue_size,
+                direct: k.direct,
+            })
+            .collect(),
         numa,
         pv: PvRequest {
             steal_time: p.steal_time,
@@ -155,6 +184,8 @@ pub fn config_from_description(d: &VmDescription, ours: &HostResources) -> Resul
     let c = crate::host_resources::resolve(config_of(d), ours).map_err(|e| e.to_string())?;
     c.validate_arriving().map_err(|e| e.to_string())?;
     crate::host_resources::check_on_host(&c).map_err(|e| e.to_string())?;
+    let sizes: Vec<(String, u64)> = d.disks.iter().map(|k| (k.id.clone(), k.size)).collect();
+    crate::host_resources::check_disks(&c, &sizes).map_err(|e| e.to_string())?;
     Ok(c)
 }
 
