@@ -163,3 +163,87 @@ fn bad_images_and_options_are_refused_in_one_line() {
         assert_eq!(errors, 1, "{spec}: one line:\n{err}");
     }
 }
+
+/// blkbench under an API socket on `img` (seed 5, an 8 MiB region, 1.5 s per test), waited for
+/// until its timed write tests run: the guest writes whenever the test acts next.
+fn writing_source(dir: &TestDir, img: &str, tag: &str) -> (Kid, String) {
+    let sock = dir.arg(&format!("{tag}.sock"));
+    let src = Kid::spawn(&[
+        "run",
+        "--guest",
+        "blkbench",
+        "--cpus",
+        "2",
+        "--memory",
+        "128M",
+        "--api-socket",
+        &sock,
+        "--disk",
+        &format!("path={img}"),
+        "size_mib=8",
+        "ms=1500",
+        "seed=5",
+    ])
+    .named(tag);
+    src.wait_stdout("blkbench: seq4k_write qd=1 ", PATIENCE);
+    (src, sock)
+}
+
+/// The guest on the destination (or the restored VM) finishes its tests and its last whole-region
+/// check; then the host finds the pattern in the image too.
+fn finishes_with_its_pattern(vm: Kid, dir: &TestDir, what: &str) {
+    let (code, out, err) = vm.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{what}: {out}\n{err}");
+    assert!(out.contains("blkbench: done errors=0 verify_failures=0"), "{what}: {out}");
+    assert!(out.contains("blkbench: rand64k_write qd=32 ops="), "{what}: the write tests ran there: {out}");
+    assert_eq!(bad_sectors(&dir.path("disk.img"), 8, 5), 0, "{what}: sectors that are not the guest's pattern");
+}
+
+#[test]
+fn a_disk_under_write_load_migrates_locally_and_over_a_socket() {
+    if !kvm_or_skip("a_disk_under_write_load_migrates_locally_and_over_a_socket") {
+        return;
+    }
+    for (engine, local) in [("local", true), ("overlap", false)] {
+        let dir = TestDir::new();
+        let img = image(&dir, "disk.img", IMAGE_MIB);
+        let addr = if local { format!("unix:{}", dir.arg("mig.sock")) } else { format!("tcp:127.0.0.1:{}", free_port()) };
+        let dest = incoming(&addr, &["--disk", &format!("id=disk0,path={img}")], &format!("{engine}-dst"));
+        let (src, sock) = writing_source(&dir, &img, &format!("{engine}-src"));
+        let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine]);
+        assert!(ok, "{engine}: {out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dest.stderr());
+        let (code, _, err) = src.finish(PATIENCE);
+        assert_eq!(code, Some(0), "{engine}: {err}");
+        assert!(err.contains("VM migrated to"), "{err}");
+        finishes_with_its_pattern(dest, &dir, engine);
+    }
+}
+
+#[test]
+fn a_disk_survives_snapshot_and_restore_and_another_size_is_refused() {
+    if !kvm_or_skip("a_disk_survives_snapshot_and_restore_and_another_size_is_refused") {
+        return;
+    }
+    let dir = TestDir::new();
+    let img = image(&dir, "disk.img", IMAGE_MIB);
+    let (src, sock) = writing_source(&dir, &img, "snap-src");
+    let file = dir.arg("vm.snap");
+    let (ok, out, err) = kumo_api(&sock, &["snapshot", "--to", &file]);
+    assert!(ok, "{out}\n{err}");
+    assert!(kumo_api(&sock, &["shutdown"]).0);
+    let (code, _, err) = src.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
+
+    // Refused in one line: no image for the disk, an image of another size.
+    let o = kumo(&["run", "--restore", &file]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success() && err.contains("the VM's disk disk0") && err.contains("give --disk id=disk0,path=FILE"), "{err}");
+    let small = image(&dir, "small.img", 16);
+    let o = kumo(&["run", "--restore", &file, "--disk", &format!("id=disk0,path={small}")]);
+    let (_, err) = text(&o);
+    let want = format!("disk disk0: image {small} is {} bytes; the VM's disk was {} bytes", 16u64 << 20, IMAGE_MIB << 20);
+    assert!(!o.status.success() && err.contains(&want), "{err}");
+
+    let vm = Kid::spawn(&["run", "--restore", &file, "--disk", &format!("id=disk0,path={img}")]).named("restored");
+    finishes_with_its_pattern(vm, &dir, "restore");
+}
