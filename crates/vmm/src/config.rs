@@ -733,6 +733,53 @@ mod tests {
     }
 
     #[test]
+    fn disk_specs_parse_check_and_read_from_files() {
+        let d = DiskSpec::parse("path=/i.img,id=root,readonly=on,serial=s1,queues=2,queue_size=128,direct=on").unwrap();
+        assert_eq!(
+            d,
+            DiskSpec {
+                path: "/i.img".into(),
+                id: Some("root".into()),
+                readonly: true,
+                serial: "s1".into(),
+                queues: Some(2),
+                queue_size: 128,
+                direct: true
+            }
+        );
+        let plain = DiskSpec::parse("path=/i.img").unwrap();
+        assert_eq!((plain.id_at(3), plain.queues_for(4), plain.readonly), ("disk3".to_string(), 4, false));
+        for (arg, want) in [
+            ("path=/i.img,cache=none", "--disk path=/i.img,cache=none: unknown key `cache` (path, id, readonly, serial, queues, queue_size, direct)"),
+            ("readonly=on", "--disk readonly=on: path=FILE is required"),
+            ("path=/i.img,readonly=yes please", "--disk path=/i.img,readonly=yes please: readonly=`yes please`: on or off"),
+            ("path=/i.img,queues=x", "--disk path=/i.img,queues=x: queues `x` is not a number"),
+            ("path", "--disk path: `path` is not key=value"),
+        ] {
+            assert_eq!(DiskSpec::parse(arg).unwrap_err().to_string(), format!("config: {want}"));
+        }
+        let vm = |disks: &[&str]| VmConfig {
+            disks: disks.iter().map(|s| DiskSpec::parse(s).unwrap()).collect(),
+            ..base()
+        };
+        vm(&["path=/a", "path=/b,id=data"]).validate_disks().unwrap();
+        for (disks, want) in [
+            (&["path=/a", "path=/a"][..], "disk image /a is given to two disks"),
+            (&["path=/a,id=x", "path=/b,id=x"][..], "disk id x is given twice"),
+            (&["path=/a,queues=0"][..], "disk disk0 (/a): queues=0 is not 1..=64"),
+            (&["path=/a,queue_size=100"][..], "disk disk0 (/a): queue_size=100: a power of two from 2 to 1024"),
+            (&["path=/a,id=a b"][..], "disk a b (/a): id `a b`: letters, digits, - and _ only"),
+            (&["path=/a,serial=123456789012345678901"][..], "disk disk0 (/a): serial `123456789012345678901` is longer than 20 bytes"),
+        ] {
+            assert_eq!(vm(disks).validate_disks().unwrap_err().to_string(), format!("config: {want}"));
+        }
+        let f: ConfigFile = toml::from_str("disks = [{ path = \"/a\", readonly = true }]").unwrap();
+        assert_eq!(f.disks, [DiskSpec { readonly: true, ..DiskSpec::new("/a") }]);
+        assert!(toml::from_str::<ConfigFile>("disks = [{ path = \"/a\", cache = 1 }]").is_err());
+        assert!(VmConfig::new(Payload::guest("hello", &[])).disks.is_empty());
+    }
+
+    #[test]
     fn shape_table() {
         use kumo_vm::memory::HostMemory;
         crate::guest_program::tests::test_guests();

@@ -395,6 +395,44 @@ mod tests {
         assert_eq!(guest_reads(b.buses(), 2), b"hi", "pending input moves with the state");
     }
 
+    /// The lock hand-off of a migration on one host: the source gives the image up, the
+    /// destination (which opened it unlocked) takes it, and the source cannot take it back
+    /// while the destination holds it.
+    #[test]
+    fn disks_hand_their_image_lock_over() {
+        if !kumo_vm::vm::kvm_available() {
+            eprintln!("skipping disks_hand_their_image_lock_over: /dev/kvm not available");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("kumo-dm-disk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("d.img");
+        std::fs::File::create(&img).unwrap().set_len(1 << 20).unwrap();
+        let spec = crate::config::DiskSpec::new(&img);
+        let vm = Vm::new(2, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let mut src = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
+        src.add_disks(&vm, std::slice::from_ref(&spec), 2, false).unwrap();
+        let info = src.disks();
+        assert_eq!((info[0].id.as_str(), info[0].queues, info[0].size, info[0].readonly), ("disk0", 2, 1 << 20, false));
+        assert!(src.save_states().unwrap().contains_key("disk0"), "its state travels by id");
+
+        let vm_b = Vm::new(2, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let mut dst = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
+        let mut third = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
+        let e = third.add_disks(&vm_b, std::slice::from_ref(&spec), 2, false).unwrap_err().to_string();
+        assert!(e.contains("in use by another process (locked for writing)"), "{e}");
+        dst.add_disks(&vm_b, std::slice::from_ref(&spec), 2, true).unwrap();
+        src.pause();
+        src.quiesce_disks().unwrap();
+        src.lock_disks(false).unwrap();
+        dst.lock_disks(true).unwrap();
+        let e = src.lock_disks(true).unwrap_err().to_string();
+        assert!(e.contains("in use by another process"), "{e}");
+        drop(dst);
+        src.lock_disks(true).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn the_debug_exit_port_is_there_only_when_asked_for() {
         if !kumo_vm::vm::kvm_available() {

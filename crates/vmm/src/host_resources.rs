@@ -404,11 +404,13 @@ mod tests {
         let both = HostResources {
             net: vec![NicBackend { id: "net0".into(), tap: Some("t".into()), vhost_user: Some("/s".into()) }],
             numa: vec![],
+            disks: vec![],
         };
         assert_eq!(resolve(vm(&["tap=t"]), &both), Err(ResourceError::NicBackend { id: "net0".into() }));
         let eth = HostResources {
             net: vec![NicBackend { id: "eth0".into(), tap: Some("t".into()), vhost_user: None }],
             numa: vec![],
+            disks: vec![],
         };
         assert_eq!(eth.check(), Err(ResourceError::NicId { id: "eth0".into() }));
     }
