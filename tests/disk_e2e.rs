@@ -113,7 +113,10 @@ fn a_second_writer_is_refused_and_info_and_counters_show_the_disk() {
     let info = vm_info(&sock);
     assert_eq!(info.disks.len(), 1, "{info:?}");
     let d = &info.disks[0];
-    assert_eq!((d.id.as_str(), d.path.as_str(), d.readonly, d.serial.as_str()), ("root", img.as_str(), false, "kumo-e2e"));
+    assert_eq!(
+        (d.id.as_str(), d.path.as_str(), d.readonly, d.serial.as_str()),
+        ("root", img.as_str(), false, "kumo-e2e")
+    );
     assert_eq!((d.queues, d.queue_size, d.size), (2, 256, IMAGE_MIB << 20), "one queue per vCPU by default");
     assert!(d.driver_ok && d.pci.starts_with("0000:00:"), "{d:?}");
     let (ok, out, err) = kumo_api(&sock, &["counters"]);
@@ -207,7 +210,8 @@ fn a_disk_under_write_load_migrates_locally_and_over_a_socket() {
     for (engine, local) in [("local", true), ("overlap", false)] {
         let dir = TestDir::new();
         let img = image(&dir, "disk.img", IMAGE_MIB);
-        let addr = if local { format!("unix:{}", dir.arg("mig.sock")) } else { format!("tcp:127.0.0.1:{}", free_port()) };
+        let addr =
+            if local { format!("unix:{}", dir.arg("mig.sock")) } else { format!("tcp:127.0.0.1:{}", free_port()) };
         let dest = incoming(&addr, &["--disk", &format!("id=disk0,path={img}")], &format!("{engine}-dst"));
         let (src, sock) = writing_source(&dir, &img, &format!("{engine}-src"));
         let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine]);
@@ -237,11 +241,15 @@ fn a_disk_survives_snapshot_and_restore_and_another_size_is_refused() {
     // Refused in one line: no image for the disk, an image of another size.
     let o = kumo(&["run", "--restore", &file]);
     let (_, err) = text(&o);
-    assert!(!o.status.success() && err.contains("the VM's disk disk0") && err.contains("give --disk id=disk0,path=FILE"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("the VM's disk disk0") && err.contains("give --disk id=disk0,path=FILE"),
+        "{err}"
+    );
     let small = image(&dir, "small.img", 16);
     let o = kumo(&["run", "--restore", &file, "--disk", &format!("id=disk0,path={small}")]);
     let (_, err) = text(&o);
-    let want = format!("disk disk0: image {small} is {} bytes; the VM's disk was {} bytes", 16u64 << 20, IMAGE_MIB << 20);
+    let want =
+        format!("disk disk0: image {small} is {} bytes; the VM's disk was {} bytes", 16u64 << 20, IMAGE_MIB << 20);
     assert!(!o.status.success() && err.contains(&want), "{err}");
 
     let vm = Kid::spawn(&["run", "--restore", &file, "--disk", &format!("id=disk0,path={img}")]).named("restored");

@@ -555,7 +555,9 @@ impl VmConfig {
         // A released block is fenced off (PROT_NONE): a device writing guest memory where the
         // guest tells it could be pointed into one.
         if !self.net.is_empty() || !self.disks.is_empty() {
-            return bad("has no NICs (--net) or disks (--disk): a released block must be out of every device's reach too");
+            return bad(
+                "has no NICs (--net) or disks (--disk): a released block must be out of every device's reach too",
+            );
         }
         let topo = self.numa_topology()?;
         let layout = kumo_vm::layout::MemoryLayout::new(self.memory);
@@ -758,10 +760,8 @@ mod tests {
         ] {
             assert_eq!(DiskSpec::parse(arg).unwrap_err().to_string(), format!("config: {want}"));
         }
-        let vm = |disks: &[&str]| VmConfig {
-            disks: disks.iter().map(|s| DiskSpec::parse(s).unwrap()).collect(),
-            ..base()
-        };
+        let vm =
+            |disks: &[&str]| VmConfig { disks: disks.iter().map(|s| DiskSpec::parse(s).unwrap()).collect(), ..base() };
         vm(&["path=/a", "path=/b,id=data"]).validate_disks().unwrap();
         for (disks, want) in [
             (&["path=/a", "path=/a"][..], "disk image /a is given to two disks"),
@@ -769,7 +769,10 @@ mod tests {
             (&["path=/a,queues=0"][..], "disk disk0 (/a): queues=0 is not 1..=64"),
             (&["path=/a,queue_size=100"][..], "disk disk0 (/a): queue_size=100: a power of two from 2 to 1024"),
             (&["path=/a,id=a b"][..], "disk a b (/a): id `a b`: letters, digits, - and _ only"),
-            (&["path=/a,serial=123456789012345678901"][..], "disk disk0 (/a): serial `123456789012345678901` is longer than 20 bytes"),
+            (
+                &["path=/a,serial=123456789012345678901"][..],
+                "disk disk0 (/a): serial `123456789012345678901` is longer than 20 bytes",
+            ),
         ] {
             assert_eq!(vm(disks).validate_disks().unwrap_err().to_string(), format!("config: {want}"));
         }

@@ -93,7 +93,8 @@ impl Disk {
     pub fn quiesce(&self) -> Result<()> {
         let mut f = lock(&self.function);
         let b = f.transport().device_mut();
-        b.quiesce().map_err(|e| Error::Devices(format!("disk {}: flushing {}: {e}", self.id, b.image().path().display())))
+        b.quiesce()
+            .map_err(|e| Error::Devices(format!("disk {}: flushing {}: {e}", self.id, b.image().path().display())))
     }
 
     /// Gives the image's lock up, so a migration's destination can take it.

@@ -172,10 +172,11 @@ fn resolve_disks(vm: &mut VmConfig, ours: &HostResources) -> Result<(), Resource
         }
     }
     for (d, id) in vm.disks.iter_mut().zip(ids) {
-        let g = ours.disks.iter().find(|g| g.id == id).ok_or_else(|| ResourceError::MissingDisk {
-            id: id.clone(),
-            source_path: d.path.display().to_string(),
-        })?;
+        let g = ours
+            .disks
+            .iter()
+            .find(|g| g.id == id)
+            .ok_or_else(|| ResourceError::MissingDisk { id: id.clone(), source_path: d.path.display().to_string() })?;
         d.path = g.path.clone();
         d.id = Some(id);
     }

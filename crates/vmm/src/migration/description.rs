@@ -265,11 +265,20 @@ mod tests {
         let with = |s: &str| HostResources::default().with_disks(&[s.to_string()]).unwrap();
         let back = config_from_description(&d, &with(&format!("id=disk0,path={}", img.display()))).unwrap();
         assert_eq!(back.disks[0].path, img);
-        assert_eq!((back.disks[0].readonly, back.disks[0].queues, back.disks[0].serial.as_str()), (true, Some(2), "abc"));
+        assert_eq!(
+            (back.disks[0].readonly, back.disks[0].queues, back.disks[0].serial.as_str()),
+            (true, Some(2), "abc")
+        );
         let e = config_from_description(&d, &HostResources::default()).unwrap_err();
-        assert_eq!(e, "the VM's disk disk0 (image /src/root.img on its source) has no image here: give --disk id=disk0,path=FILE");
+        assert_eq!(
+            e,
+            "the VM's disk disk0 (image /src/root.img on its source) has no image here: give --disk id=disk0,path=FILE"
+        );
         let e = config_from_description(&d, &with(&format!("path={}", small.display()))).unwrap_err();
-        assert_eq!(e, format!("config: disk disk0: image {} is 4096 bytes; the VM's disk was 1048576 bytes", small.display()));
+        assert_eq!(
+            e,
+            format!("config: disk disk0: image {} is 4096 bytes; the VM's disk was 1048576 bytes", small.display())
+        );
         let e = config_from_description(&d, &with("id=disk1,path=/x")).unwrap_err();
         assert_eq!(e, "--disk id=disk1: the VM has no disk disk1 (it has disk0)");
         let e = HostResources::default().with_disks(&["id=disk0,path=/x,readonly=on".into()]).unwrap_err().to_string();
