@@ -252,6 +252,15 @@ fn a_disk_survives_snapshot_and_restore_and_another_size_is_refused() {
         format!("disk disk0: image {small} is {} bytes; the VM's disk was {} bytes", 16u64 << 20, IMAGE_MIB << 20);
     assert!(!o.status.success() && err.contains(&want), "{err}");
 
+    // The same through an empty VMM's vm.restore (`disks` in the request).
+    let esock = dir.arg("empty.sock");
+    let empty = Kid::spawn(&["run", "--api-socket", &esock]).named("empty");
+    eventually(PATIENCE, || vm_state(&esock));
+    let (ok, _, err) = kumo_api(&esock, &["restore", "--from", &file, "--disk", &format!("id=disk0,path={small}")]);
+    assert!(!ok && err.contains(&want), "{err}");
+    assert_eq!(vm_state(&esock).as_deref(), Some("created"), "the VMM stays empty");
+    drop(empty);
+
     let vm = Kid::spawn(&["run", "--restore", &file, "--disk", &format!("id=disk0,path={img}")]).named("restored");
     finishes_with_its_pattern(vm, &dir, "restore");
 }

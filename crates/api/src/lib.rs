@@ -499,6 +499,10 @@ pub struct ReceiveMigrationRequest {
     /// nodes' memory is not bound.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa: Vec<NodeBinding>,
+    /// The image of each disk of the arriving VM, by id (`--disk id=disk0,path=FILE`). Every
+    /// disk the VM has needs one, of the size the VM's disk had.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskPath>,
     /// Mutual TLS (`tcp:` only): a directory on the VMM's host holding `ca.pem`, `cert.pem`
     /// and `key.pem`; a source must present a certificate signed by `ca.pem`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -521,6 +525,20 @@ pub struct RestoreRequest {
     /// As in [`ReceiveMigrationRequest`]: the host node of each guest NUMA node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa: Vec<NodeBinding>,
+    /// As in [`ReceiveMigrationRequest`]: the image of each disk.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskPath>,
+}
+
+/// What a destination (or a restore) gives one disk of the arriving VM: its image here. What
+/// the guest sees of the disk (size, read-only, serial, queues) comes from the VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskPath {
+    /// The VM's disk: `disk0`, … or the id its operator gave.
+    pub id: String,
+    /// The raw image file on this host.
+    pub path: String,
 }
 
 /// What a destination (or a restore) gives one NIC of the arriving VM: the host side only.

@@ -116,6 +116,10 @@ enum Cmd {
         /// The host node of each of the VM's NUMA nodes: node=ID[,host-node=N] (repeatable).
         #[arg(long, value_name = "SPEC")]
         numa: Vec<String>,
+        /// The image of each of the VM's disks, as `kumo run --incoming --disk`:
+        /// [id=diskN,]path=FILE (repeatable; every disk needs one).
+        #[arg(long, value_name = "SPEC")]
+        disk: Vec<String>,
         /// Mutual TLS (tcp: only): DIR holds ca.pem, cert.pem and key.pem; the source must
         /// present a certificate signed by ca.pem.
         #[arg(long, value_name = "DIR")]
@@ -137,6 +141,9 @@ enum Cmd {
         /// The host node of each of the VM's NUMA nodes: node=ID[,host-node=N] (repeatable).
         #[arg(long, value_name = "SPEC")]
         numa: Vec<String>,
+        /// The image of each of the VM's disks, as `kumo run --restore --disk` (repeatable).
+        #[arg(long, value_name = "SPEC")]
+        disk: Vec<String>,
     },
     /// Pin a running or paused VM's vCPU to a host CPU, or unpin it (needs --api-socket).
     Pin {
@@ -738,14 +745,17 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).snapshot(to).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
-        Cmd::ReceiveMigration { from, memory, cpus, net, numa, tls_dir, insecure } => {
-            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa).map_err(|e| e.to_string())?;
+        Cmd::ReceiveMigration { from, memory, cpus, net, numa, disk, tls_dir, insecure } => {
+            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa)
+                .and_then(|r| r.with_disks(disk))
+                .map_err(|e| e.to_string())?;
             let req = kumo_api::ReceiveMigrationRequest {
                 receiver_url: from.clone(),
                 memory: *memory,
                 cpus: *cpus,
                 net: ours.net,
                 numa: ours.numa,
+                disks: ours.disks,
                 // The VMM's process reads the directory: make it absolute here.
                 tls_dir: tls_dir.as_deref().map(migrate::path_arg).transpose()?,
                 insecure: *insecure,
@@ -753,12 +763,19 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             // Preparing --memory may take a while before it listens.
             c.clone().with_timeout(Duration::from_secs(3600)).receive_migration(&req).map_err(|e| e.to_string())?;
         }
-        Cmd::Restore { from, net, numa } => {
-            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa).map_err(|e| e.to_string())?;
+        Cmd::Restore { from, net, numa, disk } => {
+            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa)
+                .and_then(|r| r.with_disks(disk))
+                .map_err(|e| e.to_string())?;
             // The VMM's process resolves the path: make it absolute here.
             let from = std::path::absolute(from).map_err(|e| format!("snapshot path {}: {e}", from.display()))?;
             let source_url = from.to_str().ok_or_else(|| format!("snapshot path {} is not UTF-8", from.display()))?;
-            let req = kumo_api::RestoreRequest { source_url: source_url.to_string(), net: ours.net, numa: ours.numa };
+            let req = kumo_api::RestoreRequest {
+                source_url: source_url.to_string(),
+                net: ours.net,
+                numa: ours.numa,
+                disks: ours.disks,
+            };
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).restore(&req).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }

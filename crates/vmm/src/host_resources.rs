@@ -15,7 +15,7 @@
 
 use std::path::PathBuf;
 
-pub use kumo_api::{NicBackend, NodeBinding};
+pub use kumo_api::{DiskPath, NicBackend, NodeBinding};
 
 use crate::{Error, VmConfig};
 
@@ -26,13 +26,6 @@ pub struct HostResources {
     pub numa: Vec<NodeBinding>,
     /// The image of each disk, by id (`--disk id=disk0,path=FILE`).
     pub disks: Vec<DiskPath>,
-}
-
-/// What a destination (or a restore) gives one disk of the arriving VM: its image here.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskPath {
-    pub id: String,
-    pub path: PathBuf,
 }
 
 /// Why an arriving VM does not fit what its destination's operator gave. One line each.
@@ -177,7 +170,7 @@ fn resolve_disks(vm: &mut VmConfig, ours: &HostResources) -> Result<(), Resource
             .iter()
             .find(|g| g.id == id)
             .ok_or_else(|| ResourceError::MissingDisk { id: id.clone(), source_path: d.path.display().to_string() })?;
-        d.path = g.path.clone();
+        d.path = PathBuf::from(&g.path);
         d.id = Some(id);
     }
     Ok(())
@@ -298,7 +291,7 @@ fn parse_disk(s: &str, index: usize) -> Result<DiskPath, Error> {
         let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
         match k {
             "id" => id = v.to_string(),
-            "path" if !v.is_empty() => path = Some(PathBuf::from(v)),
+            "path" if !v.is_empty() => path = Some(v.to_string()),
             "readonly" | "serial" | "queues" | "queue_size" | "direct" => {
                 return Err(bad(format!(
                     "{k}= comes from the arriving VM; with --incoming or --restore give id= and path="
