@@ -264,3 +264,42 @@ fn a_disk_survives_snapshot_and_restore_and_another_size_is_refused() {
     let vm = Kid::spawn(&["run", "--restore", &file, "--disk", &format!("id=disk0,path={img}")]).named("restored");
     finishes_with_its_pattern(vm, &dir, "restore");
 }
+
+/// A migration that fails after the source gave its image lock up (the destination cannot lock
+/// its image: another VM reads it) gives the VM back to the source, which takes its lock again
+/// and runs on: its guest finishes with its pattern and a second writer is still refused.
+#[test]
+fn a_failed_migration_gives_the_source_its_image_lock_back() {
+    if !kvm_or_skip("a_failed_migration_gives_the_source_its_image_lock_back") {
+        return;
+    }
+    let dir = TestDir::new();
+    let img = image(&dir, "disk.img", IMAGE_MIB);
+    let other = image(&dir, "other.img", IMAGE_MIB);
+    let reader = Kid::spawn(&[
+        "run",
+        "--guest",
+        "blkbench",
+        "--memory",
+        "128M",
+        "--disk",
+        &format!("path={other},readonly=on"),
+        "readonly=1",
+        "size_mib=1",
+        "ms=600000",
+    ])
+    .named("reader");
+    reader.wait_stdout("blkbench: disk of", PATIENCE);
+    let addr = format!("unix:{}", dir.arg("mig.sock"));
+    let mut dest = incoming(&addr, &["--disk", &format!("id=disk0,path={other}")], "fail-dst");
+    let (src, sock) = writing_source(&dir, &img, "fail-src");
+    let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "local"]);
+    assert!(!ok, "{out}\n{err}");
+    assert!(err.contains("in use by another process"), "{err}\ndest:\n{}", dest.stderr());
+    let _ = dest.wait_exit(PATIENCE);
+    assert_eq!(vm_state(&sock).as_deref(), Some("running"), "the source runs on");
+    let o = kumo(&["run", "--guest", "blkbench", "--disk", &format!("path={img}")]);
+    assert!(!o.status.success() && text(&o).1.contains("in use by another process"), "{}", text(&o).1);
+    finishes_with_its_pattern(src, &dir, "source");
+    drop(reader);
+}
