@@ -670,6 +670,7 @@ fn an_empty_vmm_told_to_receive_takes_a_migrating_vm() {
         cpus: None,
         net: vec![],
         numa: vec![],
+        disks: vec![],
         tls_dir: None,
         insecure: false,
     };

@@ -314,6 +314,7 @@ fn request_bodies_with_every_field_fit_the_document() {
         cpus: Some(2),
         net: vec![kumo_api::NicBackend { id: "net0".into(), tap: Some("tap0".into()), vhost_user: None }],
         numa: vec![kumo_api::NodeBinding { node: 0, host_node: Some(0) }],
+        disks: vec![kumo_api::DiskPath { id: "disk0".into(), path: "/var/lib/kumo/root.img".into() }],
         tls_dir: Some("/etc/kumo/migration".into()),
         insecure: true,
     };
@@ -322,6 +323,7 @@ fn request_bodies_with_every_field_fit_the_document() {
         source_url: "file:///var/lib/kumo/vm.snap".into(),
         net: vec![kumo_api::NicBackend { id: "net0".into(), tap: None, vhost_user: Some("/run/nb.sock".into()) }],
         numa: vec![kumo_api::NodeBinding { node: 1, host_node: None }],
+        disks: vec![kumo_api::DiskPath { id: "data".into(), path: "/var/lib/kumo/data.img".into() }],
     };
     c.check_request("PUT", "/api/v1/vm.restore", &serde_json::to_value(&restore).unwrap());
 }

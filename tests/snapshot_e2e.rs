@@ -301,7 +301,7 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
         (cut.display().to_string(), "truncated"),
         ("relative.snap".to_string(), "absolute"),
     ] {
-        let req = kumo_api::RestoreRequest { source_url: url.clone(), net: vec![], numa: vec![] };
+        let req = kumo_api::RestoreRequest { source_url: url.clone(), net: vec![], numa: vec![], disks: vec![] };
         let e = c.restore(&req).unwrap_err();
         assert_eq!(e.status(), Some(400), "{url}: {e}");
         assert!(e.to_string().contains(want), "{url}: {e}");
@@ -316,7 +316,7 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
         (vec![eth], vec![], "--net id=eth0: not a NIC id (net0, net1, …)"),
         (vec![], vec![node], "--numa node=0: the VM has no NUMA nodes"),
     ] {
-        let req = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net, numa };
+        let req = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net, numa, disks: vec![] };
         let e = c.restore(&req).unwrap_err();
         assert_eq!(e.status(), Some(400), "{e}");
         assert!(e.to_string().contains(want), "want `{want}` in `{e}`");
@@ -329,7 +329,12 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
     assert_eq!(rep["paused"], false);
     assert!(rep["pages"].as_u64().unwrap() > 0, "{rep}");
     assert_eq!(vm_state(&dsock).as_deref(), Some("running"));
-    let again = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net: vec![], numa: vec![] };
+    let again = kumo_api::RestoreRequest {
+        source_url: file.to_str().unwrap().into(),
+        net: vec![],
+        numa: vec![],
+        disks: vec![],
+    };
     assert_eq!(c.restore(&again).unwrap_err().status(), Some(409), "it has a VM now");
     dst.input(b"q");
     let (code, out, err) = dst.wait();

@@ -19,6 +19,7 @@
 #define BLK_T_FLUSH 4
 #define BLK_T_GET_ID 8
 #define BLK_S_OK 0
+#define BLK_S_IOERR 1
 
 struct blk_desc { u64 addr; u32 len; u16 flags, next; };
 

@@ -9,7 +9,8 @@ KUMO_MANIFEST("name=blkbench\n"
               "param=size_mib:u64:64:the region tested, from sector 0 (at most the disk)\n"
               "param=ms:u64:1000:milliseconds per test\n"
               "param=seed:u64:1:the pattern's seed\n"
-              "param=readonly:u64:0:1 = only read, checking the pattern a run with the same seed wrote\n");
+              "param=readonly:u64:0:1 = only read, checking the pattern a run with the same seed wrote\n"
+              "param=write_ro:u64:0:1 = on a read-only disk, write once anyway and expect IOERR\n");
 
 #define MAX_LAT (1 << 16)
 #define BUF_MAX (64 << 10)
@@ -147,6 +148,22 @@ static u64 run(u64 cpu) {
     if (region_sectors < 128) {
         kprintf("blkbench: the disk has %lu sectors; 128 at least\n", disk.capacity);
         return 2;
+    }
+    u64 write_ro = 0;
+    if (kumo_param_u64(bi, "write_ro", &write_ro) < 0) {
+        kprintf("blkbench: bad parameter (numbers only)\n");
+        return 2;
+    }
+    if (disk.readonly && write_ro) {
+        /* The device must refuse it: IOERR, and nothing reaches the image. */
+        u8 *buf = blk_alloc(4096), st;
+        fill((u64 *)buf, 0, 4096);
+        blk_submit(&disk, 0, BLK_T_OUT, 0, buf, 4096);
+        blk_kick(&disk);
+        while (blk_reap(&disk, &st) < 0)
+            cpu_relax();
+        kprintf("blkbench: write on a read-only disk: status %u\n", st);
+        return st == BLK_S_IOERR ? 0 : 1;
     }
     if (disk.readonly && !ro) {
         kprintf("blkbench: the disk is read-only: readonly=1 checks a pattern written before\n");

@@ -46,6 +46,9 @@ pub struct Counters {
     /// Each NIC's frame and interrupt counts, by id.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub net: BTreeMap<String, NetCounters>,
+    /// Each disk's request counts, by id.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub disks: BTreeMap<String, crate::DiskCounters>,
     /// Bytes of the last migration from this VM, if one ran (`vm.migration`'s report).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration: Option<MigrationBytes>,

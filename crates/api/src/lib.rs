@@ -86,6 +86,9 @@ pub struct VmInfo {
     /// The VM's NICs, net0 first.
     #[serde(default)]
     pub net: Vec<NetInfo>,
+    /// The VM's virtio-blk disks, disk0 first.
+    #[serde(default)]
+    pub disks: Vec<DiskInfo>,
     /// The guest's NUMA nodes (`--numa`), node 0 first; empty without them.
     #[serde(default)]
     pub numa: Vec<NumaNodeInfo>,
@@ -179,6 +182,51 @@ pub struct NetCounters {
     pub tx_frames: u64,
     pub tx_bytes: u64,
     pub tx_dropped: u64,
+    /// Interrupts it raised.
+    pub interrupts: u64,
+}
+
+/// A virtio-blk disk in [`VmInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskInfo {
+    pub id: String,
+    /// The raw image file.
+    pub path: String,
+    /// Bytes.
+    pub size: u64,
+    pub readonly: bool,
+    /// O_DIRECT (`direct=on`).
+    pub direct: bool,
+    pub serial: String,
+    /// Request queues and each one's size.
+    pub queues: u16,
+    pub queue_size: u16,
+    /// "io_uring" or "threads".
+    pub backend: String,
+    /// Its PCI address, e.g. 0000:00:03.0, and its slot (device number) on bus 0.
+    pub pci: String,
+    pub slot: u8,
+    /// Whether the guest's driver has set it up (DRIVER_OK).
+    pub driver_ok: bool,
+    pub counters: DiskCounters,
+}
+
+/// A disk's request counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskCounters {
+    /// Requests the guest made (every kind).
+    pub requests: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub flushes: u64,
+    pub discards: u64,
+    pub write_zeroes: u64,
+    /// Requests answered IOERR: bad requests and the host's I/O errors.
+    pub errors: u64,
+    /// Of those, the host's I/O errors.
+    pub host_errors: u64,
+    /// Requests answered UNSUPP.
+    pub unsupported: u64,
     /// Interrupts it raised.
     pub interrupts: u64,
 }
@@ -451,6 +499,10 @@ pub struct ReceiveMigrationRequest {
     /// nodes' memory is not bound.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa: Vec<NodeBinding>,
+    /// The image of each disk of the arriving VM, by id (`--disk id=disk0,path=FILE`). Every
+    /// disk the VM has needs one, of the size the VM's disk had.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskPath>,
     /// Mutual TLS (`tcp:` only): a directory on the VMM's host holding `ca.pem`, `cert.pem`
     /// and `key.pem`; a source must present a certificate signed by `ca.pem`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -473,6 +525,20 @@ pub struct RestoreRequest {
     /// As in [`ReceiveMigrationRequest`]: the host node of each guest NUMA node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa: Vec<NodeBinding>,
+    /// As in [`ReceiveMigrationRequest`]: the image of each disk.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskPath>,
+}
+
+/// What a destination (or a restore) gives one disk of the arriving VM: its image here. What
+/// the guest sees of the disk (size, read-only, serial, queues) comes from the VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskPath {
+    /// The VM's disk: `disk0`, … or the id its operator gave.
+    pub id: String,
+    /// The raw image file on this host.
+    pub path: String,
 }
 
 /// What a destination (or a restore) gives one NIC of the arriving VM: the host side only.

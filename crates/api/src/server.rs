@@ -730,6 +730,7 @@ mod tests {
                 uptime_ms: 1234,
                 kumo_version: KUMO_VERSION.into(),
                 net: Vec::new(),
+                disks: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: vec![Some(0), None],
                 pv: None,
@@ -875,12 +876,17 @@ mod tests {
             cpus: None,
             net: vec![crate::NicBackend { id: "net0".into(), tap: Some("tap7".into()), vhost_user: None }],
             numa: vec![crate::NodeBinding { node: 0, host_node: Some(1) }],
+            disks: vec![crate::DiskPath { id: "disk0".into(), path: "/img/root.img".into() }],
             tls_dir: None,
             insecure: true,
         };
         f.client.receive_migration(&req).unwrap();
-        let restore =
-            crate::RestoreRequest { source_url: "file:///tmp/vm.snap".into(), net: Vec::new(), numa: Vec::new() };
+        let restore = crate::RestoreRequest {
+            source_url: "file:///tmp/vm.snap".into(),
+            net: Vec::new(),
+            numa: Vec::new(),
+            disks: Vec::new(),
+        };
         let r = f.client.restore(&restore).unwrap();
         assert_eq!(r.path, std::path::Path::new("file:///tmp/vm.snap"));
         assert_eq!(f.vm.calls(), [ApiRequest::ReceiveMigration(req), ApiRequest::Restore(restore)]);

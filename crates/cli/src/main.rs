@@ -24,7 +24,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use kumo_api::{ApiClient, ApiServer};
 use kumo_vmm::config::IrqchipMode;
-use kumo_vmm::{ConfigFile, NetSpec, Payload, RunningVm, VmConfig};
+use kumo_vmm::{ConfigFile, DiskSpec, NetSpec, Payload, RunningVm, VmConfig};
 
 const LOG_HELP: &str = "\
 Logging: warnings and errors go to stderr. -v adds info, -vv debug; without -v the KUMO_LOG
@@ -116,6 +116,10 @@ enum Cmd {
         /// The host node of each of the VM's NUMA nodes: node=ID[,host-node=N] (repeatable).
         #[arg(long, value_name = "SPEC")]
         numa: Vec<String>,
+        /// The image of each of the VM's disks, as `kumo run --incoming --disk`:
+        /// [id=diskN,]path=FILE (repeatable; every disk needs one).
+        #[arg(long, value_name = "SPEC")]
+        disk: Vec<String>,
         /// Mutual TLS (tcp: only): DIR holds ca.pem, cert.pem and key.pem; the source must
         /// present a certificate signed by ca.pem.
         #[arg(long, value_name = "DIR")]
@@ -137,6 +141,9 @@ enum Cmd {
         /// The host node of each of the VM's NUMA nodes: node=ID[,host-node=N] (repeatable).
         #[arg(long, value_name = "SPEC")]
         numa: Vec<String>,
+        /// The image of each of the VM's disks, as `kumo run --restore --disk` (repeatable).
+        #[arg(long, value_name = "SPEC")]
+        disk: Vec<String>,
     },
     /// Pin a running or paused VM's vCPU to a host CPU, or unpin it (needs --api-socket).
     Pin {
@@ -246,6 +253,15 @@ struct RunArgs {
     /// Every NIC of the VM needs one, or the VM is refused; MAC, queues and irq are the VM's.
     #[arg(long, value_name = "SPEC")]
     net: Vec<String>,
+    /// A virtio-blk disk on a raw image file (repeatable; disk0 first, on PCI after the NICs):
+    /// path=FILE[,id=ID][,readonly=on][,serial=STR][,queues=N][,queue_size=N][,direct=on].
+    /// queues defaults to one per vCPU; direct=on opens the image O_DIRECT. The image is
+    /// locked (shared when read-only, exclusive otherwise): a second writer is refused.
+    /// Given, it replaces a config file's disks.
+    /// With --incoming or --restore: the arriving VM's image of each disk, by id:
+    /// id=diskN,path=FILE (every disk of the VM needs one; its size must be the source's).
+    #[arg(long, value_name = "SPEC")]
+    disk: Vec<String>,
     /// A guest NUMA node (repeatable): node=ID,cpus=LIST,memory=SIZE[,host-node=N]
     /// [,pin=host-node|LIST]. LIST is CPU ranges or single CPUs joined by `:` (0-3, 0:2,
     /// 0-1:4-5); every vCPU in one node, the sizes adding up to --memory, laid out in node order
@@ -355,6 +371,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 ("--initrd", a.initrd.is_some()),
                 ("--cmdline", a.cmdline.is_some()),
                 ("--net", !a.net.is_empty()),
+                ("--disk", !a.disk.is_empty()),
                 ("--numa", !a.numa.is_empty()),
                 ("--numa-distance", !a.numa_distance.is_empty()),
                 ("--pv", a.pv.is_some()),
@@ -441,6 +458,11 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
         } else {
             a.net.iter().map(|s| NetSpec::parse(s)).collect::<Result<_, _>>().map_err(|e| e.to_string())?
         },
+        disks: if a.disk.is_empty() {
+            file.disks
+        } else {
+            a.disk.iter().map(|s| DiskSpec::parse(s)).collect::<Result<_, _>>().map_err(|e| e.to_string())?
+        },
         numa,
         pv: match &a.pv {
             Some(s) => kumo_vm::pv::PvRequest::parse(s).map_err(|e| e.to_string())?,
@@ -459,7 +481,9 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
 
 /// `--net` and `--numa` of `--incoming` or `--restore`: the arriving VM's host resources.
 fn host_resources(a: &RunArgs) -> Result<kumo_vmm::host_resources::HostResources, String> {
-    kumo_vmm::host_resources::HostResources::parse(&a.net, &a.numa).map_err(|e| e.to_string())
+    kumo_vmm::host_resources::HostResources::parse(&a.net, &a.numa)
+        .and_then(|r| r.with_disks(&a.disk))
+        .map_err(|e| e.to_string())
 }
 
 fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Result<i32, String> {
@@ -721,14 +745,17 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).snapshot(to).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
-        Cmd::ReceiveMigration { from, memory, cpus, net, numa, tls_dir, insecure } => {
-            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa).map_err(|e| e.to_string())?;
+        Cmd::ReceiveMigration { from, memory, cpus, net, numa, disk, tls_dir, insecure } => {
+            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa)
+                .and_then(|r| r.with_disks(disk))
+                .map_err(|e| e.to_string())?;
             let req = kumo_api::ReceiveMigrationRequest {
                 receiver_url: from.clone(),
                 memory: *memory,
                 cpus: *cpus,
                 net: ours.net,
                 numa: ours.numa,
+                disks: ours.disks,
                 // The VMM's process reads the directory: make it absolute here.
                 tls_dir: tls_dir.as_deref().map(migrate::path_arg).transpose()?,
                 insecure: *insecure,
@@ -736,12 +763,19 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             // Preparing --memory may take a while before it listens.
             c.clone().with_timeout(Duration::from_secs(3600)).receive_migration(&req).map_err(|e| e.to_string())?;
         }
-        Cmd::Restore { from, net, numa } => {
-            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa).map_err(|e| e.to_string())?;
+        Cmd::Restore { from, net, numa, disk } => {
+            let ours = kumo_vmm::host_resources::HostResources::parse(net, numa)
+                .and_then(|r| r.with_disks(disk))
+                .map_err(|e| e.to_string())?;
             // The VMM's process resolves the path: make it absolute here.
             let from = std::path::absolute(from).map_err(|e| format!("snapshot path {}: {e}", from.display()))?;
             let source_url = from.to_str().ok_or_else(|| format!("snapshot path {} is not UTF-8", from.display()))?;
-            let req = kumo_api::RestoreRequest { source_url: source_url.to_string(), net: ours.net, numa: ours.numa };
+            let req = kumo_api::RestoreRequest {
+                source_url: source_url.to_string(),
+                net: ours.net,
+                numa: ours.numa,
+                disks: ours.disks,
+            };
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).restore(&req).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }

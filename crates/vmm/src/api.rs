@@ -122,6 +122,7 @@ impl VmApi {
                 uptime_ms: e.since.elapsed().as_millis() as u64,
                 kumo_version: KUMO_VERSION.to_string(),
                 net: Vec::new(),
+                disks: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: Vec::new(),
                 pv: None,
@@ -142,7 +143,7 @@ impl VmApi {
     fn receive_migration(&self, e: &EmptyVmm, r: &ReceiveMigrationRequest) -> Result<ApiResponse, ApiError> {
         let me = self.me.upgrade().ok_or_else(|| ApiError::unavailable("the VMM is ending"))?;
         e.claim("an incoming migration").map_err(ApiError::conflict)?;
-        let ours = HostResources { net: r.net.clone(), numa: r.numa.clone() };
+        let ours = HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone() };
         let listening = (ours.check().map_err(|e| e.to_string()))
             .and_then(|()| crate::migration::listen_options(r.tls_dir.as_deref(), r.insecure))
             .and_then(|listen| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours, listen))
@@ -177,7 +178,7 @@ impl VmApi {
     fn restore(&self, e: &EmptyVmm, r: &RestoreRequest) -> Result<ApiResponse, ApiError> {
         e.claim("a restore").map_err(ApiError::conflict)?;
         let restored = crate::lifecycle::source_path(&r.source_url).map_err(ApiError::bad_request).and_then(|path| {
-            let ours = HostResources { net: r.net.clone(), numa: r.numa.clone() };
+            let ours = HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone() };
             crate::snapshot::restore(&path, (e.console)(), &ours).map_err(ApiError::from)
         });
         let (vm, report) = restored.inspect_err(|_| e.release())?;
@@ -207,6 +208,7 @@ impl VmApi {
                 uptime_ms: inc.since.elapsed().as_millis() as u64,
                 kumo_version: KUMO_VERSION.to_string(),
                 net: Vec::new(),
+                disks: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: Vec::new(),
                 pv: None,
@@ -243,6 +245,7 @@ pub fn info(vm: &RunningVm) -> VmInfo {
         uptime_ms: vm.uptime().as_millis() as u64,
         kumo_version: KUMO_VERSION.to_string(),
         net: vm.nics(),
+        disks: vm.disks(),
         numa: c.numa.as_ref().map(|n| n.info(c.cpus, c.memory)).unwrap_or_default(),
         vcpu_pins: vm.vcpu_pins(),
         pv: pv_info(&c.pv),

@@ -72,6 +72,9 @@ pub struct VmConfig {
     /// NICs, in PCI slot order (`net0` first).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net: Vec<NetSpec>,
+    /// virtio-blk disks, in PCI slot order after the NICs (`disk0` first).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskSpec>,
     /// Guest NUMA nodes (`--numa`); none: Linux sees one node (no SRAT).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa: Option<NumaConfig>,
@@ -124,6 +127,126 @@ pub struct NetSpec {
 
 fn one() -> u16 {
     1
+}
+
+/// One virtio-blk disk on a raw image file
+/// (`path=FILE[,id=ID][,readonly=on][,serial=STR][,queues=N][,queue_size=N][,direct=on]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSpec {
+    pub path: PathBuf,
+    /// `disk<i>` when not given (the i-th disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default)]
+    pub readonly: bool,
+    /// GET_ID's answer (at most 20 bytes).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub serial: String,
+    /// Request queues; default one per vCPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queues: Option<u16>,
+    #[serde(default = "default_queue_size")]
+    pub queue_size: u16,
+    /// O_DIRECT: the host's page cache bypassed.
+    #[serde(default)]
+    pub direct: bool,
+}
+
+fn default_queue_size() -> u16 {
+    kumo_devices::virtio::block::QUEUE_SIZE
+}
+
+impl DiskSpec {
+    /// A read-write disk on `path` with the defaults.
+    pub fn new(path: impl Into<PathBuf>) -> DiskSpec {
+        DiskSpec {
+            path: path.into(),
+            id: None,
+            readonly: false,
+            serial: String::new(),
+            queues: None,
+            queue_size: default_queue_size(),
+            direct: false,
+        }
+    }
+
+    /// Parses the `--disk` syntax.
+    pub fn parse(s: &str) -> Result<DiskSpec, Error> {
+        let bad = |m: String| Error::Config(format!("--disk {s}: {m}"));
+        let mut d = DiskSpec::new("");
+        let mut path = None;
+        let on_off = |k: &str, v: &str| match v {
+            "on" | "true" | "1" | "yes" => Ok(true),
+            "off" | "false" | "0" | "no" => Ok(false),
+            _ => Err(bad(format!("{k}=`{v}`: on or off"))),
+        };
+        for part in s.split(',') {
+            let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
+            match k {
+                "path" => path = Some(PathBuf::from(v)),
+                "id" => d.id = Some(v.to_string()),
+                "readonly" => d.readonly = on_off(k, v)?,
+                "serial" => d.serial = v.to_string(),
+                "queues" => d.queues = Some(v.parse().map_err(|_| bad(format!("queues `{v}` is not a number")))?),
+                "queue_size" | "queue-size" => {
+                    d.queue_size = v.parse().map_err(|_| bad(format!("queue_size `{v}` is not a number")))?
+                }
+                "direct" => d.direct = on_off(k, v)?,
+                _ => {
+                    return Err(bad(format!(
+                        "unknown key `{k}` (path, id, readonly, serial, queues, queue_size, direct)"
+                    )))
+                }
+            }
+        }
+        match path {
+            Some(p) if !p.as_os_str().is_empty() => d.path = p,
+            _ => return Err(bad("path=FILE is required".into())),
+        }
+        Ok(d)
+    }
+
+    /// The disk's id: its own, else `disk<index>`.
+    pub fn id_at(&self, index: usize) -> String {
+        self.id.clone().unwrap_or_else(|| format!("disk{index}"))
+    }
+
+    /// Its request queues on a VM of `cpus` vCPUs: as given, else one per vCPU.
+    pub fn queues_for(&self, cpus: u32) -> u16 {
+        self.queues.unwrap_or_else(|| cpus.clamp(1, u32::from(kumo_devices::virtio::block::MAX_QUEUES)) as u16)
+    }
+
+    /// What the device model's config says (queue counts and sizes are checked there too).
+    pub fn block_config(&self, cpus: u32) -> kumo_devices::virtio::block::BlockConfig {
+        kumo_devices::virtio::block::BlockConfig {
+            serial: self.serial.clone(),
+            queues: self.queues_for(cpus),
+            queue_size: self.queue_size,
+            backend: Default::default(),
+        }
+    }
+
+    /// Checks what can be checked without opening the image.
+    pub fn validate(&self, index: usize, cpus: u32) -> Result<(), Error> {
+        let id = self.id_at(index);
+        let bad = |m: String| Error::Config(format!("disk {id} ({}): {m}", self.path.display()));
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err(bad(format!("id `{id}`: letters, digits, - and _ only")));
+        }
+        let cfg = self.block_config(cpus);
+        use kumo_devices::virtio::block::{MAX_QUEUES, MAX_QUEUE_SIZE};
+        if cfg.queues == 0 || cfg.queues > MAX_QUEUES {
+            return Err(bad(format!("queues={} is not 1..={MAX_QUEUES}", cfg.queues)));
+        }
+        if !cfg.queue_size.is_power_of_two() || !(2..=MAX_QUEUE_SIZE).contains(&cfg.queue_size) {
+            return Err(bad(format!("queue_size={}: a power of two from 2 to {MAX_QUEUE_SIZE}", cfg.queue_size)));
+        }
+        if self.serial.len() > 20 {
+            return Err(bad(format!("serial `{}` is longer than 20 bytes", self.serial)));
+        }
+        Ok(())
+    }
 }
 
 impl NetSpec {
@@ -253,6 +376,8 @@ pub struct ConfigFile {
     pub payload: Option<Payload>,
     #[serde(default)]
     pub net: Vec<NetSpec>,
+    #[serde(default)]
+    pub disks: Vec<DiskSpec>,
     /// Guest NUMA nodes, or `"mirror"` (as `--numa mirror`).
     #[serde(default)]
     pub numa: Option<NumaRequest>,
@@ -298,6 +423,7 @@ impl VmConfig {
             debug_exit: matches!(payload, Payload::Guest { .. }),
             payload,
             net: Vec::new(),
+            disks: Vec::new(),
             numa: None,
             pv: Default::default(),
             host: Default::default(),
@@ -356,6 +482,7 @@ impl VmConfig {
     fn validate_common(&self) -> Result<(), Error> {
         self.validate_shape()?;
         self.validate_net()?;
+        self.validate_disks()?;
         self.validate_numa()?;
         self.validate_elastic()
     }
@@ -390,6 +517,28 @@ impl VmConfig {
         Ok(())
     }
 
+    /// Checks the disks: ids unique, each image given once, NICs and disks within PCI's slots.
+    pub fn validate_disks(&self) -> Result<(), Error> {
+        if self.net.len() + self.disks.len() > 30 {
+            return Err(Error::Config(format!(
+                "{} NICs and {} disks: at most 30 fit on PCI bus 0",
+                self.net.len(),
+                self.disks.len()
+            )));
+        }
+        for (i, d) in self.disks.iter().enumerate() {
+            d.validate(i, self.cpus)?;
+            let id = d.id_at(i);
+            if self.disks[..i].iter().enumerate().any(|(j, e)| e.id_at(j) == id) {
+                return Err(Error::Config(format!("disk id {id} is given twice")));
+            }
+            if self.disks[..i].iter().any(|e| e.path == d.path) {
+                return Err(Error::Config(format!("disk image {} is given to two disks", d.path.display())));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks `--elastic` against the rest: a kumo guest (only they speak the channel), vCPU
     /// pins of its own, room for the areas. Any irqchip: the channel's interrupt goes through
     /// `kumo_vm::interrupts`, which reaches kumo's LAPICs with `--irqchip user` too.
@@ -405,8 +554,10 @@ impl VmConfig {
         }
         // A released block is fenced off (PROT_NONE): a device writing guest memory where the
         // guest tells it could be pointed into one.
-        if !self.net.is_empty() {
-            return bad("has no NICs (--net): a released block must be out of every device's reach too");
+        if !self.net.is_empty() || !self.disks.is_empty() {
+            return bad(
+                "has no NICs (--net) or disks (--disk): a released block must be out of every device's reach too",
+            );
         }
         let topo = self.numa_topology()?;
         let layout = kumo_vm::layout::MemoryLayout::new(self.memory);
@@ -581,6 +732,54 @@ mod tests {
             .contains("/no/such/bzImage does not exist"));
         let e = VmConfig { memory: 1000 << 40, ..ok }.validate().unwrap_err().to_string();
         assert!(e.contains("memory 1000 TiB is more than this host can back"), "{e}");
+    }
+
+    #[test]
+    fn disk_specs_parse_check_and_read_from_files() {
+        let d = DiskSpec::parse("path=/i.img,id=root,readonly=on,serial=s1,queues=2,queue_size=128,direct=on").unwrap();
+        assert_eq!(
+            d,
+            DiskSpec {
+                path: "/i.img".into(),
+                id: Some("root".into()),
+                readonly: true,
+                serial: "s1".into(),
+                queues: Some(2),
+                queue_size: 128,
+                direct: true
+            }
+        );
+        let plain = DiskSpec::parse("path=/i.img").unwrap();
+        assert_eq!((plain.id_at(3), plain.queues_for(4), plain.readonly), ("disk3".to_string(), 4, false));
+        for (arg, want) in [
+            ("path=/i.img,cache=none", "--disk path=/i.img,cache=none: unknown key `cache` (path, id, readonly, serial, queues, queue_size, direct)"),
+            ("readonly=on", "--disk readonly=on: path=FILE is required"),
+            ("path=/i.img,readonly=yes please", "--disk path=/i.img,readonly=yes please: readonly=`yes please`: on or off"),
+            ("path=/i.img,queues=x", "--disk path=/i.img,queues=x: queues `x` is not a number"),
+            ("path", "--disk path: `path` is not key=value"),
+        ] {
+            assert_eq!(DiskSpec::parse(arg).unwrap_err().to_string(), format!("config: {want}"));
+        }
+        let vm =
+            |disks: &[&str]| VmConfig { disks: disks.iter().map(|s| DiskSpec::parse(s).unwrap()).collect(), ..base() };
+        vm(&["path=/a", "path=/b,id=data"]).validate_disks().unwrap();
+        for (disks, want) in [
+            (&["path=/a", "path=/a"][..], "disk image /a is given to two disks"),
+            (&["path=/a,id=x", "path=/b,id=x"][..], "disk id x is given twice"),
+            (&["path=/a,queues=0"][..], "disk disk0 (/a): queues=0 is not 1..=64"),
+            (&["path=/a,queue_size=100"][..], "disk disk0 (/a): queue_size=100: a power of two from 2 to 1024"),
+            (&["path=/a,id=a b"][..], "disk a b (/a): id `a b`: letters, digits, - and _ only"),
+            (
+                &["path=/a,serial=123456789012345678901"][..],
+                "disk disk0 (/a): serial `123456789012345678901` is longer than 20 bytes",
+            ),
+        ] {
+            assert_eq!(vm(disks).validate_disks().unwrap_err().to_string(), format!("config: {want}"));
+        }
+        let f: ConfigFile = toml::from_str("disks = [{ path = \"/a\", readonly = true }]").unwrap();
+        assert_eq!(f.disks, [DiskSpec { readonly: true, ..DiskSpec::new("/a") }]);
+        assert!(toml::from_str::<ConfigFile>("disks = [{ path = \"/a\", cache = 1 }]").is_err());
+        assert!(VmConfig::new(Payload::guest("hello", &[])).disks.is_empty());
     }
 
     #[test]

@@ -67,6 +67,7 @@ pub fn collect(vm: &RunningVm, migration: &MigrationStatus) -> Counters {
         assists,
         interrupts: Interrupts { serial: vm.serial_interrupts(), shared_path: vm.shared_path_injected() },
         net: vm.nics().into_iter().map(|n| (n.id, n.counters)).collect(),
+        disks: vm.disks().into_iter().map(|d| (d.id, d.counters)).collect(),
         migration: migration_bytes(migration),
     }
 }

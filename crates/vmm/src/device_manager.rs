@@ -7,7 +7,8 @@
 //! Today's devices: COM1 (8250 UART on port 0x3f8, IRQ 4 through an irqfd), the debug exit
 //! port if the VM asks for it (guest exit and timing markers, ports 0x501–0x502: kumo's guests
 //! need it, a Linux kernel does without), PCI bus 0 with its host bridge
-//! (`pci`), and virtio-net NICs on host taps (`nic`), each on its seed-000 interrupt path.
+//! (`pci`), virtio-net NICs on host taps (`nic`), each on its seed-000 interrupt path, and
+//! virtio-blk disks on image files (`disk`), after the NICs.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -23,7 +24,8 @@ use kumo_vm::Vm;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::config::NetSpec;
+use crate::config::{DiskSpec, NetSpec};
+use crate::disk::Disk;
 use crate::event_loop::{EventHandler, EventLoop, Interest};
 use crate::nic::Nic;
 use crate::pci::Pci;
@@ -45,6 +47,7 @@ pub struct DeviceManager {
     persist: Vec<Arc<Mutex<dyn PersistDyn>>>,
     events: EventLoop,
     nics: Vec<Nic>,
+    disks: Vec<Disk>,
     pci: Pci,
     /// The shared interrupt path's thread, if a device uses it.
     dispatcher: Option<Arc<SharedDispatcher>>,
@@ -52,7 +55,7 @@ pub struct DeviceManager {
 
 impl DeviceManager {
     /// Creates the devices of `vm`, with COM1's output going to `console`, its NICs, and the
-    /// debug exit port if `debug_exit`.
+    /// debug exit port if `debug_exit`. Disks are added by [`DeviceManager::add_disks`].
     pub fn new(vm: &Vm, console: Box<dyn Write + Send>, nets: &[NetSpec], debug_exit: bool) -> Result<DeviceManager> {
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("serial interrupt"))?;
         // With a split irqchip there is no in-kernel IOAPIC pin: the serial then runs polled.
@@ -101,9 +104,51 @@ impl DeviceManager {
             console_attached: AtomicBool::new(false),
             events,
             nics,
+            disks: Vec::new(),
             pci,
             dispatcher,
         })
+    }
+
+    /// Puts `specs`' disks on PCI after the NICs, on a VM of `cpus` vCPUs; an `incoming` VM's
+    /// images are opened unlocked (see [`DeviceManager::lock_disks`]). Called once, before any
+    /// vCPU runs.
+    pub fn add_disks(&mut self, vm: &Vm, specs: &[DiskSpec], cpus: u32, incoming: bool) -> Result<()> {
+        for (i, spec) in specs.iter().enumerate() {
+            let d = Disk::new(i, spec, cpus, incoming, &vm.memory.guest, vm.interrupts.clone(), &mut self.pci)?;
+            self.disks.push(d);
+        }
+        let known: Vec<String> = self.persist.iter().map(|d| lock(d).id()).collect();
+        self.persist.extend(self.pci.persist_list().into_iter().filter(|d| !known.contains(&lock(d).id())));
+        Ok(())
+    }
+
+    /// Completes the disks' requests and flushes their images: before a migration's or a
+    /// snapshot's final state is taken (the VM paused).
+    pub fn quiesce_disks(&self) -> Result<()> {
+        self.disks.iter().try_for_each(Disk::quiesce)
+    }
+
+    /// Gives the disks' image locks up (a migration's source, before its commit) or takes them
+    /// back (`on`: a failed migration's source; a destination when the state arrives).
+    pub fn lock_disks(&self, on: bool) -> Result<()> {
+        self.disks.iter().try_for_each(|d| if on { d.relock() } else { d.unlock() })
+    }
+
+    /// The disks as `vm.info` shows them.
+    pub fn disks(&self) -> Vec<kumo_api::DiskInfo> {
+        self.disks.iter().map(Disk::info).collect()
+    }
+
+    /// Each disk's id, image path and size.
+    pub fn disk_images(&self) -> Vec<(String, std::path::PathBuf, u64)> {
+        self.disks
+            .iter()
+            .map(|d| {
+                let (p, s) = d.image();
+                (d.id().to_string(), p, s)
+            })
+            .collect()
     }
 
     /// Stops devices that work outside the vCPU threads (the NICs) from touching guest memory;
@@ -112,12 +157,18 @@ impl DeviceManager {
         for n in &self.nics {
             n.pause();
         }
+        for d in &self.disks {
+            d.pause();
+        }
     }
 
     /// Lets them run again.
     pub fn resume(&self) {
         for n in &self.nics {
             n.resume();
+        }
+        for d in &self.disks {
+            d.resume();
         }
     }
 
@@ -356,6 +407,44 @@ mod tests {
         b.buses().pio.read(u64::from(COM1_PORT) + 7, &mut r);
         assert_eq!(r[0], 0x5a);
         assert_eq!(guest_reads(b.buses(), 2), b"hi", "pending input moves with the state");
+    }
+
+    /// The lock hand-off of a migration on one host: the source gives the image up, the
+    /// destination (which opened it unlocked) takes it, and the source cannot take it back
+    /// while the destination holds it.
+    #[test]
+    fn disks_hand_their_image_lock_over() {
+        if !kumo_vm::vm::kvm_available() {
+            eprintln!("skipping disks_hand_their_image_lock_over: /dev/kvm not available");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("kumo-dm-disk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("d.img");
+        std::fs::File::create(&img).unwrap().set_len(1 << 20).unwrap();
+        let spec = crate::config::DiskSpec::new(&img);
+        let vm = Vm::new(2, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let mut src = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
+        src.add_disks(&vm, std::slice::from_ref(&spec), 2, false).unwrap();
+        let info = src.disks();
+        assert_eq!((info[0].id.as_str(), info[0].queues, info[0].size, info[0].readonly), ("disk0", 2, 1 << 20, false));
+        assert!(src.save_states().unwrap().contains_key("disk0"), "its state travels by id");
+
+        let vm_b = Vm::new(2, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
+        let mut dst = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
+        let mut third = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
+        let e = third.add_disks(&vm_b, std::slice::from_ref(&spec), 2, false).unwrap_err().to_string();
+        assert!(e.contains("in use by another process (locked for writing)"), "{e}");
+        dst.add_disks(&vm_b, std::slice::from_ref(&spec), 2, true).unwrap();
+        src.pause();
+        src.quiesce_disks().unwrap();
+        src.lock_disks(false).unwrap();
+        dst.lock_disks(true).unwrap();
+        let e = src.lock_disks(true).unwrap_err().to_string();
+        assert!(e.contains("in use by another process"), "{e}");
+        drop(dst);
+        src.lock_disks(true).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

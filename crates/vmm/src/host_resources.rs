@@ -15,7 +15,7 @@
 
 use std::path::PathBuf;
 
-pub use kumo_api::{NicBackend, NodeBinding};
+pub use kumo_api::{DiskPath, NicBackend, NodeBinding};
 
 use crate::{Error, VmConfig};
 
@@ -24,6 +24,8 @@ use crate::{Error, VmConfig};
 pub struct HostResources {
     pub net: Vec<NicBackend>,
     pub numa: Vec<NodeBinding>,
+    /// The image of each disk, by id (`--disk id=disk0,path=FILE`).
+    pub disks: Vec<DiskPath>,
 }
 
 /// Why an arriving VM does not fit what its destination's operator gave. One line each.
@@ -51,6 +53,12 @@ pub enum ResourceError {
     DuplicateNode { node: u32 },
     #[error("the VM's {id}: {why}")]
     BadNic { id: String, why: String },
+    #[error("the VM's disk {id} (image {source_path} on its source) has no image here: give --disk id={id},path=FILE")]
+    MissingDisk { id: String, source_path: String },
+    #[error("--disk id={id}: the VM has no disk {id} ({have})")]
+    ExtraDisk { id: String, have: String },
+    #[error("--disk id={id} is given twice")]
+    DuplicateDisk { id: String },
 }
 
 impl From<ResourceError> for Error {
@@ -116,6 +124,7 @@ pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, Resou
         nic.tap = b.tap.clone().unwrap_or_default();
         nic.vhost_user = b.vhost_user.as_ref().map(PathBuf::from);
     }
+    resolve_disks(&mut vm, ours)?;
     // Pins name the source's host CPUs: the destination's own are not carried (`HostPlacement`).
     vm.host = Default::default();
     match vm.numa.as_mut() {
@@ -142,6 +151,48 @@ pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, Resou
         }
     }
     Ok(vm)
+}
+
+/// Each disk on the operator's image for its id; the operator's ids must all exist in the VM.
+fn resolve_disks(vm: &mut VmConfig, ours: &HostResources) -> Result<(), ResourceError> {
+    let ids: Vec<String> = vm.disks.iter().enumerate().map(|(i, d)| d.id_at(i)).collect();
+    for (i, g) in ours.disks.iter().enumerate() {
+        if ours.disks[..i].iter().any(|o| o.id == g.id) {
+            return Err(ResourceError::DuplicateDisk { id: g.id.clone() });
+        }
+        if !ids.contains(&g.id) {
+            return Err(ResourceError::ExtraDisk { id: g.id.clone(), have: listing(ids.iter().cloned()) });
+        }
+    }
+    for (d, id) in vm.disks.iter_mut().zip(ids) {
+        let g = ours
+            .disks
+            .iter()
+            .find(|g| g.id == id)
+            .ok_or_else(|| ResourceError::MissingDisk { id: id.clone(), source_path: d.path.display().to_string() })?;
+        d.path = PathBuf::from(&g.path);
+        d.id = Some(id);
+    }
+    Ok(())
+}
+
+/// Checks the resolved VM's disk images here against the sizes `sizes` (by disk id) the VM's
+/// disks had on its source: each opens and checks as at boot (unlocked: the source may still
+/// hold it), with the same size.
+pub fn check_disks(vm: &VmConfig, sizes: &[(String, u64)]) -> Result<(), Error> {
+    for (i, d) in vm.disks.iter().enumerate() {
+        let id = d.id_at(i);
+        let img = kumo_devices::virtio::block::DiskImage::open_unlocked(&d.path, d.readonly, d.direct)
+            .map_err(|e| Error::Config(format!("disk {id}: {e}")))?;
+        if let Some((_, want)) = sizes.iter().find(|(s, _)| *s == id).filter(|(_, w)| *w != img.size()) {
+            return Err(Error::Config(format!(
+                "disk {id}: image {} is {} bytes; the VM's disk was {want} bytes",
+                d.path.display(),
+                img.size()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Checks the resolved VM's backends on this host before anything is built: each tap exists, is
@@ -193,7 +244,14 @@ impl HostResources {
         Ok(HostResources {
             net: net.iter().enumerate().map(|(i, s)| parse_nic(s, i)).collect::<Result<_, _>>()?,
             numa: numa.iter().map(|s| parse_node(s)).collect::<Result<_, _>>()?,
+            disks: Vec::new(),
         })
+    }
+
+    /// Adds the operator's `--disk [id=ID,]path=FILE` (the i-th is `disk{i}` without id=).
+    pub fn with_disks(mut self, disks: &[String]) -> Result<HostResources, Error> {
+        self.disks = disks.iter().enumerate().map(|(i, s)| parse_disk(s, i)).collect::<Result<_, _>>()?;
+        Ok(self)
     }
 }
 
@@ -223,6 +281,26 @@ fn parse_nic(s: &str, index: usize) -> Result<NicBackend, Error> {
         return Err(bad("give exactly one of tap=NAME and vhost-user=PATH".into()));
     }
     Ok(b)
+}
+
+/// `[id=ID,]path=FILE`: what the guest sees of the disk is the VM's.
+fn parse_disk(s: &str, index: usize) -> Result<DiskPath, Error> {
+    let bad = |m: String| Error::Config(format!("--disk {s}: {m}"));
+    let (mut id, mut path) = (format!("disk{index}"), None);
+    for part in s.split(',') {
+        let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
+        match k {
+            "id" => id = v.to_string(),
+            "path" if !v.is_empty() => path = Some(v.to_string()),
+            "readonly" | "serial" | "queues" | "queue_size" | "direct" => {
+                return Err(bad(format!(
+                    "{k}= comes from the arriving VM; with --incoming or --restore give id= and path="
+                )))
+            }
+            _ => return Err(bad(format!("unknown key `{k}` (id, path)"))),
+        }
+    }
+    Ok(DiskPath { id, path: path.ok_or_else(|| bad("path=FILE is required".into()))? })
 }
 
 /// `node=ID[,host-node=N]`: the guest node's shape is the VM's.
@@ -320,11 +398,13 @@ mod tests {
         let both = HostResources {
             net: vec![NicBackend { id: "net0".into(), tap: Some("t".into()), vhost_user: Some("/s".into()) }],
             numa: vec![],
+            disks: vec![],
         };
         assert_eq!(resolve(vm(&["tap=t"]), &both), Err(ResourceError::NicBackend { id: "net0".into() }));
         let eth = HostResources {
             net: vec![NicBackend { id: "eth0".into(), tap: Some("t".into()), vhost_user: None }],
             numa: vec![],
+            disks: vec![],
         };
         assert_eq!(eth.check(), Err(ResourceError::NicId { id: "eth0".into() }));
     }

@@ -20,6 +20,7 @@ pub mod api;
 pub mod config;
 pub mod counters;
 pub mod device_manager;
+pub mod disk;
 pub mod elastic;
 pub mod event_loop;
 pub mod event_monitor;
@@ -38,7 +39,7 @@ pub mod vcpu_manager;
 pub mod virtio_pci;
 pub mod vmm;
 
-pub use config::{ConfigFile, NetSpec, NumaConfig, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
+pub use config::{ConfigFile, DiskSpec, NetSpec, NumaConfig, Payload, VmConfig, DEFAULT_LINUX_CMDLINE};
 pub use guest_program::GuestProgram;
 pub use vcpu_manager::{monotonic_ns, Outcome, Timings};
 pub use vmm::{RunReport, RunningVm, Snapshot};

@@ -108,6 +108,8 @@ pub fn snapshot_to_file(vm: &RunningVm, path: &Path) -> Result<SnapshotReport> {
 /// Writes a paused VM: its description, touched pages and state.
 fn write_vm(vm: &RunningVm, path: &Path) -> Result<(u64, u64, u64)> {
     let desc = SourceVm::description(vm);
+    // What the guest wrote is on stable storage with the snapshot.
+    vm.quiesce_disks().map_err(|e| SnapshotError::Vm(format!("cannot flush the disks: {e}")))?;
     let snap = vm.save_state().map_err(|e| SnapshotError::Vm(format!("cannot save the VM's state: {e}")))?;
     let state =
         serde_json::to_vec(&snap).map_err(|e| SnapshotError::Vm(format!("cannot encode the VM's state: {e}")))?;

@@ -148,7 +148,7 @@ impl RunningVm {
         };
         let parked = config.elastic.as_ref().map(|e| e.spares(config.cpus)).unwrap_or_default();
         let vcpus = manage_vcpus(vcpus, VcpuSetup { paused: false, parked, uapic: vm.uapic.clone(), start_ns });
-        let devices = create_devices(&vm, &config, serial, &vcpus)?;
+        let devices = create_devices(&vm, &config, serial, &vcpus, false)?;
         crate::acpi::install(&vm, &devices, entries[0], numa.as_ref())?;
         let vm = Self::launch(vm, config, vcpus, devices, elastic)?;
         crate::event_monitor::vm_event(
@@ -182,7 +182,7 @@ impl RunningVm {
         }
         let setup = VcpuSetup { paused: true, parked: Vec::new(), uapic: vm.uapic.clone(), start_ns };
         let vcpus = manage_vcpus(vcpus, setup);
-        let devices = create_devices(&vm, &config, serial, &vcpus)?;
+        let devices = create_devices(&vm, &config, serial, &vcpus, true)?;
         devices.pause();
         devices.set_taps_attached(false);
         Self::launch(vm, config, vcpus, devices, None)
@@ -254,9 +254,12 @@ fn create_devices(
     config: &VmConfig,
     serial: Box<dyn Write + Send>,
     vcpus: &Arc<VcpuManager>,
+    incoming: bool,
 ) -> Result<DeviceManager> {
     let sink = TimedSink { out: serial, vcpus: vcpus.clone(), seen: false, line: Vec::new() };
-    DeviceManager::new(vm, Box::new(sink), &config.net, config.debug_exit)
+    let mut devices = DeviceManager::new(vm, Box::new(sink), &config.net, config.debug_exit)?;
+    devices.add_disks(vm, &config.disks, config.cpus, incoming)?;
+    Ok(devices)
 }
 
 /// Loads the payload into guest memory; returns each vCPU's entry (`None`: it waits for
@@ -507,6 +510,8 @@ impl RunningVm {
             .into());
         }
         self.devices.check_states(&s.devices)?;
+        // An arriving VM's images are locked only now: its source has let them go.
+        self.devices.lock_disks(true)?;
         self.devices.restore_states(&s.devices)?;
         self.vm.persist().restore(&s.vm)?;
         self.vcpus.restore_states(&s.vcpus)?;
@@ -534,6 +539,28 @@ impl RunningVm {
     /// The NICs, as `vm.info` shows them.
     pub fn nics(&self) -> Vec<kumo_api::NetInfo> {
         self.devices.nics()
+    }
+
+    /// The disks, as `vm.info` shows them.
+    pub fn disks(&self) -> Vec<kumo_api::DiskInfo> {
+        self.devices.disks()
+    }
+
+    /// Completes the disks' requests and flushes their images (the VM paused): a migration's
+    /// stop phase, a snapshot.
+    pub fn quiesce_disks(&self) -> Result<()> {
+        self.devices.quiesce_disks()
+    }
+
+    /// Gives the disks' image locks up (`false`: a migration's source before its commit) or
+    /// takes them (back).
+    pub fn lock_disks(&self, on: bool) -> Result<()> {
+        self.devices.lock_disks(on)
+    }
+
+    /// Each disk's id, image path and size.
+    pub fn disk_images(&self) -> Vec<(String, std::path::PathBuf, u64)> {
+        self.devices.disk_images()
     }
 
     /// Interrupts the shared interrupt path's dispatcher injected (None: no device uses it).

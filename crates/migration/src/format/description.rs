@@ -35,6 +35,9 @@ pub struct VmDescription {
     /// NICs, in PCI slot order (`net0` first).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nets: Vec<NicDescription>,
+    /// virtio-blk disks, in PCI slot order after the NICs (`disk0` first).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskDescription>,
     /// Guest NUMA nodes; none: the guest sees one node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa: Option<NumaDescription>,
@@ -120,6 +123,31 @@ pub struct NicDescription {
     /// Its backend on the source: the kind the destination must give it, and a name for
     /// messages (never used on the destination).
     pub source_backend: SourceBackend,
+}
+
+/// One virtio-blk disk as the guest sees it. Its image is on storage both hosts see; the
+/// destination's operator names it per disk id, and it must have `size` bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskDescription {
+    /// `disk0`, or the id the source's operator gave.
+    pub id: String,
+    /// The image's size in bytes.
+    pub size: u64,
+    /// The disk is read-only (VIRTIO_BLK_F_RO).
+    pub readonly: bool,
+    /// GET_ID's answer.
+    #[serde(default)]
+    pub serial: String,
+    /// Request queues.
+    pub queues: u16,
+    /// Each queue's maximum size.
+    pub queue_size: u16,
+    /// The image opened O_DIRECT.
+    #[serde(default)]
+    pub direct: bool,
+    /// The image's path on the source: for messages only (never opened on the destination).
+    pub source_path: std::path::PathBuf,
 }
 
 /// A NIC's interrupt path (kumo's `irq=`).
@@ -230,6 +258,7 @@ impl VmDescription {
             irqchip,
             payload,
             nets: Vec::new(),
+            disks: Vec::new(),
             numa: None,
             pv: PvDescription::default(),
             debug_exit: false,

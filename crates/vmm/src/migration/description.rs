@@ -9,7 +9,7 @@ use kumo_vm::layout::ram_regions;
 use kumo_vm::pv::PvRequest;
 use kumo_vm::IrqchipMode;
 
-use crate::config::{NetSpec, NumaConfig, NumaDistance, NumaNodeSpec, Payload};
+use crate::config::{DiskSpec, NetSpec, NumaConfig, NumaDistance, NumaNodeSpec, Payload};
 use crate::host_resources::HostResources;
 use crate::VmConfig;
 
@@ -31,6 +31,22 @@ pub fn describe(c: &VmConfig, regions: Vec<(u64, u64)>) -> VmDescription {
     d.memory_bytes = c.memory;
     d.debug_exit = c.debug_exit;
     d.nets = c.net.iter().map(describe_nic).collect();
+    // Sizes are the open images' (the source fills them in, `SourceVm::description`).
+    d.disks = c
+        .disks
+        .iter()
+        .enumerate()
+        .map(|(i, k)| wire::DiskDescription {
+            id: k.id_at(i),
+            size: 0,
+            readonly: k.readonly,
+            serial: k.serial.clone(),
+            queues: k.queues_for(c.cpus),
+            queue_size: k.queue_size,
+            direct: k.direct,
+            source_path: k.path.clone(),
+        })
+        .collect();
     d.numa = c.numa.as_ref().map(|n| wire::NumaDescription {
         nodes: n
             .nodes
@@ -126,6 +142,20 @@ fn config_of(d: &VmDescription) -> VmConfig {
         irqchip,
         payload,
         net,
+        // Still on the source's paths: `host_resources::resolve` gives each this host's.
+        disks: d
+            .disks
+            .iter()
+            .map(|k| DiskSpec {
+                path: k.source_path.clone(),
+                id: Some(k.id.clone()),
+                readonly: k.readonly,
+                serial: k.serial.clone(),
+                queues: Some(k.queues),
+                queue_size: k.queue_size,
+                direct: k.direct,
+            })
+            .collect(),
         numa,
         pv: PvRequest {
             steal_time: p.steal_time,
@@ -154,13 +184,15 @@ pub fn config_from_description(d: &VmDescription, ours: &HostResources) -> Resul
     let c = crate::host_resources::resolve(config_of(d), ours).map_err(|e| e.to_string())?;
     c.validate_arriving().map_err(|e| e.to_string())?;
     crate::host_resources::check_on_host(&c).map_err(|e| e.to_string())?;
+    let sizes: Vec<(String, u64)> = d.disks.iter().map(|k| (k.id.clone(), k.size)).collect();
+    crate::host_resources::check_disks(&c, &sizes).map_err(|e| e.to_string())?;
     Ok(c)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{NumaDistance, NumaNodeSpec};
+    use crate::config::{DiskSpec, NumaDistance, NumaNodeSpec};
     use kumo_vm::pv::{PvRequest, PvSet};
 
     fn vm(cpus: u32, memory: u64, guest: &str) -> VmConfig {
@@ -210,6 +242,48 @@ mod tests {
         assert!(back.host.pins.is_empty() && back.host.halt_poll_ns.is_none(), "host settings stay behind");
         let j = serde_json::to_value(&d).unwrap();
         assert!(!j.to_string().contains("host_node") && !j.to_string().contains("pins"), "{j}");
+    }
+
+    /// A disk travels as what the guest sees; its image here is the operator's, by id, and
+    /// must have the size the source's had.
+    #[test]
+    fn disks_travel_and_take_this_hosts_images() {
+        let dir = std::env::temp_dir().join(format!("kumo-desc-disks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (img, small) = (dir.join("a.img"), dir.join("small.img"));
+        std::fs::File::create(&img).unwrap().set_len(1 << 20).unwrap();
+        std::fs::File::create(&small).unwrap().set_len(4096).unwrap();
+        let c = VmConfig {
+            disks: vec![DiskSpec::parse("path=/src/root.img,serial=abc,readonly=on").unwrap()],
+            ..vm(2, 64 << 20, "memtouch")
+        };
+        let mut d = desc(&c);
+        let k = &d.disks[0];
+        assert_eq!((k.id.as_str(), k.readonly, k.serial.as_str(), k.queues), ("disk0", true, "abc", 2));
+        assert_eq!(k.source_path, std::path::Path::new("/src/root.img"));
+        d.disks[0].size = 1 << 20;
+        let with = |s: &str| HostResources::default().with_disks(&[s.to_string()]).unwrap();
+        let back = config_from_description(&d, &with(&format!("id=disk0,path={}", img.display()))).unwrap();
+        assert_eq!(back.disks[0].path, img);
+        assert_eq!(
+            (back.disks[0].readonly, back.disks[0].queues, back.disks[0].serial.as_str()),
+            (true, Some(2), "abc")
+        );
+        let e = config_from_description(&d, &HostResources::default()).unwrap_err();
+        assert_eq!(
+            e,
+            "the VM's disk disk0 (image /src/root.img on its source) has no image here: give --disk id=disk0,path=FILE"
+        );
+        let e = config_from_description(&d, &with(&format!("path={}", small.display()))).unwrap_err();
+        assert_eq!(
+            e,
+            format!("config: disk disk0: image {} is 4096 bytes; the VM's disk was 1048576 bytes", small.display())
+        );
+        let e = config_from_description(&d, &with("id=disk1,path=/x")).unwrap_err();
+        assert_eq!(e, "--disk id=disk1: the VM has no disk disk1 (it has disk0)");
+        let e = HostResources::default().with_disks(&["id=disk0,path=/x,readonly=on".into()]).unwrap_err().to_string();
+        assert!(e.contains("readonly= comes from the arriving VM"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Stream headers go through the same shape check as a `kumo run` config, whose error the

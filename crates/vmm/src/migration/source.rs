@@ -21,7 +21,11 @@ use super::*;
 
 impl SourceVm for RunningVm {
     fn description(&self) -> VmDescription {
-        describe(self.config(), self.vm().memory.layout.ram().to_vec())
+        let mut d = describe(self.config(), self.vm().memory.layout.ram().to_vec());
+        for (k, (_, _, size)) in d.disks.iter_mut().zip(self.disk_images()) {
+            k.size = size;
+        }
+        d
     }
     fn memory(&self) -> &GuestMemory {
         RunningVm::memory(self)
@@ -45,18 +49,30 @@ impl SourceVm for RunningVm {
     }
     fn pause(&self) -> Result<(), VmError> {
         self.migration_pause().map_err(|e| VmError::new(VmOp::Pause, e))?;
+        // Every request the guest made is on the images, and on stable storage, before the
+        // stop phase ends.
+        if let Err(e) = self.quiesce_disks() {
+            let _ = self.migration_resume();
+            return Err(VmError::new(VmOp::Pause, e));
+        }
         // From here frames go to the destination's tap queues, which wait until it runs.
         self.set_taps_attached(false);
         Ok(())
     }
     fn resume(&self) -> Result<(), VmError> {
+        // A failed migration: the images are ours again before the guest runs (if the
+        // destination still holds one, the VM stays paused).
+        self.lock_disks(true).map_err(|e| VmError::new(VmOp::Resume, e))?;
         self.set_taps_attached(true);
         self.migration_resume().map_err(|e| VmError::new(VmOp::Resume, e))
     }
     fn save_state(&self) -> Result<Vec<u8>, VmError> {
         let err = |e: BoxError| VmError { op: VmOp::SaveState, source: e };
         let s = RunningVm::save_state(self).map_err(|e| err(e.into()))?;
-        serde_json::to_vec(&s).map_err(|e| err(e.into()))
+        let s = serde_json::to_vec(&s).map_err(|e| err(e.into()))?;
+        // The commit follows: the destination locks the images when it restores this state.
+        self.lock_disks(false).map_err(|e| err(e.into()))?;
+        Ok(s)
     }
     fn set_throttle(&self, percent: u32) {
         RunningVm::set_throttle(self, percent)

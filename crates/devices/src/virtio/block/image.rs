@@ -74,6 +74,14 @@ pub fn detect_format(head: &[u8]) -> Option<&'static str> {
 impl DiskImage {
     /// Opens `path` (read-only or read-write, O_DIRECT if `direct`), checks it and locks it.
     pub fn open(path: &Path, readonly: bool, direct: bool) -> Result<DiskImage, ImageError> {
+        let mut img = Self::open_unlocked(path, readonly, direct)?;
+        img.relock()?;
+        Ok(img)
+    }
+
+    /// [`DiskImage::open`] without the lock, which [`DiskImage::relock`] takes later: a
+    /// migration's destination opens and checks the image while its source still holds it.
+    pub fn open_unlocked(path: &Path, readonly: bool, direct: bool) -> Result<DiskImage, ImageError> {
         let p = || path.to_path_buf();
         let mut flags = libc::O_NOFOLLOW | libc::O_CLOEXEC;
         if direct {
@@ -116,9 +124,7 @@ impl DiskImage {
         if let Some(fmt) = detect_format(&head.0[..n]) {
             return Err(ImageError::Format(p(), fmt));
         }
-        let mut img = DiskImage { path: p(), file: Arc::new(file), size, readonly, direct, locked: false };
-        img.relock()?;
-        Ok(img)
+        Ok(DiskImage { path: p(), file: Arc::new(file), size, readonly, direct, locked: false })
     }
 
     pub fn path(&self) -> &Path {

@@ -635,6 +635,11 @@ impl VirtioDevice for Block {
     }
 
     fn reset(&mut self) {
+        // A reset comes from a vCPU's register write: finish what is in flight, but start
+        // nothing new (a queue waiting for room stays put), so no disk I/O runs on a vCPU.
+        if let Some(a) = self.active.as_mut() {
+            a.full.iter_mut().for_each(|f| *f = false);
+        }
         self.drain();
         self.active = None;
     }
