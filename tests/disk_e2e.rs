@@ -207,7 +207,8 @@ fn a_disk_under_write_load_migrates_locally_and_over_a_socket() {
     if !kvm_or_skip("a_disk_under_write_load_migrates_locally_and_over_a_socket") {
         return;
     }
-    for (engine, local) in [("local", true), ("overlap", false)] {
+    // Every engine: memory shared (local), sent by one or several connections, or zero-copy.
+    for (engine, local) in [("local", true), ("serial", false), ("overlap", false), ("zerocopy", false)] {
         let dir = TestDir::new();
         let img = image(&dir, "disk.img", IMAGE_MIB);
         let addr =
