@@ -108,8 +108,14 @@ fn every_route_answers_as_the_document_says() {
     let dir = TestDir::new();
     let sock = dir.path("src.sock");
     let s = sock.to_str().unwrap();
+    // A disk, so vm.info's and vm.counters' disk entries meet the document too.
+    let img = dir.path("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
+    let disk = format!("path={}", img.display());
     let src = Kid::spawn(&[
         "run",
+        "--disk",
+        &disk,
         "--guest",
         "memtouch",
         "pages=256",
@@ -128,7 +134,9 @@ fn every_route_answers_as_the_document_says() {
     c.call(&sock, "GET", "/api/v1/vmm.ping", None, 200);
     let info = c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json();
     assert_eq!(info["pv"]["realtime"], false, "an unpinned vCPU gets the shared PV defaults: {info}");
-    c.call(&sock, "GET", "/api/v1/vm.counters", None, 200);
+    assert_eq!(info["disks"][0]["id"], "disk0", "{info}");
+    let counters = c.call(&sock, "GET", "/api/v1/vm.counters", None, 200).json();
+    assert!(counters["disks"]["disk0"].is_object(), "{counters}");
     c.call(&sock, "GET", "/api/v1/vm.migration", None, 200);
     c.call(&sock, "GET", "/api/v1/vm.migration-events", None, 200);
     c.call(&sock, "PUT", "/api/v1/vm.cancel-migration", None, 409);
@@ -157,7 +165,7 @@ fn every_route_answers_as_the_document_says() {
     // A destination answers while it waits for the VM, then with the VM that arrived.
     let dsock = dir.path("dst.sock");
     let listen = format!("unix:{}", dir.path("mig.sock").display());
-    let dst = Kid::spawn(&["run", "--incoming", &listen, "--api-socket", dsock.to_str().unwrap()]);
+    let dst = Kid::spawn(&["run", "--incoming", &listen, "--api-socket", dsock.to_str().unwrap(), "--disk", &disk]);
     api_up(&dsock);
     assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "receiving");
     c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200);
@@ -181,7 +189,7 @@ fn every_route_answers_as_the_document_says() {
     let (code, _, err) = dst.finish(PATIENCE);
     assert_eq!(code, Some(0), "{err}");
 
-    empty_vmm_routes(&mut c, &dir, &snap);
+    empty_vmm_routes(&mut c, &dir, &snap, &img);
 
     let all: BTreeSet<(String, String)> = kumo_api::routes().map(|(m, p)| (m.to_string(), p.to_string())).collect();
     let missed: Vec<_> = all.difference(&c.seen).collect();
@@ -230,7 +238,7 @@ fn elastic_routes(c: &mut Caller, dir: &TestDir) {
 }
 
 /// An empty VMM: told to restore (a bad file first: 400, it stays empty), or to receive.
-fn empty_vmm_routes(c: &mut Caller, dir: &TestDir, snap: &Path) {
+fn empty_vmm_routes(c: &mut Caller, dir: &TestDir, snap: &Path, img: &Path) {
     let esock = dir.path("empty.sock");
     let empty = Kid::spawn(&["run", "--api-socket", esock.to_str().unwrap()]);
     api_up(&esock);
@@ -238,7 +246,11 @@ fn empty_vmm_routes(c: &mut Caller, dir: &TestDir, snap: &Path) {
     c.call(&esock, "PUT", "/api/v1/vm.pause", None, 409);
     c.call(&esock, "PUT", "/api/v1/vm.restore", Some(json!({ "source_url": "/nonexistent/vm.snap" })), 400);
     let url = format!("file://{}", snap.display());
-    let restored = c.call(&esock, "PUT", "/api/v1/vm.restore", Some(json!({ "source_url": url })), 200).json();
+    // The snapshot's VM has a disk: this host must say where its image is.
+    c.call(&esock, "PUT", "/api/v1/vm.restore", Some(json!({ "source_url": url })), 400);
+    let disks = json!([{ "id": "disk0", "path": img.to_str().unwrap() }]);
+    let req = json!({ "source_url": url, "disks": disks });
+    let restored = c.call(&esock, "PUT", "/api/v1/vm.restore", Some(req), 200).json();
     assert_eq!(restored["paused"], false, "{restored}");
     c.call(&esock, "PUT", "/api/v1/vm.restore", Some(json!({ "source_url": url })), 409);
     let recv = json!({ "receiver_url": format!("unix:{}", dir.path("never.sock").display()) });
