@@ -193,7 +193,14 @@ fn qemu_drive(image: &Path, aio: &str) -> String {
     format!("file={},if=none,id=d0,format=raw,cache=none,aio={aio}", image.display())
 }
 
-fn finish_run(engine: &'static str, c: &Cfg, t0: Instant, code: i64, lines: &[(Instant, String)], text: &str) -> Result<Run, String> {
+fn finish_run(
+    engine: &'static str,
+    c: &Cfg,
+    t0: Instant,
+    code: i64,
+    lines: &[(Instant, String)],
+    text: &str,
+) -> Result<Run, String> {
     let wall_s = t0.elapsed().as_secs_f64();
     let (tests, errors, verify_failures) = parse_blkbench(lines, t0).map_err(|e| format!("{engine}: {e}\n{text}"))?;
     if code != 0 && errors == 0 && verify_failures == 0 {
@@ -269,7 +276,12 @@ fn run_fio(c: &Cfg) -> Result<Vec<Sample>, String> {
             .args(["--name=kumo-bench", "--direct=1", "--time_based", "--output-format=json", "--randrepeat=0"])
             .arg(format!("--filename={}", c.image.display()))
             .arg(format!("--size={}M", c.image_mib))
-            .args([format!("--rw={rw}"), format!("--bs={bs}"), format!("--iodepth={qd}"), format!("--ioengine={engine}")])
+            .args([
+                format!("--rw={rw}"),
+                format!("--bs={bs}"),
+                format!("--iodepth={qd}"),
+                format!("--ioengine={engine}"),
+            ])
             .arg(format!("--runtime={}ms", c.ms))
             .output()
             .map_err(|e| format!("cannot run fio: {e}"))?;
@@ -322,7 +334,15 @@ fn run_pread(c: &Cfg) -> Result<Vec<Sample>, String> {
         let el = t0.elapsed().as_secs_f64();
         let iops = lat.len() as f64 / el;
         let pct = |p| crate::net::stats::percentile(&lat, p).unwrap_or(0.0);
-        out.push(Sample { name: name.into(), qd, iops, mbps: iops * bs as f64 / 1e6, p50_us: pct(50.0), p99_us: pct(99.0), t_s: None });
+        out.push(Sample {
+            name: name.into(),
+            qd,
+            iops,
+            mbps: iops * bs as f64 / 1e6,
+            p50_us: pct(50.0),
+            p99_us: pct(99.0),
+            t_s: None,
+        });
     }
     // SAFETY: allocated above with the same layout; `buf` is not used after this.
     unsafe { std::alloc::dealloc(ptr, layout) };
@@ -347,7 +367,8 @@ pub fn medians(runs: &[Run]) -> Vec<Median> {
             }
         }
         for (name, qd) in keys {
-            let ss: Vec<&Sample> = mine.iter().flat_map(|r| &r.tests).filter(|s| s.name == name && s.qd == qd).collect();
+            let ss: Vec<&Sample> =
+                mine.iter().flat_map(|r| &r.tests).filter(|s| s.name == name && s.qd == qd).collect();
             let m = |f: fn(&Sample) -> f64| median(&ss.iter().map(|s| f(s)).collect::<Vec<_>>()).unwrap_or(0.0);
             out.push(Median {
                 engine,
@@ -406,7 +427,19 @@ pub fn table(r: &Report) -> String {
     );
     s += &format!(
         "{:<14} {:>3} | {:>9} {:>9} {:>9} {:>9} | {:>6} | {:>7} {:>7} {:>7} | {:>6} {:>6} {:>6}\n",
-        "test", "qd", "kumo", "q-uring", "q-thread", "host", "k/q-u", "kumo", "q-uring", "host", "kumo", "q-uring", "host"
+        "test",
+        "qd",
+        "kumo",
+        "q-uring",
+        "q-thread",
+        "host",
+        "k/q-u",
+        "kumo",
+        "q-uring",
+        "host",
+        "kumo",
+        "q-uring",
+        "host"
     );
     s += &format!("{:<18} | {:^39} | {:^6} | {:^23} | {:^20}\n", "", "IOPS", "ratio", "MB/s", "p99 us");
     let keys: Vec<(String, u32)> =
@@ -466,6 +499,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
             }
         })
         .y_desc("IOPS")
+        .y_label_formatter(&|v| format!("{v:.0}"))
         .light_line_style(RGBColor(238, 238, 238))
         .label_style(("sans-serif", 12))
         .draw()
@@ -477,7 +511,10 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
             .enumerate()
             .filter_map(|(i, (n, q))| {
                 let x0 = i as f64 - 0.4 + k as f64 * 0.2;
-                Some(Rectangle::new([(x0, 0.0), (x0 + 0.18, find(&r.medians, engine, n, *q)?.iops)], col.mix(0.8).filled()))
+                Some(Rectangle::new(
+                    [(x0, 0.0), (x0 + 0.18, find(&r.medians, engine, n, *q)?.iops)],
+                    col.mix(0.8).filled(),
+                ))
             })
             .collect();
         c.draw_series(bars)
