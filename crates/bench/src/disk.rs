@@ -1,7 +1,8 @@
 //! `kumo bench disk` (issue 21): the `blkbench` guest on kumo's virtio-blk (`--disk
 //! …,direct=on`) against QEMU 7.2's virtio-blk-pci on the same raw image in the same cache mode
 //! (`cache=none`, with `aio=io_uring` and, as a second QEMU row, `aio=threads`), with the same
-//! vCPU count and memory, runs alternating kumo / QEMU io_uring / QEMU threads; plus the host's
+//! vCPU count and memory, runs alternating kumo / QEMU io_uring / QEMU threads (the order rotated
+//! each round); plus the host's
 //! own I/O on the same file in the same run (fio if installed, else a pread/pwrite O_DIRECT
 //! loop). Every engine's figures are the guest's own lines on its serial output (each stamped
 //! with the host time it arrived, kept in the JSON); the tables are medians over the runs.
@@ -24,13 +25,13 @@ use kumo_testkit::Kid;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Shorter tests (250 ms each) and 3 runs of each engine: under 3 minutes.
+    /// Shorter tests (200 ms each), 5 runs of each engine: under 3 minutes.
     #[arg(long)]
     quick: bool,
-    /// Runs of each engine, alternating [default: 5, 3 with --quick].
+    /// Runs of each engine, alternating (medians over them) [default: 5].
     #[arg(long)]
     runs: Option<u32>,
-    /// Milliseconds per blkbench test (and per host test) [default: 1000, 250 with --quick].
+    /// Milliseconds per blkbench test (and per host test) [default: 1000, 200 with --quick].
     #[arg(long)]
     ms: Option<u64>,
     /// Size of the raw image (all of it is the region tested), MiB.
@@ -536,26 +537,36 @@ fn step(t0: Instant, msg: &str) {
     eprintln!("[{:>5.1} s] {msg}", t0.elapsed().as_secs_f64());
 }
 
-/// One round: host, kumo, QEMU io_uring, QEMU threads (the QEMU rows only with QEMU).
+/// The VM engines of round `r` in the order they run: rotated each round, so that none always
+/// follows the host's tests or another VM's writes.
+pub fn vm_order(r: u32, with_qemu: bool) -> Vec<&'static str> {
+    let mut v = if with_qemu { ENGINES[1..].to_vec() } else { vec!["kumo"] };
+    let n = v.len();
+    v.rotate_left(r as usize % n);
+    v
+}
+
+/// One round: the host, then kumo, QEMU io_uring and QEMU threads (the QEMU rows only with
+/// QEMU) in [`vm_order`].
 fn round(c: &Cfg, fio: bool, with_qemu: bool, t0: Instant) -> Result<Vec<Run>, String> {
     let mut runs = Vec::new();
     step(t0, &format!("round {}: host", c.round + 1));
     runs.push(run_host(c, fio)?);
-    step(t0, &format!("round {}: kumo", c.round + 1));
-    runs.push(run_kumo(c)?);
-    if with_qemu {
-        step(t0, &format!("round {}: QEMU aio=io_uring", c.round + 1));
-        runs.push(run_qemu(c, "qemu-io_uring", "io_uring")?);
-        step(t0, &format!("round {}: QEMU aio=threads", c.round + 1));
-        runs.push(run_qemu(c, "qemu-threads", "threads")?);
+    for engine in vm_order(c.round, with_qemu) {
+        step(t0, &format!("round {}: {engine}", c.round + 1));
+        runs.push(match engine {
+            "kumo" => run_kumo(c)?,
+            "qemu-io_uring" => run_qemu(c, engine, "io_uring")?,
+            _ => run_qemu(c, engine, "threads")?,
+        });
     }
     Ok(runs)
 }
 
 pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let t0 = Instant::now();
-    let runs = a.runs.unwrap_or(if a.quick { 3 } else { 5 }).max(1);
-    let ms = a.ms.unwrap_or(if a.quick { 250 } else { 1000 }).max(1);
+    let runs = a.runs.unwrap_or(5).max(1);
+    let ms = a.ms.unwrap_or(if a.quick { 200 } else { 1000 }).max(1);
     if a.image_mib < 1 {
         return Err("--image-mib must be at least 1".into());
     }
@@ -727,6 +738,14 @@ mod tests {
     fn without_qemu_the_ratios_are_not_available() {
         let r = report(runs().into_iter().filter(|r| r.engine != "qemu-io_uring").collect());
         assert!(headline(&r).starts_with("rand4k_read_iops_ratio_qemu=n/a rand4k_write_iops_ratio_qemu=n/a"));
+    }
+
+    #[test]
+    fn each_round_rotates_the_vms() {
+        assert_eq!(vm_order(0, true), ["kumo", "qemu-io_uring", "qemu-threads"]);
+        assert_eq!(vm_order(1, true), ["qemu-io_uring", "qemu-threads", "kumo"]);
+        assert_eq!(vm_order(5, true), ["qemu-threads", "kumo", "qemu-io_uring"]);
+        assert_eq!(vm_order(3, false), ["kumo"]);
     }
 
     #[test]
