@@ -16,6 +16,8 @@ command -v ping >/dev/null 2>&1 || need+=(iputils-ping)
 command -v setfacl >/dev/null 2>&1 || need+=(acl)
 # CI's shape checks (scripts/fn-lengths.py, scripts/module-cycles.py).
 command -v python3 >/dev/null 2>&1 || need+=(python3)
+# `kumo bench disk` measures the host's own I/O on its image with fio.
+command -v fio >/dev/null 2>&1 || need+=(fio)
 # `kumo bench migrate` draws its PNG with this font.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if ((${#need[@]})); then

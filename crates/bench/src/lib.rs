@@ -3,12 +3,14 @@
 //! `migrate` (live migration against raw loopback TCP and QEMU), `net` (the NIC's interrupt
 //! paths against veth), `ipi` (synchronisation on each interrupt path, seed 003), `handover`
 //! (NIC handover between VMs, seed 001), `numa` (a memory-bound kernel, bare metal vs VMs),
-//! `lend` (lending CPUs and memory between running VMs, issue 13); `qemu` (runs kumo's guests
+//! `lend` (lending CPUs and memory between running VMs, issue 13), `disk` (virtio-blk against
+//! QEMU's and the host's own I/O, issue 21); `qemu` (runs kumo's guests
 //! under QEMU) is kumo-testkit's, shared with tests/qemu_e2e.rs. Benchmarks drive a `kumo`
 //! binary as child processes ([`kumo_binary`], kumo-testkit's `Kid`) and write their results
 //! into one output directory.
 
 pub mod boot;
+pub mod disk;
 pub mod handover;
 pub mod ipi;
 pub mod lend;

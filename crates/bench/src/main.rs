@@ -45,6 +45,11 @@ enum Which {
     /// VMs' records checked for overlaps; writes lend.json and lend.png, ends with
     /// `cpu_lend_p99_ms=X mem_lend_p99_ms=Y overlaps=Z`.
     Lend(kumo_bench::lend::Args),
+    /// The disk (issue 21): `blkbench` on kumo's virtio-blk (direct=on) against QEMU's
+    /// virtio-blk-pci (cache=none, aio=io_uring and aio=threads) on the same raw image, alternating,
+    /// plus the host's own I/O on the file (fio); writes disk.json and disk.png, ends with
+    /// `rand4k_read_iops_ratio_qemu=X rand4k_write_iops_ratio_qemu=Y seq_read_mbps_ratio_host=Z p99_read_us=W`.
+    Disk(kumo_bench::disk::Args),
     /// Host-side UDP tools of `net` (run inside network namespaces).
     #[command(hide = true)]
     NetTool(kumo_bench::net::tools::ToolArgs),
@@ -60,6 +65,7 @@ fn main() -> ExitCode {
         Which::Handover(a) => kumo_bench::handover::run(a, &cli.out),
         Which::Numa(a) => kumo_bench::numa::run(a, &cli.out),
         Which::Lend(a) => kumo_bench::lend::run(a, &cli.out),
+        Which::Disk(a) => kumo_bench::disk::run(a, &cli.out),
         Which::NetTool(a) => kumo_bench::net::tools::run(a),
     };
     match r {
