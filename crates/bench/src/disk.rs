@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::net::stats::median;
+use crate::report::{opt, ratio, step};
 use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
 use kumo_testkit::Kid;
 
@@ -390,10 +391,6 @@ pub fn find<'a>(m: &'a [Median], engine: &str, name: &str, qd: u32) -> Option<&'
     m.iter().find(|x| x.engine == engine && x.name == name && x.qd == qd)
 }
 
-fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
-    a.zip(b).filter(|(_, b)| *b > 0.0).map(|(a, b)| a / b)
-}
-
 /// Fills the medians and the headline figures from the runs.
 pub fn finish(r: &mut Report) {
     r.medians = medians(&r.all_runs);
@@ -405,10 +402,6 @@ pub fn finish(r: &mut Report) {
     let seq = |e: &str| get(e, "seq64k_read", 1, |x| x.mbps);
     r.seq_read_mbps_ratio_host = ratio(seq("kumo"), seq("host"));
     r.p99_read_us = get("kumo", "rand4k_read", 1, |x| x.p99_us);
-}
-
-fn opt(v: Option<f64>, prec: usize) -> String {
-    v.map_or("n/a".into(), |v| format!("{v:.prec$}"))
 }
 
 pub fn headline(r: &Report) -> String {
@@ -531,10 +524,6 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .draw()
         .map_err(e)?;
     root.present().map_err(e)
-}
-
-fn step(t0: Instant, msg: &str) {
-    eprintln!("[{:>5.1} s] {msg}", t0.elapsed().as_secs_f64());
 }
 
 /// The VM engines of round `r` in the order they run: rotated each round, so that none always

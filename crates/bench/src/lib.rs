@@ -17,6 +17,7 @@ pub mod lend;
 pub mod migrate;
 pub mod net;
 pub mod numa;
+pub mod report;
 pub use kumo_testkit::qemu;
 
 use std::path::{Path, PathBuf};

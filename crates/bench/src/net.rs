@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::report::{opt, ratio, step};
 use kumo_testkit::net::{self as host, NetGuard};
 use kumo_testkit::{sv, Kid};
 use stats::{median, Latency, Runs};
@@ -594,10 +595,6 @@ pub fn guest_to_host(ctx: &Ctx, path: IrqPath, veth_mb_per_s: Option<f64>) -> Th
     Throughput { path, direction: Direction::GuestToHost, stream, veth_ratio }
 }
 
-fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
-    Some(a? / b.filter(|b| *b > 0.0)?)
-}
-
 fn guest_to_host_once(ctx: &Ctx, path: IrqPath) -> Result<SinkResult, String> {
     let mut sink = tool(&ctx.bench, &ctx.ns, &sv(&["sink", "--bind", &format!("{HOST0}:9"), "--first-ms", "60000"]))?;
     wait_ready(&mut sink)?;
@@ -770,10 +767,6 @@ pub fn goals(r: &Report) -> Vec<Goal> {
         met: h.veth_ratio.map(|_| true),
     });
     g
-}
-
-fn opt(v: Option<f64>, prec: usize) -> String {
-    v.map_or("n/a".into(), |v| format!("{v:.prec$}"))
 }
 
 /// The final line.
@@ -1065,10 +1058,6 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
 }
 
 // ---------------------------------------------------------------------------------------------
-
-fn step(t0: Instant, msg: &str) {
-    eprintln!("[{:>5.1} s] {msg}", t0.elapsed().as_secs_f64());
-}
 
 fn write_json(json: &Path, r: &Report) -> Result<(), String> {
     let text = serde_json::to_string_pretty(r).map_err(|e| e.to_string())?;

@@ -14,6 +14,7 @@ use kumo_guests::numabench;
 use serde::Serialize;
 
 use crate::net::stats::median;
+use crate::report::{opt, ratio, step};
 use kumo_testkit::Kid;
 
 #[derive(clap::Args)]
@@ -160,10 +161,6 @@ fn med(v: &[u64]) -> Option<f64> {
     median(&v.iter().map(|&c| c as f64).collect::<Vec<_>>())
 }
 
-fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
-    Some(a? / b.filter(|b| *b > 0.0)?)
-}
-
 /// Fills in every row's medians and its ratios to the bare-metal row, and the headline.
 pub fn finish(r: &mut Report) {
     for x in &mut r.rows {
@@ -205,10 +202,6 @@ fn host_busy(period: Duration) -> Option<f64> {
     std::thread::sleep(period);
     let (b1, t1) = read()?;
     (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64)
-}
-
-fn opt(v: Option<f64>, prec: usize) -> String {
-    v.map_or("n/a".into(), |v| format!("{v:.prec$}"))
 }
 
 /// The final line: `vm_vs_bare=X unpinned_vs_bare=Y` (n/a for a row without runs).
@@ -361,10 +354,6 @@ fn run_once(argv: &[String], limit: Duration, want: Option<u64>) -> Result<numab
         Some(w) if w != r.check => Err(format!("checksum {:x} differs from bare metal's {w:x}", r.check)),
         _ => Ok(r),
     }
-}
-
-fn step(t0: Instant, msg: &str) {
-    eprintln!("[{:>5.1} s] {msg}", t0.elapsed().as_secs_f64());
 }
 
 pub fn run(a: Args, out: &Path) -> Result<i32, String> {
