@@ -1,5 +1,6 @@
 /* virtio-blk driver for kumo's guests (see blk.h): PCI scan in ring 0, the device in ring 3. */
 #include "blk.h"
+#include "virtio_pci.h"
 
 static inline u32 inl(u16 port) { u32 v; __asm__ volatile("inl %1, %0" : "=a"(v) : "Nd"(port)); return v; }
 static inline u8 mmio_read8(u64 a) { return *(volatile u8 *)a; }
@@ -102,31 +103,8 @@ const char *blk_scan(struct blk *b, struct kumo_boot_info *bi) {
 
 /* ---- ring 3: the device ---- */
 
-#define CC_DFSELECT 0x00
-#define CC_DF 0x04
-#define CC_GFSELECT 0x08
-#define CC_GF 0x0c
-#define CC_MSIX_CONFIG 0x10
-#define CC_STATUS 0x14
-#define CC_GENERATION 0x15
-#define CC_Q_SELECT 0x16
-#define CC_Q_SIZE 0x18
-#define CC_Q_MSIX 0x1a
-#define CC_Q_ENABLE 0x1c
-#define CC_Q_NOTIFY_OFF 0x1e
-#define CC_Q_DESC 0x20
-#define CC_Q_DRIVER 0x28
-#define CC_Q_DEVICE 0x30
-#define S_ACK 1
-#define S_DRIVER 2
-#define S_DRIVER_OK 4
-#define S_FEATURES_OK 8
-#define S_NEEDS_RESET 0x40
-#define S_FAILED 0x80
 #define F_RO (1UL << 5)
 #define F_FLUSH (1UL << 9)
-#define F_VERSION_1 (1UL << 32)
-#define NO_VECTOR 0xffff
 
 static u64 cc(struct blk *b, u32 off) { return b->common + off; }
 
