@@ -1,0 +1,253 @@
+//! Linux as the judge: what the `tests/linux_*.rs` suites share.
+//!
+//! - [`test_kernel`]: kumo's test kernel (`scripts/build-test-kernel.sh`: Linux 6.1 with virtio
+//!   built in, cached outside the work tree). Without it the tests skip, except under CI.
+//! - [`cmdline`]: the kernel command line this host needs, plus the test's own arguments.
+//! - [`RootFs`]: an ext4 image made with `mkfs.ext4 -d` whose `/init` is a static program that
+//!   never makes a system call (NESTED-KVM.md: SYSCALL from ring 3 is broken here).
+//! - [`Pinger`]: the host pinging a guest every 50 ms, every reply timestamped on the host.
+//!
+//! Every wait is for a kernel message or a host-side effect; the limits only end a hung test.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Printed when the kernel has configured `ip=` (the NIC's driver probed, the link is up).
+pub const IP_CONFIG_COMPLETE: &str = "IP-Config: Complete";
+/// Printed when the kernel read `/init` from its root filesystem and is about to run it.
+pub const RUN_INIT: &str = "Run /init as init process";
+/// How long a Linux boot may take here before a test gives up (ring-0 code runs emulated: the
+/// test kernel reaches `IP-Config` in about a minute on an idle 2-core host).
+pub const BOOT_LIMIT: Duration = Duration::from_secs(900);
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
+}
+
+/// The test kernel (`$KUMO_TEST_KERNEL`, else where `scripts/build-test-kernel.sh` caches it),
+/// or `None` after saying why the test skips. Under CI a missing kernel fails the test: `.ci/run`
+/// builds it first.
+pub fn test_kernel(test: &str) -> Option<PathBuf> {
+    if !crate::kvm_or_skip(test) {
+        return None;
+    }
+    let path = match std::env::var_os("KUMO_TEST_KERNEL") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => {
+            let script = repo_root().join("scripts/build-test-kernel.sh");
+            let out = Command::new("bash").arg(&script).arg("--path").output().expect("run build-test-kernel.sh");
+            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+        }
+    };
+    if path.is_file() {
+        return Some(path);
+    }
+    assert!(!in_ci(), "{test}: no test kernel at {} under CI: run scripts/build-test-kernel.sh", path.display());
+    println!("skipping {test}: no test kernel at {} (build it with scripts/build-test-kernel.sh)", path.display());
+    None
+}
+
+/// The command line for the test kernel: kumo's defaults for this host (no XSAVE, no SSSE3,
+/// no crypto self-tests), plugged memory online by itself (virtio-mem), then `extra`.
+pub fn cmdline(extra: &str) -> String {
+    format!(
+        "console=ttyS0 reboot=k panic=-1 nokaslr noxsave clearcpuid=ssse3 cryptomgr.notests \
+         memhp_default_state=online {extra}"
+    )
+}
+
+/// `ip=` for a guest at `guest` on a /24 whose host side is `host`, configured on eth0 without
+/// DHCP.
+pub fn ip_arg(guest: std::net::Ipv4Addr, host: std::net::Ipv4Addr) -> String {
+    format!("ip={guest}::{host}:255.255.255.0::eth0:off")
+}
+
+/// The static `/init`: `pause` in a loop in ring 3, no system call ever. Built with the host gcc.
+pub fn build_init(dir: &Path) -> PathBuf {
+    let src = dir.join("init.S");
+    std::fs::write(&src, ".globl _start\n_start:\n\tpause\n\tjmp _start\n").expect("write init.S");
+    let out = dir.join("init");
+    let st = Command::new("gcc").args(["-nostdlib", "-static", "-o"]).arg(&out).arg(&src).status().expect("run gcc");
+    assert!(st.success(), "gcc could not build the static /init");
+    out
+}
+
+/// An ext4 root filesystem image.
+pub struct RootFs {
+    pub image: PathBuf,
+}
+
+impl RootFs {
+    /// `mkfs.ext4 -d` of a tree holding `/init` (see [`build_init`]), `/dev` and `/proc`, of
+    /// `size_mib` MiB, with multi-mount protection: the kernel's kmmpd thread then rewrites the
+    /// MMP block every second while the filesystem is mounted, a kernel write the host can watch
+    /// without any userspace in the guest ([`RootFs::mmp_seq`]).
+    pub fn create(dir: &Path, size_mib: u32) -> RootFs {
+        let tree = dir.join("rootfs");
+        for d in ["dev", "proc", "sys"] {
+            std::fs::create_dir_all(tree.join(d)).expect("mkdir rootfs");
+        }
+        let init = build_init(dir);
+        std::fs::copy(&init, tree.join("init")).expect("copy init");
+        let image = dir.join("root.ext4");
+        let out = Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-O", "mmp", "-E", "mmp_update_interval=1", "-d"])
+            .arg(&tree)
+            .arg(&image)
+            .arg(format!("{size_mib}M"))
+            .output()
+            .expect("run mkfs.ext4");
+        assert!(out.status.success(), "mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
+        RootFs { image }
+    }
+
+    /// `dumpe2fs -h` of the image.
+    pub fn header(&self) -> String {
+        let out = Command::new("dumpe2fs").arg("-h").arg(&self.image).output().expect("run dumpe2fs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The superblock's "Mount count".
+    pub fn mount_count(&self) -> u32 {
+        header_field(&self.header(), "Mount count").and_then(|v| v.parse().ok()).unwrap_or(0)
+    }
+
+    /// The MMP block's sequence number, read from the image file (the kernel's kmmpd raises it
+    /// every `mmp_update_interval` while the filesystem is mounted).
+    pub fn mmp_seq(&self) -> Option<u32> {
+        let h = self.header();
+        let block: u64 = header_field(&h, "MMP block number")?.parse().ok()?;
+        let bsize: u64 = header_field(&h, "Block size")?.parse().ok()?;
+        let bytes = std::fs::read(&self.image).ok()?;
+        let at = usize::try_from(block * bsize).ok()?;
+        // struct mmp_struct: mmp_magic (le32), mmp_seq (le32), ...
+        let magic = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?);
+        (magic == 0x004d_4d50).then(|| u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()))
+    }
+
+    /// Replays the journal on a copy, then `e2fsck -fn` of it: `Ok` if the filesystem is clean.
+    pub fn check_copy(&self, dir: &Path) -> Result<String, String> {
+        let copy = dir.join("check.ext4");
+        std::fs::copy(&self.image, &copy).map_err(|e| e.to_string())?;
+        // The kernel left the MMP block "in use" (it never unmounted): clear it on the copy.
+        let _ = Command::new("tune2fs").args(["-f", "-E", "clear_mmp"]).arg(&copy).output();
+        let _ = Command::new("e2fsck").args(["-f", "-y", "-E", "journal_only"]).arg(&copy).output();
+        let out = Command::new("e2fsck").args(["-f", "-n"]).arg(&copy).output().map_err(|e| e.to_string())?;
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if out.status.success() {
+            Ok(text)
+        } else {
+            Err(text)
+        }
+    }
+}
+
+/// The value after `name:` in `dumpe2fs -h` output.
+pub fn header_field(header: &str, name: &str) -> Option<String> {
+    header.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k.trim() == name).then(|| v.trim().to_string())
+    })
+}
+
+/// The host pinging a guest every 50 ms (`ping -i 0.05`), each reply's `icmp_seq` kept with its
+/// host arrival time.
+pub struct Pinger {
+    child: Child,
+    replies: Arc<Mutex<Vec<(Instant, u32)>>>,
+}
+
+impl Pinger {
+    pub fn start(addr: std::net::Ipv4Addr) -> Pinger {
+        let mut child = Command::new("ping")
+            .args(["-n", "-i", "0.05", "-W", "1"])
+            .arg(addr.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run ping");
+        let replies = Arc::new(Mutex::new(Vec::new()));
+        let out = child.stdout.take().expect("ping stdout");
+        let r = replies.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let seq = line.split_whitespace().find_map(|w| w.strip_prefix("icmp_seq=")?.parse().ok());
+                if let (true, Some(seq)) = (line.contains("bytes from"), seq) {
+                    r.lock().unwrap().push((Instant::now(), seq));
+                }
+            }
+        });
+        Pinger { child, replies }
+    }
+
+    /// How many replies have arrived.
+    pub fn replies(&self) -> usize {
+        self.replies.lock().unwrap().len()
+    }
+
+    /// Waits until `n` more replies than `after` have arrived (bounded by `limit`).
+    pub fn wait_replies(&self, after: usize, n: usize, limit: Duration) -> Result<(), String> {
+        let t = Instant::now();
+        while self.replies() < after + n {
+            if t.elapsed() > limit {
+                return Err(format!(
+                    "{} ping replies after {} s, wanted {}",
+                    self.replies(),
+                    limit.as_secs(),
+                    after + n
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// The sequence numbers lost between the first and the last reply so far.
+    pub fn lost(&self) -> Vec<u32> {
+        let got: BTreeSet<u32> = self.replies.lock().unwrap().iter().map(|&(_, s)| s).collect();
+        match (got.first(), got.last()) {
+            (Some(&a), Some(&b)) => (a..=b).filter(|s| !got.contains(s)).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The replies so far: (host arrival time, icmp_seq).
+    pub fn log(&self) -> Vec<(Instant, u32)> {
+        self.replies.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_fields_are_read_by_name() {
+        let h = "Mount count:              3\nMMP block number:         1049\nBlock size:               1024\n";
+        assert_eq!(header_field(h, "Mount count").as_deref(), Some("3"));
+        assert_eq!(header_field(h, "MMP block number").as_deref(), Some("1049"));
+        assert_eq!(header_field(h, "Maximum mount count"), None);
+    }
+
+    #[test]
+    fn the_command_line_keeps_this_hosts_workarounds() {
+        let c = cmdline("root=/dev/vda");
+        assert!(c.contains("noxsave") && c.contains("clearcpuid=ssse3") && c.ends_with("root=/dev/vda"));
+        assert_eq!(ip_arg([10, 1, 2, 2].into(), [10, 1, 2, 1].into()), "ip=10.1.2.2::10.1.2.1:255.255.255.0::eth0:off");
+    }
+}
