@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use vhost::vhost_user::Listener;
+use vhost_user_backend::bitmap::BitmapMmapRegion;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -70,7 +71,7 @@ impl Server {
         let pid = peer_pid(&front);
         let client = Arc::new(Client::new(id, pid));
         let backend = Arc::new(ClientBackend::new(self.nic.clone(), client.clone()));
-        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<BitmapMmapRegion>::new());
         let mut daemon = VhostUserDaemon::new(format!("nb-client-{id}"), backend.clone(), mem)
             .map_err(|e| io::Error::other(format!("client {id}: {e}")))?;
         if let Some(h) = daemon.get_epoll_handlers().first() {
