@@ -438,6 +438,13 @@ impl VhostUserNet {
     /// the queue, so the device's saved state carries it to the destination.
     fn suspend(&mut self) -> std::result::Result<(), String> {
         let pf = self.backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0;
+        // A migration without pre-copy (memory shared) logs nothing; LOG_ALL still tells the
+        // backend these rings stop for a migration, so its NIC follows the VM.
+        let connected = self.shared.connected.load(Ordering::Acquire);
+        if connected && !self.started.is_empty() && self.backend_features & VHOST_F_LOG_ALL != 0 {
+            let f = self.feature_word(self.acked) | VHOST_F_LOG_ALL;
+            self.frontend.set_features(f).map_err(|e| vu("SET_FEATURES", e))?;
+        }
         for i in std::mem::take(&mut self.started) {
             self.suspended.push(i);
             if !self.shared.connected.load(Ordering::Acquire) {
