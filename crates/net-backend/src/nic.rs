@@ -896,6 +896,59 @@ mod tests {
     }
 
     #[test]
+    fn a_migrating_owners_nic_follows_its_vm_not_a_standby() {
+        let n = nic(true);
+        let (a, _) = client(1, true);
+        let (b, lb) = client(2, true);
+        n.add_client(a.clone());
+        n.add_client(b.clone());
+        n.on_event(&a, RX as u16).unwrap();
+        assert_eq!(n.owner(), Some(1));
+        // A's destination connects while A migrates (not ready yet: no rings).
+        let (d, ld) = client(3, false);
+        n.add_client(d.clone());
+        a.set_features(VHOST_F_LOG_ALL);
+        n.ring_stopped(&a);
+        // The source leaves: no failover to the standby B, the NIC waits for the destination.
+        assert_eq!(n.remove_client(1), None);
+        n.on_event(&b, RX as u16).unwrap();
+        assert_eq!(n.owner(), None, "the standby does not take a migrating VM's NIC");
+        assert_eq!(lb.0.load(Ordering::SeqCst), -1);
+        // The destination starts its rings: it takes the NIC.
+        let (d2, _) = client(3, true);
+        *lock(&d.vrings) = d2.vrings();
+        n.on_event(&d, TX as u16).unwrap();
+        assert_eq!(n.owner(), Some(3));
+        assert!(link(&n, 3) && !link(&n, 2));
+        assert_eq!(ld.0.load(Ordering::SeqCst), 1000, "the destination's worker watches the tap");
+        assert_eq!(n.info().last_handover.map(|h| (h.from, h.to)), Some((Some(1), 3)));
+    }
+
+    #[test]
+    fn a_failed_migration_leaves_the_nic_with_its_source() {
+        let n = nic(false);
+        let (a, _) = client(1, true);
+        let (b, _) = client(2, true);
+        n.add_client(a.clone());
+        n.add_client(b.clone());
+        n.handover(1, Duration::ZERO).unwrap();
+        a.set_features(VHOST_F_LOG_ALL);
+        n.ring_stopped(&a);
+        // A non-owner or a non-migrating owner stopping its rings starts nothing.
+        n.ring_stopped(&b);
+        // The source's rings run again (its kick): the migration is over, it keeps the NIC.
+        a.set_features(0);
+        n.on_event(&a, TX as u16).unwrap();
+        let (c, _) = client(3, true);
+        n.add_client(c.clone());
+        n.on_event(&c, RX as u16).unwrap();
+        assert_eq!(n.owner(), Some(1), "a newcomer does not take the NIC of a VM that stayed");
+        // A handover to a standby works as ever.
+        n.handover(2, Duration::ZERO).unwrap();
+        assert_eq!(n.owner(), Some(2));
+    }
+
+    #[test]
     fn mac_parses_and_prints() {
         let m = parse_mac("52:54:00:ab:CD:0f").unwrap();
         assert_eq!(format_mac(&m), "52:54:00:ab:cd:0f");
