@@ -446,8 +446,15 @@ impl Nic {
         Self::set_owner(st, Some(c.id));
         let switch = Instant::now();
         st.handovers += 1;
-        st.handover =
-            Some(HandoverRecord { from: Some(m.from), to: c.id, last_a, switch, first_b: None, drained: 0, pause: Duration::ZERO });
+        st.handover = Some(HandoverRecord {
+            from: Some(m.from),
+            to: c.id,
+            last_a,
+            switch,
+            first_b: None,
+            drained: 0,
+            pause: Duration::ZERO,
+        });
         true
     }
 

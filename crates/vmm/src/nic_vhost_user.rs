@@ -49,8 +49,8 @@ use kumo_devices::virtio::{
     status, ActivateError, DeviceInterrupt, GuestMemory, VhostUserState, VirtioDevice, VIRTIO_F_RING_EVENT_IDX,
     VIRTIO_F_VERSION_1,
 };
-use kumo_vm::interrupt_paths::{PathRouting, SharedDispatcher};
 use kumo_vm::dirty::{DeviceDirtyLog, PageBitmap, SharedDirtyLog};
+use kumo_vm::interrupt_paths::{PathRouting, SharedDispatcher};
 use kumo_vm::interrupts::Interrupts;
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
 use vhost::vhost_user::{
@@ -324,7 +324,8 @@ impl VhostUserNet {
 
     /// SET_LOG_BASE: the backend maps `log` and sets a bit for every page it writes.
     fn send_log_base(&self, log: &SharedDirtyLog) -> std::result::Result<(), String> {
-        let region = VhostUserDirtyLogRegion { mmap_size: log.len(), mmap_offset: 0, mmap_handle: log.file().as_raw_fd() };
+        let region =
+            VhostUserDirtyLogRegion { mmap_size: log.len(), mmap_offset: 0, mmap_handle: log.file().as_raw_fd() };
         self.frontend.set_log_base(0, Some(region)).map_err(|e| vu("SET_LOG_BASE", e))
     }
 
@@ -688,7 +689,11 @@ impl DeviceDirtyLog for VhostUserNic {
     }
 
     fn start_log(&self) -> std::result::Result<(), String> {
-        lock(&self.function).transport().device_mut().start_log(self.ram_end).map_err(|e| format!("{}: {e}", self.name()))
+        lock(&self.function)
+            .transport()
+            .device_mut()
+            .start_log(self.ram_end)
+            .map_err(|e| format!("{}: {e}", self.name()))
     }
 
     fn fetch_log(&self, into: &mut PageBitmap) -> std::result::Result<u64, String> {
