@@ -246,3 +246,75 @@ fn a_refused_handover_leaves_the_owner_working() {
         .unwrap_or_else(|e| panic!("A still echoes: {e}\n{}", a.stdout()));
     drop((a, idle));
 }
+
+/// The NIC on `kumo net-backend` migrates with its VM: the source kumo turns dirty logging on
+/// in the backend (SET_LOG_BASE, LOG_ALL), stops its rings in the stop phase, and the
+/// destination kumo, on the same socket, starts them where they stopped; the backend gives
+/// the NIC to the destination (not to the standby VM that was ready all along). Twice: over
+/// TCP with pre-copy rounds (the backend's writes reach the rounds through its log) while the
+/// host sends datagrams, then with the local engine.
+#[test]
+fn a_vm_with_a_handover_nic_migrates_and_answers_from_the_destination() {
+    let test = "a_vm_with_a_handover_nic_migrates_and_answers_from_the_destination";
+    let (host, guest, _) = subnet(219);
+    let Some(tap) = tap_or_skip(test, "m", host) else { return };
+    let dir = TestDir::new();
+    let backend = Backend::start(&dir, &tap.name);
+    let echo = |who: &str, out: &dyn Fn() -> String| {
+        udp_echoes(SocketAddrV4::new(host, 0), SocketAddrV4::new(guest, 7), 3, PATIENCE)
+            .unwrap_or_else(|e| panic!("{who} echoes: {e}\n{}\n{}", out(), backend.info()))
+    };
+    let api_a = dir.arg("a.api");
+    let a = vm("A", &backend, "netecho", &[format!("ip={guest}"), "--api-socket".into(), api_a.clone()]);
+    let id_a = backend.ready_client(a.id());
+    let standby = vm("B", &backend, "netecho", &[format!("ip={guest}")]);
+    let id_b = backend.ready_client(standby.id());
+    assert_eq!(backend.info()["owner"].as_u64(), Some(id_a));
+    echo("A", &|| a.stdout());
+
+    let mut src = (a, api_a);
+    let hops = [("tcp", format!("tcp:127.0.0.1:{}", free_port()), "overlap"), ("local", String::new(), "local")];
+    for (i, (kind, addr, engine)) in hops.into_iter().enumerate() {
+        let addr = if kind == "local" { format!("unix:{}", dir.arg("mig.sock")) } else { addr };
+        let api_d = dir.arg(&format!("d{i}.api"));
+        // The destination names the NIC's backend on its host: the same socket here.
+        let net = format!("id=net0,vhost-user={}", backend.sock);
+        let dest = incoming(&addr, &["--api-socket", &api_d, "--net", &net], &format!("D{i}"));
+        // Datagrams while it migrates: the backend writes receive buffers and used rings.
+        let stop = Arc::new(AtomicU64::new(0));
+        let traffic = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let sock = UdpSocket::bind(SocketAddrV4::new(host, 0)).expect("bind");
+                let mut n = 0u64;
+                while stop.load(Ordering::SeqCst) == 0 {
+                    let _ = sock.send_to(&[0u8; 200], SocketAddrV4::new(guest, 7));
+                    n += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                n
+            })
+        };
+        let (ok, out, err) = migrate(&src.1, &["--to", &addr, "--engine", engine]);
+        stop.store(1, Ordering::SeqCst);
+        let sent = traffic.join().expect("traffic");
+        assert!(ok, "hop {i} ({engine}): {out}\n{err}\nsource:\n{}\ndest:\n{}", src.0.stderr(), dest.stderr());
+        let (code, _, serr) = src.0.wait();
+        assert_eq!(code, Some(0), "{serr}");
+        assert!(serr.contains("VM migrated to"), "{serr}");
+        // The destination's connection took the NIC; the standby did not.
+        let id_d = backend.ready_client(dest.id());
+        let info = eventually(PATIENCE, || {
+            let info = backend.info();
+            (info["owner"].as_u64() == Some(id_d)).then_some(info)
+        });
+        assert_ne!(id_d, id_b, "{info}");
+        eprintln!("{test}: hop {i} ({engine}) done, {sent} datagrams sent meanwhile; {info}");
+        echo(&format!("the destination of hop {i}"), &|| dest.stdout());
+        src = (dest, api_d);
+    }
+    let info = backend.info();
+    assert_eq!(info["max_in_flight"].as_u64(), Some(1), "{info}");
+    assert_eq!(info["foreign_serves"].as_u64(), Some(0), "{info}");
+    drop((src, standby));
+}

@@ -47,6 +47,20 @@ impl PageBitmap {
         false
     }
 
+    /// Adds page `gfn`; true if it was not in the set before (and a region holds it).
+    pub fn set_new(&mut self, gfn: u64) -> bool {
+        for (first, n, b) in &mut self.regions {
+            if gfn >= *first && gfn < *first + *n {
+                let i = gfn - *first;
+                let (w, m) = (&mut b[(i / 64) as usize], 1u64 << (i % 64));
+                let new = *w & m == 0;
+                *w |= m;
+                return new;
+            }
+        }
+        false
+    }
+
     /// Adds every page of `other` (same shape) to this set.
     pub fn union(&mut self, other: &PageBitmap) {
         for ((_, _, a), (_, _, b)) in self.regions.iter_mut().zip(&other.regions) {

@@ -6,6 +6,7 @@ use std::os::unix::io::RawFd;
 use std::sync::{Arc, Mutex};
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::bitmap::BitmapMmapRegion;
 use vhost_user_backend::{VhostUserBackend, VringEpollHandler};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS};
@@ -25,9 +26,11 @@ pub const FEATURES: u64 = (1 << VIRTIO_F_VERSION_1)
     | VHOST_F_LOG_ALL
     | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
 
-/// Protocol features offered: CONFIG, BACKEND_REQ, REPLY_ACK, MQ.
+/// Protocol features offered: CONFIG, BACKEND_REQ, REPLY_ACK, MQ, LOG_SHMFD (dirty logging
+/// into the frontend's log memfd: every write to guest memory sets its page's bit).
 pub fn protocol_features() -> VhostUserProtocolFeatures {
     VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::LOG_SHMFD
         | VhostUserProtocolFeatures::BACKEND_REQ
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::MQ
@@ -59,7 +62,10 @@ impl ClientBackend {
 }
 
 impl VhostUserBackend for ClientBackend {
-    type Bitmap = ();
+    /// Guest memory whose writes set bits in the frontend's dirty log once SET_LOG_BASE
+    /// installed one (vhost-user-backend replaces each region's bitmap then): RX buffers and
+    /// used rings alike, at their guest-physical page.
+    type Bitmap = BitmapMmapRegion;
     type Vring = Vring;
 
     fn num_queues(&self) -> usize {
@@ -94,8 +100,15 @@ impl VhostUserBackend for ClientBackend {
         v
     }
 
-    fn update_memory(&self, mem: GuestMemoryAtomic<vm_memory::GuestMemoryMmap>) -> io::Result<()> {
+    fn update_memory(&self, mem: GuestMemoryAtomic<vm_memory::GuestMemoryMmap<BitmapMmapRegion>>) -> io::Result<()> {
         self.client.set_mem(mem as Mem);
+        Ok(())
+    }
+
+    /// GET_VRING_BASE (stop): no processing section of this client is in progress when the
+    /// library reads the ring's index, so no buffer is completed after it answered.
+    fn stop_vring(&self, _queue: u32) -> io::Result<()> {
+        self.nic.ring_stopped(&self.client);
         Ok(())
     }
 

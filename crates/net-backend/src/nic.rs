@@ -4,7 +4,7 @@
 //! at no instant are two clients' queues processed; the in-flight probe counts it anyway so a
 //! test catches a change that breaks it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, Read, Write};
 use std::os::unix::io::RawFd;
 use std::os::unix::net::UnixStream;
@@ -13,6 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kumo_devices::virtio::net::NetBackend;
+use vhost_user_backend::bitmap::BitmapMmapRegion;
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
@@ -25,7 +26,7 @@ pub const NUM_QUEUES: usize = 2;
 pub const TAP_EVENT: u16 = NUM_QUEUES as u16 + 1;
 const MAX_FRAME: usize = kumo_devices::virtio::net::MAX_FRAME_LEN;
 
-pub type Mem = GuestMemoryAtomic<GuestMemoryMmap>;
+pub type Mem = GuestMemoryAtomic<GuestMemoryMmap<BitmapMmapRegion>>;
 pub type Vring = VringRwLock<Mem>;
 
 /// Where the owner's worker waits: the tap fd is added to / removed from it on ownership changes.
@@ -118,6 +119,11 @@ impl Client {
         if self.migrating() {
             return Err(format!("client {} is migrating (dirty logging is on)", self.id));
         }
+        self.check_rings()
+    }
+
+    /// Ok when the memory table is set and both queues are started and enabled.
+    fn check_rings(&self) -> Result<(), String> {
         if lock(&self.mem).is_none() {
             return Err(format!("client {} is not ready: no memory table yet", self.id));
         }
@@ -217,9 +223,19 @@ pub enum HandoverError {
     Migrating(String),
 }
 
+/// The owner stopped its rings while migrating (its stop phase): the NIC follows the VM to the
+/// first client that becomes ready afterwards (its destination), not to a standby.
+#[derive(Debug, Clone)]
+struct Migration {
+    from: u32,
+    /// Clients that were ready when `from` stopped: standbys, never the destination.
+    standbys: BTreeSet<u32>,
+}
+
 struct State {
     net: Box<dyn NetBackend>,
     owner: Option<u32>,
+    migration: Option<Migration>,
     clients: BTreeMap<u32, Arc<Client>>,
     /// A frame read from the tap that found no receive buffer yet; it goes out first.
     pending: Option<Vec<u8>>,
@@ -283,6 +299,7 @@ impl Nic {
             state: Mutex::new(State {
                 net,
                 owner: None,
+                migration: None,
                 clients: BTreeMap::new(),
                 pending: None,
                 buf: vec![0; MAX_FRAME],
@@ -359,7 +376,14 @@ impl Nic {
         let mut notify = Vec::new();
         {
             let mut st = lock(&self.state);
-            if st.owner.is_none() && self.auto_own && c.ready() && st.clients.contains_key(&c.id) {
+            if self.follow_migration(&mut st, c, event) {
+                notify.push(c.clone());
+            } else if st.owner.is_none()
+                && st.migration.is_none()
+                && self.auto_own
+                && c.ready()
+                && st.clients.contains_key(&c.id)
+            {
                 tracing::info!("client {} takes the unowned NIC", c.id);
                 Self::set_owner(&mut st, Some(c.id));
                 notify.push(c.clone());
@@ -375,6 +399,8 @@ impl Nic {
                     }
                 }
                 if !notify.is_empty() {
+                    // It just took the NIC: frames that waited, and its pending transmits.
+                    self.serve_rx(&mut st, c)?;
                     self.serve_tx(&mut st, c)?;
                 }
             }
@@ -383,6 +409,53 @@ impl Nic {
             n.send_config_change();
         }
         Ok(())
+    }
+
+    /// The owner's GET_VRING_BASE: called with no section of `c` in progress (the lock). A
+    /// migrating owner stopping its rings is in its stop phase: the NIC will follow its VM.
+    pub fn ring_stopped(&self, c: &Client) {
+        let mut st = lock(&self.state);
+        if st.owner == Some(c.id) && c.migrating() && st.migration.is_none() {
+            let standbys = st.clients.values().filter(|x| x.id != c.id && x.ready()).map(|x| x.id).collect();
+            tracing::info!("client {} stopped its rings while migrating: the NIC follows its VM", c.id);
+            st.migration = Some(Migration { from: c.id, standbys });
+        }
+    }
+
+    /// With a migration in its stop phase: the source restarting its rings (a failed migration)
+    /// keeps the NIC; the first other ready client that was no standby (the destination) takes
+    /// it. Returns true when `c` took the NIC.
+    fn follow_migration(&self, st: &mut State, c: &Arc<Client>, event: u16) -> bool {
+        let Some(m) = st.migration.clone() else { return false };
+        if c.id == m.from {
+            if (event as usize) < NUM_QUEUES && c.check_rings().is_ok() {
+                tracing::info!("client {} runs its rings again: its migration failed, it keeps the NIC", c.id);
+                st.migration = None;
+            }
+            return false;
+        }
+        if m.standbys.contains(&c.id) || !c.ready() || !st.clients.contains_key(&c.id) {
+            return false;
+        }
+        tracing::info!("client {} is client {}'s migrated VM: it takes the NIC", c.id, m.from);
+        st.migration = None;
+        let last_a = match st.last_served {
+            Some((id, t)) if id == m.from => Some(t),
+            _ => None,
+        };
+        Self::set_owner(st, Some(c.id));
+        let switch = Instant::now();
+        st.handovers += 1;
+        st.handover = Some(HandoverRecord {
+            from: Some(m.from),
+            to: c.id,
+            last_a,
+            switch,
+            first_b: None,
+            drained: 0,
+            pause: Duration::ZERO,
+        });
+        true
     }
 
     /// Completes every transmit buffer `c` made available; returns how many.
@@ -504,6 +577,8 @@ impl Nic {
             }
             b.check_ready().map_err(HandoverError::NotReady)?;
             let from = st.owner;
+            // An explicit handover ends a migration's hold on the NIC.
+            st.migration = None;
             if from == Some(to) {
                 let rec = HandoverRecord {
                     from,
@@ -581,7 +656,9 @@ impl Nic {
             if let Some(c) = st.clients.remove(&id) {
                 c.detach();
             }
-            if was_owner && self.auto_own {
+            // A migrated VM's source leaving: the NIC waits for the destination.
+            let migrated = st.migration.as_ref().is_some_and(|m| m.from == id);
+            if was_owner && self.auto_own && !migrated {
                 let next = st.clients.values().find(|c| c.ready()).cloned();
                 if let Some(n) = next {
                     tracing::info!("failover: client {} takes the NIC", n.id);
@@ -823,6 +900,59 @@ mod tests {
         assert_eq!(lc.0.load(Ordering::SeqCst), 1000);
         // A non-owner leaving changes nothing.
         assert_eq!(n.remove_client(2), Some(3));
+    }
+
+    #[test]
+    fn a_migrating_owners_nic_follows_its_vm_not_a_standby() {
+        let n = nic(true);
+        let (a, _) = client(1, true);
+        let (b, lb) = client(2, true);
+        n.add_client(a.clone());
+        n.add_client(b.clone());
+        n.on_event(&a, RX as u16).unwrap();
+        assert_eq!(n.owner(), Some(1));
+        // A's destination connects while A migrates (not ready yet: no rings).
+        let (d, ld) = client(3, false);
+        n.add_client(d.clone());
+        a.set_features(VHOST_F_LOG_ALL);
+        n.ring_stopped(&a);
+        // The source leaves: no failover to the standby B, the NIC waits for the destination.
+        assert_eq!(n.remove_client(1), None);
+        n.on_event(&b, RX as u16).unwrap();
+        assert_eq!(n.owner(), None, "the standby does not take a migrating VM's NIC");
+        assert_eq!(lb.0.load(Ordering::SeqCst), -1);
+        // The destination starts its rings: it takes the NIC.
+        let (d2, _) = client(3, true);
+        *lock(&d.vrings) = d2.vrings();
+        n.on_event(&d, TX as u16).unwrap();
+        assert_eq!(n.owner(), Some(3));
+        assert!(link(&n, 3) && !link(&n, 2));
+        assert_eq!(ld.0.load(Ordering::SeqCst), 1000, "the destination's worker watches the tap");
+        assert_eq!(n.info().last_handover.map(|h| (h.from, h.to)), Some((Some(1), 3)));
+    }
+
+    #[test]
+    fn a_failed_migration_leaves_the_nic_with_its_source() {
+        let n = nic(false);
+        let (a, _) = client(1, true);
+        let (b, _) = client(2, true);
+        n.add_client(a.clone());
+        n.add_client(b.clone());
+        n.handover(1, Duration::ZERO).unwrap();
+        a.set_features(VHOST_F_LOG_ALL);
+        n.ring_stopped(&a);
+        // A non-owner or a non-migrating owner stopping its rings starts nothing.
+        n.ring_stopped(&b);
+        // The source's rings run again (its kick): the migration is over, it keeps the NIC.
+        a.set_features(0);
+        n.on_event(&a, TX as u16).unwrap();
+        let (c, _) = client(3, true);
+        n.add_client(c.clone());
+        n.on_event(&c, RX as u16).unwrap();
+        assert_eq!(n.owner(), Some(1), "a newcomer does not take the NIC of a VM that stayed");
+        // A handover to a standby works as ever.
+        n.handover(2, Duration::ZERO).unwrap();
+        assert_eq!(n.owner(), Some(2));
     }
 
     #[test]

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use vhost::vhost_user::Listener;
+use vhost_user_backend::bitmap::BitmapMmapRegion;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -27,6 +28,14 @@ use crate::nic::{Client, Nic};
 const HDR_LEN: usize = 12;
 const MAX_FDS: usize = 32;
 const SET_BACKEND_REQ_FD: u32 = 21;
+const SET_FEATURES: u32 = 2;
+const SET_VRING_ENABLE: u32 = 18;
+/// VHOST_USER_F_PROTOCOL_FEATURES in SET_FEATURES.
+const PROTOCOL_FEATURES: u64 = 1 << 30;
+/// Header flags: version 1, reply, need-reply.
+const VERSION: u32 = 1;
+const REPLY: u32 = 1 << 2;
+const NEED_REPLY: u32 = 1 << 3;
 /// Largest message body accepted (the memory table with its maximum of regions is ~1 KiB).
 const MAX_BODY: usize = 1 << 20;
 
@@ -70,7 +79,7 @@ impl Server {
         let pid = peer_pid(&front);
         let client = Arc::new(Client::new(id, pid));
         let backend = Arc::new(ClientBackend::new(self.nic.clone(), client.clone()));
-        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<BitmapMmapRegion>::new());
         let mut daemon = VhostUserDaemon::new(format!("nb-client-{id}"), backend.clone(), mem)
             .map_err(|e| io::Error::other(format!("client {id}: {e}")))?;
         if let Some(h) = daemon.get_epoll_handlers().first() {
@@ -128,15 +137,49 @@ fn relay(from: &UnixStream, to: &UnixStream, client: Option<&Arc<Client>>) {
 fn relay_loop(from: &UnixStream, to: &UnixStream, client: Option<&Arc<Client>>) -> io::Result<()> {
     let mut hdr = [0u8; HDR_LEN];
     let mut body = Vec::new();
+    let mut protocol_acked = false;
+    // SET_VRING_ENABLE states that came before SET_FEATURES: (ring, enable), applied after it.
+    let mut early_enables: Vec<[u8; 8]> = Vec::new();
     loop {
         let fds = recv_header(from, &mut hdr)?;
         let request = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+        let flags = u32::from_le_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
         let size = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]) as usize;
         if size > MAX_BODY {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("message body of {size} bytes")));
         }
         body.resize(size, 0);
         (&mut &*from).read_exact(&mut body)?;
+        if let Some(c) = client {
+            tracing::trace!("client {}: request {request} flags {flags:#x} size {size} fds {}", c.id, fds.len());
+        }
+        let mut replay = Vec::new();
+        if client.is_some() && request == SET_FEATURES && size >= 8 {
+            let f = u64::from_le_bytes(body[..8].try_into().unwrap_or_default());
+            protocol_acked = f & PROTOCOL_FEATURES != 0;
+            if protocol_acked {
+                replay = std::mem::take(&mut early_enables);
+            }
+        }
+        // QEMU enables and disables the rings (SET_VRING_ENABLE) before SET_FEATURES, where
+        // vhost-user-backend refuses the message (PROTOCOL_FEATURES not yet acked) and drops
+        // the connection: answered here, and the states passed on right after SET_FEATURES.
+        if client.is_some() && request == SET_VRING_ENABLE && !protocol_acked {
+            if let Ok(state) = <[u8; 8]>::try_from(&body[..]) {
+                early_enables.retain(|e| e[..4] != state[..4]);
+                early_enables.push(state);
+            }
+            tracing::debug!("SET_VRING_ENABLE before SET_FEATURES: applied after it");
+            if flags & NEED_REPLY != 0 {
+                let mut ack = Vec::with_capacity(HDR_LEN + 8);
+                ack.extend_from_slice(&request.to_le_bytes());
+                ack.extend_from_slice(&(VERSION | REPLY).to_le_bytes());
+                ack.extend_from_slice(&8u32.to_le_bytes());
+                ack.extend_from_slice(&0u64.to_le_bytes());
+                (&mut &*from).write_all(&ack)?;
+            }
+            continue;
+        }
         if let (Some(c), SET_BACKEND_REQ_FD, Some(fd)) = (client, request, fds.first()) {
             let dup = fd.try_clone()?;
             c.set_req(UnixStream::from(dup));
@@ -147,6 +190,15 @@ fn relay_loop(from: &UnixStream, to: &UnixStream, client: Option<&Arc<Client>>) 
         msg.extend_from_slice(&body);
         let sent = if raw.is_empty() { 0 } else { to.send_with_fds(&[&msg[..]], &raw).map_err(io::Error::other)? };
         (&mut &*to).write_all(&msg[sent..])?;
+        // No reply asked (no NEED_REPLY), none sent.
+        for state in replay {
+            let mut m = Vec::with_capacity(HDR_LEN + 8);
+            m.extend_from_slice(&SET_VRING_ENABLE.to_le_bytes());
+            m.extend_from_slice(&VERSION.to_le_bytes());
+            m.extend_from_slice(&8u32.to_le_bytes());
+            m.extend_from_slice(&state);
+            (&mut &*to).write_all(&m)?;
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use kumo_net_backend::backend::FEATURES;
 use kumo_net_backend::{HandoverError, Nic, Server};
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -393,6 +393,84 @@ fn handover_moves_traffic_and_link() {
     assert_eq!(host_recv(&s), b"a-while-down");
     assert_eq!(s.nic.max_in_flight(), 1);
     assert_eq!(s.nic.foreign_serves(), 0);
+}
+
+/// Dirty logging (LOG_SHMFD, SET_LOG_BASE, LOG_ALL): every page the backend writes while the
+/// log is on has its bit set — the receive buffer and both used rings — and no page it only
+/// reads; GET_VRING_BASE answers where the ring stopped, and a new connection (the migrated
+/// VM) starting there with SET_VRING_BASE takes the NIC and goes on from that point.
+#[test]
+fn the_backend_logs_its_writes_and_its_nic_follows_a_migrated_vm() {
+    let s = start("dirty-log", true);
+    let a = Vm::start(&s);
+    wait_until("A owns the NIC", || s.nic.owner() == Some(1));
+    // Traffic before logging: nothing is logged.
+    s.host.send(&frame(b"before")).unwrap();
+    assert_eq!(one_frame(&a), b"before");
+
+    let log = memfd(MEM_SIZE / 4096 / 8);
+    let region =
+        VhostUserDirtyLogRegion { mmap_size: MEM_SIZE / 4096 / 8, mmap_offset: 0, mmap_handle: log.as_raw_fd() };
+    a.fe.set_log_base(0, Some(region)).unwrap();
+    a.fe.set_features(a.acked | VHOST_F_LOG_ALL).unwrap();
+    let bits = || {
+        let mut b = vec![0u8; (MEM_SIZE / 4096 / 8) as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&log, &mut b, 0).unwrap();
+        (0..MEM_SIZE / 4096).filter(|&p| b[(p / 8) as usize] & (1 << (p % 8)) != 0).collect::<BTreeSet<u64>>()
+    };
+    assert!(bits().is_empty(), "{:x?}", bits());
+    s.host.send(&frame(b"logged")).unwrap();
+    assert_eq!(one_frame(&a), b"logged");
+    a.driver.lock().unwrap().transmit(b"out");
+    assert_eq!(host_recv(&s), b"out");
+    wait_until("A's transmit completes", || a.driver.lock().unwrap().tx_done() == 1);
+    let (rx, tx) = (Ring::new(0), Ring::new(1));
+    // The second receive buffer (slot 1) took the frame.
+    let want: BTreeSet<u64> = [rx.used / 4096, tx.used / 4096, (rx.data + u64::from(BUF_LEN)) / 4096].into();
+    assert_eq!(bits(), want, "logged pages (page numbers)");
+
+    // The stop phase: A stops its rings where they are.
+    let base_rx = a.fe.get_vring_base(0).unwrap();
+    let base_tx = a.fe.get_vring_base(1).unwrap();
+    assert_eq!((base_rx, base_tx), (2, 1));
+    // Stopped: a frame now waits in the backend for the migrated VM.
+    s.host.send(&frame(b"waits")).unwrap();
+    // The migrated VM: a new connection on the same memory, rings started at those indices.
+    let mut fe = Vm::connect(&s);
+    fe.set_owner().unwrap();
+    fe.get_features().unwrap();
+    fe.set_features(a.acked).unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(pf).unwrap();
+    let d = a.driver.lock().unwrap();
+    let mem_region = VhostUserMemoryRegionInfo::from_guest_region(d.mem.iter().next().unwrap()).unwrap();
+    fe.set_mem_table(&[mem_region]).unwrap();
+    let va = |gpa: u64| d.mem.get_host_address(GuestAddress(gpa)).unwrap() as u64;
+    let call = [EventFd::new(0).unwrap(), EventFd::new(0).unwrap()];
+    for (q, r) in d.rings.iter().enumerate() {
+        fe.set_vring_num(q, QSIZE).unwrap();
+        let cfg = VringConfigData {
+            queue_max_size: QSIZE,
+            queue_size: QSIZE,
+            flags: 0,
+            desc_table_addr: va(r.desc),
+            used_ring_addr: va(r.used),
+            avail_ring_addr: va(r.avail),
+            log_addr: None,
+        };
+        fe.set_vring_addr(q, &cfg).unwrap();
+        fe.set_vring_base(q, [base_rx, base_tx][q] as u16).unwrap();
+        fe.set_vring_call(q, &call[q]).unwrap();
+        fe.set_vring_kick(q, &d.kick[q]).unwrap();
+        fe.set_vring_enable(q, true).unwrap();
+    }
+    d.kick(0);
+    drop(d);
+    wait_until("the migrated VM owns the NIC", || s.nic.owner() == Some(2));
+    assert_eq!(one_frame(&a), b"waits", "the frame went on where the rings stopped");
+    let last = s.nic.info().last_handover.unwrap();
+    assert_eq!((last.from, last.to), (Some(1), 2));
+    drop(fe);
 }
 
 #[test]

@@ -157,10 +157,166 @@ impl Vm {
     }
 }
 
+/// A device that writes guest memory where KVM cannot see it (a vhost-user backend in
+/// another process) and keeps its own log of those writes. A migration's source merges each
+/// such log with KVM's at every round; the device knows nothing of how pages travel.
+pub trait DeviceDirtyLog: Send + Sync {
+    /// The device's name, for errors.
+    fn name(&self) -> String;
+    /// Starts logging: from here on every page the device writes is in the log.
+    fn start_log(&self) -> std::result::Result<(), String>;
+    /// Adds the pages written since the last fetch to `into` and clears them in the log.
+    /// Returns how many were set.
+    fn fetch_log(&self, into: &mut PageBitmap) -> std::result::Result<u64, String>;
+    /// Stops logging (a migration ended or failed).
+    fn stop_log(&self);
+}
+
+/// A dirty log shared with another process: a memfd of one bit per 4 KiB guest page from
+/// guest-physical address 0 (the vhost-user log layout: bit `n % 8` of byte `n / 8` is page
+/// `n`), mapped here. The other process sets bits with atomic ORs; [`SharedDirtyLog::drain`]
+/// swaps each 64-bit word with zero, so a bit set meanwhile lands in this fetch or the next.
+pub struct SharedDirtyLog {
+    file: std::fs::File,
+    ptr: *mut std::sync::atomic::AtomicU64,
+    words: usize,
+}
+
+// SAFETY: the mapping is only accessed through atomics; the pointer is owned by this value.
+unsafe impl Send for SharedDirtyLog {}
+// SAFETY: as above: every access is an atomic operation on the shared mapping.
+unsafe impl Sync for SharedDirtyLog {}
+
+impl SharedDirtyLog {
+    /// A zeroed log covering guest-physical addresses below `end`.
+    pub fn new(end: u64) -> std::io::Result<Self> {
+        let pages = end.div_ceil(PAGE_SIZE);
+        let words = (pages.div_ceil(64) as usize).max(1);
+        let len = words * 8;
+        // SAFETY: a plain syscall with a NUL-terminated name; the returned fd is owned below.
+        let fd = unsafe { libc::memfd_create(c"kumo-dirty-log".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just created and is owned by nothing else.
+        let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        file.set_len(len as u64)?;
+        // SAFETY: maps `len` bytes of the memfd just sized to `len`, shared, at a fresh address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(SharedDirtyLog { file, ptr: ptr.cast(), words })
+    }
+
+    /// The memfd to hand to the other process.
+    pub fn file(&self) -> &std::fs::File {
+        &self.file
+    }
+
+    /// The log's size in bytes.
+    pub fn len(&self) -> u64 {
+        self.words as u64 * 8
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.words == 0
+    }
+
+    fn words(&self) -> &[std::sync::atomic::AtomicU64] {
+        // SAFETY: `ptr` maps `words` 8-byte words for as long as `self` lives; AtomicU64 has
+        // the layout of u64 and every access goes through it.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.words) }
+    }
+
+    /// Sets page `gfn`'s bit as the other process would (tests, and kumo's own writes).
+    pub fn mark(&self, gfn: u64) {
+        if let Some(w) = self.words().get((gfn / 64) as usize) {
+            w.fetch_or(1 << (gfn % 64), Ordering::SeqCst);
+        }
+    }
+
+    /// Moves every set bit into `into` (clearing it here); returns how many pages were new to
+    /// `into`. Bits for pages outside `into`'s regions are dropped.
+    pub fn drain(&self, into: &mut PageBitmap) -> u64 {
+        let mut n = 0;
+        for (i, w) in self.words().iter().enumerate() {
+            if w.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = w.swap(0, Ordering::SeqCst);
+            while bits != 0 {
+                let b = bits.trailing_zeros() as u64;
+                bits &= bits - 1;
+                let gfn = i as u64 * 64 + b;
+                if into.set_new(gfn) {
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+}
+
+impl Drop for SharedDirtyLog {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `new` made; nothing refers to it after `self`.
+        unsafe { libc::munmap(self.ptr.cast(), self.words * 8) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::vcpu::VcpuRun;
+
+    #[test]
+    fn shared_log_bits_move_into_the_migration_bitmap_once() {
+        // RAM below 1 MiB + 8 KiB and a region at 4 GiB, as the layouts have.
+        let regions = [(0u64, (1 << 20) + 8192), (1 << 32, 1 << 20)];
+        let log = SharedDirtyLog::new((1 << 32) + (1 << 20)).unwrap();
+        assert_eq!(log.len(), ((1u64 << 32) + (1 << 20)) / 4096 / 8);
+        // The other process's layout: bit n % 8 of byte n / 8, set byte-wise.
+        // SAFETY: a second shared mapping of the log's memfd, of its size, unmapped below.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                log.len() as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(log.file()),
+                0,
+            )
+        } as *mut std::sync::atomic::AtomicU8;
+        assert_ne!(map as *mut libc::c_void, libc::MAP_FAILED);
+        // SAFETY: every gfn below is inside the mapping (the log covers 4 GiB + 1 MiB).
+        let other = |gfn: u64| unsafe { (*map.add((gfn / 8) as usize)).fetch_or(1 << (gfn % 8), Ordering::SeqCst) };
+        for gfn in [0u64, 7, 8, 63, 64, 257, 0x101, 300, (1 << 32) / 4096 + 5] {
+            other(gfn);
+        }
+        let mut bm = PageBitmap::for_regions(&regions);
+        // 0x101 = 257: one page; page 300 lies in no region (dropped).
+        assert_eq!(log.drain(&mut bm), 7);
+        let gfns: Vec<u64> = bm.gfns().collect();
+        assert_eq!(gfns, vec![0, 7, 8, 63, 64, 257, (1 << 32) / 4096 + 5]);
+        // Drained: a second fetch finds nothing; a page already in the bitmap is not new.
+        assert_eq!(log.drain(&mut bm), 0);
+        other(7);
+        log.mark(9);
+        assert_eq!(log.drain(&mut bm), 1);
+        assert_eq!(bm.count(), 8);
+        // SAFETY: the test's own mapping, not used after this.
+        unsafe { libc::munmap(map.cast(), log.len() as usize) };
+    }
 
     #[test]
     fn kvm_reports_exactly_the_pages_the_guest_wrote() {

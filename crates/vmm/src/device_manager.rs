@@ -180,9 +180,19 @@ impl DeviceManager {
         }
     }
 
-    /// Why the VM cannot be migrated or snapshotted, if a device forbids it (a vhost-user NIC).
-    pub fn migration_blocker(&self) -> Option<String> {
-        self.nics.iter().find_map(Nic::migration_blocker)
+    /// Why the VM cannot be snapshotted, if a device forbids it (a vhost-user NIC).
+    pub fn snapshot_blocker(&self) -> Option<String> {
+        self.nics.iter().find_map(Nic::snapshot_blocker)
+    }
+
+    /// The devices' own dirty logs (vhost-user backends), to merge with KVM's.
+    pub fn dirty_logs(&self) -> Vec<&dyn kumo_vm::dirty::DeviceDirtyLog> {
+        self.nics.iter().filter_map(Nic::dirty_log).collect()
+    }
+
+    /// Stops (`on`) or restarts external backends' rings: a migration's stop phase, its failure.
+    pub fn suspend_backends(&self, on: bool) -> std::result::Result<(), String> {
+        self.nics.iter().try_for_each(|n| n.suspend_backend(on))
     }
 
     /// The NICs as `vm.info` shows them.

@@ -80,11 +80,28 @@ impl Nic {
         }
     }
 
-    /// Why this NIC cannot be migrated or snapshotted, if it cannot.
-    pub fn migration_blocker(&self) -> Option<String> {
+    /// Why this NIC cannot be snapshotted, if it cannot.
+    pub fn snapshot_blocker(&self) -> Option<String> {
         match self {
             Nic::Tap(_) => None,
-            Nic::VhostUser(n) => Some(n.migration_blocker()),
+            Nic::VhostUser(n) => Some(n.snapshot_blocker()),
+        }
+    }
+
+    /// The log of guest writes kept outside KVM's sight (a vhost-user backend's).
+    pub fn dirty_log(&self) -> Option<&dyn kumo_vm::dirty::DeviceDirtyLog> {
+        match self {
+            Nic::Tap(_) => None,
+            Nic::VhostUser(n) => Some(n),
+        }
+    }
+
+    /// A migration's stop phase / its failure: an external backend stops / restarts its rings.
+    pub fn suspend_backend(&self, on: bool) -> std::result::Result<(), String> {
+        match self {
+            Nic::Tap(_) => Ok(()),
+            Nic::VhostUser(n) if on => n.suspend_backend(),
+            Nic::VhostUser(n) => n.resume_backend(),
         }
     }
 

@@ -26,8 +26,15 @@
 //! - **Disconnect** (the backend's socket hangs up): the NIC goes link down (config interrupt),
 //!   the backend's rings are forgotten, kumo runs on; DEVICE_NEEDS_RESET is not set, since a
 //!   reset could not bring the backend back. There is no reconnect.
-//! - **Migration and snapshots** are refused: the rings' state lives in the backend. A VM pause
-//!   does not stop the backend (kumo's thread never touches guest memory for this NIC).
+//! - **Migration** (the backend must offer LOG_SHMFD and VHOST_F_LOG_ALL): when it starts, a
+//!   memfd log of one bit per guest page ([`SharedDirtyLog`]), SET_LOG_BASE and SET_FEATURES
+//!   with LOG_ALL; the rings are (re)started with VHOST_VRING_F_LOG while it runs. Each dirty-log
+//!   round drains the log into the migration's bitmap ([`DeviceDirtyLog`]). The stop phase stops
+//!   the rings (GET_VRING_BASE) and keeps their positions in the queues, so the transport's
+//!   saved state carries them; the destination's activation sends them with SET_VRING_BASE. A
+//!   failed migration restarts the rings; logging ends with SET_FEATURES without LOG_ALL.
+//! - **Snapshots** are refused ([`VhostUserNic::snapshot_blocker`]). A user's pause does not
+//!   stop the backend (kumo's thread never touches guest memory for this NIC).
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
@@ -42,6 +49,7 @@ use kumo_devices::virtio::{
     status, ActivateError, DeviceInterrupt, GuestMemory, VhostUserState, VirtioDevice, VIRTIO_F_RING_EVENT_IDX,
     VIRTIO_F_VERSION_1,
 };
+use kumo_vm::dirty::{DeviceDirtyLog, PageBitmap, SharedDirtyLog};
 use kumo_vm::interrupt_paths::{PathRouting, SharedDispatcher};
 use kumo_vm::interrupts::Interrupts;
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
@@ -49,10 +57,10 @@ use vhost::vhost_user::{
     Frontend, FrontendReqHandler, VhostUserFrontend, VhostUserFrontendReqHandler, VhostUserProtocolFeatures,
     VhostUserVirtioFeatures,
 };
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_bindings::virtio_net as vn;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{GuestAddress, GuestMemoryBackend as _};
+use vm_memory::{GuestAddress, GuestMemoryBackend as _, GuestMemoryRegion as _};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -94,7 +102,13 @@ pub fn wanted_protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::BACKEND_REQ
         | VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::LOG_SHMFD
 }
+
+/// VHOST_F_LOG_ALL: the backend logs every write to guest memory (a migration is running).
+const VHOST_F_LOG_ALL: u64 = 1 << 26;
+/// VHOST_VRING_F_LOG in SET_VRING_ADDR: the ring's used-ring writes are logged too.
+const VHOST_VRING_F_LOG: u32 = 1;
 
 /// Connects to a vhost-user backend's socket, saying in one line why not: no such file, not a
 /// socket, nobody listening.
@@ -129,6 +143,8 @@ struct Shared {
     /// Set by the backend's CONFIG_CHANGE_MSG; the NIC's thread re-reads the config.
     config_changed: EventFd,
     config_changes: AtomicU64,
+    /// The dirty log the backend writes into while a migration runs.
+    log: Mutex<Option<Arc<SharedDirtyLog>>>,
 }
 
 impl Shared {
@@ -175,6 +191,11 @@ pub struct VhostUserNet {
     queues: Option<Vec<Queue>>,
     /// Queues handed to the backend since the last activation.
     started: Vec<usize>,
+    /// What the driver acked and the memory it runs in, while it runs the device.
+    acked: u64,
+    mem: Option<GuestMemory>,
+    /// Queues stopped for a migration's stop phase (their positions are in `queues`).
+    suspended: Vec<usize>,
 }
 
 /// A vhost-user error, in one line.
@@ -226,6 +247,7 @@ impl VhostUserNet {
             backend_status,
             config_changed,
             config_changes: AtomicU64::new(0),
+            log: Mutex::new(None),
         });
         let req = if protocol.contains(VhostUserProtocolFeatures::BACKEND_REQ) {
             let mut h = FrontendReqHandler::new(Arc::new(ConfigChange(shared.clone())))
@@ -248,6 +270,9 @@ impl VhostUserNet {
             shared,
             queues: None,
             started: Vec::new(),
+            acked: 0,
+            mem: None,
+            suspended: Vec::new(),
         };
         // The MAC when the backend has none to say: the one derived from the socket's path.
         {
@@ -289,15 +314,36 @@ impl VhostUserNet {
         }
     }
 
+    /// The features to SET: the driver's that the backend offers, PROTOCOL_FEATURES, and
+    /// LOG_ALL while a migration logs.
+    fn feature_word(&self, acked: u64) -> u64 {
+        let pf = self.backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        let log = if lock(&self.shared.log).is_some() { VHOST_F_LOG_ALL } else { 0 };
+        (acked & self.backend_features) | pf | log
+    }
+
+    /// SET_LOG_BASE: the backend maps `log` and sets a bit for every page it writes.
+    fn send_log_base(&self, log: &SharedDirtyLog) -> std::result::Result<(), String> {
+        let region =
+            VhostUserDirtyLogRegion { mmap_size: log.len(), mmap_offset: 0, mmap_handle: log.file().as_raw_fd() };
+        self.frontend.set_log_base(0, Some(region)).map_err(|e| vu("SET_LOG_BASE", e))
+    }
+
     fn start(&mut self, acked: u64, mem: &GuestMemory, queues: &[Queue]) -> std::result::Result<(), String> {
         let f = &self.frontend;
         let pf = self.backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-        f.set_features((acked & self.backend_features) | pf).map_err(|e| vu("SET_FEATURES", e))?;
+        f.set_features(self.feature_word(acked)).map_err(|e| vu("SET_FEATURES", e))?;
         let regions = mem
             .iter()
             .map(|r| VhostUserMemoryRegionInfo::from_guest_region(r).map_err(|e| vu("guest memory region", e)))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         f.set_mem_table(&regions).map_err(|e| vu("SET_MEM_TABLE", e))?;
+        // A new memory table drops the backend's log: a migration running now needs it again.
+        let log = lock(&self.shared.log).clone();
+        if let Some(l) = &log {
+            self.send_log_base(l)?;
+        }
+        let f = &self.frontend;
         let hva = |a: u64, what: &str| {
             mem.get_host_address(GuestAddress(a))
                 .map(|p| p as u64)
@@ -311,11 +357,12 @@ impl VhostUserNet {
             let addr = VringConfigData {
                 queue_max_size: q.max_size(),
                 queue_size: q.size(),
-                flags: 0,
+                // Logging: the used ring's writes are logged at its guest-physical address.
+                flags: if log.is_some() { VHOST_VRING_F_LOG } else { 0 },
                 desc_table_addr: hva(q.desc_table(), "descriptor table")?,
                 used_ring_addr: hva(q.used_ring(), "used ring")?,
                 avail_ring_addr: hva(q.avail_ring(), "available ring")?,
-                log_addr: None,
+                log_addr: log.is_some().then(|| q.used_ring()),
             };
             f.set_vring_addr(i, &addr).map_err(|e| vu("SET_VRING_ADDR", e))?;
             f.set_vring_base(i, q.next_avail()).map_err(|e| vu("SET_VRING_BASE", e))?;
@@ -350,6 +397,82 @@ impl VhostUserNet {
                 tracing::warn!("vhost-user {}: GET_VRING_BASE on queue {i}: {e}", self.path.display());
             }
         }
+    }
+}
+
+impl VhostUserNet {
+    /// A migration starts: a log for all of guest RAM (below `ram_end`), SET_LOG_BASE and
+    /// SET_FEATURES with LOG_ALL if the driver runs the device (else when it starts it).
+    fn start_log(&mut self, ram_end: u64) -> std::result::Result<(), String> {
+        let offers = self.protocol.contains(VhostUserProtocolFeatures::LOG_SHMFD)
+            && self.backend_features & VHOST_F_LOG_ALL != 0;
+        if !offers {
+            return Err("the backend cannot log its writes to guest memory (no LOG_SHMFD or VHOST_F_LOG_ALL): hand its NIC to another VM before migrating this one".into());
+        }
+        let log = Arc::new(SharedDirtyLog::new(ram_end).map_err(|e| format!("dirty log memfd: {e}"))?);
+        *lock(&self.shared.log) = Some(log.clone());
+        if self.shared.connected.load(Ordering::Acquire) && self.mem.is_some() {
+            let r = self.send_log_base(&log).and_then(|()| {
+                self.frontend.set_features(self.feature_word(self.acked)).map_err(|e| vu("SET_FEATURES", e))
+            });
+            if let Err(e) = r {
+                *lock(&self.shared.log) = None;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// The migration ended or failed: SET_FEATURES without LOG_ALL.
+    fn stop_log(&mut self) {
+        if lock(&self.shared.log).take().is_none() {
+            return;
+        }
+        if self.shared.connected.load(Ordering::Acquire) && self.mem.is_some() {
+            if let Err(e) = self.frontend.set_features(self.feature_word(self.acked)) {
+                tracing::warn!("vhost-user {}: SET_FEATURES (logging off): {e}", self.path.display());
+            }
+        }
+    }
+
+    /// The stop phase: each started ring is stopped (GET_VRING_BASE) and its position kept in
+    /// the queue, so the device's saved state carries it to the destination.
+    fn suspend(&mut self) -> std::result::Result<(), String> {
+        let pf = self.backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0;
+        // A migration without pre-copy (memory shared) logs nothing; LOG_ALL still tells the
+        // backend these rings stop for a migration, so its NIC follows the VM.
+        let connected = self.shared.connected.load(Ordering::Acquire);
+        if connected && !self.started.is_empty() && self.backend_features & VHOST_F_LOG_ALL != 0 {
+            let f = self.feature_word(self.acked) | VHOST_F_LOG_ALL;
+            self.frontend.set_features(f).map_err(|e| vu("SET_FEATURES", e))?;
+        }
+        for i in std::mem::take(&mut self.started) {
+            self.suspended.push(i);
+            if !self.shared.connected.load(Ordering::Acquire) {
+                continue;
+            }
+            if pf {
+                self.frontend.set_vring_enable(i, false).map_err(|e| vu("SET_VRING_ENABLE 0", e))?;
+            }
+            let base = self.frontend.get_vring_base(i).map_err(|e| vu("GET_VRING_BASE", e))?;
+            if let Some(q) = self.queues.as_mut().and_then(|qs| qs.get_mut(i)) {
+                // The backend completes every buffer it takes: used and available meet.
+                q.set_next_avail(base as u16);
+                q.set_next_used(base as u16);
+            }
+        }
+        Ok(())
+    }
+
+    /// A failed migration: the rings start again where they stopped.
+    fn unsuspend(&mut self) -> std::result::Result<(), String> {
+        if std::mem::take(&mut self.suspended).is_empty() || !self.shared.connected.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let (Some(mem), Some(queues)) = (self.mem.clone(), self.queues.take()) else { return Ok(()) };
+        let r = self.start(self.acked, &mem, &queues);
+        self.queues = Some(queues);
+        r
     }
 }
 
@@ -390,6 +513,9 @@ impl VirtioDevice for VhostUserNet {
         queues: Vec<Queue>,
     ) -> std::result::Result<(), ActivateError> {
         *lock(&self.shared.irq) = Some(interrupt);
+        self.acked = acked_features;
+        self.mem = Some(mem.clone());
+        self.suspended.clear();
         let r = if self.shared.connected.load(Ordering::Acquire) {
             self.start(acked_features, &mem, &queues)
         } else {
@@ -415,14 +541,18 @@ impl VirtioDevice for VhostUserNet {
         self.stop();
         *lock(&self.shared.irq) = None;
         self.queues = None;
+        self.mem = None;
+        self.suspended.clear();
     }
 
     fn save_state(&self) -> VhostUserState {
         VhostUserState {}
     }
 
+    /// Nothing of its own: the rings' positions come with the transport's queues, and
+    /// activation hands them to the backend (SET_VRING_BASE).
     fn restore_state(&mut self, _state: &VhostUserState) -> std::result::Result<(), String> {
-        Err("a vhost-user NIC's state lives in its backend: it cannot be restored".into())
+        Ok(())
     }
 }
 
@@ -435,6 +565,8 @@ pub struct VhostUserNic {
     shared: Arc<Shared>,
     routing: Arc<PathRouting>,
     features: (u64, u64),
+    /// The end of guest RAM: the dirty log covers pages below it.
+    ram_end: u64,
     _ctl: Arc<Control>,
     _events: EventLoop,
 }
@@ -466,6 +598,7 @@ impl VhostUserNic {
         let shared = dev.shared.clone();
         let features = (dev.backend_features, dev.protocol.bits());
         let main_fd = dev.frontend.as_raw_fd();
+        let ram_end = mem.iter().map(|r| r.start_addr().0 + r.len()).max().unwrap_or(0);
         let Wired { function, slot, routing, ctl } =
             wire(&id, dev, spec.irq, bells, mem, irq, dispatcher, pci, &dev_err)?;
 
@@ -488,7 +621,7 @@ impl VhostUserNic {
         }
         let handler = Relay { function: function.clone(), shared: shared.clone(), calls, req };
         events.add(&fds, Box::new(handler)).map_err(|e| dev_err(format!("event loop: {e}")))?;
-        Ok(VhostUserNic { id, path, slot, function, shared, routing, features, _ctl: ctl, _events: events })
+        Ok(VhostUserNic { id, path, slot, function, shared, routing, features, ram_end, _ctl: ctl, _events: events })
     }
 
     pub fn id(&self) -> &str {
@@ -501,12 +634,25 @@ impl VhostUserNic {
 
     pub fn resume(&self) {}
 
-    pub fn migration_blocker(&self) -> String {
+    pub fn snapshot_blocker(&self) -> String {
         format!(
-            "{} is served by vhost-user backend {}: migration and snapshots of such a NIC are not supported yet",
+            "{} is served by vhost-user backend {}: snapshots of such a NIC are not supported (its rings live in the backend; migrate the VM instead)",
             self.id,
             self.path.display()
         )
+    }
+
+    /// A migration's stop phase: the backend stops the rings (GET_VRING_BASE) and writes
+    /// guest memory no more; their positions go with the device's state.
+    pub fn suspend_backend(&self) -> std::result::Result<(), String> {
+        let mut f = lock(&self.function);
+        f.transport().device_mut().suspend().map_err(|e| format!("{}: stopping the backend's rings: {e}", self.id))
+    }
+
+    /// After a failed migration: the rings run again where they stopped.
+    pub fn resume_backend(&self) -> std::result::Result<(), String> {
+        let mut f = lock(&self.function);
+        f.transport().device_mut().unsuspend().map_err(|e| format!("{}: restarting the backend's rings: {e}", self.id))
     }
 
     /// The NIC as `vm.info` shows it.
@@ -534,6 +680,29 @@ impl VhostUserNic {
                 config_changes: self.shared.config_changes.load(Ordering::Relaxed),
             }),
         }
+    }
+}
+
+impl DeviceDirtyLog for VhostUserNic {
+    fn name(&self) -> String {
+        format!("{} (vhost-user {})", self.id, self.path.display())
+    }
+
+    fn start_log(&self) -> std::result::Result<(), String> {
+        lock(&self.function)
+            .transport()
+            .device_mut()
+            .start_log(self.ram_end)
+            .map_err(|e| format!("{}: {e}", self.name()))
+    }
+
+    fn fetch_log(&self, into: &mut PageBitmap) -> std::result::Result<u64, String> {
+        let log = lock(&self.shared.log).clone();
+        Ok(log.map_or(0, |l| l.drain(into)))
+    }
+
+    fn stop_log(&self) {
+        lock(&self.function).transport().device_mut().stop_log();
     }
 }
 
@@ -659,6 +828,7 @@ mod tests {
             backend_status: true,
             config_changed: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             config_changes: AtomicU64::new(0),
+            log: Mutex::new(None),
         });
         let mut h = FrontendReqHandler::new(Arc::new(ConfigChange(shared.clone()))).unwrap();
         // The backend's end of the channel, as SET_BACKEND_REQ_FD would hand it over.

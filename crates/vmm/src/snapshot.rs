@@ -77,6 +77,9 @@ pub fn check_target(path: &Path) -> Result<()> {
 /// Pauses `vm`, writes it to `path` and resumes it (unless the user had paused it).
 pub fn snapshot_to_file(vm: &RunningVm, path: &Path) -> Result<SnapshotReport> {
     check_target(path)?;
+    if let Some(why) = vm.snapshot_blocker() {
+        return Err(SnapshotError::Conflict(format!("cannot snapshot: {why}")));
+    }
     // Given back however this ends, a panic included (resuming the VM unless the user had
     // paused it).
     let mut lease = vm.lease_run_state().map_err(|e| SnapshotError::Conflict(format!("cannot snapshot: {e}")))?;

@@ -432,15 +432,53 @@ impl RunningVm {
     /// Hands the VM's run state to a migration until [`RunningVm::end_migration`]: the user's
     /// pause and resume are refused meanwhile, and a second migration too.
     pub fn begin_migration(&self) -> Result<()> {
-        if let Some(why) = self.devices.migration_blocker() {
-            return Err(Error::Devices(why));
-        }
         if self.elastic.is_some() {
             return Err(Error::Config(
                 "an elastic VM (--elastic) cannot be migrated or snapshotted: its CPUs and memory are shared with other VMs on this host".into(),
             ));
         }
         self.vcpus.begin_migration()
+    }
+
+    /// Why the VM cannot be snapshotted, if a device forbids it (a vhost-user NIC).
+    pub fn snapshot_blocker(&self) -> Option<String> {
+        self.devices.snapshot_blocker()
+    }
+
+    /// Starts dirty logging: KVM's, and the devices' own logs (vhost-user backends).
+    pub fn start_dirty_log(&self) -> Result<()> {
+        self.vm.start_dirty_log()?;
+        for d in self.devices.dirty_logs() {
+            if let Err(e) = d.start_log() {
+                self.stop_dirty_log();
+                return Err(Error::Devices(e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Merges the pages written since the last fetch, KVM's and the devices', into `into`.
+    pub fn fetch_dirty(&self, into: &mut kumo_vm::dirty::PageBitmap) -> Result<u64> {
+        let mut n = self.vm.fetch_dirty(into)?;
+        for d in self.devices.dirty_logs() {
+            n += d.fetch_log(into).map_err(Error::Devices)?;
+        }
+        Ok(n)
+    }
+
+    pub fn stop_dirty_log(&self) {
+        for d in self.devices.dirty_logs() {
+            d.stop_log();
+        }
+        if let Err(e) = self.vm.stop_dirty_log() {
+            tracing::warn!("cannot stop dirty logging: {e}");
+        }
+    }
+
+    /// A migration's stop phase (`on`) or its failure: external backends stop or restart
+    /// their rings (see `DeviceManager::suspend_backends`).
+    pub fn suspend_backends(&self, on: bool) -> Result<()> {
+        self.devices.suspend_backends(on).map_err(Error::Devices)
     }
 
     /// [`RunningVm::begin_migration`] as a lease that gives the run state back when dropped,

@@ -34,24 +34,23 @@ impl SourceVm for RunningVm {
         RunningVm::memfd(self).as_fd()
     }
     fn start_dirty_log(&self) -> Result<(), VmError> {
-        self.vm().start_dirty_log().map(drop).map_err(|e| VmError::new(VmOp::StartDirtyLog, e))
+        RunningVm::start_dirty_log(self).map_err(|e| VmError::new(VmOp::StartDirtyLog, e))
     }
     fn stop_dirty_log(&self) {
-        if let Err(e) = self.vm().stop_dirty_log() {
-            tracing::warn!("cannot stop dirty logging: {e}");
-        }
+        RunningVm::stop_dirty_log(self)
     }
     fn touched_pages(&self) -> Result<PageBitmap, VmError> {
         self.vm().touched_pages().map_err(|e| VmError::new(VmOp::TouchedPages, e))
     }
     fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError> {
-        self.vm().fetch_dirty(into).map_err(|e| VmError::new(VmOp::FetchDirty, e))
+        RunningVm::fetch_dirty(self, into).map_err(|e| VmError::new(VmOp::FetchDirty, e))
     }
     fn pause(&self) -> Result<(), VmError> {
         self.migration_pause().map_err(|e| VmError::new(VmOp::Pause, e))?;
         // Every request the guest made is on the images, and on stable storage, before the
-        // stop phase ends.
-        if let Err(e) = self.quiesce_disks() {
+        // stop phase ends; external backends stop their rings (their positions are state).
+        if let Err(e) = self.quiesce_disks().and_then(|()| self.suspend_backends(true)) {
+            let _ = self.suspend_backends(false);
             let _ = self.migration_resume();
             return Err(VmError::new(VmOp::Pause, e));
         }
@@ -63,6 +62,7 @@ impl SourceVm for RunningVm {
         // A failed migration: the images are ours again before the guest runs (if the
         // destination still holds one, the VM stays paused).
         self.lock_disks(true).map_err(|e| VmError::new(VmOp::Resume, e))?;
+        self.suspend_backends(false).map_err(|e| VmError::new(VmOp::Resume, e))?;
         self.set_taps_attached(true);
         self.migration_resume().map_err(|e| VmError::new(VmOp::Resume, e))
     }
