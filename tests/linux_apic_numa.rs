@@ -4,11 +4,11 @@
 //! SRAT (its boot log sets up node 0 and node 1) and answers pings.
 //!
 //! Needs /dev/kvm, a tap (root) and the test kernel; skips, saying why, without them. Every
-//! wait is for a kernel message or a ping reply, bounded by `BOOT_LIMIT` only as a hang guard.
+//! wait is for a kernel message or a ping reply, bounded by `linux::boot_limit()` only as a hang guard.
 
 use std::net::Ipv4Addr;
 
-use kumo_testkit::linux::{self, Pinger, BOOT_LIMIT, IP_CONFIG_COMPLETE};
+use kumo_testkit::linux::{self, Pinger, IP_CONFIG_COMPLETE};
 use kumo_testkit::net::{subnet, tap_or_skip};
 use kumo_testkit::{Kid, TestDir};
 
@@ -21,7 +21,7 @@ fn boot_and_ping(kernel: &std::path::Path, tap: &str, args: &[&str], guest: Ipv4
     let mut vm = linux::spawn(kernel, &cmdline, &a, &args.join(" "));
     linux::expect_console(&mut vm, IP_CONFIG_COMPLETE);
     let pinger = Pinger::start(guest);
-    pinger.wait_replies(0, 5, BOOT_LIMIT).unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&vm, 30)));
+    pinger.wait_replies(0, 5, linux::boot_limit()).unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&vm, 30)));
     linux::print_milestones(&vm);
     vm
 }

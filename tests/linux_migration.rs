@@ -5,12 +5,12 @@
 //! kmmpd thread rewrites every second changes in the image after the migration completed.
 //!
 //! Needs /dev/kvm, a tap (root) and the test kernel; skips, saying why, without them. Every
-//! wait is for a kernel message, a ping reply or a change in the image, bounded by `BOOT_LIMIT`
-//! or `PATIENCE` only as a hang guard.
+//! wait is for a kernel message, a ping reply or a change in the image, bounded by
+//! `linux::boot_limit()` only as a hang guard.
 
-use kumo_testkit::linux::{self, Pinger, RootFs, BOOT_LIMIT, IP_CONFIG_COMPLETE, RUN_INIT};
+use kumo_testkit::linux::{self, Pinger, RootFs, IP_CONFIG_COMPLETE, RUN_INIT};
 use kumo_testkit::net::{subnet, tap_or_skip};
-use kumo_testkit::{free_port, incoming, migrate, vm_info, TestDir, PATIENCE};
+use kumo_testkit::{free_port, incoming, migrate, vm_info, TestDir};
 
 fn linux_migrates_answering_pings(test: &str, engine: &str) {
     let Some(kernel) = linux::test_kernel(test) else { return };
@@ -28,7 +28,9 @@ fn linux_migrates_answering_pings(test: &str, engine: &str) {
     linux::expect_console(&mut src, IP_CONFIG_COMPLETE);
     linux::expect_console(&mut src, RUN_INIT);
     let pinger = Pinger::start(guest);
-    pinger.wait_replies(0, 10, BOOT_LIMIT).unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&src, 30)));
+    pinger
+        .wait_replies(0, 10, linux::boot_limit())
+        .unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&src, 30)));
 
     let addr = match engine {
         "local" => format!("unix:{}", dir.arg("mig.sock")),
@@ -39,7 +41,7 @@ fn linux_migrates_answering_pings(test: &str, engine: &str) {
     let dst = incoming(&addr, &["--net", &dnet, "--disk", &ddisk, "--api-socket", &dsock], "dst");
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine]);
     assert!(ok, "{engine}: migrate failed:\n{out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dst.stderr());
-    let (code, _, err) = src.finish(PATIENCE);
+    let (code, _, err) = src.finish(linux::boot_limit());
     assert_eq!(code, Some(0), "{engine}: the source ends after handing over: {err}");
     println!("{engine}: {out}");
 
@@ -47,9 +49,9 @@ fn linux_migrates_answering_pings(test: &str, engine: &str) {
     let after = pinger.replies();
     let seq = root.mmp_seq();
     pinger
-        .wait_replies(after, 20, PATIENCE)
+        .wait_replies(after, 20, linux::boot_limit())
         .unwrap_or_else(|e| panic!("{engine}: from the destination: {e}\n{}", dst.stderr()));
-    root.wait_mmp_writes(seq, PATIENCE)
+    root.wait_mmp_writes(seq, linux::boot_limit())
         .unwrap_or_else(|e| panic!("{engine}: the destination's disk: {e}\n{}\n{}", dst.stdout(), dst.stderr()));
     let lost = pinger.lost();
     assert!(lost.len() <= 1, "{engine}: pings lost around the migration: {lost:?}");

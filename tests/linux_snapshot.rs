@@ -8,10 +8,10 @@
 //! that ran on after its snapshot would have written blocks the restored one knows nothing of.
 //!
 //! Needs /dev/kvm, a tap (root) and the test kernel; skips, saying why, without them. Every
-//! wait is for a kernel message, a ping reply or a change in the image, bounded by `BOOT_LIMIT`
-//! or `PATIENCE` only as a hang guard.
+//! wait is for a kernel message, a ping reply or a change in the image, bounded by
+//! `linux::boot_limit()` only as a hang guard.
 
-use kumo_testkit::linux::{self, Pinger, RootFs, BOOT_LIMIT, IP_CONFIG_COMPLETE, RUN_INIT};
+use kumo_testkit::linux::{self, Pinger, RootFs, IP_CONFIG_COMPLETE, RUN_INIT};
 use kumo_testkit::net::{subnet, tap_or_skip};
 use kumo_testkit::{eventually, kumo_api, vm_state, Kid, TestDir, PATIENCE};
 
@@ -32,7 +32,7 @@ fn linux_restored_from_a_snapshot_answers_pings_and_writes_its_disk() {
     linux::expect_console(&mut src, IP_CONFIG_COMPLETE);
     linux::expect_console(&mut src, RUN_INIT);
     let pinger = Pinger::start(guest);
-    pinger.wait_replies(0, 5, BOOT_LIMIT).unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&src, 30)));
+    pinger.wait_replies(0, 5, linux::boot_limit()).unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&src, 30)));
     drop(pinger);
 
     let file = dir.arg("linux.snap");
@@ -56,8 +56,11 @@ fn linux_restored_from_a_snapshot_answers_pings_and_writes_its_disk() {
     let (ok, _, err) = kumo_api(&rsock, &["resume"]);
     assert!(ok, "resume: {err}");
     let pinger = Pinger::start(guest);
-    pinger.wait_replies(0, 5, PATIENCE).unwrap_or_else(|e| panic!("the restored kernel: {e}\n{}", vm.stderr()));
-    root.wait_mmp_writes(seq, PATIENCE).unwrap_or_else(|e| panic!("the restored kernel's disk: {e}\n{}", vm.stderr()));
+    pinger
+        .wait_replies(0, 5, linux::boot_limit())
+        .unwrap_or_else(|e| panic!("the restored kernel: {e}\n{}", vm.stderr()));
+    root.wait_mmp_writes(seq, linux::boot_limit())
+        .unwrap_or_else(|e| panic!("the restored kernel's disk: {e}\n{}", vm.stderr()));
     assert_eq!(vm.try_exit(), Ok(None), "the restored VM runs on: {}", vm.stderr());
     let console = vm.stdout();
     assert!(!console.contains("EXT4-fs error") && !console.contains("I/O error"), "{console}");
