@@ -4,7 +4,8 @@
 //! SRAT (its boot log sets up node 0 and node 1) and answers pings.
 //!
 //! Needs /dev/kvm, a tap (root) and the test kernel; skips, saying why, without them. Every
-//! wait is for a kernel message or a ping reply, bounded by `linux::boot_limit()` only as a hang guard.
+//! wait is for a kernel message or a ping reply, bounded by `linux::boot_limit()` and
+//! `linux::effect_limit()` only as hang guards.
 
 use std::net::Ipv4Addr;
 
@@ -21,7 +22,9 @@ fn boot_and_ping(kernel: &std::path::Path, tap: &str, args: &[&str], guest: Ipv4
     let mut vm = linux::spawn(kernel, &cmdline, &a, &args.join(" "));
     linux::expect_console(&mut vm, IP_CONFIG_COMPLETE);
     let pinger = Pinger::start(guest);
-    pinger.wait_replies(0, 5, linux::boot_limit()).unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&vm, 30)));
+    pinger
+        .wait_replies(0, 5, linux::effect_limit())
+        .unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&vm, 30)));
     linux::print_milestones(&vm);
     vm
 }

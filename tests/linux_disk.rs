@@ -6,7 +6,7 @@
 //!
 //! Needs /dev/kvm and the test kernel; skips, saying why, without them (under CI a missing
 //! kernel fails). Every wait is for a kernel message or a change in the image file, bounded by
-//! `linux::boot_limit()` only as a hang guard.
+//! `linux::boot_limit()` and `linux::effect_limit()` only as hang guards.
 
 use kumo_testkit::linux::{self, RootFs, RUN_INIT};
 use kumo_testkit::TestDir;
@@ -27,7 +27,8 @@ fn linux_mounts_its_root_from_a_kumo_disk_and_its_writes_land() {
     linux::expect_console(&mut vm, "EXT4-fs (vda): mounted filesystem");
     linux::expect_console(&mut vm, RUN_INIT);
     // kmmpd's writes reach the image file while the kernel runs (and /init runs on).
-    root.wait_mmp_writes(seq0, linux::boot_limit()).unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&vm, 30)));
+    root.wait_mmp_writes(seq0, linux::effect_limit())
+        .unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&vm, 30)));
     assert_eq!(vm.child.try_wait().ok().flatten(), None, "the VM still runs:\n{}", linux::console_tail(&vm, 30));
     let console = vm.stdout();
     assert!(!console.contains("Kernel panic") && !console.contains("I/O error"), "{console}");

@@ -6,7 +6,7 @@
 //!
 //! Needs /dev/kvm, a tap (root) and the test kernel; skips, saying why, without them. Every
 //! wait is for a kernel message, a ping reply or a change in the image, bounded by
-//! `linux::boot_limit()` only as a hang guard.
+//! `linux::boot_limit()` and `linux::effect_limit()` only as hang guards.
 
 use kumo_testkit::linux::{self, Pinger, RootFs, IP_CONFIG_COMPLETE, RUN_INIT};
 use kumo_testkit::net::{subnet, tap_or_skip};
@@ -29,7 +29,7 @@ fn linux_migrates_answering_pings(test: &str, engine: &str) {
     linux::expect_console(&mut src, RUN_INIT);
     let pinger = Pinger::start(guest);
     pinger
-        .wait_replies(0, 10, linux::boot_limit())
+        .wait_replies(0, 10, linux::effect_limit())
         .unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&src, 30)));
 
     let addr = match engine {
@@ -49,9 +49,9 @@ fn linux_migrates_answering_pings(test: &str, engine: &str) {
     let after = pinger.replies();
     let seq = root.mmp_seq();
     pinger
-        .wait_replies(after, 20, linux::boot_limit())
+        .wait_replies(after, 20, linux::effect_limit())
         .unwrap_or_else(|e| panic!("{engine}: from the destination: {e}\n{}", dst.stderr()));
-    root.wait_mmp_writes(seq, linux::boot_limit())
+    root.wait_mmp_writes(seq, linux::effect_limit())
         .unwrap_or_else(|e| panic!("{engine}: the destination's disk: {e}\n{}\n{}", dst.stdout(), dst.stderr()));
     let lost = pinger.lost();
     assert!(lost.len() <= 1, "{engine}: pings lost around the migration: {lost:?}");

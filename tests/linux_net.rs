@@ -5,8 +5,8 @@
 //!
 //! One boot per path: `ip=` configures eth0 alone, so one VM with several NICs would not test
 //! the others. Needs /dev/kvm, a tap (root) and the test kernel; skips, saying why, without
-//! them. Every wait is for a kernel message or a ping reply, bounded by `linux::boot_limit()` only as a
-//! hang guard.
+//! them. Every wait is for a kernel message or a ping reply, bounded by `linux::boot_limit()` and
+//! `linux::effect_limit()` only as hang guards.
 
 use std::net::Ipv4Addr;
 
@@ -34,7 +34,7 @@ fn boots_and_answers(
     linux::expect_console(&mut vm, IP_CONFIG_COMPLETE);
     let pinger = Pinger::start(guest);
     pinger
-        .wait_replies(0, 5, linux::boot_limit())
+        .wait_replies(0, 5, linux::effect_limit())
         .unwrap_or_else(|e| panic!("{net}: {e}\n{}", linux::console_tail(&vm, 30)));
     linux::print_milestones(&vm);
     let nic = vm_info(&sock).net.remove(0);
@@ -66,8 +66,6 @@ fn linux_configures_ip_and_answers_pings_on_each_interrupt_path() {
 }
 
 #[test]
-#[ignore = "the test kernel with 2 vCPUs hangs at its first clocksource switch (stop_machine) on this \
-            host: both vCPUs spin in ring 0 without exits (docs/linux-boot.md)"]
 fn linux_answers_pings_with_two_queue_pairs() {
     let test = "linux_answers_pings_with_two_queue_pairs";
     let Some(kernel) = linux::test_kernel(test) else { return };

@@ -9,7 +9,7 @@
 //!
 //! Needs /dev/kvm, a tap (root) and the test kernel; skips, saying why, without them. Every
 //! wait is for a kernel message, a ping reply or a change in the image, bounded by
-//! `linux::boot_limit()` only as a hang guard.
+//! `linux::boot_limit()` and `linux::effect_limit()` only as hang guards.
 
 use kumo_testkit::linux::{self, Pinger, RootFs, IP_CONFIG_COMPLETE, RUN_INIT};
 use kumo_testkit::net::{subnet, tap_or_skip};
@@ -32,7 +32,9 @@ fn linux_restored_from_a_snapshot_answers_pings_and_writes_its_disk() {
     linux::expect_console(&mut src, IP_CONFIG_COMPLETE);
     linux::expect_console(&mut src, RUN_INIT);
     let pinger = Pinger::start(guest);
-    pinger.wait_replies(0, 5, linux::boot_limit()).unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&src, 30)));
+    pinger
+        .wait_replies(0, 5, linux::effect_limit())
+        .unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&src, 30)));
     drop(pinger);
 
     let file = dir.arg("linux.snap");
@@ -57,9 +59,9 @@ fn linux_restored_from_a_snapshot_answers_pings_and_writes_its_disk() {
     assert!(ok, "resume: {err}");
     let pinger = Pinger::start(guest);
     pinger
-        .wait_replies(0, 5, linux::boot_limit())
+        .wait_replies(0, 5, linux::effect_limit())
         .unwrap_or_else(|e| panic!("the restored kernel: {e}\n{}", vm.stderr()));
-    root.wait_mmp_writes(seq, linux::boot_limit())
+    root.wait_mmp_writes(seq, linux::effect_limit())
         .unwrap_or_else(|e| panic!("the restored kernel's disk: {e}\n{}", vm.stderr()));
     assert_eq!(vm.try_exit(), Ok(None), "the restored VM runs on: {}", vm.stderr());
     let console = vm.stdout();

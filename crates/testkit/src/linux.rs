@@ -33,6 +33,15 @@ pub fn boot_limit() -> Duration {
     std::env::var("KUMO_LINUX_BOOT_TIMEOUT").ok().and_then(|s| s.parse().ok()).map_or(BOOT_LIMIT, Duration::from_secs)
 }
 
+/// The hang guard of the waits after the kernel is up (ping replies, writes reaching the image:
+/// seconds when the mechanism works): [`boot_limit`], or `$KUMO_LINUX_EFFECT_TIMEOUT` seconds.
+pub fn effect_limit() -> Duration {
+    std::env::var("KUMO_LINUX_EFFECT_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or_else(boot_limit, Duration::from_secs)
+}
+
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
