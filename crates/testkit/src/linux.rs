@@ -20,9 +20,27 @@ use std::time::{Duration, Instant};
 pub const IP_CONFIG_COMPLETE: &str = "IP-Config: Complete";
 /// Printed when the kernel read `/init` from its root filesystem and is about to run it.
 pub const RUN_INIT: &str = "Run /init as init process";
+/// The command line arguments that boot from a [`RootFs`] on the VM's first disk, read-write,
+/// and run its `/init` (without `init=` the kernel looks for /sbin/init and panics).
+pub const ROOT_ARGS: &str = "root=/dev/vda rw rootwait init=/init";
 /// How long a Linux boot may take here before a test gives up (ring-0 code runs emulated: the
 /// test kernel reaches `IP-Config` in about a minute on an idle 2-core host).
 pub const BOOT_LIMIT: Duration = Duration::from_secs(900);
+
+/// [`BOOT_LIMIT`], or `$KUMO_LINUX_BOOT_TIMEOUT` seconds: the hang guard of every wait in the
+/// Linux tests (a shorter one ends a test whose mechanism is broken on purpose sooner).
+pub fn boot_limit() -> Duration {
+    std::env::var("KUMO_LINUX_BOOT_TIMEOUT").ok().and_then(|s| s.parse().ok()).map_or(BOOT_LIMIT, Duration::from_secs)
+}
+
+/// The hang guard of the waits after the kernel is up (ping replies, writes reaching the image:
+/// seconds when the mechanism works): [`boot_limit`], or `$KUMO_LINUX_EFFECT_TIMEOUT` seconds.
+pub fn effect_limit() -> Duration {
+    std::env::var("KUMO_LINUX_EFFECT_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or_else(boot_limit, Duration::from_secs)
+}
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -57,10 +75,17 @@ pub fn test_kernel(test: &str) -> Option<PathBuf> {
 
 /// The command line for the test kernel: kumo's defaults for this host (no XSAVE, no SSSE3,
 /// no crypto self-tests), plugged memory online by itself (virtio-mem), then `extra`.
+///
+/// `lapic=notscdeadline`: with the TSC-deadline timer the kernel's 250 Hz periodic tick runs
+/// on a one-shot clockevent, whose handler (`tick_handle_periodic`) runs the tick again while
+/// its next expiry is already past. Here every ring-0 instruction is emulated, and on a loaded
+/// host one tick costs more than 4 ms: the vCPU then runs ticks forever (seen stuck in
+/// `timekeeping_advance`/`scheduler_tick` at the first clocksource switch). The LAPIC's own
+/// periodic mode drops late ticks instead.
 pub fn cmdline(extra: &str) -> String {
     format!(
         "console=ttyS0 reboot=k panic=-1 nokaslr noxsave clearcpuid=ssse3 cryptomgr.notests \
-         memhp_default_state=online {extra}"
+         lapic=notscdeadline memhp_default_state=online {extra}"
     )
 }
 
@@ -147,6 +172,105 @@ impl RootFs {
         } else {
             Err(text)
         }
+    }
+}
+
+/// Linux VM tests run one at a time in a test binary: two emulation-bound kernels on a 2-core
+/// host only slow each other down (hold the guard from [`one_at_a_time`] for the whole test).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The guard that keeps this binary's Linux VMs sequential (a failed test does not poison it).
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `kumo run --kernel KERNEL --memory 512M --cmdline CMDLINE ARGS…`: a Linux VM whose serial
+/// console is the [`Kid`]'s stdout (1 vCPU unless `args` says otherwise).
+pub fn spawn(kernel: &Path, cmdline: &str, args: &[&str], tag: &str) -> crate::Kid {
+    let k = kernel.to_str().expect("kernel path is UTF-8");
+    let mut a = vec!["run", "--kernel", k, "--memory", "512M", "--cmdline", cmdline];
+    if !args.contains(&"--cpus") {
+        a.extend(["--cpus", "1"]);
+    }
+    a.extend_from_slice(args);
+    println!("{tag}: kumo {}", a.join(" "));
+    crate::Kid::spawn(&a).named(tag)
+}
+
+/// Waits (within [`boot_limit`]) for a console line containing `what`: its host arrival time
+/// and the line. The error names the VM and quotes the console's last lines.
+pub fn wait_console(vm: &mut crate::Kid, what: &str) -> Result<(Instant, String), String> {
+    vm.wait_line(boot_limit(), &format!("`{what}` on the console"), |l| l.contains(what).then(|| l.to_string()))
+        .map_err(|e| format!("{e}\n{}", console_tail(vm, 40)))
+}
+
+/// [`wait_console`], panicking with the console's last lines.
+pub fn expect_console(vm: &mut crate::Kid, what: &str) -> (Instant, String) {
+    wait_console(vm, what).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The console's last `n` lines and kumo's stderr, for failure messages.
+pub fn console_tail(vm: &crate::Kid, n: usize) -> String {
+    let lines = vm.lines();
+    let from = lines.len().saturating_sub(n);
+    let mut s = format!("--- console, last {} of {} lines ---\n", lines.len() - from, lines.len());
+    for (_, l) in &lines[from..] {
+        s.push_str(l);
+        s.push('\n');
+    }
+    s + "--- kumo stderr ---\n" + &vm.stderr()
+}
+
+/// The kernel's own timestamp (`[   12.345678] …`) of a console line, in seconds.
+pub fn kernel_time(line: &str) -> Option<f64> {
+    let rest = line.trim_start().strip_prefix('[')?;
+    rest.split_once(']')?.0.trim().parse().ok()
+}
+
+/// Boot milestones the docs record (docs/linux-boot.md): the first console line containing
+/// each of these.
+pub const MILESTONES: [&str; 5] =
+    ["Linux version", "virtio_blk virtio", "virtio_net virtio", IP_CONFIG_COMPLETE, RUN_INIT];
+
+/// Prints, for each milestone the console has shown, the kernel's timestamp and the host's
+/// seconds since the VM was started (what docs/linux-boot.md records).
+pub fn print_milestones(vm: &crate::Kid) {
+    let lines = vm.lines();
+    for m in MILESTONES {
+        if let Some((at, l)) = lines.iter().find(|(_, l)| l.contains(m)) {
+            let host = at.saturating_duration_since(vm.started).as_secs_f64();
+            let kt = kernel_time(l).map_or("?".into(), |t| format!("{t:.1}"));
+            println!("milestone `{m}`: kernel {kt} s, host {host:.1} s");
+        }
+    }
+}
+
+/// Waits (bounded by `limit`) until `f` holds, checking every 250 ms; the error says `what`.
+pub fn wait_until(limit: Duration, what: &str, mut f: impl FnMut() -> bool) -> Result<(), String> {
+    let t = Instant::now();
+    while !f() {
+        if t.elapsed() > limit {
+            return Err(format!("{what}: not within {} s", limit.as_secs()));
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    Ok(())
+}
+
+impl RootFs {
+    /// Waits (bounded) until the MMP sequence in the image differs from `from` twice over (two
+    /// kmmpd writes, each a kernel write through kumo's disk that reached the image file).
+    pub fn wait_mmp_writes(&self, from: Option<u32>, limit: Duration) -> Result<u32, String> {
+        let mut seen = vec![from];
+        wait_until(limit, "the kernel's MMP writes reaching the image", || {
+            let now = self.mmp_seq();
+            if now.is_some() && !seen.contains(&now) {
+                seen.push(now);
+            }
+            seen.len() >= 3
+        })
+        .map_err(|e| format!("{e} (sequences seen: {seen:?})"))?;
+        Ok(seen.last().copied().flatten().unwrap_or(0))
     }
 }
 
@@ -248,6 +372,7 @@ mod tests {
     fn the_command_line_keeps_this_hosts_workarounds() {
         let c = cmdline("root=/dev/vda");
         assert!(c.contains("noxsave") && c.contains("clearcpuid=ssse3") && c.ends_with("root=/dev/vda"));
+        assert!(c.contains("lapic=notscdeadline"), "the periodic tick must not run on a one-shot timer: {c}");
         assert_eq!(ip_arg([10, 1, 2, 2].into(), [10, 1, 2, 1].into()), "ip=10.1.2.2::10.1.2.1:255.255.255.0::eth0:off");
     }
 }
