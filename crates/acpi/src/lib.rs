@@ -58,6 +58,7 @@
 //! Without a topology the SRAT/SLIT lines give way to "No NUMA
 //! configuration found" / "Faking a node at [mem 0x0000000000000000-0x000000001fffffff]".
 
+mod hotplug;
 mod topology;
 
 use std::ops::Range;
@@ -78,6 +79,7 @@ use vm_memory::{Bytes, GuestAddress};
 use zerocopy::{Immutable, IntoBytes};
 
 pub use kumo_vm::layout::{ACPI_END, ACPI_START};
+pub use hotplug::Ged;
 pub use topology::{split_memory, NumaNode, NumaTopology, TopologyError, LOCAL_DISTANCE, REMOTE_DISTANCE};
 
 /// OEM ID in every table header.
@@ -98,6 +100,9 @@ pub struct AcpiConfig<'a> {
     pub pci: Option<PciHost>,
     /// Guest NUMA nodes (SRAT, SLIT); `None`: no SRAT/SLIT.
     pub numa: Option<&'a NumaTopology>,
+    /// The GED (DSDT: `\_SB.GED0`, the power button and CPU hotplug for every vCPU); `None`:
+    /// neither.
+    pub ged: Option<Ged>,
 }
 
 /// PCI segment 0, bus 0.
@@ -204,9 +209,23 @@ fn srat_cpu(apic_id: u8, pxm: u32) -> [u8; 16] {
     e
 }
 
-fn dsdt(pci: Option<&PciHost>) -> Result<Vec<u8>, AcpiError> {
+fn dsdt(cfg: &AcpiConfig) -> Result<Vec<u8>, AcpiError> {
     let mut t = Sdt::new(*b"DSDT", 36, 2, OEM_ID, table_id(b"DSDT"), 1);
-    let Some(pci) = pci else { return Ok(t.as_slice().to_vec()) };
+    let mut sb = match &cfg.pci {
+        Some(pci) => pci_devices(pci)?,
+        None => Vec::new(),
+    };
+    if let Some(ged) = &cfg.ged {
+        sb.extend(hotplug::devices(cfg.cpus, ged));
+    }
+    if !sb.is_empty() {
+        t.append_slice(&bytes(&aml::Scope::new("\\_SB_".into(), vec![&hotplug::raw(sb)])));
+    }
+    Ok(t.as_slice().to_vec())
+}
+
+/// `\_SB.PCI0` and `\_SB.MRES`, encoded.
+fn pci_devices(pci: &PciHost) -> Result<Vec<u8>, AcpiError> {
     let (ecam, w) = (pci.ecam_base, &pci.mmio32);
     let to32 = |v: u64| u32::try_from(v).map_err(|_| AcpiError::PciAbove4G { ecam, mmio32: w.clone() });
     let (ecam32, w_start, w_last) = (to32(ecam + ECAM_BUS_SIZE - 1)?, to32(w.start)?, to32(w.end - 1)?);
@@ -241,8 +260,9 @@ fn dsdt(pci: Option<&PciHost>) -> Result<Vec<u8>, AcpiError> {
     ];
     let mres = aml::Device::new("MRES".into(), mres_names.iter().map(|n| n as &dyn Aml).collect());
 
-    t.append_slice(&bytes(&aml::Scope::new("\\_SB_".into(), vec![&pci0, &mres])));
-    Ok(t.as_slice().to_vec())
+    let mut v = bytes(&pci0);
+    v.extend(bytes(&mres));
+    Ok(v)
 }
 
 fn fadt(dsdt: u64) -> Vec<u8> {
@@ -337,7 +357,7 @@ pub fn build(cfg: &AcpiConfig) -> Result<Tables, AcpiError> {
         blobs.push((at, b));
         at
     };
-    let dsdt_at = place(dsdt(cfg.pci.as_ref())?);
+    let dsdt_at = place(dsdt(cfg)?);
     let mut xsdt_entries = vec![place(fadt(dsdt_at)), place(madt(cfg))];
     if let Some(pci) = &cfg.pci {
         xsdt_entries.push(place(mcfg(pci.ecam_base)));
