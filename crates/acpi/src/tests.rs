@@ -316,3 +316,33 @@ fn the_most_vcpus_kumo_supports_fit_with_hotplug() {
     let d = table(&t, b"DSDT");
     assert!(find(d, b"C0EF").is_some());
 }
+
+/// ACPICA's disassembler (`iasl -d`, package acpica-tools) reads the DSDT with the GED and
+/// CPU hotplug objects back, where it is installed; the listing is kept for a reader.
+#[test]
+fn iasl_disassembles_the_hotplug_dsdt() {
+    let Ok(out) = std::process::Command::new("iasl").arg("-v").output() else {
+        println!("skipping: no iasl (apt-get install acpica-tools)");
+        return;
+    };
+    assert!(out.status.success());
+    let layout = MemoryLayout::new(64 * MIB);
+    let t = with_ged(2, &layout);
+    let dir = std::env::temp_dir().join(format!("kumo-acpi-dsdt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let aml = dir.join("dsdt.aml");
+    std::fs::write(&aml, &t.find(b"DSDT").unwrap().1).unwrap();
+    let out = std::process::Command::new("iasl").arg("-d").arg(&aml).output().unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "iasl -d failed: {log}");
+    let dsl = std::fs::read_to_string(dir.join("dsdt.dsl")).unwrap();
+    if std::env::var_os("KUMO_SHOW_DSDT").is_some() {
+        println!("{dsl}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    for want in ["Device (GED0)", "Method (_EVT, 1, Serialized)", "Notify (\\_SB.PWRB, 0x80)", "Method (CSCN, 0, Serialized)",
+        "Notify (C001, 0x03)", "Device (C001)", "Method (_EJ0, 1", "Interrupt (ResourceConsumer, Edge, ActiveHigh, Exclusive, ,, )"]
+    {
+        assert!(dsl.contains(want), "no {want:?} in:\n{dsl}");
+    }
+}

@@ -75,6 +75,7 @@ pub(crate) const VM_ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::RECEIVE_MIGRATION, build: |b| Ok(ApiRequest::ReceiveMigration(json_body(b)?)) },
     Route { method: "PUT", path: paths::RESTORE, build: |b| Ok(ApiRequest::Restore(json_body(b)?)) },
     Route { method: "PUT", path: paths::PIN, build: |b| Ok(ApiRequest::Pin(json_body(b)?)) },
+    Route { method: "PUT", path: paths::RESIZE, build: |b| Ok(ApiRequest::Resize(json_body(b)?)) },
     Route { method: "PUT", path: paths::RELEASE, build: |b| Ok(ApiRequest::Release(json_body(b)?)) },
     Route { method: "PUT", path: paths::ACQUIRE, build: |b| Ok(ApiRequest::Acquire(json_body(b)?)) },
     Route { method: "GET", path: paths::ELASTIC, build: |_| Ok(ApiRequest::Elastic) },
@@ -733,6 +734,7 @@ mod tests {
                 disks: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: vec![Some(0), None],
+                parked_vcpus: Vec::new(),
                 pv: None,
             }
         }

@@ -18,6 +18,7 @@
 pub mod acpi;
 pub mod api;
 pub mod config;
+pub mod cpu_hotplug;
 pub mod counters;
 pub mod device_manager;
 pub mod disk;
