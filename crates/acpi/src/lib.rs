@@ -78,8 +78,8 @@ use kumo_vm::IrqchipMode;
 use vm_memory::{Bytes, GuestAddress};
 use zerocopy::{Immutable, IntoBytes};
 
-pub use kumo_vm::layout::{ACPI_END, ACPI_START};
 pub use hotplug::Ged;
+pub use kumo_vm::layout::{ACPI_END, ACPI_START};
 pub use topology::{split_memory, NumaNode, NumaTopology, TopologyError, LOCAL_DISTANCE, REMOTE_DISTANCE};
 
 /// OEM ID in every table header.

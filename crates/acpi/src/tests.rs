@@ -105,7 +105,8 @@ fn dsdt_describes_the_pci_host_bridge_and_reserves_ecam() {
     assert!(has(&window));
     // Without PCI: an empty DSDT.
     let t =
-        build(&AcpiConfig { cpus: 1, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None, ged: None }).unwrap();
+        build(&AcpiConfig { cpus: 1, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None, ged: None })
+            .unwrap();
     assert_eq!(table(&t, b"DSDT").len(), 36);
     assert!(t.find(b"MCFG").is_none());
 }
@@ -216,10 +217,24 @@ fn no_topology_means_no_srat_or_slit_and_a_bad_one_is_refused() {
     assert!(t.find(b"SRAT").is_none() && t.find(b"SLIT").is_none());
     let mut numa = two_nodes(&layout);
     numa.nodes[1].cpus = vec![1, 2, 3];
-    let e = build(&AcpiConfig { cpus: 4, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: Some(&numa), ged: None })
-        .unwrap_err();
+    let e = build(&AcpiConfig {
+        cpus: 4,
+        layout: &layout,
+        irqchip: IrqchipMode::Kernel,
+        pci: None,
+        numa: Some(&numa),
+        ged: None,
+    })
+    .unwrap_err();
     assert_eq!(e.to_string(), "cpu 1 is in two NUMA nodes: 0 and 1");
-    let e = build(&AcpiConfig { cpus: 256, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None, ged: None });
+    let e = build(&AcpiConfig {
+        cpus: 256,
+        layout: &layout,
+        irqchip: IrqchipMode::Kernel,
+        pci: None,
+        numa: None,
+        ged: None,
+    });
     assert!(e.unwrap_err().to_string().contains("at most 255"));
 }
 
@@ -250,7 +265,8 @@ fn the_largest_vm_fits_and_the_area_is_reserved_in_e820() {
 fn write_puts_the_tables_in_guest_memory() {
     let mem = kumo_vm::Memory::new(64 * MIB).unwrap();
     let layout = MemoryLayout::new(64 * MIB);
-    let cfg = AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: Some(pci()), numa: None, ged: None };
+    let cfg =
+        AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: Some(pci()), numa: None, ged: None };
     let rsdp = write(&mem.guest, &cfg).unwrap();
     assert_eq!(rsdp, ACPI_START);
     let mut sig = [0u8; 8];
@@ -279,7 +295,8 @@ fn the_ged_power_button_and_every_vcpu_are_in_the_dsdt() {
     let layout = MemoryLayout::new(64 * MIB);
     let t = with_ged(3, &layout);
     let d = table(&t, b"DSDT");
-    for name in [&b"GED0"[..], b"_EVT", b"GEVT", b"PWRB", b"CPUS", b"CSCN", b"CSTS", b"CEJ0", b"C000", b"C001", b"C002"] {
+    for name in [&b"GED0"[..], b"_EVT", b"GEVT", b"PWRB", b"CPUS", b"CSCN", b"CSTS", b"CEJ0", b"C000", b"C001", b"C002"]
+    {
         assert!(find(d, name).is_some(), "{} missing", String::from_utf8_lossy(name));
     }
     assert!(find(d, b"C003").is_none());
@@ -340,9 +357,16 @@ fn iasl_disassembles_the_hotplug_dsdt() {
         println!("{dsl}");
     }
     let _ = std::fs::remove_dir_all(&dir);
-    for want in ["Device (GED0)", "Method (_EVT, 1, Serialized)", "Notify (\\_SB.PWRB, 0x80)", "Method (CSCN, 0, Serialized)",
-        "Notify (C001, 0x03)", "Device (C001)", "Method (_EJ0, 1", "Interrupt (ResourceConsumer, Edge, ActiveHigh, Exclusive, ,, )"]
-    {
+    for want in [
+        "Device (GED0)",
+        "Method (_EVT, 1, Serialized)",
+        "Notify (\\_SB.PWRB, 0x80)",
+        "Method (CSCN, 0, Serialized)",
+        "Notify (C001, 0x03)",
+        "Device (C001)",
+        "Method (_EJ0, 1",
+        "Interrupt (ResourceConsumer, Edge, ActiveHigh, Exclusive, ,, )",
+    ] {
         assert!(dsl.contains(want), "no {want:?} in:\n{dsl}");
     }
 }

@@ -41,7 +41,12 @@ impl From<HotplugError> for ResizeError {
 
 /// Resizes the guest to `desired` vCPUs: ejects the enabled ones from `desired` up, gives the
 /// ejected ones below it back; waits up to `limit` for the guest.
-pub fn resize(vcpus: &VcpuManager, ged: &Arc<Mutex<AcpiGed>>, desired: u32, limit: Duration) -> Result<(), ResizeError> {
+pub fn resize(
+    vcpus: &VcpuManager,
+    ged: &Arc<Mutex<AcpiGed>>,
+    desired: u32,
+    limit: Duration,
+) -> Result<(), ResizeError> {
     let n = vcpus.count();
     if desired == 0 || desired > n {
         return Err(ResizeError::BadRequest(format!("desired_vcpus must be 1..={n} (the VM's vCPUs), not {desired}")));

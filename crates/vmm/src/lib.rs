@@ -18,8 +18,8 @@
 pub mod acpi;
 pub mod api;
 pub mod config;
-pub mod cpu_hotplug;
 pub mod counters;
+pub mod cpu_hotplug;
 pub mod device_manager;
 pub mod disk;
 pub mod elastic;

@@ -356,7 +356,9 @@ impl RunningVm {
             return Err(ResizeError::Conflict("an elastic VM's vCPUs move with vm.release/vm.acquire".into()));
         }
         let ged = self.devices.ged().ok_or_else(|| {
-            ResizeError::Conflict("this VM has no ACPI GED (its interrupt needs an IOAPIC: not with --irqchip split)".into())
+            ResizeError::Conflict(
+                "this VM has no ACPI GED (its interrupt needs an IOAPIC: not with --irqchip split)".into(),
+            )
         })?;
         let limit = std::time::Duration::from_millis(req.timeout_ms);
         crate::cpu_hotplug::resize(&self.vcpus, ged, req.desired_vcpus, limit)
