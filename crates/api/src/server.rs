@@ -793,6 +793,8 @@ mod tests {
                 })),
                 ApiRequest::Pin(p) if p.vcpu >= 2 => Err(ApiError::bad_request("vCPU does not exist")),
                 ApiRequest::Pin(_) => Ok(ApiResponse::Ok),
+                ApiRequest::Resize(r) if r.desired_vcpus == 0 => Err(ApiError::bad_request("desired_vcpus must be 1..=2")),
+                ApiRequest::Resize(_) => Ok(ApiResponse::Ok),
                 ApiRequest::Release(r) if r.cpus > 1 => Err(ApiError::guest_timeout("the guest did not confirm")),
                 ApiRequest::Release(r) => Ok(ApiResponse::Released(crate::Released {
                     host_cpus: vec![3; r.cpus as usize],
@@ -923,6 +925,25 @@ mod tests {
             assert_eq!(f.client.request("PUT", paths::PIN, Some(&body)).unwrap().0, 400, "{body}");
         }
         assert_eq!(f.client.info().unwrap().vcpu_pins, [Some(0), None]);
+    }
+
+    #[test]
+    fn resize_route_takes_cloud_hypervisors_body() {
+        let f = start();
+        f.client.resize(1, 5000).unwrap();
+        let body = serde_json::json!({"desired_vcpus": 2});
+        assert_eq!(f.client.request("PUT", paths::RESIZE, Some(&body)).unwrap().0, 204);
+        assert_eq!(
+            f.vm.calls(),
+            [
+                ApiRequest::Resize(crate::ResizeRequest { desired_vcpus: 1, timeout_ms: 5000 }),
+                ApiRequest::Resize(crate::ResizeRequest { desired_vcpus: 2, timeout_ms: crate::RESIZE_TIMEOUT_MS })
+            ]
+        );
+        assert!(f.client.resize(0, 1).is_err());
+        for body in [serde_json::json!({}), serde_json::json!({"desired_vcpus": 1, "desired_ram": 1})] {
+            assert_eq!(f.client.request("PUT", paths::RESIZE, Some(&body)).unwrap().0, 400, "{body}");
+        }
     }
 
     #[test]

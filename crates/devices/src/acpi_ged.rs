@@ -147,7 +147,7 @@ impl AcpiGed {
 
     fn status(&self) -> u8 {
         let Some(s) = self.cpus.get(self.select as usize) else { return 0 };
-        (s.enabled as u8) * CPU_ENABLED | (s.inserting as u8) * CPU_INSERTING | (s.removing as u8) * CPU_REMOVING
+        ((s.enabled as u8) * CPU_ENABLED) | ((s.inserting as u8) * CPU_INSERTING) | ((s.removing as u8) * CPU_REMOVING)
     }
 
     fn write_status(&mut self, value: u8) -> Option<DeviceEvent> {
