@@ -7,7 +7,7 @@
 //! | RSDP (v2) | at 0xE0000, where a legacy scan finds it; points at the XSDT. Linux is also told its address in `boot_params.acpi_rsdp_addr` / PVH `rsdp_paddr` |
 //! | XSDT  | the addresses of FADT, MADT, MCFG, SRAT, SLIT |
 //! | FADT  | hardware-reduced ACPI (kumo emulates no PM1 blocks, SCI, PM timer, FACS), SCI_INT 9 (Linux in PIC mode marks it level-triggered); IA-PC boot flags: no VGA, no CMOS RTC, no 8042; points at the DSDT through `X_DSDT` |
-//! | DSDT  | `\_SB.PCI0` (PNP0A08, bus 0, config ports 0xCF8, I/O windows, the 32-bit BAR window) and `\_SB.MRES` (PNP0C02) reserving the ECAM area, so Linux uses MMCONFIG; empty without PCI |
+//! | DSDT  | `\_SB.PCI0` (PNP0A08, bus 0, config ports 0xCF8, I/O windows, the 32-bit BAR window) and `\_SB.MRES` (PNP0C02) reserving the ECAM area, so Linux uses MMCONFIG; with a [`Ged`], the GED (ACPI0013), the power button (PNP0C0C) and CPU hotplug (`\_SB.CPUS`, one ACPI0007 device per vCPU: `hotplug`); empty without either |
 //! | MADT  | LAPIC address, one local APIC entry per vCPU (APIC ID = vCPU index), the IOAPIC at 0xFEC00000 with the in-kernel irqchip, an override for the timer (ISA IRQ 0 → GSI 0, kumo routes GSI n to IOAPIC pin n) and LINT1 as NMI |
 //! | MCFG  | ECAM of segment 0, bus 0 (`Pci::ecam_base()`) |
 //! | SRAT, SLIT | only with a [`NumaTopology`]: a processor affinity entry per vCPU, a memory affinity entry per range, the distance matrix |

@@ -8,7 +8,9 @@
 //! port if the VM asks for it (guest exit and timing markers, ports 0x501–0x502: kumo's guests
 //! need it, a Linux kernel does without), PCI bus 0 with its host bridge
 //! (`pci`), virtio-net NICs on host taps (`nic`), each on its seed-000 interrupt path, and
-//! virtio-blk disks on image files (`disk`), after the NICs.
+//! virtio-blk disks on image files (`disk`), after the NICs; and the ACPI GED (CPU hotplug and
+//! the power button, `kumo_devices::acpi_ged`) on MMIO with its interrupt on GSI 5, where the
+//! VM has an IOAPIC.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
