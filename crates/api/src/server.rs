@@ -793,7 +793,9 @@ mod tests {
                 })),
                 ApiRequest::Pin(p) if p.vcpu >= 2 => Err(ApiError::bad_request("vCPU does not exist")),
                 ApiRequest::Pin(_) => Ok(ApiResponse::Ok),
-                ApiRequest::Resize(r) if r.desired_vcpus == 0 => Err(ApiError::bad_request("desired_vcpus must be 1..=2")),
+                ApiRequest::Resize(r) if r.desired_vcpus == 0 => {
+                    Err(ApiError::bad_request("desired_vcpus must be 1..=2"))
+                }
                 ApiRequest::Resize(_) => Ok(ApiResponse::Ok),
                 ApiRequest::Release(r) if r.cpus > 1 => Err(ApiError::guest_timeout("the guest did not confirm")),
                 ApiRequest::Release(r) => Ok(ApiResponse::Released(crate::Released {
