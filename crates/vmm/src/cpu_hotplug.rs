@@ -82,3 +82,72 @@ pub fn resize(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vcpu_manager::{for_tests, VcpuRunState};
+    use kumo_devices::acpi_ged::{CPU_EJECT, CPU_INSERTING, CPU_REMOVING, REG_CPU_SELECT, REG_CPU_STATUS};
+    use kumo_devices::{BusDevice, DeviceEvent};
+    use vmm_sys_util::eventfd::EventFd;
+
+    fn ged(n: u32) -> Arc<Mutex<AcpiGed>> {
+        Arc::new(Mutex::new(AcpiGed::new(n, EventFd::new(libc::EFD_NONBLOCK).unwrap())))
+    }
+
+    /// What the guest's AML does for vCPU `v` once interrupted: `CSCN` acknowledges `ack`,
+    /// then (for a removal) the OS runs `_EJ0`. Waits for the interrupt first.
+    fn guest(g: &Arc<Mutex<AcpiGed>>, v: u32, ack: u8, eject: bool) -> Option<DeviceEvent> {
+        loop {
+            let mut d = lock(g);
+            let mut ev = [0u8; 4];
+            d.read(0, &mut ev);
+            if ev != [0; 4] {
+                d.write(REG_CPU_SELECT, &v.to_le_bytes());
+                d.write(REG_CPU_STATUS, &[ack]);
+                return if eject { d.write(REG_CPU_STATUS, &[CPU_EJECT]) } else { None };
+            }
+            drop(d);
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn a_guest_that_ejects_gets_its_vcpu_parked_and_back() {
+        // Parked already: for_tests has no threads to park (the eject's request_park does it).
+        let m = for_tests(2, VcpuRunState::Parked);
+        let g = ged(2);
+        std::thread::scope(|s| {
+            let t = s.spawn(|| guest(&g, 1, CPU_REMOVING, true));
+            resize(&m, &g, 1, Duration::from_secs(60)).unwrap();
+            assert_eq!(t.join().unwrap(), Some(DeviceEvent::CpuEjected(1)));
+        });
+        assert!(!lock(&g).cpus()[1].enabled);
+        std::thread::scope(|s| {
+            let t = s.spawn(|| guest(&g, 1, CPU_INSERTING, false));
+            resize(&m, &g, 2, Duration::from_secs(60)).unwrap();
+            t.join().unwrap();
+        });
+        assert!(lock(&g).cpus()[1].enabled);
+    }
+
+    /// The e2e test's failure mode when the eject request never reaches the OS: no `_EJ0`.
+    #[test]
+    fn a_guest_that_never_ejects_times_out_and_the_request_stays() {
+        let m = for_tests(2, VcpuRunState::Running);
+        let g = ged(2);
+        let e = resize(&m, &g, 1, Duration::from_millis(50)).unwrap_err();
+        assert!(matches!(&e, ResizeError::Timeout(m) if m.contains("vCPUs [1] not ejected")), "{e}");
+        assert!(lock(&g).cpus()[1].removing && lock(&g).cpus()[1].enabled);
+    }
+
+    #[test]
+    fn counts_outside_the_vm_are_refused() {
+        let m = for_tests(2, VcpuRunState::Running);
+        let g = ged(2);
+        for n in [0, 3] {
+            assert!(matches!(resize(&m, &g, n, Duration::ZERO), Err(ResizeError::BadRequest(_))), "{n}");
+        }
+        resize(&m, &g, 2, Duration::ZERO).unwrap();
+    }
+}
