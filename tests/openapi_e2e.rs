@@ -151,6 +151,10 @@ fn every_route_answers_as_the_document_says() {
     c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 0, "cpu": 4095})), 400);
     assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["vcpu_pins"], json!([0]));
     c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 0, "cpu": null})), 204);
+    // One vCPU: keeping it is a no-op, more or none is refused (tests/linux_cpu_hotplug.rs ejects).
+    c.call(&sock, "PUT", "/api/v1/vm.resize", Some(json!({"desired_vcpus": 1, "timeout_ms": 1000})), 204);
+    c.call(&sock, "PUT", "/api/v1/vm.resize", Some(json!({"desired_vcpus": 2})), 400);
+    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["parked_vcpus"], json!([]));
     let snap = dir.path("vm.snap");
     c.call(&sock, "PUT", "/api/v1/vm.snapshot", Some(json!({ "path": snap.to_str().unwrap() })), 200);
     c.call(&sock, "PUT", "/api/v1/vm.snapshot", Some(json!({ "path": "relative.snap" })), 400);
@@ -318,6 +322,8 @@ fn request_bodies_with_every_field_fit_the_document() {
         timeout_ms: 500,
     };
     c.check_request("PUT", "/api/v1/vm.lend", &serde_json::to_value(&lend).unwrap());
+    let resize = kumo_api::ResizeRequest { desired_vcpus: 1, timeout_ms: 30_000 };
+    c.check_request("PUT", "/api/v1/vm.resize", &serde_json::to_value(&resize).unwrap());
     let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into() };
     c.check_request("PUT", "/api/v1/vm.snapshot", &serde_json::to_value(&snap).unwrap());
     let recv = kumo_api::ReceiveMigrationRequest {

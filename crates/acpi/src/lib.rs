@@ -7,7 +7,7 @@
 //! | RSDP (v2) | at 0xE0000, where a legacy scan finds it; points at the XSDT. Linux is also told its address in `boot_params.acpi_rsdp_addr` / PVH `rsdp_paddr` |
 //! | XSDT  | the addresses of FADT, MADT, MCFG, SRAT, SLIT |
 //! | FADT  | hardware-reduced ACPI (kumo emulates no PM1 blocks, SCI, PM timer, FACS), SCI_INT 9 (Linux in PIC mode marks it level-triggered); IA-PC boot flags: no VGA, no CMOS RTC, no 8042; points at the DSDT through `X_DSDT` |
-//! | DSDT  | `\_SB.PCI0` (PNP0A08, bus 0, config ports 0xCF8, I/O windows, the 32-bit BAR window) and `\_SB.MRES` (PNP0C02) reserving the ECAM area, so Linux uses MMCONFIG; empty without PCI |
+//! | DSDT  | `\_SB.PCI0` (PNP0A08, bus 0, config ports 0xCF8, I/O windows, the 32-bit BAR window) and `\_SB.MRES` (PNP0C02) reserving the ECAM area, so Linux uses MMCONFIG; with a [`Ged`], the GED (ACPI0013), the power button (PNP0C0C) and CPU hotplug (`\_SB.CPUS`, one ACPI0007 device per vCPU: `hotplug`); empty without either |
 //! | MADT  | LAPIC address, one local APIC entry per vCPU (APIC ID = vCPU index), the IOAPIC at 0xFEC00000 with the in-kernel irqchip, an override for the timer (ISA IRQ 0 → GSI 0, kumo routes GSI n to IOAPIC pin n) and LINT1 as NMI |
 //! | MCFG  | ECAM of segment 0, bus 0 (`Pci::ecam_base()`) |
 //! | SRAT, SLIT | only with a [`NumaTopology`]: a processor affinity entry per vCPU, a memory affinity entry per range, the distance matrix |
@@ -58,6 +58,7 @@
 //! Without a topology the SRAT/SLIT lines give way to "No NUMA
 //! configuration found" / "Faking a node at [mem 0x0000000000000000-0x000000001fffffff]".
 
+mod hotplug;
 mod topology;
 
 use std::ops::Range;
@@ -77,6 +78,7 @@ use kumo_vm::IrqchipMode;
 use vm_memory::{Bytes, GuestAddress};
 use zerocopy::{Immutable, IntoBytes};
 
+pub use hotplug::Ged;
 pub use kumo_vm::layout::{ACPI_END, ACPI_START};
 pub use topology::{split_memory, NumaNode, NumaTopology, TopologyError, LOCAL_DISTANCE, REMOTE_DISTANCE};
 
@@ -98,6 +100,9 @@ pub struct AcpiConfig<'a> {
     pub pci: Option<PciHost>,
     /// Guest NUMA nodes (SRAT, SLIT); `None`: no SRAT/SLIT.
     pub numa: Option<&'a NumaTopology>,
+    /// The GED (DSDT: `\_SB.GED0`, the power button and CPU hotplug for every vCPU); `None`:
+    /// neither.
+    pub ged: Option<Ged>,
 }
 
 /// PCI segment 0, bus 0.
@@ -204,9 +209,23 @@ fn srat_cpu(apic_id: u8, pxm: u32) -> [u8; 16] {
     e
 }
 
-fn dsdt(pci: Option<&PciHost>) -> Result<Vec<u8>, AcpiError> {
+fn dsdt(cfg: &AcpiConfig) -> Result<Vec<u8>, AcpiError> {
     let mut t = Sdt::new(*b"DSDT", 36, 2, OEM_ID, table_id(b"DSDT"), 1);
-    let Some(pci) = pci else { return Ok(t.as_slice().to_vec()) };
+    let mut sb = match &cfg.pci {
+        Some(pci) => pci_devices(pci)?,
+        None => Vec::new(),
+    };
+    if let Some(ged) = &cfg.ged {
+        sb.extend(hotplug::devices(cfg.cpus, ged));
+    }
+    if !sb.is_empty() {
+        t.append_slice(&bytes(&aml::Scope::new("\\_SB_".into(), vec![&hotplug::raw(sb)])));
+    }
+    Ok(t.as_slice().to_vec())
+}
+
+/// `\_SB.PCI0` and `\_SB.MRES`, encoded.
+fn pci_devices(pci: &PciHost) -> Result<Vec<u8>, AcpiError> {
     let (ecam, w) = (pci.ecam_base, &pci.mmio32);
     let to32 = |v: u64| u32::try_from(v).map_err(|_| AcpiError::PciAbove4G { ecam, mmio32: w.clone() });
     let (ecam32, w_start, w_last) = (to32(ecam + ECAM_BUS_SIZE - 1)?, to32(w.start)?, to32(w.end - 1)?);
@@ -241,8 +260,9 @@ fn dsdt(pci: Option<&PciHost>) -> Result<Vec<u8>, AcpiError> {
     ];
     let mres = aml::Device::new("MRES".into(), mres_names.iter().map(|n| n as &dyn Aml).collect());
 
-    t.append_slice(&bytes(&aml::Scope::new("\\_SB_".into(), vec![&pci0, &mres])));
-    Ok(t.as_slice().to_vec())
+    let mut v = bytes(&pci0);
+    v.extend(bytes(&mres));
+    Ok(v)
 }
 
 fn fadt(dsdt: u64) -> Vec<u8> {
@@ -337,7 +357,7 @@ pub fn build(cfg: &AcpiConfig) -> Result<Tables, AcpiError> {
         blobs.push((at, b));
         at
     };
-    let dsdt_at = place(dsdt(cfg.pci.as_ref())?);
+    let dsdt_at = place(dsdt(cfg)?);
     let mut xsdt_entries = vec![place(fadt(dsdt_at)), place(madt(cfg))];
     if let Some(pci) = &cfg.pci {
         xsdt_entries.push(place(mcfg(pci.ecam_base)));

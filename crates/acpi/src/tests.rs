@@ -44,7 +44,7 @@ fn two_nodes(layout: &MemoryLayout) -> NumaTopology {
 }
 
 fn build_with(cpus: u32, layout: &MemoryLayout, irqchip: IrqchipMode, numa: Option<&NumaTopology>) -> Tables {
-    build(&AcpiConfig { cpus, layout, irqchip, pci: Some(pci()), numa }).unwrap()
+    build(&AcpiConfig { cpus, layout, irqchip, pci: Some(pci()), numa, ged: None }).unwrap()
 }
 
 #[test]
@@ -105,7 +105,8 @@ fn dsdt_describes_the_pci_host_bridge_and_reserves_ecam() {
     assert!(has(&window));
     // Without PCI: an empty DSDT.
     let t =
-        build(&AcpiConfig { cpus: 1, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None }).unwrap();
+        build(&AcpiConfig { cpus: 1, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None, ged: None })
+            .unwrap();
     assert_eq!(table(&t, b"DSDT").len(), 36);
     assert!(t.find(b"MCFG").is_none());
 }
@@ -216,10 +217,24 @@ fn no_topology_means_no_srat_or_slit_and_a_bad_one_is_refused() {
     assert!(t.find(b"SRAT").is_none() && t.find(b"SLIT").is_none());
     let mut numa = two_nodes(&layout);
     numa.nodes[1].cpus = vec![1, 2, 3];
-    let e = build(&AcpiConfig { cpus: 4, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: Some(&numa) })
-        .unwrap_err();
+    let e = build(&AcpiConfig {
+        cpus: 4,
+        layout: &layout,
+        irqchip: IrqchipMode::Kernel,
+        pci: None,
+        numa: Some(&numa),
+        ged: None,
+    })
+    .unwrap_err();
     assert_eq!(e.to_string(), "cpu 1 is in two NUMA nodes: 0 and 1");
-    let e = build(&AcpiConfig { cpus: 256, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None });
+    let e = build(&AcpiConfig {
+        cpus: 256,
+        layout: &layout,
+        irqchip: IrqchipMode::Kernel,
+        pci: None,
+        numa: None,
+        ged: None,
+    });
     assert!(e.unwrap_err().to_string().contains("at most 255"));
 }
 
@@ -250,7 +265,8 @@ fn the_largest_vm_fits_and_the_area_is_reserved_in_e820() {
 fn write_puts_the_tables_in_guest_memory() {
     let mem = kumo_vm::Memory::new(64 * MIB).unwrap();
     let layout = MemoryLayout::new(64 * MIB);
-    let cfg = AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: Some(pci()), numa: None };
+    let cfg =
+        AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: Some(pci()), numa: None, ged: None };
     let rsdp = write(&mem.guest, &cfg).unwrap();
     assert_eq!(rsdp, ACPI_START);
     let mut sig = [0u8; 8];
@@ -261,5 +277,96 @@ fn write_puts_the_tables_in_guest_memory() {
         let mut got = vec![0u8; b.len()];
         mem.guest.read_slice(&mut got, GuestAddress(*at)).unwrap();
         assert_eq!(&got, b);
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn with_ged(cpus: u32, layout: &MemoryLayout) -> Tables {
+    let ged = Ged { mmio_base: 0xfed0_0000, gsi: 5 };
+    build(&AcpiConfig { cpus, layout, irqchip: IrqchipMode::Kernel, pci: Some(pci()), numa: None, ged: Some(ged) })
+        .unwrap()
+}
+
+#[test]
+fn the_ged_power_button_and_every_vcpu_are_in_the_dsdt() {
+    let layout = MemoryLayout::new(64 * MIB);
+    let t = with_ged(3, &layout);
+    let d = table(&t, b"DSDT");
+    for name in [&b"GED0"[..], b"_EVT", b"GEVT", b"PWRB", b"CPUS", b"CSCN", b"CSTS", b"CEJ0", b"C000", b"C001", b"C002"]
+    {
+        assert!(find(d, name).is_some(), "{} missing", String::from_utf8_lossy(name));
+    }
+    assert!(find(d, b"C003").is_none());
+    // The GED's interrupt: an Extended IRQ descriptor, consumer, edge, active high, GSI 5.
+    assert!(find(d, &[0x89, 6, 0, 0b0011, 1, 5, 0, 0, 0]).is_some());
+    // Its registers: OperationRegion (GREG, SystemMemory, 0xFED00000, 4).
+    assert!(find(d, &[0x5b, 0x80, b'G', b'R', b'E', b'G', 0, 0x0c, 0, 0, 0xd0, 0xfe, 0x0a, 4]).is_some());
+    // The CPU block 0x10 further: (CREG, SystemMemory, 0xFED00010, 8).
+    assert!(find(d, &[0x5b, 0x80, b'C', b'R', b'E', b'G', 0, 0x0c, 0x10, 0, 0xd0, 0xfe, 0x0a, 8]).is_some());
+    // vCPU 2's _MAT: its MADT entry (type 0, length 8, UID 2, APIC ID 2, enabled).
+    assert!(find(d, &[0, 8, 2, 2, 1, 0, 0, 0]).is_some());
+    // Processors are hot-pluggable devices (ACPI0007), the power button is PNP0C0C.
+    assert!(find(d, b"ACPI0007\0").is_some() && find(d, b"ACPI0013\0").is_some());
+    assert!(find(d, &[0x41, 0xd0, 0x0c, 0x0c]).is_some(), "EISA id PNP0C0C");
+    // The MADT keeps listing every possible vCPU, enabled.
+    let madt = table(&t, b"APIC");
+    for cpu in 0..3u8 {
+        assert!(find(madt, &[0, 8, cpu, cpu, 1, 0, 0, 0]).is_some());
+    }
+}
+
+#[test]
+fn without_a_ged_the_dsdt_has_no_hotplug_objects() {
+    let layout = MemoryLayout::new(64 * MIB);
+    let t = build_with(2, &layout, IrqchipMode::Kernel, None);
+    let d = table(&t, b"DSDT");
+    assert!(find(d, b"GED0").is_none() && find(d, b"CPUS").is_none());
+}
+
+#[test]
+fn the_most_vcpus_kumo_supports_fit_with_hotplug() {
+    let layout = MemoryLayout::new(64 * MIB);
+    let t = with_ged(kumo_vm::layout::MAX_VCPUS, &layout);
+    let d = table(&t, b"DSDT");
+    assert!(find(d, b"C0EF").is_some());
+}
+
+/// ACPICA's disassembler (`iasl -d`, package acpica-tools) reads the DSDT with the GED and
+/// CPU hotplug objects back, where it is installed; the listing is kept for a reader.
+#[test]
+fn iasl_disassembles_the_hotplug_dsdt() {
+    let Ok(out) = std::process::Command::new("iasl").arg("-v").output() else {
+        println!("skipping: no iasl (apt-get install acpica-tools)");
+        return;
+    };
+    assert!(out.status.success());
+    let layout = MemoryLayout::new(64 * MIB);
+    let t = with_ged(2, &layout);
+    let dir = std::env::temp_dir().join(format!("kumo-acpi-dsdt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let aml = dir.join("dsdt.aml");
+    std::fs::write(&aml, &t.find(b"DSDT").unwrap().1).unwrap();
+    let out = std::process::Command::new("iasl").arg("-d").arg(&aml).output().unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "iasl -d failed: {log}");
+    let dsl = std::fs::read_to_string(dir.join("dsdt.dsl")).unwrap();
+    if std::env::var_os("KUMO_SHOW_DSDT").is_some() {
+        println!("{dsl}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    for want in [
+        "Device (GED0)",
+        "Method (_EVT, 1, Serialized)",
+        "Notify (\\_SB.PWRB, 0x80)",
+        "Method (CSCN, 0, Serialized)",
+        "Notify (C001, 0x03)",
+        "Device (C001)",
+        "Method (_EJ0, 1",
+        "Interrupt (ResourceConsumer, Edge, ActiveHigh, Exclusive, ,, )",
+    ] {
+        assert!(dsl.contains(want), "no {want:?} in:\n{dsl}");
     }
 }

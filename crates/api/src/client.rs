@@ -162,6 +162,14 @@ impl ApiClient {
         self.call("PUT", paths::PIN, Some(&body)).map(drop)
     }
 
+    /// `PUT /api/v1/vm.resize`: the guest keeps `desired_vcpus` vCPUs (ACPI CPU hotplug); returns
+    /// once it has ejected (or scanned in) the others, or fails after `timeout_ms`.
+    pub fn resize(&self, desired_vcpus: u32, timeout_ms: u64) -> Result<(), ClientError> {
+        let body = serde_json::to_value(crate::ResizeRequest { desired_vcpus, timeout_ms })
+            .map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
+        self.call("PUT", paths::RESIZE, Some(&body)).map(drop)
+    }
+
     /// `PUT /api/v1/vm.release`: the VM gives host CPUs and memory up (its guest confirms).
     pub fn release(&self, req: &crate::ReleaseRequest) -> Result<crate::Released, ClientError> {
         self.put(paths::RELEASE, req)

@@ -49,6 +49,8 @@ pub mod paths {
     pub const RESTORE: &str = "/api/v1/vm.restore";
     /// Re-pins (or unpins) one vCPU to a host CPU.
     pub const PIN: &str = "/api/v1/vm.pin";
+    /// Cloud Hypervisor's name: the guest gives vCPUs up (ACPI eject) or takes them back.
+    pub const RESIZE: &str = "/api/v1/vm.resize";
     /// Elastic sharing (`--elastic`): the VM gives host CPUs and memory up (its guest confirms).
     pub const RELEASE: &str = "/api/v1/vm.release";
     /// Elastic sharing: the VM takes host CPUs and memory another VM released.
@@ -95,6 +97,9 @@ pub struct VmInfo {
     /// Each vCPU's host CPU as its thread's affinity reads (`null`: it floats), vCPU 0 first.
     #[serde(default)]
     pub vcpu_pins: Vec<Option<u32>>,
+    /// The vCPUs whose threads wait in kumo (ejected by the guest, or an elastic VM's spares).
+    #[serde(default)]
+    pub parked_vcpus: Vec<u32>,
     /// The KVM paravirtual features the guest's CPUID offers (`--pv`, resolved); absent before
     /// a VM exists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -260,6 +265,8 @@ pub enum ApiRequest {
     Restore(RestoreRequest),
     /// Pin one vCPU to a host CPU, or unpin it.
     Pin(PinRequest),
+    /// Change how many vCPUs the guest has (ACPI CPU hotplug).
+    Resize(ResizeRequest),
     /// Give host CPUs and memory up (elastic sharing).
     Release(ReleaseRequest),
     /// Take host CPUs and memory another VM gave up (elastic sharing).
@@ -476,6 +483,27 @@ pub struct PinRequest {
     pub vcpu: u32,
     /// The host CPU it may run on from now; `null`: unpinned, it floats.
     pub cpu: Option<u32>,
+}
+
+/// Body of `PUT /api/v1/vm.resize` (Cloud Hypervisor's shape; kumo resizes vCPUs only).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeRequest {
+    /// vCPUs the guest keeps (vCPU 0 up to this count, exclusive): the higher ones are ejected
+    /// through ACPI and their threads parked in kumo; ejected ones below it are given back.
+    pub desired_vcpus: u32,
+    /// How long to wait for the guest's answer (its `_EJ0` for a removal, its scan of the
+    /// hotplug registers for an addition).
+    #[serde(default = "resize_timeout")]
+    pub timeout_ms: u64,
+}
+
+/// How long `vm.resize` waits for the guest, by default: Linux offlines a CPU before it ejects
+/// it, which takes seconds where ring-0 code is emulated.
+pub const RESIZE_TIMEOUT_MS: u64 = 60_000;
+
+fn resize_timeout() -> u64 {
+    RESIZE_TIMEOUT_MS
 }
 
 /// Body of `PUT /api/v1/vm.receive-migration` (Cloud Hypervisor's field name).

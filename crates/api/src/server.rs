@@ -75,6 +75,7 @@ pub(crate) const VM_ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::RECEIVE_MIGRATION, build: |b| Ok(ApiRequest::ReceiveMigration(json_body(b)?)) },
     Route { method: "PUT", path: paths::RESTORE, build: |b| Ok(ApiRequest::Restore(json_body(b)?)) },
     Route { method: "PUT", path: paths::PIN, build: |b| Ok(ApiRequest::Pin(json_body(b)?)) },
+    Route { method: "PUT", path: paths::RESIZE, build: |b| Ok(ApiRequest::Resize(json_body(b)?)) },
     Route { method: "PUT", path: paths::RELEASE, build: |b| Ok(ApiRequest::Release(json_body(b)?)) },
     Route { method: "PUT", path: paths::ACQUIRE, build: |b| Ok(ApiRequest::Acquire(json_body(b)?)) },
     Route { method: "GET", path: paths::ELASTIC, build: |_| Ok(ApiRequest::Elastic) },
@@ -733,6 +734,7 @@ mod tests {
                 disks: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: vec![Some(0), None],
+                parked_vcpus: Vec::new(),
                 pv: None,
             }
         }
@@ -791,6 +793,10 @@ mod tests {
                 })),
                 ApiRequest::Pin(p) if p.vcpu >= 2 => Err(ApiError::bad_request("vCPU does not exist")),
                 ApiRequest::Pin(_) => Ok(ApiResponse::Ok),
+                ApiRequest::Resize(r) if r.desired_vcpus == 0 => {
+                    Err(ApiError::bad_request("desired_vcpus must be 1..=2"))
+                }
+                ApiRequest::Resize(_) => Ok(ApiResponse::Ok),
                 ApiRequest::Release(r) if r.cpus > 1 => Err(ApiError::guest_timeout("the guest did not confirm")),
                 ApiRequest::Release(r) => Ok(ApiResponse::Released(crate::Released {
                     host_cpus: vec![3; r.cpus as usize],
@@ -921,6 +927,25 @@ mod tests {
             assert_eq!(f.client.request("PUT", paths::PIN, Some(&body)).unwrap().0, 400, "{body}");
         }
         assert_eq!(f.client.info().unwrap().vcpu_pins, [Some(0), None]);
+    }
+
+    #[test]
+    fn resize_route_takes_cloud_hypervisors_body() {
+        let f = start();
+        f.client.resize(1, 5000).unwrap();
+        let body = serde_json::json!({"desired_vcpus": 2});
+        assert_eq!(f.client.request("PUT", paths::RESIZE, Some(&body)).unwrap().0, 204);
+        assert_eq!(
+            f.vm.calls(),
+            [
+                ApiRequest::Resize(crate::ResizeRequest { desired_vcpus: 1, timeout_ms: 5000 }),
+                ApiRequest::Resize(crate::ResizeRequest { desired_vcpus: 2, timeout_ms: crate::RESIZE_TIMEOUT_MS })
+            ]
+        );
+        assert!(f.client.resize(0, 1).is_err());
+        for body in [serde_json::json!({}), serde_json::json!({"desired_vcpus": 1, "desired_ram": 1})] {
+            assert_eq!(f.client.request("PUT", paths::RESIZE, Some(&body)).unwrap().0, 400, "{body}");
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! vCPU, and save their state through the one persist pattern (`persist`), which the vCPUs and
 //! the VM-wide state in `kumo-vm` use as well.
 
+pub mod acpi_ged;
 pub mod apic;
 pub mod bus;
 pub mod debug_port;
@@ -14,6 +15,7 @@ pub mod persist;
 pub mod serial;
 pub mod virtio;
 
+pub use acpi_ged::AcpiGed;
 pub use bus::{Bus, BusDevice, BusError, BusKind, Buses, SharedDevice};
 pub use debug_port::{DebugPort, EXIT_PORT, MARKER_PORT};
 pub use persist::{DeviceState, DeviceStateKind, DeviceStates, Persist, PersistDyn, PersistError, VirtioFunctionState};
@@ -26,4 +28,6 @@ pub enum DeviceEvent {
     GuestExit(u32),
     /// The guest reached a point it wants timed (see `debug_port`).
     Marker(u8),
+    /// The guest's ACPI `_EJ0` ejected this vCPU (see `acpi_ged`): kumo parks its thread.
+    CpuEjected(u32),
 }

@@ -1,14 +1,15 @@
 //! Gives a new VM its ACPI tables (`kumo-acpi`) and tells a Linux payload where they are.
 
-use kumo_acpi::{AcpiConfig, NumaTopology, PciHost};
+use kumo_acpi::{AcpiConfig, Ged, NumaTopology, PciHost};
+use kumo_devices::acpi_ged::{GED_GSI, GED_MMIO_BASE};
 use kumo_vm::linux::{set_acpi_rsdp, LinuxEntry};
 use kumo_vm::{Entry, Vm};
 
 use crate::device_manager::DeviceManager;
 use crate::Result;
 
-/// Writes the tables for `vm` (its vCPUs, irqchip, PCI host bridge and, with `numa`, its NUMA
-/// nodes) and, when vCPU 0 enters Linux (`entry`), puts the RSDP address in its boot
+/// Writes the tables for `vm` (its vCPUs, irqchip, PCI host bridge, its GED if it has one and,
+/// with `numa`, its NUMA nodes) and, when vCPU 0 enters Linux (`entry`), puts the RSDP address in its boot
 /// parameters. kumo's own guests find the RSDP by the legacy scan of 0xE0000–0xFFFFF.
 pub fn install(vm: &Vm, devices: &DeviceManager, entry: Option<Entry>, numa: Option<&NumaTopology>) -> Result<()> {
     let pci = devices.pci();
@@ -18,6 +19,7 @@ pub fn install(vm: &Vm, devices: &DeviceManager, entry: Option<Entry>, numa: Opt
         irqchip: vm.irqchip,
         pci: Some(PciHost { ecam_base: pci.ecam_base(), mmio32: pci.bar_window() }),
         numa,
+        ged: devices.ged().map(|_| Ged { mmio_base: GED_MMIO_BASE, gsi: GED_GSI }),
     };
     let rsdp = kumo_acpi::write(&vm.memory.guest, &cfg)?;
     let linux = match entry {

@@ -125,6 +125,7 @@ impl VmApi {
                 disks: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: Vec::new(),
+                parked_vcpus: Vec::new(),
                 pv: None,
             })),
             ApiRequest::MigrationStatus => Ok(migration_answer(self.migration.status())),
@@ -211,6 +212,7 @@ impl VmApi {
                 disks: Vec::new(),
                 numa: Vec::new(),
                 vcpu_pins: Vec::new(),
+                parked_vcpus: Vec::new(),
                 pv: None,
             })),
             ApiRequest::MigrationStatus => Ok(migration_answer(inc.status())),
@@ -248,6 +250,7 @@ pub fn info(vm: &RunningVm) -> VmInfo {
         disks: vm.disks(),
         numa: c.numa.as_ref().map(|n| n.info(c.cpus, c.memory)).unwrap_or_default(),
         vcpu_pins: vm.vcpu_pins(),
+        parked_vcpus: vm.parked_vcpus(),
         pv: pv_info(&c.pv),
     }
 }
@@ -358,6 +361,14 @@ impl ApiHandler for VmApi {
                 Ok(ApiResponse::Counters(Box::new(crate::counters::collect(&vm, &st))))
             }
             ApiRequest::Pin(p) => Ok(vm.pin_vcpu(p.vcpu, p.cpu).map(|()| ApiResponse::Ok)?),
+            ApiRequest::Resize(r) => vm.resize(&r).map(|()| ApiResponse::Ok).map_err(|e| {
+                use crate::cpu_hotplug::ResizeError as R;
+                match e {
+                    R::BadRequest(m) => ApiError::bad_request(m),
+                    R::Conflict(m) => ApiError::conflict(m),
+                    R::Timeout(m) => ApiError::guest_timeout(m),
+                }
+            }),
             ApiRequest::Release(r) => Ok(ApiResponse::Released(vm.elastic_release(&r)?)),
             ApiRequest::Acquire(r) => Ok(ApiResponse::Acquired(vm.elastic_acquire(&r)?)),
             ApiRequest::Elastic => Ok(ApiResponse::Elastic(vm.elastic_info()?)),

@@ -8,13 +8,16 @@
 //! port if the VM asks for it (guest exit and timing markers, ports 0x501–0x502: kumo's guests
 //! need it, a Linux kernel does without), PCI bus 0 with its host bridge
 //! (`pci`), virtio-net NICs on host taps (`nic`), each on its seed-000 interrupt path, and
-//! virtio-blk disks on image files (`disk`), after the NICs.
+//! virtio-blk disks on image files (`disk`), after the NICs; and the ACPI GED (CPU hotplug and
+//! the power button, `kumo_devices::acpi_ged`) on MMIO with its interrupt on GSI 5, where the
+//! VM has an IOAPIC.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use kumo_devices::acpi_ged::{AcpiGed, GED_GSI, GED_MMIO_BASE, GED_MMIO_LEN};
 use kumo_devices::persist::check_ids;
 use kumo_devices::{
     Buses, DebugPort, DeviceStates, PersistDyn, PersistError, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT,
@@ -51,6 +54,8 @@ pub struct DeviceManager {
     pci: Pci,
     /// The shared interrupt path's thread, if a device uses it.
     dispatcher: Option<Arc<SharedDispatcher>>,
+    /// The ACPI GED (CPU hotplug, power button); none where its GSI has no route (split irqchip).
+    ged: Option<Arc<Mutex<AcpiGed>>>,
 }
 
 impl DeviceManager {
@@ -71,6 +76,7 @@ impl DeviceManager {
             buses.pio.insert(EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort))).map_err(bus_err)?;
         }
 
+        let ged = Self::add_ged(vm, &mut buses)?;
         let mut pci = Pci::new(&vm.memory.layout, vm.interrupts.clone(), &mut buses)?;
         let dispatcher = if nets.iter().any(|n| n.irq == IrqPath::Shared) {
             Some(
@@ -107,7 +113,24 @@ impl DeviceManager {
             disks: Vec::new(),
             pci,
             dispatcher,
+            ged,
         })
+    }
+
+    /// The GED on the MMIO bus, interrupting on [`GED_GSI`] through an irqfd.
+    fn add_ged(vm: &Vm, buses: &mut Buses) -> Result<Option<Arc<Mutex<AcpiGed>>>> {
+        let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("GED interrupt"))?;
+        if !vm.interrupts.register_irqfd(&irq, GED_GSI).map_err(kumo_vm::Error::from)? {
+            return Ok(None);
+        }
+        let ged = Arc::new(Mutex::new(AcpiGed::new(vm.ncpus, irq)));
+        buses.mmio.insert(GED_MMIO_BASE, GED_MMIO_LEN, ged.clone()).map_err(|e| Error::Devices(e.to_string()))?;
+        Ok(Some(ged))
+    }
+
+    /// The ACPI GED, if the VM has one.
+    pub fn ged(&self) -> Option<&Arc<Mutex<AcpiGed>>> {
+        self.ged.as_ref()
     }
 
     /// Puts `specs`' disks on PCI after the NICs, on a VM of `cpus` vCPUs; an `incoming` VM's

@@ -19,6 +19,7 @@ pub mod acpi;
 pub mod api;
 pub mod config;
 pub mod counters;
+pub mod cpu_hotplug;
 pub mod device_manager;
 pub mod disk;
 pub mod elastic;

@@ -330,6 +330,8 @@ impl VcpuManager {
                 }
                 Ok(VcpuRun::Device(DeviceEvent::GuestExit(code))) => self.finish(Outcome::GuestExit(code)),
                 Ok(VcpuRun::Device(DeviceEvent::Marker(m))) => self.mark(m),
+                // The guest's _EJ0 (run by another vCPU: an offline CPU runs nothing).
+                Ok(VcpuRun::Device(DeviceEvent::CpuEjected(v))) => self.request_park(v),
                 // With KVM's LAPIC, HLT only exits here if KVM chose not to park the vCPU itself.
                 Ok(VcpuRun::Halted) => match &self.uapic {
                     // kumo's APIC: wait for an interrupt (or a pause/stop request, or a park).
@@ -580,6 +582,21 @@ impl VcpuManager {
                 None
             }
         })
+    }
+
+    /// Asks vCPU `v` to park without waiting for it (a vCPU thread asks for another's: the
+    /// guest ejected it). [`VcpuManager::park`] waits for it.
+    pub fn request_park(&self, v: u32) {
+        if let Some(p) = self.parks.get(v as usize) {
+            p.store(true, Ordering::Release);
+            self.kick_one(v);
+        }
+    }
+
+    /// The vCPUs whose threads are parked now.
+    pub fn parked(&self) -> Vec<u32> {
+        let c = lock(&self.ctl);
+        (0..c.vcpus.len() as u32).filter(|&v| c.vcpus[v as usize] == VcpuRunState::Parked).collect()
     }
 
     /// Lets a parked vCPU run again.

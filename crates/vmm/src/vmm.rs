@@ -344,6 +344,26 @@ impl RunningVm {
         self.vcpus.pin_vcpu(vcpu, cpu)
     }
 
+    /// The vCPUs whose threads are parked now.
+    pub fn parked_vcpus(&self) -> Vec<u32> {
+        self.vcpus.parked()
+    }
+
+    /// `vm.resize`: the guest keeps `req.desired_vcpus` vCPUs (ACPI CPU hotplug, `cpu_hotplug`).
+    pub fn resize(&self, req: &kumo_api::ResizeRequest) -> std::result::Result<(), crate::cpu_hotplug::ResizeError> {
+        use crate::cpu_hotplug::ResizeError;
+        if self.elastic.is_some() {
+            return Err(ResizeError::Conflict("an elastic VM's vCPUs move with vm.release/vm.acquire".into()));
+        }
+        let ged = self.devices.ged().ok_or_else(|| {
+            ResizeError::Conflict(
+                "this VM has no ACPI GED (its interrupt needs an IOAPIC: not with --irqchip split)".into(),
+            )
+        })?;
+        let limit = std::time::Duration::from_millis(req.timeout_ms);
+        crate::cpu_hotplug::resize(&self.vcpus, ged, req.desired_vcpus, limit)
+    }
+
     /// Each vCPU's host CPU now (`None`: it floats); see [`VcpuManager::vcpu_pins`].
     pub fn vcpu_pins(&self) -> Vec<Option<u32>> {
         self.vcpus.vcpu_pins()

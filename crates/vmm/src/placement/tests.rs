@@ -385,6 +385,7 @@ fn a_four_node_mirror_builds_srat_and_slit() {
         irqchip: kumo_vm::IrqchipMode::Kernel,
         pci: None,
         numa: Some(&t),
+        ged: None,
     };
     let tables = kumo_acpi::build(&cfg).unwrap();
     let slit = &tables.find(b"SLIT").unwrap().1;
