@@ -78,7 +78,9 @@ pub enum MemError {
     BlockSize(u64),
     #[error("virtio-mem region {addr:#x}+{size:#x} is empty or not whole blocks of {block:#x}")]
     Region { addr: u64, size: u64, block: u64 },
-    #[error("virtio-mem: requested size {requested:#x} is not whole blocks of {block:#x} within the region of {region:#x}")]
+    #[error(
+        "virtio-mem: requested size {requested:#x} is not whole blocks of {block:#x} within the region of {region:#x}"
+    )]
     Requested { requested: u64, block: u64, region: u64 },
 }
 
@@ -546,4 +548,3 @@ impl VirtioDevice for Mem {
 
 #[cfg(test)]
 mod tests;
-

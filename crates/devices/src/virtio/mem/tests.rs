@@ -123,11 +123,11 @@ fn bad_ranges_are_errors() {
     let mut rig = Rig::new(REGION);
     let blocks = (REGION / BS) as u16;
     for bad in [
-        req(REQ_PLUG, BASE + 4096, 1),           // not block aligned
-        req(REQ_PLUG, BASE - BS, 1),             // below the region
-        req(REQ_PLUG, BASE, 0),                  // no blocks
-        req(REQ_PLUG, BASE, blocks + 1),         // past the end
-        req(REQ_PLUG, BASE + REGION, 1),         // just past the end
+        req(REQ_PLUG, BASE + 4096, 1),            // not block aligned
+        req(REQ_PLUG, BASE - BS, 1),              // below the region
+        req(REQ_PLUG, BASE, 0),                   // no blocks
+        req(REQ_PLUG, BASE, blocks + 1),          // past the end
+        req(REQ_PLUG, BASE + REGION, 1),          // just past the end
         req(REQ_PLUG, u64::MAX - 4095, u16::MAX), // overflows
         req(REQ_STATE, BASE + REGION, 1),
         req(REQ_UNPLUG, BASE, 1), // not plugged
@@ -185,7 +185,6 @@ fn resize_changes_the_request_and_raises_the_config_vector() {
     rig.t.device_mut().resize(32 << 20).unwrap();
     assert_eq!(rig.cfg_u64(48), 32 << 20);
     assert_eq!(rig.irqs.take(), [0], "config changes raise vector 0");
-    assert_eq!(r(&mut rig.t, 0x15, 1) as u8 & 0, 0);
     assert!(rig.t.device_mut().resize(BS + 1).is_err());
     assert!(rig.t.device_mut().resize(REGION + BS).is_err());
     assert_eq!(rig.t.device().requested_size(), 32 << 20);
