@@ -10,7 +10,14 @@ use crate::Result;
 /// Writes the tables for `vm` (its vCPUs, irqchip, PCI host bridge and, with `numa`, its NUMA
 /// nodes) and, when vCPU 0 enters Linux (`entry`), puts the RSDP address in its boot
 /// parameters. kumo's own guests find the RSDP by the legacy scan of 0xE0000–0xFFFFF.
-pub fn install(vm: &Vm, devices: &DeviceManager, entry: Option<Entry>, numa: Option<&NumaTopology>) -> Result<()> {
+/// `hotplug`: the memory zones' regions, as hot-pluggable SRAT entries.
+pub fn install(
+    vm: &Vm,
+    devices: &DeviceManager,
+    entry: Option<Entry>,
+    numa: Option<&NumaTopology>,
+    hotplug: &[kumo_acpi::HotplugMemory],
+) -> Result<()> {
     let pci = devices.pci();
     let cfg = AcpiConfig {
         cpus: vm.ncpus,
@@ -19,7 +26,7 @@ pub fn install(vm: &Vm, devices: &DeviceManager, entry: Option<Entry>, numa: Opt
         pci: Some(PciHost { ecam_base: pci.ecam_base(), mmio32: pci.bar_window() }),
         numa,
     };
-    let rsdp = kumo_acpi::write(&vm.memory.guest, &cfg)?;
+    let rsdp = kumo_acpi::write_with_hotplug(&vm.memory.guest, &cfg, hotplug)?;
     let linux = match entry {
         Some(Entry::Linux64 { rip, boot_params }) => Some(LinuxEntry::BzImage64 { entry: rip, boot_params }),
         Some(Entry::Pvh { rip, start_info }) => Some(LinuxEntry::Pvh { entry: rip, start_info }),

@@ -126,6 +126,7 @@ impl VmApi {
                 numa: Vec::new(),
                 vcpu_pins: Vec::new(),
                 pv: None,
+                memory_zones: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(migration_answer(self.migration.status())),
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
@@ -212,6 +213,7 @@ impl VmApi {
                 numa: Vec::new(),
                 vcpu_pins: Vec::new(),
                 pv: None,
+                memory_zones: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(migration_answer(inc.status())),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
@@ -249,6 +251,7 @@ pub fn info(vm: &RunningVm) -> VmInfo {
         numa: c.numa.as_ref().map(|n| n.info(c.cpus, c.memory)).unwrap_or_default(),
         vcpu_pins: vm.vcpu_pins(),
         pv: pv_info(&c.pv),
+        memory_zones: vm.memory_zones(),
     }
 }
 
@@ -362,6 +365,7 @@ impl ApiHandler for VmApi {
             ApiRequest::Acquire(r) => Ok(ApiResponse::Acquired(vm.elastic_acquire(&r)?)),
             ApiRequest::Elastic => Ok(ApiResponse::Elastic(vm.elastic_info()?)),
             ApiRequest::Lend(l) => self.lend(&vm, &l),
+            ApiRequest::ResizeZone(r) => vm.resize_zone(&r).map(|()| ApiResponse::Ok),
             ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }

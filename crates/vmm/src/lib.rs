@@ -36,6 +36,7 @@ pub mod persist;
 pub mod placement;
 pub mod snapshot;
 pub mod vcpu_manager;
+pub mod virtio_mem;
 pub mod virtio_pci;
 pub mod vmm;
 
