@@ -521,7 +521,9 @@ impl VmConfig {
             return Err(Error::Config("an elastic VM cannot arrive by migration or restore".into()));
         }
         if !self.memory_zones.is_empty() {
-            return Err(Error::Config("a VM with memory zones (virtio-mem) cannot arrive by migration or restore".into()));
+            return Err(Error::Config(
+                "a VM with memory zones (virtio-mem) cannot arrive by migration or restore".into(),
+            ));
         }
         self.validate_common()
     }

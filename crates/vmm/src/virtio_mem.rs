@@ -151,7 +151,12 @@ struct ZoneBackend {
 }
 
 impl ZoneBackend {
-    fn each_block(&self, offset: u64, len: u64, f: impl Fn(u64) -> kumo_vm::Result<()>) -> std::result::Result<(), String> {
+    fn each_block(
+        &self,
+        offset: u64,
+        len: u64,
+        f: impl Fn(u64) -> kumo_vm::Result<()>,
+    ) -> std::result::Result<(), String> {
         (0..len / self.block).try_for_each(|i| f(self.gpa + offset + i * self.block)).map_err(|e| e.to_string())
     }
 }
@@ -205,17 +210,8 @@ impl Zone {
         let dev = Mem::new(&id, cfg, Box::new(backend)).map_err(|e| dev_err(e.to_string()))?;
         let bell = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err(format!("eventfd: {e}")))?;
         let clone = bell.try_clone().map_err(|e| dev_err(format!("eventfd: {e}")))?;
-        let Wired { function, slot, ctl, .. } = wire(
-            &id,
-            dev,
-            IrqPath::Direct,
-            vec![clone],
-            &vm.memory.guest,
-            vm.interrupts.clone(),
-            None,
-            pci,
-            &dev_err,
-        )?;
+        let Wired { function, slot, ctl, .. } =
+            wire(&id, dev, IrqPath::Direct, vec![clone], &vm.memory.guest, vm.interrupts.clone(), None, pci, &dev_err)?;
         let events = EventLoop::start(&id).map_err(|e| dev_err(format!("event loop: {e}")))?;
         let fds = [(ctl.kick.as_raw_fd(), EventSet::IN), (bell.as_raw_fd(), EventSet::IN)];
         let handler = MemHandler { function: function.clone(), ctl: ctl.clone(), bell };
@@ -470,9 +466,10 @@ impl Zones {
         let bytes = grant.bytes;
         let mut rec = lock(&self.record);
         let fits = |z: &Zone| bytes.is_multiple_of(z.block) && z.sizes().1 + bytes <= z.size;
-        let z = self.zone_for(Some(grant.node), fits).or_else(|| self.zone_for(None, fits)).ok_or_else(|| {
-            ElasticError::Conflict(format!("no memory zone has room for {} more", human_size(bytes)))
-        })?;
+        let z = self
+            .zone_for(Some(grant.node), fits)
+            .or_else(|| self.zone_for(None, fits))
+            .ok_or_else(|| ElasticError::Conflict(format!("no memory zone has room for {} more", human_size(bytes))))?;
         let old = z.sizes().1;
         let target = old + bytes;
         // Held from before the guest can use it.
@@ -541,8 +538,7 @@ mod tests {
         assert!(z.validate(0, 1).unwrap_err().to_string().contains("node 1 does not exist"));
         let plain = ZoneSpec::parse("hotplug=128M").unwrap();
         assert_eq!((plain.id_at(3), plain.block, plain.plugged), ("mem3".into(), DEFAULT_BLOCK, 0));
-        for bad in ["hotplug=100M", "hotplug=128M,block=3M", "hotplug=128M,plugged=256M", "hotplug=128M,plugged=1M"]
-        {
+        for bad in ["hotplug=100M", "hotplug=128M,block=3M", "hotplug=128M,plugged=256M", "hotplug=128M,plugged=1M"] {
             assert!(ZoneSpec::parse(bad).unwrap().validate(0, 1).is_err(), "{bad}");
         }
         assert!(ZoneSpec::parse("hotplug=128M,colour=red").is_err());

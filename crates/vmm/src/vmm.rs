@@ -714,9 +714,9 @@ impl RunningVm {
     }
 
     fn elastic_side(&self) -> std::result::Result<&ElasticVm, ElasticError> {
-        self.elastic.as_ref().ok_or_else(|| {
-            ElasticError::Conflict("the VM was started without --elastic or --memory-zone".into())
-        })
+        self.elastic
+            .as_ref()
+            .ok_or_else(|| ElasticError::Conflict("the VM was started without --elastic or --memory-zone".into()))
     }
 }
 
