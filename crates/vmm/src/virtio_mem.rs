@@ -543,6 +543,10 @@ mod tests {
         }
         assert!(ZoneSpec::parse("hotplug=128M,colour=red").is_err());
         assert!(ZoneSpec::parse("hotplug").is_err());
+        // Config files: sizes as strings or numbers, block and plugged optional.
+        let f: ZoneSpec = serde_json::from_str(r#"{"node": 0, "hotplug": "256M", "plugged": 134217728}"#).unwrap();
+        assert_eq!((f.hotplug, f.block, f.plugged), (256 << 20, DEFAULT_BLOCK, 128 << 20));
+        assert!(serde_json::from_str::<ZoneSpec>(r#"{"hotplug": "256M", "size": 1}"#).is_err());
     }
 
     #[test]
