@@ -103,7 +103,9 @@ fn linux_lends_128m_through_virtio_mem_and_back() {
     let mut a = start(&dir, &kernel, "a", "128M");
     let mut b = start(&dir, &kernel, "b", "0");
     for vm in [&mut a, &mut b] {
-        vm.kid.wait_for(BOOT_LIMIT, "the virtio-mem driver's probe", |o, _| o.contains(PROBED).then_some(())).unwrap();
+        // Two kernels boot at once: twice one boot's hang guard.
+        let limit = 2 * BOOT_LIMIT;
+        vm.kid.wait_for(limit, "the virtio-mem driver's probe", |o, _| o.contains(PROBED).then_some(())).unwrap();
     }
     // Both kernels read the region kumo placed above RAM (4 GiB), 2 MiB blocks.
     for vm in [&a, &b] {
