@@ -311,7 +311,17 @@ fn mcfg(ecam_base: u64) -> Vec<u8> {
     bytes(&t)
 }
 
-fn srat(numa: &NumaTopology) -> Vec<u8> {
+/// A hot-pluggable memory range (a virtio-mem region) on guest node `node`: an SRAT memory
+/// affinity entry marked hot-pluggable, so Linux accepts memory added there later. It is not RAM
+/// at boot (not in the e820 map).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HotplugMemory {
+    pub node: u32,
+    pub start: u64,
+    pub len: u64,
+}
+
+fn srat(numa: &NumaTopology, hotplug: &[HotplugMemory]) -> Vec<u8> {
     let mut t = Sdt::new(*b"SRAT", 48, 3, OEM_ID, table_id(b"SRAT"), 1);
     t.write_u32(36, 1); // reserved, 1 for compatibility
     let mut nodes: Vec<&NumaNode> = numa.nodes.iter().collect();
@@ -325,6 +335,9 @@ fn srat(numa: &NumaTopology) -> Vec<u8> {
         for &(start, len) in &n.memory {
             t.append_slice(&bytes(&MemoryAffinity::new(n.id, start, len).enabled()));
         }
+    }
+    for h in hotplug {
+        t.append_slice(&bytes(&MemoryAffinity::new(h.node, h.start, h.len).enabled().hotpluggable()));
     }
     t.as_slice().to_vec()
 }
@@ -343,10 +356,25 @@ fn slit(numa: &NumaTopology) -> Vec<u8> {
 /// Builds every table for `cfg` and places them from [`ACPI_START`]: the RSDP first (16-byte
 /// aligned, for the legacy scan), then DSDT, FADT, MADT, MCFG, SRAT, SLIT and the XSDT.
 pub fn build(cfg: &AcpiConfig) -> Result<Tables, AcpiError> {
+    build_with_hotplug(cfg, &[])
+}
+
+/// [`build`] with hot-pluggable memory ranges in the SRAT. Without a NUMA topology, the SRAT
+/// then describes one node 0 holding every vCPU and all RAM.
+pub fn build_with_hotplug(cfg: &AcpiConfig, hotplug: &[HotplugMemory]) -> Result<Tables, AcpiError> {
+    let one_node;
+    let numa = match (cfg.numa, hotplug.is_empty()) {
+        (None, false) => {
+            let node = NumaNode { id: 0, cpus: (0..cfg.cpus).collect(), memory: cfg.layout.ram().to_vec() };
+            one_node = NumaTopology { nodes: vec![node], distances: Vec::new() };
+            Some(&one_node)
+        }
+        (n, _) => n,
+    };
     if cfg.cpus > 255 {
         return Err(AcpiError::TooManyCpus { cpus: cfg.cpus });
     }
-    if let Some(numa) = cfg.numa {
+    if let Some(numa) = numa {
         numa.validate(cfg.cpus, cfg.layout)?;
     }
     let mut blobs: Vec<(u64, Vec<u8>)> = Vec::new();
@@ -362,8 +390,8 @@ pub fn build(cfg: &AcpiConfig) -> Result<Tables, AcpiError> {
     if let Some(pci) = &cfg.pci {
         xsdt_entries.push(place(mcfg(pci.ecam_base)));
     }
-    if let Some(numa) = cfg.numa {
-        xsdt_entries.push(place(srat(numa)));
+    if let Some(numa) = numa {
+        xsdt_entries.push(place(srat(numa, hotplug)));
         xsdt_entries.push(place(slit(numa)));
     }
     let mut xsdt = XSDT::new(OEM_ID, table_id(b"XSDT"), 1);
@@ -382,7 +410,16 @@ pub fn build(cfg: &AcpiConfig) -> Result<Tables, AcpiError> {
 /// Builds the tables for `cfg` and writes them into `mem`. Returns the RSDP's address, for
 /// `kumo_vm::boot::linux::set_acpi_rsdp`.
 pub fn write(mem: &kumo_vm::GuestMemory, cfg: &AcpiConfig) -> Result<u64, AcpiError> {
-    let tables = build(cfg)?;
+    write_with_hotplug(mem, cfg, &[])
+}
+
+/// [`write`] with hot-pluggable memory ranges ([`build_with_hotplug`]).
+pub fn write_with_hotplug(
+    mem: &kumo_vm::GuestMemory,
+    cfg: &AcpiConfig,
+    hotplug: &[HotplugMemory],
+) -> Result<u64, AcpiError> {
+    let tables = build_with_hotplug(cfg, hotplug)?;
     for (at, b) in &tables.blobs {
         mem.write_slice(b, GuestAddress(*at)).map_err(AcpiError::Write)?;
     }

@@ -369,4 +369,24 @@ fn iasl_disassembles_the_hotplug_dsdt() {
     ] {
         assert!(dsl.contains(want), "no {want:?} in:\n{dsl}");
     }
+
+#[test]
+fn hotplug_memory_gets_a_hotpluggable_srat_entry_even_without_numa() {
+    let layout = MemoryLayout::new(512 * MIB);
+    let hp = [HotplugMemory { node: 0, start: 4 << 30, len: 256 * MIB }];
+    let cfg = AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None };
+    let t = build_with_hotplug(&cfg, &hp).unwrap();
+    let s = table(&t, b"SRAT");
+    let mut mem = Vec::new();
+    let mut o = 48;
+    while o < s.len() {
+        let e = &s[o..o + s[o + 1] as usize];
+        if e[0] == 1 {
+            mem.push((u32_at(e, 2), u64_at(e, 8), u64_at(e, 16), u32_at(e, 28)));
+        }
+        o += e.len();
+    }
+    // RAM enabled; the hotplug range enabled and hot-pluggable (bit 1).
+    assert_eq!(mem, [(0, 0, 512 * MIB, 1), (0, 4 << 30, 256 * MIB, 3)]);
+    assert!(build(&cfg).unwrap().find(b"SRAT").is_none(), "no SRAT without NUMA or hotplug");
 }

@@ -180,6 +180,12 @@ impl ApiClient {
         self.put(paths::ACQUIRE, req)
     }
 
+    /// `PUT /api/v1/vm.resize-zone`: asks a memory zone's guest driver for a new size.
+    pub fn resize_zone(&self, req: &crate::ResizeZoneRequest) -> Result<(), ClientError> {
+        let body = serde_json::to_value(req).map_err(|e| self.bad(format!("cannot encode request: {e}")))?;
+        self.call("PUT", paths::RESIZE_ZONE, Some(&body)).map(|_| ())
+    }
+
     /// `PUT /api/v1/vm.lend`: this VM lends to (or returns to) another, both steps or neither.
     pub fn lend(&self, req: &crate::LendApiRequest) -> Result<crate::LendReport, ClientError> {
         self.put(paths::LEND, req)

@@ -59,6 +59,8 @@ pub mod paths {
     pub const ELASTIC: &str = "/api/v1/vm.elastic";
     /// Elastic sharing: this VM lends to (or returns to) another VM, both steps or neither.
     pub const LEND: &str = "/api/v1/vm.lend";
+    /// Cloud Hypervisor's name: ask a memory zone's virtio-mem driver for a new size.
+    pub const RESIZE_ZONE: &str = "/api/v1/vm.resize-zone";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -104,6 +106,42 @@ pub struct VmInfo {
     /// a VM exists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pv: Option<PvInfo>,
+    /// The VM's memory zones (`--memory-zone`, one virtio-mem device each).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory_zones: Vec<MemoryZoneInfo>,
+}
+
+/// A memory zone in [`VmInfo`]: its virtio-mem region, and how much of it the host asks the
+/// guest to plug (`requested_size`) and the guest has plugged (`plugged_size`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryZoneInfo {
+    pub id: String,
+    /// The guest NUMA node.
+    pub node: u32,
+    /// Guest-physical start and size of its hotplug region.
+    pub addr: u64,
+    pub region_size: u64,
+    pub block_size: u64,
+    pub plugged_size: u64,
+    pub requested_size: u64,
+    pub pci: String,
+    /// Whether the guest's driver has set it up (DRIVER_OK).
+    pub driver_ok: bool,
+    /// Requests the driver made, refused, and the host's failures.
+    pub plugs: u64,
+    pub unplugs: u64,
+    pub nacks: u64,
+    pub errors: u64,
+}
+
+/// Body of `PUT /api/v1/vm.resize-zone` (Cloud Hypervisor's shape).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeZoneRequest {
+    /// The zone's id (`mem0`, or its `id=`).
+    pub id: String,
+    /// Bytes the guest should have plugged: whole blocks, at most the zone's hotplug size.
+    pub desired_size: u64,
 }
 
 /// The paravirtual features in [`VmInfo`]: each on or off as the guest's CPUID leaf
@@ -275,6 +313,8 @@ pub enum ApiRequest {
     Elastic,
     /// Lend to another VM (or return to it), with rollback.
     Lend(LendApiRequest),
+    /// Set a memory zone's requested size (virtio-mem).
+    ResizeZone(ResizeZoneRequest),
     /// `kumo net-backend`: its tap, owner, clients and counters.
     BackendInfo,
     /// `kumo net-backend`: hand the NIC to another client.

@@ -80,6 +80,7 @@ pub(crate) const VM_ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::ACQUIRE, build: |b| Ok(ApiRequest::Acquire(json_body(b)?)) },
     Route { method: "GET", path: paths::ELASTIC, build: |_| Ok(ApiRequest::Elastic) },
     Route { method: "PUT", path: paths::LEND, build: |b| Ok(ApiRequest::Lend(json_body(b)?)) },
+    Route { method: "PUT", path: paths::RESIZE_ZONE, build: |b| Ok(ApiRequest::ResizeZone(json_body(b)?)) },
 ];
 
 /// `kumo net-backend`'s routes (docs/net-backend.md).
@@ -736,6 +737,7 @@ mod tests {
                 vcpu_pins: vec![Some(0), None],
                 parked_vcpus: Vec::new(),
                 pv: None,
+                memory_zones: Vec::new(),
             }
         }
         fn calls(&self) -> Vec<ApiRequest> {
@@ -820,6 +822,8 @@ mod tests {
                         }
                     }
                 }))),
+                ApiRequest::ResizeZone(r) if r.id != "mem0" => Err(ApiError::not_found("no such zone")),
+                ApiRequest::ResizeZone(_) => Ok(ApiResponse::Ok),
                 ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend")),
             }
         }
@@ -987,6 +991,14 @@ mod tests {
         let (s, b) = f.client.request("PUT", paths::LEND, Some(&lend)).unwrap();
         assert_eq!((s, b.unwrap()["total_ms"].as_f64()), (200, Some(2.0)));
         assert_eq!(f.client.request("PUT", paths::LEND, Some(&serde_json::json!({"cpus": 1}))).unwrap().0, 400);
+        // Cloud Hypervisor's vm.resize-zone body.
+        let z = crate::ResizeZoneRequest { id: "mem0".into(), desired_size: 128 << 20 };
+        f.client.resize_zone(&z).unwrap();
+        assert_eq!(f.vm.calls().last(), Some(&ApiRequest::ResizeZone(z)));
+        let e = f.client.resize_zone(&crate::ResizeZoneRequest { id: "x".into(), desired_size: 0 }).unwrap_err();
+        assert!(e.to_string().contains("no such zone"), "{e}");
+        let body = serde_json::json!({"id": "mem0", "size": 1});
+        assert_eq!(f.client.request("PUT", paths::RESIZE_ZONE, Some(&body)).unwrap().0, 400);
     }
 
     #[test]

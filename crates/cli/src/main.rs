@@ -301,6 +301,13 @@ struct RunArgs {
     /// guest that speaks the channel (worker). `kumo lend` / `kumo return` move them.
     #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
     elastic: Option<String>,
+    /// A memory zone (repeatable; docs/elastic.md): node=N,hotplug=SIZE[,block=2M]
+    /// [,plugged=SIZE][,id=ID]: a virtio-mem device whose hotplug region (a multiple of
+    /// 128 MiB, above RAM) the guest's driver plugs block by block; plugged= is what it is asked
+    /// to plug at boot (default 0). vm.resize-zone and `kumo lend --memory` change it. Given,
+    /// it replaces a config file's memory_zones.
+    #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
+    memory_zone: Vec<String>,
     /// seccomp filters, one per kind of thread (docs/security.md): true stops the VM at a
     /// system call outside the thread's list with a message naming it; log lets the call
     /// through and has the kernel log it (dmesg or the audit log), to find what is missing;
@@ -474,6 +481,15 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
             None => file.elastic,
         },
         debug_exit,
+        memory_zones: if a.memory_zone.is_empty() {
+            file.memory_zones
+        } else {
+            a.memory_zone
+                .iter()
+                .map(|s| kumo_vmm::virtio_mem::ZoneSpec::parse(s))
+                .collect::<Result<_, _>>()
+                .map_err(|e| e.to_string())?
+        },
     };
     guest::resolve(&mut config)?;
     Ok(Some(config))

@@ -50,6 +50,8 @@ pub enum DeviceState {
     /// A virtio-net function served by a vhost-user backend (`net<N>`).
     VhostUserNet(VirtioFunctionState<VhostUserState>),
     VirtioBlock(VirtioFunctionState<crate::virtio::block::BlockState>),
+    /// A virtio-mem function (`mem<N>`, one per `--memory-zone`).
+    VirtioMem(VirtioFunctionState<crate::virtio::mem::MemState>),
     // Test devices' states.
     #[cfg(test)]
     TestCounter(u32),
@@ -71,6 +73,7 @@ impl DeviceState {
             DeviceState::VirtioNet(_) => "virtio-net",
             DeviceState::VhostUserNet(_) => "vhost-user-net",
             DeviceState::VirtioBlock(_) => "virtio-blk",
+            DeviceState::VirtioMem(_) => "virtio-mem",
             #[cfg(test)]
             DeviceState::TestCounter(_) | DeviceState::TestNic(_) | DeviceState::TestBlock(_) => "test",
         }
@@ -140,6 +143,7 @@ device_state_kind!(Pic, PicState);
 virtio_state_kind!(VirtioNet, NetState);
 virtio_state_kind!(VhostUserNet, VhostUserState);
 virtio_state_kind!(VirtioBlock, crate::virtio::block::BlockState);
+virtio_state_kind!(VirtioMem, crate::virtio::mem::MemState);
 #[cfg(test)]
 device_state_kind!(TestCounter, u32);
 #[cfg(test)]

@@ -11,7 +11,14 @@ use crate::Result;
 /// Writes the tables for `vm` (its vCPUs, irqchip, PCI host bridge, its GED if it has one and,
 /// with `numa`, its NUMA nodes) and, when vCPU 0 enters Linux (`entry`), puts the RSDP address in its boot
 /// parameters. kumo's own guests find the RSDP by the legacy scan of 0xE0000–0xFFFFF.
-pub fn install(vm: &Vm, devices: &DeviceManager, entry: Option<Entry>, numa: Option<&NumaTopology>) -> Result<()> {
+/// `hotplug`: the memory zones' regions, as hot-pluggable SRAT entries.
+pub fn install(
+    vm: &Vm,
+    devices: &DeviceManager,
+    entry: Option<Entry>,
+    numa: Option<&NumaTopology>,
+    hotplug: &[kumo_acpi::HotplugMemory],
+) -> Result<()> {
     let pci = devices.pci();
     let cfg = AcpiConfig {
         cpus: vm.ncpus,
@@ -21,7 +28,7 @@ pub fn install(vm: &Vm, devices: &DeviceManager, entry: Option<Entry>, numa: Opt
         numa,
         ged: devices.ged().map(|_| Ged { mmio_base: GED_MMIO_BASE, gsi: GED_GSI }),
     };
-    let rsdp = kumo_acpi::write(&vm.memory.guest, &cfg)?;
+    let rsdp = kumo_acpi::write_with_hotplug(&vm.memory.guest, &cfg, hotplug)?;
     let linux = match entry {
         Some(Entry::Linux64 { rip, boot_params }) => Some(LinuxEntry::BzImage64 { entry: rip, boot_params }),
         Some(Entry::Pvh { rip, start_info }) => Some(LinuxEntry::Pvh { entry: rip, start_info }),

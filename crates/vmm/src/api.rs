@@ -127,6 +127,7 @@ impl VmApi {
                 vcpu_pins: Vec::new(),
                 parked_vcpus: Vec::new(),
                 pv: None,
+                memory_zones: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(migration_answer(self.migration.status())),
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
@@ -214,6 +215,7 @@ impl VmApi {
                 vcpu_pins: Vec::new(),
                 parked_vcpus: Vec::new(),
                 pv: None,
+                memory_zones: Vec::new(),
             })),
             ApiRequest::MigrationStatus => Ok(migration_answer(inc.status())),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
@@ -252,6 +254,7 @@ pub fn info(vm: &RunningVm) -> VmInfo {
         vcpu_pins: vm.vcpu_pins(),
         parked_vcpus: vm.parked_vcpus(),
         pv: pv_info(&c.pv),
+        memory_zones: vm.memory_zones(),
     }
 }
 
@@ -373,6 +376,7 @@ impl ApiHandler for VmApi {
             ApiRequest::Acquire(r) => Ok(ApiResponse::Acquired(vm.elastic_acquire(&r)?)),
             ApiRequest::Elastic => Ok(ApiResponse::Elastic(vm.elastic_info()?)),
             ApiRequest::Lend(l) => self.lend(&vm, &l),
+            ApiRequest::ResizeZone(r) => vm.resize_zone(&r).map(|()| ApiResponse::Ok),
             ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }

@@ -96,6 +96,9 @@ pub struct VmConfig {
     /// from before it was optional, when every VM had the port.
     #[serde(default = "every_vm_had_it")]
     pub debug_exit: bool,
+    /// Memory zones (`--memory-zone`): one virtio-mem device each (docs/elastic.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory_zones: Vec<crate::virtio_mem::ZoneSpec>,
 }
 
 fn every_vm_had_it() -> bool {
@@ -387,6 +390,8 @@ pub struct ConfigFile {
     pub elastic: Option<crate::elastic::ElasticConfig>,
     #[serde(default)]
     pub debug_exit: Option<bool>,
+    #[serde(default)]
+    pub memory_zones: Vec<crate::virtio_mem::ZoneSpec>,
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -428,6 +433,7 @@ impl VmConfig {
             pv: Default::default(),
             host: Default::default(),
             elastic: None,
+            memory_zones: Vec::new(),
         }
     }
 
@@ -484,7 +490,26 @@ impl VmConfig {
         self.validate_net()?;
         self.validate_disks()?;
         self.validate_numa()?;
-        self.validate_elastic()
+        self.validate_elastic()?;
+        self.validate_zones()
+    }
+
+    /// Checks the memory zones: each one's sizes and node, ids unique, not with `--elastic`
+    /// (one mechanism per VM).
+    pub fn validate_zones(&self) -> Result<(), Error> {
+        let nodes = self.numa.as_ref().map_or(1, |n| n.nodes.len() as u32);
+        for (i, z) in self.memory_zones.iter().enumerate() {
+            z.validate(i, nodes)?;
+            if self.memory_zones[..i].iter().enumerate().any(|(j, o)| o.id_at(j) == z.id_at(i)) {
+                return Err(Error::Config(format!("memory zone id {} is given twice", z.id_at(i))));
+            }
+        }
+        if !self.memory_zones.is_empty() && self.elastic.is_some() {
+            return Err(Error::Config(
+                "--memory-zone and --elastic do not mix: a VM lends memory through virtio-mem or its kumo guest's mailbox".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Checks an arriving VM (a migration stream's or a snapshot's config, its host resources
@@ -494,6 +519,11 @@ impl VmConfig {
     pub fn validate_arriving(&self) -> Result<(), Error> {
         if self.elastic.is_some() {
             return Err(Error::Config("an elastic VM cannot arrive by migration or restore".into()));
+        }
+        if !self.memory_zones.is_empty() {
+            return Err(Error::Config(
+                "a VM with memory zones (virtio-mem) cannot arrive by migration or restore".into(),
+            ));
         }
         self.validate_common()
     }

@@ -233,6 +233,11 @@ impl DeviceManager {
         &self.pci
     }
 
+    /// The PCI bus, to put more functions on it while the VM is built (memory zones).
+    pub fn pci_mut(&mut self) -> &mut Pci {
+        &mut self.pci
+    }
+
     /// The buses the vCPU threads dispatch to.
     pub fn buses(&self) -> &Arc<Buses> {
         &self.buses

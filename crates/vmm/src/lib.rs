@@ -37,6 +37,7 @@ pub mod persist;
 pub mod placement;
 pub mod snapshot;
 pub mod vcpu_manager;
+pub mod virtio_mem;
 pub mod virtio_pci;
 pub mod vmm;
 

@@ -75,6 +75,8 @@ pub struct RunningVm {
     started: Instant,
     /// `--elastic`: the guest channel and what the VM holds.
     elastic: Option<ElasticVm>,
+    /// `--memory-zone`: the virtio-mem devices (empty without).
+    zones: crate::virtio_mem::Zones,
     /// Its API socket, once served: how other VMs' records name it.
     api_name: std::sync::OnceLock<String>,
 }
@@ -148,9 +150,10 @@ impl RunningVm {
         };
         let parked = config.elastic.as_ref().map(|e| e.spares(config.cpus)).unwrap_or_default();
         let vcpus = manage_vcpus(vcpus, VcpuSetup { paused: false, parked, uapic: vm.uapic.clone(), start_ns });
-        let devices = create_devices(&vm, &config, serial, &vcpus, false)?;
-        crate::acpi::install(&vm, &devices, entries[0], numa.as_ref())?;
-        let vm = Self::launch(vm, config, vcpus, devices, elastic)?;
+        let mut devices = create_devices(&vm, &config, serial, &vcpus, false)?;
+        let zones = crate::virtio_mem::Zones::new(&vm, &config.memory_zones, devices.pci_mut())?;
+        crate::acpi::install(&vm, &devices, entries[0], numa.as_ref(), &zones.hotplug_ranges())?;
+        let vm = Self::launch(vm, config, vcpus, devices, elastic, zones)?;
         crate::event_monitor::vm_event(
             "booted",
             serde_json::json!({"cpus": vm.config.cpus, "memory_bytes": vm.config.memory}),
@@ -185,7 +188,7 @@ impl RunningVm {
         let devices = create_devices(&vm, &config, serial, &vcpus, true)?;
         devices.pause();
         devices.set_taps_attached(false);
-        Self::launch(vm, config, vcpus, devices, None)
+        Self::launch(vm, config, vcpus, devices, None, Default::default())
     }
 
     /// The last phase of both: the VM assembled, its vCPU threads started.
@@ -195,6 +198,7 @@ impl RunningVm {
         vcpus: Arc<VcpuManager>,
         devices: DeviceManager,
         elastic: Option<ElasticVm>,
+        zones: crate::virtio_mem::Zones,
     ) -> Result<RunningVm> {
         // The vCPUs a NIC's dedicated interrupt path names run prioritized (seed 000).
         let prioritized: Vec<u32> = config
@@ -205,8 +209,8 @@ impl RunningVm {
                 _ => None,
             })
             .collect();
-        let vm =
-            RunningVm { vm, config, vcpus, devices, started: Instant::now(), elastic, api_name: Default::default() };
+        let started = Instant::now();
+        let vm = RunningVm { vm, config, vcpus, devices, started, elastic, zones, api_name: Default::default() };
         vm.vcpus.start(vm.devices.buses(), &vm.config.host.pins, &prioritized)?;
         Ok(vm)
     }
@@ -455,6 +459,11 @@ impl RunningVm {
         if self.elastic.is_some() {
             return Err(Error::Config(
                 "an elastic VM (--elastic) cannot be migrated or snapshotted: its CPUs and memory are shared with other VMs on this host".into(),
+            ));
+        }
+        if !self.zones.is_empty() {
+            return Err(Error::Config(
+                "a VM with memory zones (--memory-zone) cannot be migrated or snapshotted: its virtio-mem regions are not carried".into(),
             ));
         }
         self.vcpus.begin_migration()
@@ -717,6 +726,9 @@ impl RunningVm {
         &self,
         req: &kumo_api::ReleaseRequest,
     ) -> std::result::Result<kumo_api::Released, ElasticError> {
+        if self.elastic.is_none() && !self.zones.is_empty() {
+            return self.zones.release(req);
+        }
         self.elastic_side()?.release(&self.vcpus, req)
     }
 
@@ -725,6 +737,9 @@ impl RunningVm {
         &self,
         req: &kumo_api::AcquireRequest,
     ) -> std::result::Result<kumo_api::Acquired, ElasticError> {
+        if self.elastic.is_none() && !self.zones.is_empty() {
+            return self.zones.acquire(req);
+        }
         self.elastic_side()?.acquire(&self.vcpus, req)
     }
 
@@ -740,11 +755,26 @@ impl RunningVm {
 
     /// `vm.elastic`.
     pub fn elastic_info(&self) -> std::result::Result<kumo_api::ElasticInfo, ElasticError> {
+        if self.elastic.is_none() && !self.zones.is_empty() {
+            return Ok(self.zones.elastic_info());
+        }
         Ok(self.elastic_side()?.info())
     }
 
+    /// `vm.resize-zone`: a memory zone's new requested size.
+    pub fn resize_zone(&self, r: &kumo_api::ResizeZoneRequest) -> std::result::Result<(), kumo_api::ApiError> {
+        self.zones.resize(&r.id, r.desired_size)
+    }
+
+    /// The memory zones, as `vm.info` shows them.
+    pub fn memory_zones(&self) -> Vec<kumo_api::MemoryZoneInfo> {
+        self.zones.info()
+    }
+
     fn elastic_side(&self) -> std::result::Result<&ElasticVm, ElasticError> {
-        self.elastic.as_ref().ok_or_else(|| ElasticError::Conflict("the VM was started without --elastic".into()))
+        self.elastic
+            .as_ref()
+            .ok_or_else(|| ElasticError::Conflict("the VM was started without --elastic or --memory-zone".into()))
     }
 }
 

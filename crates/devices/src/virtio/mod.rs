@@ -8,6 +8,7 @@
 //! and a [`DeviceInterrupt`] when the driver sets DRIVER_OK.
 
 pub mod block;
+pub mod mem;
 pub mod net;
 pub mod pci_transport;
 

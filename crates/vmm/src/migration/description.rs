@@ -168,6 +168,8 @@ fn config_of(d: &VmDescription) -> VmConfig {
         host: Default::default(),
         elastic: None,
         debug_exit: d.debug_exit,
+        // A VM with memory zones does not migrate.
+        memory_zones: Vec::new(),
     }
 }
 
