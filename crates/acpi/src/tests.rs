@@ -369,12 +369,13 @@ fn iasl_disassembles_the_hotplug_dsdt() {
     ] {
         assert!(dsl.contains(want), "no {want:?} in:\n{dsl}");
     }
+}
 
 #[test]
 fn hotplug_memory_gets_a_hotpluggable_srat_entry_even_without_numa() {
     let layout = MemoryLayout::new(512 * MIB);
     let hp = [HotplugMemory { node: 0, start: 4 << 30, len: 256 * MIB }];
-    let cfg = AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None };
+    let cfg = AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None, ged: None };
     let t = build_with_hotplug(&cfg, &hp).unwrap();
     let s = table(&t, b"SRAT");
     let mut mem = Vec::new();
