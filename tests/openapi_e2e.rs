@@ -155,6 +155,8 @@ fn every_route_answers_as_the_document_says() {
     c.call(&sock, "PUT", "/api/v1/vm.resize", Some(json!({"desired_vcpus": 1, "timeout_ms": 1000})), 204);
     c.call(&sock, "PUT", "/api/v1/vm.resize", Some(json!({"desired_vcpus": 2})), 400);
     assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["parked_vcpus"], json!([]));
+    // No --memory-zone: no zone to resize (tests/linux_virtio_mem.rs resizes real ones).
+    c.call(&sock, "PUT", "/api/v1/vm.resize-zone", Some(json!({"id": "mem0", "desired_size": 0})), 404);
     let snap = dir.path("vm.snap");
     c.call(&sock, "PUT", "/api/v1/vm.snapshot", Some(json!({ "path": snap.to_str().unwrap() })), 200);
     c.call(&sock, "PUT", "/api/v1/vm.snapshot", Some(json!({ "path": "relative.snap" })), 400);
