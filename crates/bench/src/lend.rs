@@ -13,9 +13,14 @@
 //!   vCPU hot-unplug path, so there is no hot-unplug row.
 //! - **Overlaps**: both VMs' records of every change (vm.elastic `events`) checked by
 //!   [`kumo_elastic::record::check`]: no host CPU or memory held by both at any instant.
+//! - **Linux** ([`linux`]): afterwards, memory lent between two Linux guests through virtio-mem
+//!   (the test kernel's own driver), N cycles; the worker rows above are its baseline (kumo's
+//!   guests, the mailbox path). Skipped, saying so, without the test kernel.
 //!
 //! Writes lend.json (every sample, every cycle's report) and lend.png; ends with
-//! `cpu_lend_p99_ms=X mem_lend_p99_ms=Y overlaps=Z`.
+//! `cpu_lend_p99_ms=X mem_lend_p99_ms=Y overlaps=Z linux_mem_lend_p50_ms=A linux_mem_lend_p99_ms=B`.
+
+mod linux;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,6 +52,15 @@ pub struct Args {
     /// How long each guest has to confirm a request, ms.
     #[arg(long, default_value_t = 1000)]
     timeout_ms: u64,
+    /// Lend/return cycles between the two Linux guests (virtio-mem) [default: 10, 5 with --quick].
+    #[arg(long)]
+    linux_cycles: Option<u64>,
+    /// MiB each Linux lend moves, a multiple of 4 up to 256 [default: 128, 16 with --quick].
+    #[arg(long)]
+    linux_mib: Option<u64>,
+    /// Leave out the Linux row (it boots two Linux VMs: a minute or more here).
+    #[arg(long)]
+    no_linux: bool,
 }
 
 const MIB: u64 = 1 << 20;
@@ -248,6 +262,8 @@ struct Report {
     events_b: Vec<ElasticEvent>,
     samples: Vec<Sample>,
     errors: Vec<String>,
+    /// Two Linux guests lending memory through virtio-mem (after the rows above).
+    linux: linux::Row,
 }
 
 /// A running elastic VM: its kumo process (killed when dropped) and API.
@@ -433,10 +449,12 @@ fn finish(r: &mut Report, hold_s: f64) {
 fn headline(r: &Report) -> String {
     let f = |v: Option<f64>| v.map_or("na".to_string(), |v| format!("{v:.3}"));
     format!(
-        "cpu_lend_p99_ms={} mem_lend_p99_ms={} overlaps={}",
+        "cpu_lend_p99_ms={} mem_lend_p99_ms={} overlaps={} linux_mem_lend_p50_ms={} linux_mem_lend_p99_ms={}",
         f(r.summary.cpu_lend_ms.p99),
         f(r.summary.mem_lend_ms.p99),
-        r.summary.overlaps.map_or("na".to_string(), |o| o.to_string())
+        r.summary.overlaps.map_or("na".to_string(), |o| o.to_string()),
+        f(r.linux.lend_ms.p50),
+        f(r.linux.lend_ms.p99),
     )
 }
 
@@ -451,6 +469,7 @@ fn table(r: &Report) -> String {
         r.host_cpu_a, r.host_cpu_b
     );
     let _ = writeln!(s, "{:<58} {:>6} {:>10} {:>10}", "", "n", "p50 ms", "p99 ms");
+    let _ = writeln!(s, "kumo's worker guests, the mailbox path (the baseline for the Linux rows below):");
     let rows: [(&str, Pct); 11] = [
         ("CPU lend A->B (command -> B's new vCPU did work)", m.cpu_lend_ms),
         ("  of which A's guest vacating", m.cpu_release_guest_ms),
@@ -491,7 +510,7 @@ fn table(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        "overlaps (a host CPU or memory held by both VMs at once, from their records): {} (cpu {}, memory {})",
+        "overlaps (a host CPU or memory held by both VMs at once, from their records; worker and Linux pairs): {} (workers: cpu {}, memory {})",
         m.overlaps.map_or("not checked".to_string(), |o| o.to_string()),
         m.overlaps_cpu,
         m.overlaps_memory
@@ -499,22 +518,62 @@ fn table(r: &Report) -> String {
     for d in &r.overlap_details {
         let _ = writeln!(s, "  overlap: {d}");
     }
+    linux_rows(&mut s, &r.linux);
     for e in &r.errors {
         let _ = writeln!(s, "FAILED: {e}");
     }
     s
 }
 
+/// The Linux guests' rows of [`table`].
+fn linux_rows(s: &mut String, l: &linux::Row) {
+    use std::fmt::Write;
+    let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+    let _ = writeln!(s, "Linux guests (test kernel, 1 vCPU, 512 MiB + a 256 MiB zone each), virtio-mem:");
+    if let Some(why) = &l.skipped {
+        let _ = writeln!(s, "  skipped: {why}");
+        return;
+    }
+    let mib = l.bytes / MIB;
+    let rows = [
+        (format!("{mib} MiB lend A->B (command -> B's kernel plugged it)"), l.lend_ms),
+        ("  of which A's kernel unplugging".to_string(), l.lend_unplug_ms),
+        ("  of which B's kernel plugging".to_string(), l.lend_plug_ms),
+        (format!("{mib} MiB return B->A"), l.return_ms),
+    ];
+    for (name, p) in rows {
+        let _ = writeln!(s, "{name:<58} {:>6} {:>10} {:>10}", p.n, f(p.p50), f(p.p99));
+    }
+    let _ = writeln!(
+        s,
+        "  (p99 is nearest-rank: with fewer than 100 cycles it is the slowest one; both drivers were up {} s after the VMs started)",
+        l.ready_s.map_or("-".to_string(), |t| format!("{t:.0}"))
+    );
+    let _ = writeln!(
+        s,
+        "  overlaps in the Linux VMs' records: {}",
+        l.overlaps.map_or("not checked".to_string(), |o| o.to_string())
+    );
+    for d in &l.overlap_details {
+        let _ = writeln!(s, "  overlap: {d}");
+    }
+    if let Some(e) = &l.error {
+        let _ = writeln!(s, "FAILED (Linux): {e}");
+    }
+}
+
 fn plot(path: &Path, r: &Report) -> Result<(), String> {
     use plotters::prelude::*;
     crate::register_plot_font()?;
     use crate::plot_err as e;
-    let root = BitMapBackend::new(path, (1600, 700)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1600, 1100)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
+    let (top, bottom) = root.split_vertically(700);
+    plot_lends(&bottom, r)?;
     let (a, b) = (series(&r.samples, "a"), series(&r.samples, "b"));
     let xmax = a.iter().chain(&b).map(|p| p.0).fold(1.0, f64::max);
     let ymax = a.iter().chain(&b).map(|p| p.1).fold(1.0, f64::max) * 1.15;
-    let mut c = ChartBuilder::on(&root)
+    let mut c = ChartBuilder::on(&top)
         .caption("worker throughput of VM A and VM B; lends and returns marked", ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(40)
@@ -560,6 +619,56 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .draw()
         .map_err(e)?;
     root.present().map_err(e)
+}
+
+/// Every memory lend's time by cycle, log scale: the worker guests' mailbox path against the
+/// Linux guests' virtio-mem.
+fn plot_lends<DB: plotters::prelude::DrawingBackend>(
+    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    r: &Report,
+) -> Result<(), String> {
+    use crate::plot_err as e;
+    use plotters::prelude::*;
+    let pts =
+        |ops: Vec<f64>| -> Vec<(f64, f64)> { ops.into_iter().enumerate().map(|(i, v)| (i as f64 + 1.0, v)).collect() };
+    let kinds = |k: &str| r.mem.iter().filter(|o| o.kind == k).map(|o| o.total_ms).collect::<Vec<_>>();
+    let linux = |k: &str| r.linux.ops.iter().filter(|o| o.kind == k).map(|o| o.total_ms).collect::<Vec<_>>();
+    let mib = r.linux.bytes / MIB;
+    let lines = [
+        ("worker (mailbox): 128 MiB lend".to_string(), pts(kinds("mem-lend")), RGBColor(40, 160, 60)),
+        ("worker (mailbox): 128 MiB return".to_string(), pts(kinds("mem-return")), RGBColor(140, 200, 140)),
+        (format!("Linux (virtio-mem): {mib} MiB lend"), pts(linux("linux-mem-lend")), RGBColor(200, 30, 30)),
+        (format!("Linux (virtio-mem): {mib} MiB return"), pts(linux("linux-mem-return")), RGBColor(240, 150, 40)),
+    ];
+    let all = || lines.iter().flat_map(|l| l.1.iter());
+    let xmax = all().map(|p| p.0).fold(2.0, f64::max);
+    let ymin = all().map(|p| p.1).fold(f64::INFINITY, f64::min).clamp(0.01, 1.0) / 2.0;
+    let ymax = all().map(|p| p.1).fold(10.0, f64::max) * 2.0;
+    let mut c = ChartBuilder::on(area)
+        .caption("memory lend time per cycle (command -> the borrower uses it), ms, log scale", ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0.5..xmax + 0.5, (ymin..ymax).log_scale())
+        .map_err(e)?;
+    c.configure_mesh().x_desc("cycle").y_desc("ms").label_style(("sans-serif", 12)).draw().map_err(e)?;
+    for (name, p, col) in lines {
+        if p.is_empty() {
+            continue;
+        }
+        c.draw_series(LineSeries::new(p.clone(), col.stroke_width(2))).map_err(e)?;
+        c.draw_series(p.into_iter().map(|q| Circle::new(q, 3, col.filled())))
+            .map_err(e)?
+            .label(name)
+            .legend(move |(x, y)| Circle::new((x + 10, y), 4, col.filled()));
+    }
+    c.configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(e)
 }
 
 /// Samples both VMs' progress every [`SAMPLE`] until `stop`.
@@ -714,6 +823,20 @@ impl Run<'_> {
     }
 }
 
+/// The Linux row's size and cycles from the arguments; None with `--no-linux`.
+fn linux_plan(args: &Args) -> Result<Option<linux::Plan>, String> {
+    if args.no_linux {
+        return Ok(None);
+    }
+    let mib = args.linux_mib.unwrap_or(if args.quick { 16 } else { 128 });
+    // Linux's driver unplugs in 4 MiB subblocks; the zone is 256 MiB.
+    if mib == 0 || mib % 4 != 0 || mib > 256 {
+        return Err(format!("--linux-mib {mib}: give a multiple of 4 from 4 to 256"));
+    }
+    let cycles = args.linux_cycles.unwrap_or(if args.quick { 5 } else { 10 });
+    Ok(Some(linux::Plan { bytes: mib * MIB, cycles }))
+}
+
 pub fn run(args: Args, out: &Path) -> Result<i32, String> {
     if !kumo_vm::vm::kvm_available() {
         return Err("needs /dev/kvm".into());
@@ -724,6 +847,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
     let cycles = args.cycles.unwrap_or(if args.quick { 30 } else { 100 });
     let holds = args.holds.unwrap_or(if args.quick { 3 } else { 5 });
     let hold = Duration::from_millis(args.hold_ms);
+    let linux_plan = linux_plan(&args)?;
     host::cleanup_on_signals("kumo bench lend")?;
     let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix(std::env::temp_dir().join("kumo-lend-"))
         .map_err(|e| e.to_string())?;
@@ -832,8 +956,17 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         events_b,
         samples,
         errors,
+        linux: linux::Row::default(),
     };
     drop((a, b));
+    report.linux = match &linux_plan {
+        Some(plan) => linux::run(plan, &say),
+        None => linux::Row { skipped: Some("left out (--no-linux)".into()), ..linux::Row::default() },
+    };
+    // One figure for both pairs of VMs.
+    if let (Some(o), Some(l)) = (report.summary.overlaps, report.linux.overlaps) {
+        report.summary.overlaps = Some(o + l);
+    }
     finish(&mut report, hold.as_secs_f64());
     print!("{}", table(&report));
     let json = crate::out_file(out, "lend.json")?;
@@ -846,7 +979,7 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         Err(e) => eprintln!("kumo bench lend: no plot: {e}"),
     }
     println!("{}", headline(&report));
-    let clean = report.errors.is_empty() && report.summary.overlaps == Some(0);
+    let clean = report.errors.is_empty() && report.linux.error.is_none() && report.summary.overlaps == Some(0);
     Ok(if clean { 0 } else { 1 })
 }
 
@@ -928,6 +1061,7 @@ mod tests {
             events_b: vec![],
             samples,
             errors: vec![],
+            linux: linux::Row::default(),
         }
     }
 
@@ -972,7 +1106,10 @@ mod tests {
         let ratio = m.b_ratio.expect("ratio");
         assert!((ratio - 2.0).abs() < 0.01, "{ratio}");
         assert_eq!(r.holds[0].a_holding_per_s, Some(0.0));
-        assert_eq!(headline(&r), "cpu_lend_p99_ms=3.000 mem_lend_p99_ms=5.000 overlaps=0");
+        assert_eq!(
+            headline(&r),
+            "cpu_lend_p99_ms=3.000 mem_lend_p99_ms=5.000 overlaps=0 linux_mem_lend_p50_ms=na linux_mem_lend_p99_ms=na"
+        );
         assert!(table(&r).contains("hot-unplug"));
     }
 
@@ -983,7 +1120,12 @@ mod tests {
         r.mem.clear();
         r.errors.push("cpu-lend a -> b: x".into());
         finish(&mut r, 0.5);
-        assert_eq!(headline(&r), "cpu_lend_p99_ms=na mem_lend_p99_ms=na overlaps=na");
+        r.linux.skipped = Some("no test kernel at /x".into());
+        assert_eq!(
+            headline(&r),
+            "cpu_lend_p99_ms=na mem_lend_p99_ms=na overlaps=na linux_mem_lend_p50_ms=na linux_mem_lend_p99_ms=na"
+        );
+        assert!(table(&r).contains("skipped: no test kernel at /x"));
         assert!(table(&r).contains("FAILED: cpu-lend a -> b: x"));
     }
 
@@ -1010,6 +1152,35 @@ mod tests {
         assert_eq!((ops[1].release_recorded_ms, ops[1].release_answered_ms), (Some(1.0), Some(2.0)));
         // No mem-released event in A: not placed.
         assert_eq!(ops[2].release_recorded_ms, None);
+    }
+
+    #[test]
+    fn the_linux_row_reaches_the_table_the_headline_and_the_plot() {
+        let mut r = report();
+        r.summary.overlaps = Some(0);
+        let lop = |kind, total_ms| linux::Op { kind, t_s: 0.0, total_ms, unplug_ms: 1.0, plug_ms: 2.0, call_ms: 3.0 };
+        r.linux = linux::Row {
+            bytes: 16 * MIB,
+            cycles: 2,
+            ops: vec![
+                lop("linux-mem-lend", 1500.0),
+                lop("linux-mem-return", 2500.0),
+                lop("linux-mem-lend", 1700.0),
+                lop("linux-mem-return", 2600.0),
+            ],
+            overlaps: Some(0),
+            ..linux::Row::default()
+        };
+        r.linux.finish();
+        finish(&mut r, 0.5);
+        assert!(
+            headline(&r).ends_with("linux_mem_lend_p50_ms=1500.000 linux_mem_lend_p99_ms=1700.000"),
+            "{}",
+            headline(&r)
+        );
+        let t = table(&r);
+        assert!(t.contains("16 MiB lend A->B") && t.contains("the baseline for the Linux rows"), "{t}");
+        crate::check_plot("lend-linux", |p| plot(p, &r));
     }
 
     #[test]
