@@ -830,7 +830,7 @@ fn linux_plan(args: &Args) -> Result<Option<linux::Plan>, String> {
     }
     let mib = args.linux_mib.unwrap_or(if args.quick { 16 } else { 128 });
     // Linux's driver unplugs in 4 MiB subblocks; the zone is 256 MiB.
-    if mib == 0 || mib % 4 != 0 || mib > 256 {
+    if mib == 0 || !mib.is_multiple_of(4) || mib > 256 {
         return Err(format!("--linux-mib {mib}: give a multiple of 4 from 4 to 256"));
     }
     let cycles = args.linux_cycles.unwrap_or(if args.quick { 5 } else { 10 });
