@@ -37,7 +37,7 @@ use kumo_testkit::Kid;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Fewer cycles (30 of each series, 3 held lends): under 3 minutes.
+    /// Fewer cycles (30 of each series, 3 held lends, 3 Linux lends of 16 MiB): about 3 minutes.
     #[arg(long)]
     quick: bool,
     /// Lend/return cycles of each series (CPU, memory, pause/resume) [default: 100, 30 with --quick].
@@ -52,7 +52,7 @@ pub struct Args {
     /// How long each guest has to confirm a request, ms.
     #[arg(long, default_value_t = 1000)]
     timeout_ms: u64,
-    /// Lend/return cycles between the two Linux guests (virtio-mem) [default: 10, 5 with --quick].
+    /// Lend/return cycles between the two Linux guests (virtio-mem) [default: 10, 3 with --quick].
     #[arg(long)]
     linux_cycles: Option<u64>,
     /// MiB each Linux lend moves, a multiple of 4 up to 256 [default: 128, 16 with --quick].
@@ -651,7 +651,13 @@ fn plot_lends<DB: plotters::prelude::DrawingBackend>(
         .y_label_area_size(80)
         .build_cartesian_2d(0.5..xmax + 0.5, (ymin..ymax).log_scale())
         .map_err(e)?;
-    c.configure_mesh().x_desc("cycle").y_desc("ms").label_style(("sans-serif", 12)).draw().map_err(e)?;
+    c.configure_mesh()
+        .x_desc("cycle")
+        .y_desc("ms")
+        .y_label_formatter(&|v| format!("{v}"))
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(e)?;
     for (name, p, col) in lines {
         if p.is_empty() {
             continue;
@@ -833,7 +839,8 @@ fn linux_plan(args: &Args) -> Result<Option<linux::Plan>, String> {
     if mib == 0 || !mib.is_multiple_of(4) || mib > 256 {
         return Err(format!("--linux-mib {mib}: give a multiple of 4 from 4 to 256"));
     }
-    let cycles = args.linux_cycles.unwrap_or(if args.quick { 5 } else { 10 });
+    // A 16 MiB cycle takes 10-40 s here and the two kernels a minute or more to boot.
+    let cycles = args.linux_cycles.unwrap_or(if args.quick { 3 } else { 10 });
     Ok(Some(linux::Plan { bytes: mib * MIB, cycles }))
 }
 
