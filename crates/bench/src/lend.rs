@@ -540,6 +540,8 @@ fn linux_rows(s: &mut String, l: &linux::Row) {
         ("  of which A's kernel unplugging".to_string(), l.lend_unplug_ms),
         ("  of which B's kernel plugging".to_string(), l.lend_plug_ms),
         (format!("{mib} MiB return B->A"), l.return_ms),
+        ("  of which B's kernel unplugging".to_string(), l.return_unplug_ms),
+        ("  of which A's kernel plugging".to_string(), l.return_plug_ms),
     ];
     for (name, p) in rows {
         let _ = writeln!(s, "{name:<58} {:>6} {:>10} {:>10}", p.n, f(p.p50), f(p.p99));

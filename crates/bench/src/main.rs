@@ -42,8 +42,9 @@ enum Which {
     Numa(kumo_bench::numa::Args),
     /// Elastic sharing (issue 13): lend/return cycles of 1 CPU and of 128 MiB between two
     /// `worker` VMs, B's throughput before/after, against pausing/resuming a vCPU set, and the
-    /// VMs' records checked for overlaps; writes lend.json and lend.png, ends with
-    /// `cpu_lend_p99_ms=X mem_lend_p99_ms=Y overlaps=Z`.
+    /// VMs' records checked for overlaps; then memory lent between two Linux guests through
+    /// virtio-mem (needs the test kernel); writes lend.json and lend.png, ends with
+    /// `cpu_lend_p99_ms=X mem_lend_p99_ms=Y overlaps=Z linux_mem_lend_p50_ms=A linux_mem_lend_p99_ms=B`.
     Lend(kumo_bench::lend::Args),
     /// The disk (issue 21): `blkbench` on kumo's virtio-blk (direct=on) against QEMU's
     /// virtio-blk-pci (cache=none, aio=io_uring and aio=threads) on the same raw image, alternating,

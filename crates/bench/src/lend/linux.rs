@@ -71,6 +71,8 @@ pub struct Row {
     pub lend_unplug_ms: Pct,
     pub lend_plug_ms: Pct,
     pub return_ms: Pct,
+    pub return_unplug_ms: Pct,
+    pub return_plug_ms: Pct,
     /// Both VMs' records checked for memory held by both at once.
     pub overlaps: Option<usize>,
     pub overlap_details: Vec<String>,
@@ -86,6 +88,8 @@ impl Row {
         self.lend_unplug_ms = of("linux-mem-lend", |o| o.unplug_ms);
         self.lend_plug_ms = of("linux-mem-lend", |o| o.plug_ms);
         self.return_ms = of("linux-mem-return", |o| o.total_ms);
+        self.return_unplug_ms = of("linux-mem-return", |o| o.unplug_ms);
+        self.return_plug_ms = of("linux-mem-return", |o| o.plug_ms);
     }
 }
 
