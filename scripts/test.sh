@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # kumo's test command: installs what is missing, fetches the Debian kernel for the Linux boot
 # test and builds kumo's Linux test kernel (once per machine: scripts/build-test-kernel.sh caches
-# it outside the work tree, ~6 min on 2 cores), then runs every test of the workspace. Tests that need /dev/kvm skip (with a message)
-# where it is absent.
+# it outside the work tree, ~6 min on 2 cores) and libvirt's Cloud Hypervisor driver (the same,
+# scripts/build-libvirt-ch.sh, ~2-4 min), then runs every test of the workspace. Tests that need
+# /dev/kvm skip (with a message) where it is absent.
 #
 #   scripts/test.sh              every test
 #   scripts/test.sh --e2e        only the end-to-end suites of VMs, the API and migration
@@ -23,6 +24,7 @@ if [ -e /dev/kvm ]; then
     if [ "$e2e" = 0 ]; then
         scripts/fetch-linux-kernel.sh >/dev/null
         scripts/build-test-kernel.sh >/dev/null
+        scripts/build-libvirt-ch.sh >/dev/null
     fi
 else
     echo "test: /dev/kvm absent: KVM tests will skip; not fetching a kernel" >&2

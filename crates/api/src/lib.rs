@@ -29,6 +29,10 @@ use serde::{Deserialize, Serialize};
 /// Version reported by `vmm.ping` and `vm.info`.
 pub const KUMO_VERSION: &str = env!("CARGO_PKG_VERSION");
 
+/// The Cloud Hypervisor release whose API and command line kumo answers as
+/// (`cloud-hypervisor --version`, `vmm.ping`'s `version`); docs/ch-compat.md says why this one.
+pub const CH_COMPAT_VERSION: &str = "28.0.0";
+
 /// Route paths, shared by the server's route table and the client.
 pub mod paths {
     pub const PING: &str = "/api/v1/vmm.ping";

@@ -197,8 +197,10 @@ impl ApiServer {
     pub fn bind(path: &Path) -> Result<BoundApi, ServerError> {
         // The socket drives the VM: only its owner may connect (0600 from the start).
         let listener = bind(path)?;
+        let id = socket_id(path);
         Ok(BoundApi {
-            socket_id: socket_id(path),
+            socket_id: id,
+            wake_id: id,
             path: path.to_path_buf(),
             listener: Some(listener),
             service: Service::Vm,
@@ -206,10 +208,23 @@ impl ApiServer {
     }
 }
 
+impl ApiServer {
+    /// Serves a socket someone else bound and passed to this process (`--api-socket fd=N`, as
+    /// libvirt does; see [`kumo_sandbox::sock::inherited_listener`]). Its file belongs to them:
+    /// kumo never removes it.
+    pub fn adopt(listener: UnixListener) -> BoundApi {
+        let path = listener.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf)).unwrap_or_default();
+        BoundApi { socket_id: None, wake_id: socket_id(&path), path, listener: Some(listener), service: Service::Vm }
+    }
+}
+
 /// A bound API socket not yet served; dropped unserved, it removes its socket file.
 pub struct BoundApi {
     path: PathBuf,
+    /// The socket file it bound (None: adopted, someone else's file, never removed).
     socket_id: Option<(u64, u64)>,
+    /// The socket file a connection of its own reaches it by, to wake its accept at shutdown.
+    wake_id: Option<(u64, u64)>,
     listener: Option<UnixListener>,
     service: Service,
 }
@@ -239,14 +254,14 @@ impl BoundApi {
             move || accept_loop(listener, &shared, handler)
         })
         .map_err(|e| {
-            if socket_id(&self.path) == self.socket_id {
+            if self.socket_id.is_some() && socket_id(&self.path) == self.socket_id {
                 let _ = fs::remove_file(&self.path);
             }
             ServerError::Spawn(e)
         })?;
         info!(path = %self.path.display(), "API server listening");
         let path = std::mem::take(&mut self.path);
-        Ok(ApiServerHandle { path, socket_id: self.socket_id, shared, thread: Some(thread) })
+        Ok(ApiServerHandle { path, socket_id: self.socket_id, wake_id: self.wake_id, shared, thread: Some(thread) })
     }
 }
 
@@ -398,6 +413,7 @@ fn evict_until(conns: &mut Conns, max: usize, except: Option<u64>) {
 pub struct ApiServerHandle {
     path: PathBuf,
     socket_id: Option<(u64, u64)>,
+    wake_id: Option<(u64, u64)>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -417,7 +433,7 @@ impl ApiServerHandle {
         // Only touch the path if it is still our socket: it may have been
         // removed, or replaced by another VM's.
         let ours = self.socket_id.is_some() && socket_id(&self.path) == self.socket_id;
-        if ours {
+        if self.wake_id.is_some() && socket_id(&self.path) == self.wake_id {
             // accept() has no timeout: wake it with a connection of our own.
             let _ = UnixStream::connect(&self.path);
         }
@@ -1019,6 +1035,22 @@ mod tests {
             vm.calls(),
             [ApiRequest::BackendInfo, ApiRequest::Handover(crate::HandoverRequest { to: 3, wait_ms: Some(5) })]
         );
+    }
+
+    #[test]
+    fn an_adopted_socket_is_served_and_left_in_place() {
+        // As libvirt does: the parent binds the socket and the VMM serves it.
+        let path = temp_sock();
+        let listener = UnixListener::bind(&path).unwrap();
+        let vm = Arc::new(FakeVm { state: Mutex::new(VmState::Running), calls: Mutex::default() });
+        let mut server = ApiServer::adopt(listener).serve(vm.clone(), None).unwrap();
+        assert_eq!(server.path(), path, "named by the address it was bound at");
+        ApiClient::new(&path).pause().unwrap();
+        assert_eq!(vm.calls(), [ApiRequest::Pause]);
+        server.shutdown();
+        assert!(path.exists(), "the parent's socket file is the parent's to remove");
+        assert!(UnixStream::connect(&path).is_err(), "nobody serves it any more");
+        fs::remove_file(&path).unwrap();
     }
 
     struct Fixture {

@@ -10,6 +10,7 @@ macro_rules! note {
     }};
 }
 
+mod ch;
 mod console;
 mod guest;
 mod lend;
@@ -502,12 +503,22 @@ fn host_resources(a: &RunArgs) -> Result<kumo_vmm::host_resources::HostResources
         .map_err(|e| e.to_string())
 }
 
-fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Result<i32, String> {
+/// `kumo run`: boots, restores or receives a VM, or waits empty on its API. `inherited`: the
+/// API's listening socket when the parent bound it (`cloud-hypervisor --api-socket fd=N`);
+/// `api_socket` is then only its name.
+fn run(
+    a: RunArgs,
+    api_socket: Option<PathBuf>,
+    allow: Option<Vec<u32>>,
+    inherited: Option<std::os::unix::net::UnixListener>,
+) -> Result<i32, String> {
     if let Some(m) = &a.event_monitor {
         kumo_vmm::event_monitor::init(m)?;
     }
     sandbox(&a, api_socket.as_deref())?;
-    let sockets: Vec<PathBuf> = [&api_socket, &a.console_socket].into_iter().flatten().cloned().collect();
+    // Sockets kumo bound, removed if a signal ends it before a VM exists (not an inherited one).
+    let ours = if inherited.is_some() { &None } else { &api_socket };
+    let sockets: Vec<PathBuf> = [ours, &a.console_socket].into_iter().flatten().cloned().collect();
     // A panic before there is a VM to stop (a destination waiting for its migration) ends the
     // process as a signal would then; once there is one, the panic is its stop reason.
     let leave = sockets.clone();
@@ -525,7 +536,11 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
     // The API of a VM built here starts once it exists; a shutdown on failure stops it again.
     // A booted or restored VM's socket is bound before its guest runs, and served once the VM
     // exists: a client that sees the guest's output can connect.
-    let bind = || api_socket.as_deref().map(ApiServer::bind).transpose().map_err(|e| e.to_string());
+    let inherited = std::cell::Cell::new(inherited);
+    let bind = || match inherited.take() {
+        Some(l) => Ok(Some(ApiServer::adopt(l))),
+        None => api_socket.as_deref().map(ApiServer::bind).transpose().map_err(|e| e.to_string()),
+    };
     let serve = |vm: &Arc<RunningVm>, bound: Option<kumo_api::BoundApi>| {
         signals.watch(vm);
         // An elastic VM's API threads (they inherit the server's policy) run at real-time
@@ -562,8 +577,8 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
             let listen = kumo_vmm::migration::listen_options(tls_dir.as_deref(), a.insecure)?;
             let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, host_resources(&a)?, listen)?;
             let api = kumo_vmm::api::VmApi::incoming(&inc);
-            let server = match &api_socket {
-                Some(p) => Some(ApiServer::start_allowing(p, api.clone(), allow.clone()).map_err(|e| e.to_string())?),
+            let server = match bind()? {
+                Some(b) => Some(b.serve(api.clone(), allow.clone()).map_err(|e| e.to_string())?),
                 None => None,
             };
             let vm = Arc::new(migrate::incoming(&inc, serial())?);
@@ -588,7 +603,8 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
             // An empty VMM: its API says what it becomes (vm.restore, vm.receive-migration).
             (None, Some(p)) => {
                 let api = kumo_vmm::api::VmApi::empty(|line| note!("kumo: {line}"), serial.clone());
-                let server = ApiServer::start_allowing(p, api.clone(), allow.clone()).map_err(|e| e.to_string())?;
+                let bound = bind()?.ok_or("an empty VMM needs its API socket")?;
+                let server = bound.serve(api.clone(), allow.clone()).map_err(|e| e.to_string())?;
                 note!("kumo: no VM yet: waiting for vm.restore or vm.receive-migration on {}", p.display());
                 let vm = api.wait_vm()?;
                 signals.watch(&vm);
@@ -843,9 +859,12 @@ fn init_logging(verbose: u8, log_file: Option<&std::path::Path>) -> Result<(), S
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
     // The VMM knows no guest programs: it checks an arriving VM's guest through kumo-guests.
     kumo_vmm::guest_program::set_guest_check(guest::check);
+    if let Some(args) = ch::invoked_as_ch(&std::env::args_os().collect::<Vec<_>>()) {
+        return exit(ch::main(args));
+    }
+    let cli = Cli::parse();
     if let Err(e) = init_logging(cli.verbose, cli.log_file.as_deref()) {
         note!("kumo: error: {e}");
         return ExitCode::from(1);
@@ -869,7 +888,7 @@ fn main() -> ExitCode {
     }
     let allow = cli.api_allow_uid.map(|a| a.0);
     let r = match cli.cmd {
-        Cmd::Run(a) => run(*a, cli.api_socket, allow),
+        Cmd::Run(a) => run(*a, cli.api_socket, allow, None),
         Cmd::Guests { json } => guests(json),
         Cmd::Bench { args } => bench(args),
         Cmd::Migrate(m) => migrate::run(m, cli.api_socket),
@@ -887,6 +906,10 @@ fn main() -> ExitCode {
         | Cmd::Pin { .. }
         | Cmd::Counters) => client_cmd(c, cli.api_socket),
     };
+    exit(r)
+}
+
+fn exit(r: Result<i32, String>) -> ExitCode {
     match r {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {

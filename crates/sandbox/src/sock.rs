@@ -152,6 +152,52 @@ impl Drop for PrivateSocket {
     }
 }
 
+/// Takes a listening unix stream socket this process inherited as descriptor `fd` (Cloud
+/// Hypervisor's `--api-socket fd=N`, which libvirt binds and passes): it must be open, a unix
+/// stream socket and listening, and is taken at most once per process. It is made close-on-exec
+/// so no child inherits it. The caller did not bind it, so it never removes its file.
+pub fn inherited_listener(fd: i32) -> io::Result<UnixListener> {
+    use std::sync::Mutex;
+    static TAKEN: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+    let bad = |why: String| io::Error::new(io::ErrorKind::InvalidInput, format!("descriptor {fd} {why}"));
+    if fd < 3 {
+        return Err(bad("is stdin, stdout or stderr, not a socket".into()));
+    }
+    let mut taken = TAKEN.lock().unwrap_or_else(|p| p.into_inner());
+    if taken.contains(&fd) {
+        return Err(bad("was already taken".into()));
+    }
+    // SAFETY: F_GETFD only reads the descriptor's flags; a closed fd gives EBADF.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(bad(format!("is not open: {}", io::Error::last_os_error())));
+    }
+    let opt = |name: libc::c_int| -> io::Result<libc::c_int> {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `v`; a non-socket gives ENOTSOCK.
+        let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, name, (&mut v as *mut libc::c_int).cast(), &mut len) };
+        if r != 0 {
+            return Err(bad(format!("is not a socket: {}", io::Error::last_os_error())));
+        }
+        Ok(v)
+    };
+    if opt(libc::SO_DOMAIN)? != libc::AF_UNIX || opt(libc::SO_TYPE)? != libc::SOCK_STREAM {
+        return Err(bad("is not a unix stream socket".into()));
+    }
+    if opt(libc::SO_ACCEPTCONN)? != 1 {
+        return Err(bad("is a unix socket that is not listening".into()));
+    }
+    // SAFETY: the descriptor is open, is a listening unix stream socket, and nothing in this
+    // process owns it (it was inherited, and TAKEN lets it be taken only once).
+    let listener = unsafe { <UnixListener as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    taken.push(fd);
+    // SAFETY: F_SETFD on a descriptor this process now owns.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(listener)
+}
+
 /// Removes `path` if it is still the socket `id` ([`socket_id`]): a socket that was removed
 /// or replaced by someone else meanwhile is left alone.
 pub fn remove_socket(path: &Path, id: Option<(u64, u64)>) {
@@ -236,6 +282,27 @@ mod tests {
 
     fn mode(p: &Path) -> u32 {
         std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn an_inherited_descriptor_must_be_a_listening_unix_socket() {
+        use std::os::fd::IntoRawFd;
+        assert!(inherited_listener(1).unwrap_err().to_string().contains("stdin, stdout or stderr"));
+        assert!(inherited_listener(987_654).unwrap_err().to_string().contains("is not open"));
+        let f = std::fs::File::open("/proc/self/status").unwrap().into_raw_fd();
+        assert!(inherited_listener(f).unwrap_err().to_string().contains("is not a socket"), "a file");
+        let (a, _b) = UnixStream::pair().unwrap();
+        let a = a.into_raw_fd();
+        assert!(inherited_listener(a).unwrap_err().to_string().contains("not listening"), "a connected socket");
+        let d = dir("inherit");
+        let l = UnixListener::bind(d.join("s")).unwrap().into_raw_fd();
+        let taken = inherited_listener(l).expect("a listening unix socket is taken");
+        assert!(inherited_listener(l).unwrap_err().to_string().contains("already taken"));
+        let c = UnixStream::connect(d.join("s")).unwrap();
+        let (s, _) = taken.accept().unwrap();
+        assert_eq!(peer_cred(&s).unwrap().pid, peer_cred(&c).unwrap().pid);
+        // The file's and the pair's raw descriptors stay open until the test process ends.
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]

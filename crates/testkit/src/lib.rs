@@ -6,6 +6,7 @@
 //! into the `kumo` binary.
 
 pub mod kid;
+pub mod libvirt;
 pub mod linux;
 pub mod net;
 pub mod qemu;

@@ -42,11 +42,11 @@ pub fn effect_limit() -> Duration {
         .map_or_else(boot_limit, Duration::from_secs)
 }
 
-fn repo_root() -> PathBuf {
+pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn in_ci() -> bool {
+pub fn in_ci() -> bool {
     std::env::var_os("CI").is_some_and(|v| !v.is_empty())
 }
 

@@ -698,7 +698,7 @@ impl VcpuManager {
             return;
         }
         let me = self.clone();
-        let spawned = kumo_sandbox::spawn(ThreadKind::Vmm, "vcpu-throttle", move || loop {
+        let spawned = kumo_sandbox::spawn(ThreadKind::Vmm, "cpu-throttle", move || loop {
             let p = me.throttle.load(Ordering::Acquire);
             if p == 0 || me.request.load(Ordering::Acquire) == STOP {
                 me.throttler.store(false, Ordering::Release);
