@@ -71,6 +71,17 @@ fn boot(kernel: &Path, backend: &Backend, guest: Ipv4Addr, host: Ipv4Addr, extra
     vm
 }
 
+/// Diagnostics: each gap in the replies, as (last seq, s since t0) -> (next seq, s since t0).
+fn gaps(pinger: &Pinger, t0: std::time::Instant) -> String {
+    let log = pinger.log();
+    let at = |t: std::time::Instant| t.saturating_duration_since(t0).as_secs_f64() - t0.saturating_duration_since(t).as_secs_f64();
+    log.windows(2)
+        .filter(|w| w[1].1 != w[0].1 + 1)
+        .map(|w| format!("{}@{:.2} -> {}@{:.2}", w[0].1, at(w[0].0), w[1].1, at(w[1].0)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn setup(test: &str, net: u8, tag: &str) -> Option<(std::path::PathBuf, Ipv4Addr, Ipv4Addr, Tap)> {
     let kernel = linux::test_kernel(test)?;
     let (host, guest, _) = subnet(net);
@@ -94,8 +105,11 @@ fn the_nic_moves_between_two_linux_vms_losing_at_most_one_ping() {
     let id_b = backend.client_of(b.id());
     assert_eq!(backend.info()["owner"].as_u64(), Some(id_a));
 
+    let t_b = std::time::Instant::now();
     let before = pinger.replies();
     pinger.wait_replies(before, 3, BOOT_LIMIT).unwrap_or_else(|e| panic!("A while B runs: {e}"));
+    let t0 = std::time::Instant::now();
+    eprintln!("B up at {:.2} s before the handover", (t0 - t_b).as_secs_f64());
     let (status, report) =
         backend.api.request("PUT", "/api/v1/backend.handover", Some(&json!({ "to": id_b }))).expect("handover");
     assert_eq!(status, 200, "{report:?}");
@@ -110,6 +124,7 @@ fn the_nic_moves_between_two_linux_vms_losing_at_most_one_ping() {
     assert!(b_tx.unwrap_or(0) > 0, "B answers: {info}");
     let lost = pinger.lost();
     eprintln!("{test}: handover {report:?}; lost pings {lost:?}");
+    eprintln!("gaps: {}\nB:\n{}", gaps(&pinger, t0), b.stdout());
     assert!(lost.len() <= 1, "pings lost across the handover: {lost:?}\n{info}");
     drop((a, b));
 }
@@ -131,6 +146,7 @@ fn a_linux_vm_on_the_backend_migrates_and_answers_from_the_destination() {
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let net = format!("id=net0,vhost-user={}", backend.sock);
     let dest = incoming(&addr, &["--net", &net], "dest");
+    let t0 = std::time::Instant::now();
     let (ok, out, err) = migrate(&api, &["--to", &addr]);
     assert!(
         ok,
@@ -150,6 +166,7 @@ fn a_linux_vm_on_the_backend_migrates_and_answers_from_the_destination() {
         .unwrap_or_else(|e| panic!("the destination: {e}\n{}\n{}", dest.stdout(), backend.info()));
     let lost = pinger.lost();
     eprintln!("{test}: {out}; lost pings {lost:?}; {}", backend.info()["last_handover"]);
+    eprintln!("gaps: {}\ndest:\n{}", gaps(&pinger, t0), dest.stdout());
     assert!(lost.len() <= 1, "pings lost across the migration: {lost:?}");
     drop(dest);
 }
