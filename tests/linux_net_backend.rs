@@ -108,6 +108,8 @@ fn the_nic_moves_between_two_linux_vms_losing_at_most_one_ping() {
     let t_b = std::time::Instant::now();
     let before = pinger.replies();
     pinger.wait_replies(before, 3, BOOT_LIMIT).unwrap_or_else(|e| panic!("A while B runs: {e}"));
+    let rtt = std::process::Command::new("ping").args(["-n", "-q", "-c", "10", "-i", "0.05"]).arg(guest.to_string()).output().unwrap();
+    eprintln!("A's rtt: {}", String::from_utf8_lossy(&rtt.stdout));
     let t0 = std::time::Instant::now();
     eprintln!("B up at {:.2} s before the handover", (t0 - t_b).as_secs_f64());
     let (status, report) =
