@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use kumo_testkit::backend::Backend;
-use kumo_testkit::linux::{self, Pinger, BOOT_LIMIT, IP_CONFIG_COMPLETE};
+use kumo_testkit::linux::{self, boot_limit, effect_limit, Pinger, IP_CONFIG_COMPLETE};
 use kumo_testkit::net::{subnet, tap_name, tap_or_skip_with, Tap};
 use kumo_testkit::*;
 
@@ -33,7 +33,7 @@ fn boot(kernel: &Path, backend: &Backend, guest: Ipv4Addr, host: Ipv4Addr, extra
     let mut a = vec!["run", "--kernel", k, "--memory", "512M", "--cpus", "1", "--cmdline", &cmdline, "--net", &net];
     a.extend_from_slice(extra);
     let vm = Kid::spawn(&a).named(tag);
-    vm.wait_stdout(IP_CONFIG_COMPLETE, BOOT_LIMIT);
+    vm.wait_stdout(IP_CONFIG_COMPLETE, boot_limit());
     vm
 }
 
@@ -68,18 +68,19 @@ fn the_nic_moves_between_two_linux_vms_losing_at_most_one_ping() {
     let a = boot(&kernel, &backend, guest, host, &[], "A");
     let id_a = backend.client_of(a.id());
     let pinger = Pinger::start(guest);
-    pinger.wait_replies(0, 5, BOOT_LIMIT).unwrap_or_else(|e| panic!("A: {e}\n{}", a.stdout()));
+    pinger.wait_replies(0, 5, effect_limit()).unwrap_or_else(|e| panic!("A: {e}\n{}", a.stdout()));
     let b = boot(&kernel, &backend, guest, host, &[], "B");
     let id_b = backend.client_of(b.id());
     assert_eq!(backend.owner(), Some(id_a));
 
     let before = pinger.replies();
-    pinger.wait_replies(before, 3, BOOT_LIMIT).unwrap_or_else(|e| panic!("A while B runs: {e}"));
+    pinger.wait_replies(before, 3, effect_limit()).unwrap_or_else(|e| panic!("A while B runs: {e}"));
     let t0 = std::time::Instant::now();
     let report = backend.hand_to(id_b);
+    assert_eq!(backend.owner(), Some(id_b), "{report}");
     let at = pinger.replies();
     pinger
-        .wait_replies(at, 20, BOOT_LIMIT)
+        .wait_replies(at, 20, effect_limit())
         .unwrap_or_else(|e| panic!("B after the handover: {e}\n{}\n{}", b.stdout(), backend.info()));
     let info = backend.info();
     let b_tx = backend.client(id_b).and_then(|c| c["tx_packets"].as_u64());
@@ -102,7 +103,7 @@ fn a_linux_vm_on_the_backend_migrates_and_answers_from_the_destination() {
     let src = boot(&kernel, &backend, guest, host, &["--api-socket", &api], "src");
     let id_src = backend.client_of(src.id());
     let pinger = Pinger::start(guest);
-    pinger.wait_replies(0, 5, BOOT_LIMIT).unwrap_or_else(|e| panic!("source: {e}\n{}", src.stdout()));
+    pinger.wait_replies(0, 5, effect_limit()).unwrap_or_else(|e| panic!("source: {e}\n{}", src.stdout()));
 
     let addr = format!("tcp:127.0.0.1:{}", free_port());
     let net = format!("id=net0,vhost-user={}", backend.sock);
@@ -123,7 +124,7 @@ fn a_linux_vm_on_the_backend_migrates_and_answers_from_the_destination() {
     assert_ne!(id_dest, id_src);
     let at = pinger.replies();
     pinger
-        .wait_replies(at, 20, BOOT_LIMIT)
+        .wait_replies(at, 20, effect_limit())
         .unwrap_or_else(|e| panic!("the destination: {e}\n{}\n{}", dest.stdout(), backend.info()));
     let lost = pinger.lost();
     let gaps = gaps(&pinger, t0);
