@@ -12,55 +12,13 @@ use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use kumo_testkit::backend::Backend;
 use kumo_testkit::net::{have_ping, ping, subnet, tap_name, tap_or_skip_with, udp_echoes, Tap};
 use kumo_testkit::*;
-use serde_json::{json, Value};
 
 /// A plain (single-queue) tap for the backend, `kh{tag}{pid}` with `host/24` on it.
 fn tap_or_skip(test: &str, tag: &str, host: Ipv4Addr) -> Option<Tap> {
     tap_or_skip_with(test, || Tap::create(&tap_name(&format!("h{tag}")), &format!("{host}/24")))
-}
-
-/// A running `kumo net-backend` on `tap`, with its vhost-user and API sockets.
-struct Backend {
-    _kid: Kid,
-    sock: String,
-    api: kumo_api::ApiClient,
-}
-
-impl Backend {
-    fn start(dir: &TestDir, tap: &str) -> Backend {
-        let (sock, api) = (dir.arg("nic.sock"), dir.arg("backend.sock"));
-        let kid = Kid::spawn(&["--api-socket", &api, "net-backend", "--tap", tap, "--socket", &sock]).named("backend");
-        eventually(PATIENCE, || {
-            (std::path::Path::new(&sock).exists() && std::path::Path::new(&api).exists()).then_some(())
-        });
-        Backend { _kid: kid, sock, api: kumo_api::ApiClient::new(&api) }
-    }
-
-    fn info(&self) -> Value {
-        let (status, body) = self.api.request("GET", "/api/v1/backend.info", None).expect("backend.info");
-        assert_eq!(status, 200, "{body:?}");
-        body.expect("a body")
-    }
-
-    /// The client id of the VM whose kumo has `pid`, once it is ready (its queues set up).
-    fn ready_client(&self, pid: u32) -> u64 {
-        eventually(PATIENCE, || {
-            let info = self.info();
-            info["clients"]
-                .as_array()?
-                .iter()
-                .find(|c| c["pid"].as_u64() == Some(pid.into()) && c["ready"] == true)
-                .and_then(|c| c["id"].as_u64())
-        })
-    }
-
-    fn handover(&self, to: u64) -> (u16, Value) {
-        let (status, body) =
-            self.api.request("PUT", "/api/v1/backend.handover", Some(&json!({ "to": to }))).expect("backend.handover");
-        (status, body.unwrap_or(Value::Null))
-    }
 }
 
 /// `kumo run` of a network guest on the backend's NIC; returns once the guest's driver is up.
@@ -101,10 +59,10 @@ fn handovers_under_traffic_lose_nothing_and_the_new_owner_answers() {
     let backend = Backend::start(&dir, &tap.name);
     let args = [format!("ip={guest}"), "until_input=1".into()];
     let mut a = vm("A", &backend, "udpsink", &args);
-    let id_a = backend.ready_client(a.id());
+    let id_a = backend.client_of(a.id());
     let b = vm("B", &backend, "udpsink", &args);
-    let id_b = backend.ready_client(b.id());
-    assert_eq!(backend.info()["owner"].as_u64(), Some(id_a), "the first ready VM owns the NIC");
+    let id_b = backend.client_of(b.id());
+    assert_eq!(backend.owner(), Some(id_a), "the first ready VM owns the NIC");
     // The guest's MAC (the backend's) as a permanent neighbour: no ARP resolution for the host
     // to queue datagrams behind, and drop them beyond its queue, while a busy guest answers.
     kumo_testkit::net::ip(&[
@@ -128,7 +86,7 @@ fn handovers_under_traffic_lose_nothing_and_the_new_owner_answers() {
     let sender = {
         let sent = sent.clone();
         let sock = UdpSocket::bind(SocketAddrV4::new(host, 0)).expect("bind");
-        let api = kumo_api::ApiClient::new(dir.arg("backend.sock"));
+        let api = kumo_api::ApiClient::new(&backend.api_sock);
         std::thread::spawn(move || {
             for seq in 0..N {
                 // Flow control, so a slow guest on a busy host cannot overflow the tap's queue:
@@ -193,17 +151,17 @@ fn the_nic_fails_over_when_its_owner_is_killed() {
     let backend = Backend::start(&dir, &tap.name);
     let args = [format!("ip={guest}")];
     let a = vm("A", &backend, "netecho", &args);
-    let id_a = backend.ready_client(a.id());
+    let id_a = backend.client_of(a.id());
     let b = vm("B", &backend, "netecho", &args);
-    let id_b = backend.ready_client(b.id());
-    assert_eq!(backend.info()["owner"].as_u64(), Some(id_a));
+    let id_b = backend.client_of(b.id());
+    assert_eq!(backend.owner(), Some(id_a));
     udp_echoes(SocketAddrV4::new(host, 0), SocketAddrV4::new(guest, 7), 3, PATIENCE)
         .unwrap_or_else(|e| panic!("A echoes: {e}\n{}", a.stdout()));
 
     a.signal("KILL");
     drop(a);
     // The backend sees A's connection close and gives the NIC to the ready B at once.
-    eventually(PATIENCE, || (backend.info()["owner"].as_u64() == Some(id_b)).then_some(()));
+    backend.wait_owner(id_b);
     udp_echoes(SocketAddrV4::new(host, 0), SocketAddrV4::new(guest, 7), 3, PATIENCE)
         .unwrap_or_else(|e| panic!("B echoes after A was killed: {e}\n{}", b.stdout()));
     let info = backend.info();
@@ -219,7 +177,7 @@ fn a_refused_handover_leaves_the_owner_working() {
     let dir = TestDir::new();
     let backend = Backend::start(&dir, &tap.name);
     let a = vm("A", &backend, "netecho", &[format!("ip={guest}")]);
-    let id_a = backend.ready_client(a.id());
+    let id_a = backend.client_of(a.id());
     // A VM whose guest never drives the NIC (hello has no driver): connected, never ready.
     let net = format!("vhost-user={}", backend.sock);
     let idle =
@@ -236,12 +194,12 @@ fn a_refused_handover_leaves_the_owner_working() {
         let msg = body["error"].as_str().unwrap_or_default();
         assert!(msg.contains(want), "handover to {to}: want `{want}` in {body}");
     }
-    let o = kumo(&["--api-socket", &dir.arg("backend.sock"), "net-backend", "handover", "--to", "999"]);
+    let o = kumo(&["--api-socket", &backend.api_sock, "net-backend", "handover", "--to", "999"]);
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("no client 999") && err.trim().lines().count() == 1, "{err}");
 
-    assert_eq!(backend.info()["owner"].as_u64(), Some(id_a));
+    assert_eq!(backend.owner(), Some(id_a));
     udp_echoes(SocketAddrV4::new(host, 0), SocketAddrV4::new(guest, 7), 3, PATIENCE)
         .unwrap_or_else(|e| panic!("A still echoes: {e}\n{}", a.stdout()));
     drop((a, idle));
@@ -266,10 +224,10 @@ fn a_vm_with_a_handover_nic_migrates_and_answers_from_the_destination() {
     };
     let api_a = dir.arg("a.api");
     let a = vm("A", &backend, "netecho", &[format!("ip={guest}"), "--api-socket".into(), api_a.clone()]);
-    let id_a = backend.ready_client(a.id());
+    let id_a = backend.client_of(a.id());
     let standby = vm("B", &backend, "netecho", &[format!("ip={guest}")]);
-    let id_b = backend.ready_client(standby.id());
-    assert_eq!(backend.info()["owner"].as_u64(), Some(id_a));
+    let id_b = backend.client_of(standby.id());
+    assert_eq!(backend.owner(), Some(id_a));
     echo("A", &|| a.stdout());
 
     let mut src = (a, api_a);
@@ -303,7 +261,7 @@ fn a_vm_with_a_handover_nic_migrates_and_answers_from_the_destination() {
         assert_eq!(code, Some(0), "{serr}");
         assert!(serr.contains("VM migrated to"), "{serr}");
         // The destination's connection took the NIC; the standby did not.
-        let id_d = backend.ready_client(dest.id());
+        let id_d = backend.client_of(dest.id());
         let info = eventually(PATIENCE, || {
             let info = backend.info();
             (info["owner"].as_u64() == Some(id_d)).then_some(info)

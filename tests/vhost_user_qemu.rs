@@ -8,49 +8,12 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
+use kumo_testkit::backend::Backend;
 use kumo_testkit::net::{subnet, tap_name, tap_or_skip_with, udp_echoes, Tap};
 use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
 use kumo_testkit::*;
-use serde_json::{json, Value};
 
 const MEM_MIB: u64 = 64;
-
-struct Backend {
-    kid: Kid,
-    sock: String,
-    api: kumo_api::ApiClient,
-}
-
-impl Backend {
-    fn start(dir: &TestDir, tap: &str) -> Backend {
-        let (sock, api) = (dir.arg("nic.sock"), dir.arg("backend.sock"));
-        let kid = Kid::spawn(&["--api-socket", &api, "net-backend", "--tap", tap, "--socket", &sock]).named("backend");
-        eventually(PATIENCE, || {
-            (std::path::Path::new(&sock).exists() && std::path::Path::new(&api).exists()).then_some(())
-        });
-        Backend { kid, sock, api: kumo_api::ApiClient::new(&api) }
-    }
-
-    fn info(&self) -> Value {
-        let (status, body) = self.api.request("GET", "/api/v1/backend.info", None).expect("backend.info");
-        assert_eq!(status, 200, "{body:?}");
-        body.expect("a body")
-    }
-
-    /// The id of the ready client that `pick` selects from the client list.
-    fn ready_client(&self, pick: impl Fn(&Value) -> bool) -> u64 {
-        eventually(PATIENCE, || {
-            let info = self.info();
-            info["clients"].as_array()?.iter().find(|c| c["ready"] == true && pick(c)).and_then(|c| c["id"].as_u64())
-        })
-    }
-
-    fn handover(&self, to: u64) {
-        let (status, body) =
-            self.api.request("PUT", "/api/v1/backend.handover", Some(&json!({ "to": to }))).expect("backend.handover");
-        assert_eq!(status, 200, "handover to {to}: {body:?}\nbackend:\n{}", self.kid.stderr());
-    }
-}
 
 /// QEMU running `netecho` on a vhost-user NIC at `sock`: guest RAM is a shared memfd (the
 /// backend maps it), the NIC modern-only virtio-net-pci.
@@ -92,7 +55,7 @@ fn qemu_frontend_is_served_and_its_nic_goes_to_a_kumo_vm_and_back() {
         q.wait_serial(": up nic=0", PATIENCE).unwrap_or_else(|e| panic!("{e}\nbackend:\n{}", backend.kid.stderr()));
     assert!(out.contains("52:54:00:12:34:56"), "the backend's MAC:\n{out}");
     let id_q = backend.ready_client(|_| true);
-    eventually(PATIENCE, || (backend.info()["owner"].as_u64() == Some(id_q)).then_some(()));
+    backend.wait_owner(id_q);
     echo("netecho in QEMU", &|| q.serial());
 
     // A kumo VM joins (link down while QEMU's guest owns the NIC), takes it, and gives it back.
@@ -100,10 +63,10 @@ fn qemu_frontend_is_served_and_its_nic_goes_to_a_kumo_vm_and_back() {
     let k = Kid::spawn(&["run", "--timeout", "0", "--net", &net, "--guest", "netecho", &format!("ip={guest}")])
         .named("kumo");
     k.wait_stdout(": up nic=0", PATIENCE);
-    let id_k = backend.ready_client(|c| c["pid"].as_u64() == Some(k.id().into()));
-    backend.handover(id_k);
+    let id_k = backend.client_of(k.id());
+    backend.hand_to(id_k);
     echo("netecho in kumo", &|| k.stdout());
-    backend.handover(id_q);
+    backend.hand_to(id_q);
     echo("netecho in QEMU, again", &|| q.serial());
     let info = backend.info();
     assert_eq!(info["handovers"].as_u64(), Some(2), "{info}");

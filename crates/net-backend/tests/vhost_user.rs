@@ -233,6 +233,42 @@ fn memfd(size: u64) -> File {
     f
 }
 
+/// What a frontend sends to set up a VM's memory and both queues: the memory table, then per
+/// queue its size, ring addresses (as the frontend's virtual addresses, as vhost-user wants),
+/// base index, call and kick eventfds, and with `enable` VRING_ENABLE.
+fn set_up_queues(
+    fe: &mut Frontend,
+    mem: &GuestMemoryMmap,
+    rings: &[Ring; 2],
+    bases: [u16; 2],
+    call: &[EventFd; 2],
+    kick: &[EventFd; 2],
+    enable: bool,
+) {
+    let region = VhostUserMemoryRegionInfo::from_guest_region(mem.iter().next().unwrap()).unwrap();
+    fe.set_mem_table(&[region]).unwrap();
+    let va = |gpa: u64| mem.get_host_address(GuestAddress(gpa)).unwrap() as u64;
+    for (q, r) in rings.iter().enumerate() {
+        fe.set_vring_num(q, QSIZE).unwrap();
+        let cfg = VringConfigData {
+            queue_max_size: QSIZE,
+            queue_size: QSIZE,
+            flags: 0,
+            desc_table_addr: va(r.desc),
+            used_ring_addr: va(r.used),
+            avail_ring_addr: va(r.avail),
+            log_addr: None,
+        };
+        fe.set_vring_addr(q, &cfg).unwrap();
+        fe.set_vring_base(q, bases[q]).unwrap();
+        fe.set_vring_call(q, &call[q]).unwrap();
+        fe.set_vring_kick(q, &kick[q]).unwrap();
+        if enable {
+            fe.set_vring_enable(q, true).unwrap();
+        }
+    }
+}
+
 impl Vm {
     /// Connects only (no feature negotiation, no queues): a VM that is not ready.
     fn connect(s: &Setup) -> Frontend {
@@ -262,30 +298,10 @@ impl Vm {
             Some(FileOffset::new(file, 0)),
         )])
         .unwrap();
-        let region = VhostUserMemoryRegionInfo::from_guest_region(mem.iter().next().unwrap()).unwrap();
-        fe.set_mem_table(&[region]).unwrap();
-
         let kick = [EventFd::new(0).unwrap(), EventFd::new(0).unwrap()];
         let call = [EventFd::new(0).unwrap(), EventFd::new(0).unwrap()];
         let rings = [Ring::new(0), Ring::new(1)];
-        // Ring addresses go over vhost-user as the frontend's virtual addresses.
-        let va = |gpa: u64| mem.get_host_address(GuestAddress(gpa)).unwrap() as u64;
-        for (q, r) in rings.iter().enumerate() {
-            fe.set_vring_num(q, QSIZE).unwrap();
-            let cfg = VringConfigData {
-                queue_max_size: QSIZE,
-                queue_size: QSIZE,
-                flags: 0,
-                desc_table_addr: va(r.desc),
-                used_ring_addr: va(r.used),
-                avail_ring_addr: va(r.avail),
-                log_addr: None,
-            };
-            fe.set_vring_addr(q, &cfg).unwrap();
-            fe.set_vring_base(q, 0).unwrap();
-            fe.set_vring_call(q, &call[q]).unwrap();
-            fe.set_vring_kick(q, &kick[q]).unwrap();
-        }
+        set_up_queues(&mut fe, &mem, &rings, [0, 0], &call, &kick, false);
         let mut driver = Driver { mem, kick, rings };
         driver.fill_rx();
         for q in 0..2 {
@@ -443,27 +459,8 @@ fn the_backend_logs_its_writes_and_its_nic_follows_a_migrated_vm() {
     let pf = fe.get_protocol_features().unwrap();
     fe.set_protocol_features(pf).unwrap();
     let d = a.driver.lock().unwrap();
-    let mem_region = VhostUserMemoryRegionInfo::from_guest_region(d.mem.iter().next().unwrap()).unwrap();
-    fe.set_mem_table(&[mem_region]).unwrap();
-    let va = |gpa: u64| d.mem.get_host_address(GuestAddress(gpa)).unwrap() as u64;
     let call = [EventFd::new(0).unwrap(), EventFd::new(0).unwrap()];
-    for (q, r) in d.rings.iter().enumerate() {
-        fe.set_vring_num(q, QSIZE).unwrap();
-        let cfg = VringConfigData {
-            queue_max_size: QSIZE,
-            queue_size: QSIZE,
-            flags: 0,
-            desc_table_addr: va(r.desc),
-            used_ring_addr: va(r.used),
-            avail_ring_addr: va(r.avail),
-            log_addr: None,
-        };
-        fe.set_vring_addr(q, &cfg).unwrap();
-        fe.set_vring_base(q, [base_rx, base_tx][q] as u16).unwrap();
-        fe.set_vring_call(q, &call[q]).unwrap();
-        fe.set_vring_kick(q, &d.kick[q]).unwrap();
-        fe.set_vring_enable(q, true).unwrap();
-    }
+    set_up_queues(&mut fe, &d.mem, &d.rings, [base_rx as u16, base_tx as u16], &call, &d.kick, true);
     d.kick(0);
     drop(d);
     wait_until("the migrated VM owns the NIC", || s.nic.owner() == Some(2));

@@ -1,10 +1,11 @@
 //! kumo-testkit: what kumo's end-to-end tests (`tests/`, compiled by kumo-cli) and its
 //! benchmarks (kumo-bench) share, one copy each: the child-process harness ([`Kid`]), the
 //! `kumo` binary they drive, temporary directories and ports, bounded waiting, guest output
-//! checks, host network set-up ([`net`]) and the QEMU harness that runs kumo's guests under
+//! checks, host network set-up ([`net`]), `kumo net-backend` ([`backend`]) and the QEMU harness that runs kumo's guests under
 //! QEMU ([`qemu`]: `kumo bench migrate`'s comparison, tests/qemu_e2e.rs). It is never linked
 //! into the `kumo` binary.
 
+pub mod backend;
 pub mod kid;
 pub mod libvirt;
 pub mod linux;
