@@ -101,6 +101,11 @@ impl ApiClient {
 
     /// `GET /api/v1/vm.info`.
     pub fn info(&self) -> Result<VmInfo, ClientError> {
+        self.get::<crate::ChVmInfo>(paths::INFO).map(|i| i.kumo)
+    }
+
+    /// `GET /api/v1/vm.info` as it comes: CH's shape, kumo's own under `kumo`.
+    pub fn ch_info(&self) -> Result<crate::ChVmInfo, ClientError> {
         self.get(paths::INFO)
     }
 

@@ -81,6 +81,13 @@ pub(crate) const VM_ROUTES: &[Route] = &[
     Route { method: "GET", path: paths::ELASTIC, build: |_| Ok(ApiRequest::Elastic) },
     Route { method: "PUT", path: paths::LEND, build: |b| Ok(ApiRequest::Lend(json_body(b)?)) },
     Route { method: "PUT", path: paths::RESIZE_ZONE, build: |b| Ok(ApiRequest::ResizeZone(json_body(b)?)) },
+    // Cloud Hypervisor's routes (docs/ch-compat.md).
+    Route { method: "PUT", path: paths::CREATE, build: crate::ch::create_request },
+    Route { method: "PUT", path: paths::BOOT, build: |_| Ok(ApiRequest::Boot) },
+    Route { method: "PUT", path: paths::DELETE, build: |_| Ok(ApiRequest::Delete) },
+    Route { method: "PUT", path: paths::REBOOT, build: |_| Ok(ApiRequest::Reboot) },
+    Route { method: "PUT", path: paths::POWER_BUTTON, build: |_| Ok(ApiRequest::PowerButton) },
+    Route { method: "PUT", path: paths::VMM_SHUTDOWN, build: |_| Ok(ApiRequest::VmmShutdown) },
 ];
 
 /// `kumo net-backend`'s routes (docs/net-backend.md).
@@ -138,7 +145,7 @@ pub fn routes() -> impl Iterator<Item = (&'static str, &'static str)> {
 }
 
 /// Decodes the JSON body of a route that takes one.
-fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if body.is_empty() {
         return Err(ApiError::bad_request("missing JSON body"));
     }
@@ -757,8 +764,8 @@ mod tests {
                 Ok(ApiResponse::Ok)
             };
             match req {
-                ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.into() }),
-                ApiRequest::Info => Ok(ApiResponse::Info(Self::info(*state))),
+                ApiRequest::Ping => Ok(ApiResponse::Pong(crate::Pong::here())),
+                ApiRequest::Info => Ok(ApiResponse::Info(Box::new(crate::ChVmInfo::new(None, Self::info(*state))))),
                 ApiRequest::Pause => go(VmState::Running, VmState::Paused, "vm is already paused"),
                 ApiRequest::Resume => go(VmState::Paused, VmState::Running, "vm is not paused"),
                 ApiRequest::Shutdown if *state == VmState::Shutdown => {
@@ -1076,7 +1083,7 @@ mod tests {
         assert_eq!(f.client.info().unwrap(), FakeVm::info(VmState::Running));
         let (status, body) = f.client.request("GET", paths::INFO, None).unwrap();
         assert_eq!(status, 200);
-        assert_eq!(body.unwrap()["state"], "running");
+        assert_eq!(body.unwrap()["state"], "Running");
         assert_eq!(f.vm.calls(), [ApiRequest::Ping, ApiRequest::Info, ApiRequest::Info]);
     }
 
@@ -1249,7 +1256,7 @@ mod tests {
             .unwrap();
         assert_eq!(read_one(&mut conn).0, 204);
         let (status, _, body) = read_one(&mut conn);
-        assert_eq!((status, body.unwrap()["state"].as_str()), (200, Some("paused")));
+        assert_eq!((status, body.unwrap()["state"].as_str()), (200, Some("Paused")));
         // Connection: close ends it after the response.
         conn.stream.write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\nConnection: close\r\n\r\n").unwrap();
         let (status, headers, _) = read_one(&mut conn);
@@ -1440,7 +1447,7 @@ mod tests {
     impl ApiHandler for Gate {
         fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
             match req {
-                ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.into() }),
+                ApiRequest::Ping => Ok(ApiResponse::Pong(crate::Pong::here())),
                 ApiRequest::Migrate(_) => {
                     self.entered.fetch_add(1, Ordering::SeqCst);
                     let mut open = self.open.lock().unwrap();

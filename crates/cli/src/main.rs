@@ -590,7 +590,10 @@ fn run(a: RunArgs, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resu
                 let api = kumo_vmm::api::VmApi::empty(|line| note!("kumo: {line}"), serial.clone());
                 let server = ApiServer::start_allowing(p, api.clone(), allow.clone()).map_err(|e| e.to_string())?;
                 note!("kumo: no VM yet: waiting for vm.restore or vm.receive-migration on {}", p.display());
-                let vm = api.wait_vm()?;
+                let Some(vm) = api.wait_vm()? else {
+                    note!("kumo: vmm.shutdown: exiting");
+                    return Ok(0);
+                };
                 signals.watch(&vm);
                 (vm, Some(server))
             }

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use crate::host_resources::HostResources;
 use kumo_api::{
-    ApiError, ApiHandler, ApiRequest, ApiResponse, MigrationStatus, ReceiveMigrationRequest, RestoreRequest, VmInfo,
-    VmState, KUMO_VERSION,
+    ApiError, ApiHandler, ApiRequest, ApiResponse, ChVmConfig, ChVmInfo, ErrorKind, MigrationStatus, Pong,
+    ReceiveMigrationRequest, RestoreRequest, VmInfo, VmState, KUMO_VERSION,
 };
 
 use crate::lifecycle::EmptyVmm;
@@ -36,7 +36,14 @@ pub struct VmApi {
     me: Weak<VmApi>,
     /// `vm.lend`'s connections to other VMs, kept open between lends.
     peers: std::sync::Mutex<std::collections::HashMap<String, kumo_api::ApiClient>>,
+    /// An empty VMM told `vm.create`: CH's config as it came (`vm.info` shows it, also once
+    /// booted) and kumo's, which `vm.boot` builds.
+    created: Mutex<Option<(ChVmConfig, crate::config::VmConfig)>>,
 }
+
+/// Why `vm.reboot` is refused.
+const NO_REBOOT: &str = "vm.reboot is not supported by kumo: it cannot rebuild a VM within its process yet; \
+                         shut the VM down and start it again (a guest's own reboot ends the VM too)";
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
@@ -67,6 +74,7 @@ impl VmApi {
             empty,
             me: me.clone(),
             peers: Default::default(),
+            created: Mutex::new(None),
         });
         if is_empty {
             // Before it has a VM, a panic (in an API thread, the incoming migration's) ends it.
@@ -101,7 +109,8 @@ impl VmApi {
 
     /// An empty VMM: blocks until its API has brought a VM, running (or paused if it was saved
     /// paused), or an incoming migration started through it failed (the VMM should end).
-    pub fn wait_vm(&self) -> Result<Arc<RunningVm>, String> {
+    /// None: `vmm.shutdown` came first; the VMM ends cleanly (exit status 0).
+    pub fn wait_vm(&self) -> Result<Option<Arc<RunningVm>>, String> {
         match &self.empty {
             Some(e) => e.wait(),
             None => Err("this VMM was not started empty".into()),
@@ -110,33 +119,77 @@ impl VmApi {
 
     /// Answers for an empty VMM: only what needs no VM, and what brings one.
     fn empty_vmm(&self, e: &EmptyVmm, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+        let created = || kumo_sandbox::lock(&self.created).as_ref().map(|(ch, _)| ch.clone());
         match req {
-            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
-            ApiRequest::Info => Ok(ApiResponse::Info(VmInfo {
-                state: VmState::Created,
-                vcpus: 0,
-                memory_bytes: 0,
-                guest: "none".into(),
-                irqchip: "unknown".into(),
-                pid: std::process::id(),
-                uptime_ms: e.since.elapsed().as_millis() as u64,
-                kumo_version: KUMO_VERSION.to_string(),
-                net: Vec::new(),
-                disks: Vec::new(),
-                numa: Vec::new(),
-                vcpu_pins: Vec::new(),
-                parked_vcpus: Vec::new(),
-                pv: None,
-                memory_zones: Vec::new(),
-            })),
+            ApiRequest::Ping => Ok(ApiResponse::Pong(Pong::here())),
+            ApiRequest::Info => Ok(ApiResponse::Info(Box::new(ChVmInfo::new(created(), empty_info(e))))),
             ApiRequest::MigrationStatus => Ok(migration_answer(self.migration.status())),
+            ApiRequest::Create(c) => self.create(e, *c),
+            ApiRequest::Boot => self.boot(e),
+            ApiRequest::Delete => {
+                *kumo_sandbox::lock(&self.created) = None;
+                Ok(ApiResponse::Ok)
+            }
+            ApiRequest::VmmShutdown => e.exit().map(|()| ApiResponse::Ok).map_err(ApiError::conflict),
+            ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) if created().is_some() => {
+                Err(ApiError::conflict("a VM was created here (vm.create): vm.delete it first"))
+            }
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
             ApiRequest::Restore(r) => self.restore(e, &r),
+            ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, NO_REBOOT)),
             _ => Err(ApiError::conflict(match e.busy() {
                 Some(what) => format!("no VM yet: {what} is under way"),
-                None => "no VM yet: this VMM waits for vm.restore or vm.receive-migration".into(),
+                None if created().is_some() => "no VM yet: it was created; boot it (vm.boot)".into(),
+                None => "no VM yet: this VMM waits for vm.create, vm.restore or vm.receive-migration".into(),
             })),
         }
+    }
+
+    /// `vm.create`: CH's config (its fields checked by the route) becomes kumo's, checked as
+    /// `kumo run` checks it; `vm.boot` builds it. One at a time: `vm.delete` forgets it.
+    fn create(&self, e: &EmptyVmm, c: ChVmConfig) -> Result<ApiResponse, ApiError> {
+        if let Some(what) = e.busy() {
+            return Err(ApiError::conflict(format!("vm.create: {what} is under way")));
+        }
+        let mut slot = kumo_sandbox::lock(&self.created);
+        if slot.is_some() {
+            return Err(ApiError::conflict("vm.create: a VM was created already (vm.delete it first)"));
+        }
+        let ignored = c.check()?;
+        let config = crate::ch_config::from_ch(&c).map_err(ApiError::bad_request)?;
+        config.validate().map_err(|err| ApiError::bad_request(format!("vm.create: {err}")))?;
+        if !ignored.is_empty() {
+            (e.say)(&format!("vm.create: ignoring {}", ignored.join(", ")));
+        }
+        *slot = Some((c, config));
+        Ok(ApiResponse::Ok)
+    }
+
+    /// `vm.boot`: builds and runs the created VM as `kumo run` would; the main thread's
+    /// [`VmApi::wait_vm`] then returns it. A VM that cannot be built leaves it created.
+    fn boot(&self, e: &EmptyVmm) -> Result<ApiResponse, ApiError> {
+        let config = kumo_sandbox::lock(&self.created).as_ref().map(|(_, k)| k.clone());
+        let config = config.ok_or_else(|| ApiError::conflict("vm.boot: no VM was created (vm.create first)"))?;
+        e.claim("a boot").map_err(ApiError::conflict)?;
+        let vm = RunningVm::start(config, (e.console)()).map_err(|err| {
+            e.release();
+            match err {
+                Error::Config(m) => ApiError::bad_request(format!("vm.boot: {m}")),
+                other => ApiError::from(other),
+            }
+        })?;
+        let vm = Arc::new(vm);
+        (e.say)("booted the created VM");
+        self.attach(&vm);
+        e.fill(vm);
+        Ok(ApiResponse::Ok)
+    }
+
+    /// `vm.info` of the VM: CH's config as created, or as kumo's config reads in CH's terms.
+    fn info_answer(&self, vm: &RunningVm) -> ApiResponse {
+        let created = kumo_sandbox::lock(&self.created).as_ref().map(|(ch, _)| ch.clone());
+        let ch = created.unwrap_or_else(|| crate::ch_config::to_ch(vm.config()));
+        ApiResponse::Info(Box::new(ChVmInfo::new(Some(ch), info(vm))))
     }
 
     /// `vm.receive-migration`: listens (memory prepared first, if asked), answers once it
@@ -199,24 +252,27 @@ impl VmApi {
     /// Answers for a destination whose VM has not arrived yet.
     fn receiving(&self, inc: &Incoming, req: ApiRequest) -> Result<ApiResponse, ApiError> {
         match req {
-            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
-            ApiRequest::Info => Ok(ApiResponse::Info(VmInfo {
-                state: VmState::Receiving,
-                vcpus: inc.cpus.unwrap_or(0),
-                memory_bytes: inc.memory.unwrap_or(0),
-                guest: format!("incoming:{}", inc.addr),
-                irqchip: "unknown".into(),
-                pid: std::process::id(),
-                uptime_ms: inc.since.elapsed().as_millis() as u64,
-                kumo_version: KUMO_VERSION.to_string(),
-                net: Vec::new(),
-                disks: Vec::new(),
-                numa: Vec::new(),
-                vcpu_pins: Vec::new(),
-                parked_vcpus: Vec::new(),
-                pv: None,
-                memory_zones: Vec::new(),
-            })),
+            ApiRequest::Ping => Ok(ApiResponse::Pong(Pong::here())),
+            ApiRequest::Info => Ok(ApiResponse::Info(Box::new(ChVmInfo::new(
+                None,
+                VmInfo {
+                    state: VmState::Receiving,
+                    vcpus: inc.cpus.unwrap_or(0),
+                    memory_bytes: inc.memory.unwrap_or(0),
+                    guest: format!("incoming:{}", inc.addr),
+                    irqchip: "unknown".into(),
+                    pid: std::process::id(),
+                    uptime_ms: inc.since.elapsed().as_millis() as u64,
+                    kumo_version: KUMO_VERSION.to_string(),
+                    net: Vec::new(),
+                    disks: Vec::new(),
+                    numa: Vec::new(),
+                    vcpu_pins: Vec::new(),
+                    parked_vcpus: Vec::new(),
+                    pv: None,
+                    memory_zones: Vec::new(),
+                },
+            )))),
             ApiRequest::MigrationStatus => Ok(migration_answer(inc.status())),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
         }
@@ -228,6 +284,27 @@ impl crate::panics::OnPanic for VmApi {
         if let Some(e) = &self.empty {
             e.fail_waiting(format!("{p}; the VMM stops"));
         }
+    }
+}
+
+/// kumo's `vm.info` of an empty VMM.
+fn empty_info(e: &EmptyVmm) -> VmInfo {
+    VmInfo {
+        state: VmState::Created,
+        vcpus: 0,
+        memory_bytes: 0,
+        guest: "none".into(),
+        irqchip: "unknown".into(),
+        pid: std::process::id(),
+        uptime_ms: e.since.elapsed().as_millis() as u64,
+        kumo_version: KUMO_VERSION.to_string(),
+        net: Vec::new(),
+        disks: Vec::new(),
+        numa: Vec::new(),
+        vcpu_pins: Vec::new(),
+        parked_vcpus: Vec::new(),
+        pv: None,
+        memory_zones: Vec::new(),
     }
 }
 
@@ -328,8 +405,8 @@ impl ApiHandler for VmApi {
             },
         };
         match req {
-            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
-            ApiRequest::Info => Ok(ApiResponse::Info(info(&vm))),
+            ApiRequest::Ping => Ok(ApiResponse::Pong(Pong::here())),
+            ApiRequest::Info => Ok(self.info_answer(&vm)),
             ApiRequest::Pause => vm.pause().map(|_| ApiResponse::Ok).map_err(ApiError::from),
             ApiRequest::Resume => vm.resume().map(|_| ApiResponse::Ok).map_err(ApiError::from),
             ApiRequest::Shutdown => {
@@ -377,9 +454,18 @@ impl ApiHandler for VmApi {
             ApiRequest::Elastic => Ok(ApiResponse::Elastic(vm.elastic_info()?)),
             ApiRequest::Lend(l) => self.lend(&vm, &l),
             ApiRequest::ResizeZone(r) => vm.resize_zone(&r).map(|()| ApiResponse::Ok),
-            ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
+            ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) | ApiRequest::Create(_) | ApiRequest::Boot => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }
+            // CH's VMM outlives its VM; kumo's ends with it, so both end here.
+            ApiRequest::Delete | ApiRequest::VmmShutdown => {
+                if !vm.is_finished() {
+                    vm.shutdown();
+                }
+                Ok(ApiResponse::Ok)
+            }
+            ApiRequest::PowerButton => vm.power_button().map(|()| ApiResponse::Ok),
+            ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, NO_REBOOT)),
             ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend's API")),
         }
     }
@@ -475,7 +561,7 @@ mod tests {
     fn an_empty_vmm_answers_what_needs_no_vm() {
         let api = VmApi::empty(|_| {}, || Box::new(std::io::sink()));
         let ApiResponse::Info(i) = api.handle(ApiRequest::Info).unwrap() else { panic!("not an info") };
-        assert_eq!((i.state, i.vcpus), (VmState::Created, 0));
+        assert_eq!((i.kumo.state, i.kumo.vcpus, i.state), (VmState::Created, 0, kumo_api::ChVmState::Created));
         let ApiResponse::Migration(st) = api.handle(ApiRequest::MigrationStatus).unwrap() else { panic!() };
         assert_eq!(st.state, crate::migration::MigrationState::None);
         let e = api.handle(ApiRequest::Pause).unwrap_err();

@@ -17,6 +17,7 @@
 
 pub mod acpi;
 pub mod api;
+pub mod ch_config;
 pub mod config;
 pub mod counters;
 pub mod cpu_hotplug;

@@ -27,6 +27,8 @@ enum Stage {
     Failed(String),
     /// The main thread runs the VM.
     Taken,
+    /// `vmm.shutdown` before any VM: the VMM ends (cleanly).
+    Exit,
 }
 
 /// The slot an empty VMM's API fills with a VM, and the main thread waits on.
@@ -59,8 +61,23 @@ impl EmptyVmm {
                 Ok(())
             }
             Stage::Becoming(other) => Err(format!("{other} is under way")),
-            Stage::Failed(_) => Err("this VMM is ending".into()),
+            Stage::Failed(_) | Stage::Exit => Err("this VMM is ending".into()),
             Stage::Ready(_) | Stage::Taken => Err("this VMM has a VM already".into()),
+        }
+    }
+
+    /// `vmm.shutdown` with no VM: the main thread's [`EmptyVmm::wait`] returns None and the
+    /// VMM ends. Refused while a VM is being brought (it would be left half-built).
+    pub fn exit(&self) -> Result<(), String> {
+        let mut st = self.stage();
+        match &*st {
+            Stage::Empty | Stage::Failed(_) | Stage::Exit => {
+                *st = Stage::Exit;
+                self.changed.notify_all();
+                Ok(())
+            }
+            Stage::Becoming(what) => Err(format!("{what} is under way")),
+            Stage::Ready(_) | Stage::Taken => Err("this VMM has a VM: shut it down".into()),
         }
     }
 
@@ -103,12 +120,17 @@ impl EmptyVmm {
         }
     }
 
-    /// Blocks until the API has brought a VM (it runs, or waits paused) or failed to.
-    pub fn wait(&self) -> Result<Arc<RunningVm>, String> {
+    /// Blocks until the API has brought a VM (it runs, or waits paused) or failed to; None:
+    /// `vmm.shutdown` came first (the VMM ends cleanly).
+    pub fn wait(&self) -> Result<Option<Arc<RunningVm>>, String> {
         let mut st = self.stage();
         loop {
             match std::mem::replace(&mut *st, Stage::Taken) {
-                Stage::Ready(vm) => return Ok(vm),
+                Stage::Ready(vm) => return Ok(Some(vm)),
+                Stage::Exit => {
+                    *st = Stage::Exit;
+                    return Ok(None);
+                }
                 Stage::Failed(why) => {
                     *st = Stage::Failed(why.clone());
                     return Err(why);
@@ -177,6 +199,17 @@ mod tests {
         };
         e.fail("no".into());
         assert_eq!(waiter.join().unwrap().err().as_deref(), Some("no"));
+    }
+
+    #[test]
+    fn vmm_shutdown_ends_an_empty_vmm_but_not_one_becoming_a_vm() {
+        let e = EmptyVmm::new(Box::new(|_| {}), Box::new(|| Box::new(std::io::sink())));
+        e.claim("a boot").unwrap();
+        assert_eq!(e.exit().unwrap_err(), "a boot is under way");
+        e.release();
+        e.exit().unwrap();
+        assert_eq!(e.claim("a restore").unwrap_err(), "this VMM is ending");
+        assert!(matches!(e.wait(), Ok(None)));
     }
 
     #[test]
