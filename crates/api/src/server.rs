@@ -832,6 +832,12 @@ mod tests {
                 ApiRequest::ResizeZone(r) if r.id != "mem0" => Err(ApiError::not_found("no such zone")),
                 ApiRequest::ResizeZone(_) => Ok(ApiResponse::Ok),
                 ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend")),
+                ApiRequest::Create(_)
+                | ApiRequest::Boot
+                | ApiRequest::Delete
+                | ApiRequest::PowerButton
+                | ApiRequest::VmmShutdown => Ok(ApiResponse::Ok),
+                ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, "no reboot")),
             }
         }
     }
@@ -1074,6 +1080,20 @@ mod tests {
 
     fn error_of(body: Option<serde_json::Value>) -> String {
         body.unwrap()["error"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn ch_create_is_checked_by_its_route() {
+        let f = start();
+        let refused = serde_json::json!({"payload": {"kernel": "/k"}, "vfio": [{"path": "/x"}]});
+        let (status, body) = f.client.request("PUT", paths::CREATE, Some(&refused)).unwrap();
+        assert_eq!(status, 400);
+        assert!(error_of(body).contains("field `vfio` is not supported by kumo"));
+        let good = serde_json::json!({"kernel": {"path": "/k"}, "cmdline": {"args": "x"}, "rng": {}});
+        assert_eq!(f.client.request("PUT", paths::CREATE, Some(&good)).unwrap().0, 204);
+        let calls = f.vm.calls();
+        assert!(matches!(calls.as_slice(), [ApiRequest::Create(c)] if c.kernel.is_some()), "{calls:?}");
+        assert_eq!(f.client.request("PUT", paths::REBOOT, None).unwrap().0, 501);
     }
 
     #[test]
