@@ -435,7 +435,7 @@ mod tests {
         let c = parse(j);
         assert_eq!(c.cpus.as_ref().unwrap().boot_vcpus, 2);
         assert_eq!(c.payload.as_ref().unwrap().kernel.as_deref(), Some("/k"));
-        assert_eq!(c.disks.as_ref().unwrap()[0].readonly, true);
+        assert!(c.disks.as_ref().unwrap()[0].readonly);
         let ignored = c.check().unwrap();
         for f in ["rng", "watchdog", "memory.shared"] {
             assert!(ignored.contains(&f.to_string()), "{ignored:?}");
