@@ -153,3 +153,50 @@ fn refused_fields_are_named_and_the_vmm_stays_usable() {
     let (code, _, err) = vmm.finish(PATIENCE);
     assert_eq!(code, Some(0), "an empty VMM ends cleanly on vmm.shutdown: {err}");
 }
+
+#[test]
+fn snapshots_go_to_a_directory_and_migrations_take_chs_field_names() {
+    if !kvm_or_skip("snapshots_go_to_a_directory_and_migrations_take_chs_field_names") {
+        return;
+    }
+    let dir = TestDir::new();
+    let (src, sock, kernel) = empty_vmm(&dir);
+    ok(&sock, "vm.create", Some(json!({"payload": {"kernel": kernel}, "memory": {"size": 32u64 << 20}})));
+    ok(&sock, "vm.boot", None);
+    src.wait_stdout("Hello from kumo guest!", PATIENCE);
+    // CH's snapshot: a directory URL; kumo writes its file in it.
+    let snaps = dir.path("snap");
+    std::fs::create_dir(&snaps).unwrap();
+    let url = format!("file://{}", snaps.display());
+    let (status, report) = ch(&sock, "PUT", "vm.snapshot", Some(json!({"destination_url": url})));
+    assert_eq!(status, 200, "{report}");
+    assert!(snaps.join("kumo-snapshot").is_file(), "{report}");
+    let (status, e) = ch(&sock, "PUT", "vm.snapshot", Some(json!({"destination_url": "file:///nonexistent/dir"})));
+    assert_eq!(status, 400, "{e}");
+
+    // Restored from the directory in another empty VMM.
+    let rsock = dir.path("restored.sock");
+    let restored = Kid::spawn(&["run", "--api-socket", rsock.to_str().unwrap()]);
+    eventually(PATIENCE, || (rsock.exists() && ApiClient::new(&rsock).ping().is_ok()).then_some(()));
+    let (status, r) = ch(&rsock, "PUT", "vm.restore", Some(json!({"source_url": url})));
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(state(&rsock), "Running");
+    ok(&rsock, "vmm.shutdown", None);
+    let (code, _, err) = restored.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
+
+    // CH's migration bodies: receiver_url on the destination, destination_url on the source.
+    let dsock = dir.path("dst.sock");
+    let dst = Kid::spawn(&["run", "--api-socket", dsock.to_str().unwrap()]);
+    eventually(PATIENCE, || (dsock.exists() && ApiClient::new(&dsock).ping().is_ok()).then_some(()));
+    let to = format!("unix:{}", dir.path("mig.sock").display());
+    ok(&dsock, "vm.receive-migration", Some(json!({"receiver_url": to})));
+    let (status, done) = ch(&sock, "PUT", "vm.send-migration", Some(json!({"destination_url": to})));
+    assert_eq!((status, &done["state"]), (200, &json!("completed")), "{done}");
+    let (code, _, err) = src.finish(PATIENCE);
+    assert_eq!(code, Some(0), "the source ends once its VM moved: {err}");
+    eventually(PATIENCE, || (state(&dsock) == "Running").then_some(()));
+    ok(&dsock, "vmm.shutdown", None);
+    let (code, _, err) = dst.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
+}

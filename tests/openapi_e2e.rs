@@ -360,7 +360,7 @@ fn request_bodies_with_every_field_fit_the_document() {
     c.check_request("PUT", "/api/v1/vm.lend", &serde_json::to_value(&lend).unwrap());
     let resize = kumo_api::ResizeRequest { desired_vcpus: 1, timeout_ms: 30_000 };
     c.check_request("PUT", "/api/v1/vm.resize", &serde_json::to_value(&resize).unwrap());
-    let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into() };
+    let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into(), destination_url: None };
     c.check_request("PUT", "/api/v1/vm.snapshot", &serde_json::to_value(&snap).unwrap());
     let recv = kumo_api::ReceiveMigrationRequest {
         receiver_url: "tcp:0.0.0.0:4444".into(),

@@ -144,7 +144,7 @@ impl ApiClient {
 
     /// Writes the VM to the file `path` (absolute) and returns what was written.
     pub fn snapshot(&self, path: &str) -> Result<crate::SnapshotReport, ClientError> {
-        self.put(paths::SNAPSHOT, &crate::SnapshotRequest { path: path.to_string() })
+        self.put(paths::SNAPSHOT, &crate::SnapshotRequest { path: path.to_string(), destination_url: None })
     }
 
     /// `PUT /api/v1/vm.receive-migration`: an empty VMM listens for a migrating VM; answers

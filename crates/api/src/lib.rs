@@ -670,7 +670,12 @@ pub struct NodeBinding {
 #[serde(deny_unknown_fields)]
 pub struct SnapshotRequest {
     /// Absolute path of the file to write (replaced if it exists).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub path: String,
+    /// Cloud Hypervisor's form instead of `path`: `file:///DIR`, an existing directory; kumo
+    /// writes the file `DIR/kumo-snapshot` in it (which `vm.restore` of the directory reads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination_url: Option<String>,
 }
 
 /// How a migration moves pages (see docs/migration.md, "Engines"): one enum, defined in the
@@ -682,7 +687,9 @@ pub use kumo_migration::MigrationEngine;
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
-    /// Destination: `tcp:HOST:PORT` or `unix:PATH` of a `kumo run --incoming`.
+    /// Destination: `tcp:HOST:PORT` or `unix:PATH` of a `kumo run --incoming`. Cloud
+    /// Hypervisor's name for it, `destination_url`, is taken too.
+    #[serde(alias = "destination_url")]
     pub to: String,
     /// Default `overlap`.
     #[serde(default)]

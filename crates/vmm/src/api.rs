@@ -426,9 +426,10 @@ impl ApiHandler for VmApi {
             ApiRequest::Snapshot(req) => {
                 use crate::snapshot::{snapshot_to_file, SnapshotError as E};
                 // As a migration: the snapshot's hold is released in Drop, its panic contained.
-                let path = std::path::Path::new(&req.path);
+                let path = crate::lifecycle::snapshot_path(&req.path, req.destination_url.as_deref())
+                    .map_err(ApiError::bad_request)?;
                 let r = kumo_sandbox::contain(kumo_sandbox::ThreadKind::Migration, "snapshot job", || {
-                    snapshot_to_file(&vm, path)
+                    snapshot_to_file(&vm, &path)
                 })
                 .unwrap_or_else(|p| {
                     crate::panics::contained(&p);
