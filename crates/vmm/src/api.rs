@@ -166,19 +166,52 @@ impl VmApi {
     }
 
     /// `vm.boot`: builds and runs the created VM as `kumo run` would; the main thread's
-    /// [`VmApi::wait_vm`] then returns it. A VM that cannot be built leaves it created.
+    /// [`VmApi::wait_vm`] then returns it. A VM that cannot be built leaves it created. With
+    /// CH's `Pty` mode, COM1 is a pseudo-terminal whose path `vm.info` shows in that mode's
+    /// `file`.
     fn boot(&self, e: &EmptyVmm) -> Result<ApiResponse, ApiError> {
-        let config = kumo_sandbox::lock(&self.created).as_ref().map(|(_, k)| k.clone());
-        let config = config.ok_or_else(|| ApiError::conflict("vm.boot: no VM was created (vm.create first)"))?;
+        let created = kumo_sandbox::lock(&self.created).clone();
+        let (ch, config) = created.ok_or_else(|| ApiError::conflict("vm.boot: no VM was created (vm.create first)"))?;
         e.claim("a boot").map_err(ApiError::conflict)?;
-        let vm = RunningVm::start(config, (e.console)()).map_err(|err| {
-            e.release();
-            match err {
+        let pty = match pty_field(&ch) {
+            Some(field) => match crate::pty::Pty::open() {
+                Ok(p) => Some((field, p)),
+                Err(err) => {
+                    e.release();
+                    return Err(ApiError::internal(format!("vm.boot: cannot open a pseudo-terminal: {err}")));
+                }
+            },
+            None => None,
+        };
+        let console = match &pty {
+            Some((_, p)) => p.output().map_err(|err| ApiError::internal(format!("vm.boot: pseudo-terminal: {err}"))),
+            None => Ok((e.console)()),
+        };
+        let vm = console.and_then(|console| {
+            RunningVm::start(config, console).map_err(|err| match err {
                 Error::Config(m) => ApiError::bad_request(format!("vm.boot: {m}")),
                 other => ApiError::from(other),
+            })
+        });
+        let vm = Arc::new(vm.inspect_err(|_| e.release())?);
+        if let Some((field, p)) = &pty {
+            if let Err(err) = p
+                .input()
+                .map_err(|e| e.to_string())
+                .and_then(|fd| vm.attach_console_input(fd).map_err(|e| e.to_string()))
+            {
+                tracing::warn!("the pseudo-terminal types nothing on the console: {err}");
             }
-        })?;
-        let vm = Arc::new(vm);
+            let path = p.path.display().to_string();
+            (e.say)(&format!("serial console on {path}"));
+            let mut slot = kumo_sandbox::lock(&self.created);
+            let console =
+                slot.as_mut()
+                    .and_then(|(ch, _)| if *field == "serial" { ch.serial.as_mut() } else { ch.console.as_mut() });
+            if let Some(c) = console {
+                c.extra.insert("file".into(), path.into());
+            }
+        }
         (e.say)("booted the created VM");
         self.attach(&vm);
         e.fill(vm);
@@ -284,6 +317,18 @@ impl crate::panics::OnPanic for VmApi {
         if let Some(e) = &self.empty {
             e.fail_waiting(format!("{p}; the VMM stops"));
         }
+    }
+}
+
+/// Which of CH's consoles asked for a pseudo-terminal, if one did: `serial`, else `console`
+/// (kumo has no virtio-console; its COM1 serves it) unless the serial port goes to stdout.
+fn pty_field(ch: &ChVmConfig) -> Option<&'static str> {
+    let mode = |c: &Option<kumo_api::ch::ChConsole>| c.as_ref().and_then(|c| c.mode.clone());
+    match (mode(&ch.serial).as_deref(), mode(&ch.console).as_deref()) {
+        (Some("Pty"), _) => Some("serial"),
+        (Some("Tty"), _) => None,
+        (_, Some("Pty")) => Some("console"),
+        _ => None,
     }
 }
 

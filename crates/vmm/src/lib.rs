@@ -36,6 +36,7 @@ pub mod panics;
 pub mod pci;
 pub mod persist;
 pub mod placement;
+pub mod pty;
 pub mod snapshot;
 pub mod vcpu_manager;
 pub mod virtio_mem;
