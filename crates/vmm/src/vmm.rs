@@ -369,7 +369,8 @@ impl RunningVm {
     }
 
     /// `vm.power-button`: presses the ACPI power button (the GED's event); the guest decides
-    /// what it does (Linux powers off, and the VM ends `PowerOff`).
+    /// what it does (Linux: its userspace; kumo has no ACPI sleep registers yet, so a guest's
+    /// ACPI power-off does not end the VM).
     pub fn power_button(&self) -> std::result::Result<(), kumo_api::ApiError> {
         use kumo_api::ApiError;
         let ged = self.devices.ged().ok_or_else(|| {
