@@ -174,7 +174,7 @@ const TUN_IOCTLS: &[u64] = &[
 ];
 /// Opening a pseudo-terminal for a serial console (`vm.create`'s `Pty` mode): unlock and name
 /// its slave, set raw mode.
-const PTY_IOCTLS: &[u64] = &[TIOCSPTLCK as u64, TIOCGPTN as u64, TCSETS];
+const PTY_IOCTLS: &[u64] = &[TIOCSPTLCK, TIOCGPTN, TCSETS];
 /// Terminal and descriptor ioctls std and the log make (isatty, non-blocking, queue sizes).
 const FD_IOCTLS: &[u64] = &[TCGETS, FIONBIO, FIOCLEX, FIONCLEX, TIOCOUTQ, FIONREAD];
 
