@@ -169,7 +169,7 @@ fn top_field(name: &str) -> Verdict {
         "vdpa" => Refuse("kumo has no vDPA"),
         "vsock" => Refuse("kumo has no virtio-vsock"),
         "generic_vhost_user" => Refuse("kumo's vhost-user is for NICs only"),
-        "numa" => Refuse("give NUMA nodes with kumo run --numa (CH's zone-based nodes are not mapped)"),
+        "numa" => Refuse("CH's NUMA nodes (built from memory zones) are not mapped to kumo's yet"),
         "iommu" => Refuse("kumo has no virtual IOMMU"),
         "sgx_epc" | "tpm" | "tdx" | "sev_snp" => Refuse("kumo has no such device or confidential-VM support"),
         "pci_segments" => Refuse("kumo has one PCI segment"),
@@ -181,7 +181,7 @@ fn cpus_field(name: &str) -> Verdict {
     match name {
         "topology" | "max_phys_bits" | "nested" | "features" | "core_scheduling" => Ignore,
         "kvm_hyperv" => Refuse("kumo offers KVM's paravirtual interface, not Hyper-V's"),
-        "affinity" => Refuse("pin vCPUs with kumo run --cpus N,pin=... or vm.pin"),
+        "affinity" => Refuse("not mapped yet: pin vCPUs with vm.pin once booted"),
         _ => Refuse("kumo does not know this field"),
     }
 }
@@ -192,7 +192,7 @@ fn memory_field(name: &str) -> Verdict {
         "mergeable" | "shared" | "thp" | "prefault" | "reserve" | "hotplug_method" | "hugepage_size" => Ignore,
         "hugepages" => Refuse("kumo backs guest memory with a memfd of normal pages"),
         "hotplug_size" | "hotplugged_size" => Refuse("memory hotplug is through kumo's memory zones (virtio-mem)"),
-        "zones" => Refuse("CH's memory zones are not mapped (use kumo run --memory-zone)"),
+        "zones" => Refuse("CH's memory zones are not mapped to kumo's (virtio-mem) yet"),
         _ => Refuse("kumo does not know this field"),
     }
 }
