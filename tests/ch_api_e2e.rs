@@ -60,7 +60,14 @@ fn the_current_form_creates_boots_pauses_resumes_and_shuts_down() {
         "rng": {"src": "/dev/urandom"}, "watchdog": false, "iommu": false, "pvpanic": false,
         "platform": {"num_pci_segments": 1}
     });
-    ok(&sock, "vm.create", Some(config.clone()));
+    let mut plain = config.clone();
+    plain["disks"] = json!([]);
+    ok(&sock, "vm.create", Some(plain));
+    // The disk comes by cold plug (a refused field first), as libvirt adds disks.
+    let disk = config["disks"][0].clone();
+    let (status, e) = ch(&sock, "PUT", "vm.add-disk", Some(json!({"path": disk["path"], "vhost_user": true})));
+    assert!(status == 400 && e["error"].as_str().unwrap().contains("vm.add-disk: field `vhost_user`"), "{e}");
+    ok(&sock, "vm.add-disk", Some(disk));
     assert_eq!(state(&sock), "Created");
     ok(&sock, "vm.boot", None);
     vmm.wait_stdout("Hello from kumo guest!", PATIENCE);
@@ -78,6 +85,7 @@ fn the_current_form_creates_boots_pauses_resumes_and_shuts_down() {
     // A second create or boot on a VMM with a VM is a conflict; reboot says why not.
     assert_eq!(ch(&sock, "PUT", "vm.create", Some(config)).0, 409);
     assert_eq!(ch(&sock, "PUT", "vm.boot", None).0, 409);
+    assert_eq!(ch(&sock, "PUT", "vm.remove-device", Some(json!({"id": "disk0"}))).0, 400, "no hot-plug");
     let (status, e) = ch(&sock, "PUT", "vm.reboot", None);
     assert!(status == 501 && e["error"].as_str().unwrap().contains("vm.reboot is not supported"), "{e}");
     ok(&sock, "vm.power-button", None);
@@ -157,8 +165,10 @@ fn refused_fields_are_named_and_the_vmm_stays_usable() {
     // A kernel that is not there is the request's fault too.
     let (status, e) = ch(&sock, "PUT", "vm.create", Some(json!({"payload": {"kernel": "/nonexistent/vmlinux"}})));
     assert_eq!(status, 400, "{e}");
-    // Nothing was created: boot is refused, and a created VM can be deleted before it boots.
+    // Nothing was created: boot is refused (and cold plug has nothing to plug into), and a
+    // created VM can be deleted before it boots.
     assert_eq!(ch(&sock, "PUT", "vm.boot", None).0, 409);
+    assert_eq!(ch(&sock, "PUT", "vm.add-disk", Some(json!({"path": "/x"}))).0, 404);
     ok(&sock, "vm.create", Some(with("devices", Value::Null)));
     let (_, info) = ch(&sock, "GET", "vm.info", None);
     assert_eq!((&info["state"], &info["config"]["payload"]["kernel"]), (&json!("Created"), &json!(kernel)), "{info}");

@@ -299,6 +299,11 @@ fn ch_routes(c: &mut Caller, dir: &TestDir) {
     c.call(&sock, "PUT", "/api/v1/vm.create", Some(config.clone()), 409);
     c.call(&sock, "PUT", "/api/v1/vm.delete", None, 204);
     c.call(&sock, "PUT", "/api/v1/vm.create", Some(config.clone()), 204);
+    // Cold plug: a NIC added and removed again (its tap does not exist), a disk refused.
+    c.call(&sock, "PUT", "/api/v1/vm.add-net", Some(json!({"tap": "nonexistent0", "num_queues": 2})), 204);
+    c.call(&sock, "PUT", "/api/v1/vm.remove-device", Some(json!({"id": "net0"})), 204);
+    c.call(&sock, "PUT", "/api/v1/vm.remove-device", Some(json!({"id": "net0"})), 404);
+    c.call(&sock, "PUT", "/api/v1/vm.add-disk", Some(json!({"path": "/x.img", "iommu": true})), 400);
     let info = c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json();
     assert_eq!((&info["state"], &info["config"]), (&json!("Created"), &config), "{info}");
     c.call(&sock, "PUT", "/api/v1/vm.boot", None, 204);
@@ -306,6 +311,7 @@ fn ch_routes(c: &mut Caller, dir: &TestDir) {
     let info = c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json();
     assert_eq!((&info["state"], info["memory_actual_size"].as_u64()), (&json!("Running"), Some(64 << 20)), "{info}");
     c.call(&sock, "PUT", "/api/v1/vm.power-button", None, 204);
+    c.call(&sock, "PUT", "/api/v1/vm.add-net", Some(json!({"tap": "tap0"})), 400);
     c.call(&sock, "PUT", "/api/v1/vm.reboot", None, 501);
     c.call(&sock, "PUT", "/api/v1/vmm.shutdown", None, 204);
     let (code, _, err) = vmm.finish(PATIENCE);

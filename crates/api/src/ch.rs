@@ -265,6 +265,8 @@ fn default_value(field: &str, v: &Value) -> bool {
 
 /// Where the checks collect what was ignored, and stop at the first refusal.
 struct Sorter {
+    /// The route, for the refusal's message.
+    route: &'static str,
     ignored: Vec<String>,
 }
 
@@ -276,9 +278,10 @@ impl Sorter {
                 Ignore => self.ignored.push(path),
                 Refuse(_) if default_value(name, v) => {}
                 Refuse(why) => {
+                    let route = self.route;
                     return Err(ApiError::bad_request(format!(
-                        "vm.create: field `{path}` is not supported by kumo: {why}"
-                    )))
+                        "{route}: field `{path}` is not supported by kumo: {why}"
+                    )));
                 }
             }
         }
@@ -290,7 +293,7 @@ impl ChVmConfig {
     /// Sorts every field: Ok with the ignored ones (dotted paths, e.g. `net[0].ip`), or a 400
     /// naming the first refused one. What the VMM maps needs no more than this: a payload.
     pub fn check(&self) -> Result<Vec<String>, ApiError> {
-        let mut s = Sorter { ignored: Vec::new() };
+        let mut s = Sorter { route: "vm.create", ignored: Vec::new() };
         s.sort("", &self.extra, top_field)?;
         if let Some(c) = &self.cpus {
             s.sort("cpus", &c.extra, cpus_field)?;
@@ -340,6 +343,45 @@ fn check_console_mode(at: &str, mode: Option<&str>) -> Result<(), ApiError> {
              use Tty, Pty, Null or Off)"
         ))),
     }
+}
+
+impl ChDisk {
+    /// As [`ChVmConfig::check`], for `vm.add-disk`'s body.
+    pub fn check(&self) -> Result<Vec<String>, ApiError> {
+        let mut s = Sorter { route: "vm.add-disk", ignored: Vec::new() };
+        s.sort("", &self.extra, disk_field)?;
+        Ok(s.ignored)
+    }
+}
+
+impl ChNet {
+    /// As [`ChVmConfig::check`], for `vm.add-net`'s body.
+    pub fn check(&self) -> Result<Vec<String>, ApiError> {
+        let mut s = Sorter { route: "vm.add-net", ignored: Vec::new() };
+        s.sort("", &self.extra, net_field)?;
+        Ok(s.ignored)
+    }
+}
+
+/// The body of `vm.remove-device`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChRemoveDevice {
+    /// A disk's id (`disk0`, … or its own) or a NIC's (`net0`, … or CH's `id`).
+    pub id: String,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+pub(crate) fn add_disk_request(body: &[u8]) -> Result<crate::ApiRequest, ApiError> {
+    let d: ChDisk = crate::server::json_body(body)?;
+    d.check()?;
+    Ok(crate::ApiRequest::AddDisk(Box::new(d)))
+}
+
+pub(crate) fn add_net_request(body: &[u8]) -> Result<crate::ApiRequest, ApiError> {
+    let n: ChNet = crate::server::json_body(body)?;
+    n.check()?;
+    Ok(crate::ApiRequest::AddNet(Box::new(n)))
 }
 
 /// `vm.create`'s route: the body parsed and checked (a refused field is a 400 naming it).

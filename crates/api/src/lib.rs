@@ -79,6 +79,12 @@ pub mod paths {
     pub const POWER_BUTTON: &str = "/api/v1/vm.power-button";
     /// Cloud Hypervisor's: the VMM process ends (its VM, if any, shut down).
     pub const VMM_SHUTDOWN: &str = "/api/v1/vmm.shutdown";
+    /// Cloud Hypervisor's: a disk added to the created VM (cold plug; no hot-plug in kumo).
+    pub const ADD_DISK: &str = "/api/v1/vm.add-disk";
+    /// Cloud Hypervisor's: a NIC (a tap by name) added to the created VM (cold plug).
+    pub const ADD_NET: &str = "/api/v1/vm.add-net";
+    /// Cloud Hypervisor's: a disk or NIC removed from the created VM (cold unplug).
+    pub const REMOVE_DEVICE: &str = "/api/v1/vm.remove-device";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -345,6 +351,12 @@ pub enum ApiRequest {
     PowerButton,
     /// End the VMM process.
     VmmShutdown,
+    /// Add a disk to the created VM (checked by the route).
+    AddDisk(Box<ch::ChDisk>),
+    /// Add a NIC to the created VM (checked by the route).
+    AddNet(Box<ch::ChNet>),
+    /// Remove a device from the created VM.
+    RemoveDevice(ch::ChRemoveDevice),
     /// `kumo net-backend`: its tap, owner, clients and counters.
     BackendInfo,
     /// `kumo net-backend`: hand the NIC to another client.

@@ -88,6 +88,9 @@ pub(crate) const VM_ROUTES: &[Route] = &[
     Route { method: "PUT", path: paths::REBOOT, build: |_| Ok(ApiRequest::Reboot) },
     Route { method: "PUT", path: paths::POWER_BUTTON, build: |_| Ok(ApiRequest::PowerButton) },
     Route { method: "PUT", path: paths::VMM_SHUTDOWN, build: |_| Ok(ApiRequest::VmmShutdown) },
+    Route { method: "PUT", path: paths::ADD_DISK, build: crate::ch::add_disk_request },
+    Route { method: "PUT", path: paths::ADD_NET, build: crate::ch::add_net_request },
+    Route { method: "PUT", path: paths::REMOVE_DEVICE, build: |b| Ok(ApiRequest::RemoveDevice(json_body(b)?)) },
 ];
 
 /// `kumo net-backend`'s routes (docs/net-backend.md).
@@ -836,7 +839,10 @@ mod tests {
                 | ApiRequest::Boot
                 | ApiRequest::Delete
                 | ApiRequest::PowerButton
-                | ApiRequest::VmmShutdown => Ok(ApiResponse::Ok),
+                | ApiRequest::VmmShutdown
+                | ApiRequest::AddDisk(_)
+                | ApiRequest::AddNet(_)
+                | ApiRequest::RemoveDevice(_) => Ok(ApiResponse::Ok),
                 ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, "no reboot")),
             }
         }

@@ -131,6 +131,17 @@ impl VmApi {
                 Ok(ApiResponse::Ok)
             }
             ApiRequest::VmmShutdown => e.exit().map(|()| ApiResponse::Ok).map_err(ApiError::conflict),
+            ApiRequest::AddDisk(d) => self.cold_plug(e, "vm.add-disk", |ch, k| {
+                k.disks.push(crate::ch_config::disk(k.disks.len(), &d).map_err(ApiError::bad_request)?);
+                ch.disks.get_or_insert_default().push(*d);
+                Ok(())
+            }),
+            ApiRequest::AddNet(n) => self.cold_plug(e, "vm.add-net", |ch, k| {
+                k.net.push(crate::ch_config::nic(k.net.len(), &n).map_err(ApiError::bad_request)?);
+                ch.net.get_or_insert_default().push(*n);
+                Ok(())
+            }),
+            ApiRequest::RemoveDevice(r) => self.cold_plug(e, "vm.remove-device", |ch, k| remove_device(ch, k, &r.id)),
             ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) if created().is_some() => {
                 Err(ApiError::conflict("a VM was created here (vm.create): vm.delete it first"))
             }
@@ -162,6 +173,28 @@ impl VmApi {
             (e.say)(&format!("vm.create: ignoring {}", ignored.join(", ")));
         }
         *slot = Some((c, config));
+        Ok(ApiResponse::Ok)
+    }
+
+    /// `vm.add-disk`, `vm.add-net`, `vm.remove-device` before `vm.boot` (CH's cold plug):
+    /// `change` edits copies of the created config, which must then pass `kumo run`'s checks.
+    fn cold_plug(
+        &self,
+        e: &EmptyVmm,
+        route: &str,
+        change: impl FnOnce(&mut ChVmConfig, &mut crate::config::VmConfig) -> Result<(), ApiError>,
+    ) -> Result<ApiResponse, ApiError> {
+        if let Some(what) = e.busy() {
+            return Err(ApiError::conflict(format!("{route}: {what} is under way")));
+        }
+        let mut slot = kumo_sandbox::lock(&self.created);
+        let (ch, config) = slot
+            .as_mut()
+            .ok_or_else(|| ApiError::not_found(format!("{route}: no VM was created (vm.create first)")))?;
+        let (mut ch2, mut config2) = (ch.clone(), config.clone());
+        change(&mut ch2, &mut config2)?;
+        config2.validate().map_err(|err| ApiError::bad_request(format!("{route}: {err}")))?;
+        (*ch, *config) = (ch2, config2);
         Ok(ApiResponse::Ok)
     }
 
@@ -330,6 +363,36 @@ fn pty_field(ch: &ChVmConfig) -> Option<&'static str> {
         (_, Some("Pty")) => Some("console"),
         _ => None,
     }
+}
+
+/// `vm.remove-device` of a created VM: the disk or NIC with this id (kumo's `diskN`/`netN`,
+/// a disk's own id, a NIC's CH `id`), from both configs.
+fn remove_device(ch: &mut ChVmConfig, k: &mut crate::config::VmConfig, id: &str) -> Result<(), ApiError> {
+    if let Some(i) = (0..k.disks.len()).find(|&i| k.disks[i].id_at(i) == id) {
+        k.disks.remove(i);
+        // CH's list maps to kumo's one for one (from_ch); checked all the same.
+        let disks = ch.disks.get_or_insert_default();
+        if i < disks.len() {
+            disks.remove(i);
+        }
+        if disks.is_empty() {
+            ch.disks = None;
+        }
+        return Ok(());
+    }
+    let nets = ch.net.get_or_insert_default();
+    let ch_id = |i: usize| nets.get(i).and_then(|n| n.extra.get("id")).and_then(|v| v.as_str()).map(String::from);
+    if let Some(i) = (0..k.net.len()).find(|&i| format!("net{i}") == id || ch_id(i).as_deref() == Some(id)) {
+        k.net.remove(i);
+        if i < nets.len() {
+            nets.remove(i);
+        }
+        if nets.is_empty() {
+            ch.net = None;
+        }
+        return Ok(());
+    }
+    Err(ApiError::not_found(format!("vm.remove-device: the created VM has no device {id}")))
 }
 
 /// kumo's `vm.info` of an empty VMM.
@@ -511,6 +574,9 @@ impl ApiHandler for VmApi {
                 Ok(ApiResponse::Ok)
             }
             ApiRequest::PowerButton => vm.power_button().map(|()| ApiResponse::Ok),
+            ApiRequest::AddDisk(_) | ApiRequest::AddNet(_) | ApiRequest::RemoveDevice(_) => Err(ApiError::bad_request(
+                "hot-plug is not supported by kumo: add or remove devices before vm.boot (or in vm.create)",
+            )),
             ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, NO_REBOOT)),
             ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend's API")),
         }
@@ -612,6 +678,31 @@ mod tests {
         assert_eq!(st.state, crate::migration::MigrationState::None);
         let e = api.handle(ApiRequest::Pause).unwrap_err();
         assert_eq!((e.kind, e.message.contains("no VM yet")), (ErrorKind::Conflict, true), "{e}");
+    }
+
+    #[test]
+    fn cold_plug_changes_the_created_vm_and_vmm_shutdown_ends_it() {
+        let kernel = std::env::temp_dir().join(format!("kumo-api-test-{}.bin", std::process::id()));
+        std::fs::write(&kernel, b"not booted").unwrap();
+        let api = VmApi::empty(|_| {}, || Box::new(std::io::sink()));
+        fn ch<T: serde::de::DeserializeOwned>(j: serde_json::Value) -> T {
+            serde_json::from_value(j).unwrap()
+        }
+        let e = api.handle(ApiRequest::AddNet(Box::new(ch(serde_json::json!({"tap": "t0"}))))).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::NotFound, "nothing created: {e}");
+        let config: ChVmConfig = ch(serde_json::json!({"payload": {"kernel": kernel}, "memory": {"size": 64 << 20}}));
+        api.handle(ApiRequest::Create(Box::new(config))).unwrap();
+        api.handle(ApiRequest::AddNet(Box::new(ch(serde_json::json!({"tap": "t0", "id": "mine"}))))).unwrap();
+        api.handle(ApiRequest::AddNet(Box::new(ch(serde_json::json!({"tap": "t1"}))))).unwrap();
+        let remove = |id: &str| api.handle(ApiRequest::RemoveDevice(ch(serde_json::json!({ "id": id }))));
+        remove("mine").unwrap();
+        let created = kumo_sandbox::lock(&api.created).clone().unwrap();
+        assert_eq!((created.1.net.len(), created.1.net[0].tap.as_str()), (1, "t1"));
+        assert_eq!(created.0.net.as_ref().unwrap()[0].tap.as_deref(), Some("t1"));
+        assert_eq!(remove("disk0").unwrap_err().kind, ErrorKind::NotFound);
+        api.handle(ApiRequest::VmmShutdown).unwrap();
+        assert!(matches!(api.wait_vm(), Ok(None)));
+        let _ = std::fs::remove_file(&kernel);
     }
 
     #[test]

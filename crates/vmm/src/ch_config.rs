@@ -42,7 +42,8 @@ pub fn from_ch(c: &ChVmConfig) -> Result<VmConfig, String> {
     Ok(v)
 }
 
-fn disk(i: usize, d: &ChDisk) -> Result<DiskSpec, String> {
+/// The `i`-th disk.
+pub fn disk(i: usize, d: &ChDisk) -> Result<DiskSpec, String> {
     let path = d.path.as_ref().ok_or_else(|| format!("vm.create: disks[{i}] has no path"))?;
     let mut s = DiskSpec::new(path);
     s.id.clone_from(&d.id);
@@ -56,7 +57,8 @@ fn disk(i: usize, d: &ChDisk) -> Result<DiskSpec, String> {
     Ok(s)
 }
 
-fn nic(i: usize, n: &ChNet) -> Result<NetSpec, String> {
+/// The `i`-th NIC.
+pub fn nic(i: usize, n: &ChNet) -> Result<NetSpec, String> {
     // CH counts queues, kumo queue pairs (CH's default 2 is one pair).
     let queues = n.num_queues.map_or(1, |q| (q / 2).max(1));
     let (tap, vhost_user) = match (n.vhost_user, &n.vhost_socket, &n.tap) {
