@@ -706,6 +706,20 @@ mod tests {
     }
 
     #[test]
+    fn a_pty_serves_the_serial_port_or_else_chs_console() {
+        let with = |serial: Option<&str>, console: Option<&str>| {
+            let mode =
+                |m: Option<&str>| m.map(|m| kumo_api::ch::ChConsole { mode: Some(m.into()), ..Default::default() });
+            pty_field(&ChVmConfig { serial: mode(serial), console: mode(console), ..Default::default() })
+        };
+        assert_eq!(with(Some("Pty"), Some("Pty")), Some("serial"));
+        assert_eq!(with(Some("Null"), Some("Pty")), Some("console"));
+        assert_eq!(with(None, Some("Pty")), Some("console"));
+        assert_eq!(with(Some("Tty"), Some("Pty")), None, "the serial port goes to stdout");
+        assert_eq!(with(Some("Tty"), None), None);
+    }
+
+    #[test]
     fn domain_errors_have_their_kinds() {
         use crate::elastic::ElasticError;
         let kind = |e: ApiError| e.kind;
