@@ -369,6 +369,7 @@ impl ApiClient {
             ReadError::TimedOut { .. } => ClientError::Timeout { path: self.path.clone(), timeout: self.timeout },
             ReadError::Closed { .. } => self.bad("connection closed before a complete answer"),
             ReadError::TooLarge { .. } => self.bad("answer too large"),
+            ReadError::Malformed(m) => self.bad(m),
             ReadError::Io(e) => self.io(e),
         }
     }

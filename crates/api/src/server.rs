@@ -625,10 +625,15 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
         Ok(req) => req,
         Err(e) => return Next::Reply(Reply::error(e, true)),
     };
-    if req.headers.get("transfer-encoding").is_some() {
-        let e = ApiError::new(ErrorKind::NotImplemented, "Transfer-Encoding is not supported; send Content-Length");
-        return Next::Reply(Reply::error(e, true));
-    }
+    let chunked = match req.headers.get("transfer-encoding") {
+        None => false,
+        // Only `chunked` alone, and not with Content-Length (RFC 9112 §6.3: a smuggling risk).
+        Some(te) if te.trim().eq_ignore_ascii_case("chunked") && req.headers.get("content-length").is_none() => true,
+        Some(_) => {
+            let e = ApiError::new(ErrorKind::NotImplemented, "Transfer-Encoding other than chunked is not supported");
+            return Next::Reply(Reply::error(e, true));
+        }
+    };
     let declared = match req.headers.content_length() {
         Ok(len) => len,
         Err(msg) => return Next::Reply(Reply::error(ApiError::bad_request(msg), true)),
@@ -645,7 +650,7 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
             return Next::Reply(Reply { allow, ..Reply::error(e, !req.keep_alive || len > 0) });
         }
     };
-    if declared.is_none() && (route.build)(&[]).is_err() {
+    if declared.is_none() && !chunked && (route.build)(&[]).is_err() {
         // The route needs a body, and without a length any bytes sent would be taken for the
         // next request.
         let e = ApiError::new(
@@ -655,13 +660,14 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
         return Next::Reply(Reply::error(e, true));
     }
     let deadline = Instant::now() + BODY_TIMEOUT;
-    if len > 0 && req.headers.has_token("expect", "100-continue") {
+    if (len > 0 || chunked) && req.headers.has_token("expect", "100-continue") {
         // curl waits for this (up to a second) before sending a body.
         if conn.write_all_by(b"HTTP/1.1 100 Continue\r\n\r\n", deadline).is_err() {
             return Next::Close;
         }
     }
-    let body = match conn.read_body(len, deadline) {
+    let body = if chunked { conn.read_chunked(MAX_BODY, deadline) } else { conn.read_body(len, deadline) };
+    let body = match body {
         Ok(body) => body,
         Err(e) => return read_failure(e, true, shared.evicted(id)),
     };
@@ -678,6 +684,7 @@ fn read_failure(e: ReadError, mid_request: bool, evicted: bool) -> Next {
         }
         _ if evicted => self::evicted(),
         ReadError::Io(_) => return Next::Close,
+        ReadError::Malformed(m) => ApiError::bad_request(format!("bad chunked body: {m}")),
         ReadError::Closed { .. } => ApiError::bad_request("incomplete request"),
         ReadError::TimedOut { .. } => ApiError::new(ErrorKind::RequestTimeout, "request not received in time"),
         ReadError::TooLarge { line: true } => {
@@ -1258,10 +1265,41 @@ mod tests {
     fn unsupported_framing_is_rejected() {
         let f = start();
         let (status, ..) =
-            raw(f.server.path(), b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n");
+            raw(f.server.path(), b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n");
+        assert_eq!(status, 501);
+        // Chunked with Content-Length too: refused (a request smuggling risk).
+        let (status, ..) = raw(
+            f.server.path(),
+            b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+        );
         assert_eq!(status, 501);
         let (status, ..) = raw(f.server.path(), b"GET /api/v1/vmm.ping HTTP/3\r\n\r\n");
         assert_eq!(status, 505);
+    }
+
+    #[test]
+    fn chunked_bodies_are_read() {
+        let f = start();
+        // libvirt's curl: a PUT with no body, chunked (after 100 Continue), then one with JSON
+        // split across chunks (an extension and a trailer too), on one connection.
+        let mut conn = connect(f.server.path());
+        conn.stream
+            .write_all(b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n")
+            .unwrap();
+        assert_eq!(read_one(&mut conn).0, 100);
+        conn.stream.write_all(b"0\r\n\r\n").unwrap();
+        assert_eq!(read_one(&mut conn).0, 204);
+        let body = b"PUT /api/v1/vm.pin HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n\
+                     5;x=y\r\n{\"vcp\r\n13\r\nu\": 0, \"cpu\": null}\r\n0\r\nX-T: 1\r\n\r\n";
+        conn.stream.write_all(body).unwrap();
+        assert_eq!(read_one(&mut conn).0, 204);
+        assert_eq!(f.vm.calls()[1], ApiRequest::Pin(crate::PinRequest { vcpu: 0, cpu: None }));
+        for bad in [&b"zz\r\n"[..], b"-1\r\n", b"3\r\nabcdef\r\n0\r\n\r\n", b"123456789\r\n"] {
+            let mut req = b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+            req.extend_from_slice(bad);
+            let (status, ..) = raw(f.server.path(), &req);
+            assert_eq!(status, 400, "{}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]
