@@ -133,8 +133,8 @@ fn every_route_answers_as_the_document_says() {
     // The VM before any migration.
     c.call(&sock, "GET", "/api/v1/vmm.ping", None, 200);
     let info = c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json();
-    assert_eq!(info["pv"]["realtime"], false, "an unpinned vCPU gets the shared PV defaults: {info}");
-    assert_eq!(info["disks"][0]["id"], "disk0", "{info}");
+    assert_eq!(info["kumo"]["pv"]["realtime"], false, "an unpinned vCPU gets the shared PV defaults: {info}");
+    assert_eq!(info["kumo"]["disks"][0]["id"], "disk0", "{info}");
     let counters = c.call(&sock, "GET", "/api/v1/vm.counters", None, 200).json();
     assert!(counters["disks"]["disk0"].is_object(), "{counters}");
     c.call(&sock, "GET", "/api/v1/vm.migration", None, 200);
@@ -142,19 +142,19 @@ fn every_route_answers_as_the_document_says() {
     c.call(&sock, "PUT", "/api/v1/vm.cancel-migration", None, 409);
     c.call(&sock, "PUT", "/api/v1/vm.pause", None, 204);
     c.call(&sock, "PUT", "/api/v1/vm.pause", None, 409);
-    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "paused");
+    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "Paused");
     c.call(&sock, "PUT", "/api/v1/vm.resume", None, 204);
     c.call(&sock, "PUT", "/api/v1/vm.resume", None, 409);
     // Re-pinning: while running, paused and unpinned; a vCPU or host CPU that is not there: 400.
     c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 0, "cpu": 0})), 204);
     c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 1, "cpu": 0})), 400);
     c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 0, "cpu": 4095})), 400);
-    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["vcpu_pins"], json!([0]));
+    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["kumo"]["vcpu_pins"], json!([0]));
     c.call(&sock, "PUT", "/api/v1/vm.pin", Some(json!({"vcpu": 0, "cpu": null})), 204);
     // One vCPU: keeping it is a no-op, more or none is refused (tests/linux_cpu_hotplug.rs ejects).
     c.call(&sock, "PUT", "/api/v1/vm.resize", Some(json!({"desired_vcpus": 1, "timeout_ms": 1000})), 204);
     c.call(&sock, "PUT", "/api/v1/vm.resize", Some(json!({"desired_vcpus": 2})), 400);
-    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["parked_vcpus"], json!([]));
+    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["kumo"]["parked_vcpus"], json!([]));
     // No --memory-zone: no zone to resize (tests/linux_virtio_mem.rs resizes real ones).
     c.call(&sock, "PUT", "/api/v1/vm.resize-zone", Some(json!({"id": "mem0", "desired_size": 0})), 404);
     let snap = dir.path("vm.snap");
@@ -173,7 +173,7 @@ fn every_route_answers_as_the_document_says() {
     let listen = format!("unix:{}", dir.path("mig.sock").display());
     let dst = Kid::spawn(&["run", "--incoming", &listen, "--api-socket", dsock.to_str().unwrap(), "--disk", &disk]);
     api_up(&dsock);
-    assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "receiving");
+    assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.info", None, 200).json()["kumo"]["state"], "receiving");
     c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200);
     c.call(&dsock, "PUT", "/api/v1/vm.pause", None, 409);
     eventually(PATIENCE, || dir.path("mig.sock").exists().then_some(()));
@@ -187,7 +187,7 @@ fn every_route_answers_as_the_document_says() {
 
     eventually(PATIENCE, || {
         let a = exchange(&dsock, "GET", "/api/v1/vm.info", None);
-        (a.status == 200 && a.json()["state"] == "running").then_some(())
+        (a.status == 200 && a.json()["state"] == "Running").then_some(())
     });
     assert_eq!(c.call(&dsock, "GET", "/api/v1/vm.migration", None, 200).json()["state"], "received");
     c.call(&dsock, "GET", "/api/v1/vm.counters", None, 200);
@@ -196,6 +196,7 @@ fn every_route_answers_as_the_document_says() {
     assert_eq!(code, Some(0), "{err}");
 
     empty_vmm_routes(&mut c, &dir, &snap, &img);
+    ch_routes(&mut c, &dir);
 
     let all: BTreeSet<(String, String)> = kumo_api::routes().map(|(m, p)| (m.to_string(), p.to_string())).collect();
     let missed: Vec<_> = all.difference(&c.seen).collect();
@@ -248,7 +249,7 @@ fn empty_vmm_routes(c: &mut Caller, dir: &TestDir, snap: &Path, img: &Path) {
     let esock = dir.path("empty.sock");
     let empty = Kid::spawn(&["run", "--api-socket", esock.to_str().unwrap()]);
     api_up(&esock);
-    assert_eq!(c.call(&esock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "created");
+    assert_eq!(c.call(&esock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "Created");
     c.call(&esock, "PUT", "/api/v1/vm.pause", None, 409);
     c.call(&esock, "PUT", "/api/v1/vm.restore", Some(json!({ "source_url": "/nonexistent/vm.snap" })), 400);
     let url = format!("file://{}", snap.display());
@@ -270,12 +271,51 @@ fn empty_vmm_routes(c: &mut Caller, dir: &TestDir, snap: &Path, img: &Path) {
     api_up(&rsock);
     let recv = json!({ "receiver_url": format!("unix:{}", dir.path("recv.sock").display()), "memory": 64u64 << 20, "cpus": 1 });
     c.call(&rsock, "PUT", "/api/v1/vm.receive-migration", Some(recv.clone()), 204);
-    assert_eq!(c.call(&rsock, "GET", "/api/v1/vm.info", None, 200).json()["state"], "receiving");
+    assert_eq!(c.call(&rsock, "GET", "/api/v1/vm.info", None, 200).json()["kumo"]["state"], "receiving");
     c.call(&rsock, "GET", "/api/v1/vm.migration", None, 200);
     c.call(&rsock, "PUT", "/api/v1/vm.receive-migration", Some(recv), 409);
     receiver.signal("TERM");
     let (_, _, err) = receiver.finish(PATIENCE);
     assert!(err.contains("no VM yet; exiting"), "{err}");
+}
+
+/// Cloud Hypervisor's routes on an empty VMM: a VM created (a refused field first: 400),
+/// deleted, created again, booted, driven and the VMM shut down (tests/ch_api_e2e.rs has more).
+fn ch_routes(c: &mut Caller, dir: &TestDir) {
+    let kernel = dir.path("hello.elf");
+    std::fs::write(&kernel, kumo_guests::find("hello").unwrap().elf).unwrap();
+    let sock = dir.path("ch.sock");
+    let vmm = Kid::spawn(&["run", "--api-socket", sock.to_str().unwrap()]);
+    api_up(&sock);
+    let ping = c.call(&sock, "GET", "/api/v1/vmm.ping", None, 200).json();
+    assert_eq!(ping["version"], kumo_api::CH_COMPAT_VERSION, "{ping}");
+    let config = json!({"cpus": {"boot_vcpus": 1, "max_vcpus": 1}, "memory": {"size": 64u64 << 20},
+        "payload": {"kernel": kernel.to_str().unwrap()}, "serial": {"mode": "Tty"}, "rng": {"src": "/dev/urandom"}});
+    let mut refused = config.clone();
+    refused["vdpa"] = json!([{"path": "/dev/vhost-vdpa-0"}]);
+    c.call(&sock, "PUT", "/api/v1/vm.create", Some(refused), 400);
+    c.call(&sock, "PUT", "/api/v1/vm.boot", None, 409);
+    c.call(&sock, "PUT", "/api/v1/vm.create", Some(config.clone()), 204);
+    c.call(&sock, "PUT", "/api/v1/vm.create", Some(config.clone()), 409);
+    c.call(&sock, "PUT", "/api/v1/vm.delete", None, 204);
+    c.call(&sock, "PUT", "/api/v1/vm.create", Some(config.clone()), 204);
+    // Cold plug: a NIC added and removed again (its tap does not exist), a disk refused.
+    c.call(&sock, "PUT", "/api/v1/vm.add-net", Some(json!({"tap": "nonexistent0", "num_queues": 2})), 204);
+    c.call(&sock, "PUT", "/api/v1/vm.remove-device", Some(json!({"id": "net0"})), 204);
+    c.call(&sock, "PUT", "/api/v1/vm.remove-device", Some(json!({"id": "net0"})), 404);
+    c.call(&sock, "PUT", "/api/v1/vm.add-disk", Some(json!({"path": "/x.img", "iommu": true})), 400);
+    let info = c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json();
+    assert_eq!((&info["state"], &info["config"]), (&json!("Created"), &config), "{info}");
+    c.call(&sock, "PUT", "/api/v1/vm.boot", None, 204);
+    vmm.wait_stdout("Hello from kumo guest!", PATIENCE);
+    let info = c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json();
+    assert_eq!((&info["state"], info["memory_actual_size"].as_u64()), (&json!("Running"), Some(64 << 20)), "{info}");
+    c.call(&sock, "PUT", "/api/v1/vm.power-button", None, 204);
+    c.call(&sock, "PUT", "/api/v1/vm.add-net", Some(json!({"tap": "tap0"})), 400);
+    c.call(&sock, "PUT", "/api/v1/vm.reboot", None, 501);
+    c.call(&sock, "PUT", "/api/v1/vmm.shutdown", None, 204);
+    let (code, _, err) = vmm.finish(PATIENCE);
+    assert_eq!(code, Some(0), "{err}");
 }
 
 /// Every field of the request types, set: the document must describe each.
@@ -326,7 +366,7 @@ fn request_bodies_with_every_field_fit_the_document() {
     c.check_request("PUT", "/api/v1/vm.lend", &serde_json::to_value(&lend).unwrap());
     let resize = kumo_api::ResizeRequest { desired_vcpus: 1, timeout_ms: 30_000 };
     c.check_request("PUT", "/api/v1/vm.resize", &serde_json::to_value(&resize).unwrap());
-    let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into() };
+    let snap = kumo_api::SnapshotRequest { path: "/var/lib/kumo/vm.snap".into(), destination_url: None };
     c.check_request("PUT", "/api/v1/vm.snapshot", &serde_json::to_value(&snap).unwrap());
     let recv = kumo_api::ReceiveMigrationRequest {
         receiver_url: "tcp:0.0.0.0:4444".into(),

@@ -101,6 +101,11 @@ impl ApiClient {
 
     /// `GET /api/v1/vm.info`.
     pub fn info(&self) -> Result<VmInfo, ClientError> {
+        self.get::<crate::ChVmInfo>(paths::INFO).map(|i| i.kumo)
+    }
+
+    /// `GET /api/v1/vm.info` as it comes: CH's shape, kumo's own under `kumo`.
+    pub fn ch_info(&self) -> Result<crate::ChVmInfo, ClientError> {
         self.get(paths::INFO)
     }
 
@@ -139,7 +144,7 @@ impl ApiClient {
 
     /// Writes the VM to the file `path` (absolute) and returns what was written.
     pub fn snapshot(&self, path: &str) -> Result<crate::SnapshotReport, ClientError> {
-        self.put(paths::SNAPSHOT, &crate::SnapshotRequest { path: path.to_string() })
+        self.put(paths::SNAPSHOT, &crate::SnapshotRequest { path: path.to_string(), destination_url: None })
     }
 
     /// `PUT /api/v1/vm.receive-migration`: an empty VMM listens for a migrating VM; answers
@@ -364,6 +369,7 @@ impl ApiClient {
             ReadError::TimedOut { .. } => ClientError::Timeout { path: self.path.clone(), timeout: self.timeout },
             ReadError::Closed { .. } => self.bad("connection closed before a complete answer"),
             ReadError::TooLarge { .. } => self.bad("answer too large"),
+            ReadError::Malformed(m) => self.bad(m),
             ReadError::Io(e) => self.io(e),
         }
     }

@@ -1,5 +1,5 @@
 //! Just enough HTTP/1.1 for a local control socket, shared by server and
-//! client: one message head plus a Content-Length body at a time, every read
+//! client: one message head plus a Content-Length (or, in requests, chunked) body at a time, every read
 //! bounded in size and by a deadline so a silent or slow peer cannot hold a
 //! thread forever. Heads are parsed by the `httparse` crate; this module
 //! frames them, bounds them and turns its verdicts into status codes.
@@ -31,6 +31,8 @@ pub(crate) enum ReadError {
     TooLarge {
         line: bool,
     },
+    /// A chunked body that does not follow RFC 9112 §7.1.
+    Malformed(&'static str),
     Io(io::Error),
 }
 
@@ -118,6 +120,51 @@ impl Conn {
             self.fill(deadline)?;
         }
         Ok(self.buf.drain(..len).collect())
+    }
+
+    /// Reads a chunked body (RFC 9112 §7.1; libvirt's curl sends `PUT`s without a body this
+    /// way): chunks up to the last, empty one, extensions and trailers skipped; at most `max`
+    /// bytes of data.
+    pub fn read_chunked(&mut self, max: usize, deadline: Instant) -> Result<Vec<u8>, ReadError> {
+        let mut body = Vec::new();
+        loop {
+            let line = self.read_line(deadline)?;
+            let size = line.split(|&b| b == b';').next().unwrap_or_default();
+            let size = std::str::from_utf8(size).ok().map(str::trim).filter(|s| !s.is_empty() && s.len() <= 8);
+            let size =
+                size.and_then(|s| usize::from_str_radix(s, 16).ok()).ok_or(ReadError::Malformed("bad chunk size"))?;
+            if size == 0 {
+                // Trailer fields, up to the empty line.
+                while !self.read_line(deadline)?.is_empty() {}
+                return Ok(body);
+            }
+            if body.len() + size > max {
+                return Err(ReadError::TooLarge { line: false });
+            }
+            body.extend(self.read_body(size, deadline)?);
+            if !self.read_line(deadline)?.is_empty() {
+                return Err(ReadError::Malformed("chunk data longer than its size"));
+            }
+        }
+    }
+
+    /// One line of a chunked body, without its CRLF (or LF).
+    fn read_line(&mut self, deadline: Instant) -> Result<Vec<u8>, ReadError> {
+        const MAX_LINE: usize = 1024;
+        loop {
+            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+                let mut line: Vec<u8> = self.buf.drain(..=end).collect();
+                line.pop();
+                if line.last() == Some(&b'\r') {
+                    line.pop();
+                }
+                return Ok(line);
+            }
+            if self.buf.len() > MAX_LINE {
+                return Err(ReadError::Malformed("chunk line too long"));
+            }
+            self.fill(deadline)?;
+        }
     }
 
     /// Reads until the peer closes, for responses without Content-Length.

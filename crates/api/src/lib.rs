@@ -7,6 +7,7 @@
 //! See docs/api.md for the wire protocol.
 
 mod answers;
+pub mod ch;
 mod client;
 mod error;
 mod http;
@@ -15,6 +16,7 @@ pub mod net_backend;
 mod server;
 
 pub use answers::{Counters, Exits, Interrupts, LendReport, MigrationBytes, RestoreReport, SnapshotReport};
+pub use ch::{ChVmConfig, ChVmInfo, ChVmState, Pong};
 pub use client::{ApiClient, ClientError, DEFAULT_CLIENT_TIMEOUT};
 pub use error::{ApiError, ErrorBody, ErrorKind};
 pub use migration::{
@@ -65,6 +67,24 @@ pub mod paths {
     pub const LEND: &str = "/api/v1/vm.lend";
     /// Cloud Hypervisor's name: ask a memory zone's virtio-mem driver for a new size.
     pub const RESIZE_ZONE: &str = "/api/v1/vm.resize-zone";
+    /// Cloud Hypervisor's: an empty VMM takes a VM's config (CH's `VmConfig`).
+    pub const CREATE: &str = "/api/v1/vm.create";
+    /// Cloud Hypervisor's: boots the created VM.
+    pub const BOOT: &str = "/api/v1/vm.boot";
+    /// Cloud Hypervisor's: forgets the created VM (a running one is shut down).
+    pub const DELETE: &str = "/api/v1/vm.delete";
+    /// Cloud Hypervisor's: reboots the VM (kumo: not supported, 501).
+    pub const REBOOT: &str = "/api/v1/vm.reboot";
+    /// Cloud Hypervisor's: presses the VM's ACPI power button.
+    pub const POWER_BUTTON: &str = "/api/v1/vm.power-button";
+    /// Cloud Hypervisor's: the VMM process ends (its VM, if any, shut down).
+    pub const VMM_SHUTDOWN: &str = "/api/v1/vmm.shutdown";
+    /// Cloud Hypervisor's: a disk added to the created VM (cold plug; no hot-plug in kumo).
+    pub const ADD_DISK: &str = "/api/v1/vm.add-disk";
+    /// Cloud Hypervisor's: a NIC (a tap by name) added to the created VM (cold plug).
+    pub const ADD_NET: &str = "/api/v1/vm.add-net";
+    /// Cloud Hypervisor's: a disk or NIC removed from the created VM (cold unplug).
+    pub const REMOVE_DEVICE: &str = "/api/v1/vm.remove-device";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -319,6 +339,24 @@ pub enum ApiRequest {
     Lend(LendApiRequest),
     /// Set a memory zone's requested size (virtio-mem).
     ResizeZone(ResizeZoneRequest),
+    /// An empty VMM: take this config (CH's `vm.create`), checked by the route.
+    Create(Box<ChVmConfig>),
+    /// Boot the created VM.
+    Boot,
+    /// Forget the created VM, or shut the running one down.
+    Delete,
+    /// Reboot the VM.
+    Reboot,
+    /// Press the ACPI power button.
+    PowerButton,
+    /// End the VMM process.
+    VmmShutdown,
+    /// Add a disk to the created VM (checked by the route).
+    AddDisk(Box<ch::ChDisk>),
+    /// Add a NIC to the created VM (checked by the route).
+    AddNet(Box<ch::ChNet>),
+    /// Remove a device from the created VM.
+    RemoveDevice(ch::ChRemoveDevice),
     /// `kumo net-backend`: its tap, owner, clients and counters.
     BackendInfo,
     /// `kumo net-backend`: hand the NIC to another client.
@@ -644,7 +682,12 @@ pub struct NodeBinding {
 #[serde(deny_unknown_fields)]
 pub struct SnapshotRequest {
     /// Absolute path of the file to write (replaced if it exists).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub path: String,
+    /// Cloud Hypervisor's form instead of `path`: `file:///DIR`, an existing directory; kumo
+    /// writes the file `DIR/kumo-snapshot` in it (which `vm.restore` of the directory reads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination_url: Option<String>,
 }
 
 /// How a migration moves pages (see docs/migration.md, "Engines"): one enum, defined in the
@@ -656,7 +699,9 @@ pub use kumo_migration::MigrationEngine;
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
-    /// Destination: `tcp:HOST:PORT` or `unix:PATH` of a `kumo run --incoming`.
+    /// Destination: `tcp:HOST:PORT` or `unix:PATH` of a `kumo run --incoming`. Cloud
+    /// Hypervisor's name for it, `destination_url`, is taken too.
+    #[serde(alias = "destination_url")]
     pub to: String,
     /// Default `overlap`.
     #[serde(default)]
@@ -714,12 +759,10 @@ impl MigrateRequest {
 pub enum ApiResponse {
     /// 204 No Content.
     Ok,
-    /// 200 `{"kumo_version": ...}`.
-    Pong {
-        kumo_version: String,
-    },
-    /// 200 with the [`VmInfo`] as body.
-    Info(VmInfo),
+    /// 200 with CH's ping body plus `kumo_version`.
+    Pong(Pong),
+    /// 200 with CH's `vm.info` (kumo's [`VmInfo`] under `kumo`).
+    Info(Box<ChVmInfo>),
     /// `vm.migration`, and `vm.send-migration` once the migration ended.
     Migration(Box<MigrationStatus>),
     Snapshot(SnapshotReport),
@@ -768,19 +811,13 @@ impl PartialEq for JsonLines {
     }
 }
 
-/// `{"kumo_version": ...}`, the body of `vmm.ping`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Pong {
-    pub kumo_version: String,
-}
-
 impl ApiResponse {
     /// Status and JSON body on the wire: the one place answers are serialized.
     pub(crate) fn into_http(self) -> Result<(u16, Option<String>), ApiError> {
         let body = match self {
             ApiResponse::Ok => return Ok((204, None)),
             ApiResponse::Stream(_) => return Err(ApiError::internal("a streamed answer has no single body")),
-            ApiResponse::Pong { kumo_version } => to_json(&Pong { kumo_version }),
+            ApiResponse::Pong(a) => to_json(&a),
             ApiResponse::Info(a) => to_json(&a),
             ApiResponse::Migration(a) => to_json(&a),
             ApiResponse::Snapshot(a) => to_json(&a),
@@ -814,8 +851,9 @@ mod tests {
     #[test]
     fn responses_on_the_wire() {
         assert_eq!(ApiResponse::Ok.into_http(), Ok((204, None)));
-        let pong = ApiResponse::Pong { kumo_version: "1.2.3".into() }.into_http().unwrap();
-        assert_eq!(pong, (200, Some(r#"{"kumo_version":"1.2.3"}"#.to_string())));
+        let (status, body) = ApiResponse::Pong(Pong::here()).into_http().unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body.unwrap()).unwrap();
+        assert_eq!((status, &v["kumo_version"], &v["version"]), (200, &KUMO_VERSION.into(), &CH_COMPAT_VERSION.into()));
     }
 
     #[test]

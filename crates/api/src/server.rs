@@ -81,6 +81,16 @@ pub(crate) const VM_ROUTES: &[Route] = &[
     Route { method: "GET", path: paths::ELASTIC, build: |_| Ok(ApiRequest::Elastic) },
     Route { method: "PUT", path: paths::LEND, build: |b| Ok(ApiRequest::Lend(json_body(b)?)) },
     Route { method: "PUT", path: paths::RESIZE_ZONE, build: |b| Ok(ApiRequest::ResizeZone(json_body(b)?)) },
+    // Cloud Hypervisor's routes (docs/ch-compat.md).
+    Route { method: "PUT", path: paths::CREATE, build: crate::ch::create_request },
+    Route { method: "PUT", path: paths::BOOT, build: |_| Ok(ApiRequest::Boot) },
+    Route { method: "PUT", path: paths::DELETE, build: |_| Ok(ApiRequest::Delete) },
+    Route { method: "PUT", path: paths::REBOOT, build: |_| Ok(ApiRequest::Reboot) },
+    Route { method: "PUT", path: paths::POWER_BUTTON, build: |_| Ok(ApiRequest::PowerButton) },
+    Route { method: "PUT", path: paths::VMM_SHUTDOWN, build: |_| Ok(ApiRequest::VmmShutdown) },
+    Route { method: "PUT", path: paths::ADD_DISK, build: crate::ch::add_disk_request },
+    Route { method: "PUT", path: paths::ADD_NET, build: crate::ch::add_net_request },
+    Route { method: "PUT", path: paths::REMOVE_DEVICE, build: |b| Ok(ApiRequest::RemoveDevice(json_body(b)?)) },
 ];
 
 /// `kumo net-backend`'s routes (docs/net-backend.md).
@@ -138,7 +148,7 @@ pub fn routes() -> impl Iterator<Item = (&'static str, &'static str)> {
 }
 
 /// Decodes the JSON body of a route that takes one.
-fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if body.is_empty() {
         return Err(ApiError::bad_request("missing JSON body"));
     }
@@ -631,10 +641,15 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
         Ok(req) => req,
         Err(e) => return Next::Reply(Reply::error(e, true)),
     };
-    if req.headers.get("transfer-encoding").is_some() {
-        let e = ApiError::new(ErrorKind::NotImplemented, "Transfer-Encoding is not supported; send Content-Length");
-        return Next::Reply(Reply::error(e, true));
-    }
+    let chunked = match req.headers.get("transfer-encoding") {
+        None => false,
+        // Only `chunked` alone, and not with Content-Length (RFC 9112 §6.3: a smuggling risk).
+        Some(te) if te.trim().eq_ignore_ascii_case("chunked") && req.headers.get("content-length").is_none() => true,
+        Some(_) => {
+            let e = ApiError::new(ErrorKind::NotImplemented, "Transfer-Encoding other than chunked is not supported");
+            return Next::Reply(Reply::error(e, true));
+        }
+    };
     let declared = match req.headers.content_length() {
         Ok(len) => len,
         Err(msg) => return Next::Reply(Reply::error(ApiError::bad_request(msg), true)),
@@ -651,7 +666,7 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
             return Next::Reply(Reply { allow, ..Reply::error(e, !req.keep_alive || len > 0) });
         }
     };
-    if declared.is_none() && (route.build)(&[]).is_err() {
+    if declared.is_none() && !chunked && (route.build)(&[]).is_err() {
         // The route needs a body, and without a length any bytes sent would be taken for the
         // next request.
         let e = ApiError::new(
@@ -661,13 +676,14 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
         return Next::Reply(Reply::error(e, true));
     }
     let deadline = Instant::now() + BODY_TIMEOUT;
-    if len > 0 && req.headers.has_token("expect", "100-continue") {
+    if (len > 0 || chunked) && req.headers.has_token("expect", "100-continue") {
         // curl waits for this (up to a second) before sending a body.
         if conn.write_all_by(b"HTTP/1.1 100 Continue\r\n\r\n", deadline).is_err() {
             return Next::Close;
         }
     }
-    let body = match conn.read_body(len, deadline) {
+    let body = if chunked { conn.read_chunked(MAX_BODY, deadline) } else { conn.read_body(len, deadline) };
+    let body = match body {
         Ok(body) => body,
         Err(e) => return read_failure(e, true, shared.evicted(id)),
     };
@@ -684,6 +700,7 @@ fn read_failure(e: ReadError, mid_request: bool, evicted: bool) -> Next {
         }
         _ if evicted => self::evicted(),
         ReadError::Io(_) => return Next::Close,
+        ReadError::Malformed(m) => ApiError::bad_request(format!("bad chunked body: {m}")),
         ReadError::Closed { .. } => ApiError::bad_request("incomplete request"),
         ReadError::TimedOut { .. } => ApiError::new(ErrorKind::RequestTimeout, "request not received in time"),
         ReadError::TooLarge { line: true } => {
@@ -773,8 +790,8 @@ mod tests {
                 Ok(ApiResponse::Ok)
             };
             match req {
-                ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.into() }),
-                ApiRequest::Info => Ok(ApiResponse::Info(Self::info(*state))),
+                ApiRequest::Ping => Ok(ApiResponse::Pong(crate::Pong::here())),
+                ApiRequest::Info => Ok(ApiResponse::Info(Box::new(crate::ChVmInfo::new(None, Self::info(*state))))),
                 ApiRequest::Pause => go(VmState::Running, VmState::Paused, "vm is already paused"),
                 ApiRequest::Resume => go(VmState::Paused, VmState::Running, "vm is not paused"),
                 ApiRequest::Shutdown if *state == VmState::Shutdown => {
@@ -841,6 +858,15 @@ mod tests {
                 ApiRequest::ResizeZone(r) if r.id != "mem0" => Err(ApiError::not_found("no such zone")),
                 ApiRequest::ResizeZone(_) => Ok(ApiResponse::Ok),
                 ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend")),
+                ApiRequest::Create(_)
+                | ApiRequest::Boot
+                | ApiRequest::Delete
+                | ApiRequest::PowerButton
+                | ApiRequest::VmmShutdown
+                | ApiRequest::AddDisk(_)
+                | ApiRequest::AddNet(_)
+                | ApiRequest::RemoveDevice(_) => Ok(ApiResponse::Ok),
+                ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, "no reboot")),
             }
         }
     }
@@ -1102,13 +1128,27 @@ mod tests {
     }
 
     #[test]
+    fn ch_create_is_checked_by_its_route() {
+        let f = start();
+        let refused = serde_json::json!({"payload": {"kernel": "/k"}, "vfio": [{"path": "/x"}]});
+        let (status, body) = f.client.request("PUT", paths::CREATE, Some(&refused)).unwrap();
+        assert_eq!(status, 400);
+        assert!(error_of(body).contains("field `vfio` is not supported by kumo"));
+        let good = serde_json::json!({"kernel": {"path": "/k"}, "cmdline": {"args": "x"}, "rng": {}});
+        assert_eq!(f.client.request("PUT", paths::CREATE, Some(&good)).unwrap().0, 204);
+        let calls = f.vm.calls();
+        assert!(matches!(calls.as_slice(), [ApiRequest::Create(c)] if c.kernel.is_some()), "{calls:?}");
+        assert_eq!(f.client.request("PUT", paths::REBOOT, None).unwrap().0, 501);
+    }
+
+    #[test]
     fn ping_and_info_round_trip() {
         let f = start();
         assert_eq!(f.client.ping().unwrap(), KUMO_VERSION);
         assert_eq!(f.client.info().unwrap(), FakeVm::info(VmState::Running));
         let (status, body) = f.client.request("GET", paths::INFO, None).unwrap();
         assert_eq!(status, 200);
-        assert_eq!(body.unwrap()["state"], "running");
+        assert_eq!(body.unwrap()["state"], "Running");
         assert_eq!(f.vm.calls(), [ApiRequest::Ping, ApiRequest::Info, ApiRequest::Info]);
     }
 
@@ -1257,10 +1297,41 @@ mod tests {
     fn unsupported_framing_is_rejected() {
         let f = start();
         let (status, ..) =
-            raw(f.server.path(), b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n");
+            raw(f.server.path(), b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n");
+        assert_eq!(status, 501);
+        // Chunked with Content-Length too: refused (a request smuggling risk).
+        let (status, ..) = raw(
+            f.server.path(),
+            b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+        );
         assert_eq!(status, 501);
         let (status, ..) = raw(f.server.path(), b"GET /api/v1/vmm.ping HTTP/3\r\n\r\n");
         assert_eq!(status, 505);
+    }
+
+    #[test]
+    fn chunked_bodies_are_read() {
+        let f = start();
+        // libvirt's curl: a PUT with no body, chunked (after 100 Continue), then one with JSON
+        // split across chunks (an extension and a trailer too), on one connection.
+        let mut conn = connect(f.server.path());
+        conn.stream
+            .write_all(b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n")
+            .unwrap();
+        assert_eq!(read_one(&mut conn).0, 100);
+        conn.stream.write_all(b"0\r\n\r\n").unwrap();
+        assert_eq!(read_one(&mut conn).0, 204);
+        let body = b"PUT /api/v1/vm.pin HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n\
+                     5;x=y\r\n{\"vcp\r\n13\r\nu\": 0, \"cpu\": null}\r\n0\r\nX-T: 1\r\n\r\n";
+        conn.stream.write_all(body).unwrap();
+        assert_eq!(read_one(&mut conn).0, 204);
+        assert_eq!(f.vm.calls()[1], ApiRequest::Pin(crate::PinRequest { vcpu: 0, cpu: None }));
+        for bad in [&b"zz\r\n"[..], b"-1\r\n", b"3\r\nabcdef\r\n0\r\n\r\n", b"123456789\r\n"] {
+            let mut req = b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+            req.extend_from_slice(bad);
+            let (status, ..) = raw(f.server.path(), &req);
+            assert_eq!(status, 400, "{}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]
@@ -1281,7 +1352,7 @@ mod tests {
             .unwrap();
         assert_eq!(read_one(&mut conn).0, 204);
         let (status, _, body) = read_one(&mut conn);
-        assert_eq!((status, body.unwrap()["state"].as_str()), (200, Some("paused")));
+        assert_eq!((status, body.unwrap()["state"].as_str()), (200, Some("Paused")));
         // Connection: close ends it after the response.
         conn.stream.write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\nConnection: close\r\n\r\n").unwrap();
         let (status, headers, _) = read_one(&mut conn);
@@ -1472,7 +1543,7 @@ mod tests {
     impl ApiHandler for Gate {
         fn handle(&self, req: ApiRequest) -> Result<ApiResponse, ApiError> {
             match req {
-                ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.into() }),
+                ApiRequest::Ping => Ok(ApiResponse::Pong(crate::Pong::here())),
                 ApiRequest::Migrate(_) => {
                     self.entered.fetch_add(1, Ordering::SeqCst);
                     let mut open = self.open.lock().unwrap();

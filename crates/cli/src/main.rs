@@ -606,7 +606,10 @@ fn run(
                 let bound = bind()?.ok_or("an empty VMM needs its API socket")?;
                 let server = bound.serve(api.clone(), allow.clone()).map_err(|e| e.to_string())?;
                 note!("kumo: no VM yet: waiting for vm.restore or vm.receive-migration on {}", p.display());
-                let vm = api.wait_vm()?;
+                let Some(vm) = api.wait_vm()? else {
+                    note!("kumo: vmm.shutdown: exiting");
+                    return Ok(0);
+                };
                 signals.watch(&vm);
                 (vm, Some(server))
             }

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use crate::host_resources::HostResources;
 use kumo_api::{
-    ApiError, ApiHandler, ApiRequest, ApiResponse, MigrationStatus, ReceiveMigrationRequest, RestoreRequest, VmInfo,
-    VmState, KUMO_VERSION,
+    ApiError, ApiHandler, ApiRequest, ApiResponse, ChVmConfig, ChVmInfo, ErrorKind, MigrationStatus, Pong,
+    ReceiveMigrationRequest, RestoreRequest, VmInfo, VmState, KUMO_VERSION,
 };
 
 use crate::lifecycle::EmptyVmm;
@@ -36,7 +36,14 @@ pub struct VmApi {
     me: Weak<VmApi>,
     /// `vm.lend`'s connections to other VMs, kept open between lends.
     peers: std::sync::Mutex<std::collections::HashMap<String, kumo_api::ApiClient>>,
+    /// An empty VMM told `vm.create`: CH's config as it came (`vm.info` shows it, also once
+    /// booted) and kumo's, which `vm.boot` builds.
+    created: Mutex<Option<(ChVmConfig, crate::config::VmConfig)>>,
 }
+
+/// Why `vm.reboot` is refused.
+const NO_REBOOT: &str = "vm.reboot is not supported by kumo: it cannot rebuild a VM within its process yet; \
+                         shut the VM down and start it again (a guest's own reboot ends the VM too)";
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
@@ -67,6 +74,7 @@ impl VmApi {
             empty,
             me: me.clone(),
             peers: Default::default(),
+            created: Mutex::new(None),
         });
         if is_empty {
             // Before it has a VM, a panic (in an API thread, the incoming migration's) ends it.
@@ -101,7 +109,8 @@ impl VmApi {
 
     /// An empty VMM: blocks until its API has brought a VM, running (or paused if it was saved
     /// paused), or an incoming migration started through it failed (the VMM should end).
-    pub fn wait_vm(&self) -> Result<Arc<RunningVm>, String> {
+    /// None: `vmm.shutdown` came first; the VMM ends cleanly (exit status 0).
+    pub fn wait_vm(&self) -> Result<Option<Arc<RunningVm>>, String> {
         match &self.empty {
             Some(e) => e.wait(),
             None => Err("this VMM was not started empty".into()),
@@ -110,33 +119,143 @@ impl VmApi {
 
     /// Answers for an empty VMM: only what needs no VM, and what brings one.
     fn empty_vmm(&self, e: &EmptyVmm, req: ApiRequest) -> Result<ApiResponse, ApiError> {
+        let created = || kumo_sandbox::lock(&self.created).as_ref().map(|(ch, _)| ch.clone());
         match req {
-            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
-            ApiRequest::Info => Ok(ApiResponse::Info(VmInfo {
-                state: VmState::Created,
-                vcpus: 0,
-                memory_bytes: 0,
-                guest: "none".into(),
-                irqchip: "unknown".into(),
-                pid: std::process::id(),
-                uptime_ms: e.since.elapsed().as_millis() as u64,
-                kumo_version: KUMO_VERSION.to_string(),
-                net: Vec::new(),
-                disks: Vec::new(),
-                numa: Vec::new(),
-                vcpu_pins: Vec::new(),
-                parked_vcpus: Vec::new(),
-                pv: None,
-                memory_zones: Vec::new(),
-            })),
+            ApiRequest::Ping => Ok(ApiResponse::Pong(Pong::here())),
+            ApiRequest::Info => Ok(ApiResponse::Info(Box::new(ChVmInfo::new(created(), empty_info(e))))),
             ApiRequest::MigrationStatus => Ok(migration_answer(self.migration.status())),
+            ApiRequest::Create(c) => self.create(e, *c),
+            ApiRequest::Boot => self.boot(e),
+            ApiRequest::Delete => {
+                *kumo_sandbox::lock(&self.created) = None;
+                Ok(ApiResponse::Ok)
+            }
+            ApiRequest::VmmShutdown => e.exit().map(|()| ApiResponse::Ok).map_err(ApiError::conflict),
+            ApiRequest::AddDisk(d) => self.cold_plug(e, "vm.add-disk", |ch, k| {
+                k.disks.push(crate::ch_config::disk(k.disks.len(), &d).map_err(ApiError::bad_request)?);
+                ch.disks.get_or_insert_default().push(*d);
+                Ok(())
+            }),
+            ApiRequest::AddNet(n) => self.cold_plug(e, "vm.add-net", |ch, k| {
+                k.net.push(crate::ch_config::nic(k.net.len(), &n).map_err(ApiError::bad_request)?);
+                ch.net.get_or_insert_default().push(*n);
+                Ok(())
+            }),
+            ApiRequest::RemoveDevice(r) => self.cold_plug(e, "vm.remove-device", |ch, k| remove_device(ch, k, &r.id)),
+            ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) if created().is_some() => {
+                Err(ApiError::conflict("a VM was created here (vm.create): vm.delete it first"))
+            }
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
             ApiRequest::Restore(r) => self.restore(e, &r),
+            ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, NO_REBOOT)),
             _ => Err(ApiError::conflict(match e.busy() {
                 Some(what) => format!("no VM yet: {what} is under way"),
-                None => "no VM yet: this VMM waits for vm.restore or vm.receive-migration".into(),
+                None if created().is_some() => "no VM yet: it was created; boot it (vm.boot)".into(),
+                None => "no VM yet: this VMM waits for vm.create, vm.restore or vm.receive-migration".into(),
             })),
         }
+    }
+
+    /// `vm.create`: CH's config (its fields checked by the route) becomes kumo's, checked as
+    /// `kumo run` checks it; `vm.boot` builds it. One at a time: `vm.delete` forgets it.
+    fn create(&self, e: &EmptyVmm, c: ChVmConfig) -> Result<ApiResponse, ApiError> {
+        if let Some(what) = e.busy() {
+            return Err(ApiError::conflict(format!("vm.create: {what} is under way")));
+        }
+        let mut slot = kumo_sandbox::lock(&self.created);
+        if slot.is_some() {
+            return Err(ApiError::conflict("vm.create: a VM was created already (vm.delete it first)"));
+        }
+        let ignored = c.check()?;
+        let config = crate::ch_config::from_ch(&c).map_err(ApiError::bad_request)?;
+        config.validate().map_err(|err| ApiError::bad_request(format!("vm.create: {err}")))?;
+        if !ignored.is_empty() {
+            (e.say)(&format!("vm.create: ignoring {}", ignored.join(", ")));
+        }
+        *slot = Some((c, config));
+        Ok(ApiResponse::Ok)
+    }
+
+    /// `vm.add-disk`, `vm.add-net`, `vm.remove-device` before `vm.boot` (CH's cold plug):
+    /// `change` edits copies of the created config, which must then pass `kumo run`'s checks.
+    fn cold_plug(
+        &self,
+        e: &EmptyVmm,
+        route: &str,
+        change: impl FnOnce(&mut ChVmConfig, &mut crate::config::VmConfig) -> Result<(), ApiError>,
+    ) -> Result<ApiResponse, ApiError> {
+        if let Some(what) = e.busy() {
+            return Err(ApiError::conflict(format!("{route}: {what} is under way")));
+        }
+        let mut slot = kumo_sandbox::lock(&self.created);
+        let (ch, config) = slot
+            .as_mut()
+            .ok_or_else(|| ApiError::not_found(format!("{route}: no VM was created (vm.create first)")))?;
+        let (mut ch2, mut config2) = (ch.clone(), config.clone());
+        change(&mut ch2, &mut config2)?;
+        config2.validate().map_err(|err| ApiError::bad_request(format!("{route}: {err}")))?;
+        (*ch, *config) = (ch2, config2);
+        Ok(ApiResponse::Ok)
+    }
+
+    /// `vm.boot`: builds and runs the created VM as `kumo run` would; the main thread's
+    /// [`VmApi::wait_vm`] then returns it. A VM that cannot be built leaves it created. With
+    /// CH's `Pty` mode, COM1 is a pseudo-terminal whose path `vm.info` shows in that mode's
+    /// `file`.
+    fn boot(&self, e: &EmptyVmm) -> Result<ApiResponse, ApiError> {
+        let created = kumo_sandbox::lock(&self.created).clone();
+        let (ch, config) = created.ok_or_else(|| ApiError::conflict("vm.boot: no VM was created (vm.create first)"))?;
+        e.claim("a boot").map_err(ApiError::conflict)?;
+        let pty = match pty_field(&ch) {
+            Some(field) => match crate::pty::Pty::open() {
+                Ok(p) => Some((field, p)),
+                Err(err) => {
+                    e.release();
+                    return Err(ApiError::internal(format!("vm.boot: cannot open a pseudo-terminal: {err}")));
+                }
+            },
+            None => None,
+        };
+        let console = match &pty {
+            Some((_, p)) => p.output().map_err(|err| ApiError::internal(format!("vm.boot: pseudo-terminal: {err}"))),
+            None => Ok((e.console)()),
+        };
+        let vm = console.and_then(|console| {
+            RunningVm::start(config, console).map_err(|err| match err {
+                Error::Config(m) => ApiError::bad_request(format!("vm.boot: {m}")),
+                other => ApiError::from(other),
+            })
+        });
+        let vm = Arc::new(vm.inspect_err(|_| e.release())?);
+        if let Some((field, p)) = &pty {
+            if let Err(err) = p
+                .input()
+                .map_err(|e| e.to_string())
+                .and_then(|fd| vm.attach_console_input(fd).map_err(|e| e.to_string()))
+            {
+                tracing::warn!("the pseudo-terminal types nothing on the console: {err}");
+            }
+            let path = p.path.display().to_string();
+            (e.say)(&format!("serial console on {path}"));
+            let mut slot = kumo_sandbox::lock(&self.created);
+            let console =
+                slot.as_mut()
+                    .and_then(|(ch, _)| if *field == "serial" { ch.serial.as_mut() } else { ch.console.as_mut() });
+            if let Some(c) = console {
+                c.extra.insert("file".into(), path.into());
+            }
+        }
+        (e.say)("booted the created VM");
+        self.attach(&vm);
+        e.fill(vm);
+        Ok(ApiResponse::Ok)
+    }
+
+    /// `vm.info` of the VM: CH's config as created, or as kumo's config reads in CH's terms.
+    fn info_answer(&self, vm: &RunningVm) -> ApiResponse {
+        let created = kumo_sandbox::lock(&self.created).as_ref().map(|(ch, _)| ch.clone());
+        let ch = created.unwrap_or_else(|| crate::ch_config::to_ch(vm.config()));
+        ApiResponse::Info(Box::new(ChVmInfo::new(Some(ch), info(vm))))
     }
 
     /// `vm.receive-migration`: listens (memory prepared first, if asked), answers once it
@@ -199,24 +318,27 @@ impl VmApi {
     /// Answers for a destination whose VM has not arrived yet.
     fn receiving(&self, inc: &Incoming, req: ApiRequest) -> Result<ApiResponse, ApiError> {
         match req {
-            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
-            ApiRequest::Info => Ok(ApiResponse::Info(VmInfo {
-                state: VmState::Receiving,
-                vcpus: inc.cpus.unwrap_or(0),
-                memory_bytes: inc.memory.unwrap_or(0),
-                guest: format!("incoming:{}", inc.addr),
-                irqchip: "unknown".into(),
-                pid: std::process::id(),
-                uptime_ms: inc.since.elapsed().as_millis() as u64,
-                kumo_version: KUMO_VERSION.to_string(),
-                net: Vec::new(),
-                disks: Vec::new(),
-                numa: Vec::new(),
-                vcpu_pins: Vec::new(),
-                parked_vcpus: Vec::new(),
-                pv: None,
-                memory_zones: Vec::new(),
-            })),
+            ApiRequest::Ping => Ok(ApiResponse::Pong(Pong::here())),
+            ApiRequest::Info => Ok(ApiResponse::Info(Box::new(ChVmInfo::new(
+                None,
+                VmInfo {
+                    state: VmState::Receiving,
+                    vcpus: inc.cpus.unwrap_or(0),
+                    memory_bytes: inc.memory.unwrap_or(0),
+                    guest: format!("incoming:{}", inc.addr),
+                    irqchip: "unknown".into(),
+                    pid: std::process::id(),
+                    uptime_ms: inc.since.elapsed().as_millis() as u64,
+                    kumo_version: KUMO_VERSION.to_string(),
+                    net: Vec::new(),
+                    disks: Vec::new(),
+                    numa: Vec::new(),
+                    vcpu_pins: Vec::new(),
+                    parked_vcpus: Vec::new(),
+                    pv: None,
+                    memory_zones: Vec::new(),
+                },
+            )))),
             ApiRequest::MigrationStatus => Ok(migration_answer(inc.status())),
             _ => Err(ApiError::conflict("the VM is still arriving by migration")),
         }
@@ -228,6 +350,69 @@ impl crate::panics::OnPanic for VmApi {
         if let Some(e) = &self.empty {
             e.fail_waiting(format!("{p}; the VMM stops"));
         }
+    }
+}
+
+/// Which of CH's consoles asked for a pseudo-terminal, if one did: `serial`, else `console`
+/// (kumo has no virtio-console; its COM1 serves it) unless the serial port goes to stdout.
+fn pty_field(ch: &ChVmConfig) -> Option<&'static str> {
+    let mode = |c: &Option<kumo_api::ch::ChConsole>| c.as_ref().and_then(|c| c.mode.clone());
+    match (mode(&ch.serial).as_deref(), mode(&ch.console).as_deref()) {
+        (Some("Pty"), _) => Some("serial"),
+        (Some("Tty"), _) => None,
+        (_, Some("Pty")) => Some("console"),
+        _ => None,
+    }
+}
+
+/// `vm.remove-device` of a created VM: the disk or NIC with this id (kumo's `diskN`/`netN`,
+/// a disk's own id, a NIC's CH `id`), from both configs.
+fn remove_device(ch: &mut ChVmConfig, k: &mut crate::config::VmConfig, id: &str) -> Result<(), ApiError> {
+    if let Some(i) = (0..k.disks.len()).find(|&i| k.disks[i].id_at(i) == id) {
+        k.disks.remove(i);
+        // CH's list maps to kumo's one for one (from_ch); checked all the same.
+        let disks = ch.disks.get_or_insert_default();
+        if i < disks.len() {
+            disks.remove(i);
+        }
+        if disks.is_empty() {
+            ch.disks = None;
+        }
+        return Ok(());
+    }
+    let nets = ch.net.get_or_insert_default();
+    let ch_id = |i: usize| nets.get(i).and_then(|n| n.extra.get("id")).and_then(|v| v.as_str()).map(String::from);
+    if let Some(i) = (0..k.net.len()).find(|&i| format!("net{i}") == id || ch_id(i).as_deref() == Some(id)) {
+        k.net.remove(i);
+        if i < nets.len() {
+            nets.remove(i);
+        }
+        if nets.is_empty() {
+            ch.net = None;
+        }
+        return Ok(());
+    }
+    Err(ApiError::not_found(format!("vm.remove-device: the created VM has no device {id}")))
+}
+
+/// kumo's `vm.info` of an empty VMM.
+fn empty_info(e: &EmptyVmm) -> VmInfo {
+    VmInfo {
+        state: VmState::Created,
+        vcpus: 0,
+        memory_bytes: 0,
+        guest: "none".into(),
+        irqchip: "unknown".into(),
+        pid: std::process::id(),
+        uptime_ms: e.since.elapsed().as_millis() as u64,
+        kumo_version: KUMO_VERSION.to_string(),
+        net: Vec::new(),
+        disks: Vec::new(),
+        numa: Vec::new(),
+        vcpu_pins: Vec::new(),
+        parked_vcpus: Vec::new(),
+        pv: None,
+        memory_zones: Vec::new(),
     }
 }
 
@@ -328,8 +513,8 @@ impl ApiHandler for VmApi {
             },
         };
         match req {
-            ApiRequest::Ping => Ok(ApiResponse::Pong { kumo_version: KUMO_VERSION.to_string() }),
-            ApiRequest::Info => Ok(ApiResponse::Info(info(&vm))),
+            ApiRequest::Ping => Ok(ApiResponse::Pong(Pong::here())),
+            ApiRequest::Info => Ok(self.info_answer(&vm)),
             ApiRequest::Pause => vm.pause().map(|_| ApiResponse::Ok).map_err(ApiError::from),
             ApiRequest::Resume => vm.resume().map(|_| ApiResponse::Ok).map_err(ApiError::from),
             ApiRequest::Shutdown => {
@@ -349,9 +534,10 @@ impl ApiHandler for VmApi {
             ApiRequest::Snapshot(req) => {
                 use crate::snapshot::{snapshot_to_file, SnapshotError as E};
                 // As a migration: the snapshot's hold is released in Drop, its panic contained.
-                let path = std::path::Path::new(&req.path);
+                let path = crate::lifecycle::snapshot_path(&req.path, req.destination_url.as_deref())
+                    .map_err(ApiError::bad_request)?;
                 let r = kumo_sandbox::contain(kumo_sandbox::ThreadKind::Migration, "snapshot job", || {
-                    snapshot_to_file(&vm, path)
+                    snapshot_to_file(&vm, &path)
                 })
                 .unwrap_or_else(|p| {
                     crate::panics::contained(&p);
@@ -377,9 +563,21 @@ impl ApiHandler for VmApi {
             ApiRequest::Elastic => Ok(ApiResponse::Elastic(vm.elastic_info()?)),
             ApiRequest::Lend(l) => self.lend(&vm, &l),
             ApiRequest::ResizeZone(r) => vm.resize_zone(&r).map(|()| ApiResponse::Ok),
-            ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) => {
+            ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) | ApiRequest::Create(_) | ApiRequest::Boot => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }
+            // CH's VMM outlives its VM; kumo's ends with it, so both end here.
+            ApiRequest::Delete | ApiRequest::VmmShutdown => {
+                if !vm.is_finished() {
+                    vm.shutdown();
+                }
+                Ok(ApiResponse::Ok)
+            }
+            ApiRequest::PowerButton => vm.power_button().map(|()| ApiResponse::Ok),
+            ApiRequest::AddDisk(_) | ApiRequest::AddNet(_) | ApiRequest::RemoveDevice(_) => Err(ApiError::bad_request(
+                "hot-plug is not supported by kumo: add or remove devices before vm.boot (or in vm.create)",
+            )),
+            ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, NO_REBOOT)),
             ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend's API")),
         }
     }
@@ -475,11 +673,50 @@ mod tests {
     fn an_empty_vmm_answers_what_needs_no_vm() {
         let api = VmApi::empty(|_| {}, || Box::new(std::io::sink()));
         let ApiResponse::Info(i) = api.handle(ApiRequest::Info).unwrap() else { panic!("not an info") };
-        assert_eq!((i.state, i.vcpus), (VmState::Created, 0));
+        assert_eq!((i.kumo.state, i.kumo.vcpus, i.state), (VmState::Created, 0, kumo_api::ChVmState::Created));
         let ApiResponse::Migration(st) = api.handle(ApiRequest::MigrationStatus).unwrap() else { panic!() };
         assert_eq!(st.state, crate::migration::MigrationState::None);
         let e = api.handle(ApiRequest::Pause).unwrap_err();
         assert_eq!((e.kind, e.message.contains("no VM yet")), (ErrorKind::Conflict, true), "{e}");
+    }
+
+    #[test]
+    fn cold_plug_changes_the_created_vm_and_vmm_shutdown_ends_it() {
+        let kernel = std::env::temp_dir().join(format!("kumo-api-test-{}.bin", std::process::id()));
+        std::fs::write(&kernel, b"not booted").unwrap();
+        let api = VmApi::empty(|_| {}, || Box::new(std::io::sink()));
+        fn ch<T: serde::de::DeserializeOwned>(j: serde_json::Value) -> T {
+            serde_json::from_value(j).unwrap()
+        }
+        let e = api.handle(ApiRequest::AddNet(Box::new(ch(serde_json::json!({"tap": "t0"}))))).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::NotFound, "nothing created: {e}");
+        let config: ChVmConfig = ch(serde_json::json!({"payload": {"kernel": kernel}, "memory": {"size": 64 << 20}}));
+        api.handle(ApiRequest::Create(Box::new(config))).unwrap();
+        api.handle(ApiRequest::AddNet(Box::new(ch(serde_json::json!({"tap": "t0", "id": "mine"}))))).unwrap();
+        api.handle(ApiRequest::AddNet(Box::new(ch(serde_json::json!({"tap": "t1"}))))).unwrap();
+        let remove = |id: &str| api.handle(ApiRequest::RemoveDevice(ch(serde_json::json!({ "id": id }))));
+        remove("mine").unwrap();
+        let created = kumo_sandbox::lock(&api.created).clone().unwrap();
+        assert_eq!((created.1.net.len(), created.1.net[0].tap.as_str()), (1, "t1"));
+        assert_eq!(created.0.net.as_ref().unwrap()[0].tap.as_deref(), Some("t1"));
+        assert_eq!(remove("disk0").unwrap_err().kind, ErrorKind::NotFound);
+        api.handle(ApiRequest::VmmShutdown).unwrap();
+        assert!(matches!(api.wait_vm(), Ok(None)));
+        let _ = std::fs::remove_file(&kernel);
+    }
+
+    #[test]
+    fn a_pty_serves_the_serial_port_or_else_chs_console() {
+        let with = |serial: Option<&str>, console: Option<&str>| {
+            let mode =
+                |m: Option<&str>| m.map(|m| kumo_api::ch::ChConsole { mode: Some(m.into()), ..Default::default() });
+            pty_field(&ChVmConfig { serial: mode(serial), console: mode(console), ..Default::default() })
+        };
+        assert_eq!(with(Some("Pty"), Some("Pty")), Some("serial"));
+        assert_eq!(with(Some("Null"), Some("Pty")), Some("console"));
+        assert_eq!(with(None, Some("Pty")), Some("console"));
+        assert_eq!(with(Some("Tty"), Some("Pty")), None, "the serial port goes to stdout");
+        assert_eq!(with(Some("Tty"), None), None);
     }
 
     #[test]

@@ -17,6 +17,7 @@
 
 pub mod acpi;
 pub mod api;
+pub mod ch_config;
 pub mod config;
 pub mod counters;
 pub mod cpu_hotplug;
@@ -35,6 +36,7 @@ pub mod panics;
 pub mod pci;
 pub mod persist;
 pub mod placement;
+pub mod pty;
 pub mod snapshot;
 pub mod vcpu_manager;
 pub mod virtio_mem;

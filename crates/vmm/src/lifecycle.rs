@@ -27,6 +27,8 @@ enum Stage {
     Failed(String),
     /// The main thread runs the VM.
     Taken,
+    /// `vmm.shutdown` before any VM: the VMM ends (cleanly).
+    Exit,
 }
 
 /// The slot an empty VMM's API fills with a VM, and the main thread waits on.
@@ -59,8 +61,23 @@ impl EmptyVmm {
                 Ok(())
             }
             Stage::Becoming(other) => Err(format!("{other} is under way")),
-            Stage::Failed(_) => Err("this VMM is ending".into()),
+            Stage::Failed(_) | Stage::Exit => Err("this VMM is ending".into()),
             Stage::Ready(_) | Stage::Taken => Err("this VMM has a VM already".into()),
+        }
+    }
+
+    /// `vmm.shutdown` with no VM: the main thread's [`EmptyVmm::wait`] returns None and the
+    /// VMM ends. Refused while a VM is being brought (it would be left half-built).
+    pub fn exit(&self) -> Result<(), String> {
+        let mut st = self.stage();
+        match &*st {
+            Stage::Empty | Stage::Failed(_) | Stage::Exit => {
+                *st = Stage::Exit;
+                self.changed.notify_all();
+                Ok(())
+            }
+            Stage::Becoming(what) => Err(format!("{what} is under way")),
+            Stage::Ready(_) | Stage::Taken => Err("this VMM has a VM: shut it down".into()),
         }
     }
 
@@ -103,12 +120,17 @@ impl EmptyVmm {
         }
     }
 
-    /// Blocks until the API has brought a VM (it runs, or waits paused) or failed to.
-    pub fn wait(&self) -> Result<Arc<RunningVm>, String> {
+    /// Blocks until the API has brought a VM (it runs, or waits paused) or failed to; None:
+    /// `vmm.shutdown` came first (the VMM ends cleanly).
+    pub fn wait(&self) -> Result<Option<Arc<RunningVm>>, String> {
         let mut st = self.stage();
         loop {
             match std::mem::replace(&mut *st, Stage::Taken) {
-                Stage::Ready(vm) => return Ok(vm),
+                Stage::Ready(vm) => return Ok(Some(vm)),
+                Stage::Exit => {
+                    *st = Stage::Exit;
+                    return Ok(None);
+                }
                 Stage::Failed(why) => {
                     *st = Stage::Failed(why.clone());
                     return Err(why);
@@ -123,19 +145,44 @@ impl EmptyVmm {
     }
 }
 
+/// The file kumo writes in (and restores from) a Cloud Hypervisor snapshot directory.
+pub const SNAPSHOT_FILE: &str = "kumo-snapshot";
+
 /// The snapshot file a `vm.restore` names: `file:///abs/path` or `/abs/path` (as is: no
-/// percent-decoding). The VMM resolves it, so it must be absolute.
+/// percent-decoding); a directory (CH's snapshots are directories) means its
+/// [`SNAPSHOT_FILE`]. The VMM resolves it, so it must be absolute.
 pub fn source_path(url: &str) -> Result<PathBuf, String> {
+    let path = url_path("source_url", url)?;
+    Ok(if path.is_dir() { path.join(SNAPSHOT_FILE) } else { path })
+}
+
+/// The file a `vm.snapshot` writes: kumo's `path`, or CH's `destination_url` (`file:///DIR`,
+/// an existing directory: DIR/[`SNAPSHOT_FILE`]).
+pub fn snapshot_path(path: &str, destination_url: Option<&str>) -> Result<PathBuf, String> {
+    match (path.is_empty(), destination_url) {
+        (false, None) => Ok(PathBuf::from(path)),
+        (true, Some(url)) => {
+            let dir = url_path("destination_url", url)?;
+            if !dir.is_dir() {
+                return Err(format!("destination_url {url}: not a directory (kumo writes {SNAPSHOT_FILE} in it)"));
+            }
+            Ok(dir.join(SNAPSHOT_FILE))
+        }
+        (false, Some(_)) => Err("vm.snapshot: give path or destination_url, not both".into()),
+        (true, None) => Err("vm.snapshot: give path (a file) or destination_url (file:///DIR)".into()),
+    }
+}
+
+/// `file:///abs/path` or `/abs/path` of request field `field`, absolute.
+fn url_path(field: &str, url: &str) -> Result<PathBuf, String> {
     let path = match url.split_once("://") {
         Some(("file", rest)) => rest,
-        Some((scheme, _)) => {
-            return Err(format!("source_url {url}: only file:// URLs or absolute paths ({scheme}://)"))
-        }
+        Some((scheme, _)) => return Err(format!("{field} {url}: only file:// URLs or absolute paths ({scheme}://)")),
         None => url,
     };
     let path = PathBuf::from(path);
     if !path.is_absolute() {
-        return Err(format!("source_url {url}: give an absolute path (file:///abs/path or /abs/path)"));
+        return Err(format!("{field} {url}: give an absolute path (file:///abs/path or /abs/path)"));
     }
     Ok(path)
 }
@@ -151,6 +198,15 @@ mod tests {
         assert!(source_path("vm.snap").unwrap_err().contains("absolute"));
         assert!(source_path("file://vm.snap").unwrap_err().contains("absolute"));
         assert!(source_path("http://host/vm.snap").unwrap_err().contains("only file://"));
+        // A directory is CH's form: its kumo-snapshot file.
+        let dir = std::env::temp_dir();
+        assert_eq!(source_path(&format!("file://{}", dir.display())).unwrap(), dir.join(SNAPSHOT_FILE));
+        let url = format!("file://{}", dir.display());
+        assert_eq!(snapshot_path("", Some(&url)).unwrap(), dir.join(SNAPSHOT_FILE));
+        assert_eq!(snapshot_path("/a/b", None).unwrap(), PathBuf::from("/a/b"));
+        assert!(snapshot_path("", Some("file:///nonexistent/dir")).unwrap_err().contains("not a directory"));
+        assert!(snapshot_path("/a", Some(&url)).unwrap_err().contains("not both"));
+        assert!(snapshot_path("", None).unwrap_err().contains("give path"));
     }
 
     #[test]
@@ -177,6 +233,17 @@ mod tests {
         };
         e.fail("no".into());
         assert_eq!(waiter.join().unwrap().err().as_deref(), Some("no"));
+    }
+
+    #[test]
+    fn vmm_shutdown_ends_an_empty_vmm_but_not_one_becoming_a_vm() {
+        let e = EmptyVmm::new(Box::new(|_| {}), Box::new(|| Box::new(std::io::sink())));
+        e.claim("a boot").unwrap();
+        assert_eq!(e.exit().unwrap_err(), "a boot is under way");
+        e.release();
+        e.exit().unwrap();
+        assert_eq!(e.claim("a restore").unwrap_err(), "this VMM is ending");
+        assert!(matches!(e.wait(), Ok(None)));
     }
 
     #[test]

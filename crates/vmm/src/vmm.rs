@@ -368,6 +368,17 @@ impl RunningVm {
         crate::cpu_hotplug::resize(&self.vcpus, ged, req.desired_vcpus, limit)
     }
 
+    /// `vm.power-button`: presses the ACPI power button (the GED's event); the guest decides
+    /// what it does (Linux: its userspace; kumo has no ACPI sleep registers yet, so a guest's
+    /// ACPI power-off does not end the VM).
+    pub fn power_button(&self) -> std::result::Result<(), kumo_api::ApiError> {
+        use kumo_api::ApiError;
+        let ged = self.devices.ged().ok_or_else(|| {
+            ApiError::conflict("this VM has no ACPI GED (its interrupt needs an IOAPIC: not with --irqchip split)")
+        })?;
+        lock(ged).press_power_button().map_err(|e| ApiError::internal(e.to_string()))
+    }
+
     /// Each vCPU's host CPU now (`None`: it floats); see [`VcpuManager::vcpu_pins`].
     pub fn vcpu_pins(&self) -> Vec<Option<u32>> {
         self.vcpus.vcpu_pins()

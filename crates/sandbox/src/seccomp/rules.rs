@@ -172,6 +172,9 @@ const TUN_IOCTLS: &[u64] = &[
     0x4004_54d9, // TUNSETQUEUE
     0x8004_54cf, // TUNGETFEATURES
 ];
+/// Opening a pseudo-terminal for a serial console (`vm.create`'s `Pty` mode): unlock and name
+/// its slave, set raw mode.
+const PTY_IOCTLS: &[u64] = &[TIOCSPTLCK, TIOCGPTN, TCSETS];
 /// Terminal and descriptor ioctls std and the log make (isatty, non-blocking, queue sizes).
 const FD_IOCTLS: &[u64] = &[TCGETS, FIONBIO, FIOCLEX, FIONCLEX, TIOCOUTQ, FIONREAD];
 
@@ -266,7 +269,7 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
             // A disk made here sets up its io_uring (or starts its pool).
             allow(&mut r, DISK_IO);
             allow(&mut r, &[SYS_io_uring_setup, SYS_io_uring_register]);
-            ioctls(&mut r, TUN_IOCTLS);
+            ioctls(&mut r, &[TUN_IOCTLS, PTY_IOCTLS].concat());
             thread_creation(&mut r);
         }
         ThreadKind::NetBackend => {
