@@ -2,10 +2,11 @@
 //! `ch` driver (built from Debian's source by scripts/build-libvirt-ch.sh), kumo found as
 //! `cloud-hypervisor`, the test kernel with an ext4 root on a kumo disk and a NIC on a tap.
 //!
-//! Every operation that driver has, in order: define, start, dominfo, the console's PTY (the
-//! guest's serial output), suspend, resume, vcpupin (it lands on kumo's `vcpu0` thread),
-//! `console` through virsh while the domain reboots, shutdown, destroy, undefine. The guest
-//! answers the host's pings after boot, resume and reboot.
+//! Every operation that driver has, in order: define, start, dominfo, `console` (virsh reads the
+//! guest's serial output from kumo's PTY, and stays connected across the reboot), suspend,
+//! resume, vcpupin (it lands on kumo's `vcpu0` thread), reboot (kumo builds the VM again in its
+//! process), shutdown, destroy, undefine. The guest mounts its root from the disk and answers
+//! the host's pings after boot, resume and reboot.
 //!
 //! Needs /dev/kvm, a tap (root), the test kernel and the libvirt build; skips, saying why,
 //! without them. Every wait is for a console line, a ping reply or a state, bounded only as a
@@ -32,6 +33,8 @@ impl Drop for Domain<'_> {
     fn drop(&mut self) {
         let _ = self.d.virsh(&["destroy", &self.name]);
         let _ = self.d.virsh(&["undefine", &self.name]);
+        // The definition libvirt 9.0 keeps on disk after forgetting a destroyed domain.
+        let _ = std::fs::remove_file(self.d.prefix().join(format!("etc/libvirt/ch/{}.xml", self.name)));
     }
 }
 
@@ -79,10 +82,15 @@ impl Lines {
         l
     }
 
-    fn wait(&self, what: &str) -> String {
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    /// The first line after the first `after` lines that contains `what`.
+    fn wait_after(&self, after: usize, what: &str) -> String {
         let t = Instant::now();
         loop {
-            if let Some(l) = self.0.lock().unwrap().iter().find(|l| l.contains(what)) {
+            if let Some(l) = self.0.lock().unwrap().iter().skip(after).find(|l| l.contains(what)) {
                 return l.clone();
             }
             let lines = self.0.lock().unwrap();
@@ -140,10 +148,14 @@ fn virsh_drives_kumo_through_libvirts_ch_driver() {
 
     d.ok(&["start", &name]);
     assert_eq!(dom.state(), "running");
+    // The console: libvirt recorded kumo's PTY, and `virsh console` reads the guest's serial
+    // output from it (what came before it connected waits in the terminal's buffer or, past
+    // that, is dropped by kumo: the guest never waits for a reader).
     let pty = console_pty(&d.ok(&["dumpxml", &name]));
-    let console = Lines::read_from(std::fs::File::open(&pty).unwrap_or_else(|e| panic!("open {pty}: {e}")));
-    console.wait(linux::RUN_INIT);
-    console.wait(IP_CONFIG_COMPLETE);
+    assert!(pty.starts_with("/dev/pts/"), "{pty}");
+    let (mut vc, console) = virsh_console(&prefix, &name);
+    console.wait_after(0, IP_CONFIG_COMPLETE);
+    console.wait_after(0, linux::RUN_INIT);
     let pinger = Pinger::start(guest);
     pinger.wait_replies(0, 5, linux::effect_limit()).unwrap();
     let api = dom.api(&prefix);
@@ -162,21 +174,32 @@ fn virsh_drives_kumo_through_libvirts_ch_driver() {
     let pins = d.ok(&["vcpupin", &name]);
     assert!(pins.lines().any(|l| l.trim().starts_with('0') && l.trim().ends_with('1')), "{pins}");
 
-    drop(console);
-    let (mut vc, vlines) = virsh_console(&prefix, &name);
+    // The reboot builds the VM again in kumo's process, on the same PTY: the console that
+    // stayed connected shows the new kernel booting, and the new kernel answers.
+    let before = console.len();
     d.ok(&["reboot", &name]);
-    vlines.wait("Linux version");
-    vlines.wait(IP_CONFIG_COMPLETE);
+    assert_eq!(dom.state(), "running");
+    console.wait_after(before, "Linux version");
+    console.wait_after(before, IP_CONFIG_COMPLETE);
+    // Its root is the same disk: the old VM let go of it.
+    console.wait_after(before, linux::RUN_INIT);
+    pinger.wait_replies(pinger.replies(), 5, linux::effect_limit()).unwrap();
     let _ = vc.kill();
     let _ = vc.wait();
-    pinger.wait_replies(pinger.replies(), 5, linux::effect_limit()).unwrap();
-    assert_eq!(dom.state(), "running");
 
     d.ok(&["shutdown", &name]);
     assert_ne!(dom.state(), "running");
     d.ok(&["destroy", &name]);
-    assert_eq!(dom.state(), "shut off");
+    // libvirt 9.0's ch driver forgets a defined domain when it is destroyed (its
+    // virCHDomainRemoveInactive tests `persistent` the wrong way round; later releases fix it):
+    // shut off, or gone from the list.
+    let info = d.virsh(&["dominfo", &name]);
+    let state = dominfo_field(&String::from_utf8_lossy(&info.stdout), "State");
+    assert!(!info.status.success() || state.as_deref() == Some("shut off"), "{state:?}");
+    assert!(kumo_api::ApiClient::new(&api).ping().is_err(), "kumo's process ended with the domain");
+    if info.status.success() {
+        d.ok(&["undefine", &name]);
+    }
     drop(dom);
-    let out = d.virsh(&["dominfo", &name]);
-    assert!(!out.status.success(), "undefined: the domain is gone");
+    assert!(!d.virsh(&["dominfo", &name]).status.success(), "undefined: the domain is gone");
 }

@@ -565,7 +565,7 @@ fn run(
             _ => Ok(None),
         }
     };
-    let (vm, _api) = match (&a.incoming, &a.restore) {
+    let (vm, _api, empty) = match (&a.incoming, &a.restore) {
         // A destination's API is up while the VM arrives (`vm.info` says `receiving`).
         (Some(addr), _) => {
             let cpus = a
@@ -584,21 +584,21 @@ fn run(
             let vm = Arc::new(migrate::incoming(&inc, serial())?);
             signals.watch(&vm);
             api.attach(&vm);
-            (vm, server)
+            (vm, server, None)
         }
         (None, Some(file)) => {
             let bound = bind()?;
             let vm = kumo_vmm::snapshot::restore_from_file(file, serial(), &host_resources(&a)?);
             let vm = Arc::new(vm.map_err(|e| e.to_string())?);
             let server = serve(&vm, bound)?;
-            (vm, server)
+            (vm, server, None)
         }
         (None, None) => match (build_config(&a)?, &api_socket) {
             (Some(config), _) => {
                 let bound = bind()?;
                 let vm = Arc::new(RunningVm::start(config, serial()).map_err(|e| e.to_string())?);
                 let server = serve(&vm, bound)?;
-                (vm, server)
+                (vm, server, None)
             }
             // An empty VMM: its API says what it becomes (vm.restore, vm.receive-migration).
             (None, Some(p)) => {
@@ -611,7 +611,7 @@ fn run(
                     return Ok(0);
                 };
                 signals.watch(&vm);
-                (vm, Some(server))
+                (vm, Some(server), Some(api))
             }
             (None, None) => {
                 return Err("nothing to boot: give --guest NAME, --kernel PATH or a --config file with a payload \
@@ -620,21 +620,89 @@ fn run(
             }
         },
     };
-    tracing::info!(vcpus = vm.config().cpus, memory = vm.config().memory, "VM running");
-    if let Some(c) = &console {
-        c.attach(&vm);
+    run_vms(&a, vm, empty, console.as_ref(), &signals)
+}
+
+/// Runs the VM until it ends; a VM made by vm.create outlives its run (Cloud Hypervisor's
+/// model): it reboots, or waits shut down for vm.boot, until vmm.shutdown or a signal ends the
+/// VMM. The exit status.
+fn run_vms(
+    a: &RunArgs,
+    mut vm: Arc<RunningVm>,
+    empty: Option<Arc<kumo_vmm::api::VmApi>>,
+    console: Option<&console::ConsoleSocket>,
+    signals: &SignalGuard,
+) -> Result<i32, String> {
+    let mut filtered = false;
+    loop {
+        let stdin_console = !empty.as_ref().is_some_and(|api| api.console_is_pty());
+        let report = run_vm(a, &vm, console, stdin_console, &mut filtered)?;
+        let after = match &empty {
+            Some(api) if !signals.signalled() => api.vm_ended(&report.outcome),
+            _ => kumo_vmm::lifecycle::AfterVm::Exit,
+        };
+        let Some(api) = empty.as_ref().filter(|_| after != kumo_vmm::lifecycle::AfterVm::Exit) else {
+            return Ok(report.outcome.exit_code());
+        };
+        // The old VM goes first: its disks' locks and its taps are released before a new one
+        // opens them.
+        drop(vm);
+        if after == kumo_vmm::lifecycle::AfterVm::Reboot {
+            note!("kumo: rebooting the VM");
+            if let Err(e) = api.reboot() {
+                note!("kumo: the VM could not be built again: {e}");
+            }
+        } else {
+            note!("kumo: the VM is shut down; waiting for vm.boot, vm.delete or vmm.shutdown");
+        }
+        match api.wait_vm()? {
+            Some(v) => {
+                signals.watch(&v);
+                if signals.signalled() {
+                    // A signal came while no VM ran: this one ends too, and the VMM with it.
+                    v.shutdown();
+                }
+                vm = v;
+            }
+            None => {
+                note!("kumo: vmm.shutdown: exiting");
+                return Ok(0);
+            }
+        }
     }
-    // stdin goes to COM1 through the VM's device event loop; what epoll cannot watch (a file,
-    // /dev/null) is read by a thread instead.
-    let stdin = std::os::fd::AsFd::as_fd(&std::io::stdin()).try_clone_to_owned();
-    if !stdin.is_ok_and(|fd| vm.attach_console_input(fd).is_ok()) {
-        spawn_console_input(Arc::downgrade(&vm));
+}
+
+/// Runs one VM until it ends: its console, stdin, then the wait and what ended it. The main
+/// thread takes the VMM thread's filter at its first VM (`filtered`).
+fn run_vm(
+    a: &RunArgs,
+    vm: &Arc<RunningVm>,
+    console: Option<&console::ConsoleSocket>,
+    stdin_console: bool,
+    filtered: &mut bool,
+) -> Result<kumo_vmm::RunReport, String> {
+    tracing::info!(vcpus = vm.config().cpus, memory = vm.config().memory, "VM running");
+    if let Some(c) = console {
+        c.attach(vm);
+    }
+    // stdin goes to COM1 through the VM's device event loop; what epoll cannot watch (a file)
+    // is read by a thread instead. Not /dev/null (libvirt's children have it): a thread that
+    // ends at once would only race whoever lists this process's threads, and not when the
+    // console is a pseudo-terminal, which types on COM1 itself.
+    if stdin_console && !stdin_is_dev_null() {
+        let stdin = std::os::fd::AsFd::as_fd(&std::io::stdin()).try_clone_to_owned();
+        if !stdin.is_ok_and(|fd| vm.attach_console_input(fd).is_ok()) {
+            spawn_console_input(Arc::downgrade(vm));
+        }
     }
     // The main thread's setup ends here: from now on it waits for the VM's end, reports it
     // and takes the VM down, under the VMM thread's filter.
-    if let Err(e) = kumo_sandbox::seccomp::filter_this_thread(ThreadKind::Vmm, "main") {
-        vm.shutdown();
-        return Err(e.to_string());
+    if !*filtered {
+        if let Err(e) = kumo_sandbox::seccomp::filter_this_thread(ThreadKind::Vmm, "main") {
+            vm.shutdown();
+            return Err(e.to_string());
+        }
+        *filtered = true;
     }
     let report = vm.wait_timeout(a.timeout.filter(|t| !t.is_zero()));
     if let Some(p) = &a.timings_json {
@@ -654,7 +722,7 @@ fn run(
         Panicked(p) => note!("kumo: error: {p}; the VM was stopped"),
         _ => {}
     }
-    Ok(report.outcome.exit_code())
+    Ok(report)
 }
 
 /// SIGTERM and SIGINT (Ctrl-C) shut the VM down as `kumo shutdown` would: `run` then returns,
@@ -668,8 +736,9 @@ fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
     let mut signals =
         signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).map_err(|e| format!("cannot handle signals: {e}"))?;
     let handle = signals.handle();
-    let vm: Arc<std::sync::OnceLock<std::sync::Weak<RunningVm>>> = Arc::default();
-    let watched = vm.clone();
+    let vm: Arc<std::sync::Mutex<Option<std::sync::Weak<RunningVm>>>> = Arc::default();
+    let signalled: Arc<std::sync::atomic::AtomicBool> = Arc::default();
+    let (watched, seen_by_run) = (vm.clone(), signalled.clone());
     let spawned = kumo_sandbox::spawn(ThreadKind::Signal, "signals", move || {
         let mut seen = false;
         for sig in signals.forever() {
@@ -677,13 +746,16 @@ fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
                 std::process::exit(128 + sig);
             }
             seen = true;
+            seen_by_run.store(true, std::sync::atomic::Ordering::SeqCst);
             let name = if sig == SIGTERM { "SIGTERM" } else { "SIGINT" };
-            match watched.get().map(std::sync::Weak::upgrade) {
+            let vm = kumo_sandbox::lock(&watched).clone();
+            match vm.as_ref().map(std::sync::Weak::upgrade) {
                 Some(Some(vm)) => {
                     note!("kumo: {name}: shutting the VM down");
                     vm.shutdown();
                 }
-                Some(None) => return, // the VM has ended: `run` is returning anyway
+                // The VM has ended: `run` is returning (it sees the signal: no VM comes next).
+                Some(None) => return,
                 None => {
                     note!("kumo: {name}: no VM yet; exiting");
                     // Only sockets: whatever else is at a path was never ours.
@@ -696,18 +768,24 @@ fn shutdown_on_signals(sockets: Vec<PathBuf>) -> Result<SignalGuard, String> {
         }
     });
     spawned.map_err(|e| format!("cannot start the signal thread: {e}"))?;
-    Ok(SignalGuard { handle, vm })
+    Ok(SignalGuard { handle, vm, signalled })
 }
 
 struct SignalGuard {
     handle: signal_hook::iterator::Handle,
-    vm: Arc<std::sync::OnceLock<std::sync::Weak<RunningVm>>>,
+    vm: Arc<std::sync::Mutex<Option<std::sync::Weak<RunningVm>>>>,
+    signalled: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl SignalGuard {
-    /// From now on a signal shuts `vm` down.
+    /// From now on a signal shuts `vm` down (a VMM that outlives its VM watches each in turn).
     fn watch(&self, vm: &Arc<RunningVm>) {
-        let _ = self.vm.set(Arc::downgrade(vm));
+        *kumo_sandbox::lock(&self.vm) = Some(Arc::downgrade(vm));
+    }
+
+    /// Whether a signal came: the VMM ends with its VM, whatever made the VM.
+    fn signalled(&self) -> bool {
+        self.signalled.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -715,6 +793,13 @@ impl Drop for SignalGuard {
     fn drop(&mut self) {
         self.handle.close();
     }
+}
+
+/// Whether stdin is /dev/null (the character device 1:3).
+fn stdin_is_dev_null() -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    std::fs::metadata("/proc/self/fd/0")
+        .is_ok_and(|m| m.file_type().is_char_device() && (m.rdev() >> 8, m.rdev() & 0xff) == (1, 3))
 }
 
 /// Feeds kumo's stdin to the guest's serial console (COM1), so a user or a test can talk to the

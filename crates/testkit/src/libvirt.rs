@@ -23,7 +23,11 @@ pub fn installed(test: &str) -> Option<PathBuf> {
     if prefix.join("BUILD").is_file() && prefix.join("sbin/libvirtd").is_file() {
         return Some(prefix);
     }
-    assert!(!crate::linux::in_ci(), "{test}: no libvirt build at {} under CI: run scripts/build-libvirt-ch.sh", prefix.display());
+    assert!(
+        !crate::linux::in_ci(),
+        "{test}: no libvirt build at {} under CI: run scripts/build-libvirt-ch.sh",
+        prefix.display()
+    );
     println!("skipping {test}: no libvirt build at {} (build it with scripts/build-libvirt-ch.sh)", prefix.display());
     None
 }
@@ -72,6 +76,11 @@ impl Libvirtd {
             assert!(Instant::now() < until, "libvirtd did not answer: {}\n{}", stderr(&out), d.log_tail(30));
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// The install prefix (its state is under `var/run/libvirt`, definitions under `etc/libvirt`).
+    pub fn prefix(&self) -> &Path {
+        &self.prefix
     }
 
     /// `virsh -c ch:///system ARGS`.

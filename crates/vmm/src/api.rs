@@ -5,11 +5,11 @@ use std::sync::{Arc, Mutex, Weak};
 
 use crate::host_resources::HostResources;
 use kumo_api::{
-    ApiError, ApiHandler, ApiRequest, ApiResponse, ChVmConfig, ChVmInfo, ErrorKind, MigrationStatus, Pong,
+    ApiError, ApiHandler, ApiRequest, ApiResponse, ChVmConfig, ChVmInfo, MigrationStatus, Pong,
     ReceiveMigrationRequest, RestoreRequest, VmInfo, VmState, KUMO_VERSION,
 };
 
-use crate::lifecycle::EmptyVmm;
+use crate::lifecycle::{AfterVm, EmptyVmm, EndIntent};
 use crate::migration::{Incoming, JobError, MigrationJob};
 use crate::vmm::RunningVm;
 use crate::Error;
@@ -39,11 +39,21 @@ pub struct VmApi {
     /// An empty VMM told `vm.create`: CH's config as it came (`vm.info` shows it, also once
     /// booted) and kumo's, which `vm.boot` builds.
     created: Mutex<Option<(ChVmConfig, crate::config::VmConfig)>>,
+    /// Why the API stopped the created VM (`vm.reboot`, `vm.delete`, `vmm.shutdown`), read by
+    /// [`VmApi::vm_ended`].
+    intent: Mutex<Option<EndIntent>>,
+    /// The created VM ran and ended: `vm.info` says `Shutdown` until it boots again.
+    ended: std::sync::atomic::AtomicBool,
+    /// Rebuilds that failed, and why the last one did (a `vm.reboot` waiting sees it).
+    reboot_failures: Mutex<(u64, String)>,
+    /// The pseudo-terminal of CH's `Pty` mode and the config field it serves: opened at the
+    /// first boot and kept, so a client keeps its path across reboots.
+    pty: Mutex<Option<(&'static str, Arc<crate::pty::Pty>)>>,
 }
 
-/// Why `vm.reboot` is refused.
-const NO_REBOOT: &str = "vm.reboot is not supported by kumo: it cannot rebuild a VM within its process yet; \
-                         shut the VM down and start it again (a guest's own reboot ends the VM too)";
+/// How long `vm.reboot` waits for the VM to be built again (a hang guard: building takes
+/// well under a second).
+const REBOOT_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl VmApi {
     pub fn new(vm: &Arc<RunningVm>) -> Arc<Self> {
@@ -75,6 +85,10 @@ impl VmApi {
             me: me.clone(),
             peers: Default::default(),
             created: Mutex::new(None),
+            intent: Mutex::new(None),
+            ended: Default::default(),
+            reboot_failures: Mutex::new((0, String::new())),
+            pty: Mutex::new(None),
         });
         if is_empty {
             // Before it has a VM, a panic (in an API thread, the incoming migration's) ends it.
@@ -122,7 +136,13 @@ impl VmApi {
         let created = || kumo_sandbox::lock(&self.created).as_ref().map(|(ch, _)| ch.clone());
         match req {
             ApiRequest::Ping => Ok(ApiResponse::Pong(Pong::here())),
-            ApiRequest::Info => Ok(ApiResponse::Info(Box::new(ChVmInfo::new(created(), empty_info(e))))),
+            ApiRequest::Info => {
+                let mut kumo = empty_info(e);
+                if self.ended.load(std::sync::atomic::Ordering::SeqCst) && created().is_some() {
+                    kumo.state = VmState::Shutdown;
+                }
+                Ok(ApiResponse::Info(Box::new(ChVmInfo::new(created(), kumo))))
+            }
             ApiRequest::MigrationStatus => Ok(migration_answer(self.migration.status())),
             ApiRequest::Create(c) => self.create(e, *c),
             ApiRequest::Boot => self.boot(e),
@@ -147,7 +167,7 @@ impl VmApi {
             }
             ApiRequest::ReceiveMigration(r) => self.receive_migration(e, &r),
             ApiRequest::Restore(r) => self.restore(e, &r),
-            ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, NO_REBOOT)),
+            ApiRequest::Reboot => Err(ApiError::conflict("vm.reboot: the VM is not running (vm.boot starts it)")),
             _ => Err(ApiError::conflict(match e.busy() {
                 Some(what) => format!("no VM yet: {what} is under way"),
                 None if created().is_some() => "no VM yet: it was created; boot it (vm.boot)".into(),
@@ -207,7 +227,7 @@ impl VmApi {
         let (ch, config) = created.ok_or_else(|| ApiError::conflict("vm.boot: no VM was created (vm.create first)"))?;
         e.claim("a boot").map_err(ApiError::conflict)?;
         let pty = match pty_field(&ch) {
-            Some(field) => match crate::pty::Pty::open() {
+            Some(field) => match self.pty(field) {
                 Ok(p) => Some((field, p)),
                 Err(err) => {
                     e.release();
@@ -246,9 +266,108 @@ impl VmApi {
             }
         }
         (e.say)("booted the created VM");
+        self.ended.store(false, std::sync::atomic::Ordering::SeqCst);
         self.attach(&vm);
         e.fill(vm);
         Ok(ApiResponse::Ok)
+    }
+
+    /// Whether the VM's console is a pseudo-terminal (CH's `Pty` mode): it types on COM1, not
+    /// the VMM's stdin.
+    pub fn console_is_pty(&self) -> bool {
+        kumo_sandbox::lock(&self.pty).is_some()
+    }
+
+    /// The pseudo-terminal serving config field `field`: the one opened at the first boot.
+    fn pty(&self, field: &'static str) -> std::io::Result<Arc<crate::pty::Pty>> {
+        let mut slot = kumo_sandbox::lock(&self.pty);
+        match &*slot {
+            Some((f, p)) if *f == field => Ok(p.clone()),
+            _ => {
+                let p = Arc::new(crate::pty::Pty::open()?);
+                *slot = Some((field, p.clone()));
+                Ok(p)
+            }
+        }
+    }
+
+    /// `vm.reboot`, `vm.delete`, `vmm.shutdown` of a running VM: it is shut down, and the main
+    /// thread's [`VmApi::vm_ended`] does what was asked. A VM not made by `vm.create` ends its
+    /// VMM (kumo's model) and cannot be rebooted. `vm.reboot` answers once the VM runs again.
+    fn end_vm(&self, vm: Arc<RunningVm>, intent: EndIntent) -> Result<ApiResponse, ApiError> {
+        let created = kumo_sandbox::lock(&self.created).is_some();
+        let e = match (&self.empty, created, intent) {
+            (Some(e), true, EndIntent::Reboot) => e,
+            (_, _, EndIntent::Reboot) => {
+                return Err(ApiError::bad_request(
+                    "vm.reboot: kumo reboots only a VM made by vm.create; this one ends with its VMM (kumo run)",
+                ))
+            }
+            (_, _, intent) => {
+                if created {
+                    *kumo_sandbox::lock(&self.intent) = Some(intent);
+                }
+                if !vm.is_finished() {
+                    vm.shutdown();
+                }
+                return Ok(ApiResponse::Ok);
+            }
+        };
+        if vm.is_finished() {
+            return Err(ApiError::conflict("vm.reboot: the VM is shutting down"));
+        }
+        let (boots, failures) = (e.boots(), kumo_sandbox::lock(&self.reboot_failures).0);
+        *kumo_sandbox::lock(&self.intent) = Some(EndIntent::Reboot);
+        vm.shutdown();
+        // The main thread builds the VM again once the last reference to this one is gone.
+        drop(vm);
+        let until = std::time::Instant::now() + REBOOT_LIMIT;
+        loop {
+            if e.boots() > boots {
+                return Ok(ApiResponse::Ok);
+            }
+            let f = kumo_sandbox::lock(&self.reboot_failures);
+            if f.0 > failures {
+                return Err(ApiError::internal(format!("vm.reboot: {}", f.1)));
+            }
+            drop(f);
+            if std::time::Instant::now() > until {
+                return Err(ApiError::internal("vm.reboot: the VM was not built again in time"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// The main thread's VM has ended: what the VMM does next ([`AfterVm`]). For a VM made by
+    /// `vm.create` the VMM goes on (empty again, the config kept) unless `vmm.shutdown` or a
+    /// failure ended it; any other VM ends its VMM.
+    pub fn vm_ended(&self, outcome: &crate::Outcome) -> AfterVm {
+        let Some(e) = &self.empty else { return AfterVm::Exit };
+        if kumo_sandbox::lock(&self.created).is_none() {
+            return AfterVm::Exit;
+        }
+        let intent = kumo_sandbox::lock(&self.intent).take();
+        let after = crate::lifecycle::after_created_vm(intent, outcome);
+        if after != AfterVm::Exit {
+            if intent == Some(EndIntent::Delete) {
+                *kumo_sandbox::lock(&self.created) = None;
+            }
+            *kumo_sandbox::lock(&self.mode) = Mode::Empty;
+            self.ended.store(true, std::sync::atomic::Ordering::SeqCst);
+            e.reset();
+        }
+        after
+    }
+
+    /// [`AfterVm::Reboot`]: the main thread, the old VM dropped, builds the created VM again
+    /// (on the same pseudo-terminal). A failure leaves it shut down, waiting on the API.
+    pub fn reboot(&self) -> Result<(), String> {
+        let e = self.empty.as_ref().ok_or("this VMM was not started empty")?;
+        self.boot(e).map(|_| ()).map_err(|err| {
+            let mut f = kumo_sandbox::lock(&self.reboot_failures);
+            *f = (f.0 + 1, err.to_string());
+            err.to_string()
+        })
     }
 
     /// `vm.info` of the VM: CH's config as created, or as kumo's config reads in CH's terms.
@@ -566,18 +685,13 @@ impl ApiHandler for VmApi {
             ApiRequest::ReceiveMigration(_) | ApiRequest::Restore(_) | ApiRequest::Create(_) | ApiRequest::Boot => {
                 Err(ApiError::conflict("this VMM has a VM already; start an empty one: kumo run --api-socket PATH"))
             }
-            // CH's VMM outlives its VM; kumo's ends with it, so both end here.
-            ApiRequest::Delete | ApiRequest::VmmShutdown => {
-                if !vm.is_finished() {
-                    vm.shutdown();
-                }
-                Ok(ApiResponse::Ok)
-            }
+            ApiRequest::Delete => self.end_vm(vm, EndIntent::Delete),
+            ApiRequest::VmmShutdown => self.end_vm(vm, EndIntent::Exit),
+            ApiRequest::Reboot => self.end_vm(vm, EndIntent::Reboot),
             ApiRequest::PowerButton => vm.power_button().map(|()| ApiResponse::Ok),
             ApiRequest::AddDisk(_) | ApiRequest::AddNet(_) | ApiRequest::RemoveDevice(_) => Err(ApiError::bad_request(
                 "hot-plug is not supported by kumo: add or remove devices before vm.boot (or in vm.create)",
             )),
-            ApiRequest::Reboot => Err(ApiError::new(ErrorKind::NotImplemented, NO_REBOOT)),
             ApiRequest::BackendInfo | ApiRequest::Handover(_) => Err(ApiError::not_found("not a net-backend's API")),
         }
     }

@@ -31,10 +31,47 @@ enum Stage {
     Exit,
 }
 
+/// What the VMM does once its VM has ended. A VM made by `vm.create` follows Cloud
+/// Hypervisor's model, where the VMM outlives its VM; any other ends its VMM with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterVm {
+    /// The process ends (kumo's own VMs; `vmm.shutdown`; a VM that failed).
+    Exit,
+    /// The VMM waits on its API again, the VM shut down (`vm.boot` starts it again,
+    /// `vm.delete` forgets it, `vmm.shutdown` ends the VMM).
+    Wait,
+    /// The VM is built again from its config at once (`vm.reboot`, the guest's own reset).
+    Reboot,
+}
+
+/// Why the API stopped a VM made by `vm.create` (the main thread reads it when the VM ends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndIntent {
+    Reboot,
+    Delete,
+    Exit,
+}
+
+/// What a VM made by `vm.create` leads to once it ended: by what the API asked for, else by
+/// how it ended (a guest that resets reboots, as on hardware; one that powers off or is shut
+/// down leaves the VMM waiting; an error or a panic ends the VMM).
+pub fn after_created_vm(intent: Option<EndIntent>, outcome: &crate::Outcome) -> AfterVm {
+    use crate::Outcome as O;
+    match (intent, outcome) {
+        (Some(EndIntent::Exit), _) => AfterVm::Exit,
+        (Some(EndIntent::Delete), _) => AfterVm::Wait,
+        (Some(EndIntent::Reboot), _) | (None, O::Reset(_)) => AfterVm::Reboot,
+        (None, O::Shutdown | O::PowerOff | O::GuestExit(_)) => AfterVm::Wait,
+        (None, O::Error(_) | O::TimedOut | O::Migrated(_) | O::Panicked(_)) => AfterVm::Exit,
+    }
+}
+
 /// The slot an empty VMM's API fills with a VM, and the main thread waits on.
 pub struct EmptyVmm {
     stage: Mutex<Stage>,
     changed: Condvar,
+    /// VMs brought so far (a reboot waits for the next one).
+    boots: std::sync::atomic::AtomicU64,
     /// When the VMM started (`vm.info`'s uptime before there is a VM).
     pub since: Instant,
     pub say: Say,
@@ -44,7 +81,14 @@ pub struct EmptyVmm {
 
 impl EmptyVmm {
     pub fn new(say: Say, console: ConsoleFactory) -> EmptyVmm {
-        EmptyVmm { stage: Mutex::new(Stage::Empty), changed: Condvar::new(), since: Instant::now(), say, console }
+        EmptyVmm {
+            stage: Mutex::new(Stage::Empty),
+            changed: Condvar::new(),
+            boots: Default::default(),
+            since: Instant::now(),
+            say,
+            console,
+        }
     }
 
     fn stage(&self) -> MutexGuard<'_, Stage> {
@@ -100,7 +144,22 @@ impl EmptyVmm {
     /// The claim brought a running VM: the main thread takes it.
     pub fn fill(&self, vm: Arc<RunningVm>) {
         *self.stage() = Stage::Ready(vm);
+        self.boots.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.changed.notify_all();
+    }
+
+    /// How many VMs were brought so far.
+    pub fn boots(&self) -> u64 {
+        self.boots.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The VM the main thread took has ended and the VMM goes on ([`AfterVm::Wait`],
+    /// [`AfterVm::Reboot`]): it is empty again.
+    pub fn reset(&self) {
+        let mut st = self.stage();
+        if matches!(*st, Stage::Taken) {
+            *st = Stage::Empty;
+        }
     }
 
     /// The claim cannot be given back and brought no VM (an incoming migration failed after
@@ -233,6 +292,32 @@ mod tests {
         };
         e.fail("no".into());
         assert_eq!(waiter.join().unwrap().err().as_deref(), Some("no"));
+    }
+
+    #[test]
+    fn a_created_vm_reboots_on_reset_waits_after_power_off_and_ends_on_errors() {
+        use crate::Outcome as O;
+        assert_eq!(after_created_vm(None, &O::Reset("triple fault".into())), AfterVm::Reboot);
+        assert_eq!(after_created_vm(Some(EndIntent::Reboot), &O::Shutdown), AfterVm::Reboot);
+        for o in [O::Shutdown, O::PowerOff, O::GuestExit(0)] {
+            assert_eq!(after_created_vm(None, &o), AfterVm::Wait, "{o:?}");
+        }
+        assert_eq!(after_created_vm(Some(EndIntent::Delete), &O::Shutdown), AfterVm::Wait);
+        assert_eq!(after_created_vm(Some(EndIntent::Exit), &O::Reset(String::new())), AfterVm::Exit);
+        for o in [O::Error("e".into()), O::Panicked("p".into()), O::Migrated("m".into()), O::TimedOut] {
+            assert_eq!(after_created_vm(None, &o), AfterVm::Exit, "{o:?}");
+        }
+    }
+
+    #[test]
+    fn an_ended_vm_leaves_the_vmm_empty_again() {
+        let e = EmptyVmm::new(Box::new(|_| {}), Box::new(|| Box::new(std::io::sink())));
+        e.claim("a boot").unwrap();
+        assert_eq!(e.boots(), 0);
+        *e.stage() = Stage::Taken; // as after fill() and wait()
+        assert!(e.claim("a boot").is_err(), "it has a VM");
+        e.reset();
+        e.claim("a boot").expect("empty again: it can be booted");
     }
 
     #[test]
