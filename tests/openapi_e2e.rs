@@ -312,7 +312,8 @@ fn ch_routes(c: &mut Caller, dir: &TestDir) {
     assert_eq!((&info["state"], info["memory_actual_size"].as_u64()), (&json!("Running"), Some(64 << 20)), "{info}");
     c.call(&sock, "PUT", "/api/v1/vm.power-button", None, 204);
     c.call(&sock, "PUT", "/api/v1/vm.add-net", Some(json!({"tap": "tap0"})), 400);
-    c.call(&sock, "PUT", "/api/v1/vm.reboot", None, 501);
+    c.call(&sock, "PUT", "/api/v1/vm.reboot", None, 204);
+    assert_eq!(c.call(&sock, "GET", "/api/v1/vm.info", None, 200).json()["state"], json!("Running"), "rebooted");
     c.call(&sock, "PUT", "/api/v1/vmm.shutdown", None, 204);
     let (code, _, err) = vmm.finish(PATIENCE);
     assert_eq!(code, Some(0), "{err}");
