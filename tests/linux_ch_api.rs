@@ -2,7 +2,7 @@
 //! kernel in the older `VmConfig` form libvirt 9.0 sends (`kernel{path}`, `cmdline{args}`, a
 //! disk), booted with `vm.boot`, and the kernel mounts its root from that disk and runs its
 //! `/init`; the VM pauses and resumes as CH's states say, takes a power-button press, and ends
-//! with `vm.shutdown`.
+//! with `vm.shutdown` (the VMM then waits, as CH's does, until `vmm.shutdown`).
 //!
 //! Needs /dev/kvm and the test kernel; skips, saying why, without them. Run it under
 //! `flock /tmp/kumo-linux.lock` (one Linux VM at a time on this host). Waits are for console
@@ -57,6 +57,9 @@ fn linux_boots_through_chs_routes() {
     // The GED raises its interrupt; this kernel (no evdev, no userspace) does nothing more.
     put("vm.power-button", None);
     put("vm.shutdown", None);
+    // The VMM outlives its VM (Cloud Hypervisor's model) until vmm.shutdown.
+    eventually(PATIENCE, || (ch(&sock, "GET", "vm.info", None).1["state"] == "Shutdown").then_some(()));
+    put("vmm.shutdown", None);
     let (code, out, err) = vmm.finish(PATIENCE);
     assert_eq!(code, Some(0), "{err}");
     assert!(!out.contains("Kernel panic"), "{out}");

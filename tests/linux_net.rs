@@ -66,8 +66,6 @@ fn linux_configures_ip_and_answers_pings_on_each_interrupt_path() {
 }
 
 #[test]
-#[ignore = "not yet seen passing: 2 vCPUs hung at the first clocksource switch until lapic=notscdeadline, \
-            which boots them past it; the whole test has not run since (`--ignored` runs it)"]
 fn linux_answers_pings_with_two_queue_pairs() {
     let test = "linux_answers_pings_with_two_queue_pairs";
     let Some(kernel) = linux::test_kernel(test) else { return };

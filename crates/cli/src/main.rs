@@ -605,7 +605,7 @@ fn run(
                 let api = kumo_vmm::api::VmApi::empty(|line| note!("kumo: {line}"), serial.clone());
                 let bound = bind()?.ok_or("an empty VMM needs its API socket")?;
                 let server = bound.serve(api.clone(), allow.clone()).map_err(|e| e.to_string())?;
-                note!("kumo: no VM yet: waiting for vm.restore or vm.receive-migration on {}", p.display());
+                note!("kumo: no VM yet: waiting for vm.create, vm.restore or vm.receive-migration on {}", p.display());
                 let Some(vm) = api.wait_vm()? else {
                     note!("kumo: vmm.shutdown: exiting");
                     return Ok(0);

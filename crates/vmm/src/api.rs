@@ -383,7 +383,8 @@ impl VmApi {
     fn receive_migration(&self, e: &EmptyVmm, r: &ReceiveMigrationRequest) -> Result<ApiResponse, ApiError> {
         let me = self.me.upgrade().ok_or_else(|| ApiError::unavailable("the VMM is ending"))?;
         e.claim("an incoming migration").map_err(ApiError::conflict)?;
-        let ours = HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone() };
+        let ours =
+            HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone(), as_on_source: false };
         let listening = (ours.check().map_err(|e| e.to_string()))
             .and_then(|()| crate::migration::listen_options(r.tls_dir.as_deref(), r.insecure))
             .and_then(|listen| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours, listen))
@@ -418,7 +419,9 @@ impl VmApi {
     fn restore(&self, e: &EmptyVmm, r: &RestoreRequest) -> Result<ApiResponse, ApiError> {
         e.claim("a restore").map_err(ApiError::conflict)?;
         let restored = crate::lifecycle::source_path(&r.source_url).map_err(ApiError::bad_request).and_then(|path| {
-            let ours = HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone() };
+            // Neither NICs nor disks given (Cloud Hypervisor's restore): the VM's own backends.
+            let as_on_source = r.net.is_empty() && r.disks.is_empty();
+            let ours = HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone(), as_on_source };
             crate::snapshot::restore(&path, (e.console)(), &ours).map_err(ApiError::from)
         });
         let (vm, report) = restored.inspect_err(|_| e.release())?;

@@ -26,6 +26,10 @@ pub struct HostResources {
     pub numa: Vec<NodeBinding>,
     /// The image of each disk, by id (`--disk id=disk0,path=FILE`).
     pub disks: Vec<DiskPath>,
+    /// A NIC or disk given nothing here keeps its source's tap, socket or image (Cloud
+    /// Hypervisor's restore, which reuses its config's backends): for a restore on the host
+    /// that saved it.
+    pub as_on_source: bool,
 }
 
 /// Why an arriving VM does not fit what its destination's operator gave. One line each.
@@ -109,11 +113,14 @@ pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, Resou
     }
     for (i, nic) in vm.net.iter_mut().enumerate() {
         let id = format!("net{i}");
-        let b = ours
-            .net
-            .iter()
-            .find(|b| b.id == id)
-            .ok_or_else(|| ResourceError::MissingNic { id: id.clone(), source_backend: nic.backend_name() })?;
+        let found = ours.net.iter().find(|b| b.id == id);
+        if found.is_none() && ours.as_on_source {
+            let mac = nic.mac().map_err(|why| ResourceError::BadNic { id: id.clone(), why })?;
+            nic.mac = Some(mac_text(mac));
+            continue;
+        }
+        let b =
+            found.ok_or_else(|| ResourceError::MissingNic { id: id.clone(), source_backend: nic.backend_name() })?;
         let kind = |vhost: bool| if vhost { "vhost-user" } else { "tap" };
         let (want, given) = (kind(nic.vhost_user.is_some()), kind(b.vhost_user.is_some()));
         if want != given {
@@ -165,12 +172,11 @@ fn resolve_disks(vm: &mut VmConfig, ours: &HostResources) -> Result<(), Resource
         }
     }
     for (d, id) in vm.disks.iter_mut().zip(ids) {
-        let g = ours
-            .disks
-            .iter()
-            .find(|g| g.id == id)
-            .ok_or_else(|| ResourceError::MissingDisk { id: id.clone(), source_path: d.path.display().to_string() })?;
-        d.path = PathBuf::from(&g.path);
+        match ours.disks.iter().find(|g| g.id == id) {
+            Some(g) => d.path = PathBuf::from(&g.path),
+            None if ours.as_on_source => {}
+            None => return Err(ResourceError::MissingDisk { id, source_path: d.path.display().to_string() }),
+        }
         d.id = Some(id);
     }
     Ok(())
@@ -245,6 +251,7 @@ impl HostResources {
             net: net.iter().enumerate().map(|(i, s)| parse_nic(s, i)).collect::<Result<_, _>>()?,
             numa: numa.iter().map(|s| parse_node(s)).collect::<Result<_, _>>()?,
             disks: Vec::new(),
+            as_on_source: false,
         })
     }
 
@@ -399,12 +406,18 @@ mod tests {
             net: vec![NicBackend { id: "net0".into(), tap: Some("t".into()), vhost_user: Some("/s".into()) }],
             numa: vec![],
             disks: vec![],
+            as_on_source: false,
         };
         assert_eq!(resolve(vm(&["tap=t"]), &both), Err(ResourceError::NicBackend { id: "net0".into() }));
+        // Cloud Hypervisor's restore: what is not given keeps the source's backend.
+        let same = HostResources { as_on_source: true, ..Default::default() };
+        let r = resolve(vm(&["tap=t"]), &same).expect("the source's tap");
+        assert_eq!(r.net[0].tap, "t");
         let eth = HostResources {
             net: vec![NicBackend { id: "eth0".into(), tap: Some("t".into()), vhost_user: None }],
             numa: vec![],
             disks: vec![],
+            as_on_source: false,
         };
         assert_eq!(eth.check(), Err(ResourceError::NicId { id: "eth0".into() }));
     }

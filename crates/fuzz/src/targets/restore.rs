@@ -189,7 +189,7 @@ fn config(u: &mut Input<'_>) -> CaseResult {
             kumo_api::NicBackend { id: format!("net{i}"), tap, vhost_user }
         })
         .collect();
-    let ours = kumo_vmm::host_resources::HostResources { net, numa: Vec::new(), disks: Vec::new() };
+    let ours = kumo_vmm::host_resources::HostResources { net, ..Default::default() };
     if let Ok(c) = kumo_vmm::migration::config_from_description(&d, &ours) {
         assert_eq!((c.cpus, c.memory), (d.cpus, d.memory_bytes));
         c.validate_shape().expect("an accepted config has a valid shape");
