@@ -444,21 +444,10 @@ impl VmApi {
             ApiRequest::Info => Ok(ApiResponse::Info(Box::new(ChVmInfo::new(
                 None,
                 VmInfo {
-                    state: VmState::Receiving,
                     vcpus: inc.cpus.unwrap_or(0),
                     memory_bytes: inc.memory.unwrap_or(0),
                     guest: format!("incoming:{}", inc.addr),
-                    irqchip: "unknown".into(),
-                    pid: std::process::id(),
-                    uptime_ms: inc.since.elapsed().as_millis() as u64,
-                    kumo_version: KUMO_VERSION.to_string(),
-                    net: Vec::new(),
-                    disks: Vec::new(),
-                    numa: Vec::new(),
-                    vcpu_pins: Vec::new(),
-                    parked_vcpus: Vec::new(),
-                    pv: None,
-                    memory_zones: Vec::new(),
+                    ..no_vm_info(VmState::Receiving, inc.since)
                 },
             )))),
             ApiRequest::MigrationStatus => Ok(migration_answer(inc.status())),
@@ -519,14 +508,20 @@ fn remove_device(ch: &mut ChVmConfig, k: &mut crate::config::VmConfig, id: &str)
 
 /// kumo's `vm.info` of an empty VMM.
 fn empty_info(e: &EmptyVmm) -> VmInfo {
+    no_vm_info(VmState::Created, e.since)
+}
+
+/// kumo's `vm.info` while this VMM has no VM (empty, or a destination still receiving one):
+/// `state`, its uptime since `since`, nothing else known yet.
+fn no_vm_info(state: VmState, since: std::time::Instant) -> VmInfo {
     VmInfo {
-        state: VmState::Created,
+        state,
         vcpus: 0,
         memory_bytes: 0,
         guest: "none".into(),
         irqchip: "unknown".into(),
         pid: std::process::id(),
-        uptime_ms: e.since.elapsed().as_millis() as u64,
+        uptime_ms: since.elapsed().as_millis() as u64,
         kumo_version: KUMO_VERSION.to_string(),
         net: Vec::new(),
         disks: Vec::new(),
