@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::linux::repo_root;
+use crate::linux;
 
 /// The URI of the ch driver's system instance.
 pub const URI: &str = "ch:///system";
@@ -17,19 +17,11 @@ pub const URI: &str = "ch:///system";
 /// The libvirt install (`scripts/build-libvirt-ch.sh --path`), or `None` after saying why the
 /// test skips. Under CI a missing build fails the test: `scripts/test.sh` builds it first.
 pub fn installed(test: &str) -> Option<PathBuf> {
-    let script = repo_root().join("scripts/build-libvirt-ch.sh");
-    let out = Command::new("bash").arg(&script).arg("--path").output().expect("run build-libvirt-ch.sh");
-    let prefix = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    if prefix.join("BUILD").is_file() && prefix.join("sbin/libvirtd").is_file() {
-        return Some(prefix);
-    }
-    assert!(
-        !crate::linux::in_ci(),
-        "{test}: no libvirt build at {} under CI: run scripts/build-libvirt-ch.sh",
-        prefix.display()
-    );
-    println!("skipping {test}: no libvirt build at {} (build it with scripts/build-libvirt-ch.sh)", prefix.display());
-    None
+    let script = "build-libvirt-ch.sh";
+    let prefix = linux::cached_build_path(script).unwrap_or_else(|e| panic!("{test}: {e}"));
+    linux::cached_or_skip(test, "libvirt build", script, prefix, |p| {
+        p.join("BUILD").is_file() && p.join("sbin/libvirtd").is_file()
+    })
 }
 
 /// A running `libvirtd` of the cached build, finding kumo as `cloud-hypervisor` first in its

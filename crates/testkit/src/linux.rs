@@ -42,11 +42,11 @@ pub fn effect_limit() -> Duration {
         .map_or_else(boot_limit, Duration::from_secs)
 }
 
-pub fn repo_root() -> PathBuf {
+fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-pub fn in_ci() -> bool {
+fn in_ci() -> bool {
     std::env::var_os("CI").is_some_and(|v| !v.is_empty())
 }
 
@@ -57,19 +57,47 @@ pub fn test_kernel(test: &str) -> Option<PathBuf> {
     if !crate::kvm_or_skip(test) {
         return None;
     }
-    let path = match std::env::var_os("KUMO_TEST_KERNEL") {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => {
-            let script = repo_root().join("scripts/build-test-kernel.sh");
-            let out = Command::new("bash").arg(&script).arg("--path").output().expect("run build-test-kernel.sh");
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        }
-    };
-    if path.is_file() {
+    let path = test_kernel_path().unwrap_or_else(|e| panic!("{test}: {e}"));
+    cached_or_skip(test, "test kernel", "build-test-kernel.sh", path, Path::is_file)
+}
+
+/// Where the test kernel is, or will be once built: `$KUMO_TEST_KERNEL`, else the cache
+/// `scripts/build-test-kernel.sh --path` names.
+pub fn test_kernel_path() -> Result<PathBuf, String> {
+    match std::env::var_os("KUMO_TEST_KERNEL") {
+        Some(p) if !p.is_empty() => Ok(PathBuf::from(p)),
+        _ => cached_build_path("build-test-kernel.sh"),
+    }
+}
+
+/// Where `scripts/SCRIPT --path` says its cached build is (or will be).
+pub fn cached_build_path(script: &str) -> Result<PathBuf, String> {
+    let path = repo_root().join("scripts").join(script);
+    let out = Command::new("bash")
+        .arg(&path)
+        .arg("--path")
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", path.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} --path failed", path.display()));
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// `path` if `ready` says the build `scripts/SCRIPT` caches (`what`) is there; else `None` after
+/// saying why `test` skips. Under CI a missing build fails the test: `scripts/test.sh` builds it.
+pub fn cached_or_skip(
+    test: &str,
+    what: &str,
+    script: &str,
+    path: PathBuf,
+    ready: impl Fn(&Path) -> bool,
+) -> Option<PathBuf> {
+    if ready(&path) {
         return Some(path);
     }
-    assert!(!in_ci(), "{test}: no test kernel at {} under CI: run scripts/build-test-kernel.sh", path.display());
-    println!("skipping {test}: no test kernel at {} (build it with scripts/build-test-kernel.sh)", path.display());
+    assert!(!in_ci(), "{test}: no {what} at {} under CI: run scripts/{script}", path.display());
+    println!("skipping {test}: no {what} at {} (build it with scripts/{script})", path.display());
     None
 }
 

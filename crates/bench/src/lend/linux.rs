@@ -13,7 +13,6 @@
 //! saying so.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kumo_api::{ApiClient, LendApiRequest, LendReport};
@@ -96,22 +95,7 @@ impl Row {
 /// The test kernel: `$KUMO_TEST_KERNEL`, else where `scripts/build-test-kernel.sh --path` says
 /// it is cached; Err says why there is none.
 fn test_kernel() -> Result<PathBuf, String> {
-    let path = match std::env::var_os("KUMO_TEST_KERNEL") {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/build-test-kernel.sh");
-            let out = Command::new("bash")
-                .arg(&script)
-                .arg("--path")
-                .output()
-                .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-            if !out.status.success() {
-                return Err(format!("{} --path failed", script.display()));
-            }
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        }
-    };
-    existing(path)
+    kumo_testkit::linux::test_kernel_path().and_then(existing)
 }
 
 fn existing(path: PathBuf) -> Result<PathBuf, String> {
