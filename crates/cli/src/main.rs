@@ -637,6 +637,10 @@ fn run_vms(
     loop {
         let stdin_console = !empty.as_ref().is_some_and(|api| api.console_is_pty());
         let report = run_vm(a, &vm, console, stdin_console, &mut filtered)?;
+        if kumo_sandbox::test_hook("slow:vm-ended") {
+            // Widens the window in which vm.info says Shutdown before the VMM is empty again.
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
         let after = match &empty {
             Some(api) if !signals.signalled() => api.vm_ended(&report.outcome),
             _ => kumo_vmm::lifecycle::AfterVm::Exit,

@@ -1,7 +1,7 @@
 //! The control API's view of a running VM. Domain errors become typed API errors here (the
 //! `From` impls at the end); the server picks the HTTP status from their kind.
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 use crate::host_resources::HostResources;
 use kumo_api::{
@@ -29,6 +29,9 @@ enum Mode {
 /// Serves API requests against a VM.
 pub struct VmApi {
     mode: Mutex<Mode>,
+    /// Signalled when `mode` changes or a rebuild fails: a request that came while the created
+    /// VM was ending, and `vm.reboot`, wait on it instead of polling.
+    settled: Condvar,
     migration: Arc<MigrationJob>,
     /// An empty VMM: the VM its API is told to restore or receive.
     empty: Option<EmptyVmm>,
@@ -80,6 +83,7 @@ impl VmApi {
         let is_empty = empty.is_some();
         let api = Arc::new_cyclic(|me| VmApi {
             mode: Mutex::new(mode),
+            settled: Condvar::new(),
             migration: Arc::default(),
             empty,
             me: me.clone(),
@@ -95,10 +99,6 @@ impl VmApi {
             crate::panics::register(Arc::downgrade(&api) as Weak<dyn crate::panics::OnPanic>);
         }
         api
-    }
-
-    fn mode(&self) -> Mode {
-        kumo_sandbox::lock(&self.mode).clone()
     }
 
     /// A keep-alive client of the VM at `path` (shared by `vm.lend` calls to it).
@@ -119,6 +119,35 @@ impl VmApi {
             Mode::Empty => None,
         };
         *mode = Mode::Running { vm: Arc::downgrade(vm), arrived };
+        self.settled.notify_all();
+    }
+
+    /// The mode a request acts on. While a created VM is ending (it finished, the main thread
+    /// has not yet called [`VmApi::vm_ended`]), a request that changes something waits for the
+    /// VMM to be empty again: `vm.boot` right after `vm.info` said `Shutdown` must find it so.
+    /// Reads answer at once. The wait is bounded: a VMM that exits instead never settles.
+    fn settled_mode(&self, req: &ApiRequest) -> Mode {
+        use ApiRequest as R;
+        let reads = matches!(
+            req,
+            R::Ping | R::Info | R::MigrationStatus | R::MigrationEvents | R::Counters | R::Elastic | R::BackendInfo
+        );
+        let mut mode = kumo_sandbox::lock(&self.mode);
+        if reads || self.empty.is_none() {
+            return mode.clone();
+        }
+        let until = std::time::Instant::now() + REBOOT_LIMIT;
+        loop {
+            let ending = match &*mode {
+                Mode::Running { vm, .. } => vm.upgrade().is_none_or(|vm| vm.is_finished()),
+                _ => false,
+            };
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if !ending || left.is_zero() {
+                return mode.clone();
+            }
+            mode = self.settled.wait_timeout(mode, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
     }
 
     /// An empty VMM: blocks until its API has brought a VM, running (or paused if it was saved
@@ -296,8 +325,8 @@ impl VmApi {
     /// VMM (kumo's model) and cannot be rebooted. `vm.reboot` answers once the VM runs again.
     fn end_vm(&self, vm: Arc<RunningVm>, intent: EndIntent) -> Result<ApiResponse, ApiError> {
         let created = kumo_sandbox::lock(&self.created).is_some();
-        let e = match (&self.empty, created, intent) {
-            (Some(e), true, EndIntent::Reboot) => e,
+        match (&self.empty, created, intent) {
+            (Some(_), true, EndIntent::Reboot) => {}
             (_, _, EndIntent::Reboot) => {
                 return Err(ApiError::bad_request(
                     "vm.reboot: kumo reboots only a VM made by vm.create; this one ends with its VMM (kumo run)",
@@ -316,14 +345,17 @@ impl VmApi {
         if vm.is_finished() {
             return Err(ApiError::conflict("vm.reboot: the VM is shutting down"));
         }
-        let (boots, failures) = (e.boots(), kumo_sandbox::lock(&self.reboot_failures).0);
+        let failures = kumo_sandbox::lock(&self.reboot_failures).0;
         *kumo_sandbox::lock(&self.intent) = Some(EndIntent::Reboot);
         vm.shutdown();
-        // The main thread builds the VM again once the last reference to this one is gone.
+        // The main thread builds the VM again once the last reference to this one is gone;
+        // `old` (weak) only tells the new VM from it.
+        let old = Arc::downgrade(&vm);
         drop(vm);
         let until = std::time::Instant::now() + REBOOT_LIMIT;
+        let mut mode = kumo_sandbox::lock(&self.mode);
         loop {
-            if e.boots() > boots {
+            if matches!(&*mode, Mode::Running { vm, .. } if !vm.ptr_eq(&old)) {
                 return Ok(ApiResponse::Ok);
             }
             let f = kumo_sandbox::lock(&self.reboot_failures);
@@ -331,10 +363,11 @@ impl VmApi {
                 return Err(ApiError::internal(format!("vm.reboot: {}", f.1)));
             }
             drop(f);
-            if std::time::Instant::now() > until {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
                 return Err(ApiError::internal("vm.reboot: the VM was not built again in time"));
             }
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            mode = self.settled.wait_timeout(mode, left).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 
@@ -352,9 +385,10 @@ impl VmApi {
             if intent == Some(EndIntent::Delete) {
                 *kumo_sandbox::lock(&self.created) = None;
             }
-            *kumo_sandbox::lock(&self.mode) = Mode::Empty;
             self.ended.store(true, std::sync::atomic::Ordering::SeqCst);
             e.reset();
+            *kumo_sandbox::lock(&self.mode) = Mode::Empty;
+            self.settled.notify_all();
         }
         after
     }
@@ -366,6 +400,9 @@ impl VmApi {
         self.boot(e).map(|_| ()).map_err(|err| {
             let mut f = kumo_sandbox::lock(&self.reboot_failures);
             *f = (f.0 + 1, err.to_string());
+            drop(f);
+            let _mode = kumo_sandbox::lock(&self.mode);
+            self.settled.notify_all();
             err.to_string()
         })
     }
@@ -619,7 +656,7 @@ impl ApiHandler for VmApi {
         if matches!(req, ApiRequest::Counters) && kumo_sandbox::test_hook("panic:api") {
             panic!("test hook panic:api: the API handler panics on purpose");
         }
-        let (vm, arrived) = match self.mode() {
+        let (vm, arrived) = match self.settled_mode(&req) {
             Mode::Running { vm, arrived } => {
                 (vm.upgrade().ok_or_else(|| ApiError::unavailable("the VM has ended"))?, arrived)
             }

@@ -70,8 +70,6 @@ pub fn after_created_vm(intent: Option<EndIntent>, outcome: &crate::Outcome) -> 
 pub struct EmptyVmm {
     stage: Mutex<Stage>,
     changed: Condvar,
-    /// VMs brought so far (a reboot waits for the next one).
-    boots: std::sync::atomic::AtomicU64,
     /// When the VMM started (`vm.info`'s uptime before there is a VM).
     pub since: Instant,
     pub say: Say,
@@ -81,14 +79,7 @@ pub struct EmptyVmm {
 
 impl EmptyVmm {
     pub fn new(say: Say, console: ConsoleFactory) -> EmptyVmm {
-        EmptyVmm {
-            stage: Mutex::new(Stage::Empty),
-            changed: Condvar::new(),
-            boots: Default::default(),
-            since: Instant::now(),
-            say,
-            console,
-        }
+        EmptyVmm { stage: Mutex::new(Stage::Empty), changed: Condvar::new(), since: Instant::now(), say, console }
     }
 
     fn stage(&self) -> MutexGuard<'_, Stage> {
@@ -144,13 +135,7 @@ impl EmptyVmm {
     /// The claim brought a running VM: the main thread takes it.
     pub fn fill(&self, vm: Arc<RunningVm>) {
         *self.stage() = Stage::Ready(vm);
-        self.boots.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.changed.notify_all();
-    }
-
-    /// How many VMs were brought so far.
-    pub fn boots(&self) -> u64 {
-        self.boots.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The VM the main thread took has ended and the VMM goes on ([`AfterVm::Wait`],
@@ -313,7 +298,6 @@ mod tests {
     fn an_ended_vm_leaves_the_vmm_empty_again() {
         let e = EmptyVmm::new(Box::new(|_| {}), Box::new(|| Box::new(std::io::sink())));
         e.claim("a boot").unwrap();
-        assert_eq!(e.boots(), 0);
         *e.stage() = Stage::Taken; // as after fill() and wait()
         assert!(e.claim("a boot").is_err(), "it has a VM");
         e.reset();
