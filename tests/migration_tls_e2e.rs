@@ -6,41 +6,12 @@
 //! As in migration_e2e.rs, guests run until the test types a byte on their console; deadlines
 //! are only safety nets against hangs.
 
+use kumo_testkit::pki::Pki;
 use kumo_testkit::*;
 
 use std::io::Write;
 use std::net::TcpStream;
-use std::path::Path;
 use std::process::{Command, Stdio};
-
-/// A CA that signs the certificates of TLS directories (ca.pem, cert.pem, key.pem).
-struct Pki {
-    ca: rcgen::Certificate,
-    key: rcgen::KeyPair,
-}
-
-impl Pki {
-    fn new(name: &str) -> Pki {
-        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        p.distinguished_name.push(rcgen::DnType::CommonName, name);
-        let key = rcgen::KeyPair::generate().unwrap();
-        let ca = p.self_signed(&key).unwrap();
-        Pki { ca, key }
-    }
-
-    /// A TLS directory whose certificate names `names` and whose ca.pem is this CA.
-    fn dir(&self, dir: &Path, names: &[&str]) -> String {
-        std::fs::create_dir_all(dir).unwrap();
-        let p = rcgen::CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &self.ca, &self.key).unwrap();
-        std::fs::write(dir.join("ca.pem"), self.ca.pem()).unwrap();
-        std::fs::write(dir.join("cert.pem"), cert.pem()).unwrap();
-        std::fs::write(dir.join("key.pem"), key.serialize_pem()).unwrap();
-        dir.to_str().unwrap().to_string()
-    }
-}
 
 /// memtouch with an API socket, running.
 fn source(dir: &TestDir, tag: &str, seed: &str) -> (Kid, String) {

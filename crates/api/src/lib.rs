@@ -602,7 +602,8 @@ pub struct ReceiveMigrationRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<u32>,
     /// The host backend of each NIC of the arriving VM, by id (`kumo run --incoming --net`).
-    /// Every NIC the VM has needs one; a VM with others is refused.
+    /// Every NIC the VM has needs one; a VM with others is refused. Neither `net` nor `disks`
+    /// given (Cloud Hypervisor's body): the VM keeps its source's taps and images by name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net: Vec<NicBackend>,
     /// The host node of each guest NUMA node of the arriving VM (`--numa`); none given: the

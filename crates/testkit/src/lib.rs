@@ -10,6 +10,7 @@ pub mod kid;
 pub mod libvirt;
 pub mod linux;
 pub mod net;
+pub mod pki;
 pub mod qemu;
 
 pub use kid::Kid;

@@ -319,7 +319,20 @@ pub struct Pinger {
 
 impl Pinger {
     pub fn start(addr: std::net::Ipv4Addr) -> Pinger {
-        let mut child = Command::new("ping")
+        Pinger::start_in(None, addr)
+    }
+
+    /// [`Pinger::start`] from inside network namespace `ns` (another "host").
+    pub fn start_in(ns: Option<&str>, addr: std::net::Ipv4Addr) -> Pinger {
+        let mut cmd = match ns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, "ping"]);
+                c
+            }
+            None => Command::new("ping"),
+        };
+        let mut child = cmd
             .args(["-n", "-i", "0.05", "-W", "1"])
             .arg(addr.to_string())
             .stdout(Stdio::piped())

@@ -420,8 +420,10 @@ impl VmApi {
     fn receive_migration(&self, e: &EmptyVmm, r: &ReceiveMigrationRequest) -> Result<ApiResponse, ApiError> {
         let me = self.me.upgrade().ok_or_else(|| ApiError::unavailable("the VMM is ending"))?;
         e.claim("an incoming migration").map_err(ApiError::conflict)?;
-        let ours =
-            HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone(), as_on_source: false };
+        // Neither NICs nor disks given (Cloud Hypervisor's body: only `receiver_url`): the VM
+        // keeps its source's taps and images, names this host has too (as CH's destination).
+        let as_on_source = r.net.is_empty() && r.disks.is_empty();
+        let ours = HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone(), as_on_source };
         let listening = (ours.check().map_err(|e| e.to_string()))
             .and_then(|()| crate::migration::listen_options(r.tls_dir.as_deref(), r.insecure))
             .and_then(|listen| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours, listen))
