@@ -71,7 +71,10 @@ fn the_generated_ch_client_drives_a_vm_through_its_life() {
     let net = info.config.net.as_ref().and_then(|n| n.first()).expect("the NIC in vm.info's config");
     assert_eq!(net.tap.as_deref(), Some(tap.name.as_str()));
     assert_eq!(info.config.memory.as_ref().map(|m| m.size), Some(64 << 20));
-    assert_eq!(vm_info(sock.to_str().unwrap()).net[0].tap, tap.name, "kumo's view");
+    let kumo_net = vm_info(sock.to_str().unwrap()).net.remove(0);
+    assert_eq!(kumo_net.tap, tap.name, "kumo's view");
+    let node = info.device_tree.as_ref().and_then(|t| t.get("net0")).expect("net0 in the device tree");
+    assert_eq!(node.pci_bdf.as_deref(), Some(kumo_net.pci.as_str()));
 
     call(&rt, "vm.pause", ch.pause_vm());
     assert_eq!(call(&rt, "vm.info", ch.vm_info_get()).state, VmState::Paused);

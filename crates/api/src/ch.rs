@@ -409,7 +409,25 @@ pub struct ChVmInfo {
     pub state: ChVmState,
     /// Bytes of guest memory, plugged memory-zone blocks included.
     pub memory_actual_size: u64,
+    /// CH's device tree, where it means something for kumo: each virtio device on PCI by its
+    /// kumo id (`net0`, `disk0`, ...) with its address.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub device_tree: BTreeMap<String, ChDeviceNode>,
     pub kumo: crate::VmInfo,
+}
+
+/// One device of CH's `device_tree`. kumo's devices have no children and report no resources
+/// (CH lists BARs and interrupts there; kumo shows them in its own `vm.info`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChDeviceNode {
+    pub id: String,
+    #[serde(default)]
+    pub resources: Vec<Value>,
+    #[serde(default)]
+    pub children: Vec<String>,
+    /// The PCI address, `SSSS:BB:DD.F`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_bdf: Option<String>,
 }
 
 impl ChVmInfo {
@@ -427,7 +445,28 @@ impl ChVmInfo {
     /// The answer for `kumo` with `config`, its memory counted from kumo's view.
     pub fn new(config: Option<ChVmConfig>, kumo: crate::VmInfo) -> ChVmInfo {
         let zones: u64 = kumo.memory_zones.iter().map(|z| z.plugged_size).sum();
-        ChVmInfo { config, state: Self::state_of(kumo.state), memory_actual_size: kumo.memory_bytes + zones, kumo }
+        let pci = (kumo.net.iter().map(|n| (&n.id, &n.pci)))
+            .chain(kumo.disks.iter().map(|d| (&d.id, &d.pci)))
+            .chain(kumo.memory_zones.iter().map(|z| (&z.id, &z.pci)));
+        let device_tree = pci
+            .filter(|(_, bdf)| !bdf.is_empty())
+            .map(|(id, bdf)| {
+                let node = ChDeviceNode {
+                    id: id.clone(),
+                    resources: Vec::new(),
+                    children: Vec::new(),
+                    pci_bdf: Some(bdf.clone()),
+                };
+                (id.clone(), node)
+            })
+            .collect();
+        ChVmInfo {
+            config,
+            state: Self::state_of(kumo.state),
+            memory_actual_size: kumo.memory_bytes + zones,
+            device_tree,
+            kumo,
+        }
     }
 }
 

@@ -16,7 +16,7 @@ pub mod net_backend;
 mod server;
 
 pub use answers::{Counters, Exits, Interrupts, LendReport, MigrationBytes, RestoreReport, SnapshotReport};
-pub use ch::{ChVmConfig, ChVmInfo, ChVmState, Pong};
+pub use ch::{ChDeviceNode, ChVmConfig, ChVmInfo, ChVmState, Pong};
 pub use client::{ApiClient, ClientError, DEFAULT_CLIENT_TIMEOUT};
 pub use error::{ApiError, ErrorBody, ErrorKind};
 pub use migration::{
