@@ -1,7 +1,8 @@
 //! Linux through Cloud Hypervisor's routes (docs/ch-compat.md): an empty VMM is given the test
 //! kernel in the older `VmConfig` form libvirt 9.0 sends (`kernel{path}`, `cmdline{args}`, a
 //! disk), booted with `vm.boot`, and the kernel mounts its root from that disk and runs its
-//! `/init`; the VM pauses and resumes as CH's states say, takes a power-button press, and ends
+//! `/init`; it finds ACPI S5 (kumo's sleep registers), the VM pauses and resumes as CH's states
+//! say, takes a power-button press, and ends
 //! with `vm.shutdown` (the VMM then waits, as CH's does, until `vmm.shutdown`).
 //!
 //! Needs /dev/kvm and the test kernel; skips, saying why, without them. Run it under
@@ -45,6 +46,9 @@ fn linux_boots_through_chs_routes() {
     };
     put("vm.create", Some(config));
     put("vm.boot", None);
+    // Linux found \_S5 and the FADT's sleep registers: its power-off (after the power button,
+    // in a guest with userspace) ends the VM through them.
+    linux::expect_console(&mut vmm, "ACPI: PM: (supports S0 S5)");
     linux::expect_console(&mut vmm, "EXT4-fs (vda): mounted filesystem");
     linux::expect_console(&mut vmm, RUN_INIT);
     let (_, info) = ch(&sock, "GET", "vm.info", None);

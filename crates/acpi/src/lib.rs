@@ -6,8 +6,8 @@
 //! |-------|---------------|
 //! | RSDP (v2) | at 0xE0000, where a legacy scan finds it; points at the XSDT. Linux is also told its address in `boot_params.acpi_rsdp_addr` / PVH `rsdp_paddr` |
 //! | XSDT  | the addresses of FADT, MADT, MCFG, SRAT, SLIT |
-//! | FADT  | hardware-reduced ACPI (kumo emulates no PM1 blocks, SCI, PM timer, FACS), SCI_INT 9 (Linux in PIC mode marks it level-triggered); IA-PC boot flags: no VGA, no CMOS RTC, no 8042; points at the DSDT through `X_DSDT` |
-//! | DSDT  | `\_SB.PCI0` (PNP0A08, bus 0, config ports 0xCF8, I/O windows, the 32-bit BAR window) and `\_SB.MRES` (PNP0C02) reserving the ECAM area, so Linux uses MMCONFIG; with a [`Ged`], the GED (ACPI0013), the power button (PNP0C0C) and CPU hotplug (`\_SB.CPUS`, one ACPI0007 device per vCPU: `hotplug`); empty without either |
+//! | FADT  | hardware-reduced ACPI (kumo emulates no PM1 blocks, SCI, PM timer, FACS), SCI_INT 9 (Linux in PIC mode marks it level-triggered); IA-PC boot flags: no VGA, no CMOS RTC, no 8042; points at the DSDT through `X_DSDT`; with [`SleepRegisters`], the sleep control and status registers (byte-wide I/O ports) |
+//! | DSDT  | `\_SB.PCI0` (PNP0A08, bus 0, config ports 0xCF8, I/O windows, the 32-bit BAR window) and `\_SB.MRES` (PNP0C02) reserving the ECAM area, so Linux uses MMCONFIG; with a [`Ged`], the GED (ACPI0013), the power button (PNP0C0C) and CPU hotplug (`\_SB.CPUS`, one ACPI0007 device per vCPU: `hotplug`); with [`SleepRegisters`], `\_S5` |
 //! | MADT  | LAPIC address, one local APIC entry per vCPU (APIC ID = vCPU index), the IOAPIC at 0xFEC00000 with the in-kernel irqchip, an override for the timer (ISA IRQ 0 → GSI 0, kumo routes GSI n to IOAPIC pin n) and LINT1 as NMI |
 //! | MCFG  | ECAM of segment 0, bus 0 (`Pci::ecam_base()`) |
 //! | SRAT, SLIT | only with a [`NumaTopology`]: a processor affinity entry per vCPU, a memory affinity entry per range, the distance matrix |
@@ -65,6 +65,7 @@ use std::ops::Range;
 
 use acpi_tables::aml::{self, AddressSpace, AddressSpaceCacheable, EISAName, Memory32Fixed, ResourceTemplate, IO};
 use acpi_tables::fadt::{FADTBuilder, Flags};
+use acpi_tables::gas::{AccessSize, AddressSpace as GasSpace, GAS};
 use acpi_tables::madt::{EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT};
 use acpi_tables::mcfg::MCFG;
 use acpi_tables::rsdp::Rsdp;
@@ -103,6 +104,16 @@ pub struct AcpiConfig<'a> {
     /// The GED (DSDT: `\_SB.GED0`, the power button and CPU hotplug for every vCPU); `None`:
     /// neither.
     pub ged: Option<Ged>,
+    /// The sleep registers (FADT) and `\_S5` (DSDT): how the OS powers off; `None`: it cannot.
+    pub sleep: Option<SleepRegisters>,
+}
+
+/// A hardware-reduced platform's sleep control and status registers: byte-wide I/O ports
+/// `port` and `port + 1`, and the `SLP_TYP` that enters S5 (soft off) when written there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SleepRegisters {
+    pub port: u16,
+    pub s5_type: u8,
 }
 
 /// PCI segment 0, bus 0.
@@ -221,6 +232,12 @@ fn dsdt(cfg: &AcpiConfig) -> Result<Vec<u8>, AcpiError> {
     if !sb.is_empty() {
         t.append_slice(&bytes(&aml::Scope::new("\\_SB_".into(), vec![&hotplug::raw(sb)])));
     }
+    if let Some(r) = &cfg.sleep {
+        // \_S5: SLP_TYPa (what the OS writes to the sleep control register), SLP_TYPb (unused
+        // on a hardware-reduced platform).
+        let (a, b) = (r.s5_type, 0u8);
+        t.append_slice(&bytes(&aml::Name::new("_S5_".into(), &aml::Package::new(vec![&a, &b]))));
+    }
     Ok(t.as_slice().to_vec())
 }
 
@@ -265,7 +282,7 @@ fn pci_devices(pci: &PciHost) -> Result<Vec<u8>, AcpiError> {
     Ok(v)
 }
 
-fn fadt(dsdt: u64) -> Vec<u8> {
+fn fadt(dsdt: u64, sleep: Option<SleepRegisters>) -> Vec<u8> {
     let mut b = FADTBuilder::new(OEM_ID, table_id(b"FACP"), 1)
         .dsdt_64(dsdt)
         .flag(Flags::HwReducedAcpi)
@@ -278,6 +295,11 @@ fn fadt(dsdt: u64) -> Vec<u8> {
     // line) still marks the FADT's SCI level-triggered in the ELCR: left at 0, that would be the
     // timer's IRQ. 9 is the PC's SCI and unused in kumo.
     b.sci_int = 9u16.into();
+    if let Some(r) = sleep {
+        let port = |p: u16| GAS::new(GasSpace::SystemIo, 8, 0, AccessSize::ByteAccess, p.into());
+        b.sleep_control_reg = port(r.port);
+        b.sleep_status_reg = port(r.port + 1);
+    }
     bytes(&b.finalize())
 }
 
@@ -386,7 +408,7 @@ pub fn build_with_hotplug(cfg: &AcpiConfig, hotplug: &[HotplugMemory]) -> Result
         at
     };
     let dsdt_at = place(dsdt(cfg)?);
-    let mut xsdt_entries = vec![place(fadt(dsdt_at)), place(madt(cfg))];
+    let mut xsdt_entries = vec![place(fadt(dsdt_at, cfg.sleep)), place(madt(cfg))];
     if let Some(pci) = &cfg.pci {
         xsdt_entries.push(place(mcfg(pci.ecam_base)));
     }

@@ -44,7 +44,7 @@ fn two_nodes(layout: &MemoryLayout) -> NumaTopology {
 }
 
 fn build_with(cpus: u32, layout: &MemoryLayout, irqchip: IrqchipMode, numa: Option<&NumaTopology>) -> Tables {
-    build(&AcpiConfig { cpus, layout, irqchip, pci: Some(pci()), numa, ged: None }).unwrap()
+    build(&AcpiConfig { cpus, layout, irqchip, pci: Some(pci()), numa, ged: None, sleep: None }).unwrap()
 }
 
 #[test]
@@ -104,9 +104,16 @@ fn dsdt_describes_the_pci_host_bridge_and_reserves_ecam() {
     window.extend_from_slice(&0xfeaf_ffffu32.to_le_bytes());
     assert!(has(&window));
     // Without PCI: an empty DSDT.
-    let t =
-        build(&AcpiConfig { cpus: 1, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None, ged: None })
-            .unwrap();
+    let t = build(&AcpiConfig {
+        cpus: 1,
+        layout: &layout,
+        irqchip: IrqchipMode::Kernel,
+        pci: None,
+        numa: None,
+        ged: None,
+        sleep: None,
+    })
+    .unwrap();
     assert_eq!(table(&t, b"DSDT").len(), 36);
     assert!(t.find(b"MCFG").is_none());
 }
@@ -224,6 +231,7 @@ fn no_topology_means_no_srat_or_slit_and_a_bad_one_is_refused() {
         pci: None,
         numa: Some(&numa),
         ged: None,
+        sleep: None,
     })
     .unwrap_err();
     assert_eq!(e.to_string(), "cpu 1 is in two NUMA nodes: 0 and 1");
@@ -234,6 +242,7 @@ fn no_topology_means_no_srat_or_slit_and_a_bad_one_is_refused() {
         pci: None,
         numa: None,
         ged: None,
+        sleep: None,
     });
     assert!(e.unwrap_err().to_string().contains("at most 255"));
 }
@@ -265,8 +274,15 @@ fn the_largest_vm_fits_and_the_area_is_reserved_in_e820() {
 fn write_puts_the_tables_in_guest_memory() {
     let mem = kumo_vm::Memory::new(64 * MIB).unwrap();
     let layout = MemoryLayout::new(64 * MIB);
-    let cfg =
-        AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: Some(pci()), numa: None, ged: None };
+    let cfg = AcpiConfig {
+        cpus: 2,
+        layout: &layout,
+        irqchip: IrqchipMode::Kernel,
+        pci: Some(pci()),
+        numa: None,
+        ged: None,
+        sleep: None,
+    };
     let rsdp = write(&mem.guest, &cfg).unwrap();
     assert_eq!(rsdp, ACPI_START);
     let mut sig = [0u8; 8];
@@ -284,10 +300,43 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
+/// What kumo's VMs have: the GED and the sleep registers at 0x600 with S5 = 5.
 fn with_ged(cpus: u32, layout: &MemoryLayout) -> Tables {
     let ged = Ged { mmio_base: 0xfed0_0000, gsi: 5 };
-    build(&AcpiConfig { cpus, layout, irqchip: IrqchipMode::Kernel, pci: Some(pci()), numa: None, ged: Some(ged) })
-        .unwrap()
+    let sleep = Some(SleepRegisters { port: 0x600, s5_type: 5 });
+    build(&AcpiConfig {
+        cpus,
+        layout,
+        irqchip: IrqchipMode::Kernel,
+        pci: Some(pci()),
+        numa: None,
+        ged: Some(ged),
+        sleep,
+    })
+    .unwrap()
+}
+
+#[test]
+fn the_sleep_registers_and_s5_tell_the_os_how_to_power_off() {
+    let layout = MemoryLayout::new(64 * MIB);
+    let t = with_ged(1, &layout);
+    let f = table(&t, b"FACP");
+    // SLEEP_CONTROL_REG (offset 244) and SLEEP_STATUS_REG (256): byte-wide system I/O ports.
+    let gas = |at: usize| (f[at], f[at + 1], f[at + 2], f[at + 3], u64_at(f, at + 4));
+    assert_eq!(gas(244), (1, 8, 0, 1, 0x600));
+    assert_eq!(gas(256), (1, 8, 0, 1, 0x601));
+    // \_S5 = Package {5, 0}: NameOp, "_S5_", PackageOp, length 4, 2 elements, BytePrefix 5, Zero.
+    let d = table(&t, b"DSDT");
+    assert!(find(d, &[0x08, b'_', b'S', b'5', b'_', 0x12, 0x05, 0x02, 0x0a, 0x05, 0x00]).is_some(), "{d:x?}");
+    // Without them (the default of a table set built for kumo's own guests), neither.
+    let plain = build_with(1, &layout, IrqchipMode::Kernel, None);
+    assert_eq!(gas_at(table(&plain, b"FACP"), 244), 0);
+    assert!(find(table(&plain, b"DSDT"), b"_S5_").is_none());
+}
+
+/// The address of the GAS at `at` of a table.
+fn gas_at(f: &[u8], at: usize) -> u64 {
+    u64_at(f, at + 4)
 }
 
 #[test]
@@ -366,6 +415,7 @@ fn iasl_disassembles_the_hotplug_dsdt() {
         "Device (C001)",
         "Method (_EJ0, 1",
         "Interrupt (ResourceConsumer, Edge, ActiveHigh, Exclusive, ,, )",
+        "Name (_S5, Package (0x02)",
     ] {
         assert!(dsl.contains(want), "no {want:?} in:\n{dsl}");
     }
@@ -375,7 +425,15 @@ fn iasl_disassembles_the_hotplug_dsdt() {
 fn hotplug_memory_gets_a_hotpluggable_srat_entry_even_without_numa() {
     let layout = MemoryLayout::new(512 * MIB);
     let hp = [HotplugMemory { node: 0, start: 4 << 30, len: 256 * MIB }];
-    let cfg = AcpiConfig { cpus: 2, layout: &layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None, ged: None };
+    let cfg = AcpiConfig {
+        cpus: 2,
+        layout: &layout,
+        irqchip: IrqchipMode::Kernel,
+        pci: None,
+        numa: None,
+        ged: None,
+        sleep: None,
+    };
     let t = build_with_hotplug(&cfg, &hp).unwrap();
     let s = table(&t, b"SRAT");
     let mut mem = Vec::new();

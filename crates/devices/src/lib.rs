@@ -7,6 +7,7 @@
 //! the VM-wide state in `kumo-vm` use as well.
 
 pub mod acpi_ged;
+pub mod acpi_sleep;
 pub mod apic;
 pub mod bus;
 pub mod debug_port;
@@ -16,6 +17,7 @@ pub mod serial;
 pub mod virtio;
 
 pub use acpi_ged::AcpiGed;
+pub use acpi_sleep::{AcpiSleep, S5_SLEEP_TYPE, SLEEP_PORT, SLEEP_PORT_LEN};
 pub use bus::{Bus, BusDevice, BusError, BusKind, Buses, SharedDevice};
 pub use debug_port::{DebugPort, EXIT_PORT, MARKER_PORT};
 pub use persist::{DeviceState, DeviceStateKind, DeviceStates, Persist, PersistDyn, PersistError, VirtioFunctionState};
@@ -30,4 +32,6 @@ pub enum DeviceEvent {
     Marker(u8),
     /// The guest's ACPI `_EJ0` ejected this vCPU (see `acpi_ged`): kumo parks its thread.
     CpuEjected(u32),
+    /// The guest entered ACPI S5 through the sleep control register (see `acpi_sleep`).
+    PowerOff,
 }

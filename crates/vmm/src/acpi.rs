@@ -1,7 +1,8 @@
 //! Gives a new VM its ACPI tables (`kumo-acpi`) and tells a Linux payload where they are.
 
-use kumo_acpi::{AcpiConfig, Ged, NumaTopology, PciHost};
+use kumo_acpi::{AcpiConfig, Ged, NumaTopology, PciHost, SleepRegisters};
 use kumo_devices::acpi_ged::{GED_GSI, GED_MMIO_BASE};
+use kumo_devices::{S5_SLEEP_TYPE, SLEEP_PORT};
 use kumo_vm::linux::{set_acpi_rsdp, LinuxEntry};
 use kumo_vm::{Entry, Vm};
 
@@ -27,6 +28,7 @@ pub fn install(
         pci: Some(PciHost { ecam_base: pci.ecam_base(), mmio32: pci.bar_window() }),
         numa,
         ged: devices.ged().map(|_| Ged { mmio_base: GED_MMIO_BASE, gsi: GED_GSI }),
+        sleep: Some(SleepRegisters { port: SLEEP_PORT, s5_type: S5_SLEEP_TYPE }),
     };
     let rsdp = kumo_acpi::write_with_hotplug(&vm.memory.guest, &cfg, hotplug)?;
     let linux = match entry {

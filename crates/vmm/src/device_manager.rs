@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex};
 use kumo_devices::acpi_ged::{AcpiGed, GED_GSI, GED_MMIO_BASE, GED_MMIO_LEN};
 use kumo_devices::persist::check_ids;
 use kumo_devices::{
-    Buses, DebugPort, DeviceStates, PersistDyn, PersistError, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT,
+    AcpiSleep, Buses, DebugPort, DeviceStates, PersistDyn, PersistError, SerialConsole, COM1_IRQ, COM1_PORT, EXIT_PORT,
+    SLEEP_PORT, SLEEP_PORT_LEN,
 };
 use kumo_vm::interrupt_paths::{IrqPath, SharedDispatcher};
 use kumo_vm::Vm;
@@ -75,6 +76,8 @@ impl DeviceManager {
         if debug_exit {
             buses.pio.insert(EXIT_PORT.into(), 2, Arc::new(Mutex::new(DebugPort))).map_err(bus_err)?;
         }
+        // The FADT's sleep registers: a guest powers off through them (ACPI S5).
+        buses.pio.insert(SLEEP_PORT.into(), SLEEP_PORT_LEN, Arc::new(Mutex::new(AcpiSleep))).map_err(bus_err)?;
 
         let ged = Self::add_ged(vm, &mut buses)?;
         let mut pci = Pci::new(&vm.memory.layout, vm.interrupts.clone(), &mut buses)?;
@@ -486,9 +489,11 @@ mod tests {
     }
 
     #[test]
-    fn the_debug_exit_port_is_there_only_when_asked_for() {
+    fn the_debug_exit_port_is_there_only_when_asked_for_and_the_sleep_port_always() {
         if !kumo_vm::vm::kvm_available() {
-            eprintln!("skipping the_debug_exit_port_is_there_only_when_asked_for: /dev/kvm not available");
+            eprintln!(
+                "skipping the_debug_exit_port_is_there_only_when_asked_for_and_the_sleep_port_always: no /dev/kvm"
+            );
             return;
         }
         for on in [true, false] {
@@ -496,6 +501,9 @@ mod tests {
             let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], on).unwrap();
             assert_eq!(dm.buses().pio.lookup(EXIT_PORT.into()).is_some(), on);
             assert_eq!(dm.buses().pio.write(EXIT_PORT.into(), &[3]).is_some(), on, "an exit with code 3");
+            // The sleep control register is always there: the OS's S5 write powers off.
+            let s5 = (kumo_devices::S5_SLEEP_TYPE << 2) | 0x20;
+            assert_eq!(dm.buses().pio.write(SLEEP_PORT.into(), &[s5]), Some(kumo_devices::DeviceEvent::PowerOff));
         }
     }
 

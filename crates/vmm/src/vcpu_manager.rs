@@ -341,7 +341,8 @@ impl VcpuManager {
                     None => std::thread::sleep(Duration::from_micros(100)),
                 },
                 Ok(VcpuRun::Reset(why)) => self.finish(Outcome::Reset(why)),
-                Ok(VcpuRun::PowerOff) => self.finish(Outcome::PowerOff),
+                // KVM's shutdown event, or the guest's ACPI S5 (kumo's sleep control register).
+                Ok(VcpuRun::PowerOff | VcpuRun::Device(DeviceEvent::PowerOff)) => self.finish(Outcome::PowerOff),
                 Err(e) => self.finish(Outcome::Error(e.to_string())),
             }
         }

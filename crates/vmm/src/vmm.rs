@@ -369,8 +369,8 @@ impl RunningVm {
     }
 
     /// `vm.power-button`: presses the ACPI power button (the GED's event); the guest decides
-    /// what it does (Linux: its userspace; kumo has no ACPI sleep registers yet, so a guest's
-    /// ACPI power-off does not end the VM).
+    /// what it does (Linux: its userspace, whose power-off enters S5 through the sleep control
+    /// register and ends the VM as powered off).
     pub fn power_button(&self) -> std::result::Result<(), kumo_api::ApiError> {
         use kumo_api::ApiError;
         let ged = self.devices.ged().ok_or_else(|| {

@@ -386,6 +386,7 @@ fn a_four_node_mirror_builds_srat_and_slit() {
         pci: None,
         numa: Some(&t),
         ged: None,
+        sleep: None,
     };
     let tables = kumo_acpi::build(&cfg).unwrap();
     let slit = &tables.find(b"SLIT").unwrap().1;
