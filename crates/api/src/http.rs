@@ -4,11 +4,11 @@
 //! thread forever. Heads are parsed by the `httparse` crate; this module
 //! frames them, bounds them and turns its verdicts into status codes.
 
-use crate::{ApiError, ErrorKind};
 use crate::fds::MAX_FDS;
+use crate::{ApiError, ErrorKind};
 use std::io::{self, Write};
-use std::os::fd::OwnedFd;
 use std::net::Shutdown;
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::time::Instant;
 

@@ -237,7 +237,11 @@ impl Tap {
             // SAFETY: F_GETFL/F_SETFL read and set a live descriptor's status flags.
             let r = unsafe {
                 let flags = libc::fcntl(raw, libc::F_GETFL);
-                if flags < 0 { flags } else { libc::fcntl(raw, libc::F_SETFL, flags | libc::O_NONBLOCK) }
+                if flags < 0 {
+                    flags
+                } else {
+                    libc::fcntl(raw, libc::F_SETFL, flags | libc::O_NONBLOCK)
+                }
             };
             if r < 0 {
                 return Err(ioctl_err("making it non-blocking")(io::Error::last_os_error()));
