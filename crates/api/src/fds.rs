@@ -193,8 +193,9 @@ mod tests {
         assert!(r.fds.iter().all(cloexec));
         // They are the same open files as sent (same inode as /dev/null).
         let st = |fd: RawFd| {
-            // SAFETY: fstat fills a zeroed stat for a live descriptor.
+            // SAFETY: an all-zero stat is valid.
             let mut s: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: fstat fills `s` for a live descriptor.
             assert_eq!(unsafe { libc::fstat(fd, &mut s) }, 0);
             (s.st_dev, s.st_ino)
         };
