@@ -217,4 +217,54 @@ mod tests {
         let e = from_ch(&ch(r#"{"payload":{"kernel":"/k"},"net":[{"mac":"52:54:00:00:00:01"}]}"#)).unwrap_err();
         assert!(e.contains("`net[0].tap`"), "{e}");
     }
+
+    /// A tap queue opened as libvirt opens one; None (skipping) without tun or the right.
+    fn client_tap(name: &str, multi: bool) -> Option<std::os::fd::OwnedFd> {
+        use std::os::fd::AsRawFd;
+        #[repr(C)]
+        struct IfReq {
+            name: [u8; 16],
+            flags: libc::c_short,
+            _pad: [u8; 22],
+        }
+        let f = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun").ok()?;
+        let flags = 0x0002 | 0x1000 | 0x4000 | if multi { 0x0100 } else { 0 };
+        let mut req = IfReq { name: [0; 16], flags, _pad: [0; 22] };
+        req.name[..name.len()].copy_from_slice(name.as_bytes());
+        // SAFETY: TUNSETIFF on a tun fd this test owns, with one `struct ifreq`.
+        let r = unsafe { libc::ioctl(f.as_raw_fd(), 0x4004_54ca as _, &mut req as *mut IfReq) };
+        (r == 0).then(|| f.into())
+    }
+
+    #[test]
+    fn a_nic_on_passed_descriptors_is_their_taps() {
+        let with = |fds: Vec<std::os::fd::OwnedFd>, j: &str| {
+            let mut n: ChNet = serde_json::from_str(j).unwrap();
+            n.tap_fds = kumo_api::Fds::new(fds);
+            n
+        };
+        let null = || std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let e = nic(0, &with(vec![null()], "{}")).unwrap_err();
+        assert!(e.starts_with("net[0]: file descriptor") && e.contains("is not a tap's"), "{e}");
+        let e = nic(1, &with(vec![null()], r#"{"vhost_user": true, "vhost_socket": "/s"}"#)).unwrap_err();
+        assert!(e.contains("vhost-user NIC takes no tap descriptors"), "{e}");
+        let name = format!("kc{}", std::process::id());
+        let Some(a) = client_tap(&name, true) else {
+            eprintln!("skipping the rest: cannot open a tap");
+            return;
+        };
+        let b = client_tap(&name, true).unwrap();
+        let n = with(vec![a, b], r#"{"mac": "52:54:00:00:00:09", "num_queues": 4}"#);
+        let spec = nic(0, &n).unwrap();
+        assert_eq!((spec.tap.as_str(), spec.queues, &spec.fds), (name.as_str(), 2, &TapFds::Passed(n.tap_fds.clone())));
+        let shown = to_ch(&VmConfig { net: vec![spec], ..VmConfig::new(Payload::guest("hello", &[])) });
+        assert_eq!(shown.net.unwrap()[0].fds, Some(n.tap_fds.raw()), "vm.info shows the numbers");
+        // Queues that are not one pair per descriptor, a name that is not theirs.
+        let mut wrong = n.clone();
+        wrong.num_queues = Some(2);
+        assert!(nic(0, &wrong).unwrap_err().contains("num_queues 2 needs 1 tap descriptors"));
+        wrong.num_queues = None;
+        wrong.tap = Some("other".into());
+        assert!(nic(0, &wrong).unwrap_err().contains("`tap` other is not the tap its descriptors are of"));
+    }
 }

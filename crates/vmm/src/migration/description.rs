@@ -214,6 +214,21 @@ mod tests {
         HostResources::parse(&s(net), &s(numa)).unwrap()
     }
 
+    /// A NIC on passed descriptors travels as such: the other side gets no name to reopen.
+    #[test]
+    fn a_tap_passed_as_descriptors_is_described_as_such() {
+        let null = std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let mut nic = NetSpec::parse("tap=vnet3").unwrap();
+        nic.fds = TapFds::Passed(kumo_api::Fds::new(vec![null]));
+        let c = VmConfig { net: vec![nic], ..vm(1, 64 << 20, "memtouch") };
+        let d = desc(&c);
+        assert_eq!(d.nets[0].source_backend, wire::SourceBackend::TapFds("vnet3".into()));
+        let back = config_of(&d);
+        assert_eq!((back.net[0].tap.as_str(), &back.net[0].fds), ("vnet3", &TapFds::OnSource));
+        // Described again (a restored VM snapshotted before it got a tap): still no name to use.
+        assert_eq!(describe_nic(&back.net[0]).source_backend, wire::SourceBackend::TapFds("vnet3".into()));
+    }
+
     /// What the guest sees survives the trip; what the source's host gave it does not.
     #[test]
     fn a_config_travels_as_its_description() {
