@@ -1,7 +1,7 @@
 //! Taps passed as file descriptors (docs/ch-compat.md): as current libvirt does, the test opens
 //! the tap itself (TUNSETIFF on /dev/net/tun) and sends its descriptor as SCM_RIGHTS with
 //! `vm.add-net`; kumo's `netecho` guest, booted through CH's API, answers pings and UDP through
-//! that tap. A snapshot of it restores only on a tap given again: `vm.restore` with `net_fds`
+//! that tap, and again after `vm.reboot`. A snapshot of it restores only on a tap given again: `vm.restore` with `net_fds`
 //! and a fresh descriptor.
 //!
 //! Needs /dev/kvm and the right to create taps (root); skips, saying why, where either is
@@ -90,6 +90,10 @@ fn a_tap_passed_as_a_descriptor_carries_the_guests_traffic_and_restores_on_a_new
     assert!(net["fds"].as_array().is_some_and(|f| f.len() == 1 && f[0].as_i64() > Some(2)), "{info}");
     assert_eq!(info["kumo"]["net"][0]["tap"], json!(tap.name), "{info}");
     assert_eq!(info["kumo"]["net"][0]["mac"], json!(mac), "{info}");
+    // vm.reboot builds the VM again on the same descriptors (the created VM keeps them).
+    assert_eq!(put(&sock, "vm.reboot", json!({}), &[]).0, 204);
+    eventually(PATIENCE, || (vmm.stdout().matches(": up nic=0").count() >= 2).then_some(()));
+    echoes(host, guest, &vmm, "after vm.reboot");
 
     // Snapshot, then restore in a new VMM: the tap came as a descriptor, so it is not reopened
     // by name; a fresh descriptor is needed.
