@@ -48,7 +48,7 @@ fi
 
 # A hung test must fail the run, not eat CI's whole time budget.
 if [ "$e2e" = 1 ]; then
-    timeout --signal=KILL 30m cargo test -p kumo-cli --test guests_e2e --test api_e2e --test openapi_e2e --test migration_e2e --test migration_tls_e2e --test snapshot_e2e --test net_e2e --test numa_e2e --test vhost_user_e2e --test handover_e2e --test irqchip_user_e2e --test elastic_e2e --test panic_e2e --test sandbox_e2e --test disk_e2e --test ch_api_e2e --test ch_client_e2e -- --test-threads=2 "$@"
+    timeout --signal=KILL 30m cargo test -p kumo-cli --test guests_e2e --test api_e2e --test openapi_e2e --test migration_e2e --test migration_tls_e2e --test snapshot_e2e --test net_e2e --test numa_e2e --test vhost_user_e2e --test handover_e2e --test irqchip_user_e2e --test elastic_e2e --test panic_e2e --test sandbox_e2e --test disk_e2e --test ch_api_e2e --test ch_client_e2e --test ch_net_fds_e2e -- --test-threads=2 "$@"
     timeout --signal=KILL 10m cargo test -p kumo-cli --test state_restore -- --test-threads=2 "$@"
 else
     timeout --signal=KILL 60m cargo test --workspace -- --test-threads=2 "$@"

@@ -387,6 +387,12 @@ fn request_bodies_with_every_field_fit_the_document() {
         net: vec![kumo_api::NicBackend { id: "net0".into(), tap: None, vhost_user: Some("/run/nb.sock".into()) }],
         numa: vec![kumo_api::NodeBinding { node: 1, host_node: None }],
         disks: vec![kumo_api::DiskPath { id: "data".into(), path: "/var/lib/kumo/data.img".into() }],
+        net_fds: vec![kumo_api::RestoredNetFds {
+            id: "net1".into(),
+            num_fds: 1,
+            fds: Some(vec![-1]),
+            tap_fds: Default::default(),
+        }],
     };
     c.check_request("PUT", "/api/v1/vm.restore", &serde_json::to_value(&restore).unwrap());
 }

@@ -301,7 +301,13 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
         (cut.display().to_string(), "truncated"),
         ("relative.snap".to_string(), "absolute"),
     ] {
-        let req = kumo_api::RestoreRequest { source_url: url.clone(), net: vec![], numa: vec![], disks: vec![] };
+        let req = kumo_api::RestoreRequest {
+            source_url: url.clone(),
+            net: vec![],
+            numa: vec![],
+            disks: vec![],
+            net_fds: vec![],
+        };
         let e = c.restore(&req).unwrap_err();
         assert_eq!(e.status(), Some(400), "{url}: {e}");
         assert!(e.to_string().contains(want), "{url}: {e}");
@@ -316,7 +322,13 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
         (vec![eth], vec![], "--net id=eth0: not a NIC id (net0, net1, …)"),
         (vec![], vec![node], "--numa node=0: the VM has no NUMA nodes"),
     ] {
-        let req = kumo_api::RestoreRequest { source_url: file.to_str().unwrap().into(), net, numa, disks: vec![] };
+        let req = kumo_api::RestoreRequest {
+            source_url: file.to_str().unwrap().into(),
+            net,
+            numa,
+            disks: vec![],
+            net_fds: vec![],
+        };
         let e = c.restore(&req).unwrap_err();
         assert_eq!(e.status(), Some(400), "{e}");
         assert!(e.to_string().contains(want), "want `{want}` in `{e}`");
@@ -334,6 +346,7 @@ fn an_empty_vmm_told_to_restore_runs_the_snapshot() {
         net: vec![],
         numa: vec![],
         disks: vec![],
+        net_fds: vec![],
     };
     assert_eq!(c.restore(&again).unwrap_err().status(), Some(409), "it has a VM now");
     dst.input(b"q");

@@ -132,8 +132,69 @@ pub struct ChNet {
     pub vhost_user: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vhost_socket: Option<String>,
+    /// CH's `fds`: one entry per descriptor of the tap, which the client opened and sent with
+    /// the request (SCM_RIGHTS). A body's numbers are placeholders (libvirt sends -1), never
+    /// used; `vm.info` shows the descriptors' numbers in kumo, as CH shows its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fds: Option<Vec<i32>>,
+    /// The descriptors themselves, from the request's ancillary data.
+    #[serde(skip)]
+    pub tap_fds: crate::Fds,
     #[serde(flatten)]
     pub extra: Extra,
+}
+
+/// "N descriptor(s)".
+fn count(n: usize) -> String {
+    format!("{n} file descriptor{}", if n == 1 { "" } else { "s" })
+}
+
+impl ChNet {
+    /// How many descriptors its body's `fds` lists.
+    fn listed_fds(&self) -> usize {
+        self.fds.as_ref().map_or(0, Vec::len)
+    }
+
+    /// Takes `fds` as its tap's descriptors.
+    fn take_fds(&mut self, fds: crate::Fds) {
+        self.fds = (!fds.is_empty()).then(|| fds.raw());
+        self.tap_fds = fds;
+    }
+}
+
+fn no_fds_came(route: &str, at: &str, listed: usize) -> ApiError {
+    ApiError::bad_request(format!(
+        "{route}: `{at}fds` lists {} but none came with the request: send the tap's descriptors with it (SCM_RIGHTS)",
+        count(listed)
+    ))
+}
+
+/// `vm.add-net`: every descriptor that came with the request is the NIC's (CH's rule), in
+/// order, one per queue pair.
+pub(crate) fn add_net_fds(n: &mut ChNet, fds: Vec<std::os::fd::OwnedFd>) -> Result<(), ApiError> {
+    if fds.is_empty() && n.listed_fds() > 0 {
+        return Err(no_fds_came("vm.add-net", "", n.listed_fds()));
+    }
+    n.take_fds(crate::Fds::new(fds));
+    Ok(())
+}
+
+/// `vm.create` (kumo's rule; CH takes none here): the descriptors go, in order, to the `net[]`
+/// entries whose `fds` lists some, each taking as many as its list has entries.
+pub(crate) fn create_fds(c: &mut ChVmConfig, mut fds: Vec<std::os::fd::OwnedFd>) -> Result<(), ApiError> {
+    let listed: usize = c.net.iter().flatten().map(ChNet::listed_fds).sum();
+    if fds.len() != listed {
+        return Err(ApiError::bad_request(format!(
+            "vm.create: `net[].fds` list {} in all but {} came with the request",
+            count(listed),
+            fds.len()
+        )));
+    }
+    for n in c.net.iter_mut().flatten().filter(|n| n.listed_fds() > 0) {
+        let take = n.listed_fds();
+        n.take_fds(crate::Fds::split_first(&mut fds, take));
+    }
+    Ok(())
 }
 
 /// `serial` and `console`: `{mode: Off|Null|Tty|Pty|File|Socket, file, socket}`.
@@ -228,7 +289,6 @@ fn net_field(name: &str) -> Verdict {
         "vhost_mode" => Refuse("kumo connects to a vhost-user backend as its client only"),
         "rate_limiter_config" => Refuse("kumo has no I/O rate limiting"),
         "pci_device_id" => Refuse("kumo places devices on PCI itself"),
-        "fds" => Refuse("kumo opens taps by name (vm.add-net with fds is not supported yet)"),
         _ => Refuse("kumo does not know this field"),
     }
 }

@@ -5,7 +5,8 @@ use crate::http::{self, Conn, ReadError, MAX_BODY};
 use crate::{paths, MigrationStatus, VmInfo};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use std::io::{self, Write};
+use std::io;
+use std::os::fd::BorrowedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -54,6 +55,9 @@ fn os_message(e: &io::Error) -> String {
 /// One request's outcome on a connection: the answer and whether the connection stays open,
 /// or the error and whether the server closed it before answering anything.
 type Exchanged = Result<((u16, Option<Value>), bool), (ClientError, bool)>;
+
+/// A request: method, path, JSON body.
+type Req<'a> = (&'a str, &'a str, Option<&'a Value>);
 
 #[derive(Debug, Clone)]
 pub struct ApiClient {
@@ -252,11 +256,11 @@ impl ApiClient {
     pub fn request(&self, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, Option<Value>), ClientError> {
         let Some(kept) = &self.kept else {
             let mut conn = self.connect()?;
-            return self.exchange(&mut conn, method, path, body, false).map(|(a, _)| a).map_err(|(e, _)| e);
+            return self.exchange(&mut conn, (method, path, body), false, &[]).map(|(a, _)| a).map_err(|(e, _)| e);
         };
         let mut slot = kept.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(mut conn) = slot.take() {
-            match self.exchange(&mut conn, method, path, body, true) {
+            match self.exchange(&mut conn, (method, path, body), true, &[]) {
                 Ok((a, open)) => {
                     if open {
                         *slot = Some(conn);
@@ -270,11 +274,25 @@ impl ApiClient {
             }
         }
         let mut conn = self.connect()?;
-        let (a, open) = self.exchange(&mut conn, method, path, body, true).map_err(|(e, _)| e)?;
+        let (a, open) = self.exchange(&mut conn, (method, path, body), true, &[]).map_err(|(e, _)| e)?;
         if open {
             *slot = Some(conn);
         }
         Ok(a)
+    }
+
+    /// [`request`](Self::request), with `fds` sent alongside: SCM_RIGHTS on the request's
+    /// first write, as libvirt sends a tap it opened with `vm.add-net`; on a connection of its
+    /// own.
+    pub fn request_with_fds(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(u16, Option<Value>), ClientError> {
+        let mut conn = self.connect()?;
+        self.exchange(&mut conn, (method, path, body), false, fds).map(|(a, _)| a).map_err(|(e, _)| e)
     }
 
     /// With [`ApiClient::keep_alive`]: whether a connection is open for the next request.
@@ -292,7 +310,8 @@ impl ApiClient {
     /// One request on `conn`. Ok: the answer and whether the connection stays open. Err: the
     /// error and whether the server had closed the connection before answering anything (so
     /// the request can be sent again).
-    fn exchange(&self, conn: &mut Conn, method: &str, path: &str, body: Option<&Value>, keep: bool) -> Exchanged {
+    fn exchange(&self, conn: &mut Conn, req: Req<'_>, keep: bool, fds: &[BorrowedFd<'_>]) -> Exchanged {
+        let (method, path, body) = req;
         let deadline = Instant::now() + self.timeout;
         let body = body.map(Value::to_string).unwrap_or_default();
         let connection = if keep { "keep-alive" } else { "close" };
@@ -308,7 +327,7 @@ impl ApiClient {
         msg += "\r\n";
         msg += &body;
 
-        let written = conn.stream.write_all(msg.as_bytes());
+        let written = crate::fds::send(&conn.stream, msg.as_bytes(), fds);
         // A server may answer and close before taking the whole request (413):
         // its answer says more than our write error.
         match self.read_response(conn, method, deadline) {
@@ -386,6 +405,7 @@ impl ApiClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
     use std::os::unix::net::UnixListener;
     use std::thread;
 

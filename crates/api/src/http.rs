@@ -4,9 +4,11 @@
 //! thread forever. Heads are parsed by the `httparse` crate; this module
 //! frames them, bounds them and turns its verdicts into status codes.
 
+use crate::fds::MAX_FDS;
 use crate::{ApiError, ErrorKind};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::Shutdown;
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
@@ -41,11 +43,35 @@ pub(crate) enum ReadError {
 pub(crate) struct Conn {
     pub stream: UnixStream,
     buf: Vec<u8>,
+    /// Descriptors that came with the bytes read (SCM_RIGHTS), for the request they belong to.
+    fds: Vec<OwnedFd>,
+    /// More than [`MAX_FDS`] came since the last [`Conn::take_fds`] (the excess is closed).
+    too_many_fds: bool,
 }
 
 impl Conn {
     pub fn new(stream: UnixStream) -> Self {
-        Conn { stream, buf: Vec::new() }
+        Conn { stream, buf: Vec::new(), fds: Vec::new(), too_many_fds: false }
+    }
+
+    /// The descriptors received since the last call (each request's own: a client sends them
+    /// with its request and waits for the answer), or, if over [`MAX_FDS`] came, how many
+    /// were kept (all of them closed now).
+    pub fn take_fds(&mut self) -> Result<Vec<OwnedFd>, usize> {
+        let fds = std::mem::take(&mut self.fds);
+        if std::mem::take(&mut self.too_many_fds) {
+            return Err(fds.len());
+        }
+        Ok(fds)
+    }
+
+    /// Closes descriptors left from a request that was refused before it took them, unless
+    /// bytes of a next (pipelined) request are already here, which they may belong to.
+    pub fn drop_stale_fds(&mut self) {
+        if self.buf.is_empty() {
+            self.fds.clear();
+            self.too_many_fds = false;
+        }
     }
 
     fn fill(&mut self, deadline: Instant) -> Result<(), ReadError> {
@@ -59,10 +85,14 @@ impl Conn {
                 return Err(ReadError::TimedOut { partial });
             }
             self.stream.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
-            match self.stream.read(&mut chunk) {
-                Ok(0) => return Err(ReadError::Closed { partial }),
-                Ok(n) => {
-                    self.buf.extend_from_slice(&chunk[..n]);
+            match crate::fds::recv(&self.stream, &mut chunk) {
+                Ok(r) if r.n == 0 => return Err(ReadError::Closed { partial }),
+                Ok(r) => {
+                    self.buf.extend_from_slice(&chunk[..r.n]);
+                    self.too_many_fds |= r.truncated || self.fds.len() + r.fds.len() > MAX_FDS;
+                    if !self.too_many_fds {
+                        self.fds.extend(r.fds);
+                    }
                     return Ok(());
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

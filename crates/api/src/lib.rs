@@ -10,6 +10,7 @@ mod answers;
 pub mod ch;
 mod client;
 mod error;
+pub mod fds;
 mod http;
 pub mod migration;
 pub mod net_backend;
@@ -19,6 +20,7 @@ pub use answers::{Counters, Exits, Interrupts, LendReport, MigrationBytes, Resto
 pub use ch::{ChDeviceNode, ChVmConfig, ChVmInfo, ChVmState, Pong};
 pub use client::{ApiClient, ClientError, DEFAULT_CLIENT_TIMEOUT};
 pub use error::{ApiError, ErrorBody, ErrorKind};
+pub use fds::Fds;
 pub use migration::{
     DryRunReport, Event, MigrationLine, MigrationResult, MigrationState, MigrationStatus, ModelReport, RecvPhase,
     RecvStatus, Report, RoundReport, SendReport, StopPhaseTimes,
@@ -639,6 +641,65 @@ pub struct RestoreRequest {
     /// As in [`ReceiveMigrationRequest`]: the image of each disk.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<DiskPath>,
+    /// CH's `net_fds`: NICs restored on taps whose descriptors came with the request
+    /// (SCM_RIGHTS), shared out in this order, `num_fds` each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net_fds: Vec<RestoredNetFds>,
+}
+
+/// One entry of `vm.restore`'s `net_fds`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoredNetFds {
+    /// The VM's NIC: `net0`, `net1`, …
+    pub id: String,
+    /// How many of the request's descriptors are this NIC's (one per queue pair).
+    #[serde(default)]
+    pub num_fds: usize,
+    /// CH's placeholders (ignored); the descriptors' numbers here once taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fds: Option<Vec<i32>>,
+    /// The descriptors themselves.
+    #[serde(skip)]
+    pub tap_fds: Fds,
+}
+
+impl RestoreRequest {
+    /// Shares the request's descriptors out over `net_fds`: as many in all as they ask for.
+    fn take_fds(&mut self, mut fds: Vec<std::os::fd::OwnedFd>) -> Result<(), ApiError> {
+        let wanted: usize = self.net_fds.iter().map(|n| n.num_fds).sum();
+        if fds.len() != wanted {
+            return Err(ApiError::bad_request(format!(
+                "vm.restore: `net_fds` asks for {wanted} file descriptors in all but {} came with the request",
+                fds.len()
+            )));
+        }
+        for n in &mut self.net_fds {
+            n.tap_fds = Fds::split_first(&mut fds, n.num_fds);
+            n.fds = Some(n.tap_fds.raw());
+        }
+        Ok(())
+    }
+}
+
+impl ApiRequest {
+    /// Hands the descriptors that came with the request (SCM_RIGHTS) to its body; a route that
+    /// takes none refuses them (they are closed).
+    pub(crate) fn with_fds(mut self, fds: Vec<std::os::fd::OwnedFd>) -> Result<ApiRequest, ApiError> {
+        match &mut self {
+            ApiRequest::AddNet(n) => ch::add_net_fds(n, fds)?,
+            ApiRequest::Create(c) => ch::create_fds(c, fds)?,
+            ApiRequest::Restore(r) => r.take_fds(fds)?,
+            _ if fds.is_empty() => {}
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "this route takes no file descriptors ({} came with the request; closed)",
+                    fds.len()
+                )))
+            }
+        }
+        Ok(self)
+    }
 }
 
 /// What a destination (or a restore) gives one disk of the arriving VM: its image here. What

@@ -8,6 +8,7 @@
 //! one of the few serving slots only once its whole request has arrived, and
 //! keeps it while the handler runs, however long (a migration takes minutes).
 
+use crate::fds::MAX_FDS;
 use crate::http::{self, Conn, ReadError, MAX_BODY, MAX_HEAD};
 use crate::{net_backend, paths, ApiError, ApiRequest, ApiResponse, ErrorKind};
 use kumo_sandbox::ThreadKind;
@@ -626,6 +627,7 @@ fn evicted() -> ApiError {
 
 /// Reads one request, under the idle, head and body deadlines.
 fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
+    conn.drop_stale_fds();
     let idle_until = Instant::now() + IDLE_TIMEOUT;
     let head = conn.read_head_from(idle_until, || {
         shared.request_started(id);
@@ -687,7 +689,14 @@ fn next_request(conn: &mut Conn, shared: &Shared, id: u64) -> Next {
         Ok(body) => body,
         Err(e) => return read_failure(e, true, shared.evicted(id)),
     };
-    match (route.build)(&body) {
+    // Descriptors sent with the request (SCM_RIGHTS) go into its typed body, or refuse it.
+    let fds = conn.take_fds().map_err(|kept| {
+        ApiError::bad_request(format!(
+            "{} {}: more than {MAX_FDS} file descriptors came with the request ({kept} kept, all closed)",
+            req.method, req.path
+        ))
+    });
+    match fds.and_then(|fds| (route.build)(&body)?.with_fds(fds)) {
         Ok(req2) => Next::Call { req: req2, keep_alive: req.keep_alive },
         Err(e) => Next::Reply(Reply::error(e, !req.keep_alive)),
     }
@@ -738,6 +747,7 @@ mod tests {
     use crate::{ApiClient, ClientError, VmInfo, VmState, KUMO_VERSION};
     use serde_json::json;
     use std::io::Write;
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
     use std::os::unix::fs::PermissionsExt;
     use std::sync::atomic::AtomicUsize;
 
@@ -938,6 +948,7 @@ mod tests {
             net: Vec::new(),
             numa: Vec::new(),
             disks: Vec::new(),
+            net_fds: Vec::new(),
         };
         let r = f.client.restore(&restore).unwrap();
         assert_eq!(r.path, std::path::Path::new("file:///tmp/vm.snap"));
@@ -1720,5 +1731,98 @@ mod tests {
         // Serving connections are never evicted.
         evict_until(&mut conns, 0, Some(2));
         assert_eq!(left(&conns), [1, 2]);
+    }
+
+    /// A pipe whose write end goes to the server: once every copy of it is closed, its read
+    /// end reads end-of-file instead of "nothing yet".
+    fn pipe() -> (std::fs::File, OwnedFd) {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 fills two descriptors this test then owns.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) }, 0);
+        // SAFETY: both are new and owned once each here.
+        unsafe { (std::fs::File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+    }
+
+    fn all_closed(r: &mut std::fs::File) -> bool {
+        matches!(std::io::Read::read(r, &mut [0u8; 1]), Ok(0))
+    }
+
+    #[test]
+    fn descriptors_sent_with_add_net_ride_in_its_body() {
+        let f = start();
+        let (mut r, w) = pipe();
+        let (_r2, w2) = pipe();
+        let body = json!({"fds": [-1, -1], "mac": "52:54:00:00:00:01", "num_queues": 4});
+        let (status, _) =
+            f.client.request_with_fds("PUT", paths::ADD_NET, Some(&body), &[w.as_fd(), w2.as_fd()]).unwrap();
+        assert_eq!(status, 204);
+        let calls = f.vm.calls();
+        let [ApiRequest::AddNet(n)] = &calls[..] else { panic!("{calls:?}") };
+        assert_eq!(n.tap_fds.len(), 2);
+        assert_eq!(n.fds.as_deref(), Some(&n.tap_fds.raw()[..]), "vm.info shows the numbers here");
+        assert!(n.tap_fds.raw().iter().all(|&fd| fd >= 0));
+        drop(w);
+        assert!(!all_closed(&mut r), "the request holds the server's copy");
+        drop(calls);
+        f.vm.calls.lock().unwrap().clear();
+        assert!(all_closed(&mut r), "dropped with the request");
+    }
+
+    #[test]
+    fn descriptors_a_route_does_not_take_are_refused_and_closed() {
+        let f = start();
+        let (mut r, w) = pipe();
+        let (status, body) = f.client.request_with_fds("PUT", paths::PAUSE, None, &[w.as_fd()]).unwrap();
+        assert_eq!(status, 400);
+        assert!(body.unwrap()["error"].as_str().unwrap().contains("takes no file descriptors"));
+        drop(w);
+        assert!(all_closed(&mut r));
+        assert!(f.vm.calls().is_empty());
+        // vm.create's net[] takes as many as its `fds` lists, in order; a count that does not
+        // match is a 400.
+        let (mut r, w) = pipe();
+        let create = json!({"payload": {"kernel": "/k"}, "net": [{"tap": "a"}, {"fds": [-1]}]});
+        let fds = [w.as_fd(), w.as_fd()];
+        let (status, body) = f.client.request_with_fds("PUT", paths::CREATE, Some(&create), &fds).unwrap();
+        assert_eq!(status, 400, "{body:?}");
+        assert!(body.unwrap()["error"].as_str().unwrap().contains("list 1 file descriptor in all but 2 came"));
+        let (status, _) = f.client.request_with_fds("PUT", paths::CREATE, Some(&create), &fds[..1]).unwrap();
+        assert_eq!(status, 204);
+        let calls = f.vm.calls();
+        let [ApiRequest::Create(c)] = &calls[..] else { panic!("{calls:?}") };
+        let net = c.net.as_ref().unwrap();
+        assert_eq!((net[0].tap_fds.len(), net[1].tap_fds.len()), (0, 1));
+        // A body that lists descriptors none came with is a 400.
+        let (status, body) = f.client.request("PUT", paths::ADD_NET, Some(&json!({"fds": [-1]}))).unwrap();
+        assert_eq!(status, 400);
+        assert!(body.unwrap()["error"].as_str().unwrap().contains("none came with the request"));
+        drop((w, calls));
+        f.vm.calls.lock().unwrap().clear();
+        assert!(all_closed(&mut r));
+    }
+
+    #[test]
+    fn too_many_descriptors_are_a_400_and_closed() {
+        let f = start();
+        let (mut r, w) = pipe();
+        let many = vec![w.as_fd(); MAX_FDS + 1];
+        let (status, body) =
+            f.client.request_with_fds("PUT", paths::ADD_NET, Some(&json!({"num_queues": 2})), &many).unwrap();
+        assert_eq!(status, 400);
+        assert!(body.unwrap()["error"].as_str().unwrap().contains("more than 64 file descriptors"));
+        drop(w);
+        assert!(all_closed(&mut r));
+        assert!(f.vm.calls().is_empty());
+        // vm.restore shares its descriptors out by `net_fds`.
+        let (_r, w) = pipe();
+        let body = json!({"source_url": "file:///s", "net_fds": [{"id": "net1", "num_fds": 1, "fds": [-1]}, {"id": "net0", "num_fds": 2}]});
+        let (status, _) =
+            f.client.request_with_fds("PUT", paths::RESTORE, Some(&body), &[w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
+        assert_eq!(status, 200);
+        let calls = f.vm.calls();
+        let [ApiRequest::Restore(rq)] = &calls[..] else { panic!("{calls:?}") };
+        assert_eq!((rq.net_fds[0].tap_fds.len(), rq.net_fds[1].tap_fds.len()), (1, 2));
+        let (status, _) = f.client.request_with_fds("PUT", paths::RESTORE, Some(&body), &[w.as_fd()]).unwrap();
+        assert_eq!(status, 400);
     }
 }

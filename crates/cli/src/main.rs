@@ -899,6 +899,7 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
                 net: ours.net,
                 numa: ours.numa,
                 disks: ours.disks,
+                net_fds: Vec::new(),
             };
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).restore(&req).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);

@@ -423,7 +423,13 @@ impl VmApi {
         // Neither NICs nor disks given (Cloud Hypervisor's body: only `receiver_url`): the VM
         // keeps its source's taps and images, names this host has too (as CH's destination).
         let as_on_source = r.net.is_empty() && r.disks.is_empty();
-        let ours = HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone(), as_on_source };
+        let ours = HostResources {
+            net: r.net.clone(),
+            numa: r.numa.clone(),
+            disks: r.disks.clone(),
+            as_on_source,
+            ..Default::default()
+        };
         let listening = (ours.check().map_err(|e| e.to_string()))
             .and_then(|()| crate::migration::listen_options(r.tls_dir.as_deref(), r.insecure))
             .and_then(|listen| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours, listen))
@@ -460,7 +466,9 @@ impl VmApi {
         let restored = crate::lifecycle::source_path(&r.source_url).map_err(ApiError::bad_request).and_then(|path| {
             // Neither NICs nor disks given (Cloud Hypervisor's restore): the VM's own backends.
             let as_on_source = r.net.is_empty() && r.disks.is_empty();
-            let ours = HostResources { net: r.net.clone(), numa: r.numa.clone(), disks: r.disks.clone(), as_on_source };
+            let tap_fds = passed_taps(r)?;
+            let (net, numa, disks) = (r.net.clone(), r.numa.clone(), r.disks.clone());
+            let ours = HostResources { net, numa, disks, as_on_source, tap_fds };
             crate::snapshot::restore(&path, (e.console)(), &ours).map_err(ApiError::from)
         });
         let (vm, report) = restored.inspect_err(|_| e.release())?;
@@ -501,6 +509,19 @@ impl crate::panics::OnPanic for VmApi {
             e.fail_waiting(format!("{p}; the VMM stops"));
         }
     }
+}
+
+/// `vm.restore`'s `net_fds`: each NIC's descriptors, checked to be one tap's (named by
+/// TUNGETIFF); an entry with none gives nothing (CH's way).
+fn passed_taps(r: &RestoreRequest) -> Result<Vec<crate::host_resources::PassedTap>, ApiError> {
+    let passed = r.net_fds.iter().filter(|n| !n.tap_fds.is_empty());
+    passed
+        .map(|n| {
+            let tap = crate::ch_config::tap_of_fds(&n.tap_fds)
+                .map_err(|why| ApiError::bad_request(format!("vm.restore: net_fds {}: {why}", n.id)))?;
+            Ok(crate::host_resources::PassedTap { id: n.id.clone(), tap, fds: n.tap_fds.clone() })
+        })
+        .collect()
 }
 
 /// Which of CH's consoles asked for a pseudo-terminal, if one did: `serial`, else `console`

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use kumo_api::ch::{ChCpus, ChDisk, ChMemory, ChNet, ChPayload, ChVmConfig};
 
-use crate::config::{DiskSpec, NetSpec, Payload, VmConfig};
+use crate::config::{DiskSpec, NetSpec, Payload, TapFds, VmConfig};
 
 /// CH's memory size when `memory` is absent.
 const CH_DEFAULT_MEMORY: u64 = 512 << 20;
@@ -59,6 +59,9 @@ pub fn disk(i: usize, d: &ChDisk) -> Result<DiskSpec, String> {
 
 /// The `i`-th NIC.
 pub fn nic(i: usize, n: &ChNet) -> Result<NetSpec, String> {
+    if !n.tap_fds.is_empty() {
+        return nic_on_fds(i, n);
+    }
     // CH counts queues, kumo queue pairs (CH's default 2 is one pair).
     let queues = n.num_queues.map_or(1, |q| (q / 2).max(1));
     let (tap, vhost_user) = match (n.vhost_user, &n.vhost_socket, &n.tap) {
@@ -67,7 +70,49 @@ pub fn nic(i: usize, n: &ChNet) -> Result<NetSpec, String> {
         (false, _, Some(tap)) if !tap.is_empty() => (tap.clone(), None),
         (false, ..) => return Err(refused(&format!("net[{i}].tap"), "none given: kumo opens an existing tap by name")),
     };
-    Ok(NetSpec { tap, vhost_user, mac: n.mac.clone(), queues, irq: Default::default() })
+    Ok(NetSpec { tap, vhost_user, mac: n.mac.clone(), queues, irq: Default::default(), fds: TapFds::ByName })
+}
+
+/// The `i`-th NIC, on the tap whose descriptors came with the request: one per queue pair.
+fn nic_on_fds(i: usize, n: &ChNet) -> Result<NetSpec, String> {
+    let bad = |why: String| format!("net[{i}]: {why}");
+    if n.vhost_user {
+        return Err(bad("a vhost-user NIC takes no tap descriptors (`fds`)".into()));
+    }
+    let tap = tap_of_fds(&n.tap_fds).map_err(bad)?;
+    if let Some(named) = n.tap.as_deref().filter(|t| !t.is_empty() && **t != tap) {
+        return Err(bad(format!("`tap` {named} is not the tap its descriptors are of ({tap})")));
+    }
+    let pairs = n.tap_fds.len();
+    if let Some(q) = n.num_queues.filter(|&q| usize::from(q) != 2 * pairs) {
+        return Err(bad(format!(
+            "num_queues {q} needs {} tap descriptors (one per queue pair) but {pairs} came",
+            (q / 2).max(1)
+        )));
+    }
+    let queues = u16::try_from(pairs).map_err(|_| bad(format!("{pairs} tap descriptors")))?;
+    let fds = TapFds::Passed(n.tap_fds.clone());
+    Ok(NetSpec { tap, vhost_user: None, mac: n.mac.clone(), queues, irq: Default::default(), fds })
+}
+
+/// The name of the one tap `fds` are queues of, each checked as kumo can drive it
+/// (`Tap::inspect`); a descriptor that is not a tap's is refused.
+pub fn tap_of_fds(fds: &kumo_api::Fds) -> Result<String, String> {
+    use kumo_devices::virtio::net::tap::Tap;
+    let mut name: Option<String> = None;
+    for fd in fds.iter() {
+        let info = Tap::inspect(fd).map_err(|e| e.to_string())?;
+        match &name {
+            Some(n) if *n != info.name => {
+                return Err(format!("the descriptors are of different taps ({n} and {})", info.name))
+            }
+            _ if fds.len() > 1 && !info.multi_queue => {
+                return Err(format!("tap {} is not multi-queue: it takes one descriptor, not {}", info.name, fds.len()))
+            }
+            _ => name = Some(info.name),
+        }
+    }
+    name.ok_or_else(|| "no tap descriptors".to_string())
 }
 
 /// CH's view of a VM kumo built from its own config (`kumo run`, a restore, a migration).
@@ -111,6 +156,14 @@ pub fn to_ch(v: &VmConfig) -> ChVmConfig {
                     num_queues: Some(n.queues * 2),
                     vhost_user: n.vhost_user.is_some(),
                     vhost_socket: n.vhost_user.as_ref().map(|p| p.display().to_string()),
+                    fds: match &n.fds {
+                        TapFds::Passed(f) => Some(f.raw()),
+                        _ => None,
+                    },
+                    tap_fds: match &n.fds {
+                        TapFds::Passed(f) => f.clone(),
+                        _ => Default::default(),
+                    },
                     ..Default::default()
                 })
                 .collect(),
@@ -163,5 +216,55 @@ mod tests {
         assert!(e.contains("`cpus.max_vcpus`"), "{e}");
         let e = from_ch(&ch(r#"{"payload":{"kernel":"/k"},"net":[{"mac":"52:54:00:00:00:01"}]}"#)).unwrap_err();
         assert!(e.contains("`net[0].tap`"), "{e}");
+    }
+
+    /// A tap queue opened as libvirt opens one; None (skipping) without tun or the right.
+    fn client_tap(name: &str, multi: bool) -> Option<std::os::fd::OwnedFd> {
+        use std::os::fd::AsRawFd;
+        #[repr(C)]
+        struct IfReq {
+            name: [u8; 16],
+            flags: libc::c_short,
+            _pad: [u8; 22],
+        }
+        let f = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun").ok()?;
+        let flags = 0x0002 | 0x1000 | 0x4000 | if multi { 0x0100 } else { 0 };
+        let mut req = IfReq { name: [0; 16], flags, _pad: [0; 22] };
+        req.name[..name.len()].copy_from_slice(name.as_bytes());
+        // SAFETY: TUNSETIFF on a tun fd this test owns, with one `struct ifreq`.
+        let r = unsafe { libc::ioctl(f.as_raw_fd(), 0x4004_54ca as _, &mut req as *mut IfReq) };
+        (r == 0).then(|| f.into())
+    }
+
+    #[test]
+    fn a_nic_on_passed_descriptors_is_their_taps() {
+        let with = |fds: Vec<std::os::fd::OwnedFd>, j: &str| {
+            let mut n: ChNet = serde_json::from_str(j).unwrap();
+            n.tap_fds = kumo_api::Fds::new(fds);
+            n
+        };
+        let null = || std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let e = nic(0, &with(vec![null()], "{}")).unwrap_err();
+        assert!(e.starts_with("net[0]: file descriptor") && e.contains("is not a tap's"), "{e}");
+        let e = nic(1, &with(vec![null()], r#"{"vhost_user": true, "vhost_socket": "/s"}"#)).unwrap_err();
+        assert!(e.contains("vhost-user NIC takes no tap descriptors"), "{e}");
+        let name = format!("kc{}", std::process::id());
+        let Some(a) = client_tap(&name, true) else {
+            eprintln!("skipping the rest: cannot open a tap");
+            return;
+        };
+        let b = client_tap(&name, true).unwrap();
+        let n = with(vec![a, b], r#"{"mac": "52:54:00:00:00:09", "num_queues": 4}"#);
+        let spec = nic(0, &n).unwrap();
+        assert_eq!((spec.tap.as_str(), spec.queues, &spec.fds), (name.as_str(), 2, &TapFds::Passed(n.tap_fds.clone())));
+        let shown = to_ch(&VmConfig { net: vec![spec], ..VmConfig::new(Payload::guest("hello", &[])) });
+        assert_eq!(shown.net.unwrap()[0].fds, Some(n.tap_fds.raw()), "vm.info shows the numbers");
+        // Queues that are not one pair per descriptor, a name that is not theirs.
+        let mut wrong = n.clone();
+        wrong.num_queues = Some(2);
+        assert!(nic(0, &wrong).unwrap_err().contains("num_queues 2 needs 1 tap descriptors"));
+        wrong.num_queues = None;
+        wrong.tap = Some("other".into());
+        assert!(nic(0, &wrong).unwrap_err().contains("`tap` other is not the tap its descriptors are of"));
     }
 }

@@ -126,6 +126,23 @@ pub struct NetSpec {
     /// The interrupt path of its queues (seed 000).
     #[serde(default)]
     pub irq: kumo_vm::interrupt_paths::IrqPath,
+    /// Whether the tap comes as descriptors a client passed (CH's `fds`) rather than by name.
+    /// Never in config files: descriptors live in this process only.
+    #[serde(skip)]
+    pub fds: TapFds,
+}
+
+/// Where a tap NIC's queues come from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum TapFds {
+    /// Tap `tap`, opened by name.
+    #[default]
+    ByName,
+    /// These descriptors, one per queue pair, all of tap `tap` (kept for every boot).
+    Passed(kumo_api::Fds),
+    /// A restored or arriving NIC whose tap came as descriptors on its source: `tap` is that
+    /// tap's name there, not one to open here; its operator must give it a tap.
+    OnSource,
 }
 
 fn one() -> u16 {
@@ -292,7 +309,7 @@ impl NetSpec {
             (Some(t), None) if t.is_empty() => return Err(bad("tap=NAME needs a name".into())),
             (t, _) => t.unwrap_or_default(),
         };
-        let spec = NetSpec { tap, vhost_user, mac, queues, irq };
+        let spec = NetSpec { tap, vhost_user, mac, queues, irq, fds: TapFds::ByName };
         spec.check_kind().map_err(bad)?;
         spec.mac().map_err(bad)?;
         Ok(spec)

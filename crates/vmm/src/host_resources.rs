@@ -17,6 +17,7 @@ use std::path::PathBuf;
 
 pub use kumo_api::{DiskPath, NicBackend, NodeBinding};
 
+use crate::config::TapFds;
 use crate::{Error, VmConfig};
 
 /// What the operator gave: the backend of each NIC, the host node of each guest node.
@@ -28,8 +29,20 @@ pub struct HostResources {
     pub disks: Vec<DiskPath>,
     /// A NIC or disk given nothing here keeps its source's tap, socket or image (Cloud
     /// Hypervisor's restore, which reuses its config's backends): for a restore on the host
-    /// that saved it.
+    /// that saved it. Not a NIC whose tap came as descriptors there: it needs a tap here.
     pub as_on_source: bool,
+    /// NICs on taps whose descriptors the operator's client passed (`vm.restore`'s `net_fds`).
+    pub tap_fds: Vec<PassedTap>,
+}
+
+/// A NIC's tap as descriptors passed with the request, one per queue pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PassedTap {
+    /// The VM's NIC: `net0`, …
+    pub id: String,
+    /// The tap the descriptors are of (TUNGETIFF), for messages and `vm.info`.
+    pub tap: String,
+    pub fds: kumo_api::Fds,
 }
 
 /// Why an arriving VM does not fit what its destination's operator gave. One line each.
@@ -57,6 +70,8 @@ pub enum ResourceError {
     DuplicateNode { node: u32 },
     #[error("the VM's {id}: {why}")]
     BadNic { id: String, why: String },
+    #[error("the VM's {id} had tap {tap} passed as descriptors on its source, which are not here: give it a tap (vm.restore's net_fds, or net/--net id={id},tap=NAME)")]
+    FdsOnSource { id: String, tap: String },
     #[error("the VM's disk {id} (image {source_path} on its source) has no image here: give --disk id={id},path=FILE")]
     MissingDisk { id: String, source_path: String },
     #[error("--disk id={id}: the VM has no disk {id} ({have})")]
@@ -105,15 +120,22 @@ fn mac_text(m: [u8; 6]) -> String {
 /// host is looked at (see [`check_on_host`]).
 pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, ResourceError> {
     ours.check()?;
-    for b in &ours.net {
-        if !(0..vm.net.len()).any(|n| b.id == format!("net{n}")) {
+    for b in ours.net.iter().map(|b| &b.id).chain(ours.tap_fds.iter().map(|p| &p.id)) {
+        if !(0..vm.net.len()).any(|n| *b == format!("net{n}")) {
             let have = listing((0..vm.net.len()).map(|n| format!("net{n}")));
-            return Err(ResourceError::ExtraNic { id: b.id.clone(), have });
+            return Err(ResourceError::ExtraNic { id: b.clone(), have });
         }
     }
     for (i, nic) in vm.net.iter_mut().enumerate() {
         let id = format!("net{i}");
+        if let Some(p) = ours.tap_fds.iter().find(|p| p.id == id) {
+            on_passed_tap(nic, &id, p)?;
+            continue;
+        }
         let found = ours.net.iter().find(|b| b.id == id);
+        if found.is_none() && ours.as_on_source && nic.fds == TapFds::OnSource {
+            return Err(ResourceError::FdsOnSource { id, tap: nic.tap.clone() });
+        }
         if found.is_none() && ours.as_on_source {
             let mac = nic.mac().map_err(|why| ResourceError::BadNic { id: id.clone(), why })?;
             nic.mac = Some(mac_text(mac));
@@ -130,6 +152,7 @@ pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, Resou
         nic.mac = Some(mac_text(mac));
         nic.tap = b.tap.clone().unwrap_or_default();
         nic.vhost_user = b.vhost_user.as_ref().map(PathBuf::from);
+        nic.fds = TapFds::ByName;
     }
     resolve_disks(&mut vm, ours)?;
     // Pins name the source's host CPUs: the destination's own are not carried (`HostPlacement`).
@@ -158,6 +181,22 @@ pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, Resou
         }
     }
     Ok(vm)
+}
+
+/// NIC `id` on the tap passed as descriptors: a tap NIC with as many queue pairs as came.
+fn on_passed_tap(nic: &mut crate::NetSpec, id: &str, p: &PassedTap) -> Result<(), ResourceError> {
+    if nic.vhost_user.is_some() {
+        return Err(ResourceError::NicKind { id: id.into(), want: "vhost-user", given: "tap" });
+    }
+    if p.fds.len() != usize::from(nic.queues) {
+        let why = format!("net_fds gives {} tap descriptors; it has {} queue pairs", p.fds.len(), nic.queues);
+        return Err(ResourceError::BadNic { id: id.into(), why });
+    }
+    let mac = nic.mac().map_err(|why| ResourceError::BadNic { id: id.into(), why })?;
+    nic.mac = Some(mac_text(mac));
+    nic.tap.clone_from(&p.tap);
+    nic.fds = TapFds::Passed(p.fds.clone());
+    Ok(())
 }
 
 /// Each disk on the operator's image for its id; the operator's ids must all exist in the VM.
@@ -208,6 +247,8 @@ pub fn check_on_host(vm: &VmConfig) -> Result<(), Error> {
     for (i, n) in vm.net.iter().enumerate() {
         let bad = |why: String| Error::Config(format!("net{i}: {why}"));
         match &n.vhost_user {
+            // Descriptors in hand were checked when they came (`ch_config::tap_of_fds`).
+            None if matches!(n.fds, TapFds::Passed(_)) => {}
             None => {
                 kumo_devices::virtio::net::tap::Tap::check(&n.tap, usize::from(n.queues))
                     .map_err(|e| bad(e.to_string()))?;
@@ -237,6 +278,14 @@ impl HostResources {
                 return Err(ResourceError::NicBackend { id: b.id.clone() });
             }
         }
+        for (i, p) in self.tap_fds.iter().enumerate() {
+            if !is_nic_id(&p.id) {
+                return Err(ResourceError::NicId { id: p.id.clone() });
+            }
+            if self.net.iter().any(|o| o.id == p.id) || self.tap_fds[..i].iter().any(|o| o.id == p.id) {
+                return Err(ResourceError::DuplicateNic { id: p.id.clone() });
+            }
+        }
         for (i, b) in self.numa.iter().enumerate() {
             if self.numa[..i].iter().any(|o| o.node == b.node) {
                 return Err(ResourceError::DuplicateNode { node: b.node });
@@ -252,6 +301,7 @@ impl HostResources {
             numa: numa.iter().map(|s| parse_node(s)).collect::<Result<_, _>>()?,
             disks: Vec::new(),
             as_on_source: false,
+            tap_fds: Vec::new(),
         })
     }
 
@@ -407,6 +457,7 @@ mod tests {
             numa: vec![],
             disks: vec![],
             as_on_source: false,
+            tap_fds: vec![],
         };
         assert_eq!(resolve(vm(&["tap=t"]), &both), Err(ResourceError::NicBackend { id: "net0".into() }));
         // Cloud Hypervisor's restore: what is not given keeps the source's backend.
@@ -418,6 +469,7 @@ mod tests {
             numa: vec![],
             disks: vec![],
             as_on_source: false,
+            tap_fds: vec![],
         };
         assert_eq!(eth.check(), Err(ResourceError::NicId { id: "eth0".into() }));
     }
@@ -474,5 +526,41 @@ mod tests {
             let e = HostResources::parse(&net, &numa).unwrap_err().to_string();
             assert!(e.contains(want) && !e.contains('\n'), "{net:?} {numa:?}: want `{want}` in `{e}`");
         }
+    }
+
+    #[test]
+    fn a_nic_whose_tap_came_as_descriptors_needs_one_here() {
+        let mut src = vm(&["tap=vnet7", "tap=byname"]);
+        src.net[0].fds = TapFds::OnSource;
+        // CH's restore keeps what is not given, but not a tap that was only descriptors there.
+        let same = HostResources { as_on_source: true, ..Default::default() };
+        let e = resolve(src.clone(), &same).unwrap_err();
+        assert_eq!(e, ResourceError::FdsOnSource { id: "net0".into(), tap: "vnet7".into() });
+        // Descriptors given for it: a tap NIC on them, one per queue pair.
+        let null = || std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let fds = kumo_api::Fds::new(vec![null()]);
+        let passed = PassedTap { id: "net0".into(), tap: "vnet9".into(), fds: fds.clone() };
+        let given = HostResources { as_on_source: true, tap_fds: vec![passed.clone()], ..Default::default() };
+        let r = resolve(src.clone(), &given).unwrap();
+        assert_eq!((r.net[0].tap.as_str(), &r.net[0].fds), ("vnet9", &TapFds::Passed(fds.clone())));
+        assert_eq!((r.net[1].tap.as_str(), &r.net[1].fds), ("byname", &TapFds::ByName));
+        assert_eq!(r.net[0].mac, Some(mac_text(src.net[0].mac().unwrap())), "the source's MAC stays");
+        // Or a tap by name.
+        let r = resolve(src.clone(), &HostResources { as_on_source: true, ..ours(&["tap=mine"], &[]) }).unwrap();
+        assert_eq!((r.net[0].tap.as_str(), &r.net[0].fds), ("mine", &TapFds::ByName));
+        // Wrong count, unknown NIC, twice.
+        let two = HostResources {
+            tap_fds: vec![PassedTap { fds: kumo_api::Fds::new(vec![null(), null()]), ..passed.clone() }],
+            ..Default::default()
+        };
+        assert!(resolve(src.clone(), &HostResources { as_on_source: true, ..two })
+            .unwrap_err()
+            .to_string()
+            .contains("2 tap descriptors; it has 1 queue pairs"));
+        let extra =
+            HostResources { tap_fds: vec![PassedTap { id: "net5".into(), ..passed.clone() }], ..Default::default() };
+        assert!(matches!(resolve(src.clone(), &extra), Err(ResourceError::ExtraNic { .. })));
+        let twice = HostResources { tap_fds: vec![passed], ..ours(&["tap=a"], &[]) };
+        assert_eq!(resolve(src, &twice), Err(ResourceError::DuplicateNic { id: "net0".into() }));
     }
 }

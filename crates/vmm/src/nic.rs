@@ -21,7 +21,7 @@ use kumo_vm::interrupts::Interrupts;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::config::NetSpec;
+use crate::config::{NetSpec, TapFds};
 use crate::event_loop::{EventHandler, EventLoop, Interest};
 use crate::nic_vhost_user::VhostUserNic;
 use crate::pci::Pci;
@@ -138,7 +138,20 @@ impl TapNic {
         let id = format!("net{index}");
         let dev_err = |m: String| Error::Devices(format!("{id} (tap {}): {m}", spec.tap));
         let mac = spec.mac().map_err(dev_err)?;
-        let tap = Tap::attach(&spec.tap, usize::from(spec.queues)).map_err(|e| Error::Devices(e.to_string()))?;
+        let tap = match &spec.fds {
+            TapFds::ByName => {
+                Tap::attach(&spec.tap, usize::from(spec.queues)).map_err(|e| Error::Devices(e.to_string()))?
+            }
+            // The client's descriptors stay with the config (for the next boot): the NIC has
+            // duplicates of its own.
+            TapFds::Passed(fds) => {
+                let fds = fds.duplicate().map_err(|e| dev_err(format!("duplicating its tap descriptors: {e}")))?;
+                Tap::from_fds(fds).map_err(|e| dev_err(e.to_string()))?
+            }
+            TapFds::OnSource => {
+                return Err(dev_err("its tap came as descriptors on its source: give it one here".into()))
+            }
+        };
         let net =
             Net::new(NetConfig { mac, pairs: spec.queues, csum: false }, tap).map_err(|e| dev_err(e.to_string()))?;
         let queues = net.queue_max_sizes().len();

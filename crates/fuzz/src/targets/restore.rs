@@ -183,7 +183,7 @@ fn config(u: &mut Input<'_>) -> CaseResult {
         .enumerate()
         .map(|(i, n)| {
             let (tap, vhost_user) = match &n.source_backend {
-                SourceBackend::Tap(t) => (Some(t.clone()), None),
+                SourceBackend::Tap(t) | SourceBackend::TapFds(t) => (Some(t.clone()), None),
                 SourceBackend::VhostUser(p) => (None, Some(p.to_string_lossy().into_owned())),
             };
             kumo_api::NicBackend { id: format!("net{i}"), tap, vhost_user }

@@ -172,6 +172,10 @@ pub enum NicIrqPath {
 pub enum SourceBackend {
     /// A host tap, by name.
     Tap(String),
+    /// A host tap whose descriptors the source's client passed (CH's `fds`), named for
+    /// messages: there is nothing to open by that name elsewhere, so a restore or destination
+    /// needs a tap from its operator.
+    TapFds(String),
     /// A vhost-user-net backend, by socket path.
     VhostUser(PathBuf),
 }

@@ -9,7 +9,7 @@ use kumo_vm::layout::ram_regions;
 use kumo_vm::pv::PvRequest;
 use kumo_vm::IrqchipMode;
 
-use crate::config::{DiskSpec, NetSpec, NumaConfig, NumaDistance, NumaNodeSpec, Payload};
+use crate::config::{DiskSpec, NetSpec, NumaConfig, NumaDistance, NumaNodeSpec, Payload, TapFds};
 use crate::host_resources::HostResources;
 use crate::VmConfig;
 
@@ -87,9 +87,10 @@ fn describe_nic(n: &NetSpec) -> wire::NicDescription {
             IrqPath::Dedicated { vcpu } => wire::NicIrqPath::Dedicated { vcpu },
             IrqPath::Shared => wire::NicIrqPath::Shared,
         },
-        source_backend: match &n.vhost_user {
-            Some(p) => wire::SourceBackend::VhostUser(p.clone()),
-            None => wire::SourceBackend::Tap(n.tap.clone()),
+        source_backend: match (&n.vhost_user, &n.fds) {
+            (Some(p), _) => wire::SourceBackend::VhostUser(p.clone()),
+            (None, TapFds::ByName) => wire::SourceBackend::Tap(n.tap.clone()),
+            (None, TapFds::Passed(_) | TapFds::OnSource) => wire::SourceBackend::TapFds(n.tap.clone()),
         },
     }
 }
@@ -115,16 +116,17 @@ fn config_of(d: &VmDescription) -> VmConfig {
         .nets
         .iter()
         .map(|n| {
-            let (tap, vhost_user) = match &n.source_backend {
-                wire::SourceBackend::Tap(t) => (t.clone(), None),
-                wire::SourceBackend::VhostUser(p) => (String::new(), Some(p.clone())),
+            let (tap, vhost_user, fds) = match &n.source_backend {
+                wire::SourceBackend::Tap(t) => (t.clone(), None, TapFds::ByName),
+                wire::SourceBackend::TapFds(t) => (t.clone(), None, TapFds::OnSource),
+                wire::SourceBackend::VhostUser(p) => (String::new(), Some(p.clone()), TapFds::ByName),
             };
             let irq = match n.irq {
                 wire::NicIrqPath::Direct => IrqPath::Direct,
                 wire::NicIrqPath::Dedicated { vcpu } => IrqPath::Dedicated { vcpu },
                 wire::NicIrqPath::Shared => IrqPath::Shared,
             };
-            NetSpec { tap, vhost_user, mac: Some(n.mac.clone()), queues: n.queues, irq }
+            NetSpec { tap, vhost_user, mac: Some(n.mac.clone()), queues: n.queues, irq, fds }
         })
         .collect();
     let numa = d.numa.as_ref().map(|n| NumaConfig {
@@ -210,6 +212,21 @@ mod tests {
     fn ours(net: &[&str], numa: &[&str]) -> HostResources {
         let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         HostResources::parse(&s(net), &s(numa)).unwrap()
+    }
+
+    /// A NIC on passed descriptors travels as such: the other side gets no name to reopen.
+    #[test]
+    fn a_tap_passed_as_descriptors_is_described_as_such() {
+        let null = std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let mut nic = NetSpec::parse("tap=vnet3").unwrap();
+        nic.fds = TapFds::Passed(kumo_api::Fds::new(vec![null]));
+        let c = VmConfig { net: vec![nic], ..vm(1, 64 << 20, "memtouch") };
+        let d = desc(&c);
+        assert_eq!(d.nets[0].source_backend, wire::SourceBackend::TapFds("vnet3".into()));
+        let back = config_of(&d);
+        assert_eq!((back.net[0].tap.as_str(), &back.net[0].fds), ("vnet3", &TapFds::OnSource));
+        // Described again (a restored VM snapshotted before it got a tap): still no name to use.
+        assert_eq!(describe_nic(&back.net[0]).source_backend, wire::SourceBackend::TapFds("vnet3".into()));
     }
 
     /// What the guest sees survives the trip; what the source's host gave it does not.

@@ -7,7 +7,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 
 use super::{NetBackend, VNET_HDR_LEN};
@@ -15,6 +15,7 @@ use super::{NetBackend, VNET_HDR_LEN};
 const TUN_PATH: &str = "/dev/net/tun";
 // <linux/if_tun.h>
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const TUNGETIFF: libc::c_ulong = 0x8004_54d2;
 const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
 const TUNSETVNETHDRSZ: libc::c_ulong = 0x4004_54d8;
 const TUNSETQUEUE: libc::c_ulong = 0x4004_54d9;
@@ -58,6 +59,17 @@ pub enum TapError {
     Flags { name: String, queues: usize, err: io::Error },
     #[error("tap {name}: {what}: {err}")]
     Ioctl { name: String, what: &'static str, err: io::Error },
+    #[error("file descriptor {fd} is not a tap's: {why}")]
+    NotTapFd { fd: RawFd, why: String },
+    #[error("the file descriptors are of different taps ({0} and {1}): give one tap's queues")]
+    MixedFds(String, String),
+}
+
+/// What a tap queue's descriptor says of its tap ([`Tap::inspect`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TapFdInfo {
+    pub name: String,
+    pub multi_queue: bool,
 }
 
 /// A TAP interface with one fd per queue pair.
@@ -163,6 +175,88 @@ impl Tap {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// What TUNGETIFF says of `fd`, a tap queue someone else opened (a CH client's `fds`):
+    /// its tap's name and whether it is multi-queue. Refused unless kumo can drive it: a tap
+    /// (not a tun) without packet information and with vnet headers (`IFF_TAP | IFF_NO_PI |
+    /// IFF_VNET_HDR`, as libvirt opens them).
+    pub fn inspect(fd: BorrowedFd<'_>) -> Result<TapFdInfo, TapError> {
+        let raw = fd.as_raw_fd();
+        let mut req = IfReq { name: [0; libc::IFNAMSIZ], flags: 0, _pad: [0; 22] };
+        // SAFETY: TUNGETIFF writes one `struct ifreq`, which `req` is (repr(C), 40 bytes); any
+        // other kind of descriptor refuses the ioctl.
+        let r = unsafe { libc::ioctl(raw, TUNGETIFF as _, &mut req as *mut IfReq) };
+        if r < 0 {
+            let err = io::Error::last_os_error();
+            let why = match err.raw_os_error() {
+                Some(libc::EBADFD) => "a tun/tap descriptor attached to no interface".to_string(),
+                Some(libc::ENOTTY | libc::EINVAL) => "TUNGETIFF refused it (not /dev/net/tun)".to_string(),
+                _ => format!("TUNGETIFF: {err}"),
+            };
+            return Err(TapError::NotTapFd { fd: raw, why });
+        }
+        let len = req.name.iter().position(|&b| b == 0).unwrap_or(libc::IFNAMSIZ);
+        let name = String::from_utf8_lossy(&req.name[..len]).into_owned();
+        let bad = |why: &str| Err(TapError::NotTapFd { fd: raw, why: format!("{name}: {why}") });
+        if req.flags & IFF_TAP == 0 {
+            return bad("a tun, not a tap (kumo's NICs carry Ethernet frames)");
+        }
+        if req.flags & IFF_NO_PI == 0 {
+            return bad("opened without IFF_NO_PI (its frames carry packet information kumo does not read)");
+        }
+        if req.flags & IFF_VNET_HDR == 0 {
+            return bad("opened without IFF_VNET_HDR (kumo's frames carry virtio-net headers)");
+        }
+        Ok(TapFdInfo { name, multi_queue: req.flags & IFF_MULTI_QUEUE != 0 })
+    }
+
+    /// A tap on descriptors someone else opened and passed (a CH client's `fds`), one per
+    /// queue pair, all of one tap ([`Tap::inspect`] each); made non-blocking, with kumo's
+    /// vnet header size and no offloads, as [`Tap::open`] leaves its own.
+    pub fn from_fds(fds: Vec<OwnedFd>) -> Result<Self, TapError> {
+        let mut info: Option<TapFdInfo> = None;
+        for fd in &fds {
+            let i = Self::inspect(fd.as_fd())?;
+            match &info {
+                Some(first) if first.name != i.name => return Err(TapError::MixedFds(first.name.clone(), i.name)),
+                _ => info = Some(i),
+            }
+        }
+        let Some(info) = info else { return Err(TapError::NotTapFd { fd: -1, why: "none given".into() }) };
+        let name = info.name;
+        if fds.len() > 1 && !info.multi_queue {
+            return Err(TapError::SingleQueue { name, queues: fds.len() });
+        }
+        let ioctl_err = |what: &'static str| {
+            let name = name.clone();
+            move |err| TapError::Ioctl { name, what, err }
+        };
+        for fd in &fds {
+            let raw = fd.as_raw_fd();
+            // SAFETY: F_GETFL/F_SETFL read and set a live descriptor's status flags.
+            let r = unsafe {
+                let flags = libc::fcntl(raw, libc::F_GETFL);
+                if flags < 0 {
+                    flags
+                } else {
+                    libc::fcntl(raw, libc::F_SETFL, flags | libc::O_NONBLOCK)
+                }
+            };
+            if r < 0 {
+                return Err(ioctl_err("making it non-blocking")(io::Error::last_os_error()));
+            }
+            let hdr: libc::c_int = VNET_HDR_LEN as libc::c_int;
+            // SAFETY: TUNSETVNETHDRSZ reads one int from the pointer, which points at `hdr`.
+            if unsafe { libc::ioctl(raw, TUNSETVNETHDRSZ as _, &hdr as *const libc::c_int) } < 0 {
+                return Err(ioctl_err("setting the vnet header size")(io::Error::last_os_error()));
+            }
+        }
+        let queues = fds.into_iter().map(File::from).collect();
+        let offload_err = ioctl_err("clearing offloads");
+        let mut tap = Tap { name, queues, multi_queue: info.multi_queue, attached: true };
+        tap.set_offload(false).map_err(offload_err)?;
+        Ok(tap)
     }
 
     /// Attaches or detaches this process's queues of a multi-queue tap: the kernel hands frames
@@ -282,6 +376,35 @@ mod tests {
         assert!(matches!(e, TapError::SingleQueue { queues: 2, .. }), "more queues than a single-queue tap has: {e}");
         assert_eq!(e.to_string(), format!("tap {single} cannot take 2 queue pairs: it was made without multi_queue"));
         assert!(!Tap::check(&single, 1).unwrap() && Tap::check(&name, 2).unwrap());
+    }
+
+    /// A tap queue opened as a CH client opens one (TUNSETIFF with `flags`); None without tun.
+    fn client_fd(name: &str, flags: libc::c_short) -> Option<OwnedFd> {
+        let f = OpenOptions::new().read(true).write(true).open(TUN_PATH).ok()?;
+        let mut req = IfReq { name: [0; libc::IFNAMSIZ], flags, _pad: [0; 22] };
+        req.name[..name.len()].copy_from_slice(name.as_bytes());
+        // SAFETY: TUNSETIFF on a tun fd this test owns, with one `struct ifreq`.
+        let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETIFF as _, &mut req as *mut IfReq) };
+        (r == 0).then(|| f.into())
+    }
+
+    #[test]
+    fn a_tap_from_descriptors_is_checked_with_tungetiff() {
+        let null = File::open("/dev/null").unwrap();
+        let e = Tap::inspect(null.as_fd()).unwrap_err().to_string();
+        assert!(e.contains("is not a tap's") && e.contains("TUNGETIFF"), "{e}");
+        let name = format!("kf{}", std::process::id());
+        let Some(good) = client_fd(&name, IFF_TAP | IFF_NO_PI | IFF_VNET_HDR) else {
+            eprintln!("skipping: cannot open a tap (no /dev/net/tun or CAP_NET_ADMIN)");
+            return;
+        };
+        assert_eq!(Tap::inspect(good.as_fd()).unwrap(), TapFdInfo { name: name.clone(), multi_queue: false });
+        let tap = Tap::from_fds(vec![good]).unwrap();
+        assert_eq!((tap.name(), tap.pairs()), (name.as_str(), 1));
+        let plain = format!("kp{}", std::process::id());
+        let Some(no_hdr) = client_fd(&plain, IFF_TAP | IFF_NO_PI) else { return };
+        let e = Tap::from_fds(vec![no_hdr]).unwrap_err().to_string();
+        assert!(e.contains("without IFF_VNET_HDR"), "{e}");
     }
 
     fn ip(args: &[&str]) -> bool {
