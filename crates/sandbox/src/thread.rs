@@ -85,7 +85,9 @@ fn body<T>(kind: ThreadKind, name: &str, inherited: Option<ThreadKind>, f: impl 
 
 /// Starts a thread of `kind` named `name` running `f` under the panic guard and its kind's
 /// seccomp filter. A filtered caller has the spawner create it (crate::seccomp), with the
-/// caller's CPUs and scheduling policy, as a thread it created itself would have.
+/// caller's CPUs and scheduling policy, as a thread it created itself would have. Returns once
+/// the thread runs under its name: whoever looks at the process then (libvirt finds vCPU
+/// threads by name right after `vm.boot`) sees it.
 pub fn spawn<F, T>(kind: ThreadKind, name: impl Into<String>, f: F) -> io::Result<JoinHandle<T>>
 where
     F: FnOnce() -> T + Send + 'static,
@@ -94,18 +96,28 @@ where
     let name = name.into();
     let thread_name = name.clone();
     let builder = std::thread::Builder::new().name(name);
-    if crate::seccomp::filtered() {
+    // std names a thread from inside it, as it starts: wait for that.
+    let started = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let seen = started.clone();
+    let handle = if crate::seccomp::filtered() {
         let placement = crate::seccomp::Placement::current();
-        return crate::seccomp::on_spawner(move || {
+        crate::seccomp::on_spawner(move || {
             builder.spawn(move || {
+                seen.wait();
                 if let Some(p) = placement {
                     p.apply();
                 }
                 body(kind, &thread_name, None, f)
             })
-        })?;
-    }
-    builder.spawn(move || body(kind, &thread_name, None, f))
+        })??
+    } else {
+        builder.spawn(move || {
+            seen.wait();
+            body(kind, &thread_name, None, f)
+        })?
+    };
+    started.wait();
+    Ok(handle)
 }
 
 /// Starts a scoped thread of `kind` named `name` running `f` under the panic guard. It is
@@ -132,6 +144,20 @@ where
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn a_spawned_thread_is_named_when_spawn_returns() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let t = spawn(ThreadKind::Vmm, "t-named-now", move || rx.recv()).unwrap();
+        let names: Vec<String> = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+            .map(|c| c.trim().to_string())
+            .collect();
+        assert!(names.iter().any(|n| n == "t-named-now"), "{names:?}");
+        drop(tx);
+        t.join().unwrap().unwrap_err();
+    }
 
     #[test]
     fn a_thread_runs_and_returns_its_value() {
