@@ -43,8 +43,13 @@ fn two_nodes(layout: &MemoryLayout) -> NumaTopology {
     }
 }
 
+/// `cpus` vCPUs on `layout` with KVM's irqchip and nothing else: the base the tests add to.
+fn bare(cpus: u32, layout: &MemoryLayout) -> AcpiConfig<'_> {
+    AcpiConfig { cpus, layout, irqchip: IrqchipMode::Kernel, pci: None, numa: None, ged: None, sleep: None }
+}
+
 fn build_with(cpus: u32, layout: &MemoryLayout, irqchip: IrqchipMode, numa: Option<&NumaTopology>) -> Tables {
-    build(&AcpiConfig { cpus, layout, irqchip, pci: Some(pci()), numa, ged: None, sleep: None }).unwrap()
+    build(&AcpiConfig { irqchip, pci: Some(pci()), numa, ..bare(cpus, layout) }).unwrap()
 }
 
 #[test]
@@ -104,16 +109,7 @@ fn dsdt_describes_the_pci_host_bridge_and_reserves_ecam() {
     window.extend_from_slice(&0xfeaf_ffffu32.to_le_bytes());
     assert!(has(&window));
     // Without PCI: an empty DSDT.
-    let t = build(&AcpiConfig {
-        cpus: 1,
-        layout: &layout,
-        irqchip: IrqchipMode::Kernel,
-        pci: None,
-        numa: None,
-        ged: None,
-        sleep: None,
-    })
-    .unwrap();
+    let t = build(&bare(1, &layout)).unwrap();
     assert_eq!(table(&t, b"DSDT").len(), 36);
     assert!(t.find(b"MCFG").is_none());
 }
@@ -224,26 +220,9 @@ fn no_topology_means_no_srat_or_slit_and_a_bad_one_is_refused() {
     assert!(t.find(b"SRAT").is_none() && t.find(b"SLIT").is_none());
     let mut numa = two_nodes(&layout);
     numa.nodes[1].cpus = vec![1, 2, 3];
-    let e = build(&AcpiConfig {
-        cpus: 4,
-        layout: &layout,
-        irqchip: IrqchipMode::Kernel,
-        pci: None,
-        numa: Some(&numa),
-        ged: None,
-        sleep: None,
-    })
-    .unwrap_err();
+    let e = build(&AcpiConfig { numa: Some(&numa), ..bare(4, &layout) }).unwrap_err();
     assert_eq!(e.to_string(), "cpu 1 is in two NUMA nodes: 0 and 1");
-    let e = build(&AcpiConfig {
-        cpus: 256,
-        layout: &layout,
-        irqchip: IrqchipMode::Kernel,
-        pci: None,
-        numa: None,
-        ged: None,
-        sleep: None,
-    });
+    let e = build(&bare(256, &layout));
     assert!(e.unwrap_err().to_string().contains("at most 255"));
 }
 
@@ -274,15 +253,7 @@ fn the_largest_vm_fits_and_the_area_is_reserved_in_e820() {
 fn write_puts_the_tables_in_guest_memory() {
     let mem = kumo_vm::Memory::new(64 * MIB).unwrap();
     let layout = MemoryLayout::new(64 * MIB);
-    let cfg = AcpiConfig {
-        cpus: 2,
-        layout: &layout,
-        irqchip: IrqchipMode::Kernel,
-        pci: Some(pci()),
-        numa: None,
-        ged: None,
-        sleep: None,
-    };
+    let cfg = AcpiConfig { pci: Some(pci()), ..bare(2, &layout) };
     let rsdp = write(&mem.guest, &cfg).unwrap();
     assert_eq!(rsdp, ACPI_START);
     let mut sig = [0u8; 8];
@@ -304,16 +275,7 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 fn with_ged(cpus: u32, layout: &MemoryLayout) -> Tables {
     let ged = Ged { mmio_base: 0xfed0_0000, gsi: 5 };
     let sleep = Some(SleepRegisters { port: 0x600, s5_type: 5 });
-    build(&AcpiConfig {
-        cpus,
-        layout,
-        irqchip: IrqchipMode::Kernel,
-        pci: Some(pci()),
-        numa: None,
-        ged: Some(ged),
-        sleep,
-    })
-    .unwrap()
+    build(&AcpiConfig { pci: Some(pci()), ged: Some(ged), sleep, ..bare(cpus, layout) }).unwrap()
 }
 
 #[test]
@@ -425,15 +387,7 @@ fn iasl_disassembles_the_hotplug_dsdt() {
 fn hotplug_memory_gets_a_hotpluggable_srat_entry_even_without_numa() {
     let layout = MemoryLayout::new(512 * MIB);
     let hp = [HotplugMemory { node: 0, start: 4 << 30, len: 256 * MIB }];
-    let cfg = AcpiConfig {
-        cpus: 2,
-        layout: &layout,
-        irqchip: IrqchipMode::Kernel,
-        pci: None,
-        numa: None,
-        ged: None,
-        sleep: None,
-    };
+    let cfg = bare(2, &layout);
     let t = build_with_hotplug(&cfg, &hp).unwrap();
     let s = table(&t, b"SRAT");
     let mut mem = Vec::new();
