@@ -386,8 +386,8 @@ fn kumo_vm(ctx: &Ctx, guest: &str, cpus: u32, nics: &[Nic], guest_args: &[String
     let api =
         ctx.dir.as_path().join(format!("api-{}.sock", ctx.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
     let mut argv = sv(&[&ctx.kumo.display().to_string(), "--api-socket", &api.display().to_string()]);
-    argv.extend(sv(&["run", "--guest", guest, "--cpus", &cpus.to_string(), "--timeout", LIFETIME]));
-    argv.extend(sv(&["--memory", &format!("{MEM_MIB}M")]));
+    argv.extend(sv(&["run", "--memory", &format!("{MEM_MIB}M")]));
+    argv.extend(sv(&["--guest", guest, "--cpus", &cpus.to_string(), "--timeout", LIFETIME]));
     for n in nics {
         argv.push("--net".into());
         argv.push(format!("tap={},mac={},{}", n.tap, n.mac, n.irq));
