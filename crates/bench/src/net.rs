@@ -12,13 +12,18 @@
 //!    per path, the seed's NPB proxy.
 //! 4. Throughput guest → host (`udpsend` → host sink) and VM → VM (`udpsend` → `udpsink`), as
 //!    ratios of the veth baseline.
+//! 5. kumo against QEMU's virtio-net-pci ([`vs_qemu`]): host ↔ guest round trips to `netecho`
+//!    and the guest → host `udpsend` stream, the same guests, tap and host tools in both VMMs,
+//!    runs alternating; skipped, saying why, without `qemu-system-x86_64`.
 //!
-//! Everything runs inside namespaces of this run ([`host`]): kumo too, so its taps and bridge
-//! never meet the host's addresses. The last line is the headline:
+//! Everything runs inside namespaces of this run ([`host`]): kumo and QEMU too, so their taps
+//! and bridge never meet the host's addresses. The last line is the headline:
 //! `dedicated_p99_us= dedicated_unloaded_p99_us= shared_p99_us= veth_ratio=` (with interference,
-//! the headline vCPU count; the ratio is the dedicated path's guest → host stream over veth).
-//! Without `kumo run --net` (or the network guests) the bench measures veth, says so in one line
-//! and exits 1.
+//! the headline vCPU count; the ratio is the dedicated path's guest → host stream over veth),
+//! then section 5's `kumo_rtt_p50_us= kumo_rtt_p99_us= kumo_stream_mb_s= qemu_rtt_p50_us=
+//! qemu_rtt_p99_us= qemu_stream_mb_s= rtt_p99_ratio_qemu= stream_ratio_qemu=` (ratios kumo over
+//! QEMU; n/a without QEMU). Without `kumo run --net` (or the network guests) the bench measures
+//! veth, says so in one line and exits 1.
 
 pub mod stats;
 pub mod tools;
