@@ -842,7 +842,7 @@ pub fn tables(r: &Report) -> String {
     let p = r.plan;
     let _ = writeln!(
         s,
-        "kumo bench net{}: interrupt paths of kumo's NIC against veth on this host ({} CPUs), {:.0} s",
+        "kumo bench net{}: interrupt paths of kumo's NIC against veth and QEMU on this host ({} CPUs), {:.0} s",
         if r.quick { " --quick" } else { "" },
         r.host_cpus,
         r.elapsed_s
