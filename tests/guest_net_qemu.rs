@@ -20,18 +20,9 @@ use std::time::Duration;
 const LIMIT: Duration = Duration::from_secs(300);
 const GUEST_MAC: &str = "52:54:00:12:34:56";
 
-fn nic_args(tap: &str) -> Vec<String> {
-    sv(&[
-        "-device",
-        &format!("virtio-net-pci,netdev=n0,disable-legacy=on,mac={GUEST_MAC}"),
-        "-netdev",
-        &format!("tap,id=n0,ifname={tap},script=no,downscript=no"),
-    ])
-}
-
 /// Boots `guest` with `args` and NIC 0 on `tap`; returns once the guest says NIC 0 is up.
 fn boot(guest: &str, args: &[String], tap: &str, guest_ip: Ipv4Addr) -> QemuVm {
-    let spec = QemuSpec { extra_args: nic_args(tap), ..QemuSpec::new(guest, 64, args) };
+    let spec = QemuSpec { extra_args: qemu::virtio_net_args(tap, GUEST_MAC), ..QemuSpec::new(guest, 64, args) };
     let mut vm = QemuVm::spawn(&spec, None).unwrap_or_else(|e| panic!("{e}"));
     let out = vm.wait_serial(": up nic=0", LIMIT).unwrap_or_else(|e| panic!("{e}"));
     let (mac, ip) = net::ready_line(&out).unwrap_or_else(|| panic!("no ready line:\n{out}"));

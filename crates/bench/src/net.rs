@@ -12,16 +12,22 @@
 //!    per path, the seed's NPB proxy.
 //! 4. Throughput guest → host (`udpsend` → host sink) and VM → VM (`udpsend` → `udpsink`), as
 //!    ratios of the veth baseline.
+//! 5. kumo against QEMU's virtio-net-pci ([`vs_qemu`]): host ↔ guest round trips to `netecho`
+//!    and the guest → host `udpsend` stream, the same guests, tap and host tools in both VMMs,
+//!    runs alternating; skipped, saying why, without `qemu-system-x86_64`.
 //!
-//! Everything runs inside namespaces of this run ([`host`]): kumo too, so its taps and bridge
-//! never meet the host's addresses. The last line is the headline:
+//! Everything runs inside namespaces of this run ([`host`]): kumo and QEMU too, so their taps
+//! and bridge never meet the host's addresses. The last line is the headline:
 //! `dedicated_p99_us= dedicated_unloaded_p99_us= shared_p99_us= veth_ratio=` (with interference,
-//! the headline vCPU count; the ratio is the dedicated path's guest → host stream over veth).
-//! Without `kumo run --net` (or the network guests) the bench measures veth, says so in one line
-//! and exits 1.
+//! the headline vCPU count; the ratio is the dedicated path's guest → host stream over veth),
+//! then section 5's `kumo_rtt_p50_us= kumo_rtt_p99_us= kumo_stream_mb_s= qemu_rtt_p50_us=
+//! qemu_rtt_p99_us= qemu_stream_mb_s= rtt_p99_ratio_qemu= stream_ratio_qemu=` (ratios kumo over
+//! QEMU; n/a without QEMU). Without `kumo run --net` (or the network guests) the bench measures
+//! veth, says so in one line and exits 1.
 
 pub mod stats;
 pub mod tools;
+pub mod vs_qemu;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -33,6 +39,7 @@ use kumo_testkit::net::{self as host, NetGuard};
 use kumo_testkit::{sv, Kid};
 use stats::{median, Latency, Runs};
 use tools::SinkResult;
+use vs_qemu::{AnyVm, Vmm, VsQemu};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -56,6 +63,8 @@ const LIFETIME: &str = "600";
 /// The guests this bench runs.
 const GUESTS: [&str; 4] = ["netecho", "udpping", "udpsend", "udpsink"];
 const BOOT_LIMIT: Duration = Duration::from_secs(60);
+/// Every VM's memory (kumo's default, given explicitly: QEMU's VMs get the same).
+const MEM_MIB: u64 = 256;
 
 // Addresses inside the run's VM namespace: NIC 0's tap, NIC 1's (interference) tap, the bridge.
 const HOST0: &str = "10.0.0.1";
@@ -382,7 +391,8 @@ fn kumo_vm(ctx: &Ctx, guest: &str, cpus: u32, nics: &[Nic], guest_args: &[String
     let api =
         ctx.dir.as_path().join(format!("api-{}.sock", ctx.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
     let mut argv = sv(&[&ctx.kumo.display().to_string(), "--api-socket", &api.display().to_string()]);
-    argv.extend(sv(&["run", "--guest", guest, "--cpus", &cpus.to_string(), "--timeout", LIFETIME]));
+    argv.extend(sv(&["run", "--memory", &format!("{MEM_MIB}M")]));
+    argv.extend(sv(&["--guest", guest, "--cpus", &cpus.to_string(), "--timeout", LIFETIME]));
     for n in nics {
         argv.push("--net".into());
         argv.push(format!("tap={},mac={},{}", n.tap, n.mac, n.irq));
@@ -589,17 +599,17 @@ fn udpsend_args(ctx: &Ctx, ip: &str, peer: &str) -> Vec<String> {
 pub fn guest_to_host(ctx: &Ctx, path: IrqPath, veth_mb_per_s: Option<f64>) -> Throughput {
     let mut stream = Stream::default();
     for _ in 0..ctx.plan.runs {
-        stream.push(guest_to_host_once(ctx, path));
+        stream.push(guest_to_host_once(ctx, Vmm::Kumo, &path.net_irq(0)));
     }
     let veth_ratio = ratio(stream.median_mb_per_s, veth_mb_per_s);
     Throughput { path, direction: Direction::GuestToHost, stream, veth_ratio }
 }
 
-fn guest_to_host_once(ctx: &Ctx, path: IrqPath) -> Result<SinkResult, String> {
+/// One run of `udpsend` (1 vCPU) in `vmm` to the host sink; kumo's NIC takes `irq`.
+fn guest_to_host_once(ctx: &Ctx, vmm: Vmm, irq: &str) -> Result<SinkResult, String> {
     let mut sink = tool(&ctx.bench, &ctx.ns, &sv(&["sink", "--bind", &format!("{HOST0}:9"), "--first-ms", "60000"]))?;
     wait_ready(&mut sink)?;
-    let nic = [Nic { tap: &ctx.tap0, mac: MAC0, irq: path.net_irq(0) }];
-    let mut vm = kumo_vm(ctx, "udpsend", 1, &nic, &udpsend_args(ctx, GUEST0, HOST0))?;
+    let mut vm = AnyVm::boot(ctx, vmm, irq, "udpsend", &udpsend_args(ctx, GUEST0, HOST0))?;
     let r = sink.json_result(BOOT_LIMIT + Duration::from_secs(120));
     vm.wait_exit(Duration::from_secs(30))?;
     r
@@ -672,6 +682,16 @@ pub struct Headline {
     pub dedicated_unloaded_p99_us: Option<f64>,
     pub shared_p99_us: Option<f64>,
     pub veth_ratio: Option<f64>,
+    /// Section 5, kumo against QEMU (1 vCPU, unloaded, unpinned): each VMM's round-trip
+    /// medians and guest -> host stream, and kumo over QEMU.
+    pub kumo_rtt_p50_us: Option<f64>,
+    pub kumo_rtt_p99_us: Option<f64>,
+    pub kumo_stream_mb_s: Option<f64>,
+    pub qemu_rtt_p50_us: Option<f64>,
+    pub qemu_rtt_p99_us: Option<f64>,
+    pub qemu_stream_mb_s: Option<f64>,
+    pub rtt_p99_ratio_qemu: Option<f64>,
+    pub stream_ratio_qemu: Option<f64>,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -698,6 +718,8 @@ pub struct Report {
     pub rtt: Vec<RttRow>,
     pub pingpong: Vec<PingPong>,
     pub throughput: Vec<Throughput>,
+    /// kumo against QEMU's virtio-net-pci (section 5); None when the VM part did not run.
+    pub qemu: Option<VsQemu>,
     pub headline: Headline,
     pub goals: Vec<Goal>,
     pub png: Option<String>,
@@ -708,8 +730,20 @@ fn find_rtt(rows: &[RttRow], path: IrqPath, cpus: u32, load: Load) -> Option<&Rt
 }
 
 /// The headline: round trips with 2 vCPUs where both paths measured there, else 1; the
-/// dedicated path's guest → host stream over veth.
+/// dedicated path's guest → host stream over veth; the kumo-vs-QEMU figures.
 pub fn headline(r: &Report) -> Headline {
+    let mut h = paths_headline(r);
+    if let Some(q) = &r.qemu {
+        (h.kumo_rtt_p50_us, h.kumo_rtt_p99_us, h.kumo_stream_mb_s) =
+            (q.kumo.rtt.p50_us, q.kumo.rtt.p99_us, q.kumo.stream.median_mb_per_s);
+        (h.qemu_rtt_p50_us, h.qemu_rtt_p99_us, h.qemu_stream_mb_s) =
+            (q.qemu.rtt.p50_us, q.qemu.rtt.p99_us, q.qemu.stream.median_mb_per_s);
+        (h.rtt_p99_ratio_qemu, h.stream_ratio_qemu) = (q.rtt_p99_ratio_qemu, q.stream_ratio_qemu);
+    }
+    h
+}
+
+fn paths_headline(r: &Report) -> Headline {
     let p99 = |path, cpus, load| find_rtt(&r.rtt, path, cpus, load).and_then(|x| x.rtt.p99_us);
     let cpus = [2, 1].into_iter().find(|&c| {
         p99(IrqPath::Dedicated, c, Load::Interference).is_some()
@@ -727,6 +761,7 @@ pub fn headline(r: &Report) -> Headline {
         dedicated_unloaded_p99_us: p99(IrqPath::Dedicated, c, Load::Unloaded),
         shared_p99_us: p99(IrqPath::Shared, c, Load::Interference),
         veth_ratio,
+        ..Default::default()
     }
 }
 
@@ -766,17 +801,37 @@ pub fn goals(r: &Report) -> Vec<Goal> {
         goal: "stated".into(),
         met: h.veth_ratio.map(|_| true),
     });
+    if r.qemu.as_ref().is_some_and(|q| q.skipped.is_none()) {
+        let vs = |name: &str, v: Option<f64>, goal: &str, ok: fn(f64) -> bool| Goal {
+            name: name.into(),
+            value: v.map_or("n/a".into(), |v| format!("{v:.3}")),
+            goal: goal.into(),
+            met: v.map(ok),
+        };
+        g.push(vs("round-trip p99, kumo / QEMU (issue 24)", h.rtt_p99_ratio_qemu, "<= 0.9", |v| v <= 0.9));
+        g.push(vs("guest->host stream, kumo / QEMU (issue 24)", h.stream_ratio_qemu, ">= 1.2", |v| v >= 1.2));
+    }
     g
 }
 
 /// The final line.
 pub fn headline_line(h: &Headline) -> String {
     format!(
-        "dedicated_p99_us={} dedicated_unloaded_p99_us={} shared_p99_us={} veth_ratio={}",
+        "dedicated_p99_us={} dedicated_unloaded_p99_us={} shared_p99_us={} veth_ratio={} kumo_rtt_p50_us={} \
+         kumo_rtt_p99_us={} kumo_stream_mb_s={} qemu_rtt_p50_us={} qemu_rtt_p99_us={} qemu_stream_mb_s={} \
+         rtt_p99_ratio_qemu={} stream_ratio_qemu={}",
         opt(h.dedicated_p99_us, 1),
         opt(h.dedicated_unloaded_p99_us, 1),
         opt(h.shared_p99_us, 1),
-        opt(h.veth_ratio, 3)
+        opt(h.veth_ratio, 3),
+        opt(h.kumo_rtt_p50_us, 1),
+        opt(h.kumo_rtt_p99_us, 1),
+        opt(h.kumo_stream_mb_s, 1),
+        opt(h.qemu_rtt_p50_us, 1),
+        opt(h.qemu_rtt_p99_us, 1),
+        opt(h.qemu_stream_mb_s, 1),
+        opt(h.rtt_p99_ratio_qemu, 3),
+        opt(h.stream_ratio_qemu, 3)
     )
 }
 
@@ -787,7 +842,7 @@ pub fn tables(r: &Report) -> String {
     let p = r.plan;
     let _ = writeln!(
         s,
-        "kumo bench net{}: interrupt paths of kumo's NIC against veth on this host ({} CPUs), {:.0} s",
+        "kumo bench net{}: interrupt paths of kumo's NIC against veth and QEMU on this host ({} CPUs), {:.0} s",
         if r.quick { " --quick" } else { "" },
         r.host_cpus,
         r.elapsed_s
@@ -844,6 +899,27 @@ pub fn tables(r: &Report) -> String {
         let _ = writeln!(s, "\nVM measurements skipped: {why}");
         return s;
     }
+    s.push_str(&vm_tables(r));
+    match &r.qemu {
+        Some(q) => s.push_str(&vs_qemu::table(q)),
+        None => s.push_str(&vs_qemu::table(&VsQemu { skipped: Some("not run".into()), ..Default::default() })),
+    }
+    let _ = writeln!(s, "\n6. goals (headline: {} vCPU(s))", r.headline.cpus.map_or("n/a".into(), |c| c.to_string()));
+    for g in &r.goals {
+        let met = match g.met {
+            Some(true) => "met",
+            Some(false) => "NOT met",
+            None => "n/a",
+        };
+        let _ = writeln!(s, "   {:<58} {:>16}  goal {:<18} {met}", g.name, g.value, g.goal);
+    }
+    s
+}
+
+/// Sections 2 to 4 of the tables: kumo's interrupt paths.
+fn vm_tables(r: &Report) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
     let _ = writeln!(
         s,
         "\n2. host <-> guest UDP round trip (netecho; interference: NIC 1 flooded from the host, on the shared path\n   in the shared rows and delivered by KVM to vCPU 0 in the dedicated rows; with 2+ host CPUs the\n   path under test and the interference are pinned to different host CPUs, the same for every row;"
@@ -918,15 +994,6 @@ pub fn tables(r: &Report) -> String {
     }
     let _ =
         writeln!(s, "   (vm->vm is timed on the host from udpsend's first line to udpsink's result: a lower bound)");
-    let _ = writeln!(s, "\n5. goals (headline: {} vCPU(s))", r.headline.cpus.map_or("n/a".into(), |c| c.to_string()));
-    for g in &r.goals {
-        let met = match g.met {
-            Some(true) => "met",
-            Some(false) => "NOT met",
-            None => "n/a",
-        };
-        let _ = writeln!(s, "   {:<58} {:>16}  goal {:<18} {met}", g.name, g.value, g.goal);
-    }
     s
 }
 
@@ -951,10 +1018,11 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         })
         .collect();
     groups.extend(r.pingpong.iter().map(|x| (format!("{} VM-VM", x.path.label()), x.rtt.p50_us, x.rtt.p99_us)));
+    groups.extend(qemu_bars(r, |s| (s.rtt.p50_us, s.rtt.p99_us)));
     let top = groups.iter().filter_map(|g| g.2.or(g.1)).fold(1.0, f64::max) * 1.15;
     let n = groups.len().max(1) as f64;
     let mut c = ChartBuilder::on(&left)
-        .caption("UDP round trip: host<->guest and VM<->VM ping-pong, p50 / p99", ("sans-serif", 20))
+        .caption("UDP round trip: host<->guest, VM<->VM ping-pong, kumo vs QEMU; p50 / p99", ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(65)
@@ -1002,6 +1070,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
         .map_err(e)?;
 
     // Throughput as a ratio of veth.
+    let veth_mb = r.veth.as_ref().and_then(|v| v.stream.median_mb_per_s);
     let rows: Vec<(String, f64)> = r
         .throughput
         .iter()
@@ -1009,6 +1078,11 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
             let d = if t.direction == Direction::GuestToHost { "guest->host" } else { "VM->VM" };
             Some((format!("{} {d}", t.path.label()), t.veth_ratio?))
         })
+        .chain(
+            qemu_bars(r, |s| (ratio(s.stream.median_mb_per_s, veth_mb), None))
+                .into_iter()
+                .filter_map(|(l, v, _)| Some((l, v?))),
+        )
         .collect();
     let top = rows.iter().map(|x| x.1).fold(1.0, f64::max) * 1.15;
     let n = rows.len().max(1) as f64;
@@ -1057,6 +1131,21 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     root.present().map_err(e)
 }
 
+/// The kumo-vs-QEMU section's bars for the plot: (label, value, value) per VMM, from `f`.
+fn qemu_bars(
+    r: &Report,
+    f: impl Fn(&vs_qemu::Side) -> (Option<f64>, Option<f64>),
+) -> Vec<(String, Option<f64>, Option<f64>)> {
+    let Some(q) = r.qemu.as_ref().filter(|q| q.skipped.is_none()) else { return vec![] };
+    [("kumo 1c vs QEMU", Vmm::Kumo), ("QEMU 1c", Vmm::Qemu)]
+        .into_iter()
+        .map(|(label, vmm)| {
+            let (a, b) = f(q.side(vmm));
+            (label.to_string(), a, b)
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------------------------------------
 
 fn write_json(json: &Path, r: &Report) -> Result<(), String> {
@@ -1081,7 +1170,8 @@ pub fn vm_net(g: &mut NetGuard, kumo: PathBuf, bench: PathBuf, plan: Plan) -> Re
             .map_err(|e| format!("cannot create a temporary directory: {e}"))?,
         seq: Default::default(),
     };
-    g.tap(&ctx.ns, &ctx.tap0, Some(&cidr(HOST0)))?;
+    // Single-queue: QEMU's tap backend attaches it too (section 5).
+    g.single_queue_tap(&ctx.ns, &ctx.tap0, Some(&cidr(HOST0)))?;
     g.tap(&ctx.ns, &ctx.tap1, Some(&cidr(HOST1)))?;
     g.tap(&ctx.ns, &ctx.tap_a, None)?;
     g.tap(&ctx.ns, &ctx.tap_b, None)?;
@@ -1115,6 +1205,7 @@ pub fn vm_measurements(ctx: &Ctx, r: &mut Report, t0: Instant) {
         step(t0, &format!("VM -> VM stream: {} path", path.label()));
         r.throughput.push(vm_to_vm(ctx, path, veth));
     }
+    r.qemu = Some(vs_qemu::measure(ctx, t0));
 }
 
 pub fn run(a: Args, out: &Path) -> Result<i32, String> {
@@ -1182,10 +1273,15 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         r.png.as_ref().map_or(String::new(), |p| format!("; plot written to {p}"))
     );
     let h = &r.headline;
+    let qemu_skipped = r.qemu.as_ref().and_then(|q| q.skipped.as_deref());
     let complete = h.dedicated_p99_us.is_some()
         && h.dedicated_unloaded_p99_us.is_some()
         && h.shared_p99_us.is_some()
-        && h.veth_ratio.is_some();
+        && h.veth_ratio.is_some()
+        && (qemu_skipped.is_some() || (h.rtt_p99_ratio_qemu.is_some() && h.stream_ratio_qemu.is_some()));
+    if let Some(why) = qemu_skipped {
+        println!("kumo bench net: no QEMU rows: {why}");
+    }
     println!("{}", headline_line(h));
     if !complete {
         eprintln!("kumo bench net: some headline figures are missing (n/a): see FAILED in the tables above");
@@ -1254,14 +1350,42 @@ mod tests {
                 dedicated_p99_us: Some(120.0),
                 dedicated_unloaded_p99_us: Some(90.0),
                 shared_p99_us: Some(400.0),
-                veth_ratio: Some(0.25)
+                veth_ratio: Some(0.25),
+                ..Default::default()
             }
         );
         assert_eq!(
             headline_line(&r.headline),
-            "dedicated_p99_us=120.0 dedicated_unloaded_p99_us=90.0 shared_p99_us=400.0 veth_ratio=0.250"
+            "dedicated_p99_us=120.0 dedicated_unloaded_p99_us=90.0 shared_p99_us=400.0 veth_ratio=0.250 \
+             kumo_rtt_p50_us=n/a kumo_rtt_p99_us=n/a kumo_stream_mb_s=n/a qemu_rtt_p50_us=n/a qemu_rtt_p99_us=n/a \
+             qemu_stream_mb_s=n/a rtt_p99_ratio_qemu=n/a stream_ratio_qemu=n/a"
         );
         assert_eq!(r.goals.iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 4]);
+    }
+
+    #[test]
+    fn headline_ends_with_the_qemu_figures_and_ratios() {
+        let mut r = sample_report();
+        r.qemu = Some(vs_qemu::tests::sample());
+        r.headline = headline(&r);
+        r.goals = goals(&r);
+        let line = headline_line(&r.headline);
+        assert!(
+            line.ends_with(
+                "kumo_rtt_p50_us=60.0 kumo_rtt_p99_us=100.0 kumo_stream_mb_s=300.0 qemu_rtt_p50_us=80.0 \
+                 qemu_rtt_p99_us=125.0 qemu_stream_mb_s=250.0 rtt_p99_ratio_qemu=0.800 stream_ratio_qemu=1.200"
+            ),
+            "{line}"
+        );
+        assert_eq!(r.goals.len(), 6);
+        assert_eq!(r.goals[4..].iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 2]);
+        let t = tables(&r);
+        assert!(t.contains("5. kumo vs QEMU") && t.contains("kumo / QEMU"), "{t}");
+        let v = serde_json::to_value(&r).expect("json");
+        assert_eq!(v["qemu"]["qemu"]["stream"]["median_mb_per_s"].as_f64(), Some(250.0));
+        assert_eq!(v["qemu"]["stream_ratio_qemu"].as_f64(), Some(1.2));
+        assert_eq!(v["headline"]["rtt_p99_ratio_qemu"].as_f64(), Some(0.8));
+        crate::check_plot("net-qemu", |p| plot(p, &r));
     }
 
     #[test]
@@ -1271,7 +1395,9 @@ mod tests {
         assert_eq!(h, Headline::default());
         assert_eq!(
             headline_line(&h),
-            "dedicated_p99_us=n/a dedicated_unloaded_p99_us=n/a shared_p99_us=n/a veth_ratio=n/a"
+            "dedicated_p99_us=n/a dedicated_unloaded_p99_us=n/a shared_p99_us=n/a veth_ratio=n/a kumo_rtt_p50_us=n/a \
+             kumo_rtt_p99_us=n/a kumo_stream_mb_s=n/a qemu_rtt_p50_us=n/a qemu_rtt_p99_us=n/a qemu_stream_mb_s=n/a \
+             rtt_p99_ratio_qemu=n/a stream_ratio_qemu=n/a"
         );
         assert!(goals(&r).iter().all(|g| g.met.is_none()));
     }
@@ -1295,8 +1421,15 @@ mod tests {
     #[test]
     fn tables_name_every_section_and_row() {
         let t = tables(&sample_report());
-        for s in ["1. veth baseline", "2. host <-> guest", "3. VM <-> VM", "4. throughput", "5. goals", "interference"]
-        {
+        for s in [
+            "1. veth baseline",
+            "2. host <-> guest",
+            "3. VM <-> VM",
+            "4. throughput",
+            "5. kumo vs QEMU",
+            "6. goals",
+            "interference",
+        ] {
             assert!(t.contains(s), "no {s} in\n{t}");
         }
         let skipped = Report { vm_skipped: Some("no --net".into()), ..Default::default() };

@@ -60,7 +60,8 @@ fn run(no_net: bool) -> Run {
     let bench = env!("CARGO_BIN_EXE_kumo-bench");
     let mut cmd = Command::new(bench);
     cmd.arg("--out").arg(dir.as_path().join("out")).args(["net", "--quick", "--runs", "1"]);
-    cmd.env("KUMO_BIN", &fake).env("FAKE_LOG", &log).env("BENCH", bench);
+    // No QEMU: the stand-in plays kumo's guests only (the QEMU section says why it is skipped).
+    cmd.env("KUMO_BIN", &fake).env("FAKE_LOG", &log).env("BENCH", bench).env("KUMO_QEMU", "/nonexistent/qemu");
     if no_net {
         cmd.env("FAKE_NO_NET", "1");
     }
@@ -100,11 +101,28 @@ fn net_bench_drives_kumo_net_and_cleans_up() {
     assert!(r.log.contains("--guest udpping --cpus 1 --timeout 600 --net tap=kbn"), "{}", r.log);
     let last = r.stdout.lines().last().unwrap_or("");
     let keys: Vec<&str> = last.split_whitespace().filter_map(|kv| kv.split_once('=').map(|(k, _)| k)).collect();
-    assert_eq!(keys, ["dedicated_p99_us", "dedicated_unloaded_p99_us", "shared_p99_us", "veth_ratio"], "{last}");
+    let qemu_keys = [
+        "kumo_rtt_p50_us",
+        "kumo_rtt_p99_us",
+        "kumo_stream_mb_s",
+        "qemu_rtt_p50_us",
+        "qemu_rtt_p99_us",
+        "qemu_stream_mb_s",
+        "rtt_p99_ratio_qemu",
+        "stream_ratio_qemu",
+    ];
+    assert_eq!(keys[..4], ["dedicated_p99_us", "dedicated_unloaded_p99_us", "shared_p99_us", "veth_ratio"], "{last}");
+    assert_eq!(keys[4..], qemu_keys, "{last}");
+    let values: Vec<&str> = last.split_whitespace().filter_map(|kv| kv.split_once('=').map(|(_, v)| v)).collect();
+    assert!(values[..4].iter().all(|v| v.parse::<f64>().is_ok()), "{last}");
+    // Without QEMU its figures are n/a, and the bench says why.
+    assert!(values[4..].iter().all(|v| *v == "n/a"), "{last}");
     assert!(
-        last.split_whitespace().all(|kv| kv.split_once('=').is_some_and(|(_, v)| v.parse::<f64>().is_ok())),
-        "{last}"
+        r.stdout.contains("kumo bench net: no QEMU rows: KUMO_QEMU=/nonexistent/qemu is not a file"),
+        "{}",
+        r.stdout
     );
+    assert!(r.stdout.contains("5. kumo vs QEMU") && r.stdout.contains("   skipped: KUMO_QEMU="), "{}", r.stdout);
     let j: serde_json::Value =
         serde_json::from_slice(&std::fs::read(r.dir.as_path().join("out/net.json")).expect("net.json")).expect("json");
     let len = |k: &str| j[k].as_array().map_or(0, Vec::len);

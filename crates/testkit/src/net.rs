@@ -147,7 +147,19 @@ impl NetGuard {
     /// A multiqueue vnet-header tap in `ns` (kumo attaches to it), with `cidr` if given, up;
     /// removed with the namespace.
     pub fn tap(&mut self, ns: &str, dev: &str, cidr: Option<&str>) -> Result<(), String> {
-        ip(&["-n", ns, "tuntap", "add", "dev", dev, "mode", "tap", "multi_queue", "vnet_hdr"])?;
+        self.tap_with(ns, dev, cidr, &["multi_queue", "vnet_hdr"])
+    }
+
+    /// [`NetGuard::tap`] with one queue: kumo attaches to it the same way, and QEMU's tap
+    /// backend can open it too (it opens a multi-queue tap only with `queues=` > 1).
+    pub fn single_queue_tap(&mut self, ns: &str, dev: &str, cidr: Option<&str>) -> Result<(), String> {
+        self.tap_with(ns, dev, cidr, &["vnet_hdr"])
+    }
+
+    fn tap_with(&mut self, ns: &str, dev: &str, cidr: Option<&str>, flags: &[&str]) -> Result<(), String> {
+        let mut args = vec!["-n", ns, "tuntap", "add", "dev", dev, "mode", "tap"];
+        args.extend_from_slice(flags);
+        ip(&args)?;
         if let Some(c) = cidr {
             ip(&["-n", ns, "addr", "add", c, "dev", dev])?;
         }

@@ -18,7 +18,11 @@
 //! exit with status `(code << 1) | 1` when the guest writes its exit code to port 0x501; the
 //! size is 1 so that the guest's start marker at 0x502 is not taken for an exit.
 //!
-//! `kumo bench migrate` uses it for its QEMU comparison; tests/qemu_e2e.rs tests it.
+//! With [`QemuSpec::netns`] QEMU runs under `ip netns exec NS`; [`virtio_net_args`] adds a
+//! virtio-net-pci NIC on a tap.
+//!
+//! `kumo bench migrate`, `disk` and `net` use it for their QEMU comparisons; tests/qemu_e2e.rs
+//! tests it.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
@@ -84,8 +88,22 @@ pub struct QemuSpec {
     pub prealloc: bool,
     /// `-S`: the vCPU does not start (the CPU model probe).
     pub paused: bool,
-    /// More QEMU arguments, appended as given (e.g. a `-device`/`-netdev` pair for a NIC).
+    /// More QEMU arguments, appended as given (e.g. [`virtio_net_args`] for a NIC).
     pub extra_args: Vec<String>,
+    /// Run QEMU in this network namespace (`ip netns exec`), e.g. where its tap is.
+    pub netns: Option<String>,
+}
+
+/// `-device`/`-netdev` arguments for a modern-only virtio-net-pci NIC (MSI-X) with `mac` on
+/// host tap `tap` (which must exist; QEMU's own tap backend, no vhost, no scripts). A
+/// multi-queue tap needs `queues=` > 1 here, so give QEMU a single-queue one.
+pub fn virtio_net_args(tap: &str, mac: &str) -> Vec<String> {
+    crate::sv(&[
+        "-device",
+        &format!("virtio-net-pci,netdev=n0,disable-legacy=on,mac={mac}"),
+        "-netdev",
+        &format!("tap,id=n0,ifname={tap},script=no,downscript=no"),
+    ])
 }
 
 impl QemuSpec {
@@ -98,6 +116,7 @@ impl QemuSpec {
             prealloc: false,
             paused: false,
             extra_args: Vec::new(),
+            netns: None,
         }
     }
 }
@@ -147,7 +166,15 @@ impl QemuVm {
         let (serial, stderr, sock) =
             (dir.as_path().join("serial.log"), dir.as_path().join("stderr.log"), dir.as_path().join("qmp.sock"));
         fs::File::create(&serial).map_err(|e| format!("cannot create {}: {e}", serial.display()))?;
-        let mut cmd = Command::new(&qemu);
+        let mut cmd = match &spec.netns {
+            Some(ns) => {
+                // `ip netns exec` execs QEMU: the child's pid is QEMU's, so drop kills QEMU.
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&qemu);
+                c
+            }
+            None => Command::new(&qemu),
+        };
         cmd.args(["-accel", "kvm", "-machine", "pc", "-cpu", &cpu, "-smp", "1"])
             .args(["-m", &spec.mem_mib.to_string(), "-nodefaults", "-display", "none", "-no-reboot"])
             .arg("-kernel")
