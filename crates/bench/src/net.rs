@@ -21,7 +21,7 @@
 //! `dedicated_p99_us= dedicated_unloaded_p99_us= shared_p99_us= veth_ratio=` (with interference,
 //! the headline vCPU count; the ratio is the dedicated path's guest → host stream over veth),
 //! then section 5's `kumo_rtt_p50_us= kumo_rtt_p99_us= kumo_stream_mb_s= qemu_rtt_p50_us=
-//! qemu_rtt_p99_us= qemu_stream_mb_s= rtt_p99_ratio_qemu= stream_ratio_qemu=` (ratios kumo over
+//! qemu_rtt_p99_us= qemu_stream_mb_s= rtt_p99_ratio_qemu= mbps_ratio_qemu=` (ratios kumo over
 //! QEMU; n/a without QEMU). Without `kumo run --net` (or the network guests) the bench measures
 //! veth, says so in one line and exits 1.
 
@@ -691,7 +691,7 @@ pub struct Headline {
     pub qemu_rtt_p99_us: Option<f64>,
     pub qemu_stream_mb_s: Option<f64>,
     pub rtt_p99_ratio_qemu: Option<f64>,
-    pub stream_ratio_qemu: Option<f64>,
+    pub mbps_ratio_qemu: Option<f64>,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -738,7 +738,7 @@ pub fn headline(r: &Report) -> Headline {
             (q.kumo.rtt.p50_us, q.kumo.rtt.p99_us, q.kumo.stream.median_mb_per_s);
         (h.qemu_rtt_p50_us, h.qemu_rtt_p99_us, h.qemu_stream_mb_s) =
             (q.qemu.rtt.p50_us, q.qemu.rtt.p99_us, q.qemu.stream.median_mb_per_s);
-        (h.rtt_p99_ratio_qemu, h.stream_ratio_qemu) = (q.rtt_p99_ratio_qemu, q.stream_ratio_qemu);
+        (h.rtt_p99_ratio_qemu, h.mbps_ratio_qemu) = (q.rtt_p99_ratio_qemu, q.mbps_ratio_qemu);
     }
     h
 }
@@ -809,7 +809,7 @@ pub fn goals(r: &Report) -> Vec<Goal> {
             met: v.map(ok),
         };
         g.push(vs("round-trip p99, kumo / QEMU (issue 24)", h.rtt_p99_ratio_qemu, "<= 0.9", |v| v <= 0.9));
-        g.push(vs("guest->host stream, kumo / QEMU (issue 24)", h.stream_ratio_qemu, ">= 1.2", |v| v >= 1.2));
+        g.push(vs("guest->host stream, kumo / QEMU (issue 24)", h.mbps_ratio_qemu, ">= 1.2", |v| v >= 1.2));
     }
     g
 }
@@ -819,7 +819,7 @@ pub fn headline_line(h: &Headline) -> String {
     format!(
         "dedicated_p99_us={} dedicated_unloaded_p99_us={} shared_p99_us={} veth_ratio={} kumo_rtt_p50_us={} \
          kumo_rtt_p99_us={} kumo_stream_mb_s={} qemu_rtt_p50_us={} qemu_rtt_p99_us={} qemu_stream_mb_s={} \
-         rtt_p99_ratio_qemu={} stream_ratio_qemu={}",
+         rtt_p99_ratio_qemu={} mbps_ratio_qemu={}",
         opt(h.dedicated_p99_us, 1),
         opt(h.dedicated_unloaded_p99_us, 1),
         opt(h.shared_p99_us, 1),
@@ -831,7 +831,7 @@ pub fn headline_line(h: &Headline) -> String {
         opt(h.qemu_rtt_p99_us, 1),
         opt(h.qemu_stream_mb_s, 1),
         opt(h.rtt_p99_ratio_qemu, 3),
-        opt(h.stream_ratio_qemu, 3)
+        opt(h.mbps_ratio_qemu, 3)
     )
 }
 
@@ -1278,7 +1278,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         && h.dedicated_unloaded_p99_us.is_some()
         && h.shared_p99_us.is_some()
         && h.veth_ratio.is_some()
-        && (qemu_skipped.is_some() || (h.rtt_p99_ratio_qemu.is_some() && h.stream_ratio_qemu.is_some()));
+        && (qemu_skipped.is_some() || (h.rtt_p99_ratio_qemu.is_some() && h.mbps_ratio_qemu.is_some()));
     if let Some(why) = qemu_skipped {
         println!("kumo bench net: no QEMU rows: {why}");
     }
@@ -1358,7 +1358,7 @@ mod tests {
             headline_line(&r.headline),
             "dedicated_p99_us=120.0 dedicated_unloaded_p99_us=90.0 shared_p99_us=400.0 veth_ratio=0.250 \
              kumo_rtt_p50_us=n/a kumo_rtt_p99_us=n/a kumo_stream_mb_s=n/a qemu_rtt_p50_us=n/a qemu_rtt_p99_us=n/a \
-             qemu_stream_mb_s=n/a rtt_p99_ratio_qemu=n/a stream_ratio_qemu=n/a"
+             qemu_stream_mb_s=n/a rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a"
         );
         assert_eq!(r.goals.iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 4]);
     }
@@ -1373,7 +1373,7 @@ mod tests {
         assert!(
             line.ends_with(
                 "kumo_rtt_p50_us=60.0 kumo_rtt_p99_us=100.0 kumo_stream_mb_s=300.0 qemu_rtt_p50_us=80.0 \
-                 qemu_rtt_p99_us=125.0 qemu_stream_mb_s=250.0 rtt_p99_ratio_qemu=0.800 stream_ratio_qemu=1.200"
+                 qemu_rtt_p99_us=125.0 qemu_stream_mb_s=250.0 rtt_p99_ratio_qemu=0.800 mbps_ratio_qemu=1.200"
             ),
             "{line}"
         );
@@ -1383,7 +1383,7 @@ mod tests {
         assert!(t.contains("5. kumo vs QEMU") && t.contains("kumo / QEMU"), "{t}");
         let v = serde_json::to_value(&r).expect("json");
         assert_eq!(v["qemu"]["qemu"]["stream"]["median_mb_per_s"].as_f64(), Some(250.0));
-        assert_eq!(v["qemu"]["stream_ratio_qemu"].as_f64(), Some(1.2));
+        assert_eq!(v["qemu"]["mbps_ratio_qemu"].as_f64(), Some(1.2));
         assert_eq!(v["headline"]["rtt_p99_ratio_qemu"].as_f64(), Some(0.8));
         crate::check_plot("net-qemu", |p| plot(p, &r));
     }
@@ -1397,7 +1397,7 @@ mod tests {
             headline_line(&h),
             "dedicated_p99_us=n/a dedicated_unloaded_p99_us=n/a shared_p99_us=n/a veth_ratio=n/a kumo_rtt_p50_us=n/a \
              kumo_rtt_p99_us=n/a kumo_stream_mb_s=n/a qemu_rtt_p50_us=n/a qemu_rtt_p99_us=n/a qemu_stream_mb_s=n/a \
-             rtt_p99_ratio_qemu=n/a stream_ratio_qemu=n/a"
+             rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a"
         );
         assert!(goals(&r).iter().all(|g| g.met.is_none()));
     }

@@ -63,7 +63,7 @@ pub struct VsQemu {
     /// kumo faster).
     pub rtt_p50_ratio_qemu: Option<f64>,
     pub rtt_p99_ratio_qemu: Option<f64>,
-    pub stream_ratio_qemu: Option<f64>,
+    pub mbps_ratio_qemu: Option<f64>,
 }
 
 impl VsQemu {
@@ -84,7 +84,7 @@ impl VsQemu {
         let (k, q) = (&self.kumo, &self.qemu);
         self.rtt_p50_ratio_qemu = ratio(k.rtt.p50_us, q.rtt.p50_us);
         self.rtt_p99_ratio_qemu = ratio(k.rtt.p99_us, q.rtt.p99_us);
-        self.stream_ratio_qemu = ratio(k.stream.median_mb_per_s, q.stream.median_mb_per_s);
+        self.mbps_ratio_qemu = ratio(k.stream.median_mb_per_s, q.stream.median_mb_per_s);
     }
 
     pub fn side(&self, vmm: Vmm) -> &Side {
@@ -240,7 +240,7 @@ pub fn table(v: &VsQemu) -> String {
         opt(v.rtt_p50_ratio_qemu, 3),
         opt(v.rtt_p99_ratio_qemu, 3),
         "",
-        opt(v.stream_ratio_qemu, 3)
+        opt(v.mbps_ratio_qemu, 3)
     );
     let _ = writeln!(
         s,
@@ -270,10 +270,7 @@ pub(super) mod tests {
     #[test]
     fn ratios_are_kumo_over_qemu() {
         let v = sample();
-        assert_eq!(
-            (v.rtt_p50_ratio_qemu, v.rtt_p99_ratio_qemu, v.stream_ratio_qemu),
-            (Some(0.75), Some(0.8), Some(1.2))
-        );
+        assert_eq!((v.rtt_p50_ratio_qemu, v.rtt_p99_ratio_qemu, v.mbps_ratio_qemu), (Some(0.75), Some(0.8), Some(1.2)));
         let t = table(&v);
         assert!(t.contains("5. kumo vs QEMU") && t.contains("QEMU (max)") && t.contains("0.800"), "{t}");
     }
