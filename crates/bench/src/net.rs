@@ -691,6 +691,9 @@ pub struct Headline {
     pub qemu_rtt_p99_us: Option<f64>,
     pub qemu_stream_mb_s: Option<f64>,
     pub rtt_p99_ratio_qemu: Option<f64>,
+    /// kumo with `poll-us` on its NIC over QEMU.
+    pub poll_rtt_p99_ratio_qemu: Option<f64>,
+    pub poll_mbps_ratio_qemu: Option<f64>,
     pub mbps_ratio_qemu: Option<f64>,
 }
 
@@ -739,6 +742,7 @@ pub fn headline(r: &Report) -> Headline {
         (h.qemu_rtt_p50_us, h.qemu_rtt_p99_us, h.qemu_stream_mb_s) =
             (q.qemu.rtt.p50_us, q.qemu.rtt.p99_us, q.qemu.stream.median_mb_per_s);
         (h.rtt_p99_ratio_qemu, h.mbps_ratio_qemu) = (q.rtt_p99_ratio_qemu, q.mbps_ratio_qemu);
+        (h.poll_rtt_p99_ratio_qemu, h.poll_mbps_ratio_qemu) = (q.poll_rtt_p99_ratio_qemu, q.poll_mbps_ratio_qemu);
     }
     h
 }
@@ -810,6 +814,7 @@ pub fn goals(r: &Report) -> Vec<Goal> {
         };
         g.push(vs("round-trip p99, kumo / QEMU (issue 24)", h.rtt_p99_ratio_qemu, "<= 0.9", |v| v <= 0.9));
         g.push(vs("guest->host stream, kumo / QEMU (issue 24)", h.mbps_ratio_qemu, ">= 1.2", |v| v >= 1.2));
+        g.push(vs("round-trip p99, kumo poll-us / QEMU", h.poll_rtt_p99_ratio_qemu, "<= 0.9", |v| v <= 0.9));
     }
     g
 }
@@ -819,7 +824,7 @@ pub fn headline_line(h: &Headline) -> String {
     format!(
         "dedicated_p99_us={} dedicated_unloaded_p99_us={} shared_p99_us={} veth_ratio={} kumo_rtt_p50_us={} \
          kumo_rtt_p99_us={} kumo_stream_mb_s={} qemu_rtt_p50_us={} qemu_rtt_p99_us={} qemu_stream_mb_s={} \
-         rtt_p99_ratio_qemu={} mbps_ratio_qemu={}",
+         rtt_p99_ratio_qemu={} mbps_ratio_qemu={} poll_rtt_p99_ratio_qemu={} poll_mbps_ratio_qemu={}",
         opt(h.dedicated_p99_us, 1),
         opt(h.dedicated_unloaded_p99_us, 1),
         opt(h.shared_p99_us, 1),
@@ -831,7 +836,9 @@ pub fn headline_line(h: &Headline) -> String {
         opt(h.qemu_rtt_p99_us, 1),
         opt(h.qemu_stream_mb_s, 1),
         opt(h.rtt_p99_ratio_qemu, 3),
-        opt(h.mbps_ratio_qemu, 3)
+        opt(h.mbps_ratio_qemu, 3),
+        opt(h.poll_rtt_p99_ratio_qemu, 3),
+        opt(h.poll_mbps_ratio_qemu, 3)
     )
 }
 
@@ -1137,7 +1144,7 @@ fn qemu_bars(
     f: impl Fn(&vs_qemu::Side) -> (Option<f64>, Option<f64>),
 ) -> Vec<(String, Option<f64>, Option<f64>)> {
     let Some(q) = r.qemu.as_ref().filter(|q| q.skipped.is_none()) else { return vec![] };
-    [("kumo 1c vs QEMU", Vmm::Kumo), ("QEMU 1c", Vmm::Qemu)]
+    [("kumo 1c vs QEMU", Vmm::Kumo), ("kumo poll-us 1c", Vmm::KumoPoll), ("QEMU 1c", Vmm::Qemu)]
         .into_iter()
         .map(|(label, vmm)| {
             let (a, b) = f(q.side(vmm));
@@ -1358,7 +1365,8 @@ mod tests {
             headline_line(&r.headline),
             "dedicated_p99_us=120.0 dedicated_unloaded_p99_us=90.0 shared_p99_us=400.0 veth_ratio=0.250 \
              kumo_rtt_p50_us=n/a kumo_rtt_p99_us=n/a kumo_stream_mb_s=n/a qemu_rtt_p50_us=n/a qemu_rtt_p99_us=n/a \
-             qemu_stream_mb_s=n/a rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a"
+             qemu_stream_mb_s=n/a rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a poll_rtt_p99_ratio_qemu=n/a \
+             poll_mbps_ratio_qemu=n/a"
         );
         assert_eq!(r.goals.iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 4]);
     }
@@ -1373,12 +1381,13 @@ mod tests {
         assert!(
             line.ends_with(
                 "kumo_rtt_p50_us=60.0 kumo_rtt_p99_us=100.0 kumo_stream_mb_s=300.0 qemu_rtt_p50_us=80.0 \
-                 qemu_rtt_p99_us=125.0 qemu_stream_mb_s=250.0 rtt_p99_ratio_qemu=0.800 mbps_ratio_qemu=1.200"
+                 qemu_rtt_p99_us=125.0 qemu_stream_mb_s=250.0 rtt_p99_ratio_qemu=0.800 mbps_ratio_qemu=1.200 \
+                 poll_rtt_p99_ratio_qemu=0.500 poll_mbps_ratio_qemu=1.100"
             ),
             "{line}"
         );
-        assert_eq!(r.goals.len(), 6);
-        assert_eq!(r.goals[4..].iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 2]);
+        assert_eq!(r.goals.len(), 7);
+        assert_eq!(r.goals[4..].iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 3]);
         let t = tables(&r);
         assert!(t.contains("5. kumo vs QEMU") && t.contains("kumo / QEMU"), "{t}");
         let v = serde_json::to_value(&r).expect("json");
@@ -1397,7 +1406,7 @@ mod tests {
             headline_line(&h),
             "dedicated_p99_us=n/a dedicated_unloaded_p99_us=n/a shared_p99_us=n/a veth_ratio=n/a kumo_rtt_p50_us=n/a \
              kumo_rtt_p99_us=n/a kumo_stream_mb_s=n/a qemu_rtt_p50_us=n/a qemu_rtt_p99_us=n/a qemu_stream_mb_s=n/a \
-             rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a"
+             rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a poll_rtt_p99_ratio_qemu=n/a poll_mbps_ratio_qemu=n/a"
         );
         assert!(goals(&r).iter().all(|g| g.met.is_none()));
     }

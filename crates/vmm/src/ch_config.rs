@@ -70,7 +70,15 @@ pub fn nic(i: usize, n: &ChNet) -> Result<NetSpec, String> {
         (false, _, Some(tap)) if !tap.is_empty() => (tap.clone(), None),
         (false, ..) => return Err(refused(&format!("net[{i}].tap"), "none given: kumo opens an existing tap by name")),
     };
-    Ok(NetSpec { tap, vhost_user, mac: n.mac.clone(), queues, irq: Default::default(), fds: TapFds::ByName })
+    Ok(NetSpec {
+        tap,
+        vhost_user,
+        mac: n.mac.clone(),
+        queues,
+        irq: Default::default(),
+        poll_us: 0,
+        fds: TapFds::ByName,
+    })
 }
 
 /// The `i`-th NIC, on the tap whose descriptors came with the request: one per queue pair.
@@ -92,7 +100,7 @@ fn nic_on_fds(i: usize, n: &ChNet) -> Result<NetSpec, String> {
     }
     let queues = u16::try_from(pairs).map_err(|_| bad(format!("{pairs} tap descriptors")))?;
     let fds = TapFds::Passed(n.tap_fds.clone());
-    Ok(NetSpec { tap, vhost_user: None, mac: n.mac.clone(), queues, irq: Default::default(), fds })
+    Ok(NetSpec { tap, vhost_user: None, mac: n.mac.clone(), queues, irq: Default::default(), poll_us: 0, fds })
 }
 
 /// The name of the one tap `fds` are queues of, each checked as kumo can drive it

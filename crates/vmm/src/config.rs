@@ -126,6 +126,10 @@ pub struct NetSpec {
     /// The interrupt path of its queues (seed 000).
     #[serde(default)]
     pub irq: kumo_vm::interrupt_paths::IrqPath,
+    /// How long the NIC's thread keeps polling for work after each event, µs (0: it sleeps at
+    /// once). Host-side tuning: not carried by a migration or snapshot.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub poll_us: u32,
     /// Whether the tap comes as descriptors a client passed (CH's `fds`) rather than by name.
     /// Never in config files: descriptors live in this process only.
     #[serde(skip)]
@@ -148,6 +152,13 @@ pub enum TapFds {
 fn one() -> u16 {
     1
 }
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
+/// The longest `poll-us` a NIC takes: a window, not a core given away.
+pub const MAX_NIC_POLL_US: u32 = 1000;
 
 /// One virtio-blk disk on a raw image file
 /// (`path=FILE[,id=ID][,readonly=on][,serial=STR][,queues=N][,queue_size=N][,direct=on]`).
@@ -274,6 +285,7 @@ impl NetSpec {
     pub fn parse(s: &str) -> Result<NetSpec, Error> {
         let bad = |m: String| Error::Config(format!("--net {s}: {m}"));
         let (mut tap, mut mac, mut queues, mut irq, mut vcpu) = (None, None, 1u16, None, None);
+        let mut poll_us = 0u32;
         let mut vhost_user = None;
         for part in s.split(',') {
             let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
@@ -289,7 +301,12 @@ impl NetSpec {
                 "queues" => queues = v.parse().map_err(|_| bad(format!("queues `{v}` is not a number")))?,
                 "irq" => irq = Some(v.to_string()),
                 "vcpu" => vcpu = Some(v.parse::<u32>().map_err(|_| bad(format!("vcpu `{v}` is not a number")))?),
-                _ => return Err(bad(format!("unknown key `{k}` (tap, vhost-user, mac, queues, irq, vcpu)"))),
+                "poll-us" | "poll_us" => {
+                    poll_us = v.parse().ok().filter(|&p| p <= MAX_NIC_POLL_US).ok_or_else(|| {
+                        bad(format!("poll-us `{v}` is not a number of microseconds up to {MAX_NIC_POLL_US}"))
+                    })?
+                }
+                _ => return Err(bad(format!("unknown key `{k}` (tap, vhost-user, mac, queues, irq, vcpu, poll-us)"))),
             }
         }
         use kumo_vm::interrupt_paths::IrqPath;
@@ -309,7 +326,10 @@ impl NetSpec {
             (Some(t), None) if t.is_empty() => return Err(bad("tap=NAME needs a name".into())),
             (t, _) => t.unwrap_or_default(),
         };
-        let spec = NetSpec { tap, vhost_user, mac, queues, irq, fds: TapFds::ByName };
+        if poll_us > 0 && vhost_user.is_some() {
+            return Err(bad("poll-us is for a tap NIC (a vhost-user backend polls, or not, itself)".into()));
+        }
+        let spec = NetSpec { tap, vhost_user, mac, queues, irq, poll_us, fds: TapFds::ByName };
         spec.check_kind().map_err(bad)?;
         spec.mac().map_err(bad)?;
         Ok(spec)
@@ -676,6 +696,23 @@ mod tests {
 
     fn base() -> VmConfig {
         VmConfig { memory: 64 << 20, ..VmConfig::new(Payload::guest("hello", &[])) }
+    }
+
+    #[test]
+    fn net_poll_us_is_bounded_and_for_taps_only() {
+        assert_eq!(NetSpec::parse("tap=t0").unwrap().poll_us, 0);
+        assert_eq!(NetSpec::parse("tap=t0,poll-us=50").unwrap().poll_us, 50);
+        for (spec, want) in [
+            ("tap=t0,poll-us=1001", "poll-us `1001` is not a number of microseconds up to 1000"),
+            ("tap=t0,poll-us=x", "poll-us `x` is not a number"),
+            ("vhost-user=/a.sock,poll-us=10", "poll-us is for a tap NIC"),
+        ] {
+            let e = NetSpec::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{spec}: {e}");
+        }
+        // Host-side tuning: a config file without it reads as 0, and 0 is not written.
+        let json = serde_json::to_string(&NetSpec::parse("tap=t0").unwrap()).unwrap();
+        assert!(!json.contains("poll"), "{json}");
     }
 
     #[test]

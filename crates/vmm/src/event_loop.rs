@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use kumo_sandbox::lock;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -70,18 +71,20 @@ pub struct EventLoop {
 impl EventLoop {
     /// Starts the loop's thread (named `name`).
     pub fn start(name: &str) -> std::io::Result<EventLoop> {
-        Self::start_with(name, || {})
+        Self::start_with(name, Duration::ZERO, || {})
     }
 
     /// [`EventLoop::start`], running `setup` on the new thread first (e.g. to set its priority).
-    pub fn start_with(name: &str, setup: impl FnOnce() + Send + 'static) -> std::io::Result<EventLoop> {
+    /// With a `poll` window the thread keeps looking for events (without sleeping) for that long
+    /// after each one: the next frame of a round trip finds it awake (a NIC's `poll-us`).
+    pub fn start_with(name: &str, poll: Duration, setup: impl FnOnce() + Send + 'static) -> std::io::Result<EventLoop> {
         let state = Arc::new(State { epoll: Epoll::new()?, slots: Mutex::new(HashMap::new()), next_id: Mutex::new(0) });
         let stop = EventFd::new(libc::EFD_NONBLOCK)?;
         state.epoll.ctl(ControlOperation::Add, stop.as_raw_fd(), EpollEvent::new(EventSet::IN, STOP))?;
         let st = state.clone();
         let thread = kumo_sandbox::spawn(kumo_sandbox::ThreadKind::Device, name, move || {
             setup();
-            run(&st)
+            run(&st, poll)
         })?;
         Ok(EventLoop { state, stop, thread: Some(thread) })
     }
@@ -131,11 +134,23 @@ impl Drop for EventLoop {
     }
 }
 
-fn run(state: &State) {
+fn run(state: &State, poll: Duration) {
     let mut events = vec![EpollEvent::default(); 32];
+    let mut last = Instant::now().checked_sub(poll).unwrap_or_else(Instant::now);
     loop {
-        let n = match state.epoll.wait(-1, &mut events) {
-            Ok(n) => n,
+        // Within the poll window a wait returns at once; past it, the thread sleeps.
+        let polling = !poll.is_zero() && last.elapsed() < poll;
+        let n = match state.epoll.wait(if polling { 0 } else { -1 }, &mut events) {
+            Ok(0) if polling => {
+                std::hint::spin_loop();
+                continue;
+            }
+            Ok(n) => {
+                if !poll.is_zero() {
+                    last = Instant::now();
+                }
+                n
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 tracing::error!("device event loop stops: epoll_wait: {e}");
@@ -203,7 +218,17 @@ mod tests {
 
     #[test]
     fn runs_the_handler_of_the_ready_descriptor_and_removes_it_on_request() {
-        let el = EventLoop::start("test-events").unwrap();
+        check_runs_and_removes(EventLoop::start("test-events").unwrap());
+    }
+
+    /// A polling loop (a NIC's `poll-us`) handles events, and stops, as a sleeping one does:
+    /// events come during a window and after it ran out.
+    #[test]
+    fn a_polling_loop_handles_events_and_stops_the_same() {
+        check_runs_and_removes(EventLoop::start_with("test-poll", Duration::from_micros(200), || {}).unwrap());
+    }
+
+    fn check_runs_and_removes(el: EventLoop) {
         let (tx, rx) = mpsc::channel();
         let evts = [EventFd::new(libc::EFD_NONBLOCK).unwrap(), EventFd::new(libc::EFD_NONBLOCK).unwrap()];
         let (a, b) = (evts[0].try_clone().unwrap(), evts[1].try_clone().unwrap());

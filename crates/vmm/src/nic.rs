@@ -166,7 +166,8 @@ impl TapNic {
 
         let dedicated = matches!(spec.irq, IrqPath::Dedicated { .. });
         let what = format!("{id}'s thread");
-        let events = EventLoop::start_with(&id, move || {
+        let poll = std::time::Duration::from_micros(spec.poll_us.into());
+        let events = EventLoop::start_with(&id, poll, move || {
             if dedicated {
                 kumo_vm::interrupt_paths::prioritize_this_thread(&what);
             }

@@ -605,7 +605,7 @@ impl VhostUserNic {
         // The thread is on the interrupt path: a dedicated path prioritizes it like the tap NIC's.
         let dedicated = matches!(spec.irq, kumo_vm::interrupt_paths::IrqPath::Dedicated { .. });
         let what = format!("{id}'s thread");
-        let events = EventLoop::start_with(&id, move || {
+        let events = EventLoop::start_with(&id, std::time::Duration::ZERO, move || {
             if dedicated {
                 kumo_vm::interrupt_paths::prioritize_this_thread(&what);
             }

@@ -126,7 +126,7 @@ fn config_of(d: &VmDescription) -> VmConfig {
                 wire::NicIrqPath::Dedicated { vcpu } => IrqPath::Dedicated { vcpu },
                 wire::NicIrqPath::Shared => IrqPath::Shared,
             };
-            NetSpec { tap, vhost_user, mac: Some(n.mac.clone()), queues: n.queues, irq, fds }
+            NetSpec { tap, vhost_user, mac: Some(n.mac.clone()), queues: n.queues, irq, poll_us: 0, fds }
         })
         .collect();
     let numa = d.numa.as_ref().map(|n| NumaConfig {
