@@ -110,6 +110,8 @@ fn net_bench_drives_kumo_net_and_cleans_up() {
         "qemu_stream_mb_s",
         "rtt_p99_ratio_qemu",
         "mbps_ratio_qemu",
+        "poll_rtt_p99_ratio_qemu",
+        "poll_mbps_ratio_qemu",
     ];
     assert_eq!(keys[..4], ["dedicated_p99_us", "dedicated_unloaded_p99_us", "shared_p99_us", "veth_ratio"], "{last}");
     assert_eq!(keys[4..], qemu_keys, "{last}");
