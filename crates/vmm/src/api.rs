@@ -132,22 +132,16 @@ impl VmApi {
             req,
             R::Ping | R::Info | R::MigrationStatus | R::MigrationEvents | R::Counters | R::Elastic | R::BackendInfo
         );
-        let mut mode = kumo_sandbox::lock(&self.mode);
+        let mode = kumo_sandbox::lock(&self.mode);
         if reads || self.empty.is_none() {
             return mode.clone();
         }
-        let until = std::time::Instant::now() + REBOOT_LIMIT;
-        loop {
-            let ending = match &*mode {
-                Mode::Running { vm, .. } => vm.upgrade().is_none_or(|vm| vm.is_finished()),
-                _ => false,
-            };
-            let left = until.saturating_duration_since(std::time::Instant::now());
-            if !ending || left.is_zero() {
-                return mode.clone();
-            }
-            mode = self.settled.wait_timeout(mode, left).unwrap_or_else(|p| p.into_inner()).0;
-        }
+        let ending = |m: &mut Mode| match m {
+            Mode::Running { vm, .. } => vm.upgrade().is_none_or(|vm| vm.is_finished()),
+            _ => false,
+        };
+        let waited = self.settled.wait_timeout_while(mode, REBOOT_LIMIT, ending);
+        waited.unwrap_or_else(|p| p.into_inner()).0.clone()
     }
 
     /// An empty VMM: blocks until its API has brought a VM, running (or paused if it was saved
@@ -352,22 +346,16 @@ impl VmApi {
         // `old` (weak) only tells the new VM from it.
         let old = Arc::downgrade(&vm);
         drop(vm);
-        let until = std::time::Instant::now() + REBOOT_LIMIT;
-        let mut mode = kumo_sandbox::lock(&self.mode);
-        loop {
-            if matches!(&*mode, Mode::Running { vm, .. } if !vm.ptr_eq(&old)) {
-                return Ok(ApiResponse::Ok);
-            }
-            let f = kumo_sandbox::lock(&self.reboot_failures);
-            if f.0 > failures {
-                return Err(ApiError::internal(format!("vm.reboot: {}", f.1)));
-            }
-            drop(f);
-            let left = until.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return Err(ApiError::internal("vm.reboot: the VM was not built again in time"));
-            }
-            mode = self.settled.wait_timeout(mode, left).unwrap_or_else(|p| p.into_inner()).0;
+        let rebuilt = |m: &Mode| matches!(m, Mode::Running { vm, .. } if !vm.ptr_eq(&old));
+        let failed = || kumo_sandbox::lock(&self.reboot_failures).0 > failures;
+        let mode = kumo_sandbox::lock(&self.mode);
+        let waited = self.settled.wait_timeout_while(mode, REBOOT_LIMIT, |m| !rebuilt(m) && !failed());
+        if rebuilt(&waited.unwrap_or_else(|p| p.into_inner()).0) {
+            return Ok(ApiResponse::Ok);
+        }
+        match &*kumo_sandbox::lock(&self.reboot_failures) {
+            (n, why) if *n > failures => Err(ApiError::internal(format!("vm.reboot: {why}"))),
+            _ => Err(ApiError::internal("vm.reboot: the VM was not built again in time")),
         }
     }
 
@@ -420,16 +408,9 @@ impl VmApi {
     fn receive_migration(&self, e: &EmptyVmm, r: &ReceiveMigrationRequest) -> Result<ApiResponse, ApiError> {
         let me = self.me.upgrade().ok_or_else(|| ApiError::unavailable("the VMM is ending"))?;
         e.claim("an incoming migration").map_err(ApiError::conflict)?;
-        // Neither NICs nor disks given (Cloud Hypervisor's body: only `receiver_url`): the VM
-        // keeps its source's taps and images, names this host has too (as CH's destination).
-        let as_on_source = r.net.is_empty() && r.disks.is_empty();
-        let ours = HostResources {
-            net: r.net.clone(),
-            numa: r.numa.clone(),
-            disks: r.disks.clone(),
-            as_on_source,
-            ..Default::default()
-        };
+        // CH's body (only `receiver_url`): the VM keeps its source's taps and images, names
+        // this host has too (as CH's destination).
+        let ours = HostResources::given(&r.net, &r.numa, &r.disks);
         let listening = (ours.check().map_err(|e| e.to_string()))
             .and_then(|()| crate::migration::listen_options(r.tls_dir.as_deref(), r.insecure))
             .and_then(|listen| Incoming::new(&r.receiver_url, r.memory, r.cpus, ours, listen))
@@ -464,11 +445,8 @@ impl VmApi {
     fn restore(&self, e: &EmptyVmm, r: &RestoreRequest) -> Result<ApiResponse, ApiError> {
         e.claim("a restore").map_err(ApiError::conflict)?;
         let restored = crate::lifecycle::source_path(&r.source_url).map_err(ApiError::bad_request).and_then(|path| {
-            // Neither NICs nor disks given (Cloud Hypervisor's restore): the VM's own backends.
-            let as_on_source = r.net.is_empty() && r.disks.is_empty();
-            let tap_fds = passed_taps(r)?;
-            let (net, numa, disks) = (r.net.clone(), r.numa.clone(), r.disks.clone());
-            let ours = HostResources { net, numa, disks, as_on_source, tap_fds };
+            // CH's restore (neither NICs nor disks given): the VM's own backends.
+            let ours = HostResources { tap_fds: passed_taps(r)?, ..HostResources::given(&r.net, &r.numa, &r.disks) };
             crate::snapshot::restore(&path, (e.console)(), &ours).map_err(ApiError::from)
         });
         let (vm, report) = restored.inspect_err(|_| e.release())?;

@@ -133,10 +133,10 @@ pub fn resolve(mut vm: VmConfig, ours: &HostResources) -> Result<VmConfig, Resou
             continue;
         }
         let found = ours.net.iter().find(|b| b.id == id);
-        if found.is_none() && ours.as_on_source && nic.fds == TapFds::OnSource {
-            return Err(ResourceError::FdsOnSource { id, tap: nic.tap.clone() });
-        }
         if found.is_none() && ours.as_on_source {
+            if nic.fds == TapFds::OnSource {
+                return Err(ResourceError::FdsOnSource { id, tap: nic.tap.clone() });
+            }
             let mac = nic.mac().map_err(|why| ResourceError::BadNic { id: id.clone(), why })?;
             nic.mac = Some(mac_text(mac));
             continue;
@@ -264,6 +264,18 @@ pub fn check_on_host(vm: &VmConfig) -> Result<(), Error> {
 }
 
 impl HostResources {
+    /// What an API request gave; given neither NICs nor disks (Cloud Hypervisor's bodies for
+    /// `vm.restore` and `vm.receive-migration`), the VM keeps its source's backends.
+    pub fn given(net: &[NicBackend], numa: &[NodeBinding], disks: &[DiskPath]) -> HostResources {
+        HostResources {
+            net: net.to_vec(),
+            numa: numa.to_vec(),
+            disks: disks.to_vec(),
+            as_on_source: net.is_empty() && disks.is_empty(),
+            tap_fds: Vec::new(),
+        }
+    }
+
     /// Checks what can be checked before a VM arrives (an API request's `net` and `numa`): NIC
     /// ids `netN`, each given once with exactly one backend; each node given once.
     pub fn check(&self) -> Result<(), ResourceError> {
@@ -454,10 +466,7 @@ mod tests {
         // Through the API, a backend may name both kinds or none.
         let both = HostResources {
             net: vec![NicBackend { id: "net0".into(), tap: Some("t".into()), vhost_user: Some("/s".into()) }],
-            numa: vec![],
-            disks: vec![],
-            as_on_source: false,
-            tap_fds: vec![],
+            ..Default::default()
         };
         assert_eq!(resolve(vm(&["tap=t"]), &both), Err(ResourceError::NicBackend { id: "net0".into() }));
         // Cloud Hypervisor's restore: what is not given keeps the source's backend.
@@ -466,10 +475,7 @@ mod tests {
         assert_eq!(r.net[0].tap, "t");
         let eth = HostResources {
             net: vec![NicBackend { id: "eth0".into(), tap: Some("t".into()), vhost_user: None }],
-            numa: vec![],
-            disks: vec![],
-            as_on_source: false,
-            tap_fds: vec![],
+            ..Default::default()
         };
         assert_eq!(eth.check(), Err(ResourceError::NicId { id: "eth0".into() }));
     }
