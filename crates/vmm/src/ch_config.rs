@@ -107,20 +107,7 @@ fn nic_on_fds(i: usize, n: &ChNet) -> Result<NetSpec, String> {
 /// (`Tap::inspect`); a descriptor that is not a tap's is refused.
 pub fn tap_of_fds(fds: &kumo_api::Fds) -> Result<String, String> {
     use kumo_devices::virtio::net::tap::Tap;
-    let mut name: Option<String> = None;
-    for fd in fds.iter() {
-        let info = Tap::inspect(fd).map_err(|e| e.to_string())?;
-        match &name {
-            Some(n) if *n != info.name => {
-                return Err(format!("the descriptors are of different taps ({n} and {})", info.name))
-            }
-            _ if fds.len() > 1 && !info.multi_queue => {
-                return Err(format!("tap {} is not multi-queue: it takes one descriptor, not {}", info.name, fds.len()))
-            }
-            _ => name = Some(info.name),
-        }
-    }
-    name.ok_or_else(|| "no tap descriptors".to_string())
+    Tap::inspect_all(fds.iter()).map(|info| info.name).map_err(|e| e.to_string())
 }
 
 /// CH's view of a VM kumo built from its own config (`kumo run`, a restore, a migration).

@@ -81,6 +81,18 @@ pub struct Tap {
     attached: bool,
 }
 
+/// Gives a tap queue kumo's vnet header size.
+fn set_vnet_hdr_size(f: &impl AsRawFd, name: &str) -> Result<(), TapError> {
+    let hdr: libc::c_int = VNET_HDR_LEN as libc::c_int;
+    // SAFETY: TUNSETVNETHDRSZ reads one int from the pointer, which points at `hdr`.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETVNETHDRSZ as _, &hdr as *const libc::c_int) };
+    if r < 0 {
+        let err = io::Error::last_os_error();
+        return Err(TapError::Ioctl { name: name.to_string(), what: "setting the vnet header size", err });
+    }
+    Ok(())
+}
+
 fn check_name(name: &str) -> Result<(), TapError> {
     let ok = !name.is_empty()
         && name.len() < libc::IFNAMSIZ
@@ -127,19 +139,17 @@ impl Tap {
                     _ => TapError::Flags { name: name.to_string(), queues, err },
                 });
             }
-            let hdr: libc::c_int = VNET_HDR_LEN as libc::c_int;
-            // SAFETY: TUNSETVNETHDRSZ reads one int from the pointer, which points at `hdr`.
-            let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETVNETHDRSZ as _, &hdr as *const libc::c_int) };
-            if r < 0 {
-                let err = io::Error::last_os_error();
-                return Err(TapError::Ioctl { name: name.to_string(), what: "setting the vnet header size", err });
-            }
+            set_vnet_hdr_size(&f, name)?;
             files.push(f);
         }
-        let mut tap = Tap { name: name.to_string(), queues: files, multi_queue, attached: true };
-        // No offloads until the driver accepts them.
+        Self::with_queues(name.to_string(), files, multi_queue)
+    }
+
+    /// The tap on its prepared queues, with no offloads until the driver accepts them.
+    fn with_queues(name: String, queues: Vec<File>, multi_queue: bool) -> Result<Self, TapError> {
+        let mut tap = Tap { name, queues, multi_queue, attached: true };
         tap.set_offload(false).map_err(|err| TapError::Ioctl {
-            name: name.to_string(),
+            name: tap.name.clone(),
             what: "clearing offloads",
             err,
         })?;
@@ -215,23 +225,8 @@ impl Tap {
     /// queue pair, all of one tap ([`Tap::inspect`] each); made non-blocking, with kumo's
     /// vnet header size and no offloads, as [`Tap::open`] leaves its own.
     pub fn from_fds(fds: Vec<OwnedFd>) -> Result<Self, TapError> {
-        let mut info: Option<TapFdInfo> = None;
-        for fd in &fds {
-            let i = Self::inspect(fd.as_fd())?;
-            match &info {
-                Some(first) if first.name != i.name => return Err(TapError::MixedFds(first.name.clone(), i.name)),
-                _ => info = Some(i),
-            }
-        }
-        let Some(info) = info else { return Err(TapError::NotTapFd { fd: -1, why: "none given".into() }) };
+        let info = Self::inspect_all(fds.iter().map(AsFd::as_fd))?;
         let name = info.name;
-        if fds.len() > 1 && !info.multi_queue {
-            return Err(TapError::SingleQueue { name, queues: fds.len() });
-        }
-        let ioctl_err = |what: &'static str| {
-            let name = name.clone();
-            move |err| TapError::Ioctl { name, what, err }
-        };
         for fd in &fds {
             let raw = fd.as_raw_fd();
             // SAFETY: F_GETFL/F_SETFL read and set a live descriptor's status flags.
@@ -244,19 +239,31 @@ impl Tap {
                 }
             };
             if r < 0 {
-                return Err(ioctl_err("making it non-blocking")(io::Error::last_os_error()));
+                let err = io::Error::last_os_error();
+                return Err(TapError::Ioctl { name, what: "making it non-blocking", err });
             }
-            let hdr: libc::c_int = VNET_HDR_LEN as libc::c_int;
-            // SAFETY: TUNSETVNETHDRSZ reads one int from the pointer, which points at `hdr`.
-            if unsafe { libc::ioctl(raw, TUNSETVNETHDRSZ as _, &hdr as *const libc::c_int) } < 0 {
-                return Err(ioctl_err("setting the vnet header size")(io::Error::last_os_error()));
+            set_vnet_hdr_size(fd, &name)?;
+        }
+        Self::with_queues(name, fds.into_iter().map(File::from).collect(), info.multi_queue)
+    }
+
+    /// [`Tap::inspect`] of each of `fds`, which must be queues of one tap (multi-queue if more
+    /// than one): that tap.
+    pub fn inspect_all<'a>(fds: impl IntoIterator<Item = BorrowedFd<'a>>) -> Result<TapFdInfo, TapError> {
+        let (mut info, mut n): (Option<TapFdInfo>, usize) = (None, 0);
+        for fd in fds {
+            let i = Self::inspect(fd)?;
+            n += 1;
+            match &info {
+                Some(first) if first.name != i.name => return Err(TapError::MixedFds(first.name.clone(), i.name)),
+                _ => info = Some(i),
             }
         }
-        let queues = fds.into_iter().map(File::from).collect();
-        let offload_err = ioctl_err("clearing offloads");
-        let mut tap = Tap { name, queues, multi_queue: info.multi_queue, attached: true };
-        tap.set_offload(false).map_err(offload_err)?;
-        Ok(tap)
+        let info = info.ok_or_else(|| TapError::NotTapFd { fd: -1, why: "none given".into() })?;
+        if n > 1 && !info.multi_queue {
+            return Err(TapError::SingleQueue { name: info.name, queues: n });
+        }
+        Ok(info)
     }
 
     /// Attaches or detaches this process's queues of a multi-queue tap: the kernel hands frames
