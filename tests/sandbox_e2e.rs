@@ -13,8 +13,10 @@ fn threads(pid: u32) -> Vec<(String, String, String)> {
     let mut v = Vec::new();
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return v };
     for t in tasks.flatten() {
-        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        // A task that cannot be read any more ended after the listing (a connection's thread):
+        // it runs nothing, filtered or not.
+        let read = |f: &str| std::fs::read_to_string(t.path().join(f));
+        let (Ok(comm), Ok(status)) = (read("comm"), read("status")) else { continue };
         let field =
             |k: &str| status.lines().find_map(|l| l.strip_prefix(k)).map(|s| s.trim().to_string()).unwrap_or_default();
         v.push((comm.trim().to_string(), field("Seccomp:"), field("NoNewPrivs:")));
