@@ -5,7 +5,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -417,6 +417,8 @@ const SO_EE_CODE_ZEROCOPY_COPIED: u8 = 1;
 /// option-memory limit stops further zero-copy sends.
 pub struct ZeroCopy {
     enabled: bool,
+    /// To a peer on this host: pages go through this pipe instead (see [`Splice`]).
+    splice: Option<Splice>,
     pub sent_calls: u64,
     pub completions: u64,
     /// Completions the kernel reports it had to copy anyway (e.g. loopback delivery).
@@ -431,16 +433,20 @@ impl ZeroCopy {
     pub fn new(conn: &Conn) -> ZeroCopy {
         // To a peer on this host (loopback, unix socket) the kernel copies MSG_ZEROCOPY data
         // on delivery anyway and adds completion notifications on top: measured here, plain
-        // sendmsg from guest memory is ~1.5x faster. Zero-copy is asked for remote peers only;
-        // either way kumo itself copies nothing.
+        // sendmsg from guest memory is ~1.5x faster, and splicing the pages faster still (no
+        // copy on the sending side at all). Zero-copy is asked for remote peers only.
         let remote = matches!(conn, Conn::Tcp(s) if s.peer_addr().map(|a| !a.ip().is_loopback()).unwrap_or(false));
-        Self::with_msg_zerocopy(conn, remote)
+        let mut zc = Self::with_msg_zerocopy(conn, remote);
+        if !remote && !matches!(conn, Conn::Tls(_)) {
+            zc.splice = Splice::new();
+        }
+        zc
     }
 
     /// `MSG_ZEROCOPY` on (where the kernel allows it) or off, whatever the peer.
     pub fn with_msg_zerocopy(conn: &Conn, want: bool) -> ZeroCopy {
         if !want {
-            return ZeroCopy { enabled: false, sent_calls: 0, completions: 0, copied: 0, fallbacks: 0 };
+            return ZeroCopy { enabled: false, splice: None, sent_calls: 0, completions: 0, copied: 0, fallbacks: 0 };
         }
         let one: libc::c_int = 1;
         // SAFETY: setsockopt with a c_int on our own socket.
@@ -453,11 +459,16 @@ impl ZeroCopy {
                 4,
             )
         };
-        ZeroCopy { enabled: r == 0, sent_calls: 0, completions: 0, copied: 0, fallbacks: 0 }
+        ZeroCopy { enabled: r == 0, splice: None, sent_calls: 0, completions: 0, copied: 0, fallbacks: 0 }
     }
 
     pub fn enabled(&self) -> bool {
         self.enabled
+    }
+
+    /// Whether pages go through a pipe (`vmsplice` + `splice`) instead of `sendmsg`.
+    pub fn splices(&self) -> bool {
+        self.splice.is_some()
     }
 
     /// Sends all of `bufs`, zero-copy where possible.
@@ -471,6 +482,10 @@ impl ZeroCopy {
     /// stay mapped until the kernel reports completion; kumo only sends guest memory, which
     /// lives as long as the VM, and small frame headers that are copied when zero-copy is off.
     pub fn send_iovecs(&mut self, conn: &Conn, iov: &mut [libc::iovec]) -> io::Result<()> {
+        if let Some(sp) = &self.splice {
+            self.sent_calls += 1;
+            return sp.send(conn.as_raw_fd(), iov);
+        }
         let mut flags = if self.enabled { libc::MSG_ZEROCOPY } else { 0 };
         let mut start = 0;
         while start < iov.len() {
@@ -559,6 +574,95 @@ impl ZeroCopy {
                 }
             }
         }
+    }
+}
+
+/// Sending pages to a peer on this host without copying them: `vmsplice` puts references to
+/// the pages in a pipe, `splice` moves them into the socket, and the receiver's read is the
+/// only copy (plain `sendmsg` copies on both sides; MSG_ZEROCOPY to a local peer is copied on
+/// delivery). As with MSG_ZEROCOPY, what the receiver reads is the page as it is then, not as
+/// it was at the call: a page the guest changes meanwhile is dirty and sent again, and the
+/// final round's pages do not change (the VM is paused).
+struct Splice {
+    /// The pipe's read and write ends.
+    rx: OwnedFd,
+    tx: OwnedFd,
+}
+
+impl Splice {
+    /// A pipe as large as the system allows up to 1 MiB (fewer calls per batch); None if no
+    /// pipe can be made (the caller then copies).
+    fn new() -> Option<Splice> {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: pipe2 fills the two-int array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return None;
+        }
+        // SAFETY: pipe2 returned two descriptors this process now owns.
+        let (rx, tx) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        for size in [1 << 20, 256 << 10] {
+            // SAFETY: F_SETPIPE_SZ on our own pipe; failure (above the system's limit) is fine.
+            if unsafe { libc::fcntl(tx.as_raw_fd(), libc::F_SETPIPE_SZ, size) } >= 0 {
+                break;
+            }
+        }
+        Some(Splice { rx, tx })
+    }
+
+    /// Sends all of `iov` (consuming it) on `sock`: a pipe-full at a time.
+    fn send(&self, sock: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
+        let mut start = 0;
+        while start < iov.len() {
+            let segs = (iov.len() - start).min(1024);
+            // SAFETY: the iovecs point at guest memory, mapped for the VM's life; vmsplice takes
+            // references to those pages (the pipe, then the socket, hold them until read).
+            let n = unsafe { libc::vmsplice(self.tx.as_raw_fd(), iov[start..].as_ptr(), segs, 0) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                return Err(e);
+            }
+            let mut left = n as usize;
+            while left > 0 {
+                // SAFETY: splice between descriptors we own; no user memory is passed.
+                let m = unsafe {
+                    libc::splice(
+                        self.rx.as_raw_fd(),
+                        std::ptr::null_mut(),
+                        sock,
+                        std::ptr::null_mut(),
+                        left,
+                        libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE,
+                    )
+                };
+                if m < 0 {
+                    let e = io::Error::last_os_error();
+                    if e.raw_os_error() == Some(libc::EINTR) {
+                        continue;
+                    }
+                    return Err(e);
+                }
+                if m == 0 {
+                    return Err(io::Error::new(io::ErrorKind::WriteZero, "the socket took no more data"));
+                }
+                left -= m as usize;
+            }
+            let mut n = n as usize;
+            while n > 0 && start < iov.len() {
+                let len = iov[start].iov_len;
+                if n >= len {
+                    n -= len;
+                    start += 1;
+                } else {
+                    iov[start].iov_base = (iov[start].iov_base as usize + n) as *mut libc::c_void;
+                    iov[start].iov_len -= n;
+                    n = 0;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -658,5 +762,35 @@ mod tests {
         let want: Vec<u8> = [&a[..], &b[..], &b[..], &a[..]].concat();
         assert_eq!(got.len(), want.len());
         assert!(got == want, "stream differs from what was sent");
+    }
+
+    #[test]
+    fn a_local_peer_gets_spliced_pages_whole_and_in_order() {
+        let l = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
+        let addr = l.local_addr();
+        let t = std::thread::spawn(move || {
+            let mut c = l.accept().unwrap();
+            let mut v = Vec::new();
+            c.read_to_end(&mut v).unwrap();
+            v
+        });
+        let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+        let mut z = ZeroCopy::new(&c);
+        assert!(z.splices() && !z.enabled(), "a loopback peer gets spliced pages, not MSG_ZEROCOPY");
+        // More than a pipe-full, odd lengths, and more iovecs than one vmsplice call takes.
+        let big: Vec<u8> = (0..3 * 1024 * 1024 + 17).map(|i| (i * 7 % 251) as u8).collect();
+        let small: Vec<Vec<u8>> = (0..1500).map(|i| vec![i as u8; 1 + i % 97]).collect();
+        let mut bufs = vec![IoSlice::new(&big)];
+        bufs.extend(small.iter().map(|s| IoSlice::new(s)));
+        bufs.push(IoSlice::new(&big[5..4096]));
+        z.send_all(&c, &bufs).unwrap();
+        c.write_all(b"tail").unwrap();
+        c.shutdown();
+        // The buffers stay untouched until the reader has everything: the pipe held references.
+        let got = t.join().unwrap();
+        let mut want: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        want.extend_from_slice(b"tail");
+        assert_eq!(got.len(), want.len());
+        assert!(got == want, "stream differs from what was spliced");
     }
 }

@@ -266,6 +266,8 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
             allow(&mut r, PLACEMENT);
             allow(&mut r, SIGNALS);
             allow(&mut r, &[SYS_mincore]);
+            // A migration to this host splices guest pages into its sockets.
+            allow(&mut r, &[SYS_vmsplice, SYS_splice]);
             // A disk made here sets up its io_uring (or starts its pool).
             allow(&mut r, DISK_IO);
             allow(&mut r, &[SYS_io_uring_setup, SYS_io_uring_register]);
