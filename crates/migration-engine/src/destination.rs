@@ -79,7 +79,12 @@ pub struct RecvReport {
     /// CPU time of the receiving threads (user + system).
     pub receiver_cpu_ms: f64,
     pub shared_memory: bool,
-    /// Restoring the VM's state and resuming it, after the last record arrived.
+    /// The phases after the source's header arrived: the other connections, building the
+    /// VM (to `Ready`), the rounds (to the last record), restoring the VM's state and resuming
+    /// it.
+    pub connections_ms: f64,
+    pub build_ms: f64,
+    pub receive_ms: f64,
     pub restore_ms: f64,
 }
 
@@ -135,9 +140,39 @@ impl Replier {
     }
 }
 
+/// Pages of guest memory a receiving thread has faulted in (one bit per page, shared by the
+/// threads). A page comes again in later rounds, and a prepared destination's memory is all
+/// in: faulting a run in again is a system call and a page-table walk per run, which for the
+/// scattered pages of the later rounds was a system call per page.
+struct Populated(Vec<AtomicU64>);
+
+impl Populated {
+    fn new(mem: &GuestMemory) -> Self {
+        use vm_memory::{Address, GuestMemoryBackend};
+        let pages = mem.last_addr().raw_value() / PAGE as u64 + 1;
+        Populated((0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn bit(&self, gfn: u64) -> Option<(&AtomicU64, u64)> {
+        Some((self.0.get(usize::try_from(gfn / 64).ok()?)?, 1 << (gfn % 64)))
+    }
+
+    /// Whether every page of the run is in.
+    fn all(&self, gfn: u64, n: usize) -> bool {
+        (gfn..gfn + n as u64).all(|g| self.bit(g).is_some_and(|(w, b)| w.load(Ordering::Relaxed) & b != 0))
+    }
+
+    fn set(&self, gfn: u64, n: usize) {
+        for (w, b) in (gfn..gfn + n as u64).filter_map(|g| self.bit(g)) {
+            w.fetch_or(b, Ordering::Relaxed);
+        }
+    }
+}
+
 /// The destination's guest memory as the place batches are read into.
 struct MemPlacer<'a> {
     mem: &'a GuestMemory,
+    populated: &'a Populated,
 }
 
 impl PagePlacer for MemPlacer<'_> {
@@ -147,7 +182,9 @@ impl PagePlacer for MemPlacer<'_> {
             .map(|&(gfn, n)| {
                 let (gpa, len) = (gfn * PAGE as u64, n * PAGE);
                 // Best effort: a page not populated is faulted in by the read.
-                let _ = kumo_vm::memory::populate(self.mem, gpa, len as u64);
+                if !self.populated.all(gfn, n) && kumo_vm::memory::populate(self.mem, gpa, len as u64).is_ok() {
+                    self.populated.set(gfn, n);
+                }
                 let slice =
                     self.mem.get_slice(GuestAddress(gpa), len).map_err(|e| format!("pages at {gpa:#x}: {e}"))?;
                 let ptr = slice.ptr_guard_mut().as_ptr();
@@ -202,10 +239,15 @@ pub fn receive_limited<V: DestVm>(
     create: impl FnOnce(&VmDescription, Option<File>) -> Result<V, VmError>,
 ) -> Result<(V, RecvReport), MigrateError> {
     let (s, readers, memfd) = DestSession::handshake(listener, idle, limits, progress)?;
+    let connections_ms = ms_since(s.t0);
+    let t = Instant::now();
     let vm = s.build(create, memfd)?;
+    let build_ms = ms_since(t);
+    let t = Instant::now();
     let received = s.receive_rounds(vm.memory(), readers);
+    let receive_ms = ms_since(t);
     let restore_ms = s.commit(&vm, received)?;
-    let report = s.report(restore_ms);
+    let report = RecvReport { connections_ms, build_ms, receive_ms, ..s.report(restore_ms) };
     Ok((vm, report))
 }
 
@@ -324,6 +366,7 @@ impl<'a> DestSession<'a> {
     /// reads its records, placing page data straight into `mem`, until `Complete`. Any
     /// thread's failure stops the others (the round barrier breaks).
     fn receive_rounds(&self, mem: &GuestMemory, readers: Vec<ConnReader>) -> Result<(), MigrateError> {
+        let populated = &Populated::new(mem);
         std::thread::scope(|s| {
             let handles: Vec<_> = readers
                 .into_iter()
@@ -332,7 +375,7 @@ impl<'a> DestSession<'a> {
                     kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, format!("mig-recv{i}"), move || {
                         let _unwinding = BreakOnUnwind(&self.barrier);
                         let c0 = thread_cpu_ms();
-                        let res = self.receive_connection(i, r, mem);
+                        let res = self.receive_connection(i, r, MemPlacer { mem, populated });
                         if res.is_err() {
                             self.barrier.break_all();
                         }
@@ -361,9 +404,8 @@ impl<'a> DestSession<'a> {
 
     /// Connection `i`'s records, read by its own thread: batches placed (and acknowledged when
     /// asked), rounds counted, the state kept (first connection only).
-    fn receive_connection(&self, i: usize, mut r: ConnReader, mem: &GuestMemory) -> Result<(), MigrateError> {
+    fn receive_connection(&self, i: usize, mut r: ConnReader, mut placer: MemPlacer) -> Result<(), MigrateError> {
         let (progress, multi) = (self.progress, self.barrier.n > 1);
-        let mut placer = MemPlacer { mem };
         while let Some(rec) = r.next_record_placed(&mut placer).map_err(|e| recv_err(e.into(), self.idle))? {
             match rec {
                 Record::MemBatch(b) => {
@@ -427,6 +469,9 @@ impl<'a> DestSession<'a> {
             total_ms: self.t0.elapsed().as_secs_f64() * 1e3,
             receiver_cpu_ms: self.cpu.load(Ordering::Relaxed) as f64 / 1e3,
             shared_memory: self.desc.shared_memory,
+            connections_ms: 0.0,
+            build_ms: 0.0,
+            receive_ms: 0.0,
             restore_ms,
         }
     }
@@ -462,5 +507,22 @@ mod barrier_tests {
         let barrier = RoundBarrier::new(1);
         drop(BreakOnUnwind(&barrier));
         assert!(barrier.wait());
+    }
+}
+
+#[cfg(test)]
+mod populated_tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_marked_across_words_and_pages_past_the_end_never_count() {
+        let mem = kumo_vm::Memory::new(16 << 20).unwrap();
+        let p = Populated::new(&mem.guest);
+        assert!(!p.all(60, 8));
+        p.set(60, 8); // bits 60..=63 of word 0 and 0..=3 of word 1
+        assert!(p.all(60, 8) && p.all(63, 2) && !p.all(59, 2) && !p.all(67, 2));
+        // 4,096 pages: a run past the last one is never "all in", and setting it is harmless.
+        p.set(4092, 10);
+        assert!(p.all(4092, 4) && !p.all(4092, 5));
     }
 }

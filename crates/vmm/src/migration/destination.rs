@@ -178,12 +178,15 @@ impl Incoming {
             .map_err(|e| format!("incoming migration failed: {e}"))?;
         *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
         say(&format!(
-            "migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms{}",
+            "migration received: {} pages over {} connection(s) in {:.1} ms, receiver CPU {:.1} ms, restore {:.1} ms (connections {:.1}, build {:.1}, receive {:.1}){}",
             rr.pages,
             rr.connections,
             rr.total_ms,
             rr.receiver_cpu_ms,
             rr.restore_ms,
+            rr.connections_ms,
+            rr.build_ms,
+            rr.receive_ms,
             if rr.shared_memory { " (memory shared, not copied)" } else { "" }
         ));
         Ok((vm, rr))
