@@ -22,8 +22,8 @@ pub use client::{ApiClient, ClientError, DEFAULT_CLIENT_TIMEOUT};
 pub use error::{ApiError, ErrorBody, ErrorKind};
 pub use fds::Fds;
 pub use migration::{
-    DryRunReport, Event, MigrationLine, MigrationResult, MigrationState, MigrationStatus, ModelReport, RecvPhase,
-    RecvStatus, Report, RoundReport, SendReport, StopPhaseTimes,
+    DryRunReport, Event, MigrationLine, MigrationResult, MigrationState, MigrationStatus, ModelReport, PhaseTimes,
+    RecvPhase, RecvStatus, Report, RoundReport, SendReport, StopPhaseTimes,
 };
 pub use net_backend::{BackendClient, BackendInfo, HandoverReport, HandoverRequest};
 pub use server::{routes, ApiHandler, ApiServer, ApiServerHandle, BoundApi, ServerError, Service};

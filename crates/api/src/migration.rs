@@ -71,13 +71,55 @@ pub enum Event {
     Cancelled,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RoundReport {
     pub round: u32,
     pub pages: u64,
     pub ms: f64,
     /// Pages dirty when the round ended (distinct pages dirtied during it).
     pub dirty_after: u64,
+    /// Where the round's `ms` went: handing its pages to the senders (copying them, for the
+    /// copying engines), waiting for the wire to deliver them, reading the dirty log.
+    #[serde(default)]
+    pub send_ms: f64,
+    #[serde(default)]
+    pub drain_ms: f64,
+    #[serde(default)]
+    pub harvest_ms: f64,
+    /// The vCPU throttle in force after the round, percent.
+    #[serde(default)]
+    pub throttle_percent: u8,
+}
+
+/// Where a migration's time went on the source, phase by phase, in ms. The phases follow
+/// each other, so they add up to `total_ms` but for the odd µs between them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PhaseTimes {
+    /// The stream's description of the VM, the engine's plan.
+    pub setup_ms: f64,
+    /// The first connection: TCP, and TLS's handshake when the migration is authenticated.
+    pub connect_ms: f64,
+    /// The stream header out, the destination's `Accepted` back.
+    pub accepted_ms: f64,
+    /// The other connections, each with its header.
+    pub more_connections_ms: f64,
+    /// Dirty logging switched on for every memory slot.
+    pub dirty_log_start_ms: f64,
+    /// Finding the pages round 0 sends (those the guest ever touched).
+    pub touched_ms: f64,
+    /// The sender threads started.
+    pub pipeline_start_ms: f64,
+    /// Then waiting for `Ready`: the destination building the VM (the three phases before
+    /// run while it builds).
+    pub ready_ms: f64,
+    /// The live rounds, summed (see each round's report): pages handed to the senders, the
+    /// wire draining, the dirty log read, and the planner's decision with its throttle.
+    pub send_ms: f64,
+    pub drain_ms: f64,
+    pub harvest_ms: f64,
+    pub plan_ms: f64,
+    /// The stop phase: the downtime (its parts in `stop_phase`).
+    pub stop_ms: f64,
 }
 
 /// What a finished migration measured.
@@ -105,6 +147,9 @@ pub struct Report {
     /// Where the downtime went.
     #[serde(default)]
     pub stop_phase: StopPhaseTimes,
+    /// Where the whole migration's time went.
+    #[serde(default)]
+    pub phases: PhaseTimes,
     /// The planner's downtime estimate when it stopped pre-copy (none for `local`, or when no
     /// bandwidth had been measured).
     #[serde(default)]

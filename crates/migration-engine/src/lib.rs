@@ -23,7 +23,7 @@ pub use accept::{AcceptLimits, MAX_BAD_CONNECTIONS};
 pub use control::{CancelError, CancelToken};
 pub use destination::{receive, receive_limited, receive_with, RecvPhase, RecvProgress, RecvReport, RecvStatus};
 pub use session::{
-    BoxError, DestVm, Event, MigrateError, MigrateOptions, MigrationEngine, Report, RoundReport, SourceVm,
+    BoxError, DestVm, Event, MigrateError, MigrateOptions, MigrationEngine, PhaseTimes, Report, RoundReport, SourceVm,
     StopPhaseTimes, VmError, VmOp, HANDSHAKE_TIMEOUT, PROGRESS_INTERVAL, PROGRESS_TIMEOUT, STOP_PHASE_PRIOR,
 };
 pub use source::migrate;

@@ -139,6 +139,8 @@ pub trait SourceVm: Sync {
     fn memory(&self) -> &GuestMemory;
     fn memfd(&self) -> BorrowedFd<'_>;
     fn start_dirty_log(&self) -> Result<(), VmError>;
+    /// When a migration fails (the VM runs on here). After a migration that succeeded the
+    /// VM is over and its log is left on.
     fn stop_dirty_log(&self);
     /// Pages ever touched (round 0 sends these).
     fn touched_pages(&self) -> Result<PageBitmap, VmError>;
@@ -226,7 +228,7 @@ pub(crate) fn send_err(e: io::Error, deadline: Duration) -> MigrateError {
 }
 
 // The events and the report are API answers: their types live in kumo-api.
-pub use kumo_api::{Event, Report, RoundReport, StopPhaseTimes};
+pub use kumo_api::{Event, PhaseTimes, Report, RoundReport, StopPhaseTimes};
 
 /// CPU time (user + system) of the calling thread, in ms.
 pub fn thread_cpu_ms() -> f64 {

@@ -445,7 +445,8 @@ pub fn migrate(
 }
 
 /// The phases in order: handshake; then pre-copy and stop-and-copy over the engine's pipeline
-/// (or, for `local`, the pause alone: memory is shared); then commit.
+/// (or, for `local`, the pause alone: memory is shared); then commit. The destination builds
+/// the VM while the source starts dirty logging and its senders.
 fn migrate_inner(
     src: &dyn SourceVm,
     to: &Address,
@@ -455,8 +456,12 @@ fn migrate_inner(
 ) -> Result<Report, MigrateError> {
     let mut s = SourceSession::new(src, to, opts, events, paused)?;
     let (mut replies, conns) = s.handshake()?;
-    let (mut closing, pause_at) =
-        if s.plan.shared_memory { s.share_memory(conns)? } else { s.transfer(conns, &mut replies)? };
+    let (mut closing, pause_at) = if s.plan.shared_memory {
+        s.wait_ready(&mut replies)?;
+        s.share_memory(conns)?
+    } else {
+        s.transfer(conns, &mut replies)?
+    };
     let downtime = s.commit(&mut closing, &mut replies, pause_at)?;
     Ok(s.report(downtime))
 }
@@ -518,6 +523,7 @@ struct SourceSession<'a> {
     zc: (u64, u64),
     round0_samples: Vec<(f64, u64)>,
     stop: StopPhaseTimes,
+    phases: PhaseTimes,
     max_throttle: u8,
     /// The planner's downtime estimate when it stopped pre-copy.
     estimated_downtime: Option<Duration>,
@@ -563,6 +569,7 @@ impl<'a> SourceSession<'a> {
             zc: (0, 0),
             round0_samples: Vec::new(),
             stop: StopPhaseTimes::default(),
+            phases: PhaseTimes::default(),
             max_throttle: 0,
             estimated_downtime: None,
             estimate_ms: None,
@@ -579,10 +586,15 @@ impl<'a> SourceSession<'a> {
     }
 
     /// Handshake: the header on the first connection, the destination's `Accepted`, the memory
-    /// file (local), the header on every other connection, then `Ready` once the destination
-    /// has built the VM. Returns the reply channel and the connections.
+    /// file (local), the header on every other connection. The destination then builds the
+    /// VM and answers `Ready` ([`Self::wait_ready`]): the source sets up meanwhile. Returns the
+    /// reply channel and the connections.
     fn handshake(&mut self) -> Result<(Replies, Vec<Conn>), MigrateError> {
+        self.phases.setup_ms = ms_since(self.t_start);
+        let t = Instant::now();
         let mut conn0 = self.connect()?;
+        self.phases.connect_ms = ms_since(t);
+        let t = Instant::now();
         if self.plan.shared_memory && !conn0.is_unix() {
             return Err(MigrateError::Other(
                 "the local engine passes guest memory over a unix socket: use --to unix:PATH".into(),
@@ -594,17 +606,28 @@ impl<'a> SourceSession<'a> {
         })?;
         let mut replies = Replies(ReplyReader::new(conn0.try_clone()?));
         self.accepted(&mut replies)?;
+        self.phases.accepted_ms = ms_since(t);
         if self.plan.shared_memory {
             conn0.send_fd(self.src.memfd())?;
         }
+        let t = Instant::now();
         let mut conns = vec![conn0];
         for _ in 1..self.plan.connections {
             let mut c = self.connect()?;
             format::write_header(&mut c, &self.desc)?;
             conns.push(c);
         }
-        match replies.wait(self.deadline)? {
-            Reply::Ready => Ok((replies, conns)),
+        self.phases.more_connections_ms = ms_since(t);
+        Ok((replies, conns))
+    }
+
+    /// The destination's `Ready`: it has built the VM and takes records.
+    fn wait_ready(&mut self, replies: &mut Replies) -> Result<(), MigrateError> {
+        let t = Instant::now();
+        let ready = replies.wait(self.deadline);
+        self.phases.ready_ms = ms_since(t);
+        match ready? {
+            Reply::Ready => Ok(()),
             Reply::Failed(why) => Err(MigrateError::Refused(why)),
             other => Err(MigrateError::Other(format!("expected Ready from the destination, got {other:?}"))),
         }
@@ -645,13 +668,17 @@ impl<'a> SourceSession<'a> {
         Ok((vec![(Box::new(CopySink(conn, self.deadline)), Encoder::new(), 0)], pause_at))
     }
 
-    /// The engines' phases between handshake and commit: dirty logging on, the pipeline up,
-    /// [`Self::precopy`], [`Self::stop_and_copy`], the pipeline down. Returns each connection
+    /// The engines' phases between handshake and commit: dirty logging on, the pipeline up
+    /// (while the destination builds the VM), its `Ready`, [`Self::precopy`], [`Self::stop_and_copy`], the pipeline down. Returns each connection
     /// for the closing records and when the VM was paused.
     fn transfer(&mut self, conns: Vec<Conn>, replies: &mut Replies) -> Result<(Vec<Closing>, Instant), MigrateError> {
         let (src, opts) = (self.src, self.opts);
+        let t = Instant::now();
         src.start_dirty_log().map_err(MigrateError::Source)?;
+        self.phases.dirty_log_start_ms = ms_since(t);
+        let t = Instant::now();
         let touched = src.touched_pages().map_err(MigrateError::Source)?;
+        self.phases.touched_ms = ms_since(t);
         let total_pages = self.desc.total_pages();
         (self.events)(Event::Started {
             engine: opts.engine,
@@ -659,7 +686,14 @@ impl<'a> SourceSession<'a> {
             total_pages,
             touched_pages: touched.count(),
         });
+        let t = Instant::now();
         let Pipeline { senders, watch, free_rx } = self.start_pipeline(conns)?;
+        self.phases.pipeline_start_ms = ms_since(t);
+        if let Err(e) = self.wait_ready(replies) {
+            // The senders have nothing queued: they end as their queues close.
+            let e = self.join_senders(senders, Err(e)).err();
+            return Err(e.unwrap_or_else(|| MigrateError::Other("the destination sent no Ready".into())));
+        }
         // Bursts of one batch: the cap holds over any stretch longer than a batch takes.
         let bucket = opts
             .max_bandwidth
@@ -735,6 +769,7 @@ impl<'a> SourceSession<'a> {
             }
             let t = Instant::now();
             let n = self.send_live_round(col, round, &to_send, t)?;
+            let send = t.elapsed();
             // The round ends when its pages are on the wire and delivered, not when they are
             // queued: the bandwidth the planner estimates downtime from is the real one, and
             // nothing of this round is left to send during the downtime.
@@ -742,7 +777,10 @@ impl<'a> SourceSession<'a> {
             let mut dirty = PageBitmap::for_regions(&self.desc.regions);
             let th = Instant::now();
             let d = self.src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
-            let decision = self.end_round(planner, round, n, t.elapsed(), th.elapsed(), d);
+            let times = RoundTimes { total: t.elapsed(), send, harvest: th.elapsed() };
+            let tp = Instant::now();
+            let decision = self.end_round(planner, round, n, times, d);
+            self.phases.plan_ms += ms_since(tp);
             to_send = dirty;
             round += 1;
             match decision {
@@ -801,25 +839,31 @@ impl<'a> SourceSession<'a> {
         n
     }
 
-    /// Ends a live round of `n` pages that took `dur` (`harvest` of it reading the dirty log,
-    /// which found `d` pages): counts it, asks the planner, throttles the vCPUs as it says
-    /// and reports the round.
-    fn end_round(
-        &mut self,
-        planner: &mut Planner,
-        round: u32,
-        n: u64,
-        dur: Duration,
-        harvest: Duration,
-        d: u64,
-    ) -> Decision {
+    /// Ends a live round of `n` pages (its `times`; the dirty log found `d` pages): counts
+    /// it, asks the planner, throttles the vCPUs as it says and reports the round.
+    fn end_round(&mut self, planner: &mut Planner, round: u32, n: u64, times: RoundTimes, d: u64) -> Decision {
+        let RoundTimes { total: dur, send, harvest } = times;
         self.sent_total += n;
         let st = RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
         let decision = planner.after_round_with(&st, &RoundExtras { harvest: Some(harvest), rtt: None });
-        self.rounds.push(RoundReport { round, pages: n, ms: dur.as_secs_f64() * 1e3, dirty_after: d });
         // A throttle stays in force until the planner changes it (it never lowers it within a
         // migration); it ends with the migration.
         let throttle = planner.throttle_percent();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let drain = dur.saturating_sub(send + harvest);
+        self.rounds.push(RoundReport {
+            round,
+            pages: n,
+            ms: ms(dur),
+            dirty_after: d,
+            send_ms: ms(send),
+            drain_ms: ms(drain),
+            harvest_ms: ms(harvest),
+            throttle_percent: throttle,
+        });
+        let p = &mut self.phases;
+        (p.send_ms, p.drain_ms, p.harvest_ms) =
+            (p.send_ms + ms(send), p.drain_ms + ms(drain), p.harvest_ms + ms(harvest));
         self.src.set_throttle(throttle.into());
         self.max_throttle = self.max_throttle.max(throttle);
         self.estimate_ms = planner.estimated_downtime(d).map(|x| x.as_secs_f64() * 1e3);
@@ -860,7 +904,8 @@ impl<'a> SourceSession<'a> {
         let mut progress = |p: RoundProgress| events(progress_event(p, before, estimate_ms));
         let n = col.send_round(round, to_send.gfns(), self.stop.pages, Checksum::Full, &mut progress)?;
         self.sent_total += n;
-        self.rounds.push(RoundReport { round, pages: n, ms: t.elapsed().as_secs_f64() * 1e3, dirty_after: 0 });
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        self.rounds.push(RoundReport { round, pages: n, ms, send_ms: ms, dirty_after: 0, ..Default::default() });
         Ok(())
     }
 
@@ -943,7 +988,8 @@ impl<'a> SourceSession<'a> {
             Ok(other) => return Err(MigrateError::Unconfirmed(format!("it answered {other:?} instead of Resumed"))),
             Err(e) => return Err(MigrateError::Unconfirmed(e.to_string())),
         }
-        self.src.stop_dirty_log();
+        // Dirty logging stays on: this copy of the VM is over (its VMM stops it), and turning
+        // the log off slot by slot took 5–9 ms here.
         add_cpu(&self.cpu, self.cpu0);
         Ok(downtime)
     }
@@ -965,6 +1011,7 @@ impl<'a> SourceSession<'a> {
             None => self.opts.policy.stop_phase,
         };
         let total = self.t_start.elapsed();
+        self.phases.stop_ms = downtime.as_secs_f64() * 1e3;
         (self.events)(Event::Completed {
             total_ms: total.as_secs_f64() * 1e3,
             downtime_ms: downtime.as_secs_f64() * 1e3,
@@ -984,11 +1031,20 @@ impl<'a> SourceSession<'a> {
             zerocopy_copied: self.zc.1,
             round0_dirty_samples: self.round0_samples,
             stop_phase: self.stop,
+            phases: self.phases,
             estimated_downtime_ms: self.estimated_downtime.map(|d| d.as_secs_f64() * 1e3),
             max_throttle_percent: self.max_throttle,
             stop_phase_model,
         }
     }
+}
+
+/// How long a live round took, and two of its parts (the rest is the wire draining).
+#[derive(Clone, Copy)]
+struct RoundTimes {
+    total: Duration,
+    send: Duration,
+    harvest: Duration,
 }
 
 /// A progress event for a round, `before` pages having been sent in the rounds before it.
