@@ -118,6 +118,9 @@ pub struct PhaseTimes {
     pub drain_ms: f64,
     pub harvest_ms: f64,
     pub plan_ms: f64,
+    /// Of `send_ms`: re-arming each batch's pages in the dirty log before they are read.
+    #[serde(default)]
+    pub rearm_ms: f64,
     /// The stop phase: the downtime (its parts in `stop_phase`).
     pub stop_ms: f64,
 }

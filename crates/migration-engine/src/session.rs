@@ -95,6 +95,7 @@ pub enum VmOp {
     StartDirtyLog,
     TouchedPages,
     FetchDirty,
+    RearmDirty,
     Pause,
     Resume,
     SaveState,
@@ -109,6 +110,7 @@ impl std::fmt::Display for VmOp {
             VmOp::StartDirtyLog => "starting dirty logging",
             VmOp::TouchedPages => "finding the touched pages",
             VmOp::FetchDirty => "reading the dirty log",
+            VmOp::RearmDirty => "re-arming the dirty log",
             VmOp::Pause => "pausing",
             VmOp::Resume => "resuming",
             VmOp::SaveState => "saving its state",
@@ -142,15 +144,20 @@ pub trait SourceVm: Sync {
     /// When a migration fails (the VM runs on here). After a migration that succeeded the
     /// VM is over and its log is left on.
     fn stop_dirty_log(&self);
-    /// Pages ever touched (round 0 sends these).
-    fn touched_pages(&self) -> Result<PageBitmap, VmError>;
-    /// Adds pages dirtied since the last call to `into`; returns how many.
-    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError>;
+    /// The pages round 0 sends: every page ever touched. Called once, after
+    /// [`SourceVm::start_dirty_log`].
+    fn first_round_pages(&self) -> Result<PageBitmap, VmError>;
+    /// Adds the pages dirtied since they were last armed to `into`; returns how many. They
+    /// may stay writable until [`SourceVm::rearm_dirty`]: every harvested page is re-armed
+    /// before its data is read (or the VM is paused).
+    fn harvest_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError>;
+    /// Re-arms tracking for `gfns` (ascending): the guest's next write to each is logged.
+    fn rearm_dirty(&self, gfns: &[u64]) -> Result<(), VmError>;
     fn pause(&self) -> Result<(), VmError>;
     fn resume(&self) -> Result<(), VmError>;
     /// vCPU, irqchip, clock and device state, opaque to migration.
     fn save_state(&self) -> Result<Vec<u8>, VmError>;
-    /// Distinct pages dirtied since the last `fetch_dirty`, read without clearing; `None` if
+    /// Distinct pages dirtied since the last `harvest_dirty`, read without clearing; `None` if
     /// the VM cannot tell without clearing. Sampled during round 0 to measure the dirty-page
     /// curve D(t) directly.
     fn peek_dirty_count(&self) -> Option<u64> {

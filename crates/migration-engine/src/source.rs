@@ -251,6 +251,10 @@ struct Collector<'a> {
     cancel: &'a CancelToken,
     /// The bandwidth cap, if any.
     bucket: Option<TokenBucket<SystemClock>>,
+    /// While the VM runs: each batch's pages are re-armed in its dirty log right before they
+    /// are read, and the time that takes.
+    rearm: Option<&'a dyn SourceVm>,
+    rearm_time: Duration,
 }
 
 /// How far a round has got, handed to the session's progress callback.
@@ -312,6 +316,11 @@ impl Collector<'_> {
         if let Some(b) = &mut self.bucket {
             let wait = b.take((gfns.len() * PAGE) as u64);
             sleep_unless_cancelled(wait, self.cancel)?;
+        }
+        if let Some(src) = self.rearm {
+            let t = Instant::now();
+            src.rearm_dirty(&gfns).map_err(MigrateError::Source)?;
+            self.rearm_time += t.elapsed();
         }
         let mut data = Vec::new();
         if self.copy {
@@ -677,7 +686,7 @@ impl<'a> SourceSession<'a> {
         src.start_dirty_log().map_err(MigrateError::Source)?;
         self.phases.dirty_log_start_ms = ms_since(t);
         let t = Instant::now();
-        let touched = src.touched_pages().map_err(MigrateError::Source)?;
+        let touched = src.first_round_pages().map_err(MigrateError::Source)?;
         self.phases.touched_ms = ms_since(t);
         let total_pages = self.desc.total_pages();
         (self.events)(Event::Started {
@@ -708,12 +717,15 @@ impl<'a> SourceSession<'a> {
             spare: None,
             cancel: &opts.cancel,
             bucket,
+            rearm: Some(src),
+            rearm_time: Duration::ZERO,
         };
         let mut planner = Planner::new(opts.policy, total_pages);
         let result = self.precopy(&mut col, &watch, &mut planner, touched);
         // Downtime counts from the pause request: vCPUs stop as they are kicked.
         let pause_at = Instant::now();
         let result = result.and_then(|(dirty, round)| self.stop_and_copy(&mut col, dirty, round, pause_at));
+        self.phases.rearm_ms = col.rearm_time.as_secs_f64() * 1e3;
         drop(col);
         let closing = self.join_senders(senders, result)?;
         self.stop.pages_ms = ms_since(pause_at) - self.stop.pause_ms - self.stop.harvest_ms;
@@ -776,7 +788,7 @@ impl<'a> SourceSession<'a> {
             drain_pipeline(col.senders, watch, self.deadline, &self.opts.cancel)?;
             let mut dirty = PageBitmap::for_regions(&self.desc.regions);
             let th = Instant::now();
-            let d = self.src.fetch_dirty(&mut dirty).map_err(MigrateError::Source)?;
+            let d = self.src.harvest_dirty(&mut dirty).map_err(MigrateError::Source)?;
             let times = RoundTimes { total: t.elapsed(), send, harvest: th.elapsed() };
             let tp = Instant::now();
             let decision = self.end_round(planner, round, n, times, d);
@@ -895,7 +907,9 @@ impl<'a> SourceSession<'a> {
         self.stop.pause_ms = ms_since(pause_at);
         paused?;
         let t = Instant::now();
-        self.src.fetch_dirty(&mut to_send).map_err(MigrateError::Source)?;
+        // Paused: nothing to re-arm.
+        col.rearm = None;
+        self.src.harvest_dirty(&mut to_send).map_err(MigrateError::Source)?;
         self.stop.harvest_ms = ms_since(t);
         self.stop.pages = to_send.count();
         (self.events)(Event::StopAndCopy { reason: self.stop_reason.clone(), pages: to_send.count() });

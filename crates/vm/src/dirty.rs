@@ -2,9 +2,14 @@
 //!
 //! Guest writes are tracked by KVM's dirty log per memory slot. Where KVM offers
 //! `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`, reading the log and re-protecting pages are separate
-//! steps (`KVM_GET_DIRTY_LOG`, then `KVM_CLEAR_DIRTY_LOG` for exactly the bits read): this
-//! avoids write-protecting the whole slot at every fetch. Pages the guest never touched are
-//! found with `mincore` on the memfd mapping: they are holes in the file and need not be sent.
+//! steps: [`Vm::harvest_dirty`] reads (`KVM_GET_DIRTY_LOG`) and leaves the pages writable, and
+//! [`Vm::rearm_dirty`] re-protects a batch of them (`KVM_CLEAR_DIRTY_LOG`) right before it is
+//! sent. A page the guest writes between the two costs no fault and is sent once, as it is
+//! when sent. With `KVM_DIRTY_LOG_INITIALLY_SET` (where offered) starting the log protects
+//! nothing either: every page counts as dirty until its first batch re-arms it, so round 0
+//! write-protects memory batch by batch as it goes, not all at once. Pages the guest never
+//! touched are found with `mincore` on the memfd mapping: they are holes in the file and need
+//! not be sent.
 //!
 //! KVM's log sees only the guest's own writes. Pages kumo writes into guest memory (an
 //! emulation assist storing a result, later a device doing DMA) are marked by vm-memory in the
@@ -38,11 +43,18 @@ fn vmm_bitmap(
 impl Vm {
     /// Starts tracking guest writes. Returns whether manual re-protection is in use.
     pub fn start_dirty_log(&self) -> Result<bool> {
-        let manual = self.kvm.check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 as _) > 0;
+        // The flags KVM offers (KVM_DIRTY_LOG_MANUAL_CAPS), 0 without manual protection.
+        let offered = self.kvm.check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 as _) as u64;
+        let manual = offered & kvm_bindings::KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE as u64 != 0;
         if manual && !self.dirty_manual.load(Ordering::Acquire) {
+            let init = offered & kvm_bindings::KVM_DIRTY_LOG_INITIALLY_SET as u64 != 0;
             let mut cap = kvm_enable_cap { cap: kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, ..Default::default() };
             cap.args[0] = kvm_bindings::KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE as u64;
+            if init {
+                cap.args[0] |= kvm_bindings::KVM_DIRTY_LOG_INITIALLY_SET as u64;
+            }
             self.fd.enable_cap(&cap).map_err(|e| Error::Kvm("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
+            self.dirty_initially_set.store(init, Ordering::Release);
             self.dirty_manual.store(true, Ordering::Release);
         }
         self.set_slot_flags(KVM_MEM_LOG_DIRTY_PAGES)?;
@@ -77,6 +89,17 @@ impl Vm {
     /// Adds the pages the guest or kumo wrote since the last fetch to `into` and re-arms
     /// tracking for them. Returns how many pages were dirty.
     pub fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64> {
+        self.read_dirty(into, true)
+    }
+
+    /// Adds the pages the guest or kumo wrote since they were last armed to `into`, leaving
+    /// them writable: [`Vm::rearm_dirty`] re-protects each batch before it is sent (without
+    /// manual protection KVM re-arms them as it reads). Returns how many pages were dirty.
+    pub fn harvest_dirty(&self, into: &mut PageBitmap) -> Result<u64> {
+        self.read_dirty(into, false)
+    }
+
+    fn read_dirty(&self, into: &mut PageBitmap, rearm: bool) -> Result<u64> {
         let mut total = 0;
         for (slot, region) in self.memory.guest.iter().enumerate() {
             // kumo's own writes first: a page it writes after this read is caught next time.
@@ -90,33 +113,67 @@ impl Vm {
                 total += (k | v).count_ones() as u64;
                 *d |= k | v;
             }
-            if bits.iter().all(|&w| w == 0) {
-                continue;
-            }
-            if self.dirty_manual.load(Ordering::Acquire) {
-                let mut clear = kvm_clear_dirty_log {
-                    slot: slot as u32,
-                    num_pages: (region.len() / PAGE_SIZE) as u32,
-                    first_page: 0,
-                    ..Default::default()
-                };
-                clear.__bindgen_anon_1.dirty_bitmap = bits.as_ptr() as *mut libc::c_void;
-                // SAFETY: `clear` points at `bits`, a bitmap covering the slot's `num_pages`
-                // pages, which outlives the call; KVM only reads it.
-                let ret = unsafe { ioctl_with_ref(self.fd.as_ref(), KVM_CLEAR_DIRTY_LOG(), &clear) };
-                if ret < 0 {
-                    return Err(Error::Kvm("KVM_CLEAR_DIRTY_LOG", vmm_sys_util::errno::Error::last()));
-                }
+            if rearm && self.dirty_manual.load(Ordering::Acquire) && bits.iter().any(|&w| w != 0) {
+                self.clear_dirty_log(slot as u32, 0, (region.len() / PAGE_SIZE) as u32, &bits)?;
             }
         }
         Ok(total)
+    }
+
+    /// `KVM_CLEAR_DIRTY_LOG` on `slot`: re-protects the pages of `bits` from slot page `first`
+    /// (a multiple of 64) on, `num` pages (a multiple of 64 unless the span ends the slot).
+    fn clear_dirty_log(&self, slot: u32, first: u64, num: u32, bits: &[u64]) -> Result<()> {
+        let mut clear = kvm_clear_dirty_log { slot, num_pages: num, first_page: first, ..Default::default() };
+        clear.__bindgen_anon_1.dirty_bitmap = bits.as_ptr() as *mut libc::c_void;
+        // SAFETY: `clear` points at `bits`, a bitmap of at least `num` bits that outlives the
+        // call; KVM only reads it.
+        let ret = unsafe { ioctl_with_ref(self.fd.as_ref(), KVM_CLEAR_DIRTY_LOG(), &clear) };
+        if ret < 0 {
+            return Err(Error::Kvm("KVM_CLEAR_DIRTY_LOG", vmm_sys_util::errno::Error::last()));
+        }
+        Ok(())
+    }
+
+    /// Re-protects `gfns` (ascending, as a batch is) so that the guest's next write to each is
+    /// logged again: called for a batch right before its pages are read. A no-op without
+    /// manual protection (the harvest re-armed them).
+    pub fn rearm_dirty(&self, gfns: &[u64]) -> Result<()> {
+        if !self.dirty_manual.load(Ordering::Acquire) || gfns.is_empty() {
+            return Ok(());
+        }
+        let slots: Vec<(u64, u64)> =
+            self.memory.guest.iter().map(|r| (r.start_addr().0 / PAGE_SIZE, r.len() / PAGE_SIZE)).collect();
+        for span in clear_spans(gfns, &slots) {
+            self.clear_dirty_log(span.slot, span.first, span.num, &span.bits)?;
+        }
+        Ok(())
+    }
+
+    /// The pages round 0 sends: those that exist in the memfd ([`Vm::touched_pages`]). With
+    /// `INITIALLY_SET` every other page counts as dirty too, so they are re-armed here; a page
+    /// first written between the `mincore` and that re-arm would be lost, so `mincore` runs
+    /// again after it and the pages it adds are sent as well.
+    pub fn first_round_pages(&self) -> Result<PageBitmap> {
+        let touched = self.touched_pages()?;
+        if !self.dirty_initially_set.load(Ordering::Acquire) {
+            return Ok(touched);
+        }
+        for (slot, (_, pages, bits)) in touched.regions.iter().enumerate() {
+            let mut holes: Vec<u64> = bits.iter().map(|w| !w).collect();
+            if let Some(last) = holes.last_mut().filter(|_| pages % 64 != 0) {
+                *last &= (1u64 << (pages % 64)) - 1;
+            }
+            self.clear_dirty_log(slot as u32, 0, *pages as u32, &holes)?;
+        }
+        self.touched_pages()
     }
 
     /// Distinct pages dirtied since tracking started or pages were last re-protected, without
     /// changing anything: with manual protection, `KVM_GET_DIRTY_LOG` only reads. `None` when
     /// manual protection is off (then a read would also clear).
     pub fn peek_dirty_count(&self) -> Result<Option<u64>> {
-        if !self.dirty_manual.load(Ordering::Acquire) {
+        // With INITIALLY_SET the log also holds every page not yet sent.
+        if !self.dirty_manual.load(Ordering::Acquire) || self.dirty_initially_set.load(Ordering::Acquire) {
             return Ok(None);
         }
         let mut n = 0;
@@ -155,6 +212,38 @@ impl Vm {
         }
         Ok(bm)
     }
+}
+
+/// One `KVM_CLEAR_DIRTY_LOG` call: `num` pages of `slot` from slot page `first`, the pages
+/// to re-arm set in `bits` (bit i: page `first + i`).
+#[derive(Debug, PartialEq)]
+struct ClearSpan {
+    slot: u32,
+    first: u64,
+    num: u32,
+    bits: Vec<u64>,
+}
+
+/// The calls that re-arm `gfns` (ascending) in slots `(first gfn, pages)`: one per slot they
+/// touch, from the 64-page word of the first to that of the last (KVM wants `first` a multiple
+/// of 64, and `num` too unless the span ends the slot). Pages in no slot are skipped.
+fn clear_spans(gfns: &[u64], slots: &[(u64, u64)]) -> Vec<ClearSpan> {
+    let mut spans = Vec::new();
+    for (slot, &(base, pages)) in slots.iter().enumerate() {
+        let lo = gfns.partition_point(|&g| g < base);
+        let hi = gfns.partition_point(|&g| g < base + pages);
+        let here = &gfns[lo..hi.max(lo)];
+        let (Some(&a), Some(&b)) = (here.first(), here.last()) else { continue };
+        let first = (a - base) & !63;
+        let num = ((b - base - first + 64) & !63).min(pages - first);
+        let mut bits = vec![0u64; num.div_ceil(64) as usize];
+        for &g in here {
+            let i = g - base - first;
+            bits[(i / 64) as usize] |= 1 << (i % 64);
+        }
+        spans.push(ClearSpan { slot: slot as u32, first, num: num as u32, bits });
+    }
+    spans
 }
 
 /// A device that writes guest memory where KVM cannot see it (a vhost-user backend in
@@ -319,6 +408,25 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_is_re_armed_in_one_aligned_span_per_slot() {
+        // Below 3 GiB, 1,000 pages (not a multiple of 64), and a slot at 4 GiB.
+        let slots = [(0u64, 1000u64), ((4u64 << 30) / 4096, 4096)];
+        let hi = (4u64 << 30) / 4096;
+        let spans = clear_spans(&[70, 71, 200, 999, 1000, hi + 3, hi + 130], &slots);
+        assert_eq!(spans.len(), 2);
+        // 70..=999: from word 1 (page 64) to the slot's end (not a multiple of 64).
+        let s0 = &spans[0];
+        assert_eq!((s0.slot, s0.first, s0.num), (0, 64, 936));
+        let set: Vec<u64> = (0..s0.num as u64).filter(|i| s0.bits[(i / 64) as usize] >> (i % 64) & 1 == 1).collect();
+        assert_eq!(set, vec![6, 7, 136, 935]);
+        // Page 1000 is in no slot; the second slot's pages 3 and 130: words 0..=2.
+        let s1 = &spans[1];
+        assert_eq!((s1.slot, s1.first, s1.num), (1, 0, 192));
+        assert_eq!(s1.bits, vec![1 << 3, 0, 1 << 2]);
+        assert!(clear_spans(&[], &slots).is_empty());
+    }
+
+    #[test]
     fn kvm_reports_exactly_the_pages_the_guest_wrote() {
         // Write to 0x800000 and 0x803008 (two pages), then exit through port 0x501.
         let code: &[u8] = &[
@@ -332,9 +440,16 @@ mod tests {
         };
         let vm = &g.vm;
         vm.start_dirty_log().unwrap();
-        let touched = vm.touched_pages().unwrap();
-        assert!(touched.count() > 0 && touched.count() < 1000, "only boot structures: {}", touched.count());
-        let mut dirty = PageBitmap::for_regions(&[(0, 32 << 20)]);
+        let first = vm.first_round_pages().unwrap();
+        let first_gfns: Vec<u64> = first.gfns().collect();
+        assert!(first.count() > 0 && first.count() < 1000, "only boot structures: {}", first.count());
+        // Until round 0's batches re-arm them, the log may hold those pages (INITIALLY_SET),
+        // but never a hole: first_round_pages re-armed the holes.
+        let regions = [(0, 32 << 20)];
+        let mut before = PageBitmap::for_regions(&regions);
+        vm.harvest_dirty(&mut before).unwrap();
+        assert!(before.gfns().all(|g| first_gfns.contains(&g)), "a hole reads dirty");
+        vm.rearm_dirty(&first_gfns).unwrap();
         assert!(matches!(g.run().unwrap(), VcpuRun::Device(_)));
         let vm = &g.vm;
         // A write by kumo itself (as an emulation assist makes) at 0x900010: KVM's log does
@@ -344,16 +459,26 @@ mod tests {
             assert!(peeked >= 2);
             assert_eq!(vm.peek_dirty_count().unwrap(), Some(peeked), "peeking does not clear");
         }
-        vm.fetch_dirty(&mut dirty).unwrap();
+        let mut dirty = PageBitmap::for_regions(&regions);
+        vm.harvest_dirty(&mut dirty).unwrap();
         let gfns: Vec<_> = dirty.gfns().collect();
+        // 0x800 and 0x803 were holes, re-armed before the guest's first write to them.
         assert!(gfns.contains(&0x800) && gfns.contains(&0x803), "{gfns:x?}");
         assert!(gfns.contains(&0x900), "kumo's own write is missing: {gfns:x?}");
         // Nothing else the guest wrote but its own stack-less code: at most a few extra pages
         // (the CPU sets accessed/dirty bits in the page tables).
         assert!(gfns.len() <= 8, "{gfns:x?}");
-        // A second fetch sees nothing new.
-        let mut again = PageBitmap::for_regions(&[(0, 32 << 20)]);
-        assert_eq!(vm.fetch_dirty(&mut again).unwrap(), 0);
+        // Harvested, not re-armed: KVM still reports them (kumo's own bitmap was taken).
+        let mut again = PageBitmap::for_regions(&regions);
+        vm.harvest_dirty(&mut again).unwrap();
+        let again: Vec<_> = again.gfns().collect();
+        assert!(again.contains(&0x800) && again.contains(&0x803) && !again.contains(&0x900), "{again:x?}");
+        // Re-armed (as their batch is before it is sent), they are clean until written again;
+        // fetch_dirty (the dry run's) reads and re-arms at once.
+        vm.rearm_dirty(&gfns).unwrap();
+        let mut after = PageBitmap::for_regions(&regions);
+        assert_eq!(vm.harvest_dirty(&mut after).unwrap(), 0);
+        assert_eq!(vm.fetch_dirty(&mut after).unwrap(), 0);
         vm.stop_dirty_log().unwrap();
     }
 }

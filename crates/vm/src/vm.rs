@@ -36,6 +36,8 @@ pub struct Vm {
     msr_list: Arc<Vec<u32>>,
     /// Whether KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 is enabled (see `dirty`).
     pub(crate) dirty_manual: std::sync::atomic::AtomicBool,
+    /// Whether it is enabled with KVM_DIRTY_LOG_INITIALLY_SET (see `dirty`).
+    pub(crate) dirty_initially_set: std::sync::atomic::AtomicBool,
 }
 
 /// Opens /dev/kvm with a clear error when it is absent or not accessible.
@@ -207,6 +209,7 @@ impl Vm {
             uapic,
             msr_list: Arc::new(msr_list.as_slice().to_vec()),
             dirty_manual: Default::default(),
+            dirty_initially_set: Default::default(),
         })
     }
 

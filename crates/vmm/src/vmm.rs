@@ -110,9 +110,9 @@ impl RunningVm {
     pub fn incoming(
         config: VmConfig,
         serial: Box<dyn Write + Send>,
-        memfd: Option<std::fs::File>,
+        memory: Option<kumo_vm::Memory>,
     ) -> Result<RunningVm> {
-        Self::build_for_incoming(config, serial, memfd)
+        Self::build_for_incoming(config, serial, memory)
     }
 
     /// Boot: validates `config`, writes the boot structures, loads the payload, sets each vCPU
@@ -168,7 +168,7 @@ impl RunningVm {
     fn build_for_incoming(
         mut config: VmConfig,
         serial: Box<dyn Write + Send>,
-        memfd: Option<std::fs::File>,
+        memory: Option<kumo_vm::Memory>,
     ) -> Result<RunningVm> {
         let start_ns = monotonic_ns();
         config.validate_arriving()?;
@@ -176,7 +176,12 @@ impl RunningVm {
         if config.elastic.is_some() {
             return Err(Error::Config("an elastic VM cannot arrive by migration".into()));
         }
-        let memory = memfd.map(|f| kumo_vm::Memory::from_file(f, config.memory)).transpose()?;
+        if let Some(m) = memory.as_ref().filter(|m| m.size != config.memory) {
+            return Err(Error::Config(format!(
+                "the memory given holds {} bytes, the VM has {}",
+                m.size, config.memory
+            )));
+        }
         let vm = create_vm(&config, numa.as_ref(), memory)?;
         let (vcpus, pv) = create_vcpus(&vm, &mut config)?;
         // Registers arrive with the migration stream.
@@ -497,9 +502,10 @@ impl RunningVm {
         Ok(())
     }
 
-    /// Merges the pages written since the last fetch, KVM's and the devices', into `into`.
-    pub fn fetch_dirty(&self, into: &mut kumo_vm::dirty::PageBitmap) -> Result<u64> {
-        let mut n = self.vm.fetch_dirty(into)?;
+    /// Merges the pages written since they were last armed, KVM's and the devices', into
+    /// `into` (see `Vm::harvest_dirty`: KVM's stay writable until re-armed).
+    pub fn harvest_dirty(&self, into: &mut kumo_vm::dirty::PageBitmap) -> Result<u64> {
+        let mut n = self.vm.harvest_dirty(into)?;
         for d in self.devices.dirty_logs() {
             n += d.fetch_log(into).map_err(Error::Devices)?;
         }

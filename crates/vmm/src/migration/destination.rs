@@ -104,7 +104,9 @@ impl Incoming {
     /// Prepares the destination and starts listening. With `memory` or `cpus` the destination
     /// is prepared: both are checked against this host, and guest memory of that size is
     /// allocated and faulted in before listening, so the transfer does not pay for first-touch
-    /// page faults (expensive on nested hosts). Nothing has been received when it returns.
+    /// page faults (expensive on nested hosts). The arriving VM takes that mapping itself, page
+    /// tables and all: a new mapping of the same file would fault every page again. Nothing
+    /// has been received when it returns.
     pub fn listen(&self, say: &dyn Fn(&str)) -> Result<Listening, String> {
         let (memory, cpus) = (self.memory, self.cpus);
         let host = kumo_vm::vm::HostLimits::probe().map_err(|e| e.to_string())?;
@@ -126,7 +128,7 @@ impl Incoming {
                     size >> 20,
                     t.elapsed().as_secs_f64() * 1e3
                 ));
-                Some(m.memfd)
+                Some(m)
             }
             None => None,
         };
@@ -171,9 +173,12 @@ impl Incoming {
                     )));
                 }
                 // Memory shared by a local migration wins; otherwise the prepared memory, if any.
-                let memfd = memfd.or_else(|| reserved.take());
+                let memory = match memfd {
+                    Some(f) => Some(kumo_vm::Memory::from_file(f, config.memory).map_err(|e| refuse(e.to_string()))?),
+                    None => reserved.take(),
+                };
                 let serial = serial.take().unwrap_or_else(|| Box::new(std::io::stdout()));
-                RunningVm::incoming(config, serial, memfd).map_err(|e| VmError::new(VmOp::Create, e))
+                RunningVm::incoming(config, serial, memory).map_err(|e| VmError::new(VmOp::Create, e))
             })
             .map_err(|e| format!("incoming migration failed: {e}"))?;
         *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
@@ -196,5 +201,5 @@ impl Incoming {
 /// A destination that listens, its prepared memory (if any) ready: [`Incoming::listen`].
 pub struct Listening {
     listener: Listener,
-    reserved: Option<std::fs::File>,
+    reserved: Option<kumo_vm::Memory>,
 }

@@ -39,11 +39,14 @@ impl SourceVm for RunningVm {
     fn stop_dirty_log(&self) {
         RunningVm::stop_dirty_log(self)
     }
-    fn touched_pages(&self) -> Result<PageBitmap, VmError> {
-        self.vm().touched_pages().map_err(|e| VmError::new(VmOp::TouchedPages, e))
+    fn first_round_pages(&self) -> Result<PageBitmap, VmError> {
+        self.vm().first_round_pages().map_err(|e| VmError::new(VmOp::TouchedPages, e))
     }
-    fn fetch_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError> {
-        RunningVm::fetch_dirty(self, into).map_err(|e| VmError::new(VmOp::FetchDirty, e))
+    fn harvest_dirty(&self, into: &mut PageBitmap) -> Result<u64, VmError> {
+        RunningVm::harvest_dirty(self, into).map_err(|e| VmError::new(VmOp::FetchDirty, e))
+    }
+    fn rearm_dirty(&self, gfns: &[u64]) -> Result<(), VmError> {
+        self.vm().rearm_dirty(gfns).map_err(|e| VmError::new(VmOp::RearmDirty, e))
     }
     fn pause(&self) -> Result<(), VmError> {
         self.migration_pause().map_err(|e| VmError::new(VmOp::Pause, e))?;
@@ -86,16 +89,17 @@ impl SourceVm for RunningVm {
 /// progress deadline of a slow destination would be hard to tell from the cap.
 pub const MIN_BANDWIDTH: u64 = 1_000_000;
 
+/// The downtime target of a migration that names none (beside Xen's rule, first to fire
+/// wins): a pause a guest's users hardly notice, where QEMU's default allows 300 ms.
+pub const DEFAULT_DOWNTIME_MS: u64 = 50;
+
 /// Turns an API request into migration options.
 pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String> {
     let to: Address = req.to.parse()?;
-    let engine = req.engine.unwrap_or_default();
-    let downtime = req.downtime_ms.map(Duration::from_millis);
-    let xen = req.xen.unwrap_or(downtime.is_none());
-    if !xen && downtime.is_none() {
-        return Err("no stop rule: keep Xen's rule or give downtime_ms".into());
-    }
-    let connections = req.connections.unwrap_or(1);
+    let engine = req.engine.unwrap_or(MigrationEngine::default_for(req.tls_dir.is_some()));
+    let xen = req.xen.unwrap_or(req.downtime_ms.is_none());
+    let downtime = Some(Duration::from_millis(req.downtime_ms.unwrap_or(DEFAULT_DOWNTIME_MS)));
+    let connections = req.connections.unwrap_or(engine.default_connections());
     let max = kumo_migration::format::MAX_CONNECTIONS as usize;
     if !(1..=max).contains(&connections) {
         return Err(format!("connections must be 1..={max}, not {connections}"));
@@ -129,7 +133,7 @@ pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String
         opts.progress_timeout = Duration::from_millis(ms);
     }
     let strict = req.strict.unwrap_or(false);
-    if strict && downtime.is_none() {
+    if strict && req.downtime_ms.is_none() {
         return Err("strict needs downtime_ms: it makes the downtime target a promise".into());
     }
     opts.policy = StopPolicy {
