@@ -176,7 +176,10 @@ fn the_source_runs_on_when_the_receiver_dies() {
         let mut buf = vec![0u8; 64 << 10];
         assert!(c.read(&mut buf).unwrap() > 0, "the source sent nothing after Ready");
     });
-    let (mut src, sock) = source("die-src", "256M", &["pages=20000", "rate=500000", "seed=8", "until_input=1"]);
+    let (mut src, sock) =
+        source("die-src", "256M", &["pages=20000", "rate=500000", "seed=8", "report_ms=50", "until_input=1"]);
+    // A guest that dirties its pages: the migration must be in its rounds, not committing.
+    wait_for_writes(&src, 100_000);
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "serial"]);
     fake.join().unwrap();
     assert!(!ok, "migration must fail when the receiver dies:\n{out}");
@@ -195,7 +198,10 @@ fn a_destination_that_stops_taking_data_fails_the_migration_and_the_source_runs_
     if !kvm_or_skip("a_destination_that_stops_taking_data_fails_the_migration_and_the_source_runs_on") {
         return;
     }
-    let (mut src, sock) = source("stall-src", "256M", &["pages=20000", "rate=500000", "seed=5", "until_input=1"]);
+    let (mut src, sock) =
+        source("stall-src", "256M", &["pages=20000", "rate=500000", "seed=5", "report_ms=50", "until_input=1"]);
+    // A guest that dirties its pages: the migration must be in its rounds, not committing.
+    wait_for_writes(&src, 100_000);
     for engine in ["overlap", "zerocopy"] {
         // Says Ready, then reads nothing more (a stopped process), until the test is done.
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -256,6 +262,13 @@ fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
 }
 
 /// The largest `writes=` of memtouch's progress lines in `out`, and the smallest.
+/// Waits until the guest reported `n` writes: a migration that must still be running when an
+/// event arrives needs a guest that dirties its pages, however slowly it booted (5 random
+/// writes per page touch nearly all of them).
+fn wait_for_writes(src: &Vmp, n: u64) {
+    eventually(PATIENCE, || (progress_writes(&src.stdout()).into_iter().max() >= Some(n)).then_some(()));
+}
+
 fn progress_writes(out: &str) -> Vec<u64> {
     out.lines()
         .filter(|l| l.starts_with("memtouch: progress"))
@@ -403,7 +416,7 @@ fn bad_migrate_requests_are_refused() {
         (&["--to", "udp:1.2.3.4:5"][..], "tcp:HOST:PORT or unix:PATH"),
         (&["--to", "tcp:127.0.0.1:1", "--engine", "warp"][..], "invalid value 'warp'"),
         (&["--to", "tcp:127.0.0.1:1", "--max-bandwidth", "64K"][..], "at least 1000000 bytes/s"),
-        (&["--to", "tcp:127.0.0.1:1", "--no-xen"][..], "no stop rule"),
+        (&["--to", "tcp:127.0.0.1:1", "--connections", "0"][..], "connections must be 1..="),
         (&["--to", "tcp:127.0.0.1:1", "--engine", "serial", "--connections", "2"][..], "one connection"),
         (&[][..], "needs --to"),
         (&["--to", "tcp:127.0.0.1:1", "--measure-link"][..], "--dry-run"),
@@ -547,6 +560,7 @@ fn ctrl_c_cancels_a_migration_and_the_source_runs_on() {
     let dest = incoming_api(&addr, "cancel-dst", None);
     let (mut src, sock) =
         source("cancel-src", "64M", &["pages=4000", "rate=50000", "seed=6", "report_ms=20", "until_input=1"]);
+    wait_for_writes(&src, 20_000);
     // 1 MiB/s: a round of the guest's 4,000 hot pages takes many seconds, so the migration is
     // surely still running when the first progress event within a round has been printed.
     let mig = spawn_migrate(&sock, &["--to", &addr, "--max-bandwidth", "1M", "--json"], "cancel-mig");
@@ -585,7 +599,10 @@ fn the_cancel_route_stops_a_migration() {
     let dest = incoming_api(&addr, "cancel-api-dst", Some(&dsock));
     // The destination's API is up before any VM exists.
     assert_eq!(vm_state(&dsock).as_deref(), Some("receiving"));
-    let (mut src, sock) = source("cancel-api-src", "64M", &["pages=4000", "rate=50000", "seed=7", "until_input=1"]);
+    let (mut src, sock) =
+        source("cancel-api-src", "64M", &["pages=4000", "rate=50000", "seed=7", "until_input=1", "report_ms=50"]);
+    // Round 0 must span several batches at the cap: the guest's 4,000 pages, touched.
+    wait_for_writes(&src, 20_000);
     let c = kumo_api::ApiClient::new(&sock).with_timeout(Duration::from_secs(600));
     let req = kumo_api::MigrateRequest { max_bandwidth: Some(1 << 20), ..kumo_api::MigrateRequest::to(&addr) };
     let call = {

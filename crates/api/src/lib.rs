@@ -765,17 +765,18 @@ pub struct MigrateRequest {
     /// Hypervisor's name for it, `destination_url`, is taken too.
     #[serde(alias = "destination_url")]
     pub to: String,
-    /// Default `overlap`.
+    /// Default `zerocopy`, or `overlap` with `tls_dir`.
     #[serde(default)]
     pub engine: Option<MigrationEngine>,
-    /// Stop pre-copy once the rest fits this downtime (ms).
+    /// Stop pre-copy once the rest fits this downtime (ms). Without it, 50 ms
+    /// (`DEFAULT_DOWNTIME_MS`) beside Xen's rule.
     #[serde(default)]
     pub downtime_ms: Option<u64>,
-    /// Apply Xen's stop rule (≤ 50 dirty pages, 30 rounds, 3x pages): default true unless only
+    /// Apply Xen's stop rule (≤ 50 dirty pages, 30 rounds, 3x pages): default true unless
     /// `downtime_ms` is given.
     #[serde(default)]
     pub xen: Option<bool>,
-    /// Parallel connections (overlap, zerocopy).
+    /// Parallel connections: default 2 for overlap and zerocopy, 1 for serial and local.
     #[serde(default)]
     pub connections: Option<usize>,
     /// Only observe the guest's dirtying for `estimate_ms` and predict the migration.

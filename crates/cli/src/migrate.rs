@@ -17,18 +17,19 @@ pub struct MigrateArgs {
     /// Destination: tcp:HOST:PORT or unix:PATH of a `kumo run --incoming`.
     #[arg(long, value_name = "ADDR")]
     to: Option<String>,
-    /// How pages travel (docs/migration.md, "Engines").
-    #[arg(long, value_enum, default_value_t = MigrationEngine::Overlap)]
-    engine: MigrationEngine,
-    /// Stop pre-copy once the rest fits this downtime (ms).
+    /// How pages travel (docs/migration.md, "Engines") [default: zerocopy, or overlap with
+    /// --tls-dir].
+    #[arg(long, value_enum)]
+    engine: Option<MigrationEngine>,
+    /// Stop pre-copy once the rest fits this downtime (ms) [default: 50, beside Xen's rule].
     #[arg(long, value_name = "MS")]
     downtime_ms: Option<u64>,
     /// Do not apply Xen's stop rule (needs --downtime-ms).
     #[arg(long)]
     no_xen: bool,
-    /// Parallel connections (overlap, zerocopy).
-    #[arg(long, default_value_t = 1)]
-    connections: usize,
+    /// Parallel connections (overlap, zerocopy) [default: 2; 1 for serial and local].
+    #[arg(long)]
+    connections: Option<usize>,
     /// Cap on the page data sent per second, e.g. 100M (100 MiB/s); at least 1 MB/s.
     #[arg(long, value_name = "SIZE", value_parser = kumo_vmm::config::parse_size)]
     max_bandwidth: Option<u64>,
@@ -99,10 +100,10 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     };
     let req = MigrateRequest {
         to,
-        engine: Some(a.engine),
+        engine: a.engine,
         downtime_ms: a.downtime_ms,
         xen: a.no_xen.then_some(false),
-        connections: Some(a.connections),
+        connections: a.connections,
         dry_run: a.dry_run,
         estimate_ms: Some(a.estimate_ms),
         measure_link: a.measure_link,
@@ -116,11 +117,16 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     let client = ApiClient::new(&socket).with_timeout(Duration::from_secs(24 * 3600));
     client.ping().map_err(|e| e.to_string())?;
     catch_sigint();
-    let worker = {
+    // The answer comes back on a channel, so the end is seen at once, not at the next poll.
+    let (done_tx, done) = std::sync::mpsc::channel();
+    {
         let c = client.clone();
         let r = req.clone();
-        std::thread::spawn(move || c.send_migration(&r))
-    };
+        // A send fails only once this side stopped waiting: nothing is left to tell.
+        std::thread::spawn(move || {
+            let _ = done_tx.send(c.send_migration(&r));
+        });
+    }
     let mut out = Output::new(a.json);
     if a.dry_run {
         out.note(&format!("watching the guest dirty memory for {} ms", a.estimate_ms));
@@ -128,7 +134,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
     let poller = ApiClient::new(&socket).with_timeout(Duration::from_secs(5));
     let mut seen = 0;
     let mut cancel_sent = false;
-    while !worker.is_finished() {
+    let result = loop {
         if INTERRUPTED.load(Ordering::SeqCst) && !cancel_sent {
             cancel_sent = true;
             match poller.cancel_migration() {
@@ -143,9 +149,14 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
             seen = seen.max(st.events.len());
         }
         out.tick();
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let result = worker.join().map_err(|_| "migration thread panicked".to_string())?;
+        match done.recv_timeout(Duration::from_millis(100)) {
+            Ok(r) => break r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err("migration thread panicked".into());
+            }
+        }
+    };
     // The answer is the final status: its events complete what polling saw (the source may
     // already be gone). A failed migration's source runs on and still answers.
     let status = match result {
