@@ -69,6 +69,8 @@ static u64 workload(u64 arg) {
     u64 rng = mix64(j->seed) | 1, start = rdtsc(), next_report = start + ms_to_tsc(j->report_ms);
     u64 deadline = j->duration_ms ? start + ms_to_tsc(j->duration_ms) : 0;
     u64 n = 0;
+    /* The rate's schedule: write n is due at sched + (n - sched_n) / rate. */
+    u64 sched = start, sched_n = 0;
     for (;; n++) {
         if (j->writes && n >= j->writes) break;
         u64 now = (n & 63) == 0 || j->rate || j->report_ms ? rdtsc() : 0;
@@ -94,9 +96,15 @@ static u64 workload(u64 arg) {
         if (j->rate && j->tsc_khz) {
             /* Write in bursts up to 1 ms ahead of schedule, then halt until due: the dirty
              * rate is kept while the vCPU stays mostly idle (a wake-up costs tens of µs here,
-             * too much to halt between single writes). */
-            u64 due = start + (n + 1) * j->tsc_khz * 1000 / j->rate;
-            if (due > rdtsc() + ms_to_tsc(1)) {
+             * too much to halt between single writes). More than 10 ms behind (the VM was
+             * paused: a migration's stop phase, a throttle), the schedule starts again from
+             * now: the writes it could not make are lost, not made up in a burst at full
+             * speed, which would be another workload. */
+            u64 t = rdtsc(), due = sched + (n + 1 - sched_n) * j->tsc_khz * 1000 / j->rate;
+            if (t > due + ms_to_tsc(10)) {
+                sched = t;
+                sched_n = n + 1;
+            } else if (due > t + ms_to_tsc(1)) {
                 kumo_idle_until(due);
                 if (j->until_input && console_input()) { n++; break; }
             }
