@@ -38,9 +38,12 @@ use kumo_testkit::{sv, Kid};
 /// A kumo child process, killed when dropped.
 type Proc = Kid;
 use kumo_guests::memtouch::expected_checksum;
+
+mod vs_qemu;
 use kumo_migration::{predict, DirtyModel, PredictParams, StopPolicy, XenRule};
 use serde::Serialize;
 use serde_json::Value;
+use vs_qemu::{Chain, Compare, HEADLINE_TARGET, WORKLOADS};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -79,11 +82,6 @@ const ENGINES: [Engine; 6] = [
 const SERIAL: Engine = ENGINES[0];
 const OVERLAP: Engine = ENGINES[1];
 const ZEROCOPY: Engine = ENGINES[3];
-/// kumo's best network engine here: the one the comparison with QEMU uses.
-const BEST: Engine = ENGINES[4];
-/// kumo's downtime target in the comparison's "default rule" rows, next to Xen's rule: QEMU
-/// stops at its default 300 ms limit, and the goal is at most 1/5 of QEMU's downtime.
-const KUMO_DEFAULT_TARGET_MS: u64 = 50;
 
 // ---------------------------------------------------------------------------------------------
 // Child processes: kumo-testkit's `Kid` (stdout lines stamped with the host time they arrived: a
@@ -205,8 +203,11 @@ fn destination(ctx: &Ctx, addr: &str, e: Engine, mem_mib: u64, api: &Path) -> Re
 
 /// `kumo migrate … --json`: the source's report.
 fn migrate(ctx: &Ctx, api: &Path, addr: &str, e: Engine, downtime_ms: Option<u64>) -> Result<Value, String> {
-    let mut args = sv(&["--api-socket", &api.display().to_string(), "migrate", "--to", addr, "--engine", e.engine]);
-    args.extend(sv(&["--connections", &e.connections.to_string(), "--json"]));
+    let mut args = sv(&["--api-socket", &api.display().to_string(), "migrate", "--to", addr, "--json"]);
+    // An engine without a name: kumo's defaults.
+    if !e.engine.is_empty() {
+        args.extend(sv(&["--engine", e.engine, "--connections", &e.connections.to_string()]));
+    }
     if let Some(d) = downtime_ms {
         args.extend(sv(&["--downtime-ms", &d.to_string()]));
     }
@@ -791,698 +792,11 @@ fn correct_loaded(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
     c
 }
 
-// ---------------------------------------------------------------------------------------------
-// 5. kumo and QEMU on the same guests: the guest kept running; 6. downtime by target
-
-/// A guest of the side-by-side comparison. Every one is prefilled (all memory in use) and runs
-/// until it is typed at (`until_input`/`hold_input`), so no duration has to be guessed.
-#[derive(Clone, Copy)]
-struct Workload {
-    key: &'static str,
-    label: &'static str,
-    pages: u64,
-    /// Page writes/s; 0: flat out.
-    rate: u64,
-    /// Writes 1000 pages, then halts until typed at (no progress to measure).
-    halted: bool,
-}
-
-const WORKLOADS: [Workload; 4] = [
-    Workload { key: "idle", label: "idle, halted", pages: 1000, rate: 0, halted: true },
-    Workload { key: "busy", label: "idle memory, busy vCPU (1 page)", pages: 1, rate: 0, halted: false },
-    Workload { key: "flat", label: "flat out, 100,000 pages", pages: LOADED_PAGES, rate: 0, halted: false },
-    Workload {
-        key: "paper",
-        label: "paper: 52,500/s over 100,000",
-        pages: LOADED_PAGES,
-        rate: LOADED_RATE,
-        halted: false,
-    },
-];
-const SIDE_SEED: u64 = 5;
-/// Downtime targets of section 6 (kumo `--downtime-ms`, QEMU `downtime-limit`).
-const TARGETS: [u64; 3] = [10, 30, 50];
-/// The headline's downtime target.
-const HEADLINE_TARGET: u64 = 30;
-
-impl Workload {
-    fn args(&self) -> Vec<String> {
-        let mut a = sv(&[&format!("pages={}", self.pages), "mode=random", "prefill=1", &format!("seed={SIDE_SEED}")]);
-        if self.halted {
-            a.extend(sv(&["writes=1000", "hold_input=1"]));
-        } else {
-            a.extend(sv(&["until_input=1", "report_ms=100"]));
-            if self.rate > 0 {
-                a.push(format!("rate={}", self.rate));
-            }
-        }
-        a
-    }
-
-    fn ready(&self) -> &'static str {
-        if self.halted {
-            "memtouch: checksum="
-        } else {
-            "memtouch: progress"
-        }
-    }
-
-    /// The guest's memory against the model, once it printed its last checksum (None before).
-    fn check(&self, out: &str) -> Option<Check> {
-        let (got, want) = if self.halted {
-            (checksum(out, "checksum_after_hold")?, expected_checksum(self.pages, 1000, SIDE_SEED, true))
-        } else {
-            let got = checksum(out, "checksum")?;
-            let writes = complete(out)
-                .lines()
-                .find_map(|l| l.strip_prefix("memtouch: done writes="))?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()?;
-            (got, expected_checksum(self.pages, writes, SIDE_SEED, true))
-        };
-        Some(if got == want {
-            Check { ok: true, detail: "matches the model".into() }
-        } else {
-            Check { ok: false, detail: format!("checksum {got:x}, the model says {want:x}") }
-        })
-    }
-}
-
-/// One migration of a chain.
-#[derive(Serialize, Clone, Default)]
-struct Hop {
-    /// None: the VMM's default stop rule (kumo: Xen's rule; QEMU: its 300 ms downtime limit).
-    target_ms: Option<u64>,
-    error: Option<String>,
-    /// QEMU went on copying past the time limit and was cancelled (no stop-and-copy).
-    not_converged: bool,
-    total_ms: f64,
-    downtime_ms: f64,
-    /// The guest's writes/s (host-timed progress lines) before, during and after.
-    before: Option<f64>,
-    during: Option<f64>,
-    after: Option<f64>,
-    /// during / before.
-    kept: Option<f64>,
-    /// kumo's report of where the time went (`phases`, and `rounds` with each round's parts).
-    phases: Option<Value>,
-    rounds: Option<Value>,
-}
-
-/// One guest migrating again and again, under one VMM.
-#[derive(Serialize)]
-struct Chain {
-    vmm: &'static str,
-    workload: &'static str,
-    memory_mib: u64,
-    guest: String,
-    /// Why the guest did not start or the chain broke.
-    error: Option<String>,
-    hops: Vec<Hop>,
-    /// The guest's memory after the last hop, against the model.
-    memory: Option<Check>,
-}
-
-impl Chain {
-    fn new(vmm: &'static str, w: Workload, mem: u64) -> Chain {
-        Chain {
-            vmm,
-            workload: w.key,
-            memory_mib: mem,
-            guest: w.args().join(" "),
-            error: None,
-            hops: vec![],
-            memory: None,
-        }
-    }
-
-    /// Hops with the default stop rule (section 5).
-    fn default_hops(&self) -> impl Iterator<Item = &Hop> {
-        self.hops.iter().filter(|h| h.target_ms.is_none() && h.error.is_none())
-    }
-
-    /// Failures that fail the bench (a QEMU that did not converge in time is a measurement).
-    fn failures(&self) -> Vec<String> {
-        let name = format!("{} {} {} MiB", self.vmm, self.workload, self.memory_mib);
-        let mut f: Vec<String> = self.error.iter().map(|e| format!("{name}: {}", first_line(e))).collect();
-        f.extend(
-            self.hops
-                .iter()
-                .filter(|h| !h.not_converged)
-                .filter_map(|h| h.error.as_ref())
-                .map(|e| format!("{name}, migration: {}", first_line(e))),
-        );
-        if let Some(c) = self.memory.as_ref().filter(|c| !c.ok) {
-            f.push(format!("{name}: memory {}", c.detail));
-        }
-        f
-    }
-}
-
-fn first_line(s: &str) -> &str {
-    s.lines().find(|l| !l.trim().is_empty()).unwrap_or("")
-}
-
-/// What a chain does: per hop, the downtime target and whether to measure the guest's rates.
-type Steps = Vec<(Option<u64>, bool)>;
-
-/// memtouch's progress lines as (host ms since `base`, writes).
-fn host_progress(lines: &[(Instant, String)], base: Instant) -> Vec<(f64, f64)> {
-    lines
-        .iter()
-        .filter(|(_, l)| l.starts_with("memtouch: progress"))
-        .filter_map(|(at, l)| {
-            let w = l.split_whitespace().find_map(|w| w.strip_prefix("writes="))?.parse::<f64>().ok()?;
-            Some((at.saturating_duration_since(base).as_secs_f64() * 1e3, w))
-        })
-        .collect()
-}
-
-/// Fills the hop's writes/s before (`win` up to `t0`), during (`t0..t1`) and after (`t1` on
-/// for `win`), waiting until the guest has reported past the last window.
-fn measure_rates(
-    h: &mut Hop,
-    lines: impl Fn() -> Vec<(Instant, String)>,
-    (t0, t1): (Instant, Instant),
-    win: Duration,
-    base: Instant,
-) -> Result<(), String> {
-    let until = t1 + win;
-    let limit = Instant::now() + win + Duration::from_secs(30);
-    while !lines().iter().any(|(at, l)| *at >= until && l.starts_with("memtouch: progress")) {
-        if Instant::now() > limit {
-            return Err("the guest reported no progress after the migration".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let p = host_progress(&lines(), base);
-    let ms = |t: Instant| t.saturating_duration_since(base).as_secs_f64() * 1e3;
-    let w = win.as_secs_f64() * 1e3;
-    h.before = rate(&p, ms(t0) - w, ms(t0));
-    h.during = rate(&p, ms(t0), ms(t1));
-    h.after = rate(&p, ms(t1), ms(t1) + w);
-    h.kept = h.during.zip(h.before).filter(|(_, b)| *b > 0.0).map(|(d, b)| d / b);
-    Ok(())
-}
-
-/// Types at the guest and waits for its last checksum (and for it to exit).
-fn finish_guest(w: Workload, send: &mut dyn FnMut() -> Result<(), String>, out: &dyn Fn() -> String) -> Check {
-    if let Err(e) = send() {
-        return Check { ok: false, detail: e };
-    }
-    let t = Instant::now();
-    loop {
-        if let Some(c) = w.check(&out()) {
-            return c;
-        }
-        if t.elapsed() > Duration::from_secs(30) {
-            return Check { ok: false, detail: "no final checksum within 30 s of typing at the guest".into() };
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn target_label(t: Option<u64>) -> String {
-    t.map_or("default rule".into(), |t| format!("target {t} ms"))
-}
-
-/// The guest under kumo: each hop onto a prepared destination, with [`BEST`] and, in the
-/// default-rule rows, Xen's rule plus a [`KUMO_DEFAULT_TARGET_MS`] target.
-/// `quiet` runs once the destinations of the first hops are ready, before anything is
-/// measured (the QEMU guest booting meanwhile is paused there).
-fn kumo_chain(ctx: &Ctx, mem: u64, w: Workload, steps: &Steps, win: Duration, quiet: &mut dyn FnMut()) -> Chain {
-    let mut c = Chain::new("kumo", w, mem);
-    ctx.step(format!("kumo, {} {mem} MiB: starting the guest (prefill)", w.key));
-    let mut vm = match source(ctx, mem, &w.args(), w.ready()) {
-        Ok(vm) => vm,
-        Err(e) => {
-            c.error = Some(e);
-            return c;
-        }
-    };
-    let mut history: Vec<Lines> = vec![vm.proc.stdout_handle()];
-    let all = |h: &[Lines]| h.iter().flat_map(lines_of).collect::<Vec<_>>();
-    let mut ready = std::collections::VecDeque::new();
-    for (i, &(target, measure)) in steps.iter().enumerate() {
-        if ready.is_empty() {
-            ctx.step(format!("kumo, {} {mem} MiB: preparing destinations", w.key));
-            ready.extend(prepare_all(ctx, &vec![BEST; (steps.len() - i).min(BATCH)], mem));
-            if i == 0 {
-                quiet();
-            }
-        }
-        let dst = ready.pop_front().unwrap_or_else(|| Err("no destination".into()));
-        ctx.step(format!("kumo, {} {mem} MiB: hop {}/{} ({})", w.key, i + 1, steps.len(), target_label(target)));
-        let mut h = Hop { target_ms: target, ..Default::default() };
-        let r = dst.and_then(|dst| {
-            if measure {
-                std::thread::sleep(win);
-            }
-            let m = hop_to(ctx, &mut vm, dst, mem, target.or(Some(KUMO_DEFAULT_TARGET_MS)), 1.0)?;
-            history.push(vm.proc.stdout_handle());
-            h.total_ms = m.total_ms;
-            h.downtime_ms = m.downtime_ms;
-            h.phases = Some(m.report["phases"].clone());
-            h.rounds = Some(m.report["rounds"].clone());
-            if measure && !w.halted {
-                measure_rates(&mut h, || all(&history), m.window.ok_or("no migration window")?, win, ctx.t0)?;
-            }
-            Ok(())
-        });
-        h.error = r.err();
-        c.hops.push(h);
-    }
-    let out = vm.proc.stdout_handle();
-    let mut send = || vm.proc.send(b"q");
-    ctx.step(format!("kumo, {} {mem} MiB: stopping the guest, checking its memory", w.key));
-    c.memory = Some(finish_guest(w, &mut send, &|| text_of(&out)));
-    let _ = vm.proc.wait_exit(Duration::from_secs(30));
-    c
-}
-
-/// The same guest under QEMU: each hop to a new QEMU started with `-incoming` and
-/// `-mem-prealloc` (like kumo's prepared destination), max-bandwidth unlimited.
-fn qemu_chain(
-    ctx: &Ctx,
-    mem: u64,
-    w: Workload,
-    steps: &Steps,
-    win: Duration,
-    converge: Duration,
-    booted: Option<Result<crate::qemu::QemuVm, String>>,
-) -> Chain {
-    use crate::qemu::{self, QemuSpec, QemuVm};
-    let mut c = Chain::new("qemu", w, mem);
-    let spec = QemuSpec::new("memtouch", mem, &w.args());
-    let src = match booted {
-        Some(vm) => vm.and_then(|mut vm| vm.qmp("cont", Value::Null).map(|_| vm)),
-        None => {
-            ctx.step(format!("QEMU, {} {mem} MiB: starting the guest (prefill)", w.key));
-            qemu_source(mem, w, false)
-        }
-    };
-    let mut src = match src {
-        Ok(vm) => vm,
-        Err(e) => {
-            c.error = Some(e);
-            return c;
-        }
-    };
-    let mut history: Vec<(Instant, String)> = Vec::new();
-    let dst_spec = QemuSpec { prealloc: true, ..spec.clone() };
-    let spawn = |port: u16| QemuVm::spawn(&dst_spec, Some(port)).map(|vm| (vm, port));
-    let mut ready = std::collections::VecDeque::new();
-    for (i, &(target, measure)) in steps.iter().enumerate() {
-        if ready.is_empty() {
-            ctx.step(format!("QEMU, {} {mem} MiB: starting destinations", w.key));
-            let ports: Vec<Result<u16, String>> =
-                (0..(steps.len() - i).min(BATCH)).map(|_| qemu::free_port()).collect();
-            ready.extend(std::thread::scope(|s| {
-                let hs: Vec<_> = ports.into_iter().map(|p| s.spawn(|| p.and_then(spawn))).collect();
-                hs.into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Err("starting a QEMU destination panicked".into())))
-                    .collect::<Vec<_>>()
-            }));
-        }
-        let dst = ready.pop_front().unwrap_or_else(|| Err("no destination".into()));
-        ctx.step(format!("QEMU, {} {mem} MiB: hop {}/{} ({})", w.key, i + 1, steps.len(), target_label(target)));
-        let mut h = Hop { target_ms: target, ..Default::default() };
-        let (dst, port) = match dst {
-            Ok(d) => d,
-            Err(e) => {
-                h.error = Some(e);
-                c.hops.push(h);
-                break;
-            }
-        };
-        if measure {
-            std::thread::sleep(win);
-        }
-        let t0 = Instant::now();
-        let r = qemu::migrate_to(&mut src, &dst, port, target, converge);
-        let t1 = Instant::now();
-        match r {
-            Err(e) => {
-                h.not_converged = e.contains("migration not done within");
-                // A lower bound: QEMU was still copying when it was cancelled.
-                if h.not_converged {
-                    h.total_ms = (t1 - t0).as_secs_f64() * 1e3;
-                }
-                h.error = Some(e);
-                c.hops.push(h);
-                if !h_running(&mut src) {
-                    c.error = Some("the source QEMU stopped after a failed migration".into());
-                    return c;
-                }
-                continue;
-            }
-            Ok(m) => {
-                h.total_ms = m.total_ms as f64;
-                h.downtime_ms = m.downtime_ms as f64;
-                history.extend(src.lines());
-                src = dst;
-            }
-        }
-        if measure && !w.halted {
-            let r =
-                measure_rates(&mut h, || history.iter().cloned().chain(src.lines()).collect(), (t0, t1), win, ctx.t0);
-            h.error = r.err();
-        }
-        c.hops.push(h);
-    }
-    // The serial log, read without borrowing `src` (typed at meanwhile).
-    let serial = src.serial_path();
-    let mut send = || src.send_input(b"q");
-    ctx.step(format!("QEMU, {} {mem} MiB: stopping the guest, checking its memory", w.key));
-    let check = finish_guest(w, &mut send, &|| {
-        std::fs::read(&serial).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default()
-    });
-    c.memory = Some(check);
-    let _ = src.wait_exit(Duration::from_secs(30));
-    c
-}
-
-/// The workload's guest booted in QEMU until ready; with `stop`, then paused (QMP `stop`).
-fn qemu_source(mem: u64, w: Workload, stop: bool) -> Result<crate::qemu::QemuVm, String> {
-    let spec = crate::qemu::QemuSpec::new("memtouch", mem, &w.args());
-    let boot = Duration::from_secs(60) + Duration::from_micros(mem * 256 * 200);
-    let mut vm = crate::qemu::QemuVm::spawn(&spec, None)?;
-    vm.wait_serial(w.ready(), boot)?;
-    if stop {
-        vm.qmp("stop", Value::Null)?;
-    }
-    Ok(vm)
-}
-
-fn h_running(vm: &mut crate::qemu::QemuVm) -> bool {
-    vm.qmp("query-status", Value::Null).is_ok()
-}
-
 fn median(mut v: Vec<f64>) -> Option<f64> {
     v.retain(|x| x.is_finite());
     v.sort_by(f64::total_cmp);
     let n = v.len();
     (n > 0).then(|| if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
-}
-
-/// Medians of a chain's default-rule hops (section 5's table row).
-#[derive(Serialize, Default, Clone)]
-struct SideRow {
-    runs: usize,
-    total_ms: Option<f64>,
-    downtime_ms: Option<f64>,
-    before: Option<f64>,
-    during: Option<f64>,
-    after: Option<f64>,
-    kept: Option<f64>,
-}
-
-fn side_row(c: &Chain) -> SideRow {
-    let col = |f: fn(&Hop) -> Option<f64>| median(c.default_hops().filter_map(f).collect());
-    SideRow {
-        runs: c.default_hops().count(),
-        total_ms: col(|h| Some(h.total_ms)),
-        downtime_ms: col(|h| Some(h.downtime_ms)),
-        before: col(|h| h.before),
-        during: col(|h| h.during),
-        after: col(|h| h.after),
-        kept: col(|h| h.kept),
-    }
-}
-
-/// kumo against QEMU on one guest: kumo keeps at least QEMU's share of the guest's rate, in at
-/// most QEMU's total time, with at most 1/5 of its downtime.
-#[derive(Serialize)]
-struct SideBySide {
-    workload: &'static str,
-    label: &'static str,
-    memory_mib: u64,
-    kumo: SideRow,
-    qemu: SideRow,
-    /// None where the guest makes no progress to keep (halted).
-    kept_ok: Option<bool>,
-    time_ok: bool,
-    downtime_ok: bool,
-    met: bool,
-}
-
-fn side_by_side(w: Workload, k: &Chain, q: &Chain) -> SideBySide {
-    let (kr, qr) = (side_row(k), side_row(q));
-    let kept_ok = (!w.halted).then(|| kr.kept.zip(qr.kept).is_some_and(|(a, b)| a >= b));
-    let time_ok = kr.total_ms.zip(qr.total_ms).is_some_and(|(a, b)| a <= b);
-    let downtime_ok = kr.downtime_ms.zip(qr.downtime_ms).is_some_and(|(a, b)| a <= b / 5.0);
-    SideBySide {
-        workload: w.key,
-        label: w.label,
-        memory_mib: k.memory_mib,
-        met: kept_ok.unwrap_or(true) && time_ok && downtime_ok,
-        kumo: kr,
-        qemu: qr,
-        kept_ok,
-        time_ok,
-        downtime_ok,
-    }
-}
-
-/// Measured downtimes at one target (section 6).
-#[derive(Serialize)]
-struct Dist {
-    vmm: &'static str,
-    workload: &'static str,
-    memory_mib: u64,
-    target_ms: u64,
-    runs: usize,
-    /// Migrations that completed, their downtimes in run order.
-    downtimes_ms: Vec<f64>,
-    /// QEMU migrations cancelled after the time limit without reaching their stop-and-copy.
-    not_converged: usize,
-    failed: usize,
-    min: Option<f64>,
-    median: Option<f64>,
-    p95: Option<f64>,
-    max: Option<f64>,
-    /// Completed runs with downtime ≤ target.
-    within: usize,
-    /// Total times of the completed runs and, as lower bounds, of those QEMU was still copying
-    /// when cancelled (in run order); their median.
-    totals_ms: Vec<f64>,
-    median_total_ms: Option<f64>,
-}
-
-fn dist(c: &Chain, target: u64) -> Dist {
-    let hops: Vec<&Hop> = c.hops.iter().filter(|h| h.target_ms == Some(target)).collect();
-    let d: Vec<f64> = hops.iter().filter(|h| h.error.is_none()).map(|h| h.downtime_ms).collect();
-    let totals: Vec<f64> = hops.iter().filter(|h| h.error.is_none() || h.not_converged).map(|h| h.total_ms).collect();
-    let mut s = d.clone();
-    s.sort_by(f64::total_cmp);
-    let p95 = (!s.is_empty()).then(|| s[((s.len() as f64 * 0.95).ceil() as usize).clamp(1, s.len()) - 1]);
-    Dist {
-        vmm: c.vmm,
-        workload: c.workload,
-        memory_mib: c.memory_mib,
-        target_ms: target,
-        runs: hops.len(),
-        not_converged: hops.iter().filter(|h| h.not_converged).count(),
-        failed: hops.iter().filter(|h| h.error.is_some() && !h.not_converged).count(),
-        min: s.first().copied(),
-        median: median(d.clone()),
-        p95,
-        max: s.last().copied(),
-        within: d.iter().filter(|&&x| x <= target as f64).count(),
-        downtimes_ms: d,
-        median_total_ms: median(totals.clone()),
-        totals_ms: totals,
-    }
-}
-
-#[derive(Serialize)]
-struct Compare {
-    /// The `-cpu` model QEMU ran with (the first that booted here).
-    qemu_cpu: String,
-    /// Migrations per guest with the default rules (section 5); per target (section 6).
-    runs: usize,
-    /// The same for the rows other than the flat-out guest (fewer in --quick).
-    other_runs: usize,
-    runs_per_target: usize,
-    /// Seconds of guest progress measured before and after each migration.
-    window_s: f64,
-    chains: Vec<Chain>,
-    side_by_side: Vec<SideBySide>,
-    downtime: Vec<Dist>,
-}
-
-/// Sections 5 and 6: every workload under kumo and under QEMU at each size, `runs` default-rule
-/// hops for the flat-out guest and `other_runs` for the others; at `dist_mib`, the flat-out and paper guests then hop `n` times per target.
-fn compare(
-    ctx: &Ctx,
-    sizes: &[u64],
-    dist_mib: u64,
-    (runs, other_runs, n): (usize, usize, usize),
-    win: Duration,
-    qemu_cpu: String,
-) -> Compare {
-    let converge = Duration::from_secs(15);
-    let mut chains = Vec::new();
-    let (mut sbs, mut downtime) = (Vec::new(), Vec::new());
-    for &mem in sizes {
-        for w in WORKLOADS {
-            // The flat-out guest gives the headline's median; in --quick the other rows run once.
-            let rows = if w.key == "flat" { runs } else { other_runs };
-            let mut steps: Steps = vec![(None, true); rows];
-            if mem == dist_mib && matches!(w.key, "flat" | "paper") {
-                steps.extend((0..n).flat_map(|_| TARGETS.map(|t| (Some(t), false))));
-            } else if w.key == "flat" {
-                // The total-time comparison at the headline target, at every size.
-                steps.extend((0..runs).map(|_| (Some(HEADLINE_TARGET), false)));
-            }
-            // QEMU's guest boots (~5 s here, its PVH start-up runs emulated) while kumo's
-            // guest boots and its first destinations are prepared, then waits paused. Not for
-            // a rate-limited guest: paused, it would fall behind its schedule and catch up
-            // flat out once resumed.
-            let mut pre = (w.rate == 0).then(|| std::thread::spawn(move || qemu_source(mem, w, true)));
-            let mut booted = None;
-            let mut quiet = || {
-                if let Some(h) = pre.take() {
-                    booted = Some(h.join().unwrap_or_else(|_| Err("booting QEMU panicked".into())));
-                }
-            };
-            let k = kumo_chain(ctx, mem, w, &steps, win, &mut quiet);
-            quiet();
-            ctx.bar.inc(1);
-            let q = qemu_chain(ctx, mem, w, &steps, win, converge, booted);
-            ctx.bar.inc(1);
-            sbs.push(side_by_side(w, &k, &q));
-            for c in [&k, &q] {
-                downtime.extend(
-                    TARGETS.iter().filter(|&&t| c.hops.iter().any(|h| h.target_ms == Some(t))).map(|&t| dist(c, t)),
-                );
-            }
-            chains.push(k);
-            chains.push(q);
-        }
-    }
-    Compare {
-        qemu_cpu,
-        runs,
-        other_runs,
-        runs_per_target: n,
-        window_s: win.as_secs_f64(),
-        chains,
-        side_by_side: sbs,
-        downtime,
-    }
-}
-
-fn print_compare(c: &Compare) {
-    println!(
-        "\n5. kumo and QEMU 7.2 on the same guests (memtouch, prefilled; QEMU boots it through its PVH entry, -cpu {})",
-        c.qemu_cpu
-    );
-    let runs = if c.runs == c.other_runs {
-        format!("{}", c.runs)
-    } else {
-        format!("{} (flat out) or {}", c.runs, c.other_runs)
-    };
-    println!("   {runs} migrations per row with each VMM's default rules (kumo: zerocopy x2, Xen rule + 50 ms target; QEMU: downtime limit 300 ms), medians;");
-    println!("   both over loopback TCP to a prepared destination (kumo --incoming --memory; QEMU -mem-prealloc), QEMU's max-bandwidth unlimited.");
-    println!("   writes/s from the guest's progress lines as the host received them: {:.1} s before, during, {:.1} s after; kept = during / before", c.window_s, c.window_s);
-    println!("   goal: kumo keeps >= QEMU's share, in <= QEMU's total time, with <= 1/5 of QEMU's downtime");
-    println!(
-        "{:<38} {:<5} {:>8} {:>8} {:>9} {:>9} {:>9} {:>6}  goal",
-        "guest", "vmm", "time ms", "down ms", "before/s", "during/s", "after/s", "kept"
-    );
-    let f = |v: Option<f64>, p: usize| opt(v, p);
-    for s in &c.side_by_side {
-        let name = format!("{} MiB {}", s.memory_mib, s.label);
-        for (vmm, r) in [("kumo", &s.kumo), ("QEMU", &s.qemu)] {
-            let goal = if vmm == "kumo" {
-                let yes = |b: bool| if b { "yes" } else { "NO" };
-                format!(
-                    "{}  (kept {}, time {}, downtime {})",
-                    if s.met { "met" } else { "not met" },
-                    s.kept_ok.map_or("n/a", yes),
-                    yes(s.time_ok),
-                    yes(s.downtime_ok)
-                )
-            } else {
-                String::new()
-            };
-            println!(
-                "{:<38} {vmm:<5} {:>8} {:>8} {:>9} {:>9} {:>9} {:>6}  {goal}",
-                if vmm == "kumo" { name.as_str() } else { "" },
-                f(r.total_ms, 0),
-                f(r.downtime_ms, 1),
-                f(r.before, 0),
-                f(r.during, 0),
-                f(r.after, 0),
-                f(r.kept, 3)
-            );
-        }
-    }
-    for ch in &c.chains {
-        for h in ch.hops.iter().filter(|h| h.error.is_some()) {
-            let what = if h.not_converged { "did not converge in time" } else { "FAILED" };
-            println!(
-                "   {} {} {} MiB, {}: {what}: {}",
-                ch.vmm,
-                ch.workload,
-                ch.memory_mib,
-                target_label(h.target_ms),
-                first_line(h.error.as_deref().unwrap_or(""))
-            );
-        }
-        if let Some(e) = &ch.error {
-            println!("   {} {} {} MiB: FAILED: {}", ch.vmm, ch.workload, ch.memory_mib, first_line(e));
-        }
-    }
-    let bad: Vec<String> = c
-        .chains
-        .iter()
-        .filter_map(|ch| {
-            ch.memory.as_ref().filter(|m| !m.ok).map(|m| format!("{} {}: {}", ch.vmm, ch.workload, m.detail))
-        })
-        .collect();
-    let checked = c.chains.iter().filter(|ch| ch.memory.is_some()).count();
-    println!(
-        "   memory after each guest's last hop against the model: {}/{checked} match{}",
-        checked - bad.len(),
-        if bad.is_empty() { String::new() } else { format!(" ({})", bad.join("; ")) }
-    );
-
-    if c.downtime.is_empty() {
-        return;
-    }
-    println!(
-        "\n6. Downtime by target, {} migrations per target (interleaved; at other sizes the flat-out guest at {HEADLINE_TARGET} ms only), measured downtime and total time in ms",
-        c.runs_per_target
-    );
-    println!(
-        "{:<6} {:<7} {:>5} {:>6} {:>8} {:>8} {:>8} {:>8} {:>9}  within target",
-        "vmm", "guest", "MiB", "target", "min", "median", "p95", "max", "total med"
-    );
-    for d in &c.downtime {
-        let extra = match (d.not_converged, d.failed) {
-            (0, 0) => String::new(),
-            (n, f) => format!(" ({n} did not converge, {f} failed)"),
-        };
-        println!(
-            "{:<6} {:<7} {:>5} {:>6} {:>8} {:>8} {:>8} {:>8} {:>9}  {}/{} <= {} ms{extra}",
-            d.vmm,
-            d.workload,
-            d.memory_mib,
-            d.target_ms,
-            opt(d.min, 1),
-            opt(d.median, 1),
-            opt(d.p95, 1),
-            opt(d.max, 1),
-            opt(d.median_total_ms, 0),
-            d.within,
-            d.runs,
-            d.target_ms
-        );
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1518,129 +832,10 @@ struct Report {
     guest_kept: Option<f64>,
     /// The same under QEMU.
     qemu_guest_kept: Option<f64>,
-    /// Headline: kumo's median total time over QEMU's, flat-out guest, 512 MiB, 30 ms target.
+    /// Headline: kumo's median host-timed total over QEMU's, flat-out guest, 512 MiB, 30 ms
+    /// target (the other sizes and rules: `compare.side_by_side`).
     total_ratio_qemu: Option<f64>,
-    /// The same at every size, at the headline target and with each VMM's defaults.
-    totals: Vec<TotalRatio>,
-    /// Where kumo's time went: per phase, the median over its flat-out guest's hops.
-    breakdown: Vec<PhaseRow>,
     png: Option<String>,
-}
-
-/// kumo's total migration time over QEMU's, flat-out guest, medians.
-#[derive(Serialize)]
-struct TotalRatio {
-    memory_mib: u64,
-    rule: String,
-    kumo_ms: Option<f64>,
-    qemu_ms: Option<f64>,
-    ratio: Option<f64>,
-}
-
-fn total_ratios(c: &Compare) -> Vec<TotalRatio> {
-    let ratio = |k: Option<f64>, q: Option<f64>| k.zip(q).filter(|(_, q)| *q > 0.0).map(|(k, q)| k / q);
-    let mut v = Vec::new();
-    for s in c.side_by_side.iter().filter(|s| s.workload == "flat") {
-        let at = |vmm: &str| {
-            c.downtime
-                .iter()
-                .find(|d| {
-                    d.vmm == vmm
-                        && d.workload == "flat"
-                        && d.memory_mib == s.memory_mib
-                        && d.target_ms == HEADLINE_TARGET
-                })
-                .and_then(|d| d.median_total_ms)
-        };
-        let (k, q) = (at("kumo"), at("qemu"));
-        v.push(TotalRatio {
-            memory_mib: s.memory_mib,
-            rule: format!("target {HEADLINE_TARGET} ms"),
-            kumo_ms: k,
-            qemu_ms: q,
-            ratio: ratio(k, q),
-        });
-        v.push(TotalRatio {
-            memory_mib: s.memory_mib,
-            rule: format!("defaults (kumo: Xen rule + {KUMO_DEFAULT_TARGET_MS} ms; QEMU: 300 ms)"),
-            kumo_ms: s.kumo.total_ms,
-            qemu_ms: s.qemu.total_ms,
-            ratio: ratio(s.kumo.total_ms, s.qemu.total_ms),
-        });
-    }
-    v
-}
-
-/// One phase of kumo's migrations (`Report::phases`): its median ms over the flat-out
-/// guest's hops at one size.
-#[derive(Serialize)]
-struct PhaseRow {
-    memory_mib: u64,
-    phase: String,
-    median_ms: Option<f64>,
-}
-
-/// The phases in the order they run (see kumo-api's `PhaseTimes`).
-const PHASES: [&str; 14] = [
-    "setup_ms",
-    "connect_ms",
-    "accepted_ms",
-    "more_connections_ms",
-    "dirty_log_start_ms",
-    "touched_ms",
-    "pipeline_start_ms",
-    "ready_ms",
-    "send_ms",
-    "drain_ms",
-    "harvest_ms",
-    "plan_ms",
-    "stop_ms",
-    "total_ms",
-];
-
-fn breakdown(c: &Compare) -> Vec<PhaseRow> {
-    let mut v = Vec::new();
-    for ch in c.chains.iter().filter(|ch| ch.vmm == "kumo" && ch.workload == "flat") {
-        let hops: Vec<&Hop> = ch.hops.iter().filter(|h| h.error.is_none()).collect();
-        for p in PHASES {
-            let x =
-                hops.iter()
-                    .filter_map(|h| if p == "total_ms" { Some(h.total_ms) } else { h.phases.as_ref()?[p].as_f64() });
-            v.push(PhaseRow {
-                memory_mib: ch.memory_mib,
-                phase: p.trim_end_matches("_ms").into(),
-                median_ms: median(x.collect()),
-            });
-        }
-    }
-    v
-}
-
-fn print_totals(r: &Report) {
-    println!("\n7. Total time, flat-out guest: kumo's median over QEMU's (goal <= 1.0); QEMU runs cancelled unfinished count as lower bounds");
-    println!("{:>5}  {:<48} {:>9} {:>9} {:>6}", "MiB", "rule", "kumo ms", "QEMU ms", "ratio");
-    for t in &r.totals {
-        println!(
-            "{:>5}  {:<48} {:>9} {:>9} {:>6}",
-            t.memory_mib,
-            t.rule,
-            opt(t.kumo_ms, 0),
-            opt(t.qemu_ms, 0),
-            opt(t.ratio, 2)
-        );
-    }
-    println!("   where kumo's time went (median ms over the flat-out guest's hops, all rules; the parts add up to about the total):");
-    let mut sizes: Vec<u64> = r.breakdown.iter().map(|p| p.memory_mib).collect();
-    sizes.dedup();
-    for mib in sizes {
-        let row: Vec<String> = r
-            .breakdown
-            .iter()
-            .filter(|p| p.memory_mib == mib)
-            .map(|p| format!("{} {}", p.phase, opt(p.median_ms, 1)))
-            .collect();
-        println!("   {mib} MiB: {}", row.join(", "));
-    }
 }
 
 fn opt(v: Option<f64>, prec: usize) -> String {
@@ -1774,8 +969,7 @@ fn print_all(r: &Report) {
         }
     }
 
-    print_compare(&r.compare);
-    print_totals(r);
+    vs_qemu::print(&r.compare);
 
     println!("\nTargets (from the issue)");
     println!("{:<62} {:>12} {:>8}  result", "target", "value", "goal");
@@ -1798,18 +992,16 @@ fn targets(r: &Report) -> Vec<Target> {
         ">= 1.00",
         &|v| v >= 1.0,
     );
-    for tr in &r.totals {
-        push(
-            format!(
-                "total time kumo / QEMU, flat out, {} MiB, {}",
-                tr.memory_mib,
-                tr.rule.split(" (").next().unwrap_or("")
-            ),
-            tr.ratio,
-            &|v| format!("{v:.2}"),
-            "<= 1.00",
-            &|v| v <= 1.0,
-        );
+    for mib in r.compare.sizes() {
+        for rule in [Some(HEADLINE_TARGET), None] {
+            push(
+                format!("total time kumo / QEMU, flat out, {mib} MiB, {}", vs_qemu::rule_label(rule)),
+                r.compare.time_ratio(mib, rule),
+                &|v| format!("{v:.2}"),
+                "<= 1.00",
+                &|v| v <= 1.0,
+            );
+        }
     }
     push(
         "overlap speed-up over serial under load".into(),
@@ -1833,7 +1025,7 @@ fn targets(r: &Report) -> Vec<Target> {
         &|v| v <= HEADLINE_TARGET as f64,
     );
     push(
-        "flat-out guest's rate kept while migrated, kumo (median)".into(),
+        format!("flat-out guest's rate kept while migrated, 512 MiB, {HEADLINE_TARGET} ms, kumo (median)"),
         r.guest_kept,
         &|v| format!("{v:.3}"),
         ">= QEMU",
@@ -1866,14 +1058,14 @@ fn targets(r: &Report) -> Vec<Target> {
         goal: "all",
         met: chains == r.idle.len(),
     });
-    for s in &r.compare.side_by_side {
-        t.push(Target {
-            name: format!("kumo vs QEMU, {} MiB {}", s.memory_mib, s.label),
-            value: if s.met { "met".into() } else { "not met".into() },
-            goal: "kept, time, downtime/5",
-            met: s.met,
-        });
-    }
+    let guests = &r.compare.chains;
+    let ok = guests.iter().filter(|c| c.memory.as_ref().is_some_and(|m| m.ok)).count();
+    t.push(Target {
+        name: "compared guests' memory after all hops (both VMMs)".into(),
+        value: format!("{ok}/{}", guests.len()),
+        goal: "all",
+        met: ok == guests.len(),
+    });
     t
 }
 
@@ -1888,7 +1080,7 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     root.fill(&WHITE).map_err(e)?;
     let (left, rest) = root.split_horizontally(700);
     let (right, third) = rest.split_horizontally(700);
-    plot_downtime(&third, r).map_err(e)?;
+    vs_qemu::plot_downtime(&third, &r.compare).map_err(e)?;
     let colors = [RED, BLUE, GREEN, MAGENTA, RGBColor(230, 140, 0), CYAN];
 
     // Idle throughput by VM size, per network engine, with the raw TCP line.
@@ -2007,54 +1199,6 @@ fn plot(path: &Path, r: &Report) -> Result<(), String> {
     root.present().map_err(e)
 }
 
-/// Section 6 as a chart: median measured downtime (max as a cross) per target, kumo and QEMU,
-/// paper and flat-out guests, against the line downtime = target.
-fn plot_downtime<DB: plotters::prelude::DrawingBackend>(
-    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
-    r: &Report,
-) -> Result<(), plotters::prelude::DrawingAreaErrorKind<DB::ErrorType>> {
-    use plotters::prelude::*;
-    let d = &r.compare.downtime;
-    let top = d.iter().filter_map(|x| x.max).fold(TARGETS[TARGETS.len() - 1] as f64, f64::max) * 1.15;
-    let xmax = TARGETS[TARGETS.len() - 1] as f64 + 5.0;
-    let mut c = ChartBuilder::on(area)
-        .caption("Downtime by target (section 6)", ("sans-serif", 20))
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(65)
-        .build_cartesian_2d(0.0..xmax, 0.0..top)?;
-    c.configure_mesh()
-        .x_desc("downtime target (ms)")
-        .y_desc("measured downtime (ms): median, x = max")
-        .x_label_formatter(&|v| format!("{v:.0}"))
-        .y_label_formatter(&|v| format!("{v:.0}"))
-        .light_line_style(RGBColor(238, 238, 238))
-        .label_style(("sans-serif", 14))
-        .draw()?;
-    c.draw_series(LineSeries::new([(0.0, 0.0), (xmax, xmax)], BLACK.stroke_width(1)))?
-        .label("downtime = target")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(1)));
-    let series = [("kumo", "paper", RED), ("kumo", "flat", MAGENTA), ("qemu", "paper", BLUE), ("qemu", "flat", CYAN)];
-    for (vmm, workload, col) in series {
-        let rows: Vec<&Dist> = d.iter().filter(|x| x.vmm == vmm && x.workload == workload).collect();
-        let med: Vec<(f64, f64)> = rows.iter().filter_map(|x| Some((x.target_ms as f64, x.median?))).collect();
-        if med.is_empty() {
-            continue;
-        }
-        c.draw_series(LineSeries::new(med.clone(), col.stroke_width(2)))?
-            .label(format!("{vmm}, {workload}"))
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], col.stroke_width(2)));
-        c.draw_series(med.iter().map(|&p| Circle::new(p, 4, col.filled())))?;
-        c.draw_series(rows.iter().filter_map(|x| Some(Cross::new((x.target_ms as f64, x.max?), 5, col))))?;
-    }
-    c.configure_series_labels()
-        .label_font(("sans-serif", 14))
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-}
-
 // ---------------------------------------------------------------------------------------------
 
 /// Section 2: one idle VM per size, hopping through every engine. Holds are generous (their
@@ -2110,15 +1254,8 @@ fn set_headlines(r: &mut Report) {
         .iter()
         .find(|d| d.vmm == "kumo" && d.workload == "paper" && d.target_ms == HEADLINE_TARGET)
         .and_then(|d| d.median);
-    let kept = |vmm: &str| {
-        let c = r.compare.chains.iter().rev().find(|c| c.vmm == vmm && c.workload == "flat")?;
-        median(c.default_hops().filter_map(|h| h.kept).collect())
-    };
-    (r.guest_kept, r.qemu_guest_kept) = (kept("kumo"), kept("qemu"));
-    r.totals = total_ratios(&r.compare);
-    r.breakdown = breakdown(&r.compare);
-    r.total_ratio_qemu =
-        r.totals.iter().find(|t| t.memory_mib == 512 && t.rule.starts_with("target")).and_then(|t| t.ratio);
+    (r.guest_kept, r.qemu_guest_kept) = r.compare.kept(512);
+    r.total_ratio_qemu = r.compare.time_ratio(512, Some(HEADLINE_TARGET));
 }
 
 /// Prints the tables and the headline, writes the JSON; 1 if a comparison run failed.
@@ -2197,7 +1334,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     let loaded = loaded(&ctx, big, settle, !a.quick, raw);
     let correctness = correctness(&ctx, n_correct, raw);
     let other_runs = if a.quick { 1 } else { side_runs };
-    let compare = compare(&ctx, side_sizes, 512, (side_runs, other_runs, n_target), win, qemu_cpu);
+    let compare = vs_qemu::compare(&ctx, side_sizes, 512, (side_runs, other_runs, n_target), win, qemu_cpu);
     ctx.step("checking the idle VMs' memory".into());
     for (s, p) in idle.iter_mut().zip(pending) {
         s.memory = p.map(|p| match p.verify() {
@@ -2224,8 +1361,6 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         guest_kept: None,
         qemu_guest_kept: None,
         total_ratio_qemu: None,
-        totals: vec![],
-        breakdown: vec![],
         png: None,
     };
     set_headlines(&mut report);

@@ -477,6 +477,9 @@ pub struct MigrationSpec {
     pub prepared_destination: bool,
 }
 
+/// QEMU's own default `downtime-limit` (ms).
+pub const DEFAULT_DOWNTIME_LIMIT_MS: u64 = 300;
+
 /// max-bandwidth for the migration: QEMU 7.2 throttles to 32 MiB/s by default; 100 GB/s is
 /// far above what this machine's loopback carries.
 const UNLIMITED_BANDWIDTH: u64 = 100_000_000_000;
@@ -509,10 +512,9 @@ pub fn migrate_to(
     downtime_limit_ms: Option<u64>,
     timeout: Duration,
 ) -> Result<QemuMigration, String> {
-    let mut params = json!({ "max-bandwidth": UNLIMITED_BANDWIDTH });
-    if let Some(d) = downtime_limit_ms {
-        params["downtime-limit"] = json!(d);
-    }
+    // Always set: a source that failed an earlier migration keeps its parameters.
+    let limit = downtime_limit_ms.unwrap_or(DEFAULT_DOWNTIME_LIMIT_MS);
+    let params = json!({ "max-bandwidth": UNLIMITED_BANDWIDTH, "downtime-limit": limit });
     src.qmp("migrate-set-parameters", params)?;
     let t0 = Instant::now();
     src.qmp("migrate", json!({ "uri": format!("tcp:127.0.0.1:{port}") }))?;
