@@ -211,6 +211,9 @@ impl SeqTracker {
     }
 }
 
+/// The sink's receive buffer, asked for (the kernel caps it at net.core.rmem_max).
+const SINK_BUFFER: usize = 16 << 20;
+
 /// What the stream sink counted.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq)]
 pub struct SinkResult {
@@ -233,11 +236,16 @@ pub struct SinkResult {
 /// Receives one stream on `sock`: waits up to `first` for its first packet, then until the end
 /// marker or `idle` without a packet.
 pub fn stream_sink(sock: &UdpSocket, first: Duration, idle: Duration) -> Result<SinkResult, String> {
+    // A stream comes faster than one datagram per system call can always keep up with: a
+    // deep queue absorbs the bursts (the host's rmem_max bounds it).
+    let _ = socket2::SockRef::from(sock).set_recv_buffer_size(SINK_BUFFER);
     let mut buf = vec![0u8; 65536];
     let mut t = SeqTracker::default();
     let (mut bytes, mut start, mut last) = (0u64, None::<Instant>, Instant::now());
     let mut ended = false;
     let begun = Instant::now();
+    // The read timeout in force: set when it changes, not once per datagram.
+    let mut timeout = None;
     loop {
         let wait = match start {
             None => first.saturating_sub(begun.elapsed()),
@@ -246,7 +254,10 @@ pub fn stream_sink(sock: &UdpSocket, first: Duration, idle: Duration) -> Result<
         if wait.is_zero() {
             break;
         }
-        sock.set_read_timeout(Some(wait)).map_err(io("cannot set a read timeout"))?;
+        if timeout != Some(wait) {
+            sock.set_read_timeout(Some(wait)).map_err(io("cannot set a read timeout"))?;
+            timeout = Some(wait);
+        }
         let n = match sock.recv(&mut buf) {
             Ok(n) => n,
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
