@@ -768,12 +768,12 @@ pub struct MigrateRequest {
     /// Default `zerocopy`, or `overlap` with `tls_dir`.
     #[serde(default)]
     pub engine: Option<MigrationEngine>,
-    /// Stop pre-copy once the rest fits this downtime (ms). Without it, 50 ms
-    /// (`DEFAULT_DOWNTIME_MS`) beside Xen's rule.
+    /// Stop pre-copy once the rest fits this downtime (ms). A request that names no stop rule
+    /// (neither this nor `xen`) gets Xen's rule beside a 50 ms target.
     #[serde(default)]
     pub downtime_ms: Option<u64>,
     /// Apply Xen's stop rule (≤ 50 dirty pages, 30 rounds, 3x pages): default true unless
-    /// `downtime_ms` is given.
+    /// `downtime_ms` is given. `true` without `downtime_ms`: Xen's rule alone.
     #[serde(default)]
     pub xen: Option<bool>,
     /// Parallel connections: default 2 for overlap and zerocopy, 1 for serial and local.

@@ -21,12 +21,16 @@ pub struct MigrateArgs {
     /// --tls-dir].
     #[arg(long, value_enum)]
     engine: Option<MigrationEngine>,
-    /// Stop pre-copy once the rest fits this downtime (ms) [default: 50, beside Xen's rule].
+    /// Stop pre-copy once the rest fits this downtime (ms) [default, with neither this nor
+    /// --xen/--no-xen: 50 ms, beside Xen's rule].
     #[arg(long, value_name = "MS")]
     downtime_ms: Option<u64>,
-    /// Do not apply Xen's stop rule (needs --downtime-ms).
+    /// Do not apply Xen's stop rule: the downtime target alone (--downtime-ms, or 50 ms).
     #[arg(long)]
     no_xen: bool,
+    /// Apply Xen's stop rule: alone, without the default 50 ms target, unless --downtime-ms.
+    #[arg(long, conflicts_with = "no_xen")]
+    xen: bool,
     /// Parallel connections (overlap, zerocopy) [default: 2; 1 for serial and local].
     #[arg(long)]
     connections: Option<usize>,
@@ -102,7 +106,7 @@ pub fn run(a: MigrateArgs, socket: Option<PathBuf>) -> Result<i32, String> {
         to,
         engine: a.engine,
         downtime_ms: a.downtime_ms,
-        xen: a.no_xen.then_some(false),
+        xen: if a.no_xen { Some(false) } else { a.xen.then_some(true) },
         connections: a.connections,
         dry_run: a.dry_run,
         estimate_ms: Some(a.estimate_ms),

@@ -169,10 +169,11 @@ impl Populated {
     }
 }
 
-/// The destination's guest memory as the place batches are read into.
+/// The destination's guest memory as the place batches are read into; `populated` tracks the
+/// runs faulted in, unless the memory is all resident already.
 struct MemPlacer<'a> {
     mem: &'a GuestMemory,
-    populated: &'a Populated,
+    populated: Option<&'a Populated>,
 }
 
 impl PagePlacer for MemPlacer<'_> {
@@ -182,8 +183,10 @@ impl PagePlacer for MemPlacer<'_> {
             .map(|&(gfn, n)| {
                 let (gpa, len) = (gfn * PAGE as u64, n * PAGE);
                 // Best effort: a page not populated is faulted in by the read.
-                if !self.populated.all(gfn, n) && kumo_vm::memory::populate(self.mem, gpa, len as u64).is_ok() {
-                    self.populated.set(gfn, n);
+                if let Some(p) = self.populated.filter(|p| !p.all(gfn, n)) {
+                    if kumo_vm::memory::populate(self.mem, gpa, len as u64).is_ok() {
+                        p.set(gfn, n);
+                    }
                 }
                 let slice =
                     self.mem.get_slice(GuestAddress(gpa), len).map_err(|e| format!("pages at {gpa:#x}: {e}"))?;
@@ -244,7 +247,7 @@ pub fn receive_limited<V: DestVm>(
     let vm = s.build(create, memfd)?;
     let build_ms = ms_since(t);
     let t = Instant::now();
-    let received = s.receive_rounds(vm.memory(), readers);
+    let received = s.receive_rounds(vm.memory(), vm.resident(), readers);
     let receive_ms = ms_since(t);
     let restore_ms = s.commit(&vm, received)?;
     let report = RecvReport { connections_ms, build_ms, receive_ms, ..s.report(restore_ms) };
@@ -364,9 +367,11 @@ impl<'a> DestSession<'a> {
 
     /// The rounds, as the receiver sees pre-copy and stop-and-copy: one thread per connection
     /// reads its records, placing page data straight into `mem`, until `Complete`. Any
-    /// thread's failure stops the others (the round barrier breaks).
-    fn receive_rounds(&self, mem: &GuestMemory, readers: Vec<ConnReader>) -> Result<(), MigrateError> {
-        let populated = &Populated::new(mem);
+    /// thread's failure stops the others (the round barrier breaks). Unless `resident`, each
+    /// run is faulted in before it is read into (once).
+    fn receive_rounds(&self, mem: &GuestMemory, resident: bool, readers: Vec<ConnReader>) -> Result<(), MigrateError> {
+        let tracked = (!resident).then(|| Populated::new(mem));
+        let populated = tracked.as_ref();
         std::thread::scope(|s| {
             let handles: Vec<_> = readers
                 .into_iter()

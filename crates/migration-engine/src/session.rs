@@ -171,6 +171,11 @@ pub trait SourceVm: Sync {
 /// The destination VM, built from the stream's description.
 pub trait DestVm: Sync {
     fn memory(&self) -> &GuestMemory;
+    /// Whether every page of its memory is faulted in already (a destination prepared in
+    /// advance): the receivers then write without faulting runs in first.
+    fn resident(&self) -> bool {
+        false
+    }
     fn restore_state(&self, state: &[u8]) -> Result<(), VmError>;
     fn resume(&self) -> Result<(), VmError>;
 }

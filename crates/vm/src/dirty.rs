@@ -9,7 +9,9 @@
 //! nothing either: every page counts as dirty until its first batch re-arms it, so round 0
 //! write-protects memory batch by batch as it goes, not all at once. Pages the guest never
 //! touched are found with `mincore` on the memfd mapping: they are holes in the file and need
-//! not be sent.
+//! not be sent. The dirty-page model samples D(t) during round 0, which needs pages armed from
+//! its start: with INITIALLY_SET one page in 64 ([`Sample`]) is armed at once and left armed
+//! through round 0, and D(t) is estimated from it.
 //!
 //! KVM's log sees only the guest's own writes. Pages kumo writes into guest memory (an
 //! emulation assist storing a result, later a device doing DMA) are marked by vm-memory in the
@@ -40,6 +42,16 @@ fn vmm_bitmap(
     std::ops::Deref::deref(region).bitmap()
 }
 
+/// Round 0's sample pages under INITIALLY_SET: the first page of every 64 that round 0 sends,
+/// armed at its start and not re-armed by its batches, so that their dirty bits measure the
+/// pages dirtied since round 0 began. A sample page written before its batch goes is sent again
+/// in round 1: at most 1/64 of the pages.
+pub struct Sample {
+    pages: PageBitmap,
+    /// Pages round 0 sends per sample page.
+    scale: f64,
+}
+
 impl Vm {
     /// Starts tracking guest writes. Returns whether manual re-protection is in use.
     pub fn start_dirty_log(&self) -> Result<bool> {
@@ -57,6 +69,7 @@ impl Vm {
             self.dirty_initially_set.store(init, Ordering::Release);
             self.dirty_manual.store(true, Ordering::Release);
         }
+        *self.sample() = None;
         self.set_slot_flags(KVM_MEM_LOG_DIRTY_PAGES)?;
         // What kumo wrote before now is in round 0 anyway (it touched the page).
         for region in self.memory.guest.iter() {
@@ -67,7 +80,12 @@ impl Vm {
 
     /// Stops tracking guest writes (e.g. after a failed migration, so the guest runs at full speed).
     pub fn stop_dirty_log(&self) -> Result<()> {
+        *self.sample() = None;
         self.set_slot_flags(0)
+    }
+
+    fn sample(&self) -> std::sync::MutexGuard<'_, Option<Sample>> {
+        self.dirty_sample.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn set_slot_flags(&self, flags: u32) -> Result<()> {
@@ -96,6 +114,8 @@ impl Vm {
     /// them writable: [`Vm::rearm_dirty`] re-protects each batch before it is sent (without
     /// manual protection KVM re-arms them as it reads). Returns how many pages were dirty.
     pub fn harvest_dirty(&self, into: &mut PageBitmap) -> Result<u64> {
+        // Round 0 is over: its sample pages are ordinary from now on.
+        *self.sample() = None;
         self.read_dirty(into, false)
     }
 
@@ -143,7 +163,15 @@ impl Vm {
         }
         let slots: Vec<(u64, u64)> =
             self.memory.guest.iter().map(|r| (r.start_addr().0 / PAGE_SIZE, r.len() / PAGE_SIZE)).collect();
-        for span in clear_spans(gfns, &slots) {
+        let sample = self.sample();
+        for mut span in clear_spans(gfns, &slots) {
+            // Round 0's sample pages stay armed from its start.
+            if let Some((_, _, keep)) = sample.as_ref().and_then(|s| s.pages.regions.get(span.slot as usize)) {
+                let first_word = (span.first / 64) as usize;
+                for (w, k) in span.bits.iter_mut().zip(&keep[first_word..]) {
+                    *w &= !k;
+                }
+            }
             self.clear_dirty_log(span.slot, span.first, span.num, &span.bits)?;
         }
         Ok(())
@@ -165,16 +193,40 @@ impl Vm {
             }
             self.clear_dirty_log(slot as u32, 0, *pages as u32, &holes)?;
         }
-        self.touched_pages()
+        let touched = self.touched_pages()?;
+        // The sample: the first page of each 64 where round 0 sends it, armed from now on.
+        let mut pages = touched.clone();
+        for (slot, (_, n, bits)) in pages.regions.iter_mut().enumerate() {
+            bits.iter_mut().for_each(|w| *w &= 1);
+            self.clear_dirty_log(slot as u32, 0, *n as u32, bits)?;
+        }
+        let scale = touched.count() as f64 / pages.count().max(1) as f64;
+        *self.sample() = Some(Sample { pages, scale });
+        Ok(touched)
     }
 
     /// Distinct pages dirtied since tracking started or pages were last re-protected, without
-    /// changing anything: with manual protection, `KVM_GET_DIRTY_LOG` only reads. `None` when
+    /// changing anything: with manual protection, `KVM_GET_DIRTY_LOG` only reads. With
+    /// INITIALLY_SET, estimated from round 0's [`Sample`] (None outside round 0). `None` when
     /// manual protection is off (then a read would also clear).
     pub fn peek_dirty_count(&self) -> Result<Option<u64>> {
-        // With INITIALLY_SET the log also holds every page not yet sent.
-        if !self.dirty_manual.load(Ordering::Acquire) || self.dirty_initially_set.load(Ordering::Acquire) {
+        if !self.dirty_manual.load(Ordering::Acquire) {
             return Ok(None);
+        }
+        // With INITIALLY_SET the log also holds every page not yet sent: the estimate comes
+        // from round 0's sample pages, armed since it began.
+        if self.dirty_initially_set.load(Ordering::Acquire) {
+            let sample = self.sample();
+            let Some(s) = sample.as_ref() else { return Ok(None) };
+            let mut n = 0;
+            for (slot, (region, (_, _, keep))) in self.memory.guest.iter().zip(&s.pages.regions).enumerate() {
+                let bits = self
+                    .fd
+                    .get_dirty_log(slot as u32, region.len() as usize)
+                    .map_err(|e| Error::Kvm("KVM_GET_DIRTY_LOG", e))?;
+                n += bits.iter().zip(keep).map(|(b, k)| (b & k).count_ones() as u64).sum::<u64>();
+            }
+            return Ok(Some((n as f64 * s.scale).round() as u64));
         }
         let mut n = 0;
         for (slot, region) in self.memory.guest.iter().enumerate() {
@@ -439,34 +491,39 @@ mod tests {
             return;
         };
         let vm = &g.vm;
+        // 0x800 exists before logging starts (round 0 sends it; with INITIALLY_SET it is one of
+        // round 0's sample pages, the first of its 64); 0x803 is a hole the guest writes later.
+        vm_memory::Bytes::write_slice(&vm.memory.guest, &[1u8], vm_memory::GuestAddress(0x80_0000)).unwrap();
         vm.start_dirty_log().unwrap();
         let first = vm.first_round_pages().unwrap();
         let first_gfns: Vec<u64> = first.gfns().collect();
         assert!(first.count() > 0 && first.count() < 1000, "only boot structures: {}", first.count());
-        // Until round 0's batches re-arm them, the log may hold those pages (INITIALLY_SET),
-        // but never a hole: first_round_pages re-armed the holes.
-        let regions = [(0, 32 << 20)];
-        let mut before = PageBitmap::for_regions(&regions);
-        vm.harvest_dirty(&mut before).unwrap();
-        assert!(before.gfns().all(|g| first_gfns.contains(&g)), "a hole reads dirty");
+        assert!(first_gfns.contains(&0x800) && !first_gfns.contains(&0x803));
+        // Round 0 sends its pages, re-arming each batch (not the sample pages: armed since it
+        // began).
         vm.rearm_dirty(&first_gfns).unwrap();
         assert!(matches!(g.run().unwrap(), VcpuRun::Device(_)));
         let vm = &g.vm;
         // A write by kumo itself (as an emulation assist makes) at 0x900010: KVM's log does
         // not see it, the region bitmap does.
         vm_memory::Bytes::write_slice(&vm.memory.guest, &[7u8; 8], vm_memory::GuestAddress(0x90_0010)).unwrap();
-        if let Some(peeked) = vm.peek_dirty_count().unwrap() {
-            assert!(peeked >= 2);
+        let peek = vm.peek_dirty_count().unwrap();
+        assert_eq!(peek.is_some(), vm.dirty_manual.load(Ordering::Acquire), "round 0 is sampled");
+        if let Some(peeked) = peek {
+            // Without INITIALLY_SET both pages count; with it, 0x800 counts for its share.
+            assert!(peeked >= 2, "{peeked}");
             assert_eq!(vm.peek_dirty_count().unwrap(), Some(peeked), "peeking does not clear");
         }
+        let regions = [(0, 32 << 20)];
         let mut dirty = PageBitmap::for_regions(&regions);
         vm.harvest_dirty(&mut dirty).unwrap();
         let gfns: Vec<_> = dirty.gfns().collect();
-        // 0x800 and 0x803 were holes, re-armed before the guest's first write to them.
+        // 0x803 was a hole, re-armed (first_round_pages) before the guest's first write to it.
         assert!(gfns.contains(&0x800) && gfns.contains(&0x803), "{gfns:x?}");
         assert!(gfns.contains(&0x900), "kumo's own write is missing: {gfns:x?}");
         // Nothing else the guest wrote but its own stack-less code: at most a few extra pages
-        // (the CPU sets accessed/dirty bits in the page tables).
+        // (the CPU sets accessed/dirty bits in the page tables). A hole or a round-0 page the
+        // log still held would be more.
         assert!(gfns.len() <= 8, "{gfns:x?}");
         // Harvested, not re-armed: KVM still reports them (kumo's own bitmap was taken).
         let mut again = PageBitmap::for_regions(&regions);

@@ -26,6 +26,8 @@ pub struct Memory {
     pub layout: MemoryLayout,
     /// Ranges taken out of the guest's reach (released elastic blocks).
     pub fences: Arc<Fences>,
+    /// Every RAM page is faulted in through this mapping ([`Memory::prefault`]).
+    pub prefaulted: bool,
 }
 
 /// Smallest VM kumo builds: room for the boot structures below 1 MiB and a small guest above.
@@ -122,6 +124,16 @@ impl Memory {
         Self::map(Self::create(size)?, size, &[])
     }
 
+    /// Faults every RAM page in through this mapping (a migration destination prepared in
+    /// advance): writing guest memory then takes no page fault.
+    pub fn prefault(&mut self) -> Result<()> {
+        for &(gpa, len) in self.layout.ram() {
+            populate(&self.guest, gpa, len)?;
+        }
+        self.prefaulted = true;
+        Ok(())
+    }
+
     fn create(size: u64) -> Result<File> {
         check_size(size, &HostMemory::read()?)?;
         // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
@@ -208,7 +220,7 @@ impl Memory {
             offset += len;
         }
         let guest = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
-        Ok(Memory { guest, memfd, size, layout, fences: Arc::default() })
+        Ok(Memory { guest, memfd, size, layout, fences: Arc::default(), prefaulted: false })
     }
 }
 

@@ -38,6 +38,8 @@ pub struct Vm {
     pub(crate) dirty_manual: std::sync::atomic::AtomicBool,
     /// Whether it is enabled with KVM_DIRTY_LOG_INITIALLY_SET (see `dirty`).
     pub(crate) dirty_initially_set: std::sync::atomic::AtomicBool,
+    /// Round 0's sample pages with INITIALLY_SET: armed from its start (see `dirty`).
+    pub(crate) dirty_sample: std::sync::Mutex<Option<crate::dirty::Sample>>,
 }
 
 /// Opens /dev/kvm with a clear error when it is absent or not accessible.
@@ -210,6 +212,7 @@ impl Vm {
             msr_list: Arc::new(msr_list.as_slice().to_vec()),
             dirty_manual: Default::default(),
             dirty_initially_set: Default::default(),
+            dirty_sample: Default::default(),
         })
     }
 

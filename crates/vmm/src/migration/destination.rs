@@ -26,6 +26,9 @@ impl DestVm for RunningVm {
     fn resume(&self) -> Result<(), VmError> {
         self.resume_incoming().map_err(|e| VmError::new(VmOp::Resume, e))
     }
+    fn resident(&self) -> bool {
+        self.vm().memory.prefaulted
+    }
 }
 
 /// How a destination listens (`--tls-dir`, `--insecure`; API `tls_dir`, `insecure`): the TLS
@@ -119,10 +122,8 @@ impl Incoming {
         let reserved = match memory {
             Some(size) => {
                 let t = Instant::now();
-                let m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
-                for &(gpa, len) in m.layout.ram() {
-                    kumo_vm::memory::populate(&m.guest, gpa, len).map_err(|e| e.to_string())?;
-                }
+                let mut m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
+                m.prefault().map_err(|e| e.to_string())?;
                 say(&format!(
                     "prepared {} MiB of guest memory in {:.0} ms",
                     size >> 20,

@@ -93,12 +93,23 @@ pub const MIN_BANDWIDTH: u64 = 1_000_000;
 /// wins): a pause a guest's users hardly notice, where QEMU's default allows 300 ms.
 pub const DEFAULT_DOWNTIME_MS: u64 = 50;
 
+/// The stop rules a request asks for: kumo's default (Xen's rule beside a
+/// [`DEFAULT_DOWNTIME_MS`] target) when it names none, exactly those it names otherwise (`xen:
+/// false` alone keeps the default target, so that some rule remains).
+fn stop_rules(xen: Option<bool>, downtime_ms: Option<u64>) -> (bool, Option<Duration>) {
+    let default = Some(Duration::from_millis(DEFAULT_DOWNTIME_MS));
+    match (xen, downtime_ms) {
+        (None, None) => (true, default),
+        (Some(x), None) => (x, if x { None } else { default }),
+        (x, Some(ms)) => (x.unwrap_or(false), Some(Duration::from_millis(ms))),
+    }
+}
+
 /// Turns an API request into migration options.
 pub fn options(req: &MigrateRequest) -> Result<(Address, MigrateOptions), String> {
     let to: Address = req.to.parse()?;
     let engine = req.engine.unwrap_or(MigrationEngine::default_for(req.tls_dir.is_some()));
-    let xen = req.xen.unwrap_or(req.downtime_ms.is_none());
-    let downtime = Some(Duration::from_millis(req.downtime_ms.unwrap_or(DEFAULT_DOWNTIME_MS)));
+    let (xen, downtime) = stop_rules(req.xen, req.downtime_ms);
     let connections = req.connections.unwrap_or(engine.default_connections());
     let max = kumo_migration::format::MAX_CONNECTIONS as usize;
     if !(1..=max).contains(&connections) {
@@ -498,4 +509,29 @@ pub fn loopback_pages_per_s() -> f64 {
     kumo_migration_engine::transport::loopback_tcp_bytes_per_s(64 << 20, 1 << 20)
         .map(|b| b / 4096.0)
         .unwrap_or(ASSUMED_LINK_PAGES_PER_S)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_stop_rules_apply_only_when_none_is_named() {
+        let ms = |v| Some(Duration::from_millis(v));
+        assert_eq!(stop_rules(None, None), (true, ms(DEFAULT_DOWNTIME_MS)));
+        assert_eq!(stop_rules(Some(true), None), (true, None), "Xen's rule alone");
+        assert_eq!(stop_rules(Some(false), None), (false, ms(DEFAULT_DOWNTIME_MS)));
+        assert_eq!(stop_rules(None, Some(30)), (false, ms(30)));
+        assert_eq!(stop_rules(Some(true), Some(30)), (true, ms(30)));
+    }
+
+    #[test]
+    fn engine_and_connections_default_by_transport_and_engine() {
+        let (_, o) = options(&MigrateRequest::to("tcp:127.0.0.1:4444")).unwrap();
+        assert_eq!((o.engine, o.connections), (MigrationEngine::Zerocopy, 2));
+        let req = MigrateRequest { engine: Some(MigrationEngine::Serial), ..MigrateRequest::to("unix:/x.sock") };
+        assert_eq!(options(&req).unwrap().1.connections, 1);
+        let e = options(&MigrateRequest { strict: Some(true), ..MigrateRequest::to("tcp:127.0.0.1:1") }).unwrap_err();
+        assert!(e.contains("strict needs downtime_ms"), "{e}");
+    }
 }
