@@ -38,7 +38,7 @@ pub use boot::{linux, Entry, KumoBootInfo};
 pub use memory::{parse_size, GuestMemory, Memory};
 pub use state::{VcpuState, VmState};
 pub use vcpu::{ExitCounters, Vcpu, VcpuRun};
-pub use vm::{IrqchipMode, Vm};
+pub use vm::{IrqchipMode, PreparedVm, Vm};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -110,9 +110,9 @@ impl RunningVm {
     pub fn incoming(
         config: VmConfig,
         serial: Box<dyn Write + Send>,
-        memory: Option<kumo_vm::Memory>,
+        prepared: Option<kumo_vm::PreparedVm>,
     ) -> Result<RunningVm> {
-        Self::build_for_incoming(config, serial, memory)
+        Self::build_for_incoming(config, serial, prepared)
     }
 
     /// Boot: validates `config`, writes the boot structures, loads the payload, sets each vCPU
@@ -134,7 +134,7 @@ impl RunningVm {
             None
         } else {
             let anon: Vec<(u64, u64)> = areas.iter().map(|a| (a.gpa, a.len)).collect();
-            Some(kumo_vm::Memory::with_anonymous(config.memory, &anon)?)
+            Some(kumo_vm::PreparedVm::new(kumo_vm::Memory::with_anonymous(config.memory, &anon)?)?)
         };
         let vm = create_vm(&config, numa.as_ref(), memory)?;
         write_gdt(&vm.memory.guest, config.cpus)?;
@@ -168,7 +168,7 @@ impl RunningVm {
     fn build_for_incoming(
         mut config: VmConfig,
         serial: Box<dyn Write + Send>,
-        memory: Option<kumo_vm::Memory>,
+        prepared: Option<kumo_vm::PreparedVm>,
     ) -> Result<RunningVm> {
         let start_ns = monotonic_ns();
         config.validate_arriving()?;
@@ -176,13 +176,13 @@ impl RunningVm {
         if config.elastic.is_some() {
             return Err(Error::Config("an elastic VM cannot arrive by migration".into()));
         }
-        if let Some(m) = memory.as_ref().filter(|m| m.size != config.memory) {
+        if let Some(m) = prepared.as_ref().map(|p| p.memory()).filter(|m| m.size != config.memory) {
             return Err(Error::Config(format!(
                 "the memory given holds {} bytes, the VM has {}",
                 m.size, config.memory
             )));
         }
-        let vm = create_vm(&config, numa.as_ref(), memory)?;
+        let vm = create_vm(&config, numa.as_ref(), prepared)?;
         let (vcpus, pv) = create_vcpus(&vm, &mut config)?;
         // Registers arrive with the migration stream.
         for v in &vcpus {
@@ -221,11 +221,15 @@ impl RunningVm {
     }
 }
 
-/// Creates the KVM VM and its memory (`memory`, else a new memfd), sets halt polling and binds
-/// guest NUMA nodes' memory to their host nodes.
-fn create_vm(config: &VmConfig, numa: Option<&kumo_acpi::NumaTopology>, memory: Option<kumo_vm::Memory>) -> Result<Vm> {
-    let vm = match memory {
-        Some(m) => Vm::with_memory(config.cpus, m, config.irqchip)?,
+/// Creates the KVM VM and its memory (`prepared`: a VM over memory made ahead, else a new
+/// memfd), sets halt polling and binds guest NUMA nodes' memory to their host nodes.
+fn create_vm(
+    config: &VmConfig,
+    numa: Option<&kumo_acpi::NumaTopology>,
+    prepared: Option<kumo_vm::PreparedVm>,
+) -> Result<Vm> {
+    let vm = match prepared {
+        Some(p) => Vm::from_prepared(p, config.cpus, config.irqchip)?,
         None => Vm::new(config.cpus, config.memory, config.irqchip)?,
     };
     crate::placement::set_halt_polling(&vm, &config.host, config.elastic.is_some())?;

@@ -124,6 +124,8 @@ impl Incoming {
                 let t = Instant::now();
                 let mut m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
                 m.prefault().map_err(|e| e.to_string())?;
+                // The KVM VM and its memory slots too: they take time in proportion to memory.
+                let m = kumo_vm::PreparedVm::new(m).map_err(|e| e.to_string())?;
                 say(&format!(
                     "prepared {} MiB of guest memory in {:.0} ms",
                     size >> 20,
@@ -174,12 +176,16 @@ impl Incoming {
                     )));
                 }
                 // Memory shared by a local migration wins; otherwise the prepared memory, if any.
-                let memory = match memfd {
-                    Some(f) => Some(kumo_vm::Memory::from_file(f, config.memory).map_err(|e| refuse(e.to_string()))?),
+                let prepared = match memfd {
+                    Some(f) => Some(
+                        kumo_vm::Memory::from_file(f, config.memory)
+                            .and_then(kumo_vm::PreparedVm::new)
+                            .map_err(|e| refuse(e.to_string()))?,
+                    ),
                     None => reserved.take(),
                 };
                 let serial = serial.take().unwrap_or_else(|| Box::new(std::io::stdout()));
-                RunningVm::incoming(config, serial, memory).map_err(|e| VmError::new(VmOp::Create, e))
+                RunningVm::incoming(config, serial, prepared).map_err(|e| VmError::new(VmOp::Create, e))
             })
             .map_err(|e| format!("incoming migration failed: {e}"))?;
         *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) = Some(rr.clone());
@@ -202,5 +208,5 @@ impl Incoming {
 /// A destination that listens, its prepared memory (if any) ready: [`Incoming::listen`].
 pub struct Listening {
     listener: Listener,
-    reserved: Option<kumo_vm::Memory>,
+    reserved: Option<kumo_vm::PreparedVm>,
 }
