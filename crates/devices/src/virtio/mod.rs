@@ -43,6 +43,9 @@ pub struct VhostUserState {}
 /// rings the device filled after the page was sent.
 pub type GuestMemory = GuestMemoryMmap<AtomicBitmap>;
 
+/// A range of that guest memory, as a device reads it in place.
+pub type GuestSlice<'a> = vm_memory::VolatileSlice<'a, vm_memory::bitmap::BS<'a, AtomicBitmap>>;
+
 /// `device_status` bits (virtio 1.2, 2.1).
 pub mod status {
     pub const ACKNOWLEDGE: u8 = 1;

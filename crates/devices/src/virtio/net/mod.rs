@@ -18,7 +18,9 @@ use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_net as vn;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
-use super::{ActivateError, DeviceInterrupt, GuestMemory, VirtioDevice, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1};
+use super::{
+    ActivateError, DeviceInterrupt, GuestMemory, GuestSlice, VirtioDevice, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
+};
 
 pub const VIRTIO_NET_F_CSUM: u64 = 1 << vn::VIRTIO_NET_F_CSUM;
 pub const VIRTIO_NET_F_GUEST_CSUM: u64 = 1 << vn::VIRTIO_NET_F_GUEST_CSUM;
@@ -47,6 +49,11 @@ pub trait NetBackend: Send {
     fn recv(&mut self, pair: usize, buf: &mut [u8]) -> io::Result<Option<usize>>;
     /// Sends one frame (vnet header first) on pair `pair`.
     fn send(&mut self, pair: usize, frame: &[u8]) -> io::Result<()>;
+    /// The same for a frame read in place from guest memory, where the backend can: `None`
+    /// where it cannot (the caller copies the frame out and calls [`NetBackend::send`]).
+    fn send_guest(&mut self, _pair: usize, _frame: &GuestSlice<'_>) -> Option<io::Result<()>> {
+        None
+    }
     /// The descriptor to wait on for pair `pair`'s incoming frames, if any.
     fn fd(&self, pair: usize) -> Option<RawFd>;
     /// Lets frames with partial checksums through (the driver accepted GUEST_CSUM).
@@ -54,17 +61,19 @@ pub trait NetBackend: Send {
 }
 
 /// An in-memory backend: frames queued with [`Loopback::inject`] reach the guest, frames the
-/// guest sends are kept in [`Loopback::sent`].
+/// guest sends are kept in [`Loopback::sent`] (how many of them it read in place from guest
+/// memory: `sent_in_place`).
 #[derive(Debug, Default)]
 pub struct Loopback {
     pub incoming: Vec<VecDeque<Vec<u8>>>,
     pub sent: Vec<Vec<Vec<u8>>>,
+    pub sent_in_place: usize,
     pub offload: bool,
 }
 
 impl Loopback {
     pub fn new(pairs: usize) -> Self {
-        Loopback { incoming: vec![VecDeque::new(); pairs], sent: vec![Vec::new(); pairs], offload: false }
+        Loopback { incoming: vec![VecDeque::new(); pairs], sent: vec![Vec::new(); pairs], ..Default::default() }
     }
 
     /// Queues `frame` (vnet header first) for pair `pair`'s guest side.
@@ -95,6 +104,13 @@ impl NetBackend for Loopback {
             }
             None => Err(io::Error::new(io::ErrorKind::InvalidInput, format!("no queue pair {pair}"))),
         }
+    }
+
+    fn send_guest(&mut self, pair: usize, frame: &GuestSlice<'_>) -> Option<io::Result<()>> {
+        let mut v = vec![0u8; frame.len()];
+        frame.copy_to(&mut v[..]);
+        self.sent_in_place += 1;
+        Some(self.send(pair, &v))
     }
 
     fn fd(&self, _pair: usize) -> Option<RawFd> {
@@ -176,6 +192,33 @@ struct Active {
 /// available. A broken ring (an avail index that cannot be read or jumps past the queue size, a
 /// head outside the descriptor table) sets DEVICE_NEEDS_RESET and answers `Err`: the queue is
 /// not served again until the driver resets the device.
+/// Sends the frame of TX chain `chain` on pair `pair`: straight from guest memory when it lies
+/// in one readable descriptor and the backend can, else copied into `buf` first. None: not a
+/// frame (too short or long, or outside guest memory). Else its length and how sending went.
+fn send_frame<B: NetBackend>(
+    backend: &mut B,
+    buf: &mut [u8],
+    pair: usize,
+    mem: &GuestMemory,
+    chain: virtio_queue::DescriptorChain<&GuestMemory>,
+) -> Option<(usize, io::Result<()>)> {
+    use vm_memory::GuestMemoryBackend as _;
+    let frame = VNET_HDR_LEN..=MAX_FRAME_LEN;
+    let mut descs = chain.clone();
+    if let (Some(d), None) = (descs.next(), descs.next()) {
+        let n = d.len() as usize;
+        if !d.is_write_only() && frame.contains(&n) {
+            if let Some(r) = mem.get_slice(d.addr(), n).ok().and_then(|s| backend.send_guest(pair, &s)) {
+                return Some((n, r));
+            }
+        }
+    }
+    let mut r = chain.reader(mem).ok()?;
+    let n = r.available_bytes();
+    (frame.contains(&n) && r.read_exact(&mut buf[..n]).is_ok()).then_some(())?;
+    Some((n, backend.send(pair, &buf[..n])))
+}
+
 fn next_chain<'m>(
     q: &mut Queue,
     mem: &'m GuestMemory,
@@ -405,18 +448,7 @@ impl<B: NetBackend> Net<B> {
                 let Ok(chain) = next_chain(q, mem, &a.irq, qi, "TX") else { break 'outer };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
-                let n = match chain.reader(mem) {
-                    Ok(mut r) => {
-                        let n = r.available_bytes();
-                        if (VNET_HDR_LEN..=MAX_FRAME_LEN).contains(&n) && r.read_exact(&mut self.buf[..n]).is_ok() {
-                            Some(n)
-                        } else {
-                            None
-                        }
-                    }
-                    Err(_) => None,
-                };
-                match n.map(|n| (n, self.backend.send(pair, &self.buf[..n]))) {
+                match send_frame(&mut self.backend, &mut self.buf, pair, mem, chain) {
                     Some((n, Ok(()))) => {
                         self.counters.tx_frames += 1;
                         self.counters.tx_bytes += (n - VNET_HDR_LEN) as u64;
