@@ -370,11 +370,19 @@ impl ElasticVm {
         // Stale doorbells from an earlier request must not end this wait early.
         let _ = self.doorbell.read();
         let seq = self.channel(self.mailbox.post(op, cpus, node, nblocks, mem))?;
-        // vCPU 0 answers every request but a vacate of working vCPUs (they answer that one
-        // themselves): waking it then only puts a floating vCPU thread in the way of the ones
-        // that must answer, on the host CPUs they share.
+        // seq is stored before any cpu_state is read, as the guest stores cpu_state (idle)
+        // before it reads seq to halt: one side sees the other's write (Dekker), so a vCPU
+        // read as working will see this request at its next work unit, without an interrupt.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         let working = |v: u32| self.mailbox.cpu_state(v) == Ok(1);
-        let vcpu0 = op != Op::VacateCpus || cpus == 0 || !(1..64).filter(|v| cpus & (1 << v) != 0).all(working);
+        let busy: u64 = (0..64).filter(|&v| cpus & (1 << v) != 0 && working(v)).fold(0, |m, v| m | 1 << v);
+        // A vacate reaches a working vCPU between its work units: an interrupt would cost it
+        // ring-0 code (emulated on nested hosts, where it held vacates up to 3 ms), and vCPU 0,
+        // woken, would only be a floating vCPU thread in the way of the ones that answer.
+        let (wake, vcpu0) = match op {
+            Op::VacateCpus => (wake & !busy, cpus == 0 || busy & !1 != cpus & !1),
+            _ => (wake, true),
+        };
         self.notify_all(wake | u64::from(vcpu0))?;
         Ok(seq)
     }

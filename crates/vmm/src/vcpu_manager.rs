@@ -171,7 +171,15 @@ pub struct VcpuManager {
     /// RUN, PAUSE or STOP: read by each thread before every KVM_RUN.
     request: AtomicU8,
     ctl: Mutex<Control>,
-    cv: Condvar,
+    /// What waits on `ctl`, each woken only by what concerns it: a change wakes no thread
+    /// that would only look and sleep again (on a host whose CPUs run spinning vCPUs, each such
+    /// wake-up waited a scheduler slice, and one that held `ctl` when preempted held up the
+    /// real-time thread waiting for it). `run_cv[v]`: vCPU `v`'s thread, waiting to run;
+    /// `state_cv`: threads waiting for vCPUs' states (pause, park, stop); `end_cv`: the wait
+    /// for the VM's end.
+    run_cv: Vec<Condvar>,
+    state_cv: Condvar,
+    end_cv: Condvar,
     /// The vCPU threads, in vCPU order.
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Each vCPU thread's kernel thread id, while it runs: pins set its affinity by tid.
@@ -202,7 +210,7 @@ impl Drop for VcpuAlive<'_> {
         if let Some(s) = c.vcpus.get_mut(self.id as usize) {
             *s = VcpuRunState::Stopped;
         }
-        self.vcpus.cv.notify_all();
+        self.vcpus.state_cv.notify_all();
     }
 }
 
@@ -233,7 +241,9 @@ impl VcpuManager {
                 user_paused: false,
                 stay_paused: false,
             }),
-            cv: Condvar::new(),
+            run_cv: (0..n).map(|_| Condvar::new()).collect(),
+            state_cv: Condvar::new(),
+            end_cv: Condvar::new(),
             threads: Mutex::new(Vec::new()),
             tids: Mutex::new(vec![None; n]),
             float_cpus: kumo_vm::sched::thread_affinity().unwrap_or_default(),
@@ -374,9 +384,9 @@ impl VcpuManager {
             };
             if c.vcpus[id] != waiting {
                 c.vcpus[id] = waiting;
-                self.cv.notify_all();
+                self.state_cv.notify_all();
             }
-            c = self.cv.wait(c).unwrap_or_else(|p| p.into_inner());
+            c = self.run_cv[id].wait(c).unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -392,7 +402,14 @@ impl VcpuManager {
                 Some(v) => self.kick_one(v),
                 None => self.kick_all(),
             }
-            c = self.cv.wait_timeout(c, KICK_RESEND).unwrap_or_else(|p| p.into_inner()).0;
+            c = self.state_cv.wait_timeout(c, KICK_RESEND).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Wakes every vCPU thread waiting to run (the request changed). Under `ctl`.
+    fn wake_vcpus(&self) {
+        for cv in &self.run_cv {
+            cv.notify_all();
         }
     }
 
@@ -422,7 +439,9 @@ impl VcpuManager {
         let mut c = lock(&self.ctl);
         c.outcome.get_or_insert(outcome);
         self.request.store(STOP, Ordering::Release);
-        self.cv.notify_all();
+        self.wake_vcpus();
+        self.state_cv.notify_all();
+        self.end_cv.notify_all();
     }
 
     /// True once the VM has stopped or been asked to (guest exit, error, shutdown).
@@ -442,7 +461,7 @@ impl VcpuManager {
                 c.outcome = Some(Outcome::TimedOut);
                 break;
             }
-            c = self.cv.wait_timeout(c, step).unwrap_or_else(|p| p.into_inner()).0;
+            c = self.end_cv.wait_timeout(c, step).unwrap_or_else(|p| p.into_inner()).0;
         }
         drop(c);
         self.stop_threads();
@@ -455,7 +474,7 @@ impl VcpuManager {
             // Under the lock: a thread between its request check and its wait sees STOP.
             let _c = lock(&self.ctl);
             self.request.store(STOP, Ordering::Release);
-            self.cv.notify_all();
+            self.wake_vcpus();
         }
         self.kick_until(None, |c| (!c.vcpus.iter().any(|s| s.live())).then_some(()));
         let threads: Vec<_> = lock(&self.threads).drain(..).collect();
@@ -521,7 +540,7 @@ impl VcpuManager {
         c.paused = false;
         before();
         self.request.store(RUN, Ordering::Release);
-        self.cv.notify_all();
+        self.wake_vcpus();
         Ok(true)
     }
 
@@ -605,7 +624,7 @@ impl VcpuManager {
         if let Some(p) = self.parks.get(v as usize) {
             p.store(false, Ordering::Release);
             let _c = lock(&self.ctl);
-            self.cv.notify_all();
+            self.run_cv[v as usize].notify_all();
         }
     }
 
