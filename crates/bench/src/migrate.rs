@@ -854,6 +854,9 @@ struct Report {
     /// Headline: kumo's median host-timed total over QEMU's, flat-out guest, 512 MiB, 30 ms
     /// target (the other sizes and rules: `compare.side_by_side`).
     total_ratio_qemu: Option<f64>,
+    /// The host's /sys/kernel/mm/transparent_hugepage/shmem_enabled choice: whether kumo's
+    /// guests (memfd RAM) get 2 MiB pages, as QEMU's (anonymous RAM) do.
+    shmem_thp: String,
     png: Option<String>,
 }
 
@@ -1286,6 +1289,15 @@ fn set_headlines(r: &mut Report) {
     r.total_ratio_qemu = r.compare.time_ratio(512, Some(HEADLINE_TARGET));
 }
 
+/// The selected value of the host's shmem_enabled ("always within_size advise [never] ..."),
+/// or "unknown".
+fn shmem_huge_pages() -> String {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .ok()
+        .and_then(|s| Some(s.split('[').nth(1)?.split(']').next()?.to_string()))
+        .unwrap_or_else(|| "unknown".into())
+}
+
 /// Prints the tables and the headline, writes the JSON; 1 if a comparison run failed.
 fn publish(r: &Report, json: &Path) -> Result<i32, String> {
     println!(
@@ -1337,6 +1349,10 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         .and_then(|_| crate::qemu::cpu_model())
         .map_err(|e| format!("kumo bench migrate compares with QEMU, which cannot run here: {e}"))?;
     println!("QEMU CPU model: {qemu_cpu}");
+    let shmem_thp = shmem_huge_pages();
+    println!(
+        "host shmem huge pages: {shmem_thp} (kumo's guest RAM is a memfd: 4 KiB pages unless advise/within_size/always; QEMU's is anonymous memory, advised huge)"
+    );
     let (sizes, big, n_correct): (&[u64], u64, usize) =
         if a.quick { (&[512], 512, 0) } else { (&[256, 512, 1024, 2048], 2048, 20) };
     // Sections 5 and 6: sizes, runs per row, runs per downtime target, the rate windows.
@@ -1389,6 +1405,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         guest_kept: None,
         qemu_guest_kept: None,
         total_ratio_qemu: None,
+        shmem_thp,
         png: None,
     };
     set_headlines(&mut report);

@@ -742,8 +742,8 @@ mod tests {
         f
     }
 
-    #[test]
-    fn tcp_round_trip_with_gathered_and_zero_copy_writes() {
+    /// A connection to a TCP peer on this host that reads everything until it closes.
+    fn loopback_reader() -> (Conn, std::thread::JoinHandle<Vec<u8>>) {
         let l = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
         let addr = l.local_addr();
         let t = std::thread::spawn(move || {
@@ -752,7 +752,12 @@ mod tests {
             c.read_to_end(&mut v).unwrap();
             v
         });
-        let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+        (Conn::connect(&addr, Duration::from_secs(5)).unwrap(), t)
+    }
+
+    #[test]
+    fn tcp_round_trip_with_gathered_and_zero_copy_writes() {
+        let (mut c, t) = loopback_reader();
         let a = vec![1u8; 100_000];
         let b = vec![2u8; 50_000];
         write_all_vectored(&mut c, &mut [IoSlice::new(&a), IoSlice::new(&b)]).unwrap();
@@ -796,15 +801,7 @@ mod tests {
 
     #[test]
     fn a_local_peer_gets_spliced_pages_whole_and_in_order() {
-        let l = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
-        let addr = l.local_addr();
-        let t = std::thread::spawn(move || {
-            let mut c = l.accept().unwrap();
-            let mut v = Vec::new();
-            c.read_to_end(&mut v).unwrap();
-            v
-        });
-        let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+        let (mut c, t) = loopback_reader();
         let mut z = ZeroCopy::new(&c);
         assert!(z.splices() && !z.enabled(), "a loopback peer gets spliced pages, not MSG_ZEROCOPY");
         // More than a pipe-full, odd lengths, and more iovecs than one vmsplice call takes.
