@@ -12,11 +12,15 @@
 //!    migration) against the measurement.
 //! 4. Correctness: single migrations, engines in turn, each guest checked against the model
 //!    (not in --quick: sections 2 and 5 check every guest they migrate).
-//! 5. kumo and QEMU on the same four guests, the guest's writes/s before, during and after each
-//!    migration from host-stamped progress lines; the goal check per guest.
+//! 5. kumo and QEMU on the same four guests at each size, hop by hop in turn, under each VMM's
+//!    defaults and at a 30 ms target: host-timed totals, downtimes, pages, and the guest's
+//!    writes/s before, during and after each migration from host-stamped progress lines.
 //! 6. Downtime by target (10, 30, 50 ms) for both VMMs, paper and flat-out guests.
+//! 7. Total time kumo / QEMU per guest, size and rule, and where kumo's time went (its
+//!    report's phases). Sections 5-7 live in `vs_qemu`.
 //!
-//! The last line is the headline: `throughput_ratio= downtime_ms= guest_kept= qemu_guest_kept=`.
+//! The last line is the headline: `total_ratio_qemu= guest_kept= qemu_guest_kept= downtime_ms=
+//! throughput_ratio=`.
 //! Destinations are prepared [`BATCH`] at a time before their hops (that is most of a hop's
 //! set-up time), so that nothing is being prepared while something is measured.
 //!
