@@ -27,7 +27,7 @@ use std::sync::atomic::Ordering;
 /// The page set the dirty log fills, defined in the pure migration crate (its rounds send it).
 pub use kumo_migration::PageBitmap;
 
-use crate::vm::Vm;
+use crate::vm::{Sample, Vm};
 use crate::{Error, Result};
 
 pub const PAGE_SIZE: u64 = 4096;
@@ -40,16 +40,6 @@ fn vmm_bitmap(
 ) -> &vm_memory::bitmap::AtomicBitmap {
     // The region derefs to its mapping, which owns the whole-region bitmap.
     std::ops::Deref::deref(region).bitmap()
-}
-
-/// Round 0's sample pages under INITIALLY_SET: the first page of every 64 that round 0 sends,
-/// armed at its start and not re-armed by its batches, so that their dirty bits measure the
-/// pages dirtied since round 0 began. A sample page written before its batch goes is sent again
-/// in round 1: at most 1/64 of the pages.
-pub struct Sample {
-    pages: PageBitmap,
-    /// Pages round 0 sends per sample page.
-    scale: f64,
 }
 
 impl Vm {

@@ -39,7 +39,17 @@ pub struct Vm {
     /// Whether it is enabled with KVM_DIRTY_LOG_INITIALLY_SET (see `dirty`).
     pub(crate) dirty_initially_set: std::sync::atomic::AtomicBool,
     /// Round 0's sample pages with INITIALLY_SET: armed from its start (see `dirty`).
-    pub(crate) dirty_sample: std::sync::Mutex<Option<crate::dirty::Sample>>,
+    pub(crate) dirty_sample: std::sync::Mutex<Option<Sample>>,
+}
+
+/// Round 0's sample pages under INITIALLY_SET (`dirty`): the first page of every 64 that
+/// round 0 sends, armed at its start and not re-armed by its batches, so that their dirty bits
+/// measure the pages dirtied since round 0 began. A sample page written before its batch goes
+/// is sent again in round 1: at most 1/64 of the pages.
+pub struct Sample {
+    pub(crate) pages: kumo_migration::PageBitmap,
+    /// Pages round 0 sends per sample page.
+    pub(crate) scale: f64,
 }
 
 /// The part of a VM that depends only on its memory: the KVM VM with guest memory in its
