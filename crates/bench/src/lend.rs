@@ -6,9 +6,10 @@
 //!   a work unit) and returning it; then the same through `PUT vm.lend` (the lender's VMM
 //!   coordinates: one client call instead of two).
 //! - **Memory**: N cycles of lending 128 MiB A -> B (to B's guest using it) and returning it.
-//! - **Throughput**: both VMs' work units (vm.elastic `progress`) sampled every ~20 ms all run
-//!   long; a few dedicated cycles hold the CPU for a while, giving B's units/s before the lend
-//!   and while it holds the lent CPU.
+//! - **Throughput**: a few dedicated cycles hold the CPU for a while, giving B's units/s before
+//!   the lend and while it holds the lent CPU, from both VMs' work units (vm.elastic
+//!   `progress`) sampled every ~20 ms around those cycles (not during the latency series, which
+//!   the polling would disturb).
 //! - **Baseline**: pausing and resuming B's whole vCPU set (vm.pause + vm.resume). kumo has no
 //!   vCPU hot-unplug path, so there is no hot-unplug row.
 //! - **Overlaps**: both VMs' records of every change (vm.elastic `events`) checked by
@@ -679,11 +680,16 @@ fn plot_lends<DB: plotters::prelude::DrawingBackend>(
         .map_err(e)
 }
 
-/// Samples both VMs' progress every [`SAMPLE`] until `stop`.
-fn sampler(socks: [(&'static str, ApiClient); 2], t0: Instant, stop: &AtomicBool, out: &Mutex<Vec<Sample>>) {
+/// Samples both VMs' progress every [`SAMPLE`] while `on`, until `stop`.
+fn sampler(
+    socks: [(&'static str, ApiClient); 2],
+    t0: Instant,
+    (on, stop): (&AtomicBool, &AtomicBool),
+    out: &Mutex<Vec<Sample>>,
+) {
     let mut next = Instant::now();
     while !stop.load(Ordering::SeqCst) {
-        for (vm, api) in &socks {
+        for (vm, api) in socks.iter().filter(|_| on.load(Ordering::SeqCst)) {
             if let Ok(i) = api.elastic() {
                 let s = Sample {
                     vm,
@@ -706,6 +712,15 @@ fn sampler(socks: [(&'static str, ApiClient); 2], t0: Instant, stop: &AtomicBool
     }
 }
 
+/// Waits until both workers have gone over all the memory they hold twice (64 KiB a unit): its
+/// pages are in. A block given back to a guest is fresh host memory: its first touch allocates
+/// and zeroes a 2 MiB page (~1.2 ms each here, nested), and a vacate that lands on such a unit
+/// waits for it (ftrace: the CPU-lend tail after the warm-up's memory lends, issue 24).
+fn swept(a: &Vm, b: &Vm) -> Result<(), String> {
+    a.wait_units(2 * (256 << 20) / (64 << 10))?;
+    b.wait_units(2 * (128 << 20) / (64 << 10))
+}
+
 /// The measured series, in order; stops at the first failure (which it returns).
 struct Run<'a> {
     a: &'a Vm,
@@ -718,6 +733,8 @@ struct Run<'a> {
     pause_resume: Vec<PauseResume>,
     api_ping_ms: Vec<f64>,
     vmm_cpu: Vec<Op>,
+    /// Whether the sampler polls (during the held lends).
+    sampling: &'a AtomicBool,
 }
 
 impl Run<'_> {
@@ -776,12 +793,15 @@ impl Run<'_> {
         }
         self.cpu.clear();
         self.mem.clear();
+        // The CPU series measures CPU lends alone: the warm-up's memory is touched first.
+        swept(self.a, self.b)?;
         say(&format!("{WARMUP} warm-up cycles (not measured)"));
         for _ in 0..cycles {
             self.step("cpu-lend", 1, 0)?;
             self.step("cpu-return", 1, 0)?;
         }
         say(&format!("{cycles} CPU lend/return cycles"));
+        self.sampling.store(true, Ordering::SeqCst);
         for _ in 0..holds {
             std::thread::sleep(hold);
             let lend_t_s = self.step("cpu-lend", 1, 0)?;
@@ -796,7 +816,13 @@ impl Run<'_> {
                 a_holding_per_s: None,
             });
         }
+        std::thread::sleep(SAMPLE * 2);
+        self.sampling.store(false, Ordering::SeqCst);
         say(&format!("{holds} held CPU lends"));
+        // Not measured: each VMM's first vm.lend opens its connection to the other (kept after).
+        self.vmm_step("cpu-lend")?;
+        self.vmm_step("cpu-return")?;
+        self.vmm_cpu.clear();
         for _ in 0..cycles {
             self.vmm_step("cpu-lend")?;
             self.vmm_step("cpu-return")?;
@@ -866,13 +892,14 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
     // Dropping a Vm kills its kumo: every return below (`?` too) cleans up.
     let a = Vm::start(dir.as_path(), "a", &format!("cpus={cpu_a},memory=256M"), 1)?;
     let b = Vm::start(dir.as_path(), "b", &format!("cpus={cpu_b},memory=256M,plugged=128M"), 2)?;
-    // Both workers run, and each has gone over all its memory twice (64 KiB a unit): its
-    // pages are in.
-    a.wait_units(2 * (256 << 20) / (64 << 10))?;
-    b.wait_units(2 * (128 << 20) / (64 << 10))?;
+    swept(&a, &b)?;
     say("both guests work");
 
     let stop = AtomicBool::new(false);
+    // Progress is sampled around the held lends only: a vm.elastic answer carries the VM's
+    // whole record (hundreds of events by then), and serving and parsing it took 0.3-1 ms of a
+    // host CPU every 20 ms, which a vacate landing on it waited for (ftrace, issue 24).
+    let sampling = AtomicBool::new(false);
     let samples = Arc::new(Mutex::new(Vec::new()));
     let mut run = Run {
         a: &a,
@@ -885,14 +912,17 @@ pub fn run(args: Args, out: &Path) -> Result<i32, String> {
         pause_resume: vec![],
         api_ping_ms: vec![],
         vmm_cpu: vec![],
+        sampling: &sampling,
     };
     let mut coordinator_realtime = false;
     let realtime = &mut coordinator_realtime;
     let result = std::thread::scope(|s| {
-        let apis = [("a", ApiClient::new(a.api.path())), ("b", ApiClient::new(b.api.path()))];
-        let stop = &stop;
-        let samples = &samples;
-        s.spawn(move || sampler(apis, t0, stop, samples));
+        // The sampler keeps its connections too: a new one costs the VMM a thread start (~0.4 ms
+        // of a host CPU here, before it takes the API's priority), which landed on the vCPU
+        // being vacated and was the whole CPU-lend tail (issue 24: ftrace of the slow cycles).
+        let apis = [("a", ApiClient::new(a.api.path()).keep_alive()), ("b", ApiClient::new(b.api.path()).keep_alive())];
+        let (stop, sampling, samples) = (&stop, &sampling, &samples);
+        s.spawn(move || sampler(apis, t0, (sampling, stop), samples));
         // As `kumo lend` does: the coordinator must not wait a scheduler slice behind the
         // vCPUs spinning on both host CPUs between its steps (it blocks in between).
         let rt = kumo_vmm::placement::realtime_this_thread();

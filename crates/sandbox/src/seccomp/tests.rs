@@ -146,3 +146,47 @@ fn a_disks_io_is_allowed_where_it_runs() {
         assert!(r.contains_key(&libc::SYS_io_uring_setup) && r.contains_key(&libc::SYS_io_uring_register), "{kind}");
     }
 }
+
+/// The CPUs of thread `tid` (0: the caller) as a list.
+fn cpus_of(tid: libc::pid_t) -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity fills it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the set is valid and sized as passed.
+    assert_eq!(unsafe { libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }, 0);
+    // SAFETY: CPU_ISSET reads the set filled above.
+    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+}
+
+#[test]
+fn a_filtered_callers_thread_starts_with_its_cpus_and_the_spawner_keeps_its_own() {
+    let all = cpus_of(0);
+    let (status, err) = in_child(|| {
+        // Unfiltered: it reads the spawner's CPUs once the filtered thread has spawned.
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let helper = std::thread::spawn(move || {
+            wait.recv().unwrap();
+            let spawner = std::fs::read_dir("/proc/self/task")
+                .unwrap()
+                .filter_map(|e| e.ok())
+                .find(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "kumo-spawner"))
+                .map(|e| e.file_name().to_string_lossy().parse::<libc::pid_t>().unwrap())
+                .expect("a spawner thread");
+            cpus_of(spawner)
+        });
+        init(Mode::Trap).unwrap();
+        let first = cpus_of(0)[0];
+        // SAFETY: a set holding only `first`, applied to the calling thread.
+        unsafe {
+            let mut one: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(first, &mut one);
+            assert_eq!(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one), 0);
+        }
+        filter_this_thread(ThreadKind::Vmm, "t-caller").unwrap();
+        let child = crate::spawn(ThreadKind::Vmm, "t-child", || cpus_of(0)).unwrap().join().unwrap();
+        go.send(()).unwrap();
+        let spawner = helper.join().unwrap();
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{child:?} {spawner:?}\n").as_bytes());
+    });
+    assert_eq!(status, 0, "{err}");
+    assert_eq!(err.trim(), format!("{:?} {all:?}", [all[0]]), "{err}");
+}
