@@ -689,7 +689,8 @@ fn sampler(
 ) {
     let mut next = Instant::now();
     while !stop.load(Ordering::SeqCst) {
-        for (vm, api) in socks.iter().filter(|_| on.load(Ordering::SeqCst)) {
+        let polled: &[_] = if on.load(Ordering::SeqCst) { &socks } else { &[] };
+        for (vm, api) in polled {
             if let Ok(i) = api.elastic() {
                 let s = Sample {
                     vm,

@@ -1293,15 +1293,6 @@ fn set_headlines(r: &mut Report) {
     r.total_ratio_qemu = r.compare.time_ratio(512, Some(HEADLINE_TARGET));
 }
 
-/// The selected value of the host's shmem_enabled ("always within_size advise [never] ..."),
-/// or "unknown".
-fn shmem_huge_pages() -> String {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-        .ok()
-        .and_then(|s| Some(s.split('[').nth(1)?.split(']').next()?.to_string()))
-        .unwrap_or_else(|| "unknown".into())
-}
-
 /// Prints the tables and the headline, writes the JSON; 1 if a comparison run failed.
 fn publish(r: &Report, json: &Path) -> Result<i32, String> {
     println!(
@@ -1353,7 +1344,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         .and_then(|_| crate::qemu::cpu_model())
         .map_err(|e| format!("kumo bench migrate compares with QEMU, which cannot run here: {e}"))?;
     println!("QEMU CPU model: {qemu_cpu}");
-    let shmem_thp = shmem_huge_pages();
+    let shmem_thp = kumo_vm::memory::shmem_huge_pages().unwrap_or_else(|| "unknown".into());
     println!(
         "host shmem huge pages: {shmem_thp} (kumo's guest RAM is a memfd: 4 KiB pages unless advise/within_size/always; QEMU's is anonymous memory, advised huge)"
     );

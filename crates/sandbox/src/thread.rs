@@ -106,12 +106,16 @@ where
             // inherits them from its first instruction: a real-time API thread's new connection
             // thread does not start at normal priority behind spinning vCPUs (0.35-0.45 ms of
             // start-up there, traced in issue 24), nor waits for the spawner at it.
-            let own = placement.as_ref().and_then(|p| crate::seccomp::Placement::current().inspect(|_| p.apply()));
+            // Only where the spawner's own can be put back after.
+            let swap = placement.zip(crate::seccomp::Placement::current());
+            if let Some((caller, _)) = &swap {
+                caller.apply();
+            }
             let made = builder.spawn(move || {
                 seen.wait();
                 body(kind, &thread_name, None, f)
             });
-            if let Some(own) = own {
+            if let Some((_, own)) = swap {
                 own.apply();
             }
             made

@@ -255,9 +255,7 @@ pub fn check_sealed(f: &File) -> Result<()> {
 fn advise_huge(mmap: &MmapRegion<AtomicBitmap>, n: usize) {
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| {
-        let setting = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
-        // The selected value is the bracketed one: "always within_size advise [never] deny force".
-        if setting.contains("[never]") || setting.contains("[deny]") {
+        if matches!(shmem_huge_pages().as_deref(), Some("never" | "deny")) {
             tracing::info!(
                 "guest memory gets 4 KiB pages: this host gives shared memory no huge pages \
                  (/sys/kernel/mm/transparent_hugepage/shmem_enabled); `advise` there gives guests 2 MiB pages"
@@ -270,6 +268,19 @@ fn advise_huge(mmap: &MmapRegion<AtomicBitmap>, n: usize) {
     if r != 0 {
         tracing::debug!("madvise(MADV_HUGEPAGE): {}", std::io::Error::last_os_error());
     }
+}
+
+/// The host's choice for huge pages in shared memory, which kumo's memfd guest RAM is: the
+/// selected (bracketed) value of `shmem_enabled`, "always within_size advise [never] deny force".
+/// None where the file is absent or unreadable.
+pub fn shmem_huge_pages() -> Option<String> {
+    let setting = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
+    selected(&setting).map(str::to_string)
+}
+
+/// The bracketed choice of a sysfs list setting.
+fn selected(setting: &str) -> Option<&str> {
+    setting.split('[').nth(1)?.split(']').next()
 }
 
 /// `len` bytes of private anonymous memory, asking for transparent huge pages (Linux places
@@ -502,6 +513,14 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_selected_choice_of_a_sysfs_list_is_the_bracketed_one() {
+        assert_eq!(selected("always within_size advise [never] deny force\n"), Some("never"));
+        assert_eq!(selected("[always] advise never\n"), Some("always"));
+        assert_eq!(selected("always advise never\n"), None);
+        assert_eq!(selected(""), None);
+    }
     use vm_memory::{Bytes, GuestMemoryBackend as _};
 
     #[test]

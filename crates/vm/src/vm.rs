@@ -185,11 +185,6 @@ impl Vm {
         Ok(kvm)
     }
 
-    /// A VM over existing guest memory (e.g. a memfd handed over by a local migration).
-    pub fn with_memory(ncpus: u32, memory: Memory, irqchip: IrqchipMode) -> Result<Self> {
-        Self::from_prepared(PreparedVm::new(memory)?, ncpus, irqchip)
-    }
-
     /// Finishes a VM made ahead of its configuration ([`PreparedVm`]) for `ncpus` vCPUs and
     /// `irqchip`: nothing here depends on the memory's size.
     pub fn from_prepared(p: PreparedVm, ncpus: u32, irqchip: IrqchipMode) -> Result<Self> {
