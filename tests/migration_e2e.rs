@@ -118,6 +118,48 @@ fn an_idle_guest_keeps_its_memory() {
     assert_eq!(hex_field(&dout, "checksum_after_hold"), Some(want), "{dout}");
 }
 
+/// The pages (all, zero) a `kumo migrate` line reports: `... 131075 pages (130411 zero), ...`.
+fn pages_and_zero(out: &str) -> (u64, u64) {
+    let line = out.lines().find(|l| l.starts_with("migrated to")).unwrap_or_else(|| panic!("{out}"));
+    let (head, tail) = line.split_once(" pages (").unwrap_or_else(|| panic!("{line}"));
+    let pages = head.rsplit(' ').next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+    let zero = tail.split(' ').next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+    (pages, zero)
+}
+
+/// A prepared destination has all of guest memory faulted in, so the VM's next hop finds every
+/// page present: the zeros among them go as runs of page numbers, and the guest's memory is
+/// still exactly what it wrote.
+#[test]
+fn a_second_hop_sends_the_zero_memory_as_runs() {
+    if !kvm_or_skip("a_second_hop_sends_the_zero_memory_as_runs") {
+        return;
+    }
+    let (src, sock) = source("zero-src", "128M", &["pages=1000", "writes=3000", "seed=6", "hold_input=1"]);
+    eventually(PATIENCE, || src.stdout().contains("memtouch: checksum=").then_some(()));
+    let hop = |from: &str, tag: &str| {
+        let addr = format!("tcp:127.0.0.1:{}", free_port());
+        let api = temp_path(&format!("{tag}-api.sock")).to_str().unwrap().to_string();
+        let next = incoming(&addr, &["--memory", "128M", "--api-socket", &api], tag);
+        let (ok, out, err) = migrate(from, &["--to", &addr, "--engine", "zerocopy", "--connections", "2"]);
+        assert!(ok, "{tag}: {out}\n{err}\n{}", next.stderr());
+        eventually(PATIENCE, || std::path::Path::new(&api).exists().then_some(()));
+        (next, api, pages_and_zero(&out))
+    };
+    let (first, api, (pages1, _)) = hop(&sock, "zero-hop1");
+    assert_migrated_away(src);
+    // The first hop sends the pages the guest and kumo touched, a small part of 32,768.
+    assert!(pages1 < 16_384, "{pages1}");
+    let (mut second, _, (pages2, zero2)) = hop(&api, "zero-hop2");
+    assert_migrated_away(first);
+    assert!(pages2 >= 32_768 && zero2 >= 32_768 - pages1, "{pages2} pages, {zero2} zero, first hop {pages1}");
+    second.stop_guest();
+    let (code, out, err) = second.wait();
+    assert_eq!(code, Some(0), "{err}");
+    let want = kumo_guests::memtouch::expected_checksum(1000, 3000, 6, true);
+    assert_eq!(hex_field(&out, "checksum_after_hold"), Some(want), "{out}");
+}
+
 #[test]
 fn twenty_migrations_in_a_row() {
     if !kvm_or_skip("twenty_migrations_in_a_row") {

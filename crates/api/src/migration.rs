@@ -89,6 +89,9 @@ pub struct RoundReport {
     /// The vCPU throttle in force after the round, percent.
     #[serde(default)]
     pub throttle_percent: u8,
+    /// Of `pages`: those that held only zeros (sent as runs of page numbers, no data).
+    #[serde(default)]
+    pub zero_pages: u64,
 }
 
 /// Where a migration's time went on the source, phase by phase, in ms. The phases follow
@@ -136,6 +139,10 @@ pub struct Report {
     pub rounds: Vec<RoundReport>,
     pub stop_reason: String,
     pub total_pages: u64,
+    /// Of `total_pages`: those that held only zeros, sent as runs of page numbers.
+    #[serde(default)]
+    pub zero_pages: u64,
+    /// Page data and state on the wire (zero pages count nothing), and its rate over `total_ms`.
     pub bytes: u64,
     pub mb_per_s: f64,
     /// CPU time of the migration's own threads on the source (user + system).

@@ -351,8 +351,16 @@ fn print_dry_run(r: &DryRunReport) {
 fn print_report(s: &SendReport) {
     let r = &s.report;
     println!(
-        "migrated to {} with {} ({} conn): {:.1} ms total, {:.1} ms downtime, {} pages, {:.1} MB/s, stop: {}",
-        s.to, r.engine, r.connections, r.total_ms, r.downtime_ms, r.total_pages, r.mb_per_s, r.stop_reason
+        "migrated to {} with {} ({} conn): {:.1} ms total, {:.1} ms downtime, {} pages ({} zero), {:.1} MB/s, stop: {}",
+        s.to,
+        r.engine,
+        r.connections,
+        r.total_ms,
+        r.downtime_ms,
+        r.total_pages,
+        r.zero_pages,
+        r.mb_per_s,
+        r.stop_reason
     );
     let est = r.estimated_downtime_ms.map(|e| format!("{e:.1} ms")).unwrap_or_else(|| "none".into());
     let sp = &r.stop_phase;
@@ -363,9 +371,9 @@ fn print_report(s: &SendReport) {
     if r.max_throttle_percent > 0 {
         println!("vCPUs were throttled up to {}% to converge", r.max_throttle_percent);
     }
-    println!("{:>5} {:>10} {:>10} {:>12}", "round", "pages", "ms", "dirty after");
+    println!("{:>5} {:>10} {:>10} {:>10} {:>12}", "round", "pages", "zero", "ms", "dirty after");
     for x in &r.rounds {
-        println!("{:>5} {:>10} {:>10.1} {:>12}", x.round, x.pages, x.ms, x.dirty_after);
+        println!("{:>5} {:>10} {:>10} {:>10.1} {:>12}", x.round, x.pages, x.zero_pages, x.ms, x.dirty_after);
     }
     println!("sender CPU: {:.1} ms", r.sender_cpu_ms);
     let m = &s.model;

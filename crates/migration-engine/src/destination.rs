@@ -140,17 +140,19 @@ impl Replier {
     }
 }
 
-/// Pages of guest memory a receiving thread has faulted in (one bit per page, shared by the
-/// threads). A page comes again in later rounds, and a prepared destination's memory is all
-/// in: faulting a run in again is a system call and a page-table walk per run, which for the
-/// scattered pages of the later rounds was a system call per page.
-struct Populated(Vec<AtomicU64>);
+/// One bit per page of guest memory, shared by the receiving threads. Two uses:
+/// - pages faulted in: a page comes again in later rounds, and a prepared destination's memory
+///   is all in: faulting a run in again is a system call and a page-table walk per run, which
+///   for the scattered pages of the later rounds was a system call per page;
+/// - pages written: the destination's memory starts as zeros, so a `ZeroPages` run needs
+///   clearing only where a batch of an earlier round placed data.
+struct PageBits(Vec<AtomicU64>);
 
-impl Populated {
+impl PageBits {
     fn new(mem: &GuestMemory) -> Self {
         use vm_memory::{Address, GuestMemoryBackend};
         let pages = mem.last_addr().raw_value() / PAGE as u64 + 1;
-        Populated((0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+        PageBits((0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
     }
 
     fn bit(&self, gfn: u64) -> Option<(&AtomicU64, u64)> {
@@ -167,13 +169,34 @@ impl Populated {
             w.fetch_or(b, Ordering::Relaxed);
         }
     }
+
+    fn get(&self, gfn: u64) -> bool {
+        self.bit(gfn).is_some_and(|(w, b)| w.load(Ordering::Relaxed) & b != 0)
+    }
+}
+
+/// Clears the pages of zero runs that hold data placed by an earlier round (the rest are
+/// still the zeros the memory was created with). Returns the pages cleared.
+fn clear_zero_runs(mem: &GuestMemory, written: &PageBits, runs: &[(u64, u64)]) -> Result<u64, MigrateError> {
+    use vm_memory::Bytes;
+    static ZERO: [u8; PAGE] = [0; PAGE];
+    let mut cleared = 0;
+    for &(first, n) in runs {
+        for gfn in (first..first + n).filter(|&g| written.get(g)) {
+            mem.write_slice(&ZERO, GuestAddress(gfn * PAGE as u64))
+                .map_err(|e| MigrateError::Other(format!("clearing zero page {gfn:#x}: {e}")))?;
+            cleared += 1;
+        }
+    }
+    Ok(cleared)
 }
 
 /// The destination's guest memory as the place batches are read into; `populated` tracks the
-/// runs faulted in, unless the memory is all resident already.
+/// runs faulted in, unless the memory is all resident already; `written` the pages placed.
 struct MemPlacer<'a> {
     mem: &'a GuestMemory,
-    populated: Option<&'a Populated>,
+    populated: Option<&'a PageBits>,
+    written: &'a PageBits,
 }
 
 impl PagePlacer for MemPlacer<'_> {
@@ -182,6 +205,7 @@ impl PagePlacer for MemPlacer<'_> {
         runs.iter()
             .map(|&(gfn, n)| {
                 let (gpa, len) = (gfn * PAGE as u64, n * PAGE);
+                self.written.set(gfn, n);
                 // Best effort: a page not populated is faulted in by the read.
                 if let Some(p) = self.populated.filter(|p| !p.all(gfn, n)) {
                     if kumo_vm::memory::populate(self.mem, gpa, len as u64).is_ok() {
@@ -370,8 +394,8 @@ impl<'a> DestSession<'a> {
     /// thread's failure stops the others (the round barrier breaks). Unless `resident`, each
     /// run is faulted in before it is read into (once).
     fn receive_rounds(&self, mem: &GuestMemory, resident: bool, readers: Vec<ConnReader>) -> Result<(), MigrateError> {
-        let tracked = (!resident).then(|| Populated::new(mem));
-        let populated = tracked.as_ref();
+        let tracked = (!resident).then(|| PageBits::new(mem));
+        let (populated, written) = (tracked.as_ref(), &PageBits::new(mem));
         std::thread::scope(|s| {
             let handles: Vec<_> = readers
                 .into_iter()
@@ -380,7 +404,7 @@ impl<'a> DestSession<'a> {
                     kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, format!("mig-recv{i}"), move || {
                         let _unwinding = BreakOnUnwind(&self.barrier);
                         let c0 = thread_cpu_ms();
-                        let res = self.receive_connection(i, r, MemPlacer { mem, populated });
+                        let res = self.receive_connection(i, r, MemPlacer { mem, populated, written });
                         if res.is_err() {
                             self.barrier.break_all();
                         }
@@ -419,6 +443,15 @@ impl<'a> DestSession<'a> {
                     if b.ack {
                         self.reply(&Reply::Placed(b.seq));
                     }
+                }
+                // Pages of a run were placed by this round's batches only if the stream named
+                // them twice in a round (no kumo source does); earlier rounds' are behind the
+                // barrier.
+                Record::ZeroPages { runs, .. } => {
+                    let n: u64 = runs.iter().map(|r| r.1).sum();
+                    clear_zero_runs(placer.mem, placer.written, runs)?;
+                    self.pages.fetch_add(n, Ordering::Relaxed);
+                    progress.pages.fetch_add(n, Ordering::Relaxed);
                 }
                 // Pages of round r+1 must not land before every connection's pages of round r:
                 // a page resent later would be overwritten by its stale copy on a slower
@@ -522,7 +555,7 @@ mod populated_tests {
     #[test]
     fn runs_are_marked_across_words_and_pages_past_the_end_never_count() {
         let mem = kumo_vm::Memory::new(16 << 20).unwrap();
-        let p = Populated::new(&mem.guest);
+        let p = PageBits::new(&mem.guest);
         assert!(!p.all(60, 8));
         p.set(60, 8); // bits 60..=63 of word 0 and 0..=3 of word 1
         assert!(p.all(60, 8) && p.all(63, 2) && !p.all(59, 2) && !p.all(67, 2));

@@ -1,5 +1,6 @@
 //! The source side of a live migration: the pre-copy loop, the collector that splits rounds
-//! into batches (the bandwidth cap and cancel checks sit there), the sender threads and the
+//! into batches (the bandwidth cap and cancel checks sit there), the sender threads (zero pages
+//! go as runs there) and the
 //! transport sinks they write through.
 
 use kumo_sandbox::ThreadKind;
@@ -75,6 +76,8 @@ impl Drop for Sender {
 trait BatchSink: Send {
     /// Puts one batch on the wire: `frame`'s head, the batch's page data, the trailer.
     fn send_batch(&mut self, frame: BatchFrame, b: &Batch) -> Result<(), MigrateError>;
+    /// Whether page `i` of `b` holds only zeros (read where this sink reads page data).
+    fn is_zero(&self, b: &Batch, i: usize) -> bool;
     /// Writes records already encoded (RoundEnd, State, Complete, Abort).
     fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError>;
     /// No batch follows: returns once the transport no longer reads guest memory, with the
@@ -98,6 +101,10 @@ impl BatchSink for CopySink {
 
     fn send_records(&mut self, bytes: &[u8]) -> Result<(), MigrateError> {
         self.0.write_all(bytes).map_err(|e| send_err(e, self.1))
+    }
+
+    fn is_zero(&self, b: &Batch, i: usize) -> bool {
+        b.data.get(i * PAGE..(i + 1) * PAGE).is_some_and(format::is_zero_page)
     }
 }
 
@@ -142,6 +149,22 @@ impl BatchSink for ZeroCopySink {
         self.conn.write_all(bytes).map_err(|e| send_err(e, self.deadline))
     }
 
+    fn is_zero(&self, b: &Batch, i: usize) -> bool {
+        let Some(a) = b.gfns.get(i).and_then(|&g| self.mem.addr(g)) else { return false };
+        let words = a as *const u64;
+        // Eight words OR-ed per 64-byte line, one branch per line: a page scan is bound by
+        // memory (~60 ms per 512 MiB here), a branch per word made it ~90.
+        (0..PAGE / 64).all(|line| {
+            (0..8).fold(0u64, |acc, w| {
+                // SAFETY: `a` is the host address of a whole guest page (`addr` checked the
+                // gfn), mapped for the VM's life. The guest may write it meanwhile, hence
+                // volatile reads; a page written after it was found zero is dirty and goes
+                // again in a later round.
+                acc | unsafe { std::ptr::read_volatile(words.add(line * 8 + w)) }
+            }) == 0
+        })
+    }
+
     fn drain(&mut self) -> Result<(u64, u64), MigrateError> {
         self.zc.reap(self.conn.as_raw_fd(), false)?;
         Ok((self.zc.completions, self.zc.copied))
@@ -150,10 +173,21 @@ impl BatchSink for ZeroCopySink {
 
 #[derive(Default)]
 struct SenderStats {
-    /// Pages this connection carried in all rounds (its Complete record says so).
+    /// Pages this connection carried in all rounds (its Complete record says so), zero
+    /// pages included.
     pages: u64,
     zc_completions: u64,
     zc_copied: u64,
+}
+
+/// What the sender threads share with the session.
+#[derive(Clone)]
+struct Shared {
+    /// CPU time of the migration's threads, µs.
+    cpu: Arc<AtomicU64>,
+    /// Zero pages found: `Some` when they go as runs (not with `ack`: the serial engine
+    /// measures the paper's batch-by-batch baseline, each batch acknowledged).
+    zero: Option<Arc<AtomicU64>>,
 }
 
 /// `ack`: ask for a `Placed` notice after every batch (the serial engine waits for it).
@@ -161,7 +195,7 @@ fn spawn_sender(
     sink: Box<dyn BatchSink>,
     ack: bool,
     free: SyncSender<Vec<u8>>,
-    cpu: Arc<AtomicU64>,
+    shared: Shared,
     depth: usize,
 ) -> io::Result<Sender> {
     let (tx, rx) = sync_channel::<Work>(depth);
@@ -169,7 +203,8 @@ fn spawn_sender(
         let t0 = thread_cpu_ms();
         // A sender holds only its connection and buffers: its panic fails the migration (the
         // job gives the VM back) instead of stopping the VM.
-        let r = kumo_sandbox::contain(ThreadKind::Migration, "mig-send", || sender_loop(sink, ack, rx, free))
+        let cpu = shared.cpu.clone();
+        let r = kumo_sandbox::contain(ThreadKind::Migration, "mig-send", || sender_loop(sink, ack, rx, free, shared))
             .unwrap_or_else(|p| Err(MigrateError::Other(p.to_string())));
         add_cpu(&cpu, t0);
         r
@@ -205,17 +240,29 @@ impl SendMem {
     }
 }
 
-fn sender_loop(mut sink: Box<dyn BatchSink>, ack: bool, rx: Receiver<Work>, free: SyncSender<Vec<u8>>) -> SenderEnd {
+fn sender_loop(
+    mut sink: Box<dyn BatchSink>,
+    ack: bool,
+    rx: Receiver<Work>,
+    free: SyncSender<Vec<u8>>,
+    shared: Shared,
+) -> SenderEnd {
     let mut enc = Encoder::new();
     let mut out = Vec::with_capacity(64);
     let mut round_pages = 0u64;
     let mut stats = SenderStats::default();
     for work in rx {
         match work {
-            Work::Batch(b) => {
+            Work::Batch(mut b) => {
                 round_pages += b.gfns.len() as u64;
-                let frame = enc.batch_frame(b.round, &b.gfns, b.checksum, ack)?;
-                sink.send_batch(frame, &b)?;
+                if let Some(z) = &shared.zero {
+                    let n = send_zero_pages(&mut *sink, &mut enc, &mut out, &mut b)?;
+                    z.fetch_add(n, Ordering::Relaxed);
+                }
+                if !b.gfns.is_empty() {
+                    let frame = enc.batch_frame(b.round, &b.gfns, b.checksum, ack)?;
+                    sink.send_batch(frame, &b)?;
+                }
                 let _ = free.try_send(b.data);
             }
             Work::RoundEnd(round) => {
@@ -234,6 +281,30 @@ fn sender_loop(mut sink: Box<dyn BatchSink>, ack: bool, rx: Receiver<Work>, free
     Ok((sink, enc, stats))
 }
 
+/// Sends the pages of `b` that hold only zeros as one `ZeroPages` record (runs of gfns, no
+/// data) and leaves the others in `b` (its data compacted for the copying engines). Returns
+/// how many were zero. A fresh destination's memory is zeros; it clears only pages it placed.
+fn send_zero_pages(
+    sink: &mut dyn BatchSink,
+    enc: &mut Encoder,
+    out: &mut Vec<u8>,
+    b: &mut Batch,
+) -> Result<u64, MigrateError> {
+    let zero: Vec<bool> = (0..b.gfns.len()).map(|i| sink.is_zero(b, i)).collect();
+    let before = b.gfns.len();
+    let runs = format::split_zero_pages(&mut b.gfns, &mut b.data, |i| zero[i]);
+    if runs.is_empty() {
+        return Ok(0);
+    }
+    if !b.data.is_empty() {
+        b.data.truncate(b.gfns.len() * PAGE);
+    }
+    out.clear();
+    enc.zero_pages(out, b.round, &runs)?;
+    sink.send_records(out)?;
+    Ok((before - b.gfns.len()) as u64)
+}
+
 /// Splits a set of pages into batches and feeds them to the senders, copying page data into
 /// pooled buffers for the copying engines (the pipeline's "map" stage).
 struct Collector<'a> {
@@ -249,7 +320,9 @@ struct Collector<'a> {
     /// Lockstep mode's one buffer, back from the sender.
     spare: Option<Vec<u8>>,
     cancel: &'a CancelToken,
-    /// The bandwidth cap, if any.
+    /// The bandwidth cap, if any. It counts every page it lets through, zero pages too (they
+    /// are found later, by the senders): a capped link is never over-used, but a memory of
+    /// mostly zeros goes slower than the cap would allow.
     bucket: Option<TokenBucket<SystemClock>>,
     /// While the VM runs: each batch's pages are re-armed in its dirty log right before they
     /// are read, and the time that takes.
@@ -525,8 +598,11 @@ struct SourceSession<'a> {
     cpu0: f64,
     rounds: Vec<RoundReport>,
     stop_reason: String,
-    /// Pages sent in the rounds so far.
+    /// Pages sent in the rounds so far, and of them those found zero (counted by the senders).
     sent_total: u64,
+    zero: Arc<AtomicU64>,
+    /// `zero` when the last round ended.
+    zero_seen: u64,
     bytes: u64,
     /// Zero-copy sends completed, and those the kernel copied anyway.
     zc: (u64, u64),
@@ -574,6 +650,8 @@ impl<'a> SourceSession<'a> {
             rounds: Vec::new(),
             stop_reason: String::from("local: memory shared, no pre-copy"),
             sent_total: 0,
+            zero: Arc::default(),
+            zero_seen: 0,
             bytes: 0,
             zc: (0, 0),
             round0_samples: Vec::new(),
@@ -728,8 +806,12 @@ impl<'a> SourceSession<'a> {
         self.phases.rearm_ms = col.rearm_time.as_secs_f64() * 1e3;
         drop(col);
         let closing = self.join_senders(senders, result)?;
+        let stop_zero = self.take_zero();
+        if let Some(last) = self.rounds.last_mut() {
+            last.zero_pages = stop_zero;
+        }
         self.stop.pages_ms = ms_since(pause_at) - self.stop.pause_ms - self.stop.harvest_ms;
-        self.bytes = self.sent_total * PAGE as u64;
+        self.bytes = (self.sent_total - self.zero_seen) * PAGE as u64;
         self.learned = Some(planner);
         Ok((closing, pause_at))
     }
@@ -752,10 +834,11 @@ impl<'a> SourceSession<'a> {
         // zerocopy: a few batches queued per sender.
         let (serial, depth) = (self.plan.lockstep, self.plan.depth);
         let (free_tx, free_rx) = sync_channel::<Vec<u8>>(conns.len() * (depth + 2));
+        let shared = Shared { cpu: self.cpu.clone(), zero: (!serial).then(|| self.zero.clone()) };
         let watch: Vec<Conn> = conns.iter().map(Conn::try_clone).collect::<io::Result<_>>()?;
         let senders: Vec<Sender> = conns
             .into_iter()
-            .map(|c| spawn_sender(sink(c), serial, free_tx.clone(), self.cpu.clone(), depth))
+            .map(|c| spawn_sender(sink(c), serial, free_tx.clone(), shared.clone(), depth))
             .collect::<io::Result<_>>()?;
         // Only the senders may hold the pool's sending side: when they all stop, a collector
         // waiting for a buffer must see the channel close instead of waiting forever.
@@ -856,7 +939,11 @@ impl<'a> SourceSession<'a> {
     fn end_round(&mut self, planner: &mut Planner, round: u32, n: u64, times: RoundTimes, d: u64) -> Decision {
         let RoundTimes { total: dur, send, harvest } = times;
         self.sent_total += n;
-        let st = RoundStats { round, pages_sent: n, bytes_sent: n * PAGE as u64, duration: dur, dirty_pages: d };
+        let zero = self.take_zero();
+        // The link's rate and the Xen rule's sent pages count page data: zero pages cost the
+        // wire a few bytes each, and the pages left to send are the guest's writes.
+        let data = n - zero;
+        let st = RoundStats { round, pages_sent: data, bytes_sent: data * PAGE as u64, duration: dur, dirty_pages: d };
         let decision = planner.after_round_with(&st, &RoundExtras { harvest: Some(harvest), rtt: None });
         // A throttle stays in force until the planner changes it (it never lowers it within a
         // migration); it ends with the migration.
@@ -872,6 +959,7 @@ impl<'a> SourceSession<'a> {
             drain_ms: ms(drain),
             harvest_ms: ms(harvest),
             throttle_percent: throttle,
+            zero_pages: zero,
         });
         let p = &mut self.phases;
         (p.send_ms, p.drain_ms, p.harvest_ms) =
@@ -921,6 +1009,15 @@ impl<'a> SourceSession<'a> {
         let ms = t.elapsed().as_secs_f64() * 1e3;
         self.rounds.push(RoundReport { round, pages: n, ms, send_ms: ms, dirty_after: 0, ..Default::default() });
         Ok(())
+    }
+
+    /// Zero pages the senders found since the last call. Exact at a round's end: the round's
+    /// batches have all been through the senders then (the pipeline drained, or joined).
+    fn take_zero(&mut self) -> u64 {
+        let now = self.zero.load(Ordering::Relaxed);
+        let new = now - self.zero_seen;
+        self.zero_seen = now;
+        new
     }
 
     /// Teardown of the pipeline: closes the queues and collects every sender, also after a
@@ -1038,6 +1135,7 @@ impl<'a> SourceSession<'a> {
             rounds: self.rounds,
             stop_reason: self.stop_reason,
             total_pages: self.sent_total,
+            zero_pages: self.zero_seen,
             bytes: self.bytes,
             mb_per_s: self.bytes as f64 / total.as_secs_f64() / 1e6,
             sender_cpu_ms: self.cpu.load(Ordering::Relaxed) as f64 / 1e3,

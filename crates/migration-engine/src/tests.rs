@@ -259,6 +259,58 @@ fn serial_engine_moves_memory_exactly() {
     assert!(r.rounds.len() >= 2, "a live round and the final one: {:?}", r.rounds);
     assert_eq!(r.rounds[0].pages, PAGES, "round 0 sends every touched page");
     assert_eq!(rr.pages, r.total_pages);
+    // The paper's baseline acknowledges every batch of data: no zero runs.
+    assert_eq!(r.zero_pages, 0);
+    assert_eq!(r.bytes, r.total_pages * 4096 + b"vcpu state".len() as u64);
+}
+
+/// The fake guest writes only its first 2,000 pages: the other 2,096 of round 0 hold zeros.
+fn assert_zero_pages_went_as_runs(r: &Report) {
+    let zero_round0 = r.rounds[0].zero_pages;
+    assert!(zero_round0 >= PAGES - 2000, "round 0's zero pages: {:?}", r.rounds[0]);
+    assert_eq!(r.zero_pages, r.rounds.iter().map(|x| x.zero_pages).sum::<u64>());
+    assert_eq!(r.bytes, (r.total_pages - r.zero_pages) * 4096 + b"vcpu state".len() as u64);
+}
+
+#[test]
+fn the_pipelined_engines_send_zero_pages_as_runs() {
+    for (engine, n) in [(MigrationEngine::Overlap, 2), (MigrationEngine::Zerocopy, 1)] {
+        let (r, rr) = run(engine, n, false, &format!("zero-{engine}"));
+        assert_zero_pages_went_as_runs(&r);
+        assert_eq!(rr.pages, r.total_pages, "the destination counts zero pages as received");
+    }
+}
+
+#[test]
+fn a_zero_page_clears_what_an_earlier_round_placed() {
+    use kumo_migration::format::{ReplyReader, Writer};
+    let (l, addr) = listen(false, "zero-clear");
+    let t = std::thread::spawn(move || receive(&l, Duration::from_secs(10), make_dest));
+    let mut c = Conn::connect(&addr, Duration::from_secs(5)).unwrap();
+    let desc = FakeSource::new(1);
+    desc.stop_writer();
+    kumo_migration::format::write_header(&mut c, &desc.description()).unwrap();
+    let mut replies = ReplyReader::new(c.try_clone().unwrap());
+    assert_eq!(replies.next_reply().unwrap(), Reply::Accepted);
+    assert_eq!(replies.next_reply().unwrap(), Reply::Ready);
+    let page = |b: u8| vec![b; 4096];
+    let mut w = Writer::new(c);
+    // Round 0: data in pages 5 and 6, zeros in 7..10. Round 1: page 5 is zero now, 7 has data.
+    w.mem_batch(0, &[5, 6], &[page(0xa5), page(0xa6)].concat()).unwrap();
+    w.zero_pages(0, &[(7, 3)]).unwrap();
+    w.round_end(0, 5).unwrap();
+    w.zero_pages(1, &[(5, 1)]).unwrap();
+    w.mem_batch(1, &[7], &page(0xa7)).unwrap();
+    w.round_end(1, 2).unwrap();
+    w.state(b"vcpu state").unwrap();
+    w.complete(7).unwrap();
+    assert_eq!(replies.next_reply().unwrap(), Reply::Resumed);
+    let (dvm, rr) = t.join().unwrap().unwrap();
+    assert_eq!(rr.pages, 7);
+    let m = read_all(&dvm.mem.guest);
+    let at = |gfn: usize| &m[gfn * 4096..(gfn + 1) * 4096];
+    assert_eq!(at(5), &page(0)[..], "round 1's zero page cleared round 0's data");
+    assert_eq!((at(6), at(7), at(8)), (&page(0xa6)[..], &page(0xa7)[..], &page(0)[..]));
 }
 
 #[test]
@@ -293,7 +345,8 @@ fn zerocopy_and_local_are_refused_under_tls() {
 #[test]
 fn zerocopy_engine_with_one_and_two_connections() {
     run(MigrationEngine::Zerocopy, 1, false, "zc1");
-    run(MigrationEngine::Zerocopy, 2, false, "zc2");
+    let (r, _) = run(MigrationEngine::Zerocopy, 2, false, "zc2");
+    assert_zero_pages_went_as_runs(&r);
 }
 
 #[test]

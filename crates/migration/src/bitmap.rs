@@ -47,6 +47,14 @@ impl PageBitmap {
         false
     }
 
+    /// Whether page `gfn` is in the set.
+    pub fn contains(&self, gfn: u64) -> bool {
+        self.regions
+            .iter()
+            .find(|(first, n, _)| gfn >= *first && gfn < *first + *n)
+            .is_some_and(|(first, _, b)| b[((gfn - first) / 64) as usize] & (1 << ((gfn - first) % 64)) != 0)
+    }
+
     /// Adds page `gfn`; true if it was not in the set before (and a region holds it).
     pub fn set_new(&mut self, gfn: u64) -> bool {
         for (first, n, b) in &mut self.regions {

@@ -14,10 +14,10 @@ use std::io::{self, Read, Write};
 
 /// First 8 bytes of every stream.
 pub const MAGIC: [u8; 8] = *b"KUMOMIG\0";
-/// The stream version this code writes and the only one it reads. Version 5: the header's
-/// VM description is typed to the last field ([`VmDescription`]; version 4 carried the VM's
-/// config as an opaque value). docs/migration-format.md has the history.
-pub const VERSION: u32 = 5;
+/// The stream version this code writes and the only one it reads. Version 6: zero pages travel
+/// as runs of page frames (`ZeroPages`) instead of 4 KiB of zeros each. docs/migration-format.md
+/// has the history.
+pub const VERSION: u32 = 6;
 /// Guest page size; the only one this version allows.
 pub const PAGE_SIZE: u32 = 4096;
 const PAGE: usize = PAGE_SIZE as usize;
@@ -40,6 +40,10 @@ pub const FRAME_HEADER_LEN: usize = 16;
 pub const TRAILER_LEN: usize = 4;
 /// Size of the stream header before the description JSON (magic, version, desc_len).
 pub const HEADER_FIXED_LEN: usize = 16;
+/// Most runs in one `ZeroPages` record.
+pub const MAX_ZERO_RUNS: usize = 1024;
+/// Largest `ZeroPages` body: round, count and [`MAX_ZERO_RUNS`] runs of (gfn, pages).
+pub const MAX_ZERO_BODY: usize = 8 + MAX_ZERO_RUNS * 16;
 /// Largest `MemBatch` body: `batch_body_len(MAX_BATCH_PAGES)`.
 pub const MAX_BATCH_BODY: usize = 8 + MAX_BATCH_PAGES * (8 + PAGE);
 
@@ -140,7 +144,7 @@ pub enum Error {
 /// Result with this module's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Record tags. `0x01..=0x05` go sender → receiver, `0x81..=0x85` receiver → sender.
+/// Record tags. `0x01..=0x06` go sender → receiver, `0x81..=0x85` receiver → sender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Tag {
@@ -154,6 +158,8 @@ pub enum Tag {
     Complete = 4,
     /// The sender gives up.
     Abort = 5,
+    /// Runs of guest pages that hold only zeros.
+    ZeroPages = 6,
     /// Reply: header accepted, send records.
     Ready = 0x81,
     /// Reply: the destination runs the VM.
@@ -176,6 +182,7 @@ impl Tag {
             3 => Tag::State,
             4 => Tag::Complete,
             5 => Tag::Abort,
+            6 => Tag::ZeroPages,
             0x81 => Tag::Ready,
             0x82 => Tag::Resumed,
             0x83 => Tag::Failed,
@@ -195,6 +202,7 @@ impl Tag {
         match self {
             Tag::MemBatch => MAX_BATCH_BODY,
             Tag::RoundEnd => 12,
+            Tag::ZeroPages => MAX_ZERO_BODY,
             Tag::State => MAX_STATE_LEN,
             Tag::Complete | Tag::Placed => 8,
             Tag::Abort | Tag::Failed => MAX_REASON_LEN,
@@ -406,6 +414,25 @@ impl Encoder {
         Ok(())
     }
 
+    /// Appends a `ZeroPages` record: the pages of `runs` (first gfn, pages), in increasing and
+    /// disjoint order, hold only zeros. They count as sent pages of round `round`.
+    pub fn zero_pages(&mut self, out: &mut Vec<u8>, round: u32, runs: &[(u64, u64)]) -> Result<()> {
+        let seq = self.seq;
+        if runs.is_empty() || runs.len() > MAX_ZERO_RUNS {
+            return Err(Error::BadRecord { seq, reason: format!("{} zero runs (1 to {MAX_ZERO_RUNS})", runs.len()) });
+        }
+        check_zero_runs(seq, runs)?;
+        let mut body = Vec::with_capacity(8 + runs.len() * 16);
+        body.extend_from_slice(&round.to_le_bytes());
+        body.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+        for &(gfn, n) in runs {
+            body.extend_from_slice(&gfn.to_le_bytes());
+            body.extend_from_slice(&n.to_le_bytes());
+        }
+        self.frame(out, Tag::ZeroPages, &[&body]);
+        Ok(())
+    }
+
     /// Appends a `RoundEnd`: round `round` is over, having sent `pages` pages.
     pub fn round_end(&mut self, out: &mut Vec<u8>, round: u32, pages: u64) {
         self.frame(out, Tag::RoundEnd, &[&round.to_le_bytes(), &pages.to_le_bytes()]);
@@ -441,6 +468,25 @@ impl Encoder {
             Reply::Placed(seq) => self.frame(out, Tag::Placed, &[&seq.to_le_bytes()]),
         }
     }
+}
+
+/// Zero runs must be non-empty, increasing and disjoint, and not wrap past 2^64.
+fn check_zero_runs(seq: u64, runs: &[(u64, u64)]) -> Result<()> {
+    let mut next = 0u64;
+    for (i, &(gfn, n)) in runs.iter().enumerate() {
+        let bad = |reason: String| Err(Error::BadRecord { seq, reason });
+        if n == 0 {
+            return bad(format!("empty zero run at {gfn:#x}"));
+        }
+        if i > 0 && gfn < next {
+            return bad(format!("zero runs out of order or overlapping at {gfn:#x}"));
+        }
+        let Some(end) = gfn.checked_add(n) else {
+            return bad(format!("zero run at {gfn:#x} of {n} pages wraps"));
+        };
+        next = end;
+    }
+    Ok(())
 }
 
 fn check_data_len(seq: u64, count: usize, data_len: usize) -> Result<()> {
@@ -553,6 +599,12 @@ impl<W: Write> Writer<W> {
         }
         self.inner.write_all(&f.trailer()?)?;
         Ok(())
+    }
+
+    /// Writes a `ZeroPages` record (see [`Encoder::zero_pages`]).
+    pub fn zero_pages(&mut self, round: u32, runs: &[(u64, u64)]) -> Result<()> {
+        self.enc.zero_pages(&mut self.buf, round, runs)?;
+        self.flush_buf()
     }
 
     /// Writes a `RoundEnd`.
@@ -794,6 +846,12 @@ impl GfnMap {
         let i = self.ranges.partition_point(|r| r.1 <= gfn);
         self.ranges.get(i).is_some_and(|r| r.0 <= gfn)
     }
+
+    /// Whether the `n` pages from `gfn` all lie in one described region.
+    fn contains_run(&self, gfn: u64, n: u64) -> bool {
+        let i = self.ranges.partition_point(|r| r.1 <= gfn);
+        self.ranges.get(i).is_some_and(|r| r.0 <= gfn && gfn.checked_add(n).is_some_and(|end| end <= r.1))
+    }
 }
 
 /// A batch of pages read from the stream, borrowed from the reader's buffers.
@@ -821,6 +879,38 @@ pub trait PagePlacer {
     /// and `pages * 4096` bytes long, in stream order. The reader has checked that the runs
     /// are disjoint and inside the described memory before it asks.
     fn buffers(&mut self, runs: &[(u64, usize)]) -> std::result::Result<Vec<io::IoSliceMut<'_>>, String>;
+}
+
+/// Whether `page` holds only zeros: a sender may send it in a `ZeroPages` run. Blocks of 64
+/// bytes are OR-ed without a branch (that vectorizes); the first non-zero block ends the scan.
+pub fn is_zero_page(page: &[u8]) -> bool {
+    page.chunks(64).all(|c| c.iter().fold(0u8, |a, &x| a | x) == 0)
+}
+
+/// Takes the pages `is_zero(i)` names (by index) out of `gfns`, and their data out of `data`
+/// when it holds the pages (`gfns.len() * 4096` bytes; empty otherwise): the rest is moved to
+/// the front, in order, and `gfns` shortened. Returns the zero pages as runs for
+/// [`Encoder::zero_pages`] (at most [`MAX_ZERO_RUNS`] for a batch of [`MAX_BATCH_PAGES`]).
+pub fn split_zero_pages(gfns: &mut Vec<u64>, data: &mut [u8], is_zero: impl Fn(usize) -> bool) -> Vec<(u64, u64)> {
+    let copied = !data.is_empty();
+    let (mut runs, mut keep) = (Vec::<(u64, u64)>::new(), 0);
+    for i in 0..gfns.len() {
+        let g = gfns[i];
+        if is_zero(i) {
+            match runs.last_mut() {
+                Some((first, n)) if *first + *n == g => *n += 1,
+                _ => runs.push((g, 1)),
+            }
+            continue;
+        }
+        gfns[keep] = g;
+        if copied && keep != i {
+            data.copy_within(i * PAGE..(i + 1) * PAGE, keep * PAGE);
+        }
+        keep += 1;
+    }
+    gfns.truncate(keep);
+    runs
 }
 
 /// The runs of contiguous gfns in `gfns`, as (first gfn, pages).
@@ -868,6 +958,14 @@ impl<'a> Batch<'a> {
 pub enum Record<'a> {
     /// Guest pages.
     MemBatch(Batch<'a>),
+    /// Guest pages that hold only zeros, as runs of (first gfn, pages): increasing, disjoint,
+    /// each inside one described region (checked by the reader).
+    ZeroPages {
+        /// The round they belong to.
+        round: u32,
+        /// The runs.
+        runs: &'a [(u64, u64)],
+    },
     /// A round is over; `pages` is the number of pages it sent (checked by the reader).
     RoundEnd {
         /// The round.
@@ -889,6 +987,7 @@ pub enum Record<'a> {
 /// A checked record, before it borrows the reader's buffers.
 enum Parsed {
     MemBatch { round: u32, count: usize, len: usize, checked: bool, seq: u64, ack: bool, placed: bool },
+    ZeroPages { round: u32 },
     RoundEnd { round: u32, pages: u64 },
     State { len: usize },
     Complete { total_pages: u64 },
@@ -914,6 +1013,7 @@ pub struct Reader<R> {
     frames: FrameReader,
     gfn_map: GfnMap,
     gfns: Vec<u64>,
+    zero_runs: Vec<(u64, u64)>,
     round: u32,
     round_pages: u64,
     round_unchecked: bool,
@@ -933,6 +1033,7 @@ impl<R: Read> Reader<R> {
             frames: FrameReader::default(),
             gfn_map: GfnMap::new(desc),
             gfns: Vec::with_capacity(MAX_BATCH_PAGES),
+            zero_runs: Vec::new(),
             round: 0,
             round_pages: 0,
             round_unchecked: false,
@@ -987,6 +1088,7 @@ impl<R: Read> Reader<R> {
                 let data = if placed { &[][..] } else { &buf[batch_meta_len(count)..len] };
                 Record::MemBatch(Batch { round, gfns: &self.gfns, data, checked, seq, ack })
             }
+            Parsed::ZeroPages { round } => Record::ZeroPages { round, runs: &self.zero_runs },
             Parsed::RoundEnd { round, pages } => Record::RoundEnd { round, pages },
             Parsed::State { len } => Record::State(&buf[..len]),
             Parsed::Complete { total_pages } => Record::Complete { total_pages },
@@ -1036,6 +1138,33 @@ impl<R: Read> Reader<R> {
             gfns.push(gfn);
         }
         Ok(())
+    }
+
+    /// Checks a `ZeroPages` body of round `round` and loads its runs into `runs`; returns
+    /// the pages they cover.
+    fn load_zero_runs(runs: &mut Vec<(u64, u64)>, map: &GfnMap, seq: u64, round: u32, body: &[u8]) -> Result<u64> {
+        let bad = |reason: String| Err(Error::BadRecord { seq, reason });
+        if body.len() < 8 {
+            return bad("ZeroPages shorter than its round and count".into());
+        }
+        let (got, count) = (le_u32(&body[0..4]), le_u32(&body[4..8]) as usize);
+        if count == 0 || count > MAX_ZERO_RUNS || body.len() != 8 + count * 16 {
+            return bad(format!("ZeroPages of {count} runs in a {}-byte body", body.len()));
+        }
+        if got != round {
+            return bad(format!("zero pages for round {got} during round {round}"));
+        }
+        runs.clear();
+        runs.extend(body[8..].chunks_exact(16).map(|r| (le_u64(&r[0..8]), le_u64(&r[8..16]))));
+        check_zero_runs(seq, runs)?;
+        let mut pages = 0u64;
+        for &(gfn, n) in runs.iter() {
+            if !map.contains_run(gfn, n) {
+                return Err(Error::PageOutOfRange { gfn, memory_bytes: map.memory_bytes });
+            }
+            pages += n;
+        }
+        Ok(pages)
     }
 
     /// Counts a checked batch into its round.
@@ -1102,6 +1231,12 @@ impl<R: Read> Reader<R> {
                 Self::load_gfns(&mut self.gfns, &self.gfn_map, seq, &body[8..batch_meta_len(count)])?;
                 Ok(self.commit_batch(seq, flags, count, len, false))
             }
+            Tag::ZeroPages => {
+                let pages = Self::load_zero_runs(&mut self.zero_runs, &self.gfn_map, seq, self.round, body)?;
+                // Each record's pages are bounded by the described memory; many cannot wrap.
+                self.round_pages = self.round_pages.saturating_add(pages);
+                Ok(Parsed::ZeroPages { round: self.round })
+            }
             Tag::RoundEnd => {
                 if len != 12 {
                     return bad(format!("RoundEnd body of {len} bytes (need 12)"));
@@ -1117,7 +1252,7 @@ impl<R: Read> Reader<R> {
                     return bad("too many rounds".into());
                 };
                 self.round = next;
-                self.total_pages += pages;
+                self.total_pages = self.total_pages.saturating_add(pages);
                 self.last_round_unchecked = self.round_unchecked;
                 self.round_pages = 0;
                 self.round_unchecked = false;

@@ -184,8 +184,17 @@ fn write_stream(
         for (g, page) in batch.iter().zip(data.chunks_exact_mut(PAGE)) {
             read_page(*g, page).map_err(|e| SnapshotError::Vm(format!("cannot read guest memory: {e}")))?;
         }
-        w.mem_batch(0, batch, data).map_err(|e| werr(&io_msg(e)))?;
-        pages += batch.len() as u64;
+        let n = batch.len() as u64;
+        // Zero pages go as runs of page numbers: a restored VM's memory starts as zeros.
+        let zero: Vec<bool> = data.chunks_exact(PAGE).map(format::is_zero_page).collect();
+        let runs = format::split_zero_pages(batch, data, |i| zero[i]);
+        if !runs.is_empty() {
+            w.zero_pages(0, &runs).map_err(|e| werr(&io_msg(e)))?;
+        }
+        if !batch.is_empty() {
+            w.mem_batch(0, batch, &data[..batch.len() * PAGE]).map_err(|e| werr(&io_msg(e)))?;
+        }
+        pages += n;
         batch.clear();
         Ok(())
     };
@@ -262,6 +271,7 @@ pub fn read_file<T>(
     let mut reader = Reader::new(input, &desc);
     let mut state = None;
     let mut pages = 0u64;
+    let mut placed = kumo_migration::PageBitmap::for_regions(&desc.regions);
     loop {
         let at = reader.get_ref().n;
         let rec = match reader.next_record() {
@@ -274,8 +284,19 @@ pub fn read_file<T>(
                 for (gfn, page) in b.pages() {
                     place(&target, gfn, page)
                         .map_err(|e| SnapshotError::Vm(format!("{name}: cannot place page {gfn:#x}: {e}")))?;
+                    placed.set(gfn);
                 }
                 pages += b.gfns.len() as u64;
+            }
+            // The new VM's memory is zeros: only a page this file already placed needs clearing.
+            Record::ZeroPages { runs, .. } => {
+                for &(first, n) in runs {
+                    for gfn in (first..first + n).filter(|&g| placed.contains(g)) {
+                        place(&target, gfn, &[0; PAGE])
+                            .map_err(|e| SnapshotError::Vm(format!("{name}: cannot clear page {gfn:#x}: {e}")))?;
+                    }
+                    pages += n;
+                }
             }
             Record::State(s) => state = Some(s.to_vec()),
             Record::RoundEnd { .. } | Record::Complete { .. } => {}
@@ -415,8 +436,40 @@ mod tests {
         assert_eq!(l.state, b"{\"state\":1}");
         assert_eq!(l.pages, gfns().len() as u64);
         let mem = l.target.into_inner();
-        assert_eq!(mem.keys().copied().collect::<Vec<_>>(), gfns());
+        // Page 0 holds zeros: it went as a zero run, and a new VM's memory is zeros already.
+        assert_eq!(mem.keys().copied().collect::<Vec<_>>(), gfns()[1..]);
         assert!(mem.iter().all(|(g, data)| *data == page(*g)));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn zero_pages_take_no_room_and_clear_only_what_the_file_placed() {
+        let d = dir("zero");
+        let p = d.join("zero.snap");
+        let gfns: Vec<u64> = (0..64).collect();
+        // Every other page zero: 32 pages of data, 32 runs of one zero page.
+        let fill = |g: u64, buf: &mut [u8]| {
+            buf.fill(if g.is_multiple_of(2) { 0 } else { 7 });
+            Ok(())
+        };
+        write_file(&p, &desc(), gfns.into_iter(), fill, b"{}").unwrap();
+        let size = std::fs::metadata(&p).unwrap().len();
+        assert!(size < 34 * 4096, "{size} bytes for 32 pages of data");
+        let l = read(&p).unwrap();
+        assert_eq!(l.pages, 64);
+        assert!(l.target.borrow().keys().all(|g| g % 2 == 1));
+        // A stream that places a page and then says it is zero (no kumo writes that, a reader
+        // must still end with zeros there).
+        let mut w = Writer::start(Vec::new(), &desc()).unwrap();
+        w.mem_batch(0, &[3], &[9u8; PAGE]).unwrap();
+        w.zero_pages(0, &[(2, 2)]).unwrap();
+        w.round_end(0, 3).unwrap();
+        w.state(b"{}").unwrap();
+        w.complete(3).unwrap();
+        std::fs::write(&p, w.into_inner()).unwrap();
+        let mem = read(&p).unwrap().target.into_inner();
+        assert_eq!(mem.keys().copied().collect::<Vec<_>>(), [3]);
+        assert!(mem[&3].iter().all(|&b| b == 0), "the zero run cleared the placed page");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

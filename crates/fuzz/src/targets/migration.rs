@@ -25,7 +25,7 @@ fn description(u: &mut Input<'_>) -> arbitrary::Result<VmDescription> {
 fn stream(u: &mut Input<'_>, desc: &VmDescription) -> arbitrary::Result<Vec<u8>> {
     let Ok(mut w) = Writer::start(Vec::new(), desc) else { return Ok(Vec::new()) };
     for _ in 0..u.int_in_range(0..=8)? {
-        let _ = match u.int_in_range(0..=5)? {
+        let _ = match u.int_in_range(0..=6)? {
             0 | 1 => {
                 let gfns: Vec<u64> = (0..u.int_in_range(0..=4)?)
                     .map(|_| Ok(if u.ratio(7, 8)? { u.int_in_range(0..=0x110)? } else { u.arbitrary()? }))
@@ -38,6 +38,16 @@ fn stream(u: &mut Input<'_>, desc: &VmDescription) -> arbitrary::Result<Vec<u8>>
             2 => w.round_end(u.int_in_range(0..=2)?, u.int_in_range(0..=8)?),
             3 => w.state(&u.arbitrary::<Vec<u8>>()?),
             4 => w.complete(u.int_in_range(0..=8)?),
+            5 => {
+                let runs: Vec<(u64, u64)> = (0..u.int_in_range(0..=3)?)
+                    .map(|_| {
+                        let first = if u.ratio(7, 8)? { u.int_in_range(0..=0x110)? } else { u.arbitrary()? };
+                        let pages = if u.ratio(7, 8)? { u.int_in_range(0..=20)? } else { u.arbitrary()? };
+                        Ok((first, pages))
+                    })
+                    .collect::<arbitrary::Result<_>>()?;
+                w.zero_pages(u.int_in_range(0..=2)?, &runs)
+            }
             _ => w.abort(u.arbitrary()?),
         };
     }
@@ -72,6 +82,11 @@ fn read(bytes: &[u8]) {
             Ok(Some(Record::MemBatch(b))) => {
                 assert_eq!(b.data.len(), b.gfns.len() * PAGE, "a batch's data does not match its gfns");
                 assert!(b.gfns.iter().all(|&g| inside(g)), "a gfn outside the described memory: {:?}", b.gfns);
+            }
+            Ok(Some(Record::ZeroPages { runs, .. })) => {
+                assert!(!runs.is_empty(), "an empty ZeroPages record");
+                assert!(runs.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0), "zero runs overlap: {runs:?}");
+                assert!(runs.iter().all(|&(g, n)| n > 0 && inside(g) && inside(g + n - 1)), "{runs:?}");
             }
             Ok(Some(Record::State(_))) => states += 1,
             Ok(Some(Record::Complete { .. })) => {

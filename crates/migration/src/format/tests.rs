@@ -22,6 +22,7 @@ fn pages(gfns: &[u64], round: u32) -> Vec<u8> {
 #[derive(Debug, Clone, PartialEq)]
 enum Owned {
     Batch { round: u32, gfns: Vec<u64>, data: Vec<u8>, checked: bool },
+    Zero(u32, Vec<(u64, u64)>),
     RoundEnd(u32, u64),
     State(Vec<u8>),
     Complete(u64),
@@ -33,6 +34,7 @@ fn own(r: Record<'_>) -> Owned {
         Record::MemBatch(b) => {
             Owned::Batch { round: b.round, gfns: b.gfns.to_vec(), data: b.data.to_vec(), checked: b.checked }
         }
+        Record::ZeroPages { round, runs } => Owned::Zero(round, runs.to_vec()),
         Record::RoundEnd { round, pages } => Owned::RoundEnd(round, pages),
         Record::State(s) => Owned::State(s.to_vec()),
         Record::Complete { total_pages } => Owned::Complete(total_pages),
@@ -1036,4 +1038,90 @@ fn typed_descriptions_round_trip_and_refuse_what_they_do_not_know() {
     old[8..12].copy_from_slice(&4u32.to_le_bytes());
     let e = read_header(&mut &old[..]).unwrap_err().to_string();
     assert_eq!(e, format!("unsupported migration stream version 4 (this kumo reads version {VERSION})"));
+}
+
+// --- zero pages ----------------------------------------------------------------------------
+
+/// A `ZeroPages` body from raw fields.
+fn zero_body(round: u32, count: u32, runs: &[(u64, u64)]) -> Vec<u8> {
+    let mut b = round.to_le_bytes().to_vec();
+    b.extend_from_slice(&count.to_le_bytes());
+    for &(g, n) in runs {
+        b.extend_from_slice(&g.to_le_bytes());
+        b.extend_from_slice(&n.to_le_bytes());
+    }
+    b
+}
+
+#[test]
+fn zero_runs_round_trip_and_count_as_sent_pages() {
+    let mut w = Writer::start(Vec::new(), &desc()).unwrap();
+    w.mem_batch(0, &[0, 1], &pages(&[0, 1], 0)).unwrap();
+    w.zero_pages(0, &[(2, 14), (256, 3)]).unwrap();
+    // Round 0 carried 2 pages of data and 17 zero pages.
+    w.round_end(0, 19).unwrap();
+    w.zero_pages(1, &[(0, 1)]).unwrap();
+    w.round_end(1, 1).unwrap();
+    w.state(b"s").unwrap();
+    w.complete(20).unwrap();
+    let (_, got) = read_all(&w.into_inner()).unwrap();
+    assert_eq!(got[1], Owned::Zero(0, vec![(2, 14), (256, 3)]));
+    assert_eq!(got[3], Owned::Zero(1, vec![(0, 1)]));
+    assert_eq!(got.last(), Some(&Owned::Complete(20)));
+    // The frame: tag 6, no flags, body = round, count, (gfn, pages) per run.
+    let mut enc = Encoder::new();
+    let mut out = Vec::new();
+    enc.zero_pages(&mut out, 7, &[(2, 3)]).unwrap();
+    assert_eq!(out, raw_frame(6, 0, 0, &zero_body(7, 1, &[(2, 3)])));
+}
+
+#[test]
+fn the_encoder_refuses_bad_zero_runs_without_using_a_seq() {
+    let mut enc = Encoder::new();
+    let mut out = Vec::new();
+    let too_many: Vec<(u64, u64)> = (0..MAX_ZERO_RUNS as u64 + 1).map(|i| (i * 2, 1)).collect();
+    for runs in [&[][..], &[(5, 0)], &[(4, 2), (5, 1)], &[(4, 1), (3, 1)], &[(u64::MAX, 2)], &too_many] {
+        assert!(matches!(enc.zero_pages(&mut out, 0, runs), Err(Error::BadRecord { seq: 0, .. })), "{runs:?}");
+    }
+    assert!(out.is_empty());
+    assert_eq!(enc.seq(), 0);
+    // Adjacent runs are allowed (a sender need not merge them).
+    enc.zero_pages(&mut out, 0, &[(1, 1), (2, 1)]).unwrap();
+}
+
+#[test]
+fn bad_zero_records_are_refused() {
+    let zero = |round: u32, runs: &[(u64, u64)]| raw_frame(6, 0, 0, &zero_body(round, runs.len() as u32, runs));
+    let reason = |frames: &[Vec<u8>]| match first_error(&with_header(frames)) {
+        Error::BadRecord { seq: 0, reason } => reason,
+        other => panic!("expected BadRecord, got {other:?}"),
+    };
+    assert!(reason(&[zero(1, &[(0, 1)])]).contains("round 1 during round 0"));
+    assert!(reason(&[zero(0, &[])]).contains("0 runs"));
+    assert!(reason(&[zero(0, &[(3, 0)])]).contains("empty zero run"));
+    assert!(reason(&[zero(0, &[(4, 2), (5, 1)])]).contains("overlapping"));
+    assert!(reason(&[zero(0, &[(4, 1), (2, 1)])]).contains("out of order"));
+    assert!(reason(&[zero(0, &[(u64::MAX, 2)])]).contains("wraps"));
+    // The count must match the body, and stay within its bound.
+    assert!(reason(&[raw_frame(6, 0, 0, &zero_body(0, 2, &[(0, 1)]))]).contains("2 runs in a 24-byte body"));
+    assert!(reason(&[raw_frame(6, 0, 0, &[0; 5])]).contains("shorter"));
+    let big = zero_body(0, MAX_ZERO_RUNS as u32 + 1, &[]);
+    assert!(reason(&[raw_frame(6, 0, 0, &big)]).contains("runs in a 8-byte body"));
+    // Every page of a run lies in one described region (0..16 and 256..272).
+    let out_of_range = |runs: &[(u64, u64)]| first_error(&with_header(&[zero(0, runs)]));
+    assert!(matches!(out_of_range(&[(15, 2)]), Error::PageOutOfRange { gfn: 15, .. }));
+    assert!(matches!(out_of_range(&[(16, 1)]), Error::PageOutOfRange { gfn: 16, .. }));
+    assert!(matches!(out_of_range(&[(0, 300)]), Error::PageOutOfRange { gfn: 0, .. }));
+    assert!(matches!(out_of_range(&[(270, 3)]), Error::PageOutOfRange { gfn: 270, .. }));
+    // Zero pages count towards RoundEnd: a RoundEnd that leaves them out is refused.
+    let end = raw_frame(2, 0, 1, &[0u32.to_le_bytes().to_vec(), 1u64.to_le_bytes().to_vec()].concat());
+    let e = first_error(&with_header(&[zero(0, &[(0, 2)]), end]));
+    assert!(matches!(e, Error::BadRecord { seq: 1, .. }), "{e:?}");
+    // Flags are not allowed on ZeroPages, and its body is bounded before it is read.
+    let mut f = zero(0, &[(0, 1)]);
+    f[1] = FLAG_ACK;
+    assert!(matches!(first_error(&with_header(&[f])), Error::BadRecord { .. }));
+    let mut hdr = zero(0, &[(0, 1)])[..16].to_vec();
+    hdr[4..8].copy_from_slice(&(MAX_ZERO_BODY as u32 + 1).to_le_bytes());
+    assert!(matches!(first_error(&with_header(&[hdr])), Error::Oversized { .. }));
 }
