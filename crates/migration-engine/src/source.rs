@@ -7,7 +7,7 @@ use kumo_sandbox::ThreadKind;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -911,12 +911,13 @@ impl<'a> SourceSession<'a> {
         if round > 0 {
             return col.send_round(round, to_send.gfns(), round_pages, checksum, &mut progress);
         }
-        let done = AtomicBool::new(false);
+        // The sampler waits on a channel that closes when the round is handed out, so a short
+        // round 0 does not wait out the sampler's 50 ms (it did: up to 50 ms of every migration).
+        let (done, ended) = std::sync::mpsc::channel::<()>();
         let (n, samples) = std::thread::scope(|s| {
-            let sampler = kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, "mig-sampler", || {
+            let sampler = kumo_sandbox::spawn_scoped(s, ThreadKind::Migration, "mig-sampler", move || {
                 let mut v = Vec::new();
-                while !done.load(Ordering::Acquire) {
-                    std::thread::sleep(Duration::from_millis(50));
+                while ended.recv_timeout(Duration::from_millis(50)) == Err(RecvTimeoutError::Timeout) {
                     match src.peek_dirty_count() {
                         Some(c) => v.push((t.elapsed().as_secs_f64(), c)),
                         None => break,
@@ -925,7 +926,7 @@ impl<'a> SourceSession<'a> {
                 v
             });
             let n = col.send_round(round, to_send.gfns(), round_pages, checksum, &mut progress);
-            done.store(true, Ordering::Release);
+            drop(done);
             // Without its thread (none could be started) there are no samples: the model
             // falls back as it does for a short round 0.
             (n, sampler.ok().and_then(|h| h.join().ok()).unwrap_or_default())

@@ -1,7 +1,8 @@
 //! Sections 5–7 of `kumo bench migrate`: kumo and QEMU 7.2 migrating the same guests.
 //!
 //! For every guest (idle and halted, idle memory with a busy vCPU, flat out over 100,000 pages,
-//! the paper's 52,500 writes/s) and every size, one guest boots under each VMM and both stay up;
+//! the paper's 52,500 writes/s, and an empty one: halted, memory never written but for 1,000
+//! pages) and every size, one guest boots under each VMM and both stay up;
 //! then they migrate **hop by hop in turn**, kumo first on even steps and QEMU first on odd ones,
 //! so that neither VMM gets the quieter moments. While one migrates, the other's guest is paused
 //! (kumo `pause`, QEMU `stop`): nothing else runs on the host. Each step has a rule:
@@ -25,8 +26,8 @@ use serde_json::Value;
 use super::*;
 use crate::qemu::{self, QemuSpec, QemuVm};
 
-/// A guest of the comparison. Every one is prefilled (all memory in use) and runs until it is
-/// typed at (`until_input`/`hold_input`), so no duration has to be guessed.
+/// A guest of the comparison. Every one but `empty` is prefilled (all memory in use), and every
+/// one runs until it is typed at (`until_input`/`hold_input`), so no duration has to be guessed.
 #[derive(Clone, Copy)]
 pub(super) struct Workload {
     pub key: &'static str,
@@ -36,19 +37,31 @@ pub(super) struct Workload {
     pub rate: u64,
     /// Writes 1000 pages, then halts until typed at (no progress to measure).
     pub halted: bool,
+    /// Writes every free page first (`prefill=1`). Without it the rest of memory stays zeros:
+    /// never touched at the first hop, faulted in by the prepared destinations after it.
+    pub prefill: bool,
 }
 
-pub(super) const WORKLOADS: [Workload; 4] = [
-    Workload { key: "idle", label: "idle, halted", pages: 1000, rate: 0, halted: true },
-    Workload { key: "busy", label: "idle memory, busy vCPU (1 page)", pages: 1, rate: 0, halted: false },
-    Workload { key: "flat", label: "flat out, 100,000 pages", pages: LOADED_PAGES, rate: 0, halted: false },
+pub(super) const WORKLOADS: [Workload; 5] = [
+    Workload { key: "idle", label: "idle, halted", pages: 1000, rate: 0, halted: true, prefill: true },
+    Workload { key: "busy", label: "idle memory, busy vCPU (1 page)", pages: 1, rate: 0, halted: false, prefill: true },
+    Workload {
+        key: "flat",
+        label: "flat out, 100,000 pages",
+        pages: LOADED_PAGES,
+        rate: 0,
+        halted: false,
+        prefill: true,
+    },
     Workload {
         key: "paper",
         label: "paper: 52,500/s over 100,000",
         pages: LOADED_PAGES,
         rate: LOADED_RATE,
         halted: false,
+        prefill: true,
     },
+    Workload { key: "empty", label: "empty, halted (zero pages)", pages: 1000, rate: 0, halted: true, prefill: false },
 ];
 const SEED: u64 = 5;
 /// Downtime targets of section 6 (kumo `--downtime-ms`, QEMU `downtime-limit`).
@@ -60,7 +73,10 @@ const CONVERGE: Duration = Duration::from_secs(15);
 
 impl Workload {
     fn args(&self) -> Vec<String> {
-        let mut a = sv(&[&format!("pages={}", self.pages), "mode=random", "prefill=1", &format!("seed={SEED}")]);
+        let mut a = sv(&[&format!("pages={}", self.pages), "mode=random", &format!("seed={SEED}")]);
+        if self.prefill {
+            a.push("prefill=1".into());
+        }
         if self.halted {
             a.extend(sv(&["writes=1000", "hold_input=1"]));
         } else {
@@ -389,7 +405,7 @@ const DEFAULTS: Engine = Engine { label: "defaults", engine: "", connections: 0 
 /// Boots the workload under both VMMs at once (nothing is measured yet) and leaves both
 /// guests paused.
 fn boot_pair(ctx: &Ctx, mem: u64, w: Workload) -> (Result<KumoSide, String>, Result<QemuSide, String>) {
-    ctx.step(format!("{} {mem} MiB: starting the guest under kumo and QEMU (prefill)", w.key));
+    ctx.step(format!("{} {mem} MiB: starting the guest under kumo and QEMU", w.key));
     let spec = QemuSpec::new("memtouch", mem, &w.args());
     let boot = Duration::from_secs(60) + Duration::from_micros(mem * 256 * 200);
     let (k, q) = std::thread::scope(|s| {
