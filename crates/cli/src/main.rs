@@ -620,19 +620,26 @@ fn run(
             }
         },
     };
-    run_vms(&a, vm, empty, console.as_ref(), &signals)
+    let (code, last) = run_vms(&a, vm, empty, console.as_ref(), &signals)?;
+    // The API's last answers go out before the VM's memory is unmapped: unmapping it holds the
+    // address space's lock for tens of ms (512 MiB: ~35 ms here), and an API thread that maps
+    // memory while it answers waited that long. A finished migration's answer came up to
+    // ~130 ms after the migration had ended.
+    drop(_api);
+    drop(last);
+    Ok(code)
 }
 
 /// Runs the VM until it ends; a VM made by vm.create outlives its run (Cloud Hypervisor's
 /// model): it reboots, or waits shut down for vm.boot, until vmm.shutdown or a signal ends the
-/// VMM. The exit status.
+/// VMM. The exit status, and the last VM (for the caller to drop after the API server).
 fn run_vms(
     a: &RunArgs,
     mut vm: Arc<RunningVm>,
     empty: Option<Arc<kumo_vmm::api::VmApi>>,
     console: Option<&console::ConsoleSocket>,
     signals: &SignalGuard,
-) -> Result<i32, String> {
+) -> Result<(i32, Option<Arc<RunningVm>>), String> {
     let mut filtered = false;
     loop {
         let stdin_console = !empty.as_ref().is_some_and(|api| api.console_is_pty());
@@ -646,7 +653,7 @@ fn run_vms(
             _ => kumo_vmm::lifecycle::AfterVm::Exit,
         };
         let Some(api) = empty.as_ref().filter(|_| after != kumo_vmm::lifecycle::AfterVm::Exit) else {
-            return Ok(report.outcome.exit_code());
+            return Ok((report.outcome.exit_code(), Some(vm)));
         };
         // The old VM goes first: its disks' locks and its taps are released before a new one
         // opens them.
@@ -670,7 +677,7 @@ fn run_vms(
             }
             None => {
                 note!("kumo: vmm.shutdown: exiting");
-                return Ok(0);
+                return Ok((0, None));
             }
         }
     }
