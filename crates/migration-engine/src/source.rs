@@ -1,7 +1,6 @@
 //! The source side of a live migration: the pre-copy loop, the collector that splits rounds
-//! into batches (the bandwidth cap and cancel checks sit there), the sender threads (zero pages
-//! go as runs there) and the
-//! transport sinks they write through.
+//! into batches (the bandwidth cap and cancel checks sit there), the sender threads (which send
+//! zero pages as runs) and the transport sinks they write through.
 
 use kumo_sandbox::ThreadKind;
 use std::io::{self, Write};
