@@ -1125,3 +1125,31 @@ fn bad_zero_records_are_refused() {
     hdr[4..8].copy_from_slice(&(MAX_ZERO_BODY as u32 + 1).to_le_bytes());
     assert!(matches!(first_error(&with_header(&[hdr])), Error::Oversized { .. }));
 }
+
+#[test]
+fn zero_pages_are_split_from_a_batch_in_order_with_their_data() {
+    let mut zero_page = vec![0u8; PAGE];
+    assert!(is_zero_page(&zero_page));
+    // One byte anywhere makes a page non-zero, the last one included.
+    for at in [0, 63, 64, 2048, PAGE - 1] {
+        zero_page[at] = 1;
+        assert!(!is_zero_page(&zero_page), "byte {at}");
+        zero_page[at] = 0;
+    }
+    // gfns 10..16 and 20; pages 11, 12 and 20 hold zeros.
+    let mut gfns = vec![10, 11, 12, 13, 14, 15, 20];
+    let zero = [false, true, true, false, false, false, true];
+    let mut data: Vec<u8> = gfns.iter().zip(zero).flat_map(|(&g, z)| vec![if z { 0 } else { g as u8 }; PAGE]).collect();
+    let found: Vec<bool> = data.chunks(PAGE).map(is_zero_page).collect();
+    assert_eq!(found, zero);
+    let runs = split_zero_pages(&mut gfns, &mut data, |i| found[i]);
+    assert_eq!(runs, [(11, 2), (20, 1)]);
+    assert_eq!(gfns, [10, 13, 14, 15]);
+    for (i, &g) in gfns.iter().enumerate() {
+        assert!(data[i * PAGE..(i + 1) * PAGE].iter().all(|&b| b == g as u8), "page {g} moved with its data");
+    }
+    // Without data (zero-copy senders keep none), only the gfns change.
+    let mut gfns = vec![1, 2, 3];
+    assert_eq!(split_zero_pages(&mut gfns, &mut [], |i| i != 1), [(1, 1), (3, 1)]);
+    assert_eq!(gfns, [2]);
+}
