@@ -435,7 +435,13 @@ impl<'a> DestSession<'a> {
     /// asked), rounds counted, the state kept (first connection only).
     fn receive_connection(&self, i: usize, mut r: ConnReader, mut placer: MemPlacer) -> Result<(), MigrateError> {
         let (progress, multi) = (self.progress, self.barrier.n > 1);
-        while let Some(rec) = r.next_record_placed(&mut placer).map_err(|e| recv_err(e.into(), self.idle))? {
+        loop {
+            // Before each record: the source waits for its bytes to be acknowledged at a
+            // round's end, and this connection's replies make the kernel delay ACKs.
+            r.get_ref().get_ref().quick_ack();
+            let Some(rec) = r.next_record_placed(&mut placer).map_err(|e| recv_err(e.into(), self.idle))? else {
+                break;
+            };
             match rec {
                 Record::MemBatch(b) => {
                     self.pages.fetch_add(b.gfns.len() as u64, Ordering::Relaxed);

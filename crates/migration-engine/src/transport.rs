@@ -125,6 +125,31 @@ impl Conn {
         tcp.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into())
     }
 
+    /// Acknowledges at once what has been read, and takes the connection out of the kernel's
+    /// interactive ("pingpong") mode. A receiver that has replied on a connection (`Ready`) is
+    /// taken for a request/response peer: its ACK of a burst's last bytes then waits up to
+    /// 40 ms for a reply to ride on, and a source waits for its bytes to be acknowledged at each
+    /// round's end ([`Conn::unsent_bytes`]): 3 of 12 idle hops here took ~45 ms longer.
+    pub fn quick_ack(&self) {
+        let fd = match self {
+            Conn::Tcp(s) => s.as_raw_fd(),
+            Conn::Tls(s) => s.socket().as_raw_fd(),
+            Conn::Unix(_) => return,
+        };
+        let one: libc::c_int = 1;
+        // SAFETY: setsockopt with an int option on our own socket. Best effort: a failure only
+        // leaves the kernel's usual ACK timing.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_QUICKACK,
+                &one as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+
     /// Bytes written but not yet delivered: for TCP not yet acknowledged by the peer, for a
     /// unix socket not yet read by it (`SIOCOUTQ`).
     pub fn unsent_bytes(&self) -> io::Result<usize> {
