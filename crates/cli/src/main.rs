@@ -565,7 +565,7 @@ fn run(
             _ => Ok(None),
         }
     };
-    let (vm, _api, empty) = match (&a.incoming, &a.restore) {
+    let (vm, server, empty) = match (&a.incoming, &a.restore) {
         // A destination's API is up while the VM arrives (`vm.info` says `receiving`).
         (Some(addr), _) => {
             let cpus = a
@@ -625,7 +625,7 @@ fn run(
     // address space's lock for tens of ms (512 MiB: ~35 ms here), and an API thread that maps
     // memory while it answers waited that long. A finished migration's answer came up to
     // ~130 ms after the migration had ended.
-    drop(_api);
+    drop(server);
     drop(last);
     Ok(code)
 }

@@ -176,19 +176,17 @@ impl PageBits {
 }
 
 /// Clears the pages of zero runs that hold data placed by an earlier round (the rest are
-/// still the zeros the memory was created with). Returns the pages cleared.
-fn clear_zero_runs(mem: &GuestMemory, written: &PageBits, runs: &[(u64, u64)]) -> Result<u64, MigrateError> {
+/// still the zeros the memory was created with).
+fn clear_zero_runs(mem: &GuestMemory, written: &PageBits, runs: &[(u64, u64)]) -> Result<(), MigrateError> {
     use vm_memory::Bytes;
     static ZERO: [u8; PAGE] = [0; PAGE];
-    let mut cleared = 0;
     for &(first, n) in runs {
         for gfn in (first..first + n).filter(|&g| written.get(g)) {
             mem.write_slice(&ZERO, GuestAddress(gfn * PAGE as u64))
                 .map_err(|e| MigrateError::Other(format!("clearing zero page {gfn:#x}: {e}")))?;
-            cleared += 1;
         }
     }
-    Ok(cleared)
+    Ok(())
 }
 
 /// The destination's guest memory as the place batches are read into; `populated` tracks the

@@ -35,38 +35,30 @@ impl PageBitmap {
         }
     }
 
+    /// Where page `gfn`'s bit lives: (region, word, mask); None if no region holds it.
+    fn locate(&self, gfn: u64) -> Option<(usize, usize, u64)> {
+        let r = self.regions.iter().position(|&(first, n, _)| gfn >= first && gfn < first + n)?;
+        let i = gfn - self.regions[r].0;
+        Some((r, (i / 64) as usize, 1 << (i % 64)))
+    }
+
     /// Adds page `gfn`; false if no region holds it.
     pub fn set(&mut self, gfn: u64) -> bool {
-        for (first, n, b) in &mut self.regions {
-            if gfn >= *first && gfn < *first + *n {
-                let i = gfn - *first;
-                b[(i / 64) as usize] |= 1 << (i % 64);
-                return true;
-            }
-        }
-        false
+        self.locate(gfn).map(|(r, w, m)| self.regions[r].2[w] |= m).is_some()
     }
 
     /// Whether page `gfn` is in the set.
     pub fn contains(&self, gfn: u64) -> bool {
-        self.regions
-            .iter()
-            .find(|(first, n, _)| gfn >= *first && gfn < *first + *n)
-            .is_some_and(|(first, _, b)| b[((gfn - first) / 64) as usize] & (1 << ((gfn - first) % 64)) != 0)
+        self.locate(gfn).is_some_and(|(r, w, m)| self.regions[r].2[w] & m != 0)
     }
 
     /// Adds page `gfn`; true if it was not in the set before (and a region holds it).
     pub fn set_new(&mut self, gfn: u64) -> bool {
-        for (first, n, b) in &mut self.regions {
-            if gfn >= *first && gfn < *first + *n {
-                let i = gfn - *first;
-                let (w, m) = (&mut b[(i / 64) as usize], 1u64 << (i % 64));
-                let new = *w & m == 0;
-                *w |= m;
-                return new;
-            }
-        }
-        false
+        let Some((r, w, m)) = self.locate(gfn) else { return false };
+        let word = &mut self.regions[r].2[w];
+        let new = *word & m == 0;
+        *word |= m;
+        new
     }
 
     /// Adds every page of `other` (same shape) to this set.
@@ -117,5 +109,25 @@ mod tests {
         assert_eq!(c.count(), 6);
         c.clear();
         assert_eq!(c.count(), 0);
+    }
+
+    #[test]
+    fn pages_are_found_in_their_region_and_nowhere_else() {
+        // Pages 0..70 and 256..260 (a hole between).
+        let mut b = PageBitmap::for_regions(&[(0, 70 * PAGE_SIZE), (256 * PAGE_SIZE, 4 * PAGE_SIZE)]);
+        for g in [0, 63, 64, 69, 256, 259] {
+            assert!(!b.contains(g));
+            assert!(b.set_new(g), "{g} is new");
+            assert!(!b.set_new(g), "{g} was set");
+            assert!(b.contains(g) && b.set(g));
+        }
+        for g in [1, 62, 65, 258] {
+            assert!(!b.contains(g), "{g}");
+        }
+        // Outside every region: never set, never in the set.
+        for g in [70, 100, 255, 260, u64::MAX] {
+            assert!(!b.set(g) && !b.set_new(g) && !b.contains(g), "{g}");
+        }
+        assert_eq!(b.count(), 6);
     }
 }
