@@ -88,10 +88,10 @@ fn records_overlap(a: &Vm, b: &Vm) -> kumo_elastic::record::Overlaps {
     kumo_elastic::record::check(&[("a", &ea), ("b", &eb)])
 }
 
-/// The driver's configuration line `what: 0x…` of a VM's console.
+/// The driver's configuration line `what: 0x…` of a VM's console (complete lines only).
 fn probe_value(vm: &Vm, what: &str) -> Option<u64> {
-    let out = vm.kid.stdout();
-    let line = out.lines().find(|l| l.contains("virtio_mem") && l.contains(what))?;
+    let lines = vm.kid.lines();
+    let line = lines.iter().map(|(_, l)| l).find(|l| l.contains("virtio_mem") && l.contains(what))?;
     let hex = line.split(what).nth(1)?.trim().trim_start_matches("0x");
     u64::from_str_radix(hex.split_whitespace().next()?, 16).ok()
 }
@@ -105,7 +105,9 @@ fn linux_lends_128m_through_virtio_mem_and_back() {
     for vm in [&mut a, &mut b] {
         // Two kernels boot at once: twice one boot's hang guard.
         let limit = 2 * BOOT_LIMIT;
-        vm.kid.wait_for(limit, "the virtio-mem driver's probe", |o, _| o.contains(PROBED).then_some(())).unwrap();
+        // A complete line: the console arrives a byte at a time, and a match on the prefix alone
+        // read `0x80` of `0x8000000` once.
+        vm.kid.wait_line(limit, "the virtio-mem driver's probe", |l| l.contains(PROBED).then_some(())).unwrap();
     }
     // Both kernels read the region kumo placed above RAM (4 GiB), 2 MiB blocks.
     for vm in [&a, &b] {
