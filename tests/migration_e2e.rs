@@ -303,7 +303,6 @@ fn a_stopped_or_foreign_peer_is_rejected_at_the_handshake() {
     check_memtouch(&sout, 1000, 1, true);
 }
 
-/// The largest `writes=` of memtouch's progress lines in `out`, and the smallest.
 /// Waits until the guest reported `n` writes: a migration that must still be running when an
 /// event arrives needs a guest that dirties its pages, however slowly it booted (5 random
 /// writes per page touch nearly all of them).
@@ -311,8 +310,12 @@ fn wait_for_writes(src: &Vmp, n: u64) {
     eventually(PATIENCE, || (progress_writes(&src.stdout()).into_iter().max() >= Some(n)).then_some(()));
 }
 
+/// The `writes=` of memtouch's progress lines in `out`.
 fn progress_writes(out: &str) -> Vec<u64> {
-    out.lines()
+    // Complete lines only: the console arrives a byte at a time (`writes=12` of `writes=1234`).
+    let complete = &out[..out.rfind('\n').map_or(0, |i| i + 1)];
+    complete
+        .lines()
         .filter(|l| l.starts_with("memtouch: progress"))
         .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("writes=")).and_then(|v| v.parse().ok()))
         .collect()
