@@ -124,6 +124,9 @@ pub struct PhaseTimes {
     /// Of `send_ms`: re-arming each batch's pages in the dirty log before they are read.
     #[serde(default)]
     pub rearm_ms: f64,
+    /// Of `send_ms`: waiting for the bandwidth cap (`max_bandwidth`).
+    #[serde(default)]
+    pub cap_wait_ms: f64,
     /// The stop phase: the downtime (its parts in `stop_phase`).
     pub stop_ms: f64,
 }

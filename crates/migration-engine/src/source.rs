@@ -28,6 +28,9 @@ struct Batch {
     gfns: Vec<u64>,
     data: Vec<u8>,
     checksum: Checksum,
+    /// Per page, whether it holds only zeros, when the collector already had to know (the
+    /// bandwidth cap charges data pages only); else the sender finds out.
+    zero: Option<Vec<bool>>,
 }
 
 enum Work {
@@ -149,19 +152,7 @@ impl BatchSink for ZeroCopySink {
     }
 
     fn is_zero(&self, b: &Batch, i: usize) -> bool {
-        let Some(a) = b.gfns.get(i).and_then(|&g| self.mem.addr(g)) else { return false };
-        let words = a as *const u64;
-        // Eight words OR-ed per 64-byte line, one branch per line: a page scan is bound by
-        // memory (~60 ms per 512 MiB here), a branch per word made it ~90.
-        (0..PAGE / 64).all(|line| {
-            (0..8).fold(0u64, |acc, w| {
-                // SAFETY: `a` is the host address of a whole guest page (`addr` checked the
-                // gfn), mapped for the VM's life. The guest may write it meanwhile, hence
-                // volatile reads; a page written after it was found zero is dirty and goes
-                // again in a later round.
-                acc | unsafe { std::ptr::read_volatile(words.add(line * 8 + w)) }
-            }) == 0
-        })
+        b.gfns.get(i).is_some_and(|&g| self.mem.page_is_zero(g))
     }
 
     fn drain(&mut self) -> Result<(u64, u64), MigrateError> {
@@ -237,6 +228,23 @@ impl SendMem {
             .find(|(first, n, _)| gfn >= *first && gfn < first + n)
             .map(|(first, _, host)| host + ((gfn - first) as usize) * PAGE)
     }
+
+    /// Whether guest page `gfn` holds only zeros (false outside guest memory).
+    fn page_is_zero(&self, gfn: u64) -> bool {
+        let Some(a) = self.addr(gfn) else { return false };
+        let words = a as *const u64;
+        // Eight words OR-ed per 64-byte line, one branch per line: a page scan is bound by
+        // memory (~60 ms per 512 MiB here), a branch per word made it ~90.
+        (0..PAGE / 64).all(|line| {
+            (0..8).fold(0u64, |acc, w| {
+                // SAFETY: `a` is the host address of a whole guest page (`addr` checked the
+                // gfn), mapped for the VM's life. The guest may write it meanwhile, hence
+                // volatile reads; a page written after it was found zero is dirty and goes
+                // again in a later round.
+                acc | unsafe { std::ptr::read_volatile(words.add(line * 8 + w)) }
+            }) == 0
+        })
+    }
 }
 
 fn sender_loop(
@@ -289,7 +297,7 @@ fn send_zero_pages(
     out: &mut Vec<u8>,
     b: &mut Batch,
 ) -> Result<u64, MigrateError> {
-    let zero: Vec<bool> = (0..b.gfns.len()).map(|i| sink.is_zero(b, i)).collect();
+    let zero = b.zero.take().unwrap_or_else(|| (0..b.gfns.len()).map(|i| sink.is_zero(b, i)).collect());
     let before = b.gfns.len();
     let runs = format::split_zero_pages(&mut b.gfns, &mut b.data, |i| zero[i]);
     if runs.is_empty() {
@@ -319,14 +327,18 @@ struct Collector<'a> {
     /// Lockstep mode's one buffer, back from the sender.
     spare: Option<Vec<u8>>,
     cancel: &'a CancelToken,
-    /// The bandwidth cap, if any. It counts every page it lets through, zero pages too (they
-    /// are found later, by the senders): a capped link is never over-used, but a memory of
-    /// mostly zeros goes slower than the cap would allow.
-    bucket: Option<TokenBucket<SystemClock>>,
+    /// The bandwidth cap, if any. It charges the pages that carry data: when zero pages go as
+    /// runs, the collector tests each batch's pages itself (after re-arming them) and hands the
+    /// answer on, so the senders do not test them again.
+    cap: Option<TokenBucket<SystemClock>>,
+    /// Zero-copy's view of guest memory, for that test (the copying engines test their copy).
+    zero_test: Option<SendMem>,
     /// While the VM runs: each batch's pages are re-armed in its dirty log right before they
     /// are read, and the time that takes.
     rearm: Option<&'a dyn SourceVm>,
     rearm_time: Duration,
+    /// Time spent waiting for the bandwidth cap.
+    cap_wait: Duration,
 }
 
 /// How far a round has got, handed to the session's progress callback.
@@ -385,10 +397,6 @@ impl Collector<'_> {
         if self.cancel.is_cancelled() {
             return Err(MigrateError::Cancelled);
         }
-        if let Some(b) = &mut self.bucket {
-            let wait = b.take((gfns.len() * PAGE) as u64);
-            sleep_unless_cancelled(wait, self.cancel)?;
-        }
         if let Some(src) = self.rearm {
             let t = Instant::now();
             src.rearm_dirty(&gfns).map_err(MigrateError::Source)?;
@@ -405,9 +413,10 @@ impl Collector<'_> {
                     .map_err(|e| MigrateError::SourceMemory(format!("reading page {g:#x}: {e}")))?;
             }
         }
+        let zero = self.pay_for(&gfns, &data)?;
         let s = &self.senders[self.next % self.senders.len()];
         self.next += 1;
-        s.send(Work::Batch(Batch { round, gfns, data, checksum }))?;
+        s.send(Work::Batch(Batch { round, gfns, data, checksum, zero }))?;
         if let Some((replies, timeout)) = &mut self.lockstep {
             // The batch is done when the destination has it in place, as an RDMA write is
             // done at its completion; TCP's send buffer alone would already overlap stages.
@@ -422,6 +431,28 @@ impl Collector<'_> {
             self.spare = Some(buf);
         }
         Ok(())
+    }
+}
+
+impl Collector<'_> {
+    /// Waits until the bandwidth cap has paid for a batch's page data (`data`: the copying
+    /// engines' copy). Its zero pages go as runs and cost nothing, so they are found here,
+    /// after the batch was re-armed (a page written after the test is dirty again), and the
+    /// answer goes to the sender with the batch.
+    fn pay_for(&mut self, gfns: &[u64], data: &[u8]) -> Result<Option<Vec<bool>>, MigrateError> {
+        let Some(cap) = &mut self.cap else { return Ok(None) };
+        let zero: Option<Vec<bool>> = match (&self.zero_test, self.copy) {
+            _ if self.lockstep.is_some() => None, // serial sends every page with its data
+            (_, true) => Some(data.chunks(PAGE).map(format::is_zero_page).collect()),
+            (Some(m), false) => Some(gfns.iter().map(|&g| m.page_is_zero(g)).collect()),
+            (None, false) => None,
+        };
+        let data_pages = zero.as_ref().map_or(gfns.len(), |z| z.iter().filter(|&&z| !z).count());
+        let wait = cap.take((data_pages * PAGE) as u64);
+        let t = Instant::now();
+        sleep_unless_cancelled(wait, self.cancel)?;
+        self.cap_wait += t.elapsed();
+        Ok(zero)
     }
 }
 
@@ -781,7 +812,7 @@ impl<'a> SourceSession<'a> {
             return Err(e.unwrap_or_else(|| MigrateError::Other("the destination sent no Ready".into())));
         }
         // Bursts of one batch: the cap holds over any stretch longer than a batch takes.
-        let bucket = opts
+        let cap = opts
             .max_bandwidth
             .map(|rate| TokenBucket::new(rate, (MAX_BATCH_PAGES * PAGE) as u64, SystemClock::default()));
         let mut col = Collector {
@@ -793,9 +824,11 @@ impl<'a> SourceSession<'a> {
             next: 0,
             spare: None,
             cancel: &opts.cancel,
-            bucket,
+            zero_test: (cap.is_some() && !self.plan.copy).then(|| SendMem::new(src.memory())),
+            cap,
             rearm: Some(src),
             rearm_time: Duration::ZERO,
+            cap_wait: Duration::ZERO,
         };
         let mut planner = Planner::new(opts.policy, total_pages);
         let result = self.precopy(&mut col, &watch, &mut planner, touched);
@@ -803,6 +836,7 @@ impl<'a> SourceSession<'a> {
         let pause_at = Instant::now();
         let result = result.and_then(|(dirty, round)| self.stop_and_copy(&mut col, dirty, round, pause_at));
         self.phases.rearm_ms = col.rearm_time.as_secs_f64() * 1e3;
+        self.phases.cap_wait_ms = col.cap_wait.as_secs_f64() * 1e3;
         drop(col);
         let closing = self.join_senders(senders, result)?;
         let stop_zero = self.take_zero();

@@ -202,7 +202,7 @@ fn listen(unix: bool, tag: &str) -> (Listener, Address) {
 }
 
 fn run(engine: MigrationEngine, connections: usize, unix: bool, tag: &str) -> (Report, RecvReport) {
-    run_tls(engine, connections, unix, tag, None)
+    run_with(engine, connections, unix, tag, None, None)
 }
 
 /// Test certificates: a destination's listener options and a source's TLS, one CA.
@@ -216,12 +216,14 @@ fn tls_pair(tag: &str) -> (crate::ListenOptions, crate::ClientTls) {
     (crate::ListenOptions { tls: Some(server), insecure: false }, client)
 }
 
-fn run_tls(
+/// `run` over TLS and/or under a bandwidth cap (bytes per second).
+fn run_with(
     engine: MigrationEngine,
     connections: usize,
     unix: bool,
     tag: &str,
     tls: Option<(crate::ListenOptions, crate::ClientTls)>,
+    max_bandwidth: Option<u64>,
 ) -> (Report, RecvReport) {
     let src = FakeSource::new(2000);
     std::thread::sleep(Duration::from_millis(20));
@@ -234,7 +236,7 @@ fn run_tls(
         None => listen(unix, tag),
     };
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
-    let opts = MigrateOptions { engine, connections, tls: tls.map(|t| t.1), ..Default::default() };
+    let opts = MigrateOptions { engine, connections, tls: tls.map(|t| t.1), max_bandwidth, ..Default::default() };
     let mut events = Vec::new();
     let report = migrate(&*src, &addr, &opts, &mut |e| events.push(e)).unwrap();
     let (dvm, rr) = dest.join().unwrap().unwrap();
@@ -281,6 +283,21 @@ fn the_pipelined_engines_send_zero_pages_as_runs() {
     }
 }
 
+/// Under a bandwidth cap the collector finds the zero pages (it pays for data only) and hands
+/// the answer to the senders: memory still arrives exactly (`run_with` compares it), the zeros as
+/// runs; serial still sends every page with its data.
+#[test]
+fn a_capped_migration_sends_zero_pages_as_runs_and_memory_exactly() {
+    let cap = Some(256_000_000);
+    for (engine, n) in [(MigrationEngine::Overlap, 2), (MigrationEngine::Zerocopy, 2)] {
+        let (r, rr) = run_with(engine, n, false, &format!("cap-{engine}"), None, cap);
+        assert_zero_pages_went_as_runs(&r);
+        assert_eq!(rr.pages, r.total_pages);
+    }
+    let (r, _) = run_with(MigrationEngine::Serial, 1, false, "cap-serial", None, cap);
+    assert_eq!(r.zero_pages, 0);
+}
+
 #[test]
 fn a_zero_page_clears_what_an_earlier_round_placed() {
     use kumo_migration::format::{ReplyReader, Writer};
@@ -323,8 +340,14 @@ fn overlap_engine_with_one_and_three_connections() {
 #[test]
 fn tls_migrations_with_the_stream_engines() {
     for (engine, n) in [(MigrationEngine::Serial, 1), (MigrationEngine::Overlap, 1), (MigrationEngine::Overlap, 2)] {
-        let (r, rr) =
-            run_tls(engine, n, false, &format!("tls-{engine}-{n}"), Some(tls_pair(&format!("eng-{engine}-{n}"))));
+        let (r, rr) = run_with(
+            engine,
+            n,
+            false,
+            &format!("tls-{engine}-{n}"),
+            Some(tls_pair(&format!("eng-{engine}-{n}"))),
+            None,
+        );
         assert_eq!(rr.pages, r.total_pages);
     }
 }

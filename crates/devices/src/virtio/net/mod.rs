@@ -188,10 +188,6 @@ struct Active {
     queues: Vec<Queue>,
 }
 
-/// The next available chain of queue `qi`, or `Ok(None)` when the driver has made none
-/// available. A broken ring (an avail index that cannot be read or jumps past the queue size, a
-/// head outside the descriptor table) sets DEVICE_NEEDS_RESET and answers `Err`: the queue is
-/// not served again until the driver resets the device.
 /// Sends the frame of TX chain `chain` on pair `pair`: straight from guest memory when it lies
 /// in one readable descriptor and the backend can, else copied into `buf` first. None: not a
 /// frame (too short or long, or outside guest memory). Else its length and how sending went.
@@ -219,6 +215,10 @@ fn send_frame<B: NetBackend>(
     Some((n, backend.send(pair, &buf[..n])))
 }
 
+/// The next available chain of queue `qi`, or `Ok(None)` when the driver has made none
+/// available. A broken ring (an avail index that cannot be read or jumps past the queue size, a
+/// head outside the descriptor table) sets DEVICE_NEEDS_RESET and answers `Err`: the queue is
+/// not served again until the driver resets the device.
 fn next_chain<'m>(
     q: &mut Queue,
     mem: &'m GuestMemory,
