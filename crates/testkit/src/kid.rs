@@ -139,12 +139,20 @@ impl Kid {
     /// Spawns `cmd` with piped stdin, stdout and stderr.
     pub fn start(cmd: &mut Command) -> Result<Kid, String> {
         let what = format!("{:?}", cmd.get_program());
-        let child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start {what}: {e}"))?;
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // A binary a test has just written (a copy of kumo for another user) can be "busy" for
+        // a moment: another test thread's fork inherits the writer's descriptor until that
+        // child execs. That window is short; only this error is retried.
+        let mut busy = 0;
+        let child = loop {
+            match cmd.spawn() {
+                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && busy < 100 => {
+                    busy += 1;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                r => break r.map_err(|e| format!("cannot start {what}: {e}"))?,
+            }
+        };
         Ok(Kid::from_child(child).named(&what))
     }
 

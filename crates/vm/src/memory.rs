@@ -373,6 +373,11 @@ impl Fences {
     pub fn is_empty(&self) -> bool {
         self.ranges().is_empty()
     }
+
+    /// The fenced ranges `(gpa, len)`, in order.
+    pub fn list(&self) -> Vec<(u64, u64)> {
+        self.ranges().iter().map(|(&gpa, (len, _))| (gpa, *len)).collect()
+    }
 }
 
 /// `mprotect` of guest memory `[gpa, gpa + len)` (whole pages inside one region).
