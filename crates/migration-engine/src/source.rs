@@ -432,9 +432,7 @@ impl Collector<'_> {
         }
         Ok(())
     }
-}
 
-impl Collector<'_> {
     /// Waits until the bandwidth cap has paid for a batch's page data (`data`: the copying
     /// engines' copy). Its zero pages go as runs and cost nothing, so they are found here,
     /// after the batch was re-armed (a page written after the test is dirty again), and the

@@ -688,11 +688,21 @@ fn a_silent_source_fails_the_receiver_within_its_deadline() {
     assert!(matches!(replies.next_reply().unwrap(), Reply::Failed(why) if why.contains("no data from the source")));
 }
 
+/// Gives every page of the fake guest data: the bandwidth cap charges data pages only, and
+/// the capped tests need a round 0 the cap makes long (16 MiB at 8 MB/s: seconds). With only
+/// the first 1,000 pages written, round 0's data fits the bucket's burst and goes at once.
+fn fill_every_page(src: &FakeSource) {
+    for p in 1000..PAGES {
+        src.mem.guest.write_obj(p * 31 + 7, GuestAddress(p * 4096 + 8)).unwrap();
+    }
+}
+
 /// A capped migration (16 MiB at 8 MB/s: the bucket makes round 0 last seconds) reports its
 /// progress within round 0, before the round ends.
 #[test]
 fn progress_is_reported_within_a_round() {
     let src = FakeSource::new(100);
+    fill_every_page(&src);
     let (l, addr) = listen(false, "progress");
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest));
     let opts = MigrateOptions { max_bandwidth: Some(8_000_000), ..Default::default() };
@@ -722,6 +732,7 @@ fn progress_is_reported_within_a_round() {
 #[test]
 fn a_cancelled_migration_leaves_the_source_running_and_the_destination_failed() {
     let src = FakeSource::new(100);
+    fill_every_page(&src);
     let (l, addr) = listen(false, "cancel");
     let dest = std::thread::spawn(move || receive(&l, Duration::from_secs(30), make_dest).map(drop));
     let opts = MigrateOptions { max_bandwidth: Some(8_000_000), ..Default::default() };

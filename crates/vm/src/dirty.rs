@@ -8,10 +8,10 @@
 //! when sent. With `KVM_DIRTY_LOG_INITIALLY_SET` (where offered) starting the log protects
 //! nothing either: every page counts as dirty until its first batch re-arms it, so round 0
 //! write-protects memory batch by batch as it goes, not all at once. Pages the guest never
-//! touched are found with `mincore` and the memfd's `SEEK_DATA`: they are holes in the file and need
-//! not be sent. The dirty-page model samples D(t) during round 0, which needs pages armed from
-//! its start: with INITIALLY_SET one page in 64 ([`Sample`]) is armed at once and left armed
-//! through round 0, and D(t) is estimated from it.
+//! touched are found with `mincore` and the memfd's `SEEK_DATA`: they are holes in the file and
+//! need not be sent. The dirty-page model samples D(t) during round 0, which needs pages armed
+//! from its start: with INITIALLY_SET one page in 64 ([`Sample`]) is armed at once and left
+//! armed through round 0, and D(t) is estimated from it.
 //!
 //! KVM's log sees only the guest's own writes. Pages kumo writes into guest memory (an
 //! emulation assist storing a result, later a device doing DMA) are marked by vm-memory in the

@@ -256,9 +256,9 @@ pub fn for_kind(kind: ThreadKind, pid: u32) -> Rules {
         ThreadKind::Api | ThreadKind::Migration | ThreadKind::Vmm => {
             // The control threads do the VMM's work: a restore or an incoming migration builds
             // a VM (KVM, guest memory, devices, taps), a snapshot writes a file (finding the
-            // memory's holes with mincore and lseek), a migration connects to its peer and runs scoped
-            // transfer threads, a lend moves CPUs and memory. One list for the three: an API
-            // connection runs a snapshot's migration threads, whose filter stacks on its own.
+            // memory's holes with mincore and lseek), a migration connects to its peer and runs
+            // scoped transfer threads, a lend moves CPUs and memory. One list for the three: an
+            // API connection runs a snapshot's migration threads, whose filter stacks on its own.
             allow(&mut r, IO);
             allow(&mut r, SOCKET_IO);
             allow(&mut r, SOCKET_SETUP);
