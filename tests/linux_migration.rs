@@ -1,6 +1,6 @@
 //! Linux as the judge of a live migration: the test kernel, its root filesystem mounted from a
 //! kumo disk and its NIC configured by `ip=`, migrates between two kumo processes while the host
-//! pings it every 50 ms, with the zero-copy and the local engine. It answers from the
+//! pings it (one ping in flight, one every 50 ms while replies are quick), with the zero-copy and the local engine. It answers from the
 //! destination with at most one ping lost, and its disk still works there: the MMP block its
 //! kmmpd thread rewrites every second changes in the image after the migration completed.
 //!
@@ -27,7 +27,7 @@ fn linux_migrates_answering_pings(test: &str, engine: &str) {
     let mut src = linux::spawn(&kernel, &cmdline, &["--net", &net, "--disk", &disk, "--api-socket", &sock], "src");
     linux::expect_console(&mut src, IP_CONFIG_COMPLETE);
     linux::expect_console(&mut src, RUN_INIT);
-    let pinger = Pinger::start(guest);
+    let pinger = Pinger::one_in_flight(guest);
     pinger
         .wait_replies(0, 10, linux::effect_limit())
         .unwrap_or_else(|e| panic!("{e}\n{}", linux::console_tail(&src, 30)));

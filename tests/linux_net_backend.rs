@@ -1,8 +1,9 @@
 //! Linux as the judge of the NIC as its own process (`kumo net-backend`, seed 001): the test
 //! kernel's own virtio-net driver on kumo's vhost-user frontend, the backend on a host tap.
 //!
-//! - Handover: two Linux VMs with the same `ip=` on the backend; the host pings every 50 ms;
-//!   after `handover` the second kernel answers, at most one ping lost.
+//! - Handover: two Linux VMs with the same `ip=` on the backend; the host pings, one ping in
+//!   flight at a time (so a kernel slow to answer on a busy host holds at most one when its NIC
+//!   goes); after `handover` the second kernel answers, at most one ping lost.
 //! - Migration: a Linux VM whose NIC is on the backend migrates between two kumo processes (the
 //!   backend logs its writes to guest memory, the rings' positions go with the VM) and answers
 //!   from the destination, at most one ping lost.
@@ -79,7 +80,7 @@ fn the_nic_moves_between_two_linux_vms_losing_at_most_one_ping() {
     pin_neighbour(&backend, guest, &tap);
     let a = boot(&kernel, &backend, guest, host, &[], "A");
     let id_a = backend.client_of(a.id());
-    let pinger = Pinger::start(guest);
+    let pinger = Pinger::one_in_flight(guest);
     pinger.wait_replies(0, 5, effect_limit()).unwrap_or_else(|e| panic!("A: {e}\n{}", a.stdout()));
     let b = boot(&kernel, &backend, guest, host, &[], "B");
     let id_b = backend.client_of(b.id());
@@ -115,7 +116,7 @@ fn a_linux_vm_on_the_backend_migrates_and_answers_from_the_destination() {
     let api = dir.arg("src.api");
     let src = boot(&kernel, &backend, guest, host, &["--api-socket", &api], "src");
     let id_src = backend.client_of(src.id());
-    let pinger = Pinger::start(guest);
+    let pinger = Pinger::one_in_flight(guest);
     pinger.wait_replies(0, 5, effect_limit()).unwrap_or_else(|e| panic!("source: {e}\n{}", src.stdout()));
 
     let addr = format!("tcp:127.0.0.1:{}", free_port());

@@ -13,6 +13,7 @@ use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -310,29 +311,71 @@ pub fn header_field(header: &str, name: &str) -> Option<String> {
     })
 }
 
-/// The host pinging a guest every 50 ms (`ping -i 0.05`), each reply's `icmp_seq` kept with its
-/// host arrival time.
+/// The host pinging a guest every 50 ms, each reply's sequence number kept with its host
+/// arrival time. Two kinds: [`Pinger::start`] streams (`ping -i 0.05`: as many pings in flight
+/// as the guest is slow), [`Pinger::one_in_flight`] sends the next ping only after the last one's
+/// reply (or its hang guard), so a test that counts lost pings counts the same on a slow host.
 pub struct Pinger {
-    child: Child,
+    child: Option<Child>,
+    stop: Arc<AtomicBool>,
     replies: Arc<Mutex<Vec<(Instant, u32)>>>,
 }
+
+/// How long a ping of [`Pinger::one_in_flight`] waits for its reply before it counts as lost: a
+/// hang guard (a kernel that is slow to answer is not losing pings); every reply comes well
+/// within it.
+const ONE_PING_WAIT_S: &str = "10";
 
 impl Pinger {
     pub fn start(addr: std::net::Ipv4Addr) -> Pinger {
         Pinger::start_in(None, addr)
     }
 
-    /// [`Pinger::start`] from inside network namespace `ns` (another "host").
-    pub fn start_in(ns: Option<&str>, addr: std::net::Ipv4Addr) -> Pinger {
-        let mut cmd = match ns {
+    /// `ping` run on this host or inside network namespace `ns`.
+    fn ping_command(ns: Option<&str>) -> Command {
+        match ns {
             Some(ns) => {
                 let mut c = Command::new("ip");
                 c.args(["netns", "exec", ns, "ping"]);
                 c
             }
             None => Command::new("ping"),
-        };
-        let mut child = cmd
+        }
+    }
+
+    /// At most one ping in flight, one every 50 ms while replies are quick: a guest that loses
+    /// its NIC (a handover) can have left at most one ping unanswered, however slowly it runs.
+    /// Each ping is a `ping -c 1` of its own; the sequence numbers are this pinger's.
+    pub fn one_in_flight(addr: std::net::Ipv4Addr) -> Pinger {
+        let replies = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (r, s) = (replies.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut seq = 1u32;
+            while !s.load(Ordering::Relaxed) {
+                let sent = Instant::now();
+                let answered = Pinger::ping_command(None)
+                    .args(["-n", "-q", "-c", "1", "-W", ONE_PING_WAIT_S])
+                    .arg(addr.to_string())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|st| st.success());
+                if answered {
+                    r.lock().unwrap().push((Instant::now(), seq));
+                }
+                seq += 1;
+                if let Some(rest) = Duration::from_millis(50).checked_sub(sent.elapsed()) {
+                    std::thread::sleep(rest);
+                }
+            }
+        });
+        Pinger { child: None, stop, replies }
+    }
+
+    /// [`Pinger::start`] from inside network namespace `ns` (another "host").
+    pub fn start_in(ns: Option<&str>, addr: std::net::Ipv4Addr) -> Pinger {
+        let mut child = Pinger::ping_command(ns)
             .args(["-n", "-i", "0.05", "-W", "1"])
             .arg(addr.to_string())
             .stdout(Stdio::piped())
@@ -350,7 +393,7 @@ impl Pinger {
                 }
             }
         });
-        Pinger { child, replies }
+        Pinger { child: Some(child), stop: Arc::new(AtomicBool::new(false)), replies }
     }
 
     /// How many replies have arrived.
@@ -392,8 +435,12 @@ impl Pinger {
 
 impl Drop for Pinger {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // A one-in-flight pinger's thread ends after its current ping (not waited for).
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
