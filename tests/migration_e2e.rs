@@ -99,6 +99,44 @@ fn local_migration_shares_memory() {
     check_memtouch(&dout, 4000, 4, true);
 }
 
+/// `--private-memory`: guest RAM in no file. The local engine, which hands that file over, is
+/// refused with the reason and the VM runs on; a network engine takes it, the destination's
+/// RAM is private too (its own local hop is refused the same way), and the guest's memory is
+/// exactly what it wrote.
+#[test]
+fn private_memory_migrates_over_the_network_but_not_locally() {
+    if !kvm_or_skip("private_memory_migrates_over_the_network_but_not_locally") {
+        return;
+    }
+    let dir = TestDir::new();
+    let (src, sock) = source(
+        "priv-src",
+        "64M",
+        &["--private-memory", "pages=4000", "rate=200000", "seed=6", "report_ms=5", "until_input=1"],
+    );
+    assert!(vm_info(&sock).memory_private);
+    let nowhere = format!("unix:{}", dir.arg("nobody.sock"));
+    let (ok, out, err) = migrate(&sock, &["--to", &nowhere, "--engine", "local"]);
+    assert!(!ok && err.contains("private"), "the local engine is refused:\n{out}\n{err}");
+    let writes = progress_writes(&src.stdout()).last().copied().unwrap_or(0);
+    wait_for_writes(&src, writes + 1);
+
+    let addr = format!("tcp:127.0.0.1:{}", free_port());
+    let dsock = dir.arg("priv-dst.sock");
+    let mut dest = incoming_api(&addr, "priv-dst", Some(&dsock));
+    let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "zerocopy", "--connections", "2"]);
+    assert!(ok, "{out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dest.stderr());
+    assert_migrated_away(src);
+    eventually(PATIENCE, || (vm_state(&dsock).as_deref() == Some("running")).then_some(()));
+    assert!(vm_info(&dsock).memory_private, "the destination made its memory private");
+    let (ok, out, err) = migrate(&dsock, &["--to", &nowhere, "--engine", "local"]);
+    assert!(!ok && err.contains("private"), "the destination's memory is private too:\n{out}\n{err}");
+    dest.stop_guest();
+    let (code, dout, derr) = dest.wait();
+    assert_eq!(code, Some(0), "{derr}");
+    check_memtouch(&dout, 4000, 6, true);
+}
+
 #[test]
 fn an_idle_guest_keeps_its_memory() {
     if !kvm_or_skip("an_idle_guest_keeps_its_memory") {

@@ -135,6 +135,9 @@ pub struct VmInfo {
     /// The VM's memory zones (`--memory-zone`, one virtio-mem device each).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub memory_zones: Vec<MemoryZoneInfo>,
+    /// Guest RAM is private anonymous memory (`--private-memory`), not the shareable memfd.
+    #[serde(default)]
+    pub memory_private: bool,
 }
 
 /// A memory zone in [`VmInfo`]: its virtio-mem region, and how much of it the host asks the

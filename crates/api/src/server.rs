@@ -781,6 +781,7 @@ mod tests {
                 parked_vcpus: Vec::new(),
                 pv: None,
                 memory_zones: Vec::new(),
+                memory_private: false,
             }
         }
         fn calls(&self) -> Vec<ApiRequest> {

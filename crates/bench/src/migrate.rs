@@ -147,10 +147,18 @@ struct Vm {
 
 /// Starts `kumo run --guest memtouch` with an API socket; ready when stdout shows `ready`.
 fn source(ctx: &Ctx, mem_mib: u64, guest: &[String], ready: &str) -> Result<Vm, String> {
+    source_in(ctx, mem_mib, guest, ready, false)
+}
+
+/// [`source`], its RAM private anonymous memory (`--private-memory`) if `private`.
+fn source_in(ctx: &Ctx, mem_mib: u64, guest: &[String], ready: &str, private: bool) -> Result<Vm, String> {
     let api = ctx.path("src-api.sock");
     let mut args =
         sv(&["run", "--guest", "memtouch", "--memory", &format!("{mem_mib}M"), "--timeout", LIFETIME, "--api-socket"]);
     args.push(api.display().to_string());
+    if private {
+        args.push("--private-memory".into());
+    }
     args.extend(guest.iter().cloned());
     let mut proc = ctx.spawn("src", &args)?;
     // Prefill costs ~40 µs per page on this nested host; allow far more.
@@ -192,11 +200,14 @@ fn moved_progress(vm: &mut Vm, before: &SharedOutput, until: f64) -> Result<Vec<
 }
 
 /// `kumo run --incoming`, prepared (memory faulted in) unless local; ready when it listens.
-fn destination(ctx: &Ctx, addr: &str, e: Engine, mem_mib: u64, api: &Path) -> Result<Proc, String> {
+fn destination(ctx: &Ctx, addr: &str, e: Engine, mem_mib: u64, api: &Path, private: bool) -> Result<Proc, String> {
     let mut args = sv(&["run", "--incoming", addr, "--timeout", LIFETIME, "--api-socket"]);
     args.push(api.display().to_string());
     if e.network() {
         args.extend(sv(&["--memory", &format!("{mem_mib}M")]));
+        if private {
+            args.push("--private-memory".into());
+        }
     }
     let mut p = ctx.spawn("dst", &args)?;
     p.wait_for(Duration::from_secs(60), "\"waiting for a migration\"", |_, err| {
@@ -329,22 +340,23 @@ struct Dest {
     e: Engine,
 }
 
-fn prepare(ctx: &Ctx, e: Engine, mem_mib: u64) -> Result<Dest, String> {
+fn prepare(ctx: &Ctx, e: Engine, mem_mib: u64, private: bool) -> Result<Dest, String> {
     let addr = if e.network() {
         format!("tcp:127.0.0.1:{}", free_port()?)
     } else {
         format!("unix:{}", ctx.path("mig.sock").display())
     };
     let api = ctx.path("dst-api.sock");
-    let proc = destination(ctx, &addr, e, mem_mib, &api)?;
+    let proc = destination(ctx, &addr, e, mem_mib, &api, private)?;
     Ok(Dest { proc, addr, api, e })
 }
 
 /// Destinations for `es`, prepared side by side (faulting in their memory is most of a hop's
-/// set-up time here; idle destinations cost nothing while the earlier hops run).
-fn prepare_all(ctx: &Ctx, es: &[Engine], mem_mib: u64) -> Vec<Result<Dest, String>> {
+/// set-up time here; idle destinations cost nothing while the earlier hops run); their memory
+/// private (`--private-memory`) if `private`.
+fn prepare_all(ctx: &Ctx, es: &[Engine], mem_mib: u64, private: bool) -> Vec<Result<Dest, String>> {
     std::thread::scope(|s| {
-        let hs: Vec<_> = es.iter().map(|&e| s.spawn(move || prepare(ctx, e, mem_mib))).collect();
+        let hs: Vec<_> = es.iter().map(|&e| s.spawn(move || prepare(ctx, e, mem_mib, private))).collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("preparing a destination panicked".into()))).collect()
     })
 }
@@ -392,7 +404,7 @@ fn hop_to(ctx: &Ctx, vm: &mut Vm, dst: Dest, mem_mib: u64, downtime: Option<u64>
 
 /// A new destination with engine `e`, then the migration; failures become a failed [`Mig`].
 fn hop(ctx: &Ctx, vm: &mut Vm, e: Engine, mem_mib: u64, downtime: Option<u64>, raw: f64) -> Mig {
-    prepare(ctx, e, mem_mib)
+    prepare(ctx, e, mem_mib, false)
         .and_then(|d| hop_to(ctx, vm, d, mem_mib, downtime, raw))
         .unwrap_or_else(|err| Mig::failed(e, mem_mib, downtime, err))
 }
@@ -520,7 +532,7 @@ fn idle_size(ctx: &Ctx, mem_mib: u64, hold_ms: u64, extra: usize, raw: f64) -> (
     let before = checksum(&vm.proc.stdout(), "checksum");
     for batch in ENGINES.chunks(BATCH) {
         ctx.step(format!("idle {mem_mib} MiB: preparing {} destinations", batch.len()));
-        for (&e, d) in batch.iter().zip(prepare_all(ctx, batch, mem_mib)) {
+        for (&e, d) in batch.iter().zip(prepare_all(ctx, batch, mem_mib, false)) {
             ctx.step(format!("idle {mem_mib} MiB: {}", e.label));
             let m = d.and_then(|d| hop_to(ctx, &mut vm, d, mem_mib, None, raw));
             out.runs.push(m.unwrap_or_else(|err| Mig::failed(e, mem_mib, None, err)));
@@ -530,7 +542,7 @@ fn idle_size(ctx: &Ctx, mem_mib: u64, hold_ms: u64, extra: usize, raw: f64) -> (
     let best =
         out.runs.iter().filter(|m| m.ok() && m.engine != "local").max_by(|a, b| a.mb_per_s.total_cmp(&b.mb_per_s));
     if let Some(e) = best.and_then(|m| ENGINES.iter().find(|g| g.label == m.engine)).copied() {
-        for (i, d) in prepare_all(ctx, &vec![e; extra], mem_mib).into_iter().enumerate() {
+        for (i, d) in prepare_all(ctx, &vec![e; extra], mem_mib, false).into_iter().enumerate() {
             ctx.step(format!("idle {mem_mib} MiB: raw TCP, then {} again ({}/{extra})", e.label, i + 1));
             let m = raw_tcp_once(RAW_BYTES).and_then(|r| {
                 let mut m = hop_to(ctx, &mut vm, d?, mem_mib, None, raw)?;
@@ -706,7 +718,7 @@ fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, with_downtime_rule: bool, r
                     "loaded {mem_mib} MiB: {}",
                     if i == 0 { "warm-up hop".into() } else { config_label(e.label, d) }
                 ));
-                let m = prepare(ctx, e, mem_mib).and_then(|dst| {
+                let m = prepare(ctx, e, mem_mib, false).and_then(|dst| {
                     std::thread::sleep(settle);
                     let clock = Clock::read(&mut vm)?;
                     let before =
@@ -1346,7 +1358,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     println!("QEMU CPU model: {qemu_cpu}");
     let shmem_thp = kumo_vm::memory::shmem_huge_pages().unwrap_or_else(|| "unknown".into());
     println!(
-        "host shmem huge pages: {shmem_thp} (kumo's guest RAM is a memfd: 4 KiB pages unless advise/within_size/always; QEMU's is anonymous memory, advised huge)"
+        "host shmem huge pages: {shmem_thp} (kumo's guest RAM is a memfd: 4 KiB pages unless advise/within_size/always; in the comparison with QEMU it is private anonymous memory advised huge in both, kumo's --private-memory)"
     );
     let (sizes, big, n_correct): (&[u64], u64, usize) =
         if a.quick { (&[512], 512, 0) } else { (&[256, 512, 1024, 2048], 2048, 20) };

@@ -309,6 +309,13 @@ struct RunArgs {
     /// it replaces a config file's memory_zones.
     #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
     memory_zone: Vec<String>,
+    /// Guest RAM as private anonymous memory with transparent huge pages (as QEMU's and Cloud
+    /// Hypervisor's default RAM) instead of a shareable memfd, which gets 2 MiB pages only where
+    /// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows: the guest runs on 2 MiB pages
+    /// on hosts that say `never`. Such a VM has no vhost-user NIC and no local migration. With
+    /// --incoming --memory, the memory prepared is private.
+    #[arg(long, conflicts_with = "restore")]
+    private_memory: bool,
     /// seccomp filters, one per kind of thread (docs/security.md): true stops the VM at a
     /// system call outside the thread's list with a message naming it; log lets the call
     /// through and has the kernel log it (dmesg or the audit log), to find what is missing;
@@ -491,6 +498,7 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 .collect::<Result<_, _>>()
                 .map_err(|e| e.to_string())?
         },
+        private_memory: a.private_memory || file.private_memory.unwrap_or(false),
     };
     guest::resolve(&mut config)?;
     Ok(Some(config))
@@ -573,9 +581,12 @@ fn run(
                 .as_deref()
                 .map(|c| c.trim().parse::<u32>().map_err(|_| format!("--cpus {c}: with --incoming give a plain vCPU count (pin= is not carried)")))
                 .transpose()?;
+            if a.private_memory && a.memory.is_none() {
+                return Err("--private-memory with --incoming is the memory it prepares: give --memory too (without it the VM arrives with the kind of memory it had)".into());
+            }
             let tls_dir = a.tls_dir.as_deref().map(migrate::path_arg).transpose()?;
             let listen = kumo_vmm::migration::listen_options(tls_dir.as_deref(), a.insecure)?;
-            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, host_resources(&a)?, listen)?;
+            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, a.private_memory, host_resources(&a)?, listen)?;
             let api = kumo_vmm::api::VmApi::incoming(&inc);
             let server = match bind()? {
                 Some(b) => Some(b.serve(api.clone(), allow.clone()).map_err(|e| e.to_string())?),

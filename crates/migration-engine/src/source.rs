@@ -469,6 +469,8 @@ impl Replies {
 }
 
 /// Why the zerocopy engine does not run over TLS.
+pub const PRIVATE_LOCAL: &str = "the local engine hands guest memory's file to the destination, and this VM's memory is private (--private-memory), in no file: use a network engine (zerocopy, overlap, serial)";
+
 pub const ZEROCOPY_TLS: &str = "the zerocopy engine hands guest pages to the kernel unencrypted (MSG_ZEROCOPY) and cannot run over TLS: use --engine overlap (or serial) with --tls-dir";
 
 /// A TLS failure reading the destination's replies, said as such rather than as a stream
@@ -661,6 +663,9 @@ impl<'a> SourceSession<'a> {
             return Err(MigrateError::Other(crate::transport::TLS_UNIX.into()));
         }
         let mut desc = src.description();
+        if plan.shared_memory && desc.private_memory {
+            return Err(MigrateError::Other(PRIVATE_LOCAL.into()));
+        }
         desc.connections = plan.connections as u32;
         desc.shared_memory = plan.shared_memory;
         Ok(SourceSession {

@@ -163,6 +163,29 @@ impl Memory {
         Self::map(Self::create(size)?, size, anonymous)
     }
 
+    /// Fresh guest RAM that is all private anonymous memory advised huge (`--private-memory`),
+    /// like QEMU's and Cloud Hypervisor's default RAM: transparent huge pages whatever the host
+    /// allows shared memory (`shmem_enabled`, which says `never` on many hosts and leaves a
+    /// memfd on 4 KiB pages). No other process can map it: no vhost-user backend, no local
+    /// migration. `size` must be whole 2 MiB pages.
+    pub fn private(size: u64) -> Result<Self> {
+        let ram = MemoryLayout::new(size).ram().to_vec();
+        if ram.iter().any(|&(a, l)| !a.is_multiple_of(2 << 20) || !l.is_multiple_of(2 << 20)) {
+            return Err(Error::Memory(format!(
+                "private memory is whole 2 MiB pages: {} is not a multiple of 2 MiB",
+                human_size_exact(size)
+            )));
+        }
+        Self::with_anonymous(size, &ram)
+    }
+
+    /// Whether no page of RAM is in the memfd ([`Memory::private`]): the file is empty, so
+    /// handing it to another process hands over nothing.
+    pub fn is_private(&self) -> bool {
+        use vm_memory::GuestMemoryBackend;
+        self.guest.iter().all(|r| r.file_offset().is_none())
+    }
+
     /// Guest RAM backed by an existing memory file of exactly `size` bytes, e.g. the memfd of a
     /// VM migrating on the same host: both processes then share the same pages. It must be a
     /// memfd sealed against resizing ([`check_sealed`]).
@@ -750,6 +773,18 @@ mod tests {
         assert!(m.fences.is_empty());
         assert!(m.fences.fence(&m.guest, 31 << 20, 4 << 20, "x").is_err(), "past the end");
         assert!(m.fences.is_empty(), "a failed fence is not booked");
+    }
+
+    #[test]
+    fn private_memory_is_anonymous_in_every_region_and_whole_2m_pages() {
+        let m = Memory::private(32 << 20).unwrap();
+        assert!(m.is_private());
+        assert!(!Memory::new(32 << 20).unwrap().is_private());
+        assert!(!Memory::with_anonymous(32 << 20, &[(16 << 20, 4 << 20)]).unwrap().is_private());
+        m.guest.write_obj(0x1234_5678u32, GuestAddress(0x20_0000)).unwrap();
+        assert_eq!(m.guest.read_obj::<u32>(GuestAddress(0x20_0000)).unwrap(), 0x1234_5678);
+        let e = Memory::private((32 << 20) + 4096).err().expect("not whole 2 MiB pages");
+        assert!(e.to_string().contains("2 MiB"), "{e}");
     }
 
     #[test]

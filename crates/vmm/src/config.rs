@@ -99,6 +99,12 @@ pub struct VmConfig {
     /// Memory zones (`--memory-zone`): one virtio-mem device each (docs/elastic.md).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub memory_zones: Vec<crate::virtio_mem::ZoneSpec>,
+    /// Guest RAM as private anonymous memory advised huge (`--private-memory`,
+    /// [`kumo_vm::Memory::private`]) instead of the shareable memfd: 2 MiB pages on hosts whose
+    /// shmem policy gives a memfd none; no vhost-user NIC, no local migration. Carried to a
+    /// migration's destination.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub private_memory: bool,
 }
 
 fn every_vm_had_it() -> bool {
@@ -429,6 +435,8 @@ pub struct ConfigFile {
     pub debug_exit: Option<bool>,
     #[serde(default)]
     pub memory_zones: Vec<crate::virtio_mem::ZoneSpec>,
+    #[serde(default)]
+    pub private_memory: Option<bool>,
 }
 
 fn opt_size_de<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -471,6 +479,7 @@ impl VmConfig {
             host: Default::default(),
             elastic: None,
             memory_zones: Vec::new(),
+            private_memory: false,
         }
     }
 
@@ -576,6 +585,13 @@ impl VmConfig {
                 return Err(Error::Config(format!("tap {} is given to two NICs", n.tap)));
             }
             if let Some(p) = &n.vhost_user {
+                if self.private_memory {
+                    return Err(Error::Config(format!(
+                        "the NIC on vhost-user socket {} needs guest memory its backend can map: \
+                         private memory (--private-memory) cannot be shared",
+                        p.display()
+                    )));
+                }
                 if self.net[..i].iter().any(|m| m.vhost_user.as_ref() == Some(p)) {
                     return Err(Error::Config(format!("vhost-user socket {} is given to two NICs", p.display())));
                 }
@@ -753,6 +769,12 @@ mod tests {
         c.net[1].vhost_user = c.net[0].vhost_user.clone();
         let e = c.validate_net().unwrap_err().to_string();
         assert!(e.contains("given to two NICs"), "{e}");
+        // A backend maps guest memory: private memory cannot be given to it.
+        let p = VmConfig { net: f.net.clone(), private_memory: true, ..base() };
+        let e = p.validate_net().unwrap_err().to_string();
+        assert!(e.contains("/run/a.sock") && e.contains("--private-memory") && !e.contains('\n'), "{e}");
+        let taps = VmConfig { net: vec![NetSpec::parse("tap=t0").unwrap()], private_memory: true, ..base() };
+        taps.validate_net().unwrap();
         let e = ConfigFile::load(&write("vu2.json", r#"{"net": [{"mac": "52:54:00:00:00:02"}]}"#))
             .map(|f| VmConfig { net: f.net, ..base() }.validate_net())
             .unwrap()

@@ -130,7 +130,10 @@ impl RunningVm {
             }
             None => Vec::new(),
         };
-        let memory = if areas.is_empty() {
+        let memory = if config.private_memory {
+            // Every page anonymous: the elastic areas are among them.
+            Some(kumo_vm::PreparedVm::new(kumo_vm::Memory::private(config.memory)?)?)
+        } else if areas.is_empty() {
             None
         } else {
             let anon: Vec<(u64, u64)> = areas.iter().map(|a| (a.gpa, a.len)).collect();
@@ -171,6 +174,16 @@ impl RunningVm {
         prepared: Option<kumo_vm::PreparedVm>,
     ) -> Result<RunningVm> {
         let start_ns = monotonic_ns();
+        // Memory prepared here (a destination's, a local migration's memfd) is what the VM
+        // gets, private or not; otherwise the kind the VM had.
+        let prepared = match prepared {
+            Some(p) => {
+                config.private_memory = p.memory().is_private();
+                Some(p)
+            }
+            None if config.private_memory => Some(kumo_vm::PreparedVm::new(kumo_vm::Memory::private(config.memory)?)?),
+            None => None,
+        };
         config.validate_arriving()?;
         let numa = config.numa_topology()?;
         if config.elastic.is_some() {

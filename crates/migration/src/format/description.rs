@@ -59,6 +59,10 @@ pub struct VmDescription {
     /// header on a unix socket (SCM_RIGHTS) and no `MemBatch` records come.
     #[serde(default)]
     pub shared_memory: bool,
+    /// The VM's RAM was private anonymous memory (`--private-memory`): the destination makes
+    /// its own the same way. Absent in streams of VMs that had the memfd.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub private_memory: bool,
 }
 
 fn one() -> u32 {
@@ -270,6 +274,7 @@ impl VmDescription {
             regions,
             connections: 1,
             shared_memory: false,
+            private_memory: false,
         }
     }
 

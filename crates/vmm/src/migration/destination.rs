@@ -46,6 +46,9 @@ pub struct Incoming {
     pub memory: Option<u64>,
     /// `--cpus`: only a VM with this many vCPUs is taken.
     pub cpus: Option<u32>,
+    /// `--private-memory`: the memory prepared is private anonymous memory
+    /// ([`kumo_vm::Memory::private`]); without `memory`, the kind the arriving VM had.
+    pub private_memory: bool,
     /// `--net`, `--numa`: the host resources the arriving VM gets; a VM that does not fit them
     /// is refused.
     pub resources: HostResources,
@@ -63,6 +66,7 @@ impl Incoming {
         addr: &str,
         memory: Option<u64>,
         cpus: Option<u32>,
+        private_memory: bool,
         resources: HostResources,
         listen: ListenOptions,
     ) -> Result<Arc<Incoming>, String> {
@@ -72,6 +76,7 @@ impl Incoming {
             addr,
             memory,
             cpus,
+            private_memory,
             resources,
             listen,
             since: Instant::now(),
@@ -122,7 +127,8 @@ impl Incoming {
         let reserved = match memory {
             Some(size) => {
                 let t = Instant::now();
-                let mut m = kumo_vm::Memory::new(size).map_err(|e| e.to_string())?;
+                let m = if self.private_memory { kumo_vm::Memory::private(size) } else { kumo_vm::Memory::new(size) };
+                let mut m = m.map_err(|e| e.to_string())?;
                 m.prefault().map_err(|e| e.to_string())?;
                 // The KVM VM and its memory slots too: they take time in proportion to memory.
                 let m = kumo_vm::PreparedVm::new(m).map_err(|e| e.to_string())?;
