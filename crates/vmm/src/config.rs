@@ -635,6 +635,10 @@ impl VmConfig {
         if self.host.pins.iter().any(Option::is_some) || self.numa.as_ref().is_some_and(|n| n.pins_vcpus()) {
             return bad("pins the vCPUs itself (cpus=); drop --cpus …,pin= and --numa …,pin=");
         }
+        // Its areas are memory slots of their own, which all-private RAM does not cut out.
+        if self.private_memory {
+            return bad("its lendable memory is private anonymous memory already: drop --private-memory");
+        }
         // A released block is fenced off (PROT_NONE): a device writing guest memory where the
         // guest tells it could be pointed into one.
         if !self.net.is_empty() || !self.disks.is_empty() {
@@ -775,6 +779,16 @@ mod tests {
         assert!(e.contains("/run/a.sock") && e.contains("--private-memory") && !e.contains('\n'), "{e}");
         let taps = VmConfig { net: vec![NetSpec::parse("tap=t0").unwrap()], private_memory: true, ..base() };
         taps.validate_net().unwrap();
+        // An elastic VM's areas are slots of their own: not cut out of all-private RAM.
+        let elastic = VmConfig {
+            cpus: 2,
+            payload: Payload::guest("worker", &[]),
+            elastic: Some(crate::elastic::ElasticConfig::parse("cpus=1").unwrap()),
+            ..base()
+        };
+        elastic.validate_elastic().unwrap();
+        let e = VmConfig { private_memory: true, ..elastic }.validate_elastic().unwrap_err().to_string();
+        assert!(e.contains("--elastic") && e.contains("--private-memory"), "{e}");
         let e = ConfigFile::load(&write("vu2.json", r#"{"net": [{"mac": "52:54:00:00:00:02"}]}"#))
             .map(|f| VmConfig { net: f.net, ..base() }.validate_net())
             .unwrap()
