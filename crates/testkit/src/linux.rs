@@ -316,9 +316,16 @@ pub fn header_field(header: &str, name: &str) -> Option<String> {
 /// as the guest is slow), [`Pinger::one_in_flight`] sends the next ping only after the last one's
 /// reply (or its hang guard), so a test that counts lost pings counts the same on a slow host.
 pub struct Pinger {
-    child: Option<Child>,
-    stop: Arc<AtomicBool>,
+    feed: Feed,
     replies: Arc<Mutex<Vec<(Instant, u32)>>>,
+}
+
+/// Where a [`Pinger`]'s replies come from, and how it is stopped.
+enum Feed {
+    /// The streaming `ping`, killed on drop.
+    Stream(Child),
+    /// The thread running one `ping -c 1` after another, told to stop on drop.
+    OneInFlight(Arc<AtomicBool>),
 }
 
 /// How long a ping of [`Pinger::one_in_flight`] waits for its reply before it counts as lost: a
@@ -370,7 +377,7 @@ impl Pinger {
                 }
             }
         });
-        Pinger { child: None, stop, replies }
+        Pinger { feed: Feed::OneInFlight(stop), replies }
     }
 
     /// [`Pinger::start`] from inside network namespace `ns` (another "host").
@@ -393,7 +400,7 @@ impl Pinger {
                 }
             }
         });
-        Pinger { child: Some(child), stop: Arc::new(AtomicBool::new(false)), replies }
+        Pinger { feed: Feed::Stream(child), replies }
     }
 
     /// How many replies have arrived.
@@ -435,11 +442,13 @@ impl Pinger {
 
 impl Drop for Pinger {
     fn drop(&mut self) {
-        // A one-in-flight pinger's thread ends after its current ping (not waited for).
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(c) = self.child.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
+        match &mut self.feed {
+            Feed::Stream(c) => {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            // The thread ends after its current ping (not waited for).
+            Feed::OneInFlight(stop) => stop.store(true, Ordering::Relaxed),
         }
     }
 }

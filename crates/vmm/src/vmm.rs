@@ -130,8 +130,8 @@ impl RunningVm {
             }
             None => Vec::new(),
         };
+        // Private memory and elastic areas do not go together (`validate` refused that).
         let memory = if config.private_memory {
-            // Every page anonymous: the elastic areas are among them.
             Some(kumo_vm::PreparedVm::new(kumo_vm::Memory::private(config.memory)?)?)
         } else if areas.is_empty() {
             None
