@@ -9,6 +9,7 @@
 //! written sets DEVICE_NEEDS_RESET.
 
 pub mod tap;
+mod tx_ring;
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
@@ -54,6 +55,17 @@ pub trait NetBackend: Send {
     fn send_guest(&mut self, _pair: usize, _frame: &GuestSlice<'_>) -> Option<io::Result<()>> {
         None
     }
+    /// Sends `frames` (each one whole frame read in place from guest memory) on pair `pair`, in
+    /// order and in one go where the backend can (a tap's io_uring: one system call for them
+    /// all), one result per frame in `results`. False where it cannot: the caller sends each.
+    fn send_guest_batch(
+        &mut self,
+        _pair: usize,
+        _frames: &[GuestSlice<'_>],
+        _results: &mut Vec<io::Result<()>>,
+    ) -> bool {
+        false
+    }
     /// The descriptor to wait on for pair `pair`'s incoming frames, if any.
     fn fd(&self, pair: usize) -> Option<RawFd>;
     /// Lets frames with partial checksums through (the driver accepted GUEST_CSUM).
@@ -68,6 +80,8 @@ pub struct Loopback {
     pub incoming: Vec<VecDeque<Vec<u8>>>,
     pub sent: Vec<Vec<Vec<u8>>>,
     pub sent_in_place: usize,
+    /// The size of each batch the device handed over at once ([`NetBackend::send_guest_batch`]).
+    pub batches: Vec<usize>,
     pub offload: bool,
 }
 
@@ -111,6 +125,16 @@ impl NetBackend for Loopback {
         frame.copy_to(&mut v[..]);
         self.sent_in_place += 1;
         Some(self.send(pair, &v))
+    }
+
+    fn send_guest_batch(&mut self, pair: usize, frames: &[GuestSlice<'_>], results: &mut Vec<io::Result<()>>) -> bool {
+        self.batches.push(frames.len());
+        results.clear();
+        for f in frames {
+            let r = self.send_guest(pair, f).unwrap_or_else(|| Err(io::ErrorKind::Unsupported.into()));
+            results.push(r);
+        }
+        true
     }
 
     fn fd(&self, _pair: usize) -> Option<RawFd> {
@@ -188,31 +212,107 @@ struct Active {
     queues: Vec<Queue>,
 }
 
-/// Sends the frame of TX chain `chain` on pair `pair`: straight from guest memory when it lies
-/// in one readable descriptor and the backend can, else copied into `buf` first. None: not a
-/// frame (too short or long, or outside guest memory). Else its length and how sending went.
-fn send_frame<B: NetBackend>(
-    backend: &mut B,
-    buf: &mut [u8],
-    pair: usize,
-    mem: &GuestMemory,
-    chain: virtio_queue::DescriptorChain<&GuestMemory>,
-) -> Option<(usize, io::Result<()>)> {
+/// Frames one pass over a TX queue gathers before it sends them (together where the backend
+/// can: [`NetBackend::send_guest_batch`]) and returns their buffers.
+const TX_BATCH: usize = 64;
+
+type Chain<'m> = virtio_queue::DescriptorChain<&'m GuestMemory>;
+
+/// A TX chain's frame where it lies in one readable descriptor of a frame's size: the guest
+/// memory it is sent from in place.
+fn in_place<'m>(mem: &'m GuestMemory, chain: &Chain<'m>) -> Option<GuestSlice<'m>> {
     use vm_memory::GuestMemoryBackend as _;
-    let frame = VNET_HDR_LEN..=MAX_FRAME_LEN;
     let mut descs = chain.clone();
-    if let (Some(d), None) = (descs.next(), descs.next()) {
-        let n = d.len() as usize;
-        if !d.is_write_only() && frame.contains(&n) {
-            if let Some(r) = mem.get_slice(d.addr(), n).ok().and_then(|s| backend.send_guest(pair, &s)) {
-                return Some((n, r));
-            }
+    let (Some(d), None) = (descs.next(), descs.next()) else { return None };
+    let n = d.len() as usize;
+    (!d.is_write_only() && (VNET_HDR_LEN..=MAX_FRAME_LEN).contains(&n)).then_some(())?;
+    mem.get_slice(d.addr(), n).ok()
+}
+
+/// Counts a frame of `len` bytes (its vnet header included) as sent or, with the reason logged,
+/// dropped.
+fn count_tx(counters: &mut NetCounters, pair: usize, len: usize, r: &io::Result<()>) {
+    match r {
+        Ok(()) => {
+            counters.tx_frames += 1;
+            counters.tx_bytes += (len - VNET_HDR_LEN) as u64;
+        }
+        Err(e) => {
+            tracing::debug!(pair, "virtio-net: backend write: {e}");
+            counters.tx_dropped += 1;
         }
     }
-    let mut r = chain.reader(mem).ok()?;
-    let n = r.available_bytes();
-    (frame.contains(&n) && r.read_exact(&mut buf[..n]).is_ok()).then_some(())?;
-    Some((n, backend.send(pair, &buf[..n])))
+}
+
+/// The transmit side of one queue pair for one pass: the backend, the bounce buffer for frames
+/// that must be copied out, the counters.
+struct TxPass<'d, B: NetBackend> {
+    backend: &'d mut B,
+    buf: &'d mut [u8],
+    counters: &'d mut NetCounters,
+    pair: usize,
+    results: Vec<io::Result<()>>,
+}
+
+impl<B: NetBackend> TxPass<'_, B> {
+    /// Sends `chains` in order, emptying it: runs of frames that can be read in place go to
+    /// the backend together, the others are copied out one by one. Their heads go to `heads`.
+    fn send<'m>(&mut self, mem: &'m GuestMemory, chains: &mut Vec<Chain<'m>>, heads: &mut Vec<u16>) {
+        let mut run = Vec::with_capacity(chains.len());
+        for chain in chains.drain(..) {
+            heads.push(chain.head_index());
+            match in_place(mem, &chain) {
+                Some(frame) => run.push(frame),
+                None => {
+                    self.send_run(&mut run);
+                    self.send_copied(mem, chain);
+                }
+            }
+        }
+        self.send_run(&mut run);
+    }
+
+    /// Sends frames read in place, as one batch where the backend can.
+    fn send_run(&mut self, run: &mut Vec<GuestSlice<'_>>) {
+        if run.is_empty() {
+            return;
+        }
+        let pair = self.pair;
+        if !self.backend.send_guest_batch(pair, run, &mut self.results) {
+            self.results.clear();
+            for frame in run.iter() {
+                let r = match self.backend.send_guest(pair, frame) {
+                    Some(r) => r,
+                    None => {
+                        let n = frame.len();
+                        frame.copy_to(&mut self.buf[..n]);
+                        self.backend.send(pair, &self.buf[..n])
+                    }
+                };
+                self.results.push(r);
+            }
+        }
+        for (frame, r) in run.iter().zip(&self.results) {
+            count_tx(self.counters, pair, frame.len(), r);
+        }
+        run.clear();
+    }
+
+    /// Sends a frame spread over several descriptors (or not in guest memory: then dropped)
+    /// through the bounce buffer.
+    fn send_copied(&mut self, mem: &GuestMemory, chain: Chain<'_>) {
+        let n = chain.reader(mem).ok().and_then(|mut r| {
+            let n = r.available_bytes();
+            ((VNET_HDR_LEN..=MAX_FRAME_LEN).contains(&n) && r.read_exact(&mut self.buf[..n]).is_ok()).then_some(n)
+        });
+        match n {
+            Some(n) => {
+                let r = self.backend.send(self.pair, &self.buf[..n]);
+                count_tx(self.counters, self.pair, n, &r);
+            }
+            None => self.counters.tx_dropped += 1,
+        }
+    }
 }
 
 /// The next available chain of queue `qi`, or `Ok(None)` when the driver has made none
@@ -438,6 +538,14 @@ impl<B: NetBackend> Net<B> {
         let qi = 2 * pair + 1;
         let Some(q) = a.queues.get_mut(qi).filter(|q| q.ready()) else { return };
         let mem = &a.mem;
+        let mut tx = TxPass {
+            backend: &mut self.backend,
+            buf: &mut self.buf,
+            counters: &mut self.counters,
+            pair,
+            results: Vec::new(),
+        };
+        let (mut chains, mut heads) = (Vec::with_capacity(TX_BATCH), Vec::with_capacity(TX_BATCH));
         let mut used = false;
         'outer: loop {
             if q.disable_notification(mem).is_err() {
@@ -445,25 +553,33 @@ impl<B: NetBackend> Net<B> {
                 break;
             }
             loop {
-                let Ok(chain) = next_chain(q, mem, &a.irq, qi, "TX") else { break 'outer };
-                let Some(chain) = chain else { break };
-                let head = chain.head_index();
-                match send_frame(&mut self.backend, &mut self.buf, pair, mem, chain) {
-                    Some((n, Ok(()))) => {
-                        self.counters.tx_frames += 1;
-                        self.counters.tx_bytes += (n - VNET_HDR_LEN) as u64;
+                // Gather what the driver has made available (up to a batch), send it, return it.
+                let mut broken = false;
+                while chains.len() < TX_BATCH {
+                    match next_chain(q, mem, &a.irq, qi, "TX") {
+                        Ok(Some(c)) => chains.push(c),
+                        Ok(None) => break,
+                        Err(()) => {
+                            broken = true;
+                            break;
+                        }
                     }
-                    Some((_, Err(e))) => {
-                        tracing::debug!(pair, "virtio-net: backend write: {e}");
-                        self.counters.tx_dropped += 1;
-                    }
-                    None => self.counters.tx_dropped += 1,
                 }
-                if q.add_used(mem, head, 0).is_err() {
-                    a.irq.needs_reset();
+                let full = chains.len() == TX_BATCH;
+                tx.send(mem, &mut chains, &mut heads);
+                for head in heads.drain(..) {
+                    if q.add_used(mem, head, 0).is_err() {
+                        a.irq.needs_reset();
+                        break 'outer;
+                    }
+                    used = true;
+                }
+                if broken {
                     break 'outer;
                 }
-                used = true;
+                if !full {
+                    break;
+                }
             }
             match q.enable_notification(mem) {
                 Ok(true) => continue,

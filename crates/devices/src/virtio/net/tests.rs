@@ -134,6 +134,46 @@ fn a_frame_in_one_descriptor_is_sent_from_guest_memory_in_place() {
 }
 
 #[test]
+fn a_pass_sends_runs_of_in_place_frames_together_in_the_drivers_order() {
+    let mem = memory();
+    let irqs = Arc::new(Irqs::default());
+    let mut t = nic(1, &mem, &irqs);
+    let mut qs: Vec<GuestQueue> = (0..2).map(|i| GuestQueue::new(i, 128)).collect();
+    assert_eq!(bring_up(&mut t, BASE, &qs), OK);
+    // 100 frames: #30 in two descriptors (copied out), #31 too short (dropped), the rest in one.
+    let mut want = Vec::new();
+    let mut heads = Vec::new();
+    for i in 0..100u64 {
+        let f = frame(i as u8, 64 + i as usize);
+        let at = BUF_BASE + i * 0x800;
+        mem.write_slice(&f, GuestAddress(at)).unwrap();
+        let head = match i {
+            30 => qs[1].add_chain(&mem, &[(at, 12, false), (at + 12, f.len() as u32 - 12, false)]),
+            31 => qs[1].add_chain(&mem, &[(at, 4, false)]),
+            _ => qs[1].add_chain(&mem, &[(at, f.len() as u32, false)]),
+        };
+        heads.push(head);
+        if i != 31 {
+            want.push(f);
+        }
+    }
+    kick(&mut t, 1);
+    let b = t.device().backend();
+    assert_eq!(b.sent[0], want, "every frame but the short one, in the driver's order");
+    // A pass gathers up to TX_BATCH chains; a frame that must be copied ends a run.
+    assert_eq!(b.batches, vec![30, TX_BATCH - 32, 100 - TX_BATCH]);
+    assert_eq!(b.sent_in_place, 98);
+    assert_eq!(qs[1].used_idx(&mem), 100);
+    for (k, &h) in heads.iter().enumerate() {
+        assert_eq!(qs[1].used_elem(&mem, k as u16), (h as u32, 0), "used entry {k}");
+    }
+    assert_eq!(irqs.take(), vec![2], "one interrupt for the pass");
+    let c = t.device().counters();
+    assert_eq!((c.tx_frames, c.tx_dropped), (99, 1));
+    assert_eq!(c.tx_bytes, (0..100u64).filter(|&i| i != 31).map(|i| 64 + i).sum::<u64>());
+}
+
+#[test]
 fn rx_frame_lands_in_guest_buffers_and_raises_the_queue_vector() {
     let mem = memory();
     let irqs = Arc::new(Irqs::default());
