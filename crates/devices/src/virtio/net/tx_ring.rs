@@ -4,9 +4,11 @@
 //! reschedule at its return, once the receiver is woken) is time that CPU does not spend
 //! moving frames.
 //!
-//! The ring can do nothing but write to its own tap queue: the queue's descriptor is the ring's
-//! only registered file, and the ring is restricted (before it is enabled) to `IORING_OP_WRITE`
-//! on registered files, since io_uring's work is not seen by seccomp. Each write is
+//! The ring can do nothing but write: it is restricted (before it is enabled) to
+//! `IORING_OP_WRITE`, since io_uring's work is not seen by seccomp (the NIC thread may `write(2)`
+//! anyway). The tap queue is not a registered file: a ring holds its registered files until the
+//! kernel tears it down, after the process is gone, and a single-queue tap stays busy until then
+//! (the next VM on it would be refused). Each write is
 //! `RWF_NOWAIT`: the kernel issues a batch's writes in order as it takes them and a write that
 //! would wait fails at once (`EAGAIN`, the frame dropped, as a `write(2)` to the non-blocking
 //! queue would) instead of being retried later, so frames reach the tap in the driver's order.
@@ -14,7 +16,7 @@
 use std::io;
 use std::os::fd::RawFd;
 
-use io_uring::{opcode, register::Restriction, squeue, types, IoUring};
+use io_uring::{opcode, register::Restriction, types, IoUring};
 
 use crate::virtio::GuestSlice;
 
@@ -24,6 +26,8 @@ pub const ENTRIES: usize = 64;
 /// An io_uring that writes frames to one tap queue.
 pub struct TxRing {
     ring: IoUring,
+    /// The tap queue's descriptor, owned by the tap, which drops its rings with its queues.
+    fd: RawFd,
 }
 
 impl std::fmt::Debug for TxRing {
@@ -33,7 +37,7 @@ impl std::fmt::Debug for TxRing {
 }
 
 impl TxRing {
-    /// A ring that writes to `fd` only, or why the host cannot give one (no io_uring, no write
+    /// A ring that writes to `fd`, or why the host cannot give one (no io_uring, no write
     /// opcode, restrictions unsupported).
     pub fn new(fd: RawFd) -> io::Result<TxRing> {
         // COOP_TASKRUN: completions are reaped by this thread when it enters the ring anyway,
@@ -47,16 +51,10 @@ impl TxRing {
         if !probe.is_supported(opcode::Write::CODE) {
             return Err(io::Error::new(io::ErrorKind::Unsupported, "io_uring lacks IORING_OP_WRITE"));
         }
-        ring.submitter().register_files(&[fd])?;
-        let fixed = squeue::Flags::FIXED_FILE.bits();
-        let mut allowed = [
-            Restriction::sqe_op(opcode::Write::CODE),
-            Restriction::sqe_flags_allowed(fixed),
-            Restriction::sqe_flags_required(fixed),
-        ];
+        let mut allowed = [Restriction::sqe_op(opcode::Write::CODE), Restriction::sqe_flags_allowed(0)];
         ring.submitter().register_restrictions(&mut allowed)?;
         ring.submitter().register_enable_rings()?;
-        Ok(TxRing { ring })
+        Ok(TxRing { ring, fd })
     }
 
     /// Writes `frames` in order, [`ENTRIES`] per system call, and waits for every write: one
@@ -81,10 +79,9 @@ impl TxRing {
         {
             let mut sq = self.ring.submission();
             for (i, frame) in batch.iter().enumerate() {
-                let sqe = opcode::Write::new(types::Fixed(0), frame.ptr_guard().as_ptr(), frame.len() as u32)
+                let sqe = opcode::Write::new(types::Fd(self.fd), frame.ptr_guard().as_ptr(), frame.len() as u32)
                     .rw_flags(libc::RWF_NOWAIT)
                     .build()
-                    .flags(squeue::Flags::FIXED_FILE)
                     .user_data(i as u64);
                 // SAFETY: the write reads `frame`, guest memory that stays mapped while the VM
                 // (and so this device) lives; this function waits below for every write it
