@@ -28,18 +28,24 @@ fn dir(test: &str) -> PathBuf {
 }
 
 /// The backends this host can run: threads, and io_uring where it works.
+/// Probed once: tests run in parallel and must not share (and remove) one probe directory.
 fn backends() -> Vec<BackendKind> {
-    let d = dir("probe");
-    let f = d.join("p.img");
-    std::fs::write(&f, vec![0u8; 4096]).unwrap();
-    let file = Arc::new(std::fs::File::open(&f).unwrap());
-    let mut v = vec![BackendKind::Threads];
-    match backend::UringBackend::new(file, 8) {
-        Ok(_) => v.push(BackendKind::IoUring),
-        Err(e) => eprintln!("io_uring not tested here: {e}"),
-    }
-    let _ = std::fs::remove_dir_all(&d);
-    v
+    static KINDS: std::sync::OnceLock<Vec<BackendKind>> = std::sync::OnceLock::new();
+    KINDS
+        .get_or_init(|| {
+            let d = dir("probe");
+            let f = d.join("p.img");
+            std::fs::write(&f, vec![0u8; 4096]).unwrap();
+            let file = Arc::new(std::fs::File::open(&f).unwrap());
+            let mut v = vec![BackendKind::Threads];
+            match backend::UringBackend::new(file, 8) {
+                Ok(_) => v.push(BackendKind::IoUring),
+                Err(e) => eprintln!("io_uring not tested here: {e}"),
+            }
+            let _ = std::fs::remove_dir_all(&d);
+            v
+        })
+        .clone()
 }
 
 /// A disk on a fresh image behind a transport, brought up by a test driver.
