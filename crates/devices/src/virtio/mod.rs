@@ -11,6 +11,7 @@ pub mod block;
 pub mod mem;
 pub mod net;
 pub mod pci_transport;
+pub mod uring;
 
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU8, Ordering};
 use std::sync::Arc;

@@ -257,21 +257,13 @@ impl UringBackend {
     /// operations (IORING_REGISTER_RESTRICTIONS, before it is enabled): io_uring's work is not
     /// seen by seccomp, so a thread that can enter the ring can do no more than a disk does.
     pub fn new(file: Arc<File>, entries: u32) -> io::Result<Self> {
-        use io_uring::{opcode, register::Restriction};
-        let ring = io_uring::IoUring::builder().setup_r_disabled().build(entries.clamp(8, 4096).next_power_of_two())?;
-        let mut probe = io_uring::Probe::new();
-        ring.submitter().register_probe(&mut probe)?;
+        use io_uring::opcode;
         let ops = [opcode::Readv::CODE, opcode::Writev::CODE, opcode::Fsync::CODE, opcode::Fallocate::CODE];
-        for code in ops {
-            if !probe.is_supported(code) {
-                return Err(io::Error::new(io::ErrorKind::Unsupported, format!("io_uring lacks opcode {code}")));
-            }
-        }
         let notify = EventFd::new(EFD_NONBLOCK)?;
-        ring.submitter().register_eventfd(notify.as_raw_fd())?;
-        let mut allowed: Vec<Restriction> = ops.iter().map(|&op| Restriction::sqe_op(op)).collect();
-        ring.submitter().register_restrictions(&mut allowed)?;
-        ring.submitter().register_enable_rings()?;
+        let entries = entries.clamp(8, 4096).next_power_of_two();
+        let ring = crate::virtio::uring::restricted_ring(entries, &ops, false, |r| {
+            r.submitter().register_eventfd(notify.as_raw_fd())
+        })?;
         Ok(UringBackend { ring, fd: file.as_raw_fd(), _file: file, notify })
     }
 }

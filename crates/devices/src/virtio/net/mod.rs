@@ -36,6 +36,11 @@ pub const VNET_HDR_LEN: usize = 12;
 /// The largest frame with its header: a 64 KiB GSO packet, its Ethernet header and the vnet
 /// header.
 pub const MAX_FRAME_LEN: usize = 65536 + 14 + VNET_HDR_LEN;
+
+/// Whether a TX frame of `n` bytes (its vnet header included) is one the device sends.
+fn sendable(n: usize) -> bool {
+    (VNET_HDR_LEN..=MAX_FRAME_LEN).contains(&n)
+}
 /// Queue size offered for every queue.
 pub const QUEUE_SIZE: u16 = 256;
 /// The most queue pairs a NIC may have (the spec allows 0x8000; one tap fd each here).
@@ -225,7 +230,7 @@ fn in_place<'m>(mem: &'m GuestMemory, chain: &Chain<'m>) -> Option<GuestSlice<'m
     let mut descs = chain.clone();
     let (Some(d), None) = (descs.next(), descs.next()) else { return None };
     let n = d.len() as usize;
-    (!d.is_write_only() && (VNET_HDR_LEN..=MAX_FRAME_LEN).contains(&n)).then_some(())?;
+    (!d.is_write_only() && sendable(n)).then_some(())?;
     mem.get_slice(d.addr(), n).ok()
 }
 
@@ -251,25 +256,31 @@ struct TxPass<'d, B: NetBackend> {
     buf: &'d mut [u8],
     counters: &'d mut NetCounters,
     pair: usize,
-    results: Vec<io::Result<()>>,
+    results: &'d mut Vec<io::Result<()>>,
 }
 
 impl<B: NetBackend> TxPass<'_, B> {
     /// Sends `chains` in order, emptying it: runs of frames that can be read in place go to
     /// the backend together, the others are copied out one by one. Their heads go to `heads`.
-    fn send<'m>(&mut self, mem: &'m GuestMemory, chains: &mut Vec<Chain<'m>>, heads: &mut Vec<u16>) {
-        let mut run = Vec::with_capacity(chains.len());
+    /// `run` is scratch space, empty on entry and on return.
+    fn send<'m>(
+        &mut self,
+        mem: &'m GuestMemory,
+        chains: &mut Vec<Chain<'m>>,
+        run: &mut Vec<GuestSlice<'m>>,
+        heads: &mut Vec<u16>,
+    ) {
         for chain in chains.drain(..) {
             heads.push(chain.head_index());
             match in_place(mem, &chain) {
                 Some(frame) => run.push(frame),
                 None => {
-                    self.send_run(&mut run);
+                    self.send_run(run);
                     self.send_copied(mem, chain);
                 }
             }
         }
-        self.send_run(&mut run);
+        self.send_run(run);
     }
 
     /// Sends frames read in place, as one batch where the backend can.
@@ -278,21 +289,20 @@ impl<B: NetBackend> TxPass<'_, B> {
             return;
         }
         let pair = self.pair;
-        if !self.backend.send_guest_batch(pair, run, &mut self.results) {
+        if !self.backend.send_guest_batch(pair, run, self.results) {
             self.results.clear();
             for frame in run.iter() {
                 let r = match self.backend.send_guest(pair, frame) {
                     Some(r) => r,
                     None => {
-                        let n = frame.len();
-                        frame.copy_to(&mut self.buf[..n]);
-                        self.backend.send(pair, &self.buf[..n])
+                        frame.copy_to(&mut self.buf[..frame.len()]);
+                        self.send_buf(frame.len())
                     }
                 };
                 self.results.push(r);
             }
         }
-        for (frame, r) in run.iter().zip(&self.results) {
+        for (frame, r) in run.iter().zip(self.results.iter()) {
             count_tx(self.counters, pair, frame.len(), r);
         }
         run.clear();
@@ -303,15 +313,20 @@ impl<B: NetBackend> TxPass<'_, B> {
     fn send_copied(&mut self, mem: &GuestMemory, chain: Chain<'_>) {
         let n = chain.reader(mem).ok().and_then(|mut r| {
             let n = r.available_bytes();
-            ((VNET_HDR_LEN..=MAX_FRAME_LEN).contains(&n) && r.read_exact(&mut self.buf[..n]).is_ok()).then_some(n)
+            (sendable(n) && r.read_exact(&mut self.buf[..n]).is_ok()).then_some(n)
         });
         match n {
             Some(n) => {
-                let r = self.backend.send(self.pair, &self.buf[..n]);
+                let r = self.send_buf(n);
                 count_tx(self.counters, self.pair, n, &r);
             }
             None => self.counters.tx_dropped += 1,
         }
+    }
+
+    /// Sends the first `n` bytes of the bounce buffer.
+    fn send_buf(&mut self, n: usize) -> io::Result<()> {
+        self.backend.send(self.pair, &self.buf[..n])
     }
 }
 
@@ -369,6 +384,10 @@ pub struct Net<B: NetBackend> {
     counters: NetCounters,
     active: Option<Active>,
     buf: Vec<u8>,
+    /// A TX pass's scratch space, kept so that a pass allocates nothing: the heads it returns
+    /// and the backend's result per frame.
+    tx_heads: Vec<u16>,
+    tx_results: Vec<io::Result<()>>,
     /// Per pair, a frame read from the backend that waits for RX buffers.
     pending: Vec<Option<Vec<u8>>>,
 }
@@ -393,6 +412,8 @@ impl<B: NetBackend> Net<B> {
             counters: NetCounters::default(),
             active: None,
             buf: vec![0; MAX_FRAME_LEN],
+            tx_heads: Vec::with_capacity(TX_BATCH),
+            tx_results: Vec::with_capacity(TX_BATCH),
             pending: vec![None; config.pairs as usize],
         })
     }
@@ -543,9 +564,11 @@ impl<B: NetBackend> Net<B> {
             buf: &mut self.buf,
             counters: &mut self.counters,
             pair,
-            results: Vec::new(),
+            results: &mut self.tx_results,
         };
-        let (mut chains, mut heads) = (Vec::with_capacity(TX_BATCH), Vec::with_capacity(TX_BATCH));
+        let heads = &mut self.tx_heads;
+        // Chains and frames borrow this pass's guest memory, so they cannot be kept in `self`.
+        let (mut chains, mut run) = (Vec::with_capacity(TX_BATCH), Vec::with_capacity(TX_BATCH));
         let mut used = false;
         'outer: loop {
             if q.disable_notification(mem).is_err() {
@@ -566,7 +589,7 @@ impl<B: NetBackend> Net<B> {
                     }
                 }
                 let full = chains.len() == TX_BATCH;
-                tx.send(mem, &mut chains, &mut heads);
+                tx.send(mem, &mut chains, &mut run, heads);
                 for head in heads.drain(..) {
                     if q.add_used(mem, head, 0).is_err() {
                         a.irq.needs_reset();

@@ -16,7 +16,7 @@
 use std::io;
 use std::os::fd::RawFd;
 
-use io_uring::{opcode, register::Restriction, types, IoUring};
+use io_uring::{opcode, types, IoUring};
 
 use crate::virtio::GuestSlice;
 
@@ -37,23 +37,11 @@ impl std::fmt::Debug for TxRing {
 }
 
 impl TxRing {
-    /// A ring that writes to `fd`, or why the host cannot give one (no io_uring, no write
-    /// opcode, restrictions unsupported).
+    /// A ring that writes to `fd` and can do nothing else, or why the host cannot give one (no
+    /// io_uring, no write opcode, restrictions unsupported). COOP_TASKRUN: this thread reaps
+    /// the completions when it enters the ring anyway.
     pub fn new(fd: RawFd) -> io::Result<TxRing> {
-        // COOP_TASKRUN: completions are reaped by this thread when it enters the ring anyway,
-        // so the kernel need not interrupt it for them (5.19; without it where refused).
-        let ring = match IoUring::builder().setup_r_disabled().setup_coop_taskrun().build(ENTRIES as u32) {
-            Ok(r) => r,
-            Err(_) => IoUring::builder().setup_r_disabled().build(ENTRIES as u32)?,
-        };
-        let mut probe = io_uring::Probe::new();
-        ring.submitter().register_probe(&mut probe)?;
-        if !probe.is_supported(opcode::Write::CODE) {
-            return Err(io::Error::new(io::ErrorKind::Unsupported, "io_uring lacks IORING_OP_WRITE"));
-        }
-        let mut allowed = [Restriction::sqe_op(opcode::Write::CODE), Restriction::sqe_flags_allowed(0)];
-        ring.submitter().register_restrictions(&mut allowed)?;
-        ring.submitter().register_enable_rings()?;
+        let ring = crate::virtio::uring::restricted_ring(ENTRIES as u32, &[opcode::Write::CODE], true, |_| Ok(()))?;
         Ok(TxRing { ring, fd })
     }
 
