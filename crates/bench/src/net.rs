@@ -21,11 +21,13 @@
 //! `dedicated_p99_us= dedicated_unloaded_p99_us= shared_p99_us= veth_ratio=` (with interference,
 //! the headline vCPU count; the ratio is the dedicated path's guest → host stream over veth),
 //! then section 5's `kumo_rtt_p50_us= kumo_rtt_p99_us= kumo_stream_mb_s= qemu_rtt_p50_us=
-//! qemu_rtt_p99_us= qemu_stream_mb_s= rtt_p99_ratio_qemu= mbps_ratio_qemu=` (ratios kumo over
+//! qemu_rtt_p99_us= qemu_stream_mb_s= rtt_p99_ratio_qemu= mbps_ratio_qemu= poll_rtt_p99_ratio_qemu=
+//! poll_mbps_ratio_qemu= pinned_rtt_p99_ratio_qemu= io_cpu_frame_ratio_qemu=` (ratios kumo over
 //! QEMU; n/a without QEMU). Without `kumo run --net` (or the network guests) the bench measures
 //! veth, says so in one line and exits 1.
 
 pub mod stats;
+pub mod threads;
 pub mod tools;
 pub mod vs_qemu;
 
@@ -697,6 +699,11 @@ pub struct Headline {
     pub poll_rtt_p99_ratio_qemu: Option<f64>,
     pub poll_mbps_ratio_qemu: Option<f64>,
     pub mbps_ratio_qemu: Option<f64>,
+    /// Both VMMs with their vCPU and their other threads pinned apart: round-trip p99, kumo over
+    /// QEMU.
+    pub pinned_rtt_p99_ratio_qemu: Option<f64>,
+    /// CPU of the VMM's threads other than the vCPUs per streamed frame, kumo over QEMU.
+    pub io_cpu_frame_ratio_qemu: Option<f64>,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -745,6 +752,8 @@ pub fn headline(r: &Report) -> Headline {
             (q.qemu.rtt.p50_us, q.qemu.rtt.p99_us, q.qemu.stream.median_mb_per_s);
         (h.rtt_p99_ratio_qemu, h.mbps_ratio_qemu) = (q.rtt_p99_ratio_qemu, q.mbps_ratio_qemu);
         (h.poll_rtt_p99_ratio_qemu, h.poll_mbps_ratio_qemu) = (q.poll_rtt_p99_ratio_qemu, q.poll_mbps_ratio_qemu);
+        (h.pinned_rtt_p99_ratio_qemu, h.io_cpu_frame_ratio_qemu) =
+            (q.pinned_rtt_p99_ratio_qemu, q.io_cpu_frame_ratio_qemu);
     }
     h
 }
@@ -817,6 +826,7 @@ pub fn goals(r: &Report) -> Vec<Goal> {
         g.push(vs("round-trip p99, kumo / QEMU (issue 24)", h.rtt_p99_ratio_qemu, "<= 0.9", |v| v <= 0.9));
         g.push(vs("guest->host stream, kumo / QEMU (issue 24)", h.mbps_ratio_qemu, ">= 1.2", |v| v >= 1.2));
         g.push(vs("round-trip p99, kumo poll-us / QEMU", h.poll_rtt_p99_ratio_qemu, "<= 0.9", |v| v <= 0.9));
+        g.push(vs("round-trip p99, both pinned, kumo / QEMU", h.pinned_rtt_p99_ratio_qemu, "<= 0.9", |v| v <= 0.9));
     }
     g
 }
@@ -826,7 +836,8 @@ pub fn headline_line(h: &Headline) -> String {
     format!(
         "dedicated_p99_us={} dedicated_unloaded_p99_us={} shared_p99_us={} veth_ratio={} kumo_rtt_p50_us={} \
          kumo_rtt_p99_us={} kumo_stream_mb_s={} qemu_rtt_p50_us={} qemu_rtt_p99_us={} qemu_stream_mb_s={} \
-         rtt_p99_ratio_qemu={} mbps_ratio_qemu={} poll_rtt_p99_ratio_qemu={} poll_mbps_ratio_qemu={}",
+         rtt_p99_ratio_qemu={} mbps_ratio_qemu={} poll_rtt_p99_ratio_qemu={} poll_mbps_ratio_qemu={} \
+         pinned_rtt_p99_ratio_qemu={} io_cpu_frame_ratio_qemu={}",
         opt(h.dedicated_p99_us, 1),
         opt(h.dedicated_unloaded_p99_us, 1),
         opt(h.shared_p99_us, 1),
@@ -840,7 +851,9 @@ pub fn headline_line(h: &Headline) -> String {
         opt(h.rtt_p99_ratio_qemu, 3),
         opt(h.mbps_ratio_qemu, 3),
         opt(h.poll_rtt_p99_ratio_qemu, 3),
-        opt(h.poll_mbps_ratio_qemu, 3)
+        opt(h.poll_mbps_ratio_qemu, 3),
+        opt(h.pinned_rtt_p99_ratio_qemu, 3),
+        opt(h.io_cpu_frame_ratio_qemu, 3)
     )
 }
 
@@ -1368,7 +1381,7 @@ mod tests {
             "dedicated_p99_us=120.0 dedicated_unloaded_p99_us=90.0 shared_p99_us=400.0 veth_ratio=0.250 \
              kumo_rtt_p50_us=n/a kumo_rtt_p99_us=n/a kumo_stream_mb_s=n/a qemu_rtt_p50_us=n/a qemu_rtt_p99_us=n/a \
              qemu_stream_mb_s=n/a rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a poll_rtt_p99_ratio_qemu=n/a \
-             poll_mbps_ratio_qemu=n/a"
+             poll_mbps_ratio_qemu=n/a pinned_rtt_p99_ratio_qemu=n/a io_cpu_frame_ratio_qemu=n/a"
         );
         assert_eq!(r.goals.iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 4]);
     }
@@ -1384,12 +1397,13 @@ mod tests {
             line.ends_with(
                 "kumo_rtt_p50_us=60.0 kumo_rtt_p99_us=100.0 kumo_stream_mb_s=300.0 qemu_rtt_p50_us=80.0 \
                  qemu_rtt_p99_us=125.0 qemu_stream_mb_s=250.0 rtt_p99_ratio_qemu=0.800 mbps_ratio_qemu=1.200 \
-                 poll_rtt_p99_ratio_qemu=0.500 poll_mbps_ratio_qemu=1.100"
+                 poll_rtt_p99_ratio_qemu=0.500 poll_mbps_ratio_qemu=1.100 pinned_rtt_p99_ratio_qemu=0.800 \
+                 io_cpu_frame_ratio_qemu=0.500"
             ),
             "{line}"
         );
-        assert_eq!(r.goals.len(), 7);
-        assert_eq!(r.goals[4..].iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 3]);
+        assert_eq!(r.goals.len(), 8);
+        assert_eq!(r.goals[4..].iter().map(|g| g.met).collect::<Vec<_>>(), vec![Some(true); 4]);
         let t = tables(&r);
         assert!(t.contains("5. kumo vs QEMU") && t.contains("kumo / QEMU"), "{t}");
         let v = serde_json::to_value(&r).expect("json");
@@ -1408,7 +1422,8 @@ mod tests {
             headline_line(&h),
             "dedicated_p99_us=n/a dedicated_unloaded_p99_us=n/a shared_p99_us=n/a veth_ratio=n/a kumo_rtt_p50_us=n/a \
              kumo_rtt_p99_us=n/a kumo_stream_mb_s=n/a qemu_rtt_p50_us=n/a qemu_rtt_p99_us=n/a qemu_stream_mb_s=n/a \
-             rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a poll_rtt_p99_ratio_qemu=n/a poll_mbps_ratio_qemu=n/a"
+             rtt_p99_ratio_qemu=n/a mbps_ratio_qemu=n/a poll_rtt_p99_ratio_qemu=n/a poll_mbps_ratio_qemu=n/a \
+             pinned_rtt_p99_ratio_qemu=n/a io_cpu_frame_ratio_qemu=n/a"
         );
         assert!(goals(&r).iter().all(|g| g.met.is_none()));
     }

@@ -303,6 +303,22 @@ impl QemuVm {
         }
     }
 
+    /// QEMU's process id (its threads are `/proc/PID/task/*`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The host thread ids of the vCPUs, in vCPU order (QMP `query-cpus-fast`).
+    pub fn vcpu_tids(&mut self) -> Result<Vec<i32>, String> {
+        let cpus = self.qmp("query-cpus-fast", Value::Null)?;
+        let list = cpus.as_array().ok_or("query-cpus-fast: not a list")?;
+        list.iter()
+            .map(|c| {
+                c["thread-id"].as_i64().map(|t| t as i32).ok_or_else(|| format!("query-cpus-fast: no thread-id in {c}"))
+            })
+            .collect()
+    }
+
     /// Runs QMP command `execute` with `arguments` (Value::Null: none); returns its "return".
     pub fn qmp(&mut self, execute: &str, arguments: Value) -> Result<Value, String> {
         let r = match self.qmp.as_mut() {

@@ -11,14 +11,23 @@
 //! kumo's NIC with `poll-us=`[`POLL_US`]: its thread keeps polling that long after each event
 //! instead of sleeping (CPU spent for latency, as vhost-net's `busyloop_timeout`; QEMU's tap
 //! backend has no such knob), reported next to the default, never instead of it.
+//!
+//! Two more rows take the scheduler's placement out of the round trips: kumo and QEMU with their
+//! vCPU thread on one host CPU and every other thread of the VMM on another ([`threads::Pins`],
+//! applied by the bench from outside, by thread id, the same rule for both). Unpinned, either
+//! VMM's I/O thread lands on the vCPU's CPU in some runs and not in others, which moves the tail
+//! more than any difference between the VMMs. Every row also reports the VMM's own CPU per round
+//! trip and per streamed frame: the time its threads other than the vCPUs had, from the guest's
+//! `up` line to the end of the measurement (`/proc/PID/task/*/schedstat`).
 
 use std::time::Duration;
 
 use serde::Serialize;
 
-use super::stats::{Latency, Runs};
+use super::stats::{median, Latency, Runs};
+use super::threads::{self, Pins};
 use super::tools::SinkResult;
-use super::{Ctx, Nic, Stream, GUEST0, MAC0, MEM_MIB};
+use super::{Ctx, Nic, Stream, GUEST0, HOST0, MAC0, MEM_MIB};
 use crate::report::{ratio, step};
 use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
 use kumo_testkit::sv;
@@ -27,7 +36,7 @@ use kumo_testkit::sv;
 pub const MIN_RUNS: usize = 3;
 /// The vCPUs of both VMs.
 pub const VCPUS: u32 = 1;
-pub const PINNING: &str = "none: neither VMM's threads nor the host tools are pinned";
+pub const PINNING: &str = "none: neither VMM's threads nor the host tools are pinned (but in the pinned rows)";
 pub const KUMO_NIC: &str = "kumo virtio-net, irq=direct";
 /// The poll window of the third row's NIC, µs (`--net ...,poll-us=`).
 pub const POLL_US: u32 = 100;
@@ -41,6 +50,16 @@ pub enum Vmm {
     /// kumo with its NIC thread polling [`POLL_US`] after each event.
     KumoPoll,
     Qemu,
+    /// kumo, its vCPU and its other threads pinned apart ([`Pins`]): round trips only.
+    KumoPinned,
+    /// QEMU pinned the same way.
+    QemuPinned,
+}
+
+impl Vmm {
+    fn pinned(self) -> bool {
+        matches!(self, Vmm::KumoPinned | Vmm::QemuPinned)
+    }
 }
 
 /// One VMM's figures.
@@ -50,6 +69,38 @@ pub struct Side {
     pub rtt: Runs,
     /// Guest `udpsend` → host sink, per run.
     pub stream: Stream,
+    /// The VMM's CPU outside its vCPUs per answered round trip (µs), per run, and the median.
+    pub rtt_io_cpu_us: Vec<f64>,
+    pub io_cpu_us_per_rtt: Option<f64>,
+    /// The same per frame the sink received.
+    pub stream_io_cpu_us: Vec<f64>,
+    pub io_cpu_us_per_frame: Option<f64>,
+}
+
+impl Side {
+    fn push_rtt(&mut self, r: Result<(Latency, f64), String>) {
+        match r {
+            Ok((l, cpu)) => {
+                self.rtt.push(Ok(l));
+                self.rtt_io_cpu_us.push(cpu);
+                self.io_cpu_us_per_rtt = median(&self.rtt_io_cpu_us);
+            }
+            Err(e) => self.rtt.push(Err(e)),
+        }
+    }
+
+    fn push_stream(&mut self, r: Result<(SinkResult, f64), String>) {
+        match r {
+            Ok((sink, cpu)) => {
+                if sink.received > 0 {
+                    self.stream_io_cpu_us.push(cpu);
+                    self.io_cpu_us_per_frame = median(&self.stream_io_cpu_us);
+                }
+                self.stream.push(Ok(sink));
+            }
+            Err(e) => self.stream.push(Err(e)),
+        }
+    }
 }
 
 #[derive(Serialize, Clone, Debug, Default)]
@@ -69,6 +120,11 @@ pub struct VsQemu {
     pub kumo_poll: Side,
     pub poll_us: u32,
     pub qemu: Side,
+    /// The pinned rows' CPUs, or why there are no pinned rows.
+    pub pins: Option<Pins>,
+    pub pins_skipped: Option<String>,
+    pub kumo_pinned: Side,
+    pub qemu_pinned: Side,
     /// kumo over QEMU: round-trip medians (below 1: kumo faster) and stream MB/s (above 1:
     /// kumo faster).
     pub rtt_p50_ratio_qemu: Option<f64>,
@@ -77,6 +133,13 @@ pub struct VsQemu {
     /// The same for kumo with `poll-us`.
     pub poll_rtt_p99_ratio_qemu: Option<f64>,
     pub poll_mbps_ratio_qemu: Option<f64>,
+    /// The pinned rows' round trips, kumo over QEMU.
+    pub pinned_rtt_p50_ratio_qemu: Option<f64>,
+    pub pinned_rtt_p99_ratio_qemu: Option<f64>,
+    /// The VMMs' own CPU per streamed frame and per round trip, kumo over QEMU (below 1: kumo
+    /// spends less).
+    pub io_cpu_frame_ratio_qemu: Option<f64>,
+    pub io_cpu_rtt_ratio_qemu: Option<f64>,
 }
 
 impl VsQemu {
@@ -102,6 +165,11 @@ impl VsQemu {
         let p = &self.kumo_poll;
         self.poll_rtt_p99_ratio_qemu = ratio(p.rtt.p99_us, q.rtt.p99_us);
         self.poll_mbps_ratio_qemu = ratio(p.stream.median_mb_per_s, q.stream.median_mb_per_s);
+        let (kp, qp) = (&self.kumo_pinned, &self.qemu_pinned);
+        self.pinned_rtt_p50_ratio_qemu = ratio(kp.rtt.p50_us, qp.rtt.p50_us);
+        self.pinned_rtt_p99_ratio_qemu = ratio(kp.rtt.p99_us, qp.rtt.p99_us);
+        self.io_cpu_frame_ratio_qemu = ratio(k.io_cpu_us_per_frame, q.io_cpu_us_per_frame);
+        self.io_cpu_rtt_ratio_qemu = ratio(k.io_cpu_us_per_rtt, q.io_cpu_us_per_rtt);
     }
 
     pub fn side(&self, vmm: Vmm) -> &Side {
@@ -109,6 +177,8 @@ impl VsQemu {
             Vmm::Kumo => &self.kumo,
             Vmm::KumoPoll => &self.kumo_poll,
             Vmm::Qemu => &self.qemu,
+            Vmm::KumoPinned => &self.kumo_pinned,
+            Vmm::QemuPinned => &self.qemu_pinned,
         }
     }
 }
@@ -130,7 +200,7 @@ impl AnyVm {
     /// Boots `guest` with `args` in `vmm`; kumo's NIC takes `irq` (`irq=...`).
     pub fn boot(ctx: &Ctx, vmm: Vmm, irq: &str, guest: &str, args: &[String]) -> Result<AnyVm, String> {
         match vmm {
-            Vmm::Kumo | Vmm::KumoPoll => {
+            Vmm::Kumo | Vmm::KumoPoll | Vmm::KumoPinned => {
                 let irq = match vmm {
                     Vmm::KumoPoll => format!("{irq},poll-us={POLL_US}"),
                     _ => irq.to_string(),
@@ -138,7 +208,7 @@ impl AnyVm {
                 let nic = [Nic { tap: &ctx.tap0, mac: super::MAC0, irq }];
                 super::kumo_vm(ctx, guest, VCPUS, &nic, args).map(AnyVm::Kumo)
             }
-            Vmm::Qemu => {
+            Vmm::Qemu | Vmm::QemuPinned => {
                 let spec = QemuSpec {
                     extra_args: qemu::virtio_net_args(&ctx.tap0, MAC0),
                     netns: Some(ctx.ns.clone()),
@@ -157,6 +227,28 @@ impl AnyVm {
         }
     }
 
+    fn pid(&self) -> u32 {
+        match self {
+            AnyVm::Kumo(vm) => vm.child.id(),
+            AnyVm::Qemu(vm) => vm.pid(),
+        }
+    }
+
+    /// The host thread ids of the VM's vCPUs.
+    fn vcpu_tids(&mut self) -> Result<Vec<i32>, String> {
+        match self {
+            AnyVm::Kumo(vm) => threads::kumo_vcpu_tids(vm.child.id()),
+            AnyVm::Qemu(vm) => vm.vcpu_tids(),
+        }
+    }
+
+    /// The VMM's CPU outside the vCPUs so far, ns, and a clock to read it again.
+    fn io_cpu(&mut self) -> Result<IoCpu, String> {
+        let vcpus = self.vcpu_tids()?;
+        let pid = self.pid();
+        Ok(IoCpu { pid, start: threads::cpu_ns_outside(pid, &vcpus)?, vcpus })
+    }
+
     /// Waits (bounded) for the guest to end.
     pub fn wait_exit(&mut self, limit: Duration) -> Result<(), String> {
         match self {
@@ -166,21 +258,56 @@ impl AnyVm {
     }
 }
 
-/// Host → guest round trips to `netecho` in `vmm` (its NIC 0 on tap 0), one run.
-fn rtt_once(ctx: &Ctx, vmm: Vmm) -> Result<Latency, String> {
+/// A VMM's CPU time outside its vCPUs since a point.
+struct IoCpu {
+    pid: u32,
+    vcpus: Vec<i32>,
+    start: u64,
+}
+
+impl IoCpu {
+    /// µs per unit of work since the start (`units` > 0).
+    fn per(&self, units: u64) -> Result<f64, String> {
+        let now = threads::cpu_ns_outside(self.pid, &self.vcpus)?;
+        Ok(now.saturating_sub(self.start) as f64 / 1e3 / units.max(1) as f64)
+    }
+}
+
+/// Host → guest round trips to `netecho` in `vmm` (its NIC 0 on tap 0), one run, and the VMM's
+/// CPU per answered round trip. A pinned row pins the VMM's threads once the guest is up.
+fn rtt_once(ctx: &Ctx, vmm: Vmm, pins: Option<Pins>) -> Result<(Latency, f64), String> {
     let mut vm = AnyVm::boot(ctx, vmm, "irq=direct", "netecho", &sv(&[format!("ip={GUEST0}"), "wait=irq".into()]))?;
     vm.wait_up("netecho")?;
-    let l = super::host_rtt_tool(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan);
+    if let Some(p) = pins.filter(|_| vmm.pinned()) {
+        let vcpus = vm.vcpu_tids()?;
+        p.apply(vm.pid(), &vcpus)?;
+    }
+    let cpu = vm.io_cpu()?;
+    let l = super::host_rtt_tool(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan)?;
+    let per = cpu.per(l.count - l.lost)?;
     drop(vm);
-    l
+    Ok((l, per))
 }
 
-fn stream_once(ctx: &Ctx, vmm: Vmm) -> Result<SinkResult, String> {
-    super::guest_to_host_once(ctx, vmm, "irq=direct")
+/// The guest → host stream, one run, and the VMM's CPU per frame the sink received (from the
+/// guest's `up` line, after which it sends at once: the first frames' cost can be missed, the
+/// same way for both VMMs).
+fn stream_once(ctx: &Ctx, vmm: Vmm) -> Result<(SinkResult, f64), String> {
+    let mut sink =
+        super::tool(&ctx.bench, &ctx.ns, &sv(&["sink", "--bind", &format!("{HOST0}:9"), "--first-ms", "60000"]))?;
+    super::wait_ready(&mut sink)?;
+    let mut vm = AnyVm::boot(ctx, vmm, "irq=direct", "udpsend", &super::udpsend_args(ctx, GUEST0, HOST0))?;
+    vm.wait_up("udpsend")?;
+    let cpu = vm.io_cpu()?;
+    let r = sink.json_result::<SinkResult>(super::BOOT_LIMIT + Duration::from_secs(120))?;
+    let per = cpu.per(r.received)?;
+    vm.wait_exit(Duration::from_secs(30))?;
+    Ok((r, per))
 }
 
-/// Each round's order: kumo, QEMU between kumo's two configurations.
+/// Each round's order: kumo, QEMU between kumo's two configurations, then the pinned pair.
 const ORDER: [Vmm; 3] = [Vmm::Kumo, Vmm::Qemu, Vmm::KumoPoll];
+const PINNED: [Vmm; 2] = [Vmm::KumoPinned, Vmm::QemuPinned];
 
 /// The comparison: kumo and QEMU alternating, round trips then the stream each round.
 pub fn measure(ctx: &Ctx, t0: std::time::Instant) -> VsQemu {
@@ -192,15 +319,20 @@ pub fn measure(ctx: &Ctx, t0: std::time::Instant) -> VsQemu {
             return v;
         }
     }
+    match Pins::of_this_host() {
+        Ok(p) => v.pins = Some(p),
+        Err(e) => v.pins_skipped = Some(e),
+    }
+    let pinned: &[Vmm] = if v.pins.is_some() { &PINNED } else { &[] };
     for run in 1..=v.runs {
         step(t0, &format!("kumo vs QEMU (virtio-net-pci), run {run} of {}: round trips, stream", v.runs));
-        for vmm in ORDER {
-            let r = rtt_once(ctx, vmm);
-            side_mut(&mut v, vmm).rtt.push(r);
+        for &vmm in ORDER.iter().chain(pinned) {
+            let r = rtt_once(ctx, vmm, v.pins);
+            side_mut(&mut v, vmm).push_rtt(r);
         }
         for vmm in ORDER {
             let r = stream_once(ctx, vmm);
-            side_mut(&mut v, vmm).stream.push(r);
+            side_mut(&mut v, vmm).push_stream(r);
         }
     }
     v.settle();
@@ -212,6 +344,8 @@ fn side_mut(v: &mut VsQemu, vmm: Vmm) -> &mut Side {
         Vmm::Kumo => &mut v.kumo,
         Vmm::KumoPoll => &mut v.kumo_poll,
         Vmm::Qemu => &mut v.qemu,
+        Vmm::KumoPinned => &mut v.kumo_pinned,
+        Vmm::QemuPinned => &mut v.qemu_pinned,
     }
 }
 
@@ -236,51 +370,80 @@ pub fn table(v: &VsQemu) -> String {
         v.qemu_cpu.as_deref().unwrap_or("?"),
         v.qemu_nic
     );
-    let _ = writeln!(
-        s,
-        "   {:<12} {:>9} {:>9} {:>6} {:>9} {:>11} {:>8} {:>5}",
-        "VMM", "p50_us", "p99_us", "lost", "MB/s", "packets/s", "lost", "runs"
-    );
+    let row = |s: &mut String, cells: [String; 10]| {
+        let [a, b, c, d, e, f, g, h, i, j] = cells;
+        let _ = writeln!(s, "   {a:<14} {b:>8} {c:>8} {d:>5} {e:>8} {f:>8} {g:>10} {h:>6} {i:>9} {j:>4}");
+    };
+    let head = ["VMM", "p50_us", "p99_us", "lost", "cpu/rt", "MB/s", "packets/s", "lost", "cpu/frame", "runs"];
+    row(&mut s, head.map(String::from));
     let poll_name = format!("kumo poll {}", v.poll_us);
-    for (name, vmm) in [("kumo", Vmm::Kumo), (poll_name.as_str(), Vmm::KumoPoll), ("QEMU", Vmm::Qemu)] {
+    let rows = [
+        ("kumo", Vmm::Kumo),
+        (poll_name.as_str(), Vmm::KumoPoll),
+        ("QEMU", Vmm::Qemu),
+        ("kumo pinned", Vmm::KumoPinned),
+        ("QEMU pinned", Vmm::QemuPinned),
+    ];
+    for (name, vmm) in rows {
         let x = v.side(vmm);
-        let _ = writeln!(
-            s,
-            "   {:<12} {:>9} {:>9} {:>6} {:>9} {:>11} {:>8} {:>5}",
-            name,
-            opt(x.rtt.p50_us, 1),
-            opt(x.rtt.p99_us, 1),
-            x.rtt.runs.iter().map(|l| l.lost).sum::<u64>(),
-            opt(x.stream.median_mb_per_s, 1),
-            opt(x.stream.median_packets_per_s, 0),
-            x.stream.runs.iter().map(|r| r.lost).sum::<u64>(),
-            x.rtt.runs.len().min(x.stream.runs.len())
+        if vmm.pinned() && v.pins.is_none() {
+            continue;
+        }
+        let streamed = !vmm.pinned();
+        let or_blank = |v: String| if streamed { v } else { String::new() };
+        row(
+            &mut s,
+            [
+                name.to_string(),
+                opt(x.rtt.p50_us, 1),
+                opt(x.rtt.p99_us, 1),
+                x.rtt.runs.iter().map(|l| l.lost).sum::<u64>().to_string(),
+                opt(x.io_cpu_us_per_rtt, 1),
+                or_blank(opt(x.stream.median_mb_per_s, 1)),
+                or_blank(opt(x.stream.median_packets_per_s, 0)),
+                or_blank(x.stream.runs.iter().map(|r| r.lost).sum::<u64>().to_string()),
+                or_blank(opt(x.io_cpu_us_per_frame, 2)),
+                if streamed { x.rtt.runs.len().min(x.stream.runs.len()) } else { x.rtt.runs.len() }.to_string(),
+            ],
         );
         for e in x.rtt.errors.iter().chain(&x.stream.errors) {
             let _ = writeln!(s, "      FAILED ({name}): {}", e.lines().next().unwrap_or(""));
         }
     }
+    // Name, then kumo over QEMU: p50, p99, CPU per round trip, MB/s, CPU per frame.
+    let ratios = [
+        (
+            "kumo / QEMU",
+            v.rtt_p50_ratio_qemu,
+            v.rtt_p99_ratio_qemu,
+            v.io_cpu_rtt_ratio_qemu,
+            v.mbps_ratio_qemu,
+            v.io_cpu_frame_ratio_qemu,
+        ),
+        ("poll / QEMU", None, v.poll_rtt_p99_ratio_qemu, None, v.poll_mbps_ratio_qemu, None),
+        ("pinned k / Q", v.pinned_rtt_p50_ratio_qemu, v.pinned_rtt_p99_ratio_qemu, None, None, None),
+    ];
+    let o = |x: Option<f64>| x.map_or(String::new(), |x| format!("{x:.3}"));
+    for (name, p50, p99, cpu, mbps, cpu_frame) in ratios {
+        let blank = String::new;
+        row(&mut s, [name.into(), o(p50), o(p99), blank(), o(cpu), o(mbps), blank(), blank(), o(cpu_frame), blank()]);
+    }
+    match (&v.pins, &v.pins_skipped) {
+        (Some(p), _) => {
+            let _ = writeln!(
+                s,
+                "   pinned rows (round trips only): each VMM's vCPU thread on host CPU {}, its other threads on CPU {}",
+                p.vcpu_cpu, p.io_cpu
+            );
+        }
+        (None, Some(why)) => {
+            let _ = writeln!(s, "   no pinned rows: {why}");
+        }
+        (None, None) => {}
+    }
     let _ = writeln!(
         s,
-        "   {:<12} {:>9} {:>9} {:>6} {:>9}",
-        "kumo / QEMU",
-        opt(v.rtt_p50_ratio_qemu, 3),
-        opt(v.rtt_p99_ratio_qemu, 3),
-        "",
-        opt(v.mbps_ratio_qemu, 3)
-    );
-    let _ = writeln!(
-        s,
-        "   {:<12} {:>9} {:>9} {:>6} {:>9}",
-        "poll / QEMU",
-        "",
-        opt(v.poll_rtt_p99_ratio_qemu, 3),
-        "",
-        opt(v.poll_mbps_ratio_qemu, 3)
-    );
-    let _ = writeln!(
-        s,
-        "   (round trips: below 1 kumo is faster; stream: above 1 kumo is faster. Both VMMs share this host's\n   CPUs with everything else running on it: read the ratios, from alternating runs, not the absolute figures.\n   `kumo poll N`: --net ...,poll-us=N, its NIC thread polls N µs after each event: CPU for latency)"
+        "   (round trips: below 1 kumo is faster; stream: above 1 kumo is faster. cpu/rt and cpu/frame: µs of CPU\n   the VMM's threads other than the vCPUs had per round trip and per frame received, below 1 kumo spends less.\n   Both VMMs share this host's CPUs with everything else running on it: read the ratios, from alternating runs,\n   not the absolute figures. `kumo poll N`: --net ...,poll-us=N, its NIC thread polls N µs after each event)"
     );
     s
 }
@@ -295,12 +458,15 @@ pub(super) mod tests {
         let lat =
             |p50: f64, p99: f64| Latency { count: 10, lost: 0, p50_us: p50, p99_us: p99, min_us: 1.0, max_us: 200.0 };
         let sink = |mb: f64| SinkResult { received: 10, mb_per_s: mb, packets_per_s: mb * 1e3, ..Default::default() };
-        v.kumo.rtt.push(Ok(lat(60.0, 100.0)));
-        v.qemu.rtt.push(Ok(lat(80.0, 125.0)));
-        v.kumo.stream.push(Ok(sink(300.0)));
         v.kumo_poll.rtt.push(Ok(lat(40.0, 62.5)));
         v.kumo_poll.stream.push(Ok(sink(275.0)));
-        v.qemu.stream.push(Ok(sink(250.0)));
+        v.kumo.push_stream(Ok((sink(300.0), 1.5)));
+        v.qemu.push_stream(Ok((sink(250.0), 3.0)));
+        v.kumo.push_rtt(Ok((lat(60.0, 100.0), 20.0)));
+        v.qemu.push_rtt(Ok((lat(80.0, 125.0), 40.0)));
+        v.pins = Some(Pins { io_cpu: 0, vcpu_cpu: 1 });
+        v.kumo_pinned.push_rtt(Ok((lat(50.0, 80.0), 18.0)));
+        v.qemu_pinned.push_rtt(Ok((lat(60.0, 100.0), 30.0)));
         v.settle();
         v
     }
@@ -310,8 +476,16 @@ pub(super) mod tests {
         let v = sample();
         assert_eq!((v.rtt_p50_ratio_qemu, v.rtt_p99_ratio_qemu, v.mbps_ratio_qemu), (Some(0.75), Some(0.8), Some(1.2)));
         assert_eq!((v.poll_rtt_p99_ratio_qemu, v.poll_mbps_ratio_qemu), (Some(0.5), Some(1.1)));
+        assert_eq!((v.io_cpu_frame_ratio_qemu, v.io_cpu_rtt_ratio_qemu), (Some(0.5), Some(0.5)));
+        assert_eq!((v.pinned_rtt_p50_ratio_qemu, v.pinned_rtt_p99_ratio_qemu), (Some(50.0 / 60.0), Some(0.8)));
         let t = table(&v);
         assert!(t.contains("5. kumo vs QEMU") && t.contains("QEMU (max)") && t.contains("0.800"), "{t}");
+        assert!(t.contains("QEMU pinned") && t.contains("vCPU thread on host CPU 1"), "{t}");
+        // A failed run counts in no median, its CPU figure included.
+        let mut k = Side::default();
+        k.push_rtt(Err("boot failed".into()));
+        k.push_stream(Ok((SinkResult::default(), 9.0)));
+        assert_eq!((k.io_cpu_us_per_rtt, k.io_cpu_us_per_frame, k.rtt.errors.len()), (None, None, 1));
     }
 
     #[test]
