@@ -854,6 +854,7 @@ fn a_stream_naming_resources_the_operator_did_not_give_is_refused() {
                 queues,
                 irq: format::NicIrqPath::Direct,
                 source_backend: format::SourceBackend::Tap(tap.into()),
+                offload: true,
             })
             .collect();
         d

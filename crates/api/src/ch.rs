@@ -140,6 +140,12 @@ pub struct ChNet {
     /// The descriptors themselves, from the request's ancillary data.
     #[serde(skip)]
     pub tap_fds: crate::Fds,
+    /// CH's checksum and TCP segmentation offloads (default on): kumo turns a tap NIC's
+    /// offloads on or off as a whole, off if either is false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload_tso: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload_csum: Option<bool>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -284,7 +290,8 @@ fn net_field(name: &str) -> Verdict {
     match name {
         // kumo opens an existing tap: its address and MTU are the host's business.
         "ip" | "mask" | "host_mac" | "mtu" | "id" | "queue_size" | "pci_segment" => Ignore,
-        "offload_tso" | "offload_ufo" | "offload_csum" => Ignore,
+        // kumo offers no UDP fragmentation offload (UFO is gone from Linux's taps).
+        "offload_ufo" => Ignore,
         "iommu" => Refuse("kumo has no virtual IOMMU"),
         "vhost_mode" => Refuse("kumo connects to a vhost-user backend as its client only"),
         "rate_limiter_config" => Refuse("kumo has no I/O rate limiting"),

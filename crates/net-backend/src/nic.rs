@@ -741,7 +741,7 @@ mod tests {
         fn fd(&self, _: usize) -> Option<RawFd> {
             Some(1000)
         }
-        fn set_offload(&mut self, _: bool) -> io::Result<()> {
+        fn set_offload(&mut self, _: u64) -> io::Result<()> {
             Ok(())
         }
     }

@@ -58,7 +58,7 @@ impl NetBackend for DgramNet {
     fn fd(&self, _: usize) -> Option<RawFd> {
         Some(self.0.as_raw_fd())
     }
-    fn set_offload(&mut self, _: bool) -> io::Result<()> {
+    fn set_offload(&mut self, _: u64) -> io::Result<()> {
         Ok(())
     }
 }

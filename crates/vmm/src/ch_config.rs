@@ -77,8 +77,16 @@ pub fn nic(i: usize, n: &ChNet) -> Result<NetSpec, String> {
         queues,
         irq: Default::default(),
         poll_us: 0,
+        // A vhost-user backend offers its own.
+        offload: n.vhost_user || offload(n),
         fds: TapFds::ByName,
     })
+}
+
+/// CH's `offload_tso` and `offload_csum` (both default on): kumo's offloads are on only if
+/// neither is off.
+fn offload(n: &ChNet) -> bool {
+    n.offload_tso.unwrap_or(true) && n.offload_csum.unwrap_or(true)
 }
 
 /// The `i`-th NIC, on the tap whose descriptors came with the request: one per queue pair.
@@ -100,7 +108,9 @@ fn nic_on_fds(i: usize, n: &ChNet) -> Result<NetSpec, String> {
     }
     let queues = u16::try_from(pairs).map_err(|_| bad(format!("{pairs} tap descriptors")))?;
     let fds = TapFds::Passed(n.tap_fds.clone());
-    Ok(NetSpec { tap, vhost_user: None, mac: n.mac.clone(), queues, irq: Default::default(), poll_us: 0, fds })
+    let mac = n.mac.clone();
+    let offload = offload(n);
+    Ok(NetSpec { tap, vhost_user: None, mac, queues, irq: Default::default(), poll_us: 0, offload, fds })
 }
 
 /// The name of the one tap `fds` are queues of, each checked as kumo can drive it
@@ -159,6 +169,8 @@ pub fn to_ch(v: &VmConfig) -> ChVmConfig {
                         TapFds::Passed(f) => f.clone(),
                         _ => Default::default(),
                     },
+                    offload_tso: n.vhost_user.is_none().then_some(n.offload),
+                    offload_csum: n.vhost_user.is_none().then_some(n.offload),
                     ..Default::default()
                 })
                 .collect(),
@@ -201,6 +213,25 @@ mod tests {
         let back = to_ch(&a);
         assert_eq!(from_ch(&back).unwrap().net[0].mac.as_deref(), Some("52:54:00:00:00:01"));
         assert_eq!(back.payload.unwrap().kernel.as_deref(), Some("/k"));
+    }
+
+    #[test]
+    fn offloads_follow_chs_flags() {
+        let nic = |extra: &str| {
+            let j = format!(r#"{{"payload":{{"kernel":"/k"}},"net":[{{"tap":"t0"{extra}}}]}}"#);
+            from_ch(&ch(&j)).unwrap().net[0].offload
+        };
+        assert!(nic(""));
+        assert!(nic(r#","offload_tso":true,"offload_csum":true,"offload_ufo":false"#));
+        assert!(!nic(r#","offload_tso":false"#));
+        assert!(!nic(r#","offload_csum":false"#));
+        // And back: vm.info shows them as kumo set them.
+        let mut v = from_ch(&ch(r#"{"payload":{"kernel":"/k"},"net":[{"tap":"t0","offload_csum":false}]}"#)).unwrap();
+        let back = to_ch(&v);
+        let n = &back.net.as_ref().unwrap()[0];
+        assert_eq!((n.offload_tso, n.offload_csum), (Some(false), Some(false)));
+        v.net[0].offload = true;
+        assert_eq!(to_ch(&v).net.unwrap()[0].offload_tso, Some(true));
     }
 
     #[test]

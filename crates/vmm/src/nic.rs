@@ -152,8 +152,8 @@ impl TapNic {
                 return Err(dev_err("its tap came as descriptors on its source: give it one here".into()))
             }
         };
-        let net =
-            Net::new(NetConfig { mac, pairs: spec.queues, csum: false }, tap).map_err(|e| dev_err(e.to_string()))?;
+        let net = Net::new(NetConfig { mac, pairs: spec.queues, offload: spec.offload }, tap)
+            .map_err(|e| dev_err(e.to_string()))?;
         let queues = net.queue_max_sizes().len();
         let evt = || EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err(format!("eventfd: {e}")));
         // Doorbells: one eventfd per queue, registered with KVM by the PCI layer (it follows the

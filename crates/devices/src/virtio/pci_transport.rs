@@ -597,7 +597,7 @@ mod tests {
     type T = VirtioPciTransport<Net<Loopback>>;
 
     fn transport(pairs: u16, irqs: &Arc<Irqs>) -> T {
-        let net = Net::new(NetConfig { mac: [2, 0, 0, 0, 0, 1], pairs, csum: false }, Loopback::new(pairs as usize));
+        let net = Net::new(NetConfig { mac: [2, 0, 0, 0, 0, 1], pairs, offload: false }, Loopback::new(pairs as usize));
         VirtioPciTransport::new("net0", net.unwrap(), memory(), shared(irqs), 4)
     }
 

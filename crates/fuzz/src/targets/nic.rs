@@ -52,7 +52,7 @@ pub struct Rig {
 /// A NIC with `pairs` queue pairs (and a control queue if more than one).
 pub fn rig(pairs: u16) -> Rig {
     let mem = memory();
-    let net = Net::new(NetConfig { mac: MAC, pairs, csum: pairs > 1 }, Loopback::new(pairs as usize)).expect("net");
+    let net = Net::new(NetConfig { mac: MAC, pairs, offload: pairs > 1 }, Loopback::new(pairs as usize)).expect("net");
     let queues = net.queue_max_sizes().len() as u16;
     let vectors = queues + 1;
     let routing: Arc<dyn MsixRouting> = Arc::new(Routes::default());

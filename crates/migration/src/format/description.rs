@@ -127,6 +127,17 @@ pub struct NicDescription {
     /// Its backend on the source: the kind the destination must give it, and a name for
     /// messages (never used on the destination).
     pub source_backend: SourceBackend,
+    /// It offers its tap's offloads (absent: it does, as before the field came).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub offload: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// One virtio-blk disk as the guest sees it. Its image is on storage both hosts see; the

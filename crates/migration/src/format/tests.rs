@@ -991,12 +991,14 @@ fn typed_descriptions_round_trip_and_refuse_what_they_do_not_know() {
             queues: 2,
             irq: NicIrqPath::Dedicated { vcpu: 1 },
             source_backend: SourceBackend::Tap("tap0".into()),
+            offload: false,
         },
         NicDescription {
             mac: "52:54:00:12:34:57".into(),
             queues: 1,
             irq: NicIrqPath::Shared,
             source_backend: SourceBackend::VhostUser("/run/nb.sock".into()),
+            offload: true,
         },
     ];
     d.numa = Some(NumaDescription {

@@ -93,6 +93,7 @@ fn describe_nic(n: &NetSpec) -> wire::NicDescription {
             (None, TapFds::ByName) => wire::SourceBackend::Tap(n.tap.clone()),
             (None, TapFds::Passed(_) | TapFds::OnSource) => wire::SourceBackend::TapFds(n.tap.clone()),
         },
+        offload: n.offload,
     }
 }
 
@@ -127,7 +128,8 @@ fn config_of(d: &VmDescription) -> VmConfig {
                 wire::NicIrqPath::Dedicated { vcpu } => IrqPath::Dedicated { vcpu },
                 wire::NicIrqPath::Shared => IrqPath::Shared,
             };
-            NetSpec { tap, vhost_user, mac: Some(n.mac.clone()), queues: n.queues, irq, poll_us: 0, fds }
+            let (mac, queues, offload) = (Some(n.mac.clone()), n.queues, n.offload);
+            NetSpec { tap, vhost_user, mac, queues, irq, poll_us: 0, offload, fds }
         })
         .collect();
     let numa = d.numa.as_ref().map(|n| NumaConfig {

@@ -30,6 +30,51 @@ pub const VIRTIO_NET_F_STATUS: u64 = 1 << vn::VIRTIO_NET_F_STATUS;
 pub const VIRTIO_NET_F_CTRL_VQ: u64 = 1 << vn::VIRTIO_NET_F_CTRL_VQ;
 pub const VIRTIO_NET_F_MQ: u64 = 1 << vn::VIRTIO_NET_F_MQ;
 pub const VIRTIO_NET_F_MRG_RXBUF: u64 = 1 << vn::VIRTIO_NET_F_MRG_RXBUF;
+pub const VIRTIO_NET_F_GUEST_TSO4: u64 = 1 << vn::VIRTIO_NET_F_GUEST_TSO4;
+pub const VIRTIO_NET_F_GUEST_TSO6: u64 = 1 << vn::VIRTIO_NET_F_GUEST_TSO6;
+pub const VIRTIO_NET_F_GUEST_ECN: u64 = 1 << vn::VIRTIO_NET_F_GUEST_ECN;
+pub const VIRTIO_NET_F_GUEST_USO4: u64 = 1 << vn::VIRTIO_NET_F_GUEST_USO4;
+pub const VIRTIO_NET_F_GUEST_USO6: u64 = 1 << vn::VIRTIO_NET_F_GUEST_USO6;
+pub const VIRTIO_NET_F_HOST_TSO4: u64 = 1 << vn::VIRTIO_NET_F_HOST_TSO4;
+pub const VIRTIO_NET_F_HOST_TSO6: u64 = 1 << vn::VIRTIO_NET_F_HOST_TSO6;
+pub const VIRTIO_NET_F_HOST_ECN: u64 = 1 << vn::VIRTIO_NET_F_HOST_ECN;
+pub const VIRTIO_NET_F_HOST_USO: u64 = 1 << vn::VIRTIO_NET_F_HOST_USO;
+
+/// The offloads a NIC offers where its backend can serve them ([`NetBackend::offloads`]): the
+/// driver's frames may carry partial checksums and be segmentation-sized (CSUM, HOST_*), and
+/// the backend's frames for the driver may too (GUEST_*). A Linux driver then sends and takes
+/// 64 KiB TCP (and UDP) super-frames instead of one frame per MTU.
+pub const OFFLOAD_FEATURES: u64 = VIRTIO_NET_F_CSUM
+    | VIRTIO_NET_F_HOST_TSO4
+    | VIRTIO_NET_F_HOST_TSO6
+    | VIRTIO_NET_F_HOST_ECN
+    | VIRTIO_NET_F_HOST_USO
+    | VIRTIO_NET_F_GUEST_CSUM
+    | VIRTIO_NET_F_GUEST_TSO4
+    | VIRTIO_NET_F_GUEST_TSO6
+    | VIRTIO_NET_F_GUEST_ECN
+    | VIRTIO_NET_F_GUEST_USO4
+    | VIRTIO_NET_F_GUEST_USO6;
+
+/// The guest-bound offloads among `acked` that hold together: segmentation only with checksum
+/// offload, ECN only with TCP segmentation (virtio 1.2, 5.1.3.1); a driver that acked the rest
+/// alone gets none of them.
+pub fn guest_offloads(acked: u64) -> u64 {
+    if acked & VIRTIO_NET_F_GUEST_CSUM == 0 {
+        return 0;
+    }
+    let mut f = acked
+        & (VIRTIO_NET_F_GUEST_CSUM
+            | VIRTIO_NET_F_GUEST_TSO4
+            | VIRTIO_NET_F_GUEST_TSO6
+            | VIRTIO_NET_F_GUEST_ECN
+            | VIRTIO_NET_F_GUEST_USO4
+            | VIRTIO_NET_F_GUEST_USO6);
+    if f & (VIRTIO_NET_F_GUEST_TSO4 | VIRTIO_NET_F_GUEST_TSO6) == 0 {
+        f &= !VIRTIO_NET_F_GUEST_ECN;
+    }
+    f
+}
 
 /// `virtio_net_hdr_v1`: every frame starts with it (virtio 1.x always has `num_buffers`).
 pub const VNET_HDR_LEN: usize = 12;
@@ -73,8 +118,13 @@ pub trait NetBackend: Send {
     }
     /// The descriptor to wait on for pair `pair`'s incoming frames, if any.
     fn fd(&self, pair: usize) -> Option<RawFd>;
-    /// Lets frames with partial checksums through (the driver accepted GUEST_CSUM).
-    fn set_offload(&mut self, csum: bool) -> io::Result<()>;
+    /// The offloads of [`OFFLOAD_FEATURES`] this backend can serve (none by default).
+    fn offloads(&self) -> u64 {
+        0
+    }
+    /// What the backend may hand the driver from now: the guest-bound offloads the driver
+    /// accepted ([`guest_offloads`] of its features: 0 for none).
+    fn set_offload(&mut self, guest: u64) -> io::Result<()>;
 }
 
 /// An in-memory backend: frames queued with [`Loopback::inject`] reach the guest, frames the
@@ -87,7 +137,9 @@ pub struct Loopback {
     pub sent_in_place: usize,
     /// The size of each batch the device handed over at once ([`NetBackend::send_guest_batch`]).
     pub batches: Vec<usize>,
-    pub offload: bool,
+    /// What [`NetBackend::offloads`] answers, and the last [`NetBackend::set_offload`].
+    pub can_offload: u64,
+    pub offload: u64,
 }
 
 impl Loopback {
@@ -146,8 +198,12 @@ impl NetBackend for Loopback {
         None
     }
 
-    fn set_offload(&mut self, csum: bool) -> io::Result<()> {
-        self.offload = csum;
+    fn offloads(&self) -> u64 {
+        self.can_offload
+    }
+
+    fn set_offload(&mut self, guest: u64) -> io::Result<()> {
+        self.offload = guest;
         Ok(())
     }
 }
@@ -158,8 +214,10 @@ pub struct NetConfig {
     pub mac: [u8; 6],
     /// Queue pairs (1..=[`MAX_PAIRS`]); more than one offers MQ and a control queue.
     pub pairs: u16,
-    /// Offer CSUM / GUEST_CSUM (checksum offload both ways).
-    pub csum: bool,
+    /// Offer the backend's offloads ([`OFFLOAD_FEATURES`]: checksums and segmentation, both
+    /// ways). Saved as `csum` before the segmentation offloads came.
+    #[serde(alias = "csum")]
+    pub offload: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -681,8 +739,8 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
         if self.has_ctrl() {
             f |= VIRTIO_NET_F_CTRL_VQ | VIRTIO_NET_F_MQ;
         }
-        if self.config.csum {
-            f |= VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM;
+        if self.config.offload {
+            f |= self.backend.offloads() & OFFLOAD_FEATURES;
         }
         f
     }
@@ -711,7 +769,7 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
         queues: Vec<Queue>,
     ) -> Result<(), ActivateError> {
         self.backend
-            .set_offload(acked_features & VIRTIO_NET_F_GUEST_CSUM != 0)
+            .set_offload(guest_offloads(acked_features))
             .map_err(|e| ActivateError::Backend(format!("setting the backend's offloads: {e}")))?;
         self.active = Some(Active { features: acked_features, mem, irq: interrupt, queues });
         // Frames may already wait in the backend.

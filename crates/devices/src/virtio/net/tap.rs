@@ -28,6 +28,33 @@ const IFF_NO_PI: libc::c_short = 0x1000;
 const IFF_VNET_HDR: libc::c_short = 0x4000;
 const IFF_MULTI_QUEUE: libc::c_short = 0x0100;
 const TUN_F_CSUM: libc::c_uint = 0x01;
+const TUN_F_TSO4: libc::c_uint = 0x02;
+const TUN_F_TSO6: libc::c_uint = 0x04;
+const TUN_F_TSO_ECN: libc::c_uint = 0x08;
+const TUN_F_USO4: libc::c_uint = 0x20;
+const TUN_F_USO6: libc::c_uint = 0x40;
+
+/// A tap's offload flags for the guest-bound offloads `guest` (of [`net::guest_offloads`]).
+/// Linux takes UDP segmentation for IPv4 and IPv6 together only: a driver that accepted one of
+/// them gets UDP datagrams already cut.
+fn tun_flags(guest: u64) -> libc::c_uint {
+    use super::{
+        VIRTIO_NET_F_GUEST_CSUM as CSUM, VIRTIO_NET_F_GUEST_ECN as ECN, VIRTIO_NET_F_GUEST_TSO4 as TSO4,
+        VIRTIO_NET_F_GUEST_TSO6 as TSO6, VIRTIO_NET_F_GUEST_USO4 as USO4, VIRTIO_NET_F_GUEST_USO6 as USO6,
+    };
+    [
+        (CSUM, TUN_F_CSUM),
+        (TSO4, TUN_F_TSO4),
+        (TSO6, TUN_F_TSO6),
+        (ECN, TUN_F_TSO_ECN),
+        (USO4, TUN_F_USO4),
+        (USO6, TUN_F_USO6),
+    ]
+    .iter()
+    .filter(|(f, _)| guest & f != 0)
+    .fold(0, |acc, (_, t)| acc | t)
+        & if guest & USO4 != 0 && guest & USO6 != 0 { !0 } else { !(TUN_F_USO4 | TUN_F_USO6) }
+}
 
 /// `struct ifreq` with the flags member of its union.
 #[repr(C)]
@@ -84,6 +111,8 @@ pub struct Tap {
     queues: Vec<File>,
     multi_queue: bool,
     attached: bool,
+    /// The offloads this host's tap driver takes (probed when the tap is opened).
+    offloads: u64,
 }
 
 /// Gives a tap queue kumo's vnet header size.
@@ -110,6 +139,40 @@ fn check_name(name: &str) -> Result<(), TapError> {
 }
 
 impl Tap {
+    /// Sets the tap's offload flags (they are the tap's, not a queue's).
+    fn tun_offload(&self, flags: libc::c_uint) -> io::Result<()> {
+        let Some(f) = self.queues.first() else { return Ok(()) };
+        // SAFETY: TUNSETOFFLOAD takes its argument by value; the fd is one of this tap's.
+        let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETOFFLOAD as _, flags as libc::c_ulong) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The offloads the host's tap driver takes: checksums and TCP segmentation (every kernel
+    /// kumo runs on), UDP segmentation since Linux 6.2. Found by setting them (the caller clears
+    /// them after): a kernel refuses flags it does not know.
+    fn probe_offloads(&self) -> u64 {
+        use super::*;
+        let tcp = VIRTIO_NET_F_CSUM
+            | VIRTIO_NET_F_HOST_TSO4
+            | VIRTIO_NET_F_HOST_TSO6
+            | VIRTIO_NET_F_HOST_ECN
+            | VIRTIO_NET_F_GUEST_CSUM
+            | VIRTIO_NET_F_GUEST_TSO4
+            | VIRTIO_NET_F_GUEST_TSO6
+            | VIRTIO_NET_F_GUEST_ECN;
+        let udp = VIRTIO_NET_F_HOST_USO | VIRTIO_NET_F_GUEST_USO4 | VIRTIO_NET_F_GUEST_USO6;
+        if self.tun_offload(tun_flags(tcp)).is_err() {
+            return 0;
+        }
+        match self.tun_offload(tun_flags(VIRTIO_NET_F_GUEST_CSUM | udp)) {
+            Ok(()) => tcp | udp,
+            Err(_) => tcp,
+        }
+    }
+
     /// Attaches `queues` queues of tap `name` (created if it does not exist; multi-queue when
     /// `queues` > 1).
     pub fn open(name: &str, queues: usize) -> Result<Self, TapError> {
@@ -160,12 +223,9 @@ impl Tap {
                     .ok()
             })
             .collect();
-        let mut tap = Tap { name, tx_rings, queues, multi_queue, attached: true };
-        tap.set_offload(false).map_err(|err| TapError::Ioctl {
-            name: tap.name.clone(),
-            what: "clearing offloads",
-            err,
-        })?;
+        let mut tap = Tap { name, tx_rings, queues, multi_queue, attached: true, offloads: 0 };
+        tap.offloads = tap.probe_offloads();
+        tap.set_offload(0).map_err(|err| TapError::Ioctl { name: tap.name.clone(), what: "clearing offloads", err })?;
         Ok(tap)
     }
 
@@ -351,16 +411,12 @@ impl NetBackend for Tap {
         self.queues.get(pair).map(|f| f.as_raw_fd())
     }
 
-    fn set_offload(&mut self, csum: bool) -> io::Result<()> {
-        let flags: libc::c_uint = if csum { TUN_F_CSUM } else { 0 };
-        for f in &self.queues {
-            // SAFETY: TUNSETOFFLOAD takes its argument by value; the fd is one of this tap's.
-            let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETOFFLOAD as _, flags as libc::c_ulong) };
-            if r < 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        Ok(())
+    fn offloads(&self) -> u64 {
+        self.offloads
+    }
+
+    fn set_offload(&mut self, guest: u64) -> io::Result<()> {
+        self.tun_offload(tun_flags(guest))
     }
 }
 
@@ -407,8 +463,20 @@ mod tests {
         assert!(tap.fd(0).is_some() && tap.fd(1).is_some() && tap.fd(2).is_none());
         let mut buf = [0u8; 64];
         assert_eq!(tap.recv(0, &mut buf).unwrap(), None, "nothing waits on a fresh tap");
-        tap.set_offload(true).unwrap();
-        tap.set_offload(false).unwrap();
+        // This host's tap takes checksum and TCP segmentation offloads (and UDP's since 6.2).
+        let can = tap.offloads();
+        assert_ne!(can & crate::virtio::net::VIRTIO_NET_F_GUEST_TSO4, 0, "{can:#x}");
+        tap.set_offload(crate::virtio::net::guest_offloads(can)).unwrap();
+        tap.set_offload(0).unwrap();
+        {
+            use crate::virtio::net::*;
+            let (csum, uso4, uso6) = (VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_USO4, VIRTIO_NET_F_GUEST_USO6);
+            // Linux takes UDP segmentation for both IP versions or neither.
+            assert_eq!(tun_flags(csum | uso4), TUN_F_CSUM);
+            assert_eq!(tun_flags(csum | uso4 | uso6), TUN_F_CSUM | TUN_F_USO4 | TUN_F_USO6);
+            tap.set_offload(csum | uso4).unwrap();
+            tap.set_offload(0).unwrap();
+        }
         // The same tap single-queue: its flags differ from the multi-queue one's.
         let e = Tap::open(&name, 1).unwrap_err();
         assert!(matches!(e, TapError::Mismatch { queues: 1, .. }), "{e}");
@@ -517,7 +585,7 @@ mod tests {
             return;
         }
         let mac = [0x52, 0x54, 0, 0xaa, 0xbb, 0xcc];
-        let net = Net::new(NetConfig { mac, pairs: 1, csum: false }, tap).unwrap();
+        let net = Net::new(NetConfig { mac, pairs: 1, offload: false }, tap).unwrap();
         let mem = memory();
         let irqs = Arc::new(Irqs::default());
         let mut t = VirtioPciTransport::new("net0", net, mem.clone(), shared(&irqs), 4);
@@ -597,5 +665,146 @@ mod tests {
         }
         assert!(found, "the host's ARP request reached the guest");
         assert!(!irqs.take().is_empty());
+    }
+
+    /// The one's-complement sum of `data` as 16-bit big-endian words, folded.
+    fn fold(mut sum: u32, data: &[u8]) -> u16 {
+        for c in data.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+        }
+        while sum > 0xffff {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        sum as u16
+    }
+
+    /// A vnet header and an Ethernet frame holding one UDP/IPv4 datagram of `payload` from
+    /// `src` to `dst`, to be cut into `seg`-byte datagrams by the host (GSO UDP_L4, checksum
+    /// left for the host to fill: the UDP field holds the pseudo-header's sum).
+    fn udp_super_frame(macs: ([u8; 6], [u8; 6]), src: [u8; 4], dst: [u8; 4], payload: &[u8], seg: u16) -> Vec<u8> {
+        let udp_len = 8 + payload.len();
+        let mut f = vec![0u8; VNET_HDR_LEN];
+        f[0] = 1; // VIRTIO_NET_HDR_F_NEEDS_CSUM
+        f[1] = 5; // VIRTIO_NET_HDR_GSO_UDP_L4
+        f[2..4].copy_from_slice(&42u16.to_le_bytes()); // hdr_len: Ethernet, IPv4, UDP
+        f[4..6].copy_from_slice(&seg.to_le_bytes());
+        f[6..8].copy_from_slice(&34u16.to_le_bytes()); // csum_start: the UDP header
+        f[8..10].copy_from_slice(&6u16.to_le_bytes()); // csum_offset: its checksum field
+        f.extend(macs.0);
+        f.extend(macs.1);
+        f.extend([0x08, 0x00]);
+        let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 17, 0, 0];
+        ip[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
+        ip.extend(src);
+        ip.extend(dst);
+        let c = !fold(0, &ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        f.extend(ip);
+        let pseudo = fold(17 + udp_len as u32, &[src, dst].concat());
+        f.extend(4000u16.to_be_bytes());
+        f.extend(9000u16.to_be_bytes());
+        f.extend((udp_len as u16).to_be_bytes());
+        f.extend(pseudo.to_be_bytes());
+        f.extend(payload);
+        f
+    }
+
+    /// A UDP socket's next datagram, or None once nothing came within the poll bound.
+    fn next_datagram(sock: &std::net::UdpSocket, buf: &mut [u8]) -> Option<usize> {
+        readable(sock.as_raw_fd()).then(|| sock.recv(buf).ok()).flatten()
+    }
+
+    #[test]
+    fn udp_segmentation_offload_crosses_the_tap_both_ways() {
+        use std::sync::Arc;
+        use vm_memory::{Bytes, GuestAddress};
+
+        use crate::virtio::net::*;
+        use crate::virtio::pci_transport::VirtioPciTransport;
+        use crate::virtio::testutil::*;
+
+        let pid = std::process::id();
+        let name = format!("ku{pid}");
+        let Some(tap) = try_open(&name, 1) else { return };
+        if tap.offloads() & VIRTIO_NET_F_HOST_USO == 0 {
+            eprintln!("skipping: this host's taps take no UDP segmentation offload (Linux < 6.2)");
+            return;
+        }
+        let sub = [10, 199, (pid % 250) as u8];
+        let (host, guest) = ([sub[0], sub[1], sub[2], 1], [sub[0], sub[1], sub[2], 2]);
+        let dotted = |a: [u8; 4]| format!("{}.{}.{}.{}", a[0], a[1], a[2], a[3]);
+        let guest_mac = [0x52, 0x54, 0, 0xaa, 0xbb, 0xcd];
+        let mac_text = guest_mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+        let configured = ip(&["link", "set", &name, "up"])
+            && ip(&["addr", "add", &format!("{}/24", dotted(host)), "dev", &name])
+            && ip(&["neigh", "replace", &dotted(guest), "lladdr", &mac_text, "dev", &name]);
+        if !configured {
+            eprintln!("skipping: cannot configure {name} with `ip`");
+            return;
+        }
+        let tap_mac: Vec<u8> = std::fs::read_to_string(format!("/sys/class/net/{name}/address"))
+            .unwrap()
+            .trim()
+            .split(':')
+            .map(|b| u8::from_str_radix(b, 16).unwrap())
+            .collect();
+        let net = Net::new(NetConfig { mac: guest_mac, pairs: 1, offload: true }, tap).unwrap();
+        let mem = memory();
+        let irqs = Arc::new(Irqs::default());
+        let mut t = VirtioPciTransport::new("net0", net, mem.clone(), shared(&irqs), 4);
+        let mut qs: Vec<GuestQueue> = (0..2).map(|i| GuestQueue::new(i, 16)).collect();
+        let features = VIRTIO_F_VERSION_1
+            | VIRTIO_NET_F_MRG_RXBUF
+            | VIRTIO_NET_F_CSUM
+            | VIRTIO_NET_F_HOST_USO
+            | VIRTIO_NET_F_GUEST_CSUM
+            | VIRTIO_NET_F_GUEST_USO4
+            | VIRTIO_NET_F_GUEST_USO6;
+        assert_eq!(t.device().features() & features, features, "{:#x}", t.device().features());
+        let st = bring_up(&mut t, features, &qs);
+        assert_ne!(st & crate::virtio::status::DRIVER_OK, 0, "status {st:#x}");
+
+        // Guest -> host: one 4,000-byte datagram leaves as forty 100-byte ones, checksummed.
+        let sink = std::net::UdpSocket::bind((dotted(host), 9000)).unwrap();
+        let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
+        let f = udp_super_frame((tap_mac.clone().try_into().unwrap(), guest_mac), guest, host, &payload, 100);
+        mem.write_slice(&f, GuestAddress(BUF_BASE)).unwrap();
+        qs[1].add_chain(&mem, &[(BUF_BASE, f.len() as u32, false)]);
+        kick(&mut t, 1);
+        assert_eq!((t.device().counters().tx_frames, t.device().counters().tx_dropped), (1, 0));
+        let (mut got, mut buf) = (Vec::<u8>::new(), [0u8; 2048]);
+        while got.len() < payload.len() {
+            let n = next_datagram(&sink, &mut buf).expect("the host received every segment");
+            assert_eq!(n, 100, "segments of gso_size");
+            got.extend(&buf[..n]);
+        }
+        assert_eq!(got, payload);
+
+        // Host -> guest: a 3,000-byte UDP_SEGMENT send reaches the guest as one frame that says
+        // how to cut it (gso_type UDP_L4, gso_size 100), over as many buffers as it needs.
+        let src = std::net::UdpSocket::bind((dotted(host), 0)).unwrap();
+        let seg: libc::c_int = 100;
+        // SAFETY: setsockopt(SOL_UDP, UDP_SEGMENT) reads one int from the pointer given.
+        let r =
+            unsafe { libc::setsockopt(src.as_raw_fd(), libc::SOL_UDP, 103, (&seg as *const libc::c_int).cast(), 4) };
+        assert_eq!(r, 0, "UDP_SEGMENT: {}", io::Error::last_os_error());
+        src.send_to(&payload[..3000], (dotted(guest), 9000)).unwrap();
+        for i in 0..4u64 {
+            let at = BUF_BASE + 0x1_0000 + i * 0x1000;
+            qs[0].add_chain(&mem, &[(at, 4096, true)]);
+        }
+        kick(&mut t, 0);
+        let fd = t.device().backend().fd(0).unwrap();
+        while qs[0].used_idx(&mem) == 0 {
+            assert!(readable(fd), "no frame from {name} within the poll bound");
+            t.device_mut().backend_ready(0);
+        }
+        let (_, len) = qs[0].used_elem(&mem, 0);
+        let mut hdr = [0u8; VNET_HDR_LEN];
+        mem.read_slice(&mut hdr, GuestAddress(BUF_BASE + 0x1_0000)).unwrap();
+        let (gso_type, gso_size, buffers) = (hdr[1], u16::from_le_bytes([hdr[4], hdr[5]]), hdr[10]);
+        assert_eq!((gso_type, gso_size), (5, 100), "one UDP super-frame: {hdr:?}");
+        assert_eq!(buffers, 1, "3,054 bytes fit the first 4 KiB buffer");
+        assert_eq!(len as usize, VNET_HDR_LEN + 14 + 20 + 8 + 3000);
     }
 }

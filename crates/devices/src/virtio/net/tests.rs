@@ -15,7 +15,7 @@ const OK: u8 = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | stat
 type Nic = VirtioPciTransport<Net<Loopback>>;
 
 fn nic(pairs: u16, mem: &GuestMemory, irqs: &Arc<Irqs>) -> Nic {
-    let net = Net::new(NetConfig { mac: MAC, pairs, csum: false }, Loopback::new(pairs as usize)).unwrap();
+    let net = Net::new(NetConfig { mac: MAC, pairs, offload: false }, Loopback::new(pairs as usize)).unwrap();
     VirtioPciTransport::new("net0", net, mem.clone(), shared(irqs), 2 * pairs + 2)
 }
 
@@ -64,22 +64,34 @@ fn config_space_has_mac_link_and_pairs() {
 #[test]
 fn features_follow_the_config() {
     let l = |p| Loopback::new(p);
-    let one = Net::new(NetConfig { mac: MAC, pairs: 1, csum: false }, l(1)).unwrap();
+    let one = Net::new(NetConfig { mac: MAC, pairs: 1, offload: false }, l(1)).unwrap();
     assert_eq!(one.features(), BASE | VIRTIO_F_RING_EVENT_IDX | VIRTIO_NET_F_MRG_RXBUF);
     assert_eq!(one.queue_max_sizes().len(), 2);
-    let mq = Net::new(NetConfig { mac: MAC, pairs: 4, csum: true }, l(4)).unwrap();
+    // Offloads: what the backend can serve, only when the config asks.
+    let offloading = |p, offload| {
+        let mut b = l(p);
+        b.can_offload = VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM | VIRTIO_NET_F_HOST_TSO4 | VIRTIO_F_VERSION_1;
+        Net::new(NetConfig { mac: MAC, pairs: p as u16, offload }, b).unwrap()
+    };
+    assert_eq!(offloading(1, false).features(), one.features());
+    let mq = offloading(4, true);
     let f = mq.features();
     assert!(f & VIRTIO_NET_F_MQ != 0 && f & VIRTIO_NET_F_CTRL_VQ != 0);
-    assert!(f & VIRTIO_NET_F_CSUM != 0 && f & VIRTIO_NET_F_GUEST_CSUM != 0);
+    let offered = VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM | VIRTIO_NET_F_HOST_TSO4;
+    assert_eq!(f & OFFLOAD_FEATURES, offered, "only offloads, only the backend's");
+    assert_eq!(
+        Net::new(NetConfig { mac: MAC, pairs: 4, offload: true }, l(4)).unwrap().features() & OFFLOAD_FEATURES,
+        0
+    );
     assert_eq!(mq.queue_max_sizes().len(), 9, "4 pairs and a control queue");
 
-    let e = Net::new(NetConfig { mac: MAC, pairs: 0, csum: false }, l(0)).err().unwrap();
+    let e = Net::new(NetConfig { mac: MAC, pairs: 0, offload: false }, l(0)).err().unwrap();
     assert_eq!(e.to_string(), "bad queue pair count 0: a NIC has 1 to 16");
-    assert!(matches!(Net::new(NetConfig { mac: MAC, pairs: 17, csum: false }, l(17)), Err(NetError::Pairs(17))));
-    let e = Net::new(NetConfig { mac: [1, 2, 3, 4, 5, 6], pairs: 1, csum: false }, l(1)).err().unwrap();
+    assert!(matches!(Net::new(NetConfig { mac: MAC, pairs: 17, offload: false }, l(17)), Err(NetError::Pairs(17))));
+    let e = Net::new(NetConfig { mac: [1, 2, 3, 4, 5, 6], pairs: 1, offload: false }, l(1)).err().unwrap();
     assert_eq!(e.to_string(), "bad MAC 01:02:03:04:05:06: multicast addresses are not allowed");
     assert!(matches!(
-        Net::new(NetConfig { mac: MAC, pairs: 2, csum: false }, l(1)),
+        Net::new(NetConfig { mac: MAC, pairs: 2, offload: false }, l(1)),
         Err(NetError::BackendPairs { backend: 1, nic: 2 })
     ));
     assert_eq!(parse_mac("52:54:00:12:34:56"), Ok(MAC));
@@ -608,4 +620,36 @@ fn snapshots_taken_mid_setup_or_after_a_failure_restore_as_they_were() {
     t3.restore(&state).unwrap();
     assert_eq!(r(&mut t3, 0x14, 1) as u8, OK | status::DEVICE_NEEDS_RESET);
     assert!(t3.device().queues().is_none());
+}
+
+#[test]
+fn the_backend_gets_the_guest_bound_offloads_the_driver_accepted() {
+    // Segmentation and ECN without what they need are not passed on (virtio 1.2, 5.1.3.1).
+    assert_eq!(guest_offloads(VIRTIO_NET_F_GUEST_TSO4 | VIRTIO_NET_F_GUEST_USO4), 0);
+    assert_eq!(
+        guest_offloads(VIRTIO_NET_F_GUEST_CSUM | VIRTIO_NET_F_GUEST_ECN | VIRTIO_NET_F_HOST_TSO4 | VIRTIO_NET_F_MAC),
+        VIRTIO_NET_F_GUEST_CSUM
+    );
+    let all = OFFLOAD_FEATURES | VIRTIO_NET_F_MAC;
+    let guest = VIRTIO_NET_F_GUEST_CSUM
+        | VIRTIO_NET_F_GUEST_TSO4
+        | VIRTIO_NET_F_GUEST_TSO6
+        | VIRTIO_NET_F_GUEST_ECN
+        | VIRTIO_NET_F_GUEST_USO4
+        | VIRTIO_NET_F_GUEST_USO6;
+    assert_eq!(guest_offloads(all), guest);
+
+    // Through a driver's negotiation: activation sets them, a driver that takes none clears them.
+    let mut b = Loopback::new(1);
+    b.can_offload = OFFLOAD_FEATURES;
+    let net = Net::new(NetConfig { mac: MAC, pairs: 1, offload: true }, b).unwrap();
+    let mem = memory();
+    let irqs = Arc::new(Irqs::default());
+    let mut t = VirtioPciTransport::new("net0", net, mem.clone(), shared(&irqs), 3);
+    let qs: Vec<GuestQueue> = (0..2).map(|i| GuestQueue::new(i, 16)).collect();
+    bring_up(&mut t, VIRTIO_F_VERSION_1 | VIRTIO_NET_F_GUEST_CSUM | VIRTIO_NET_F_GUEST_TSO4 | VIRTIO_NET_F_CSUM, &qs);
+    assert_eq!(t.device().backend().offload, VIRTIO_NET_F_GUEST_CSUM | VIRTIO_NET_F_GUEST_TSO4);
+    // bring_up resets the device first.
+    bring_up(&mut t, VIRTIO_F_VERSION_1 | VIRTIO_NET_F_HOST_TSO4 | VIRTIO_NET_F_CSUM, &fresh_queues(2, &mem));
+    assert_eq!(t.device().backend().offload, 0);
 }
