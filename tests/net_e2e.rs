@@ -56,6 +56,7 @@ fn host_pings_netecho_and_gets_udp_echoed_on_each_interrupt_path() {
         let nic = info(&sock).net.remove(0);
         assert_eq!(nic.tap, tap.name);
         assert!(nic.driver_ok, "{nic:?}");
+        assert!(nic.offloads.is_empty(), "kumo's guests take no offloads: {nic:?}");
         assert_eq!(nic.irq, irq.split(',').next().unwrap(), "{nic:?}");
         assert_eq!(nic.vcpu, (irq != "shared" && cpus > 1).then_some(1), "{nic:?}");
         udp_echoes(SocketAddrV4::new(host, 0), SocketAddrV4::new(guest, 7), 5, PATIENCE)

@@ -219,6 +219,10 @@ pub struct NetInfo {
     pub pci: String,
     /// The guest's driver has it running (virtio DRIVER_OK).
     pub driver_ok: bool,
+    /// The offloads the driver accepted (`csum`, `host_tso4`, `guest_uso4`, ...: virtio-net's
+    /// feature names, lower case), none before DRIVER_OK.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub offloads: Vec<String>,
     /// Frames are counted only by a NIC kumo serves itself (a tap); a vhost-user NIC counts
     /// its interrupts alone.
     pub counters: NetCounters,

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use kumo_devices::virtio::net::tap::Tap;
-use kumo_devices::virtio::net::{Net, NetBackend, NetConfig};
+use kumo_devices::virtio::net::{offload_names, Net, NetBackend, NetConfig};
 use kumo_devices::virtio::{status, GuestMemory, VirtioDevice};
 use kumo_vm::interrupt_paths::{IrqPath, PathRouting, SharedDispatcher};
 use kumo_vm::interrupts::Interrupts;
@@ -225,6 +225,7 @@ impl TapNic {
     pub fn info(&self) -> kumo_api::NetInfo {
         let mut f = lock(&self.function);
         let driver_ok = f.transport().status() & status::DRIVER_OK != 0;
+        let acked = if driver_ok { f.transport().driver_features() } else { 0 };
         let net = f.transport().device();
         let (cfg, c) = (net.config(), net.counters());
         let (irq, vcpu) = irq_info(&self.routing);
@@ -237,6 +238,7 @@ impl TapNic {
             vcpu,
             pci: format!("0000:00:{:02x}.0", self.slot),
             driver_ok,
+            offloads: offload_names(acked).into_iter().map(String::from).collect(),
             counters: kumo_api::NetCounters {
                 rx_frames: c.rx_frames,
                 rx_bytes: c.rx_bytes,

@@ -657,7 +657,12 @@ impl VhostUserNic {
 
     /// The NIC as `vm.info` shows it.
     pub fn info(&self) -> kumo_api::NetInfo {
-        let driver_ok = lock(&self.function).transport().status() & status::DRIVER_OK != 0;
+        let (driver_ok, acked) = {
+            let mut f = lock(&self.function);
+            let ok = f.transport().status() & status::DRIVER_OK != 0;
+            (ok, if ok { f.transport().driver_features() } else { 0 })
+        };
+        let offloads = kumo_devices::virtio::net::offload_names(acked).into_iter().map(String::from).collect();
         let mut mac = [0u8; 6];
         mac.copy_from_slice(&lock(&self.shared.config)[..6]);
         let (irq, vcpu) = irq_info(&self.routing);
@@ -670,6 +675,7 @@ impl VhostUserNic {
             vcpu,
             pci: format!("0000:00:{:02x}.0", self.slot),
             driver_ok,
+            offloads,
             counters: kumo_api::NetCounters { interrupts: self.routing.raised(), ..Default::default() },
             vhost_user: Some(kumo_api::VhostUserInfo {
                 socket: self.path.display().to_string(),

@@ -56,6 +56,25 @@ pub const OFFLOAD_FEATURES: u64 = VIRTIO_NET_F_CSUM
     | VIRTIO_NET_F_GUEST_USO4
     | VIRTIO_NET_F_GUEST_USO6;
 
+/// The names of the offloads in `features` (virtio-net's feature names, lower case), in bit
+/// order.
+pub fn offload_names(features: u64) -> Vec<&'static str> {
+    const NAMES: [(u64, &str); 11] = [
+        (VIRTIO_NET_F_CSUM, "csum"),
+        (VIRTIO_NET_F_GUEST_CSUM, "guest_csum"),
+        (VIRTIO_NET_F_GUEST_TSO4, "guest_tso4"),
+        (VIRTIO_NET_F_GUEST_TSO6, "guest_tso6"),
+        (VIRTIO_NET_F_GUEST_ECN, "guest_ecn"),
+        (VIRTIO_NET_F_HOST_TSO4, "host_tso4"),
+        (VIRTIO_NET_F_HOST_TSO6, "host_tso6"),
+        (VIRTIO_NET_F_HOST_ECN, "host_ecn"),
+        (VIRTIO_NET_F_GUEST_USO4, "guest_uso4"),
+        (VIRTIO_NET_F_GUEST_USO6, "guest_uso6"),
+        (VIRTIO_NET_F_HOST_USO, "host_uso"),
+    ];
+    NAMES.iter().filter(|(f, _)| features & f != 0).map(|&(_, n)| n).collect()
+}
+
 /// The guest-bound offloads among `acked` that hold together: segmentation only with checksum
 /// offload, ECN only with TCP segmentation (virtio 1.2, 5.1.3.1); a driver that acked the rest
 /// alone gets none of them.

@@ -624,6 +624,8 @@ fn snapshots_taken_mid_setup_or_after_a_failure_restore_as_they_were() {
 
 #[test]
 fn the_backend_gets_the_guest_bound_offloads_the_driver_accepted() {
+    assert_eq!(offload_names(OFFLOAD_FEATURES).len(), 11, "every offload has a name");
+    assert_eq!(offload_names(VIRTIO_NET_F_HOST_USO | VIRTIO_NET_F_CSUM | VIRTIO_NET_F_MAC), ["csum", "host_uso"]);
     // Segmentation and ECN without what they need are not passed on (virtio 1.2, 5.1.3.1).
     assert_eq!(guest_offloads(VIRTIO_NET_F_GUEST_TSO4 | VIRTIO_NET_F_GUEST_USO4), 0);
     assert_eq!(
