@@ -238,7 +238,7 @@ impl TapNic {
             vcpu,
             pci: format!("0000:00:{:02x}.0", self.slot),
             driver_ok,
-            offloads: offload_names(acked).into_iter().map(String::from).collect(),
+            offloads: offload_names(acked),
             counters: kumo_api::NetCounters {
                 rx_frames: c.rx_frames,
                 rx_bytes: c.rx_bytes,

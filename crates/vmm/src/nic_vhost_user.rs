@@ -662,7 +662,7 @@ impl VhostUserNic {
             let ok = f.transport().status() & status::DRIVER_OK != 0;
             (ok, if ok { f.transport().driver_features() } else { 0 })
         };
-        let offloads = kumo_devices::virtio::net::offload_names(acked).into_iter().map(String::from).collect();
+        let offloads = kumo_devices::virtio::net::offload_names(acked);
         let mut mac = [0u8; 6];
         mac.copy_from_slice(&lock(&self.shared.config)[..6]);
         let (irq, vcpu) = irq_info(&self.routing);

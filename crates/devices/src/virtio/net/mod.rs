@@ -40,25 +40,32 @@ pub const VIRTIO_NET_F_HOST_TSO6: u64 = 1 << vn::VIRTIO_NET_F_HOST_TSO6;
 pub const VIRTIO_NET_F_HOST_ECN: u64 = 1 << vn::VIRTIO_NET_F_HOST_ECN;
 pub const VIRTIO_NET_F_HOST_USO: u64 = 1 << vn::VIRTIO_NET_F_HOST_USO;
 
-/// The offloads a NIC offers where its backend can serve them ([`NetBackend::offloads`]): the
-/// driver's frames may carry partial checksums and be segmentation-sized (CSUM, HOST_*), and
-/// the backend's frames for the driver may too (GUEST_*). A Linux driver then sends and takes
-/// 64 KiB TCP (and UDP) super-frames instead of one frame per MTU.
-pub const OFFLOAD_FEATURES: u64 = VIRTIO_NET_F_CSUM
-    | VIRTIO_NET_F_HOST_TSO4
-    | VIRTIO_NET_F_HOST_TSO6
-    | VIRTIO_NET_F_HOST_ECN
-    | VIRTIO_NET_F_HOST_USO
-    | VIRTIO_NET_F_GUEST_CSUM
+/// The guest-bound offloads: the backend's frames for the driver may carry partial checksums
+/// and be segmentation-sized.
+pub const GUEST_OFFLOADS: u64 = VIRTIO_NET_F_GUEST_CSUM
     | VIRTIO_NET_F_GUEST_TSO4
     | VIRTIO_NET_F_GUEST_TSO6
     | VIRTIO_NET_F_GUEST_ECN
     | VIRTIO_NET_F_GUEST_USO4
     | VIRTIO_NET_F_GUEST_USO6;
 
+/// The UDP segmentation offloads, both ways (Linux's taps take them since 6.2).
+pub const USO_OFFLOADS: u64 = VIRTIO_NET_F_HOST_USO | VIRTIO_NET_F_GUEST_USO4 | VIRTIO_NET_F_GUEST_USO6;
+
+/// The offloads a NIC offers where its backend can serve them ([`NetBackend::offloads`]): the
+/// driver's frames may carry partial checksums and be segmentation-sized (CSUM, HOST_*), and
+/// the backend's frames for the driver may too ([`GUEST_OFFLOADS`]). A Linux driver then sends
+/// and takes 64 KiB TCP (and UDP) super-frames instead of one frame per MTU.
+pub const OFFLOAD_FEATURES: u64 = VIRTIO_NET_F_CSUM
+    | VIRTIO_NET_F_HOST_TSO4
+    | VIRTIO_NET_F_HOST_TSO6
+    | VIRTIO_NET_F_HOST_ECN
+    | VIRTIO_NET_F_HOST_USO
+    | GUEST_OFFLOADS;
+
 /// The names of the offloads in `features` (virtio-net's feature names, lower case), in bit
 /// order.
-pub fn offload_names(features: u64) -> Vec<&'static str> {
+pub fn offload_names(features: u64) -> Vec<String> {
     const NAMES: [(u64, &str); 11] = [
         (VIRTIO_NET_F_CSUM, "csum"),
         (VIRTIO_NET_F_GUEST_CSUM, "guest_csum"),
@@ -72,7 +79,7 @@ pub fn offload_names(features: u64) -> Vec<&'static str> {
         (VIRTIO_NET_F_GUEST_USO6, "guest_uso6"),
         (VIRTIO_NET_F_HOST_USO, "host_uso"),
     ];
-    NAMES.iter().filter(|(f, _)| features & f != 0).map(|&(_, n)| n).collect()
+    NAMES.iter().filter(|(f, _)| features & f != 0).map(|&(_, n)| n.to_string()).collect()
 }
 
 /// The guest-bound offloads among `acked` that hold together: segmentation only with checksum
@@ -82,13 +89,7 @@ pub fn guest_offloads(acked: u64) -> u64 {
     if acked & VIRTIO_NET_F_GUEST_CSUM == 0 {
         return 0;
     }
-    let mut f = acked
-        & (VIRTIO_NET_F_GUEST_CSUM
-            | VIRTIO_NET_F_GUEST_TSO4
-            | VIRTIO_NET_F_GUEST_TSO6
-            | VIRTIO_NET_F_GUEST_ECN
-            | VIRTIO_NET_F_GUEST_USO4
-            | VIRTIO_NET_F_GUEST_USO6);
+    let mut f = acked & GUEST_OFFLOADS;
     if f & (VIRTIO_NET_F_GUEST_TSO4 | VIRTIO_NET_F_GUEST_TSO6) == 0 {
         f &= !VIRTIO_NET_F_GUEST_ECN;
     }
