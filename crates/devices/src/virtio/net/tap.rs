@@ -42,18 +42,36 @@ fn tun_flags(guest: u64) -> libc::c_uint {
         VIRTIO_NET_F_GUEST_CSUM as CSUM, VIRTIO_NET_F_GUEST_ECN as ECN, VIRTIO_NET_F_GUEST_TSO4 as TSO4,
         VIRTIO_NET_F_GUEST_TSO6 as TSO6, VIRTIO_NET_F_GUEST_USO4 as USO4, VIRTIO_NET_F_GUEST_USO6 as USO6,
     };
-    [
+    let pairs = [
         (CSUM, TUN_F_CSUM),
         (TSO4, TUN_F_TSO4),
         (TSO6, TUN_F_TSO6),
         (ECN, TUN_F_TSO_ECN),
         (USO4, TUN_F_USO4),
         (USO6, TUN_F_USO6),
-    ]
-    .iter()
-    .filter(|(f, _)| guest & f != 0)
-    .fold(0, |acc, (_, t)| acc | t)
-        & if guest & USO4 != 0 && guest & USO6 != 0 { !0 } else { !(TUN_F_USO4 | TUN_F_USO6) }
+    ];
+    let mut flags = pairs.iter().filter(|(f, _)| guest & f != 0).fold(0, |acc, (_, t)| acc | t);
+    if guest & USO4 == 0 || guest & USO6 == 0 {
+        flags &= !(TUN_F_USO4 | TUN_F_USO6);
+    }
+    flags
+}
+
+/// The offloads this host's taps take: checksums and TCP segmentation (every kernel kumo runs
+/// on) and UDP segmentation since Linux 6.2. Read from the kernel's release rather than tried
+/// on the tap: a tap may be shared (a local migration's destination attaches its source's), and
+/// setting flags to try them would let the tap hand the other holder's guest frames it never
+/// accepted. A kernel that backports USO gets the checksum and TCP ones only.
+fn host_offloads() -> u64 {
+    use super::{OFFLOAD_FEATURES, USO_OFFLOADS};
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut v = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+    if (major, minor) >= (6, 2) {
+        OFFLOAD_FEATURES
+    } else {
+        OFFLOAD_FEATURES & !USO_OFFLOADS
+    }
 }
 
 /// `struct ifreq` with the flags member of its union.
@@ -111,7 +129,7 @@ pub struct Tap {
     queues: Vec<File>,
     multi_queue: bool,
     attached: bool,
-    /// The offloads this host's tap driver takes (probed when the tap is opened).
+    /// The offloads this host's tap driver takes ([`host_offloads`]).
     offloads: u64,
 }
 
@@ -148,29 +166,6 @@ impl Tap {
             return Err(io::Error::last_os_error());
         }
         Ok(())
-    }
-
-    /// The offloads the host's tap driver takes: checksums and TCP segmentation (every kernel
-    /// kumo runs on), UDP segmentation since Linux 6.2. Found by setting them (the caller clears
-    /// them after): a kernel refuses flags it does not know.
-    fn probe_offloads(&self) -> u64 {
-        use super::*;
-        let tcp = VIRTIO_NET_F_CSUM
-            | VIRTIO_NET_F_HOST_TSO4
-            | VIRTIO_NET_F_HOST_TSO6
-            | VIRTIO_NET_F_HOST_ECN
-            | VIRTIO_NET_F_GUEST_CSUM
-            | VIRTIO_NET_F_GUEST_TSO4
-            | VIRTIO_NET_F_GUEST_TSO6
-            | VIRTIO_NET_F_GUEST_ECN;
-        let udp = VIRTIO_NET_F_HOST_USO | VIRTIO_NET_F_GUEST_USO4 | VIRTIO_NET_F_GUEST_USO6;
-        if self.tun_offload(tun_flags(tcp)).is_err() {
-            return 0;
-        }
-        match self.tun_offload(tun_flags(VIRTIO_NET_F_GUEST_CSUM | udp)) {
-            Ok(()) => tcp | udp,
-            Err(_) => tcp,
-        }
     }
 
     /// Attaches `queues` queues of tap `name` (created if it does not exist; multi-queue when
@@ -223,8 +218,7 @@ impl Tap {
                     .ok()
             })
             .collect();
-        let mut tap = Tap { name, tx_rings, queues, multi_queue, attached: true, offloads: 0 };
-        tap.offloads = tap.probe_offloads();
+        let mut tap = Tap { name, tx_rings, queues, multi_queue, attached: true, offloads: host_offloads() };
         tap.set_offload(0).map_err(|err| TapError::Ioctl { name: tap.name.clone(), what: "clearing offloads", err })?;
         Ok(tap)
     }
