@@ -27,7 +27,7 @@ use serde::Serialize;
 use super::stats::{median, Latency, Runs};
 use super::threads::{self, Pins};
 use super::tools::SinkResult;
-use super::{Ctx, Nic, Stream, GUEST0, HOST0, MAC0, MEM_MIB};
+use super::{Ctx, Nic, Stream, GUEST0, MAC0, MEM_MIB};
 use crate::report::{ratio, step};
 use kumo_testkit::qemu::{self, QemuSpec, QemuVm};
 use kumo_testkit::sv;
@@ -243,7 +243,7 @@ impl AnyVm {
     }
 
     /// The VMM's CPU outside the vCPUs so far, ns, and a clock to read it again.
-    fn io_cpu(&mut self) -> Result<IoCpu, String> {
+    pub(super) fn io_cpu(&mut self) -> Result<IoCpu, String> {
         let vcpus = self.vcpu_tids()?;
         let pid = self.pid();
         Ok(IoCpu { pid, start: threads::cpu_ns_outside(pid, &vcpus)?, vcpus })
@@ -259,7 +259,7 @@ impl AnyVm {
 }
 
 /// A VMM's CPU time outside its vCPUs since a point.
-struct IoCpu {
+pub(super) struct IoCpu {
     pid: u32,
     vcpus: Vec<i32>,
     start: u64,
@@ -267,7 +267,7 @@ struct IoCpu {
 
 impl IoCpu {
     /// µs per unit of work since the start (`units` > 0).
-    fn per(&self, units: u64) -> Result<f64, String> {
+    pub(super) fn per(&self, units: u64) -> Result<f64, String> {
         let now = threads::cpu_ns_outside(self.pid, &self.vcpus)?;
         Ok(now.saturating_sub(self.start) as f64 / 1e3 / units.max(1) as f64)
     }
@@ -289,20 +289,9 @@ fn rtt_once(ctx: &Ctx, vmm: Vmm, pins: Option<Pins>) -> Result<(Latency, f64), S
     Ok((l, per))
 }
 
-/// The guest → host stream, one run, and the VMM's CPU per frame the sink received (from the
-/// guest's `up` line, after which it sends at once: the first frames' cost can be missed, the
-/// same way for both VMMs).
+/// The guest → host stream, one run, and the VMM's CPU per frame the sink received.
 fn stream_once(ctx: &Ctx, vmm: Vmm) -> Result<(SinkResult, f64), String> {
-    let mut sink =
-        super::tool(&ctx.bench, &ctx.ns, &sv(&["sink", "--bind", &format!("{HOST0}:9"), "--first-ms", "60000"]))?;
-    super::wait_ready(&mut sink)?;
-    let mut vm = AnyVm::boot(ctx, vmm, "irq=direct", "udpsend", &super::udpsend_args(ctx, GUEST0, HOST0))?;
-    vm.wait_up("udpsend")?;
-    let cpu = vm.io_cpu()?;
-    let r = sink.json_result::<SinkResult>(super::BOOT_LIMIT + Duration::from_secs(120))?;
-    let per = cpu.per(r.received)?;
-    vm.wait_exit(Duration::from_secs(30))?;
-    Ok((r, per))
+    super::guest_to_host_once(ctx, vmm, "irq=direct")
 }
 
 /// Each round's order: kumo, QEMU between kumo's two configurations, then the pinned pair.
