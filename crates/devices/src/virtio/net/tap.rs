@@ -443,6 +443,8 @@ mod tests {
         // Its transmit ring must not keep the queue open past the drop (a single-queue tap
         // would be busy for the next VM until the kernel had torn the ring down).
         let name = format!("kd{}", std::process::id());
+        // A child spawned meanwhile holds a copy of the queue until it execs: no `ip` now.
+        let _no_spawn = no_spawn();
         for _ in 0..20 {
             let Some(tap) = try_open(&name, 1) else { return };
             drop(tap);
@@ -525,7 +527,15 @@ mod tests {
         assert!(e.contains("without IFF_VNET_HDR"), "{e}");
     }
 
+    /// Held while a test spawns a process or needs none spawned: between fork and exec a child
+    /// holds a copy of every descriptor, so a tap dropped then is busy until the child execs.
+    fn no_spawn() -> std::sync::MutexGuard<'static, ()> {
+        static SPAWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        SPAWN.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn ip(args: &[&str]) -> bool {
+        let _spawning = no_spawn();
         std::process::Command::new("ip").args(args).output().map(|o| o.status.success()).unwrap_or(false)
     }
 
