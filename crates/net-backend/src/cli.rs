@@ -4,7 +4,7 @@ use kumo_sandbox::ThreadKind;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kumo_devices::virtio::net::tap::Tap;
+use kumo_devices::virtio::net::tap::{OpenOffloads, Tap};
 
 use crate::api;
 use crate::nic::{parse_mac, Nic};
@@ -87,7 +87,8 @@ fn serve(a: Args, api_socket: Option<PathBuf>, allow: Option<Vec<u32>>) -> Resul
     };
     // An existing tap is attached as it was made (multi-queue or not), a missing one created.
     let exists = std::path::Path::new("/sys/class/net").join(&tap_name).exists();
-    let tap = if exists { Tap::attach(&tap_name, 1) } else { Tap::open(&tap_name, 1) }.map_err(|e| e.to_string())?;
+    let tap = if exists { Tap::attach(&tap_name, 1, OpenOffloads::Clear) } else { Tap::open(&tap_name, 1) }
+        .map_err(|e| e.to_string())?;
     let nic = Arc::new(Nic::new(Box::new(tap), &tap_name, mac, !a.manual));
     let listener = Server::bind(&socket).map_err(|e| format!("{}: {e}", socket.display()))?;
     let ours = |p: &PathBuf| (p.clone(), kumo_sandbox::sock::socket_id(p));

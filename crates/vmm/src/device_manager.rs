@@ -62,7 +62,13 @@ pub struct DeviceManager {
 impl DeviceManager {
     /// Creates the devices of `vm`, with COM1's output going to `console`, its NICs, and the
     /// debug exit port if `debug_exit`. Disks are added by [`DeviceManager::add_disks`].
-    pub fn new(vm: &Vm, console: Box<dyn Write + Send>, nets: &[NetSpec], debug_exit: bool) -> Result<DeviceManager> {
+    pub fn new(
+        vm: &Vm,
+        console: Box<dyn Write + Send>,
+        nets: &[NetSpec],
+        debug_exit: bool,
+        incoming: bool,
+    ) -> Result<DeviceManager> {
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("serial interrupt"))?;
         // With a split irqchip there is no in-kernel IOAPIC pin: the serial then runs polled.
         vm.interrupts.register_irqfd(&irq, COM1_IRQ).map_err(kumo_vm::Error::from)?;
@@ -95,7 +101,9 @@ impl DeviceManager {
         let nics = nets
             .iter()
             .enumerate()
-            .map(|(i, spec)| Nic::new(i, spec, &vm.memory.guest, vm.interrupts.clone(), dispatcher.clone(), &mut pci))
+            .map(|(i, spec)| {
+                Nic::new(i, spec, &vm.memory.guest, vm.interrupts.clone(), dispatcher.clone(), &mut pci, incoming)
+            })
             .collect::<Result<Vec<_>>>()?;
         let mut persist: Vec<Arc<Mutex<dyn PersistDyn>>> = vec![serial.clone()];
         persist.extend(pci.persist_list());
@@ -400,7 +408,7 @@ mod tests {
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
+        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true, false).unwrap();
         let (mut user, end) = UnixStream::pair().unwrap();
         dm.attach_console_input(end.into()).unwrap();
         let (other, _keep) = UnixStream::pair().unwrap();
@@ -420,7 +428,7 @@ mod tests {
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let a = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
+        let a = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true, false).unwrap();
         a.buses().pio.write(u64::from(COM1_PORT) + 7, &[0x5a]); // scratch register
         a.serial_input(b"hi");
         let states: DeviceStates =
@@ -428,7 +436,7 @@ mod tests {
         assert_eq!(states.keys().collect::<Vec<_>>(), ["com1", "pci-root"]);
 
         let vm_b = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let b = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
+        let b = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true, false).unwrap();
         let mut extra = states.clone();
         extra.insert("net0".into(), states["com1"].clone());
         let e = b.restore_states(&extra).unwrap_err().to_string();
@@ -465,15 +473,15 @@ mod tests {
         std::fs::File::create(&img).unwrap().set_len(1 << 20).unwrap();
         let spec = crate::config::DiskSpec::new(&img);
         let vm = Vm::new(2, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let mut src = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
+        let mut src = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true, false).unwrap();
         src.add_disks(&vm, std::slice::from_ref(&spec), 2, false).unwrap();
         let info = src.disks();
         assert_eq!((info[0].id.as_str(), info[0].queues, info[0].size, info[0].readonly), ("disk0", 2, 1 << 20, false));
         assert!(src.save_states().unwrap().contains_key("disk0"), "its state travels by id");
 
         let vm_b = Vm::new(2, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let mut dst = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
-        let mut third = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true).unwrap();
+        let mut dst = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true, false).unwrap();
+        let mut third = DeviceManager::new(&vm_b, Box::new(std::io::sink()), &[], true, false).unwrap();
         let e = third.add_disks(&vm_b, std::slice::from_ref(&spec), 2, false).unwrap_err().to_string();
         assert!(e.contains("in use by another process (locked for writing)"), "{e}");
         dst.add_disks(&vm_b, std::slice::from_ref(&spec), 2, true).unwrap();
@@ -498,7 +506,7 @@ mod tests {
         }
         for on in [true, false] {
             let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-            let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], on).unwrap();
+            let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], on, false).unwrap();
             assert_eq!(dm.buses().pio.lookup(EXIT_PORT.into()).is_some(), on);
             assert_eq!(dm.buses().pio.write(EXIT_PORT.into(), &[3]).is_some(), on, "an exit with code 3");
             // The sleep control register is always there: the OS's S5 write powers off.
@@ -514,7 +522,7 @@ mod tests {
             return;
         }
         let vm = Vm::new(1, 16 << 20, kumo_vm::IrqchipMode::Kernel).unwrap();
-        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true).unwrap();
+        let dm = DeviceManager::new(&vm, Box::new(std::io::sink()), &[], true, false).unwrap();
         let f = vmm_sys_util::tempfile::TempFile::new().unwrap();
         let fd: OwnedFd = f.into_file().into();
         let e = dm.attach_console_input(fd).unwrap_err().to_string();

@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use kumo_devices::virtio::net::tap::Tap;
+use kumo_devices::virtio::net::tap::{OpenOffloads, Tap};
 use kumo_devices::virtio::net::{offload_names, Net, NetBackend, NetConfig};
 use kumo_devices::virtio::{status, GuestMemory, VirtioDevice};
 use kumo_vm::interrupt_paths::{IrqPath, PathRouting, SharedDispatcher};
@@ -44,10 +44,11 @@ impl Nic {
         irq: Arc<Interrupts>,
         dispatcher: Option<Arc<SharedDispatcher>>,
         pci: &mut Pci,
+        incoming: bool,
     ) -> Result<Nic> {
         match &spec.vhost_user {
             Some(_) => VhostUserNic::new(index, spec, mem, irq, dispatcher, pci).map(Nic::VhostUser),
-            None => TapNic::new(index, spec, mem, irq, dispatcher, pci).map(Nic::Tap),
+            None => TapNic::new(index, spec, mem, irq, dispatcher, pci, incoming).map(Nic::Tap),
         }
     }
 
@@ -127,6 +128,8 @@ pub struct TapNic {
 
 impl TapNic {
     /// Attaches tap `spec.tap`, puts NIC `index` (`net<index>`) on `pci` and starts its thread.
+    /// An `incoming` NIC leaves the tap's offloads as its source (which may still hold the tap)
+    /// set them; its restored driver sets the same ones.
     pub fn new(
         index: usize,
         spec: &NetSpec,
@@ -134,19 +137,21 @@ impl TapNic {
         irq: Arc<Interrupts>,
         dispatcher: Option<Arc<SharedDispatcher>>,
         pci: &mut Pci,
+        incoming: bool,
     ) -> Result<TapNic> {
+        let offloads = if incoming { OpenOffloads::Keep } else { OpenOffloads::Clear };
         let id = format!("net{index}");
         let dev_err = |m: String| Error::Devices(format!("{id} (tap {}): {m}", spec.tap));
         let mac = spec.mac().map_err(dev_err)?;
         let tap = match &spec.fds {
             TapFds::ByName => {
-                Tap::attach(&spec.tap, usize::from(spec.queues)).map_err(|e| Error::Devices(e.to_string()))?
+                Tap::attach(&spec.tap, usize::from(spec.queues), offloads).map_err(|e| Error::Devices(e.to_string()))?
             }
             // The client's descriptors stay with the config (for the next boot): the NIC has
             // duplicates of its own.
             TapFds::Passed(fds) => {
                 let fds = fds.duplicate().map_err(|e| dev_err(format!("duplicating its tap descriptors: {e}")))?;
-                Tap::from_fds(fds).map_err(|e| dev_err(e.to_string()))?
+                Tap::from_fds(fds, offloads).map_err(|e| dev_err(e.to_string()))?
             }
             TapFds::OnSource => {
                 return Err(dev_err("its tap came as descriptors on its source: give it one here".into()))

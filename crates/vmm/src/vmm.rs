@@ -283,7 +283,7 @@ fn create_devices(
     incoming: bool,
 ) -> Result<DeviceManager> {
     let sink = TimedSink { out: serial, vcpus: vcpus.clone(), seen: false, line: Vec::new() };
-    let mut devices = DeviceManager::new(vm, Box::new(sink), &config.net, config.debug_exit)?;
+    let mut devices = DeviceManager::new(vm, Box::new(sink), &config.net, config.debug_exit, incoming)?;
     devices.add_disks(vm, &config.disks, config.cpus, incoming)?;
     Ok(devices)
 }

@@ -119,6 +119,17 @@ pub struct TapFdInfo {
     pub multi_queue: bool,
 }
 
+/// What opening a tap does to its offload flags, which are the tap's, not a queue's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenOffloads {
+    /// None until the driver accepts some: frames a previous owner's flags let the kernel
+    /// build must not reach a driver that never accepted them.
+    Clear,
+    /// Left as they are: a migration's destination, whose source still holds the tap and whose
+    /// guest keeps the flags it accepted; the restored driver sets the same ones here.
+    Keep,
+}
+
 /// A TAP interface with one fd per queue pair.
 #[derive(Debug)]
 pub struct Tap {
@@ -131,6 +142,9 @@ pub struct Tap {
     attached: bool,
     /// The offloads this host's tap driver takes ([`host_offloads`]).
     offloads: u64,
+    /// The flags this process last gave the tap (None: never), set again when its queues are
+    /// attached again: another process on the tap may have changed them meanwhile.
+    applied: Option<libc::c_uint>,
 }
 
 /// Gives a tap queue kumo's vnet header size.
@@ -158,23 +172,24 @@ fn check_name(name: &str) -> Result<(), TapError> {
 
 impl Tap {
     /// Sets the tap's offload flags (they are the tap's, not a queue's).
-    fn tun_offload(&self, flags: libc::c_uint) -> io::Result<()> {
+    fn tun_offload(&mut self, flags: libc::c_uint) -> io::Result<()> {
         let Some(f) = self.queues.first() else { return Ok(()) };
         // SAFETY: TUNSETOFFLOAD takes its argument by value; the fd is one of this tap's.
         let r = unsafe { libc::ioctl(f.as_raw_fd(), TUNSETOFFLOAD as _, flags as libc::c_ulong) };
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
+        self.applied = Some(flags);
         Ok(())
     }
 
     /// Attaches `queues` queues of tap `name` (created if it does not exist; multi-queue when
     /// `queues` > 1).
     pub fn open(name: &str, queues: usize) -> Result<Self, TapError> {
-        Self::open_with(name, queues, queues > 1)
+        Self::open_with(name, queues, queues > 1, OpenOffloads::Clear)
     }
 
-    fn open_with(name: &str, queues: usize, multi_queue: bool) -> Result<Self, TapError> {
+    fn open_with(name: &str, queues: usize, multi_queue: bool, offloads: OpenOffloads) -> Result<Self, TapError> {
         check_name(name)?;
         let queues = queues.max(1);
         let mut files = Vec::with_capacity(queues);
@@ -205,11 +220,16 @@ impl Tap {
             set_vnet_hdr_size(&f, name)?;
             files.push(f);
         }
-        Self::with_queues(name.to_string(), files, multi_queue)
+        Self::with_queues(name.to_string(), files, multi_queue, offloads)
     }
 
-    /// The tap on its prepared queues, with no offloads until the driver accepts them.
-    fn with_queues(name: String, queues: Vec<File>, multi_queue: bool) -> Result<Self, TapError> {
+    /// The tap on its prepared queues, its offloads cleared or kept.
+    fn with_queues(
+        name: String,
+        queues: Vec<File>,
+        multi_queue: bool,
+        offloads: OpenOffloads,
+    ) -> Result<Self, TapError> {
         let tx_rings = queues
             .iter()
             .map(|f| {
@@ -218,8 +238,15 @@ impl Tap {
                     .ok()
             })
             .collect();
-        let mut tap = Tap { name, tx_rings, queues, multi_queue, attached: true, offloads: host_offloads() };
-        tap.set_offload(0).map_err(|err| TapError::Ioctl { name: tap.name.clone(), what: "clearing offloads", err })?;
+        let mut tap =
+            Tap { name, tx_rings, queues, multi_queue, attached: true, offloads: host_offloads(), applied: None };
+        if offloads == OpenOffloads::Clear {
+            tap.set_offload(0).map_err(|err| TapError::Ioctl {
+                name: tap.name.clone(),
+                what: "clearing offloads",
+                err,
+            })?;
+        }
         Ok(tap)
     }
 
@@ -227,9 +254,9 @@ impl Tap {
     /// rather than a new one nobody configured). A tap made `multi_queue` is attached that way
     /// even for one queue: then two processes may hold it at once, which a migration between two
     /// kumo processes on one host needs.
-    pub fn attach(name: &str, queues: usize) -> Result<Self, TapError> {
+    pub fn attach(name: &str, queues: usize, offloads: OpenOffloads) -> Result<Self, TapError> {
         let multi = Self::check(name, queues)?;
-        Self::open_with(name, queues, multi)
+        Self::open_with(name, queues, multi, offloads)
     }
 
     /// Checks, without opening it, that tap `name` exists and can take `queues` queues;
@@ -290,8 +317,8 @@ impl Tap {
 
     /// A tap on descriptors someone else opened and passed (a CH client's `fds`), one per
     /// queue pair, all of one tap ([`Tap::inspect`] each); made non-blocking, with kumo's
-    /// vnet header size and no offloads, as [`Tap::open`] leaves its own.
-    pub fn from_fds(fds: Vec<OwnedFd>) -> Result<Self, TapError> {
+    /// vnet header size, as [`Tap::attach`] leaves its own.
+    pub fn from_fds(fds: Vec<OwnedFd>, offloads: OpenOffloads) -> Result<Self, TapError> {
         let info = Self::inspect_all(fds.iter().map(AsFd::as_fd))?;
         let name = info.name;
         for fd in &fds {
@@ -311,7 +338,7 @@ impl Tap {
             }
             set_vnet_hdr_size(fd, &name)?;
         }
-        Self::with_queues(name, fds.into_iter().map(File::from).collect(), info.multi_queue)
+        Self::with_queues(name, fds.into_iter().map(File::from).collect(), info.multi_queue, offloads)
     }
 
     /// [`Tap::inspect`] of each of `fds`, which must be queues of one tap (multi-queue if more
@@ -335,8 +362,9 @@ impl Tap {
 
     /// Attaches or detaches this process's queues of a multi-queue tap: the kernel hands frames
     /// only to attached queues, so a migration's destination keeps its queues detached until it
-    /// runs, and its source detaches them when it stops for good. A single-queue tap always
-    /// stays attached (Ok, nothing done).
+    /// runs, and its source detaches them when it stops for good. Attached again, the queues
+    /// get this process's offload flags again (a destination that failed may have changed
+    /// them). A single-queue tap always stays attached (Ok, nothing done).
     pub fn set_attached(&mut self, on: bool) -> io::Result<()> {
         if !self.multi_queue || self.attached == on {
             return Ok(());
@@ -352,7 +380,10 @@ impl Tap {
             }
         }
         self.attached = on;
-        Ok(())
+        match self.applied {
+            Some(flags) if on => self.tun_offload(flags),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -477,25 +508,73 @@ mod tests {
         let e = Tap::open(&name, 1).unwrap_err();
         assert!(matches!(e, TapError::Mismatch { queues: 1, .. }), "{e}");
         // attach: only taps that exist; a multi-queue tap is attached as one even for 1 queue.
-        assert_eq!(Tap::attach(&name, 2).unwrap().pairs(), 2);
-        let mut one = Tap::attach(&name, 1).unwrap();
+        assert_eq!(Tap::attach(&name, 2, OpenOffloads::Clear).unwrap().pairs(), 2);
+        let mut one = Tap::attach(&name, 1, OpenOffloads::Clear).unwrap();
         assert_eq!(one.pairs(), 1);
         one.set_attached(false).unwrap();
         one.set_attached(false).unwrap();
         one.set_attached(true).unwrap();
-        let e = Tap::attach("kumo-no-such", 1).unwrap_err().to_string();
+        let e = Tap::attach("kumo-no-such", 1, OpenOffloads::Clear).unwrap_err().to_string();
         assert_eq!(e, "no network interface named kumo-no-such (create it with `ip tuntap add kumo-no-such mode tap`)");
-        let e = Tap::attach("lo", 1).unwrap_err().to_string();
+        let e = Tap::attach("lo", 1, OpenOffloads::Clear).unwrap_err().to_string();
         assert_eq!(e, "lo is a network interface but not a tap");
 
         let single = format!("ks{}", std::process::id());
         let Some(_a) = try_open(&single, 1) else { return };
         let e = Tap::open(&single, 1).unwrap_err();
         assert!(matches!(e, TapError::Busy(_)), "{e}");
-        let e = Tap::attach(&single, 2).unwrap_err();
+        let e = Tap::attach(&single, 2, OpenOffloads::Clear).unwrap_err();
         assert!(matches!(e, TapError::SingleQueue { queues: 2, .. }), "more queues than a single-queue tap has: {e}");
         assert_eq!(e.to_string(), format!("tap {single} cannot take 2 queue pairs: it was made without multi_queue"));
         assert!(!Tap::check(&single, 1).unwrap() && Tap::check(&name, 2).unwrap());
+    }
+
+    /// Whether the kernel segments TCP for tap `name` (ETHTOOL_GTSO): on only while the tap's
+    /// flags take TSO, so it shows what TUNSETOFFLOAD last set.
+    fn tso_on(name: &str) -> bool {
+        #[repr(C)]
+        struct Value {
+            cmd: u32,
+            data: u32,
+        }
+        #[repr(C)]
+        struct Req {
+            name: [u8; libc::IFNAMSIZ],
+            data: *mut Value,
+            _pad: [u8; 16],
+        }
+        const SIOCETHTOOL: libc::c_ulong = 0x8946;
+        const ETHTOOL_GTSO: u32 = 0x1e;
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut v = Value { cmd: ETHTOOL_GTSO, data: 0 };
+        let mut req = Req { name: [0; libc::IFNAMSIZ], data: &mut v, _pad: [0; 16] };
+        req.name[..name.len()].copy_from_slice(name.as_bytes());
+        // SAFETY: SIOCETHTOOL reads one ifreq whose data points at one ethtool_value, both
+        // alive for the call.
+        let r = unsafe { libc::ioctl(sock.as_raw_fd(), SIOCETHTOOL as _, &mut req as *mut Req) };
+        assert_eq!(r, 0, "ETHTOOL_GTSO on {name}: {}", io::Error::last_os_error());
+        v.data != 0
+    }
+
+    #[test]
+    fn a_migrations_destination_leaves_the_sources_offloads_as_they_are() {
+        use crate::virtio::net::{VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4};
+        let name = format!("ko{}", std::process::id());
+        let Some(mut source) = try_open(&name, 2) else { return };
+        assert!(!tso_on(&name), "a tap kumo opens has no offloads");
+        source.set_offload(VIRTIO_NET_F_GUEST_CSUM | VIRTIO_NET_F_GUEST_TSO4).unwrap();
+        assert!(tso_on(&name));
+        // A destination attaches the tap while its source runs: the source's guest keeps them.
+        let mut dest = Tap::attach(&name, 2, OpenOffloads::Keep).unwrap();
+        dest.set_attached(false).unwrap();
+        assert!(tso_on(&name), "the destination changed the running source's offloads");
+        // A VM that is not arriving starts with none.
+        drop(Tap::attach(&name, 2, OpenOffloads::Clear).unwrap());
+        assert!(!tso_on(&name));
+        // A source that gets its queues back (a failed migration) gets its flags back too.
+        source.set_attached(false).unwrap();
+        source.set_attached(true).unwrap();
+        assert!(tso_on(&name), "the source's offloads were not set again when it took its queues back");
     }
 
     /// A tap queue opened as a CH client opens one (TUNSETIFF with `flags`); None without tun.
@@ -519,11 +598,11 @@ mod tests {
             return;
         };
         assert_eq!(Tap::inspect(good.as_fd()).unwrap(), TapFdInfo { name: name.clone(), multi_queue: false });
-        let tap = Tap::from_fds(vec![good]).unwrap();
+        let tap = Tap::from_fds(vec![good], OpenOffloads::Clear).unwrap();
         assert_eq!((tap.name(), tap.pairs()), (name.as_str(), 1));
         let plain = format!("kp{}", std::process::id());
         let Some(no_hdr) = client_fd(&plain, IFF_TAP | IFF_NO_PI) else { return };
-        let e = Tap::from_fds(vec![no_hdr]).unwrap_err().to_string();
+        let e = Tap::from_fds(vec![no_hdr], OpenOffloads::Clear).unwrap_err().to_string();
         assert!(e.contains("without IFF_VNET_HDR"), "{e}");
     }
 
