@@ -783,7 +783,7 @@ pub struct MigrateRequest {
     /// `downtime_ms` is given. `true` without `downtime_ms`: Xen's rule alone.
     #[serde(default)]
     pub xen: Option<bool>,
-    /// Parallel connections: default 2 for overlap and zerocopy, 1 for serial and local.
+    /// Parallel connections: default 4 for overlap and zerocopy, 1 for serial and local.
     #[serde(default)]
     pub connections: Option<usize>,
     /// Only observe the guest's dirtying for `estimate_ms` and predict the migration.

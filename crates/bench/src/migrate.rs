@@ -75,12 +75,14 @@ impl Engine {
     }
 }
 
-const ENGINES: [Engine; 6] = [
+const ENGINES: [Engine; 7] = [
     Engine { label: "serial", engine: "serial", connections: 1 },
     Engine { label: "overlap", engine: "overlap", connections: 1 },
     Engine { label: "overlap x2", engine: "overlap", connections: 2 },
     Engine { label: "zerocopy", engine: "zerocopy", connections: 1 },
     Engine { label: "zerocopy x2", engine: "zerocopy", connections: 2 },
+    // kumo's default.
+    Engine { label: "zerocopy x4", engine: "zerocopy", connections: 4 },
     Engine { label: "local", engine: "local", connections: 1 },
 ];
 const SERIAL: Engine = ENGINES[0];

@@ -31,7 +31,7 @@ pub struct MigrateArgs {
     /// Apply Xen's stop rule: alone, without the default 50 ms target, unless --downtime-ms.
     #[arg(long, conflicts_with = "no_xen")]
     xen: bool,
-    /// Parallel connections (overlap, zerocopy) [default: 2; 1 for serial and local].
+    /// Parallel connections (overlap, zerocopy) [default: 4; 1 for serial and local].
     #[arg(long)]
     connections: Option<usize>,
     /// Cap on the page data sent per second, e.g. 100M (100 MiB/s); at least 1 MB/s.

@@ -35,12 +35,14 @@ impl MigrationEngine {
         }
     }
 
-    /// Connections when none are given: two for the pipelined engines (two receivers place
-    /// pages in parallel: 1.3-1.6x one connection's rate on the project's 2-core hosts), one
-    /// for `serial` (one batch in flight) and `local` (no pages travel).
+    /// Connections when none are given: four for the pipelined engines, one for `serial` (one
+    /// batch in flight) and `local` (no pages travel). On the project's 2-core hosts two
+    /// connections reach 1.3-1.6x one's rate, and four took a flat-out 512 MiB guest across in
+    /// 156-169 ms instead of 242-244 at 30 ms (`kumo bench migrate --quick`, docs/migration.md);
+    /// eight took no less time and left a guest writing at a fixed rate less of its CPU.
     pub fn default_connections(self) -> usize {
         match self {
-            MigrationEngine::Overlap | MigrationEngine::Zerocopy => 2,
+            MigrationEngine::Overlap | MigrationEngine::Zerocopy => 4,
             MigrationEngine::Serial | MigrationEngine::Local => 1,
         }
     }
@@ -85,7 +87,7 @@ mod tests {
         }
         assert_eq!(MigrationEngine::default_for(false), MigrationEngine::Zerocopy);
         assert_eq!(MigrationEngine::default_for(true), MigrationEngine::Overlap);
-        assert_eq!(MigrationEngine::Zerocopy.default_connections(), 2);
+        assert_eq!(MigrationEngine::Zerocopy.default_connections(), 4);
         assert_eq!(MigrationEngine::Serial.default_connections(), 1);
         let e = "warp".parse::<MigrationEngine>().unwrap_err();
         assert!(e.contains("unknown engine `warp`") && !e.contains('\n'), "{e}");

@@ -6,7 +6,7 @@
 //! then they migrate **hop by hop in turn**, kumo first on even steps and QEMU first on odd ones,
 //! so that neither VMM gets the quieter moments. While one migrates, the other's guest is paused
 //! (kumo `pause`, QEMU `stop`): nothing else runs on the host. Each step has a rule:
-//! - *defaults*: each VMM as it comes (kumo: no flags, i.e. zerocopy over two connections, Xen's
+//! - *defaults*: each VMM as it comes (kumo: no flags, i.e. zerocopy over four connections, Xen's
 //!   rule beside a 50 ms downtime target; QEMU: its 300 ms downtime limit);
 //! - *a target*: kumo `--downtime-ms T`, QEMU `downtime-limit T` (30 ms in the tables; 10, 30
 //!   and 50 ms in section 6's downtime distributions).
@@ -321,7 +321,8 @@ impl Side for KumoSide {
         h.host_ms = (t1 - t0).as_secs_f64() * 1e3;
         h.total_ms = m.total_ms;
         h.downtime_ms = m.downtime_ms;
-        h.pages = m.total_pages;
+        // Zero pages go as runs of page numbers, as QEMU's go as flags: not "with contents".
+        h.pages = m.total_pages.saturating_sub(m.report["zero_pages"].as_u64().unwrap_or(0));
         h.phases = Some(m.report["phases"].clone());
         h.rounds = Some(m.report["rounds"].clone());
         Ok((t0, t1))

@@ -528,7 +528,7 @@ mod tests {
     #[test]
     fn engine_and_connections_default_by_transport_and_engine() {
         let (_, o) = options(&MigrateRequest::to("tcp:127.0.0.1:4444")).unwrap();
-        assert_eq!((o.engine, o.connections), (MigrationEngine::Zerocopy, 2));
+        assert_eq!((o.engine, o.connections), (MigrationEngine::Zerocopy, 4));
         let req = MigrateRequest { engine: Some(MigrationEngine::Serial), ..MigrateRequest::to("unix:/x.sock") };
         assert_eq!(options(&req).unwrap().1.connections, 1);
         let e = options(&MigrateRequest { strict: Some(true), ..MigrateRequest::to("tcp:127.0.0.1:1") }).unwrap_err();
