@@ -617,12 +617,11 @@ fn guest_to_host_once(ctx: &Ctx, vmm: Vmm, irq: &str, cpu: bool) -> Result<(Sink
     let mut sink = tool(&ctx.bench, &ctx.ns, &sv(&["sink", "--bind", &format!("{HOST0}:9"), "--first-ms", "60000"]))?;
     wait_ready(&mut sink)?;
     let mut vm = AnyVm::boot(ctx, vmm, irq, "udpsend", &udpsend_args(ctx, GUEST0, HOST0))?;
-    let clock = match cpu {
-        true => {
-            vm.wait_up("udpsend")?;
-            Some(vm.io_cpu()?)
-        }
-        false => None,
+    let clock = if cpu {
+        vm.wait_up("udpsend")?;
+        Some(vm.io_cpu()?)
+    } else {
+        None
     };
     let r = sink.json_result::<SinkResult>(BOOT_LIMIT + Duration::from_secs(120));
     let per = match (&r, clock) {

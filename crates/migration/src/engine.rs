@@ -38,8 +38,9 @@ impl MigrationEngine {
     /// Connections when none are given: four for the pipelined engines, one for `serial` (one
     /// batch in flight) and `local` (no pages travel). On the project's 2-core hosts two
     /// connections reach 1.3-1.6x one's rate, and four took a flat-out 512 MiB guest across in
-    /// 156-169 ms instead of 242-244 at 30 ms (`kumo bench migrate --quick`, docs/migration.md);
-    /// eight took no less time and left a guest writing at a fixed rate less of its CPU.
+    /// 174-178 ms instead of 251-309 at 30 ms, host-timed (`kumo bench migrate --quick`,
+    /// docs/migration.md); eight took no less time and left a guest writing at a fixed rate less
+    /// of its CPU.
     pub fn default_connections(self) -> usize {
         match self {
             MigrationEngine::Overlap | MigrationEngine::Zerocopy => 4,
