@@ -92,6 +92,7 @@ struct net_cfg {
     u8 vector, vector1;
     int sink;
     int init_on_input;
+    int stay;
 };
 
 #define NET_COMMON_PARAMS                                                                          \
@@ -100,7 +101,8 @@ struct net_cfg {
     "param=vector:u64:0xe0:interrupt vector of NIC 0's queues (a high priority class)\n"          \
     "param=sink:u64:0:1 = also drive NIC 1 as an interference sink on vCPU 0 (count and drop, answer ARP)\n" \
     "param=ip1:ipv4:10.0.2.2:NIC 1's address (with sink=1)\n"                                    \
-    "param=init_on_input:u64:0:1 = initialise NIC 0's driver only when a byte arrives on the console (a NIC plugged in later)\n"
+    "param=init_on_input:u64:0:1 = initialise NIC 0's driver only when a byte arrives on the console (a NIC plugged in later)\n" \
+    "param=stay:u64:0:1 = after the program's result stay up, idle, instead of ending the VM (a host reads the VMM's threads first)\n"
 
 extern struct kumo_boot_info *net_bi;
 extern struct nic net_nics[NET_MAX_NICS];

@@ -137,6 +137,7 @@ static void parse_common(u32 default_ip) {
     u64 cpu = net_param_u64("cpu", 0), vector = net_param_u64("vector", 0xe0);
     net_cfg.sink = net_param_u64("sink", 0) != 0;
     net_cfg.init_on_input = net_param_u64("init_on_input", 0) != 0;
+    net_cfg.stay = net_param_u64("stay", 0) != 0;
     if (cpu >= net_bi->ncpus || cpu >= KUMO_MAX_CPUS) {
         kprintf("%s: cpu=%lu but the VM has %u vCPUs\n", net_prog, cpu, net_bi->ncpus);
         kumo_exit(2);
@@ -188,7 +189,13 @@ static u64 role(u64 cpu) {
         bring_up(&c, &net_nics[0], net_cfg.irq, net_cfg.vector, id);
         if (sink && cpu == 0)
             bring_up(&c, &net_nics[1], 1, net_cfg.vector1, id);
-        return app_fn(&c);
+        u64 rc = app_fn(&c);
+        if (!net_cfg.stay)
+            return rc;
+        /* The VM's end would take the VMM's I/O threads (and their CPU time) with it. */
+        kprintf("%s: finished rc=%lu, staying up\n", net_prog, rc);
+        for (;;)
+            kumo_wait_change(0, 0, 0);
     }
     if (cpu == 0 && sink) {
         c.irq = 1;

@@ -223,7 +223,15 @@ impl AnyVm {
     pub fn wait_up(&mut self, guest: &str) -> Result<(), String> {
         match self {
             AnyVm::Kumo(vm) => super::wait_up(vm, guest, 0).map(drop),
-            AnyVm::Qemu(vm) => vm.wait_serial(&format!("{guest}: up nic=0"), super::BOOT_LIMIT).map(drop),
+            AnyVm::Qemu(_) => self.wait_serial(&format!("{guest}: up nic=0"), super::BOOT_LIMIT),
+        }
+    }
+
+    /// Waits for a console line containing `needle`.
+    pub fn wait_serial(&mut self, needle: &str, limit: Duration) -> Result<(), String> {
+        match self {
+            AnyVm::Kumo(vm) => vm.wait_line(limit, needle, |l| l.contains(needle).then_some(())).map(drop),
+            AnyVm::Qemu(vm) => vm.wait_serial(needle, limit).map(drop),
         }
     }
 
