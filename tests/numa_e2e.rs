@@ -1,6 +1,7 @@
 //! End to end: `kumo run --numa …` and `--cpus N,pin=…` refuse bad topologies and pins with
 //! one-line errors (exit status 1) before any VM is built, so these cases need no /dev/kvm;
-//! `--numa mirror` and `--cpus N,pin=` pin vCPU threads, and `vm.pin` re-pins them (KVM).
+//! `--numa mirror` and `--cpus N,pin=` pin vCPU threads, `vm.pin` re-pins them, and the VMM's
+//! other threads keep off pinned vCPUs' CPUs (KVM).
 
 use kumo_testkit::*;
 
@@ -156,6 +157,59 @@ fn vcpu_affinities(pid: u32, vcpus: u32) -> Vec<String> {
             status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string()
         })
         .collect()
+}
+
+/// Each thread of `pid` but its vCPUs and KVM's workers (`kvm-nx-lpage-recovery` is a kernel
+/// worker in the VMM's thread group, not kumo's): name and `Cpus_allowed_list`.
+fn other_threads(pid: u32) -> Vec<(String, String)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| {
+            let name = std::fs::read_to_string(t.path().join("comm")).ok()?.trim().to_string();
+            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+            let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?.trim().to_string();
+            (!name.starts_with("vcpu") && !name.starts_with("kvm-")).then_some((name, cpus))
+        })
+        .collect()
+}
+
+/// `--cpus 1,pin=0@1` gives vCPU 0 host CPU 1 to itself: every other thread of the VMM
+/// (devices, the API and its connections, the console, the main thread) runs on the VMM's other
+/// CPUs, and follows `vm.pin`: with the vCPU unpinned they float over all of them again.
+#[test]
+fn io_threads_keep_off_a_pinned_vcpus_cpu() {
+    if !kvm_or_skip("io_threads_keep_off_a_pinned_vcpus_cpu") {
+        return;
+    }
+    let all = kumo_vm::sched::thread_affinity().unwrap();
+    if !(all.contains(&0) && all.contains(&1)) {
+        return eprintln!("skipping: needs host CPUs 0 and 1 allowed");
+    }
+    let but =
+        |c: u32| kumo_vmm::placement::format_cpulist(&all.iter().copied().filter(|&x| x != c).collect::<Vec<_>>());
+    let dir = TestDir::new();
+    let sock = dir.arg("api.sock");
+    let mut vm =
+        Kid::spawn(&["run", "--api-socket", &sock, "--cpus", "1,pin=0@1", "--guest", "memtouch", "until_input=1"]);
+    vm.wait_stdout("memtouch: pages=", PATIENCE);
+    let c = kumo_api::ApiClient::new(&sock);
+    eventually(PATIENCE, || c.info().ok());
+    let check = |want: &str, vcpu: &str| {
+        let others = other_threads(vm.id());
+        assert!(others.len() >= 3, "{others:?}");
+        assert!(others.iter().all(|(_, cpus)| cpus == want), "want every thread on {want}: {others:?}");
+        assert_eq!(vcpu_affinities(vm.id(), 1), [vcpu]);
+    };
+    check(&but(1), "1");
+    c.pin(0, None).unwrap();
+    let every = kumo_vmm::placement::format_cpulist(&all);
+    check(&every, &every);
+    c.pin(0, Some(0)).unwrap();
+    check(&but(0), "0");
+    vm.stop_guest();
+    let (code, out, err) = vm.wait();
+    assert_eq!(code, Some(0), "{out}\n{err}");
 }
 
 /// `--cpus 2,pin=0@0,1@1` pins each vCPU thread at start; `vm.pin` re-pins vCPU 1 and unpins

@@ -113,6 +113,7 @@ fn net_bench_drives_kumo_net_and_cleans_up() {
         "poll_rtt_p99_ratio_qemu",
         "poll_mbps_ratio_qemu",
         "pinned_rtt_p99_ratio_qemu",
+        "self_pinned_rtt_p99_ratio_qemu",
         "io_cpu_frame_ratio_qemu",
     ];
     assert_eq!(keys[..4], ["dedicated_p99_us", "dedicated_unloaded_p99_us", "shared_p99_us", "veth_ratio"], "{last}");

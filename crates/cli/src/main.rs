@@ -726,6 +726,8 @@ fn run_vm(
         }
         *filtered = true;
     }
+    // Like every other thread but the vCPUs, kept off pinned vCPUs' CPUs.
+    let _io = kumo_sandbox::cpus::register_this_thread(ThreadKind::Vmm);
     let report = vm.wait_timeout(a.timeout.filter(|t| !t.is_zero()));
     if let Some(p) = &a.timings_json {
         let j = serde_json::to_string_pretty(&report.timings).unwrap_or_default();

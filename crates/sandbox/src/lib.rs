@@ -4,7 +4,9 @@
 //! runs under a panic guard that reports the panic to the process (the VMM turns it into the
 //! VM's stop reason) and, once the process has chosen its [`seccomp::Mode`], under its kind's
 //! seccomp filter. [`landlock`] limits the paths the process may open after its setup.
+//! [`cpus`] keeps the registry of those threads and the host CPUs of the ones that are not vCPUs.
 
+pub mod cpus;
 pub mod fs;
 pub mod hooks;
 mod kind;

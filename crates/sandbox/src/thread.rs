@@ -79,6 +79,7 @@ pub fn contain<T>(kind: ThreadKind, what: &str, f: impl FnOnce() -> T) -> Result
 /// Runs `f` as the body of a new thread of `kind`: its seccomp filter first, then `f` under the
 /// panic guard.
 fn body<T>(kind: ThreadKind, name: &str, inherited: Option<ThreadKind>, f: impl FnOnce() -> T) -> T {
+    let _registered = crate::cpus::register(kind, inherited.is_none());
     crate::seccomp::enter(kind, name, inherited);
     guarded(kind, name, f)
 }

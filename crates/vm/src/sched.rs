@@ -60,60 +60,11 @@ pub fn pin_thread(cpu: u32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Sets the CPUs thread `tid` (a kernel thread id; 0: the calling thread) may run on: how a
-/// vCPU is re-pinned (or, with every online CPU, unpinned) from the API thread without waking it.
-pub fn set_affinity(tid: i32, cpus: &[u32]) -> std::io::Result<()> {
-    if let Some(&c) = cpus.iter().find(|&&c| c as usize >= libc::CPU_SETSIZE as usize) {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("host CPU {c} is beyond CPU_SETSIZE"),
-        ));
-    }
-    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it (every cpu checked
-    // below CPU_SETSIZE above) and sched_setaffinity reads exactly size_of it.
-    let rc = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for &c in cpus {
-            libc::CPU_SET(c as usize, &mut set);
-        }
-        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// The host CPUs thread `tid` (0: the calling thread) may run on, ascending.
-pub fn affinity_of(tid: i32) -> std::io::Result<Vec<u32>> {
-    // SAFETY: sched_getaffinity writes at most size_of cpu_set_t into a set we own;
-    // CPU_ISSET reads it for cpu < CPU_SETSIZE.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok((0..libc::CPU_SETSIZE as u32).filter(|&c| libc::CPU_ISSET(c as usize, &set)).collect())
-    }
-}
-
-/// The calling thread's kernel thread id.
-pub fn this_tid() -> i32 {
-    // SAFETY: gettid has no arguments and cannot fail.
-    unsafe { libc::gettid() }
-}
+pub use kumo_sandbox::cpus::{affinity_of, set_affinity, this_tid};
 
 /// The host CPUs the calling thread may run on (`sched_getaffinity`), ascending.
 pub fn thread_affinity() -> std::io::Result<Vec<u32>> {
-    // SAFETY: sched_getaffinity(0 = this thread) writes at most size_of cpu_set_t into a set we
-    // own; CPU_ISSET reads it for cpu < CPU_SETSIZE.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok((0..libc::CPU_SETSIZE as u32).filter(|&c| libc::CPU_ISSET(c as usize, &set)).collect())
-    }
+    affinity_of(0)
 }
 
 #[cfg(test)]

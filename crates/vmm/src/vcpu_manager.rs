@@ -295,10 +295,17 @@ impl VcpuManager {
 
     /// A vCPU thread: its start-up placement, then its run loop, under a panic guard.
     fn thread_main(&self, id: u32, vcpu: Arc<Mutex<Vcpu>>, bus: &Buses, pin: Option<u32>, prioritized: bool) {
-        if let Some(cpu) = pin {
-            if let Err(e) = kumo_vm::sched::pin_thread(cpu) {
-                tracing::warn!("vCPU {id} not pinned to host CPU {cpu}: {e}");
-            }
+        let placed = match pin {
+            Some(cpu) => kumo_vm::sched::pin_thread(cpu),
+            // Its creator's CPUs may be the I/O threads' (a vCPU hot-added through the API).
+            None if self.float_cpus.is_empty() => Ok(()),
+            None => kumo_vm::sched::set_affinity(0, &self.float_cpus),
+        };
+        if let Err(e) = placed {
+            tracing::warn!(
+                "vCPU {id} not placed on host CPU(s) {:?}: {e}",
+                pin.map_or(self.float_cpus.clone(), |c| vec![c])
+            );
         }
         if prioritized {
             kumo_vm::interrupt_paths::prioritize_this_thread(&format!("vCPU {id}"));
@@ -687,6 +694,11 @@ impl VcpuManager {
             .flatten()
             .ok_or_else(|| PinError::NoThread(format!("vCPU {vcpu} has no running thread")))?;
         kumo_vm::sched::set_affinity(tid, cpus).map_err(|e| PinError::Failed(format!("cannot pin vCPU {vcpu}: {e}")))
+    }
+
+    /// The host CPUs an unpinned vCPU floats over: the VMM's when the VM was made.
+    pub fn float_cpus(&self) -> &[u32] {
+        &self.float_cpus
     }
 
     /// Each vCPU's host CPU as its thread's affinity reads now: `Some(cpu)` when it may run on

@@ -230,6 +230,7 @@ impl RunningVm {
         let started = Instant::now();
         let vm = RunningVm { vm, config, vcpus, devices, started, elastic, zones, api_name: Default::default() };
         vm.vcpus.start(vm.devices.buses(), &vm.config.host.pins, &prioritized)?;
+        vm.place_io_threads(&vm.config.host.pins);
         Ok(vm)
     }
 }
@@ -366,8 +367,24 @@ impl RunningVm {
     }
 
     /// Pins vCPU `vcpu` to host CPU `cpu` (`None`: unpins it); see [`VcpuManager::pin_vcpu`].
+    /// The VM's other threads follow ([`RunningVm::place_io_threads`]).
     pub fn pin_vcpu(&self, vcpu: u32, cpu: Option<u32>) -> std::result::Result<(), PinError> {
-        self.vcpus.pin_vcpu(vcpu, cpu)
+        self.vcpus.pin_vcpu(vcpu, cpu)?;
+        self.place_io_threads(&self.vcpus.vcpu_pins());
+        Ok(())
+    }
+
+    /// Keeps the VM's threads that are not vCPUs off the CPUs of pinned vCPUs (`pins`), where
+    /// a CPU is left for them (`placement::io_cpus`). Not for an elastic VM: its pins follow its
+    /// lends, and a lend's path makes no more system calls than it must.
+    fn place_io_threads(&self, pins: &[Option<u32>]) {
+        if self.elastic.is_some() {
+            return;
+        }
+        let cpus = crate::placement::io_cpus(self.vcpus.float_cpus(), pins);
+        if let Err(e) = kumo_sandbox::cpus::set_io_cpus(&cpus) {
+            tracing::warn!("the VM's I/O threads are not all on host CPUs {cpus:?}: {e}");
+        }
     }
 
     /// The vCPUs whose threads are parked now.

@@ -803,7 +803,7 @@ fn print_rows(c: &Compare) {
         c.qemu_cpu
     );
     println!("   the two guests stay up and migrate in turn, hop by hop (kumo first on even steps, QEMU on odd), the other paused;");
-    println!("   rules: defaults = each VMM as it comes (kumo: zerocopy x2, Xen's rule + 50 ms target; QEMU: downtime limit 300 ms),");
+    println!("   rules: defaults = each VMM as it comes (kumo: zerocopy x4, Xen's rule + 50 ms target; QEMU: downtime limit 300 ms),");
     println!("   {HEADLINE_TARGET} ms = kumo --downtime-ms {HEADLINE_TARGET}, QEMU downtime-limit {HEADLINE_TARGET}; both to a prepared destination over loopback TCP, QEMU uncapped.");
     println!(
         "   {} migrations per row for the flat-out guest, {} for the others; medians. host ms: from the command to the host seeing it",

@@ -53,6 +53,24 @@ impl Pins {
         }
     }
 
+    /// Checks that `pid` keeps its threads apart by itself: `vcpus` on `vcpu_cpu` alone, no
+    /// other thread on it (KVM's own workers in the process aside).
+    pub fn check_kept_apart(&self, pid: u32, vcpus: &[i32]) -> Result<(), String> {
+        for t in tids(pid)? {
+            let name = std::fs::read_to_string(format!("/proc/{pid}/task/{t}/comm")).unwrap_or_default();
+            let Ok(cpus) = kumo_vm::sched::affinity_of(t) else { continue }; // gone since listed
+            let apart = if vcpus.contains(&t) { cpus == [self.vcpu_cpu] } else { !cpus.contains(&self.vcpu_cpu) };
+            if !apart && !name.starts_with("kvm-") {
+                return Err(format!(
+                    "thread {t} ({}) of pid {pid} may run on CPUs {cpus:?} (vCPU CPU {})",
+                    name.trim(),
+                    self.vcpu_cpu
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Pins `pid`'s threads: `vcpus` to `vcpu_cpu`, the rest to `io_cpu`.
     pub fn apply(&self, pid: u32, vcpus: &[i32]) -> Result<(), String> {
         for t in tids(pid)? {

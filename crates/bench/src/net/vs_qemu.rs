@@ -16,7 +16,9 @@
 //! vCPU thread on one host CPU and every other thread of the VMM on another ([`threads::Pins`],
 //! applied by the bench from outside, by thread id, the same rule for both). Unpinned, either
 //! VMM's I/O thread lands on the vCPU's CPU in some runs and not in others, which moves the tail
-//! more than any difference between the VMMs. Every row also reports the VMM's own CPU per round
+//! more than any difference between the VMMs. A third pinned row starts kumo with its own pin
+//! (`--cpus 1,pin=0@N`) and no outside help: kumo keeps its other threads off a pinned vCPU's
+//! CPU itself, and the bench checks that it did before it measures. Every row also reports the VMM's own CPU per round
 //! trip and per streamed frame: the time its threads other than the vCPUs had, from the guest's
 //! `up` line to the end of the measurement (`/proc/PID/task/*/schedstat`).
 
@@ -54,11 +56,14 @@ pub enum Vmm {
     KumoPinned,
     /// QEMU pinned the same way.
     QemuPinned,
+    /// kumo pinned by its own flag (`--cpus 1,pin=0@N`): its other threads keep off the
+    /// vCPU's CPU by themselves.
+    KumoSelfPinned,
 }
 
 impl Vmm {
     fn pinned(self) -> bool {
-        matches!(self, Vmm::KumoPinned | Vmm::QemuPinned)
+        matches!(self, Vmm::KumoPinned | Vmm::QemuPinned | Vmm::KumoSelfPinned)
     }
 }
 
@@ -125,6 +130,7 @@ pub struct VsQemu {
     pub pins_skipped: Option<String>,
     pub kumo_pinned: Side,
     pub qemu_pinned: Side,
+    pub kumo_self_pinned: Side,
     /// kumo over QEMU: round-trip medians (below 1: kumo faster) and stream MB/s (above 1:
     /// kumo faster).
     pub rtt_p50_ratio_qemu: Option<f64>,
@@ -136,6 +142,8 @@ pub struct VsQemu {
     /// The pinned rows' round trips, kumo over QEMU.
     pub pinned_rtt_p50_ratio_qemu: Option<f64>,
     pub pinned_rtt_p99_ratio_qemu: Option<f64>,
+    /// kumo pinned by its own flag over QEMU pinned from outside: round-trip p99.
+    pub self_pinned_rtt_p99_ratio_qemu: Option<f64>,
     /// The VMMs' own CPU per streamed frame and per round trip, kumo over QEMU (below 1: kumo
     /// spends less).
     pub io_cpu_frame_ratio_qemu: Option<f64>,
@@ -168,6 +176,7 @@ impl VsQemu {
         let (kp, qp) = (&self.kumo_pinned, &self.qemu_pinned);
         self.pinned_rtt_p50_ratio_qemu = ratio(kp.rtt.p50_us, qp.rtt.p50_us);
         self.pinned_rtt_p99_ratio_qemu = ratio(kp.rtt.p99_us, qp.rtt.p99_us);
+        self.self_pinned_rtt_p99_ratio_qemu = ratio(self.kumo_self_pinned.rtt.p99_us, qp.rtt.p99_us);
         self.io_cpu_frame_ratio_qemu = ratio(k.io_cpu_us_per_frame, q.io_cpu_us_per_frame);
         self.io_cpu_rtt_ratio_qemu = ratio(k.io_cpu_us_per_rtt, q.io_cpu_us_per_rtt);
     }
@@ -179,6 +188,7 @@ impl VsQemu {
             Vmm::Qemu => &self.qemu,
             Vmm::KumoPinned => &self.kumo_pinned,
             Vmm::QemuPinned => &self.qemu_pinned,
+            Vmm::KumoSelfPinned => &self.kumo_self_pinned,
         }
     }
 }
@@ -197,16 +207,32 @@ pub enum AnyVm {
 }
 
 impl AnyVm {
-    /// Boots `guest` with `args` in `vmm`; kumo's NIC takes `irq` (`irq=...`).
+    /// Boots `guest` with `args` in `vmm`; kumo's NIC takes `irq` (`irq=...`), and with
+    /// `own_pin` kumo pins its vCPU to that host CPU itself.
     pub fn boot(ctx: &Ctx, vmm: Vmm, irq: &str, guest: &str, args: &[String]) -> Result<AnyVm, String> {
+        Self::boot_pinned(ctx, vmm, irq, guest, args, None)
+    }
+
+    fn boot_pinned(
+        ctx: &Ctx,
+        vmm: Vmm,
+        irq: &str,
+        guest: &str,
+        args: &[String],
+        own_pin: Option<u32>,
+    ) -> Result<AnyVm, String> {
         match vmm {
-            Vmm::Kumo | Vmm::KumoPoll | Vmm::KumoPinned => {
+            Vmm::Kumo | Vmm::KumoPoll | Vmm::KumoPinned | Vmm::KumoSelfPinned => {
                 let irq = match vmm {
                     Vmm::KumoPoll => format!("{irq},poll-us={POLL_US}"),
                     _ => irq.to_string(),
                 };
                 let nic = [Nic { tap: &ctx.tap0, mac: super::MAC0, irq }];
-                super::kumo_vm(ctx, guest, VCPUS, &nic, args).map(AnyVm::Kumo)
+                let cpus = match own_pin {
+                    Some(c) => format!("{VCPUS},pin=0@{c}"),
+                    None => VCPUS.to_string(),
+                };
+                super::kumo_vm(ctx, guest, &cpus, &nic, args).map(AnyVm::Kumo)
             }
             Vmm::Qemu | Vmm::QemuPinned => {
                 let spec = QemuSpec {
@@ -284,11 +310,17 @@ impl IoCpu {
 /// Host → guest round trips to `netecho` in `vmm` (its NIC 0 on tap 0), one run, and the VMM's
 /// CPU per answered round trip. A pinned row pins the VMM's threads once the guest is up.
 fn rtt_once(ctx: &Ctx, vmm: Vmm, pins: Option<Pins>) -> Result<(Latency, f64), String> {
-    let mut vm = AnyVm::boot(ctx, vmm, "irq=direct", "netecho", &sv(&[format!("ip={GUEST0}"), "wait=irq".into()]))?;
+    let pins = pins.filter(|_| vmm.pinned());
+    let own_pin = pins.filter(|_| vmm == Vmm::KumoSelfPinned).map(|p| p.vcpu_cpu);
+    let args = sv(&[format!("ip={GUEST0}"), "wait=irq".into()]);
+    let mut vm = AnyVm::boot_pinned(ctx, vmm, "irq=direct", "netecho", &args, own_pin)?;
     vm.wait_up("netecho")?;
-    if let Some(p) = pins.filter(|_| vmm.pinned()) {
+    if let Some(p) = pins {
         let vcpus = vm.vcpu_tids()?;
-        p.apply(vm.pid(), &vcpus)?;
+        match own_pin {
+            Some(_) => p.check_kept_apart(vm.pid(), &vcpus)?,
+            None => p.apply(vm.pid(), &vcpus)?,
+        }
     }
     let cpu = vm.io_cpu()?;
     let l = super::host_rtt_tool(&ctx.bench, &ctx.ns, GUEST0, &ctx.plan)?;
@@ -305,7 +337,7 @@ fn stream_once(ctx: &Ctx, vmm: Vmm) -> Result<(SinkResult, f64), String> {
 
 /// Each round's order: kumo, QEMU between kumo's two configurations, then the pinned pair.
 const ORDER: [Vmm; 3] = [Vmm::Kumo, Vmm::Qemu, Vmm::KumoPoll];
-const PINNED: [Vmm; 2] = [Vmm::KumoPinned, Vmm::QemuPinned];
+const PINNED: [Vmm; 3] = [Vmm::KumoPinned, Vmm::QemuPinned, Vmm::KumoSelfPinned];
 
 /// The comparison: kumo and QEMU alternating, round trips then the stream each round.
 pub fn measure(ctx: &Ctx, t0: std::time::Instant) -> VsQemu {
@@ -344,6 +376,7 @@ fn side_mut(v: &mut VsQemu, vmm: Vmm) -> &mut Side {
         Vmm::Qemu => &mut v.qemu,
         Vmm::KumoPinned => &mut v.kumo_pinned,
         Vmm::QemuPinned => &mut v.qemu_pinned,
+        Vmm::KumoSelfPinned => &mut v.kumo_self_pinned,
     }
 }
 
@@ -381,6 +414,7 @@ pub fn table(v: &VsQemu) -> String {
         ("QEMU", Vmm::Qemu),
         ("kumo pinned", Vmm::KumoPinned),
         ("QEMU pinned", Vmm::QemuPinned),
+        ("kumo own pin", Vmm::KumoSelfPinned),
     ];
     for (name, vmm) in rows {
         let x = v.side(vmm);
@@ -420,6 +454,7 @@ pub fn table(v: &VsQemu) -> String {
         ),
         ("poll / QEMU", None, v.poll_rtt_p99_ratio_qemu, None, v.poll_mbps_ratio_qemu, None),
         ("pinned k / Q", v.pinned_rtt_p50_ratio_qemu, v.pinned_rtt_p99_ratio_qemu, None, None, None),
+        ("own pin / Q", None, v.self_pinned_rtt_p99_ratio_qemu, None, None, None),
     ];
     let o = |x: Option<f64>| x.map_or(String::new(), |x| format!("{x:.3}"));
     for (name, p50, p99, cpu, mbps, cpu_frame) in ratios {
@@ -430,8 +465,8 @@ pub fn table(v: &VsQemu) -> String {
         (Some(p), _) => {
             let _ = writeln!(
                 s,
-                "   pinned rows (round trips only): each VMM's vCPU thread on host CPU {}, its other threads on CPU {}",
-                p.vcpu_cpu, p.io_cpu
+                "   pinned rows (round trips only): each VMM's vCPU thread on host CPU {}, its other threads on CPU {}\n   (kumo own pin: `--cpus {VCPUS},pin=0@{}`, kumo keeps its other threads off CPU {} itself; checked, not applied)",
+                p.vcpu_cpu, p.io_cpu, p.vcpu_cpu, p.vcpu_cpu
             );
         }
         (None, Some(why)) => {
@@ -465,6 +500,7 @@ pub(super) mod tests {
         v.pins = Some(Pins { io_cpu: 0, vcpu_cpu: 1 });
         v.kumo_pinned.push_rtt(Ok((lat(50.0, 80.0), 18.0)));
         v.qemu_pinned.push_rtt(Ok((lat(60.0, 100.0), 30.0)));
+        v.kumo_self_pinned.push_rtt(Ok((lat(50.0, 85.0), 18.0)));
         v.settle();
         v
     }
@@ -473,6 +509,7 @@ pub(super) mod tests {
     fn ratios_are_kumo_over_qemu() {
         let v = sample();
         assert_eq!((v.rtt_p50_ratio_qemu, v.rtt_p99_ratio_qemu, v.mbps_ratio_qemu), (Some(0.75), Some(0.8), Some(1.2)));
+        assert_eq!(v.self_pinned_rtt_p99_ratio_qemu, Some(0.85));
         assert_eq!((v.poll_rtt_p99_ratio_qemu, v.poll_mbps_ratio_qemu), (Some(0.5), Some(1.1)));
         assert_eq!((v.io_cpu_frame_ratio_qemu, v.io_cpu_rtt_ratio_qemu), (Some(0.5), Some(0.5)));
         assert_eq!((v.pinned_rtt_p50_ratio_qemu, v.pinned_rtt_p99_ratio_qemu), (Some(50.0 / 60.0), Some(0.8)));

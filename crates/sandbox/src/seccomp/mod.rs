@@ -166,6 +166,7 @@ fn start_spawner(filter: BpfProgram, no_clone3: BpfProgram) -> io::Result<SyncSe
     let (jobs, queue) = sync_channel::<Job>(0);
     let (ready_tx, ready) = sync_channel(1);
     std::thread::Builder::new().name("kumo-spawner".into()).spawn(move || {
+        let _registered = crate::cpus::register(ThreadKind::Vmm, true);
         let applied = apply(&filter, Some(&no_clone3));
         let ok = applied.is_ok();
         let _ = ready_tx.send(applied);
@@ -286,4 +287,4 @@ impl Placement {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

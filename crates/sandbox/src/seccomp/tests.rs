@@ -41,7 +41,7 @@ fn no_kind_may_exec_trace_or_mount() {
 }
 
 /// Runs `child` in a forked process and returns its exit status and what it wrote to stderr.
-fn in_child(child: impl FnOnce()) -> (i32, String) {
+pub(crate) fn in_child(child: impl FnOnce()) -> (i32, String) {
     let mut fds = [0; 2];
     // SAFETY: pipe2 fills the two-int array.
     assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);

@@ -7,7 +7,8 @@
 //! - [`pins`]: vCPU pins (`--cpus N,pin=`, a node's `pin=`) and whether they are dedicated;
 //! - [`place`]: all of these for a VM that boots here; [`pv_features`]: the PV features its
 //!   placement implies, checked with [`pv_probe`] (a throw-away VM that tries the PV IPI);
-//!   [`set_halt_polling`]; [`realtime_this_thread`] for the control threads of an elastic VM.
+//!   [`set_halt_polling`]; [`realtime_this_thread`] for the control threads of an elastic VM;
+//!   [`io_cpus`]: the CPUs of the threads that are not vCPUs (kept off pinned vCPUs' CPUs).
 //!
 //! Two kinds of setting, kept apart. The **VM description** migrates with the VM (a
 //! `VmConfig`'s serialized fields): vCPU count, memory, the guest nodes' vCPUs, memory and
@@ -157,6 +158,19 @@ pub fn pv_features(
     };
     pv_probe::check_pv_ipi(kvm, &pv).map_err(|e| crate::Error::Config(e.to_string()))?;
     Ok((pv, dedicated))
+}
+
+/// The host CPUs for a VM's threads other than its vCPUs (devices, the API, the console,
+/// migrations): those the VMM may use (`all`) without the pinned vCPUs' (`pins`), so a pinned
+/// vCPU's CPU is its own. All of them if no vCPU is pinned, or if the pins take every one
+/// (there is then no CPU to keep the other threads on).
+pub fn io_cpus(all: &[u32], pins: &[Option<u32>]) -> Vec<u32> {
+    let rest: Vec<u32> = all.iter().copied().filter(|c| !pins.contains(&Some(*c))).collect();
+    if rest.is_empty() {
+        all.to_vec()
+    } else {
+        rest
+    }
 }
 
 /// Sets KVM's halt polling for `vm`: `--halt-poll-ns` if given; for an `elastic` VM 0, since an

@@ -448,3 +448,14 @@ fn numa_requests_read_from_files() {
     let e = serde_json::from_str::<NumaRequest>(r#"{"nodes": [], "x": 1}"#).unwrap_err().to_string();
     assert!(e.contains("unknown field `x`"), "{e}");
 }
+
+#[test]
+fn io_threads_keep_off_pinned_vcpus_cpus_while_a_cpu_is_left() {
+    let all = [0, 1, 2, 3];
+    assert_eq!(io_cpus(&all, &[]), all, "nothing pinned");
+    assert_eq!(io_cpus(&all, &[None, None]), all);
+    assert_eq!(io_cpus(&all, &[Some(3)]), [0, 1, 2]);
+    assert_eq!(io_cpus(&all, &[Some(1), None, Some(2), Some(1)]), [0, 3], "two vCPUs on one CPU, one floating");
+    assert_eq!(io_cpus(&all, &[Some(0), Some(1), Some(2), Some(3)]), all, "every CPU pinned: none to keep off");
+    assert_eq!(io_cpus(&[2, 3], &[Some(0), Some(3)]), [2], "a pin outside the VMM's CPUs takes none of them");
+}
