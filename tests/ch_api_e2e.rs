@@ -101,9 +101,29 @@ fn the_current_form_creates_boots_pauses_resumes_and_shuts_down() {
     // vm.reboot builds the VM again in this process (its guest starts over and greets again;
     // the disk's lock was released by the old VM) and answers once it runs.
     let hellos = || vmm.stdout().matches("Hello from kumo guest!").count();
+    // A pin keeps the VMM's other threads, the API's among them, off host CPU 1; the VM the
+    // reboot builds (from such a thread) still floats its unpinned vCPUs over all the VMM's CPUs.
+    let all = kumo_vm::sched::thread_affinity().unwrap();
+    let two_cpus = all.contains(&0) && all.contains(&1);
+    if two_cpus {
+        ok(&sock, "vm.pin", Some(json!({"vcpu": 0, "cpu": 1})));
+    }
     ok(&sock, "vm.reboot", None);
     assert_eq!(state(&sock), "Running");
     eventually(PATIENCE, || (hellos() >= 2).then_some(()));
+    if two_cpus {
+        let every = kumo_vmm::placement::format_cpulist(&all);
+        let vcpus = || {
+            std::fs::read_dir(format!("/proc/{}/task", vmm.id()))
+                .unwrap()
+                .flatten()
+                .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("vcpu")))
+                .map(|t| std::fs::read_to_string(t.path().join("status")).unwrap())
+                .map(|s| s.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(vcpus(), [every.clone(), every], "the rebuilt VM's vCPUs float over every CPU");
+    }
     assert_eq!(ch(&sock, "GET", "vm.info", None).1["config"], config, "the same config");
     // CH's VMM outlives its VM: shut down, it waits; vm.boot starts it again.
     ok(&sock, "vm.shutdown", None);

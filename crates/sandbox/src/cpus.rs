@@ -7,7 +7,7 @@
 //! may not allow the call).
 
 use std::io;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use crate::kind::ThreadKind;
 use crate::thread::lock;
@@ -91,9 +91,20 @@ pub fn register_this_thread(kind: ThreadKind) -> Registered {
     register(kind, true)
 }
 
+static PROCESS_CPUS: OnceLock<Vec<u32>> = OnceLock::new();
+
+/// The host CPUs the process may use: the calling thread's at the first call, which comes before
+/// any rule (a VM's vCPU manager asks as it is made, [`set_io_cpus`] before it sets one), so a
+/// later VM of the same process (a reboot, `vm.create` again) does not take the I/O threads'
+/// CPUs for its own. Empty if they cannot be read.
+pub fn process_cpus() -> Vec<u32> {
+    PROCESS_CPUS.get_or_init(|| affinity_of(0).unwrap_or_default()).clone()
+}
+
 /// Puts every thread but the vCPUs on `cpus`, those running and those started later. A thread
 /// that ended meanwhile is skipped; the first other failure is returned (after trying them all).
 pub fn set_io_cpus(cpus: &[u32]) -> io::Result<()> {
+    process_cpus();
     let mut r = lock(&REGISTRY);
     r.io_cpus = Some(cpus.to_vec());
     let mut first = Ok(());
@@ -131,7 +142,7 @@ mod tests {
             return eprintln!("skipping: needs two CPUs this process may use");
         }
         let io = vec![all[0]];
-        let want = format!("Device {io:?}\nVcpu {all:?}\nApi {io:?}\nleft 0\n");
+        let want = format!("Device {io:?}\nVcpu {all:?}\nApi {io:?}\nleft 0\nprocess {all:?}\n");
         let (status, out) = crate::seccomp::tests::in_child(|| {
             let (tx, rx) = mpsc::channel();
             // A thread of `kind` that reports its CPUs when told to.
@@ -159,6 +170,9 @@ mod tests {
             // Ended threads leave the registry.
             let left = lock(&REGISTRY).threads.iter().filter(|(t, _)| tids.contains(t)).count();
             report += &format!("left {left}\n");
+            // Asked from a thread under the rule, the process's CPUs are still all of them.
+            let asked = crate::spawn(ThreadKind::Api, "cpus-ask", process_cpus).unwrap().join().unwrap();
+            report += &format!("process {asked:?}\n");
             let _ = std::io::Write::write_all(&mut std::io::stderr(), report.as_bytes());
         });
         assert_eq!((status, out), (0, want));

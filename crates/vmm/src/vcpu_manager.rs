@@ -184,7 +184,8 @@ pub struct VcpuManager {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Each vCPU thread's kernel thread id, while it runs: pins set its affinity by tid.
     tids: Mutex<Vec<Option<i32>>>,
-    /// Where an unpinned vCPU runs: the VMM's affinity when the VM was built.
+    /// Where an unpinned vCPU runs: the VMM process's CPUs (`kumo_sandbox::cpus::process_cpus`),
+    /// not the building thread's, which may be an I/O thread kept off an earlier VM's pins.
     float_cpus: Vec<u32>,
     uapic: Option<Arc<kumo_vm::uapic::UserApics>>,
     /// Park requests: a vCPU asked to park waits in kumo until unparked.
@@ -246,7 +247,7 @@ impl VcpuManager {
             end_cv: Condvar::new(),
             threads: Mutex::new(Vec::new()),
             tids: Mutex::new(vec![None; n]),
-            float_cpus: kumo_vm::sched::thread_affinity().unwrap_or_default(),
+            float_cpus: kumo_sandbox::cpus::process_cpus(),
             uapic: setup.uapic,
             parks: (0..n as u32).map(|v| AtomicBool::new(setup.parked.contains(&v))).collect(),
             throttle: AtomicU32::new(0),

@@ -375,13 +375,18 @@ impl RunningVm {
     }
 
     /// Keeps the VM's threads that are not vCPUs off the CPUs of pinned vCPUs (`pins`), where
-    /// a CPU is left for them (`placement::io_cpus`). Not for an elastic VM: its pins follow its
-    /// lends, and a lend's path makes no more system calls than it must.
+    /// a CPU is left for them (`placement::io_cpus`). Not for an elastic VM, whose pins follow
+    /// its lends (a lend's path makes no more system calls than it must): its threads get all
+    /// the VMM's CPUs, whatever an earlier VM of this process had.
     fn place_io_threads(&self, pins: &[Option<u32>]) {
-        if self.elastic.is_some() {
-            return;
+        let all = self.vcpus.float_cpus();
+        let cpus = match self.elastic {
+            Some(_) => all.to_vec(),
+            None => crate::placement::io_cpus(all, pins),
+        };
+        if cpus.is_empty() {
+            return; // the VMM's CPUs could not be read: leave every thread where it is
         }
-        let cpus = crate::placement::io_cpus(self.vcpus.float_cpus(), pins);
         if let Err(e) = kumo_sandbox::cpus::set_io_cpus(&cpus) {
             tracing::warn!("the VM's I/O threads are not all on host CPUs {cpus:?}: {e}");
         }
