@@ -113,16 +113,9 @@ fn the_current_form_creates_boots_pauses_resumes_and_shuts_down() {
     eventually(PATIENCE, || (hellos() >= 2).then_some(()));
     if two_cpus {
         let every = kumo_vmm::placement::format_cpulist(&all);
-        let vcpus = || {
-            std::fs::read_dir(format!("/proc/{}/task", vmm.id()))
-                .unwrap()
-                .flatten()
-                .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("vcpu")))
-                .map(|t| std::fs::read_to_string(t.path().join("status")).unwrap())
-                .map(|s| s.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string())
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(vcpus(), [every.clone(), every], "the rebuilt VM's vCPUs float over every CPU");
+        let vcpus: Vec<String> =
+            thread_cpus(vmm.id()).into_iter().filter(|(n, _)| n.starts_with("vcpu")).map(|(_, c)| c).collect();
+        assert_eq!(vcpus, [every.clone(), every], "the rebuilt VM's vCPUs float over every CPU");
     }
     assert_eq!(ch(&sock, "GET", "vm.info", None).1["config"], config, "the same config");
     // CH's VMM outlives its VM: shut down, it waits; vm.boot starts it again.

@@ -146,15 +146,11 @@ fn the_numa_guest_sees_the_configured_topology() {
 
 /// The `Cpus_allowed_list` of each `vcpuN` thread of process `pid`, vCPU 0 first.
 fn vcpu_affinities(pid: u32, vcpus: u32) -> Vec<String> {
+    let threads = thread_cpus(pid);
     (0..vcpus)
         .map(|v| {
-            let task = std::fs::read_dir(format!("/proc/{pid}/task"))
-                .unwrap()
-                .flatten()
-                .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == format!("vcpu{v}")))
-                .unwrap_or_else(|| panic!("no vcpu{v} thread"));
-            let status = std::fs::read_to_string(task.path().join("status")).unwrap();
-            status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string()
+            let name = format!("vcpu{v}");
+            threads.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no {name} thread")).1.clone()
         })
         .collect()
 }
@@ -162,16 +158,7 @@ fn vcpu_affinities(pid: u32, vcpus: u32) -> Vec<String> {
 /// Each thread of `pid` but its vCPUs and KVM's workers (`kvm-nx-lpage-recovery` is a kernel
 /// worker in the VMM's thread group, not kumo's): name and `Cpus_allowed_list`.
 fn other_threads(pid: u32) -> Vec<(String, String)> {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .flatten()
-        .filter_map(|t| {
-            let name = std::fs::read_to_string(t.path().join("comm")).ok()?.trim().to_string();
-            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
-            let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?.trim().to_string();
-            (!name.starts_with("vcpu") && !name.starts_with("kvm-")).then_some((name, cpus))
-        })
-        .collect()
+    thread_cpus(pid).into_iter().filter(|(n, _)| !n.starts_with("vcpu") && !n.starts_with("kvm-")).collect()
 }
 
 /// `--cpus 1,pin=0@1` gives vCPU 0 host CPU 1 to itself: every other thread of the VMM

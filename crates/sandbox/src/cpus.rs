@@ -120,11 +120,6 @@ pub fn set_io_cpus(cpus: &[u32]) -> io::Result<()> {
     first
 }
 
-/// The CPUs the last [`set_io_cpus`] gave, if any.
-pub fn io_cpus() -> Option<Vec<u32>> {
-    lock(&REGISTRY).io_cpus.clone()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -178,6 +178,20 @@ pub fn check_memtouch(out: &str, pages: u64, seed: u64, random: bool) -> u64 {
     kumo_guests::memtouch::check_output(out, pages, seed, random).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// Each thread of process `pid`: its name and the host CPUs it may run on, as the kernel lists
+/// them (`Cpus_allowed_list`, e.g. "0-1"). Threads that end while they are listed are left out.
+pub fn thread_cpus(pid: u32) -> Vec<(String, String)> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|t| {
+            let name = std::fs::read_to_string(t.path().join("comm")).ok()?.trim().to_string();
+            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+            let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?.trim().to_string();
+            Some((name, cpus))
+        })
+        .collect()
+}
+
 /// `strs` as owned strings (argument lists).
 pub fn sv<S: AsRef<str>>(strs: &[S]) -> Vec<String> {
     strs.iter().map(|s| s.as_ref().to_string()).collect()
