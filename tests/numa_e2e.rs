@@ -144,6 +144,16 @@ fn the_numa_guest_sees_the_configured_topology() {
     assert_eq!(t.nodes, [Node { id: 0, cpus: vec![0, 1], memory: vec![(0, 128 << 20)] }], "{out}");
 }
 
+/// `kumo run --cpus CPUS` of a memtouch guest that runs until its console input, with an API
+/// socket, once the guest is up: its directory (kept for the VM's life), socket and process.
+fn memtouch_vm(cpus: &str) -> (TestDir, String, Kid) {
+    let dir = TestDir::new();
+    let sock = dir.arg("api.sock");
+    let vm = Kid::spawn(&["run", "--api-socket", &sock, "--cpus", cpus, "--guest", "memtouch", "until_input=1"]);
+    vm.wait_stdout("memtouch: pages=", PATIENCE);
+    (dir, sock, vm)
+}
+
 /// The `Cpus_allowed_list` of each `vcpuN` thread of process `pid`, vCPU 0 first.
 fn vcpu_affinities(pid: u32, vcpus: u32) -> Vec<String> {
     let threads = thread_cpus(pid);
@@ -175,11 +185,7 @@ fn io_threads_keep_off_a_pinned_vcpus_cpu() {
     }
     let but =
         |c: u32| kumo_vmm::placement::format_cpulist(&all.iter().copied().filter(|&x| x != c).collect::<Vec<_>>());
-    let dir = TestDir::new();
-    let sock = dir.arg("api.sock");
-    let mut vm =
-        Kid::spawn(&["run", "--api-socket", &sock, "--cpus", "1,pin=0@1", "--guest", "memtouch", "until_input=1"]);
-    vm.wait_stdout("memtouch: pages=", PATIENCE);
+    let (_dir, sock, mut vm) = memtouch_vm("1,pin=0@1");
     let c = kumo_api::ApiClient::new(&sock);
     eventually(PATIENCE, || c.info().ok());
     let check = |want: &str, vcpu: &str| {
@@ -213,11 +219,7 @@ fn cpus_pin_pins_vcpu_threads_and_vm_pin_repins_them() {
     if !(online.contains(&0) && online.contains(&1)) || kumo_vm::sched::thread_affinity().unwrap().len() < 2 {
         return eprintln!("skipping: needs host CPUs 0 and 1 online and allowed");
     }
-    let dir = TestDir::new();
-    let sock = dir.arg("api.sock");
-    let mut vm =
-        Kid::spawn(&["run", "--api-socket", &sock, "--cpus", "2,pin=0@0,1@1", "--guest", "memtouch", "until_input=1"]);
-    vm.wait_stdout("memtouch: pages=", PATIENCE);
+    let (_dir, sock, mut vm) = memtouch_vm("2,pin=0@0,1@1");
     let c = kumo_api::ApiClient::new(&sock);
     let info = eventually(PATIENCE, || c.info().ok());
     assert_eq!(info.vcpu_pins, [Some(0), Some(1)]);

@@ -18,9 +18,10 @@
 //! VMM's I/O thread lands on the vCPU's CPU in some runs and not in others, which moves the tail
 //! more than any difference between the VMMs. A third pinned row starts kumo with its own pin
 //! (`--cpus 1,pin=0@N`) and no outside help: kumo keeps its other threads off a pinned vCPU's
-//! CPU itself, and the bench checks that it did before it measures. Every row also reports the VMM's own CPU per round
-//! trip and per streamed frame: the time its threads other than the vCPUs had, from the guest's
-//! `up` line to the end of the measurement (`/proc/PID/task/*/schedstat`).
+//! CPU itself, and the bench checks that it did before it measures. Every row also reports the
+//! VMM's own CPU per round trip and per streamed frame: the time its threads other than the
+//! vCPUs had, from the guest's `up` line to the end of the measurement
+//! (`/proc/PID/task/*/schedstat`).
 
 use std::time::Duration;
 
@@ -207,12 +208,12 @@ pub enum AnyVm {
 }
 
 impl AnyVm {
-    /// Boots `guest` with `args` in `vmm`; kumo's NIC takes `irq` (`irq=...`), and with
-    /// `own_pin` kumo pins its vCPU to that host CPU itself.
+    /// Boots `guest` with `args` in `vmm`; kumo's NIC takes `irq` (`irq=...`).
     pub fn boot(ctx: &Ctx, vmm: Vmm, irq: &str, guest: &str, args: &[String]) -> Result<AnyVm, String> {
         Self::boot_pinned(ctx, vmm, irq, guest, args, None)
     }
 
+    /// [`AnyVm::boot`]; with `own_pin` kumo pins its vCPU to that host CPU itself.
     fn boot_pinned(
         ctx: &Ctx,
         vmm: Vmm,
