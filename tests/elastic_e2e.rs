@@ -110,6 +110,8 @@ fn a_cpu_and_memory_move_to_b_and_back_and_both_guests_keep_their_data() {
     assert!(ia.vcpus[1].parked && ia.vcpus[1].host_cpu.is_none(), "{ia:?}");
     assert_eq!((ib.vcpus[2].host_cpu, ib.vcpus[2].parked), (Some(1), false), "{ib:?}");
     assert!(ib.vcpus[2].lender.as_deref().is_some_and(|l| l.ends_with("a.sock")), "{ib:?}");
+    // The release kicked A's vacated vCPU without waiting for it: its thread parks all the same.
+    eventually(PATIENCE, || a.api.info().ok().filter(|i| i.parked_vcpus.contains(&1)).map(|_| ()));
     assert_eq!((ia.nodes[0].plugged_bytes, ib.nodes[0].plugged_bytes), (32 << 20, 32 << 20));
     // B works on its new vCPU, while A's vacated vCPU does nothing at all.
     let parked_a = a.info().progress[1];

@@ -613,7 +613,8 @@ impl VcpuManager {
     }
 
     /// Asks vCPU `v` to park without waiting for it (a vCPU thread asks for another's: the
-    /// guest ejected it). [`VcpuManager::park`] waits for it.
+    /// guest ejected it; a release, whose guest has vacated the vCPU). Its thread does not enter
+    /// the guest again before it parks. [`VcpuManager::park`] waits for it.
     pub fn request_park(&self, v: u32) {
         if let Some(p) = self.parks.get(v as usize) {
             p.store(true, Ordering::Release);
