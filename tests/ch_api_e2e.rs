@@ -83,6 +83,7 @@ fn the_current_form_creates_boots_pauses_resumes_and_shuts_down() {
     let (_, info) = ch(&sock, "GET", "vm.info", None);
     assert_eq!((&info["state"], &info["config"]), (&json!("Running"), &config), "the config as created: {info}");
     assert_eq!(info["memory_actual_size"], 64u64 << 20, "{info}");
+    assert_eq!(info["kumo"]["memory_private"], json!(false), "`shared: true` is the memfd: {info}");
     let disk0 = &info["device_tree"]["disk0"];
     assert_eq!((&disk0["id"], &disk0["pci_bdf"]), (&json!("disk0"), &info["kumo"]["disks"][0]["pci"]), "{info}");
     assert_eq!((&info["kumo"]["vcpus"], &info["kumo"]["disks"][0]["readonly"]), (&json!(2), &json!(true)), "{info}");

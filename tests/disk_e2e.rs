@@ -169,10 +169,13 @@ fn bad_images_and_options_are_refused_in_one_line() {
 
 /// blkbench under an API socket on `img` (seed 5, an 8 MiB region, 1.5 s per test), waited for
 /// until its timed write tests run: the guest writes whenever the test acts next.
-fn writing_source(dir: &TestDir, img: &str, tag: &str) -> (Kid, String) {
+/// `shared`: its memory a memfd (`--shared-memory`), for the local engine; else private.
+fn writing_source(dir: &TestDir, img: &str, tag: &str, shared: bool) -> (Kid, String) {
     let sock = dir.arg(&format!("{tag}.sock"));
+    let memory = if shared { "--shared-memory" } else { "--private-memory" };
     let src = Kid::spawn(&[
         "run",
+        memory,
         "--guest",
         "blkbench",
         "--cpus",
@@ -214,7 +217,7 @@ fn a_disk_under_write_load_migrates_locally_and_over_a_socket() {
         let addr =
             if local { format!("unix:{}", dir.arg("mig.sock")) } else { format!("tcp:127.0.0.1:{}", free_port()) };
         let dest = incoming(&addr, &["--disk", &format!("id=disk0,path={img}")], &format!("{engine}-dst"));
-        let (src, sock) = writing_source(&dir, &img, &format!("{engine}-src"));
+        let (src, sock) = writing_source(&dir, &img, &format!("{engine}-src"), local);
         let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", engine]);
         assert!(ok, "{engine}: {out}\n{err}\nsource:\n{}\ndest:\n{}", src.stderr(), dest.stderr());
         let (code, _, err) = src.finish(PATIENCE);
@@ -231,7 +234,7 @@ fn a_disk_survives_snapshot_and_restore_and_another_size_is_refused() {
     }
     let dir = TestDir::new();
     let img = image(&dir, "disk.img", IMAGE_MIB);
-    let (src, sock) = writing_source(&dir, &img, "snap-src");
+    let (src, sock) = writing_source(&dir, &img, "snap-src", false);
     let file = dir.arg("vm.snap");
     let (ok, out, err) = kumo_api(&sock, &["snapshot", "--to", &file]);
     assert!(ok, "{out}\n{err}");
@@ -293,7 +296,7 @@ fn a_failed_migration_gives_the_source_its_image_lock_back() {
     reader.wait_stdout("blkbench: disk of", PATIENCE);
     let addr = format!("unix:{}", dir.arg("mig.sock"));
     let mut dest = incoming(&addr, &["--disk", &format!("id=disk0,path={other}")], "fail-dst");
-    let (src, sock) = writing_source(&dir, &img, "fail-src");
+    let (src, sock) = writing_source(&dir, &img, "fail-src", true);
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "local"]);
     assert!(!ok, "{out}\n{err}");
     assert!(err.contains("in use by another process"), "{err}\ndest:\n{}", dest.stderr());

@@ -24,7 +24,10 @@ fn linux_migrates_answering_pings(test: &str, engine: &str) {
     let cmdline = linux::cmdline(&format!("{} {}", linux::ip_arg(guest, host), linux::ROOT_ARGS));
     let net = format!("tap={}", tap.name);
     let disk = format!("path={img}");
-    let mut src = linux::spawn(&kernel, &cmdline, &["--net", &net, "--disk", &disk, "--api-socket", &sock], "src");
+    // The local engine hands over guest memory's file: the source's RAM must be one.
+    let memory = if engine == "local" { "--shared-memory" } else { "--private-memory" };
+    let args = ["--net", &net, "--disk", &disk, "--api-socket", &sock, memory];
+    let mut src = linux::spawn(&kernel, &cmdline, &args, "src");
     linux::expect_console(&mut src, IP_CONFIG_COMPLETE);
     linux::expect_console(&mut src, RUN_INIT);
     let pinger = Pinger::one_in_flight(guest);

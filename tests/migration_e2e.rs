@@ -88,7 +88,9 @@ fn local_migration_shares_memory() {
     }
     let addr = format!("unix:{}", temp_path("local-mig.sock").display());
     let mut dest = incoming_api(&addr, "local-dst", None);
-    let (src, sock) = source("local-src", "64M", &["pages=4000", "rate=200000", "seed=4", "until_input=1"]);
+    let (src, sock) =
+        source("local-src", "64M", &["--shared-memory", "pages=4000", "rate=200000", "seed=4", "until_input=1"]);
+    assert!(!vm_info(&sock).memory_private);
     let (ok, out, err) = migrate(&sock, &["--to", &addr, "--engine", "local"]);
     assert!(ok, "{out}\n{err}\n{}", dest.stderr());
     assert_migrated_away(src);
@@ -99,25 +101,25 @@ fn local_migration_shares_memory() {
     check_memtouch(&dout, 4000, 4, true);
 }
 
-/// `--private-memory`: guest RAM in no file. The local engine, which hands that file over, is
-/// refused with the reason and the VM runs on; a network engine takes it, the destination's
-/// RAM is private too (its own local hop is refused the same way), and the guest's memory is
-/// exactly what it wrote.
+/// Private memory, kumo's default: guest RAM in no file. The local engine, which hands that
+/// file over, is refused with the reason (and the flag that gives a file) and the VM runs on;
+/// a network engine takes it, the destination's RAM is private too (its own local hop is
+/// refused the same way), and the guest's memory is exactly what it wrote.
 #[test]
 fn private_memory_migrates_over_the_network_but_not_locally() {
     if !kvm_or_skip("private_memory_migrates_over_the_network_but_not_locally") {
         return;
     }
     let dir = TestDir::new();
-    let (src, sock) = source(
-        "priv-src",
-        "64M",
-        &["--private-memory", "pages=4000", "rate=200000", "seed=6", "report_ms=5", "until_input=1"],
-    );
-    assert!(vm_info(&sock).memory_private);
+    let (src, sock) =
+        source("priv-src", "64M", &["pages=4000", "rate=200000", "seed=6", "report_ms=5", "until_input=1"]);
+    assert!(vm_info(&sock).memory_private, "private by default");
     let nowhere = format!("unix:{}", dir.arg("nobody.sock"));
     let (ok, out, err) = migrate(&sock, &["--to", &nowhere, "--engine", "local"]);
-    assert!(!ok && err.contains("private"), "the local engine is refused:\n{out}\n{err}");
+    assert!(
+        !ok && err.contains("private") && err.contains("--shared-memory"),
+        "the local engine is refused:\n{out}\n{err}"
+    );
     let writes = progress_writes(&src.stdout()).last().copied().unwrap_or(0);
     wait_for_writes(&src, writes + 1);
 

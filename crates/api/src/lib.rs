@@ -135,7 +135,8 @@ pub struct VmInfo {
     /// The VM's memory zones (`--memory-zone`, one virtio-mem device each).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub memory_zones: Vec<MemoryZoneInfo>,
-    /// Guest RAM is private anonymous memory (`--private-memory`), not the shareable memfd.
+    /// Guest RAM is private anonymous memory (the default), not the shareable memfd
+    /// (`--shared-memory`).
     #[serde(default)]
     pub memory_private: bool,
 }

@@ -152,14 +152,15 @@ fn source(ctx: &Ctx, mem_mib: u64, guest: &[String], ready: &str) -> Result<Vm, 
     source_in(ctx, mem_mib, guest, ready, false)
 }
 
-/// [`source`], its RAM private anonymous memory (`--private-memory`) if `private`.
-fn source_in(ctx: &Ctx, mem_mib: u64, guest: &[String], ready: &str, private: bool) -> Result<Vm, String> {
+/// [`source`], its RAM the memfd (`--shared-memory`) if `shared` (a VM whose next hop is the
+/// local engine's, which hands the memfd over), else kumo's default, private memory.
+fn source_in(ctx: &Ctx, mem_mib: u64, guest: &[String], ready: &str, shared: bool) -> Result<Vm, String> {
     let api = ctx.path("src-api.sock");
     let mut args =
         sv(&["run", "--guest", "memtouch", "--memory", &format!("{mem_mib}M"), "--timeout", LIFETIME, "--api-socket"]);
     args.push(api.display().to_string());
-    if private {
-        args.push("--private-memory".into());
+    if shared {
+        args.push("--shared-memory".into());
     }
     args.extend(guest.iter().cloned());
     let mut proc = ctx.spawn("src", &args)?;
@@ -201,15 +202,13 @@ fn moved_progress(vm: &mut Vm, before: &SharedOutput, until: f64) -> Result<Vec<
     Ok(p)
 }
 
-/// `kumo run --incoming`, prepared (memory faulted in) unless local; ready when it listens.
-fn destination(ctx: &Ctx, addr: &str, e: Engine, mem_mib: u64, api: &Path, private: bool) -> Result<Proc, String> {
+/// `kumo run --incoming`, prepared (memory faulted in: kumo's default, private memory) unless
+/// local; ready when it listens.
+fn destination(ctx: &Ctx, addr: &str, e: Engine, mem_mib: u64, api: &Path) -> Result<Proc, String> {
     let mut args = sv(&["run", "--incoming", addr, "--timeout", LIFETIME, "--api-socket"]);
     args.push(api.display().to_string());
     if e.network() {
         args.extend(sv(&["--memory", &format!("{mem_mib}M")]));
-        if private {
-            args.push("--private-memory".into());
-        }
     }
     let mut p = ctx.spawn("dst", &args)?;
     p.wait_for(Duration::from_secs(60), "\"waiting for a migration\"", |_, err| {
@@ -342,23 +341,22 @@ struct Dest {
     e: Engine,
 }
 
-fn prepare(ctx: &Ctx, e: Engine, mem_mib: u64, private: bool) -> Result<Dest, String> {
+fn prepare(ctx: &Ctx, e: Engine, mem_mib: u64) -> Result<Dest, String> {
     let addr = if e.network() {
         format!("tcp:127.0.0.1:{}", free_port()?)
     } else {
         format!("unix:{}", ctx.path("mig.sock").display())
     };
     let api = ctx.path("dst-api.sock");
-    let proc = destination(ctx, &addr, e, mem_mib, &api, private)?;
+    let proc = destination(ctx, &addr, e, mem_mib, &api)?;
     Ok(Dest { proc, addr, api, e })
 }
 
 /// Destinations for `es`, prepared side by side (faulting in their memory is most of a hop's
-/// set-up time here; idle destinations cost nothing while the earlier hops run); their memory
-/// private (`--private-memory`) if `private`.
-fn prepare_all(ctx: &Ctx, es: &[Engine], mem_mib: u64, private: bool) -> Vec<Result<Dest, String>> {
+/// set-up time here; idle destinations cost nothing while the earlier hops run).
+fn prepare_all(ctx: &Ctx, es: &[Engine], mem_mib: u64) -> Vec<Result<Dest, String>> {
     std::thread::scope(|s| {
-        let hs: Vec<_> = es.iter().map(|&e| s.spawn(move || prepare(ctx, e, mem_mib, private))).collect();
+        let hs: Vec<_> = es.iter().map(|&e| s.spawn(move || prepare(ctx, e, mem_mib))).collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("preparing a destination panicked".into()))).collect()
     })
 }
@@ -406,7 +404,7 @@ fn hop_to(ctx: &Ctx, vm: &mut Vm, dst: Dest, mem_mib: u64, downtime: Option<u64>
 
 /// A new destination with engine `e`, then the migration; failures become a failed [`Mig`].
 fn hop(ctx: &Ctx, vm: &mut Vm, e: Engine, mem_mib: u64, downtime: Option<u64>, raw: f64) -> Mig {
-    prepare(ctx, e, mem_mib, false)
+    prepare(ctx, e, mem_mib)
         .and_then(|d| hop_to(ctx, vm, d, mem_mib, downtime, raw))
         .unwrap_or_else(|err| Mig::failed(e, mem_mib, downtime, err))
 }
@@ -522,7 +520,9 @@ fn idle_size(ctx: &Ctx, mem_mib: u64, hold_ms: u64, extra: usize, raw: f64) -> (
     let args = idle_args(seed, hold_ms);
     let mut out = IdleSize { memory_mib: mem_mib, guest: args.join(" "), hold_ms, runs: vec![], memory: None };
     ctx.step(format!("idle {mem_mib} MiB: starting the guest (prefill)"));
-    let mut vm = match source(ctx, mem_mib, &args, "memtouch: checksum=") {
+    // On the memfd for its first hop, the local engine's; the network engines' prepared
+    // destinations then give it kumo's default, private memory, for the rest.
+    let mut vm = match source_in(ctx, mem_mib, &args, "memtouch: checksum=", true) {
         Ok(vm) => vm,
         Err(e) => {
             out.runs = ENGINES.iter().map(|&g| Mig::failed(g, mem_mib, None, e.clone())).collect();
@@ -532,9 +532,11 @@ fn idle_size(ctx: &Ctx, mem_mib: u64, hold_ms: u64, extra: usize, raw: f64) -> (
     };
     let until = Instant::now() + Duration::from_millis(hold_ms);
     let before = checksum(&vm.proc.stdout(), "checksum");
-    for batch in ENGINES.chunks(BATCH) {
+    let local_first: Vec<Engine> =
+        ENGINES.iter().filter(|g| !g.network()).chain(ENGINES.iter().filter(|g| g.network())).copied().collect();
+    for batch in local_first.chunks(BATCH) {
         ctx.step(format!("idle {mem_mib} MiB: preparing {} destinations", batch.len()));
-        for (&e, d) in batch.iter().zip(prepare_all(ctx, batch, mem_mib, false)) {
+        for (&e, d) in batch.iter().zip(prepare_all(ctx, batch, mem_mib)) {
             ctx.step(format!("idle {mem_mib} MiB: {}", e.label));
             let m = d.and_then(|d| hop_to(ctx, &mut vm, d, mem_mib, None, raw));
             out.runs.push(m.unwrap_or_else(|err| Mig::failed(e, mem_mib, None, err)));
@@ -544,7 +546,7 @@ fn idle_size(ctx: &Ctx, mem_mib: u64, hold_ms: u64, extra: usize, raw: f64) -> (
     let best =
         out.runs.iter().filter(|m| m.ok() && m.engine != "local").max_by(|a, b| a.mb_per_s.total_cmp(&b.mb_per_s));
     if let Some(e) = best.and_then(|m| ENGINES.iter().find(|g| g.label == m.engine)).copied() {
-        for (i, d) in prepare_all(ctx, &vec![e; extra], mem_mib, false).into_iter().enumerate() {
+        for (i, d) in prepare_all(ctx, &vec![e; extra], mem_mib).into_iter().enumerate() {
             ctx.step(format!("idle {mem_mib} MiB: raw TCP, then {} again ({}/{extra})", e.label, i + 1));
             let m = raw_tcp_once(RAW_BYTES).and_then(|r| {
                 let mut m = hop_to(ctx, &mut vm, d?, mem_mib, None, raw)?;
@@ -720,7 +722,7 @@ fn loaded(ctx: &Ctx, mem_mib: u64, settle: Duration, with_downtime_rule: bool, r
                     "loaded {mem_mib} MiB: {}",
                     if i == 0 { "warm-up hop".into() } else { config_label(e.label, d) }
                 ));
-                let m = prepare(ctx, e, mem_mib, false).and_then(|dst| {
+                let m = prepare(ctx, e, mem_mib).and_then(|dst| {
                     std::thread::sleep(settle);
                     let clock = Clock::read(&mut vm)?;
                     let before =
@@ -773,7 +775,7 @@ fn correct_idle(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
         let (e, seed) = (ENGINES[i % ENGINES.len()], 100 + i as u64);
         ctx.step(format!("correctness, idle: {}/{n} ({})", i + 1, e.label));
         let run = || -> Result<Pending, String> {
-            let mut vm = source(ctx, mem_mib, &idle_args(seed, hold_ms), "memtouch: checksum=")?;
+            let mut vm = source_in(ctx, mem_mib, &idle_args(seed, hold_ms), "memtouch: checksum=", !e.network())?;
             let until = Instant::now() + Duration::from_millis(hold_ms);
             let before = checksum(&vm.proc.stdout(), "checksum");
             let m = hop(ctx, &mut vm, e, mem_mib, None, raw);
@@ -812,7 +814,7 @@ fn correct_loaded(ctx: &Ctx, n: usize, mem_mib: u64, raw: f64) -> Correct {
         let (e, seed) = (ENGINES[i % ENGINES.len()], 200 + i as u64);
         ctx.step(format!("correctness, loaded: {}/{n} ({})", i + 1, e.label));
         let run = || -> Result<(), String> {
-            let mut vm = source(ctx, mem_mib, &args(seed), "memtouch: pages=")?;
+            let mut vm = source_in(ctx, mem_mib, &args(seed), "memtouch: pages=", !e.network())?;
             std::thread::sleep(Duration::from_millis(500));
             let m = hop(ctx, &mut vm, e, mem_mib, None, raw);
             m.error.map_or(Ok(()), Err)?;
@@ -1362,7 +1364,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     println!("QEMU CPU model: {qemu_cpu}");
     let shmem_thp = kumo_vm::memory::shmem_huge_pages().unwrap_or_else(|| "unknown".into());
     println!(
-        "host shmem huge pages: {shmem_thp} (kumo's guest RAM is a memfd: 4 KiB pages unless advise/within_size/always; in the comparison with QEMU it is private anonymous memory advised huge in both, kumo's --private-memory)"
+        "host shmem huge pages: {shmem_thp} (kumo's guest RAM is private anonymous memory advised huge, its default and QEMU's; a VM migrating with the local engine is on a memfd, --shared-memory, which gets 2 MiB pages only with advise/within_size/always)"
     );
     let (sizes, big, n_correct): (&[u64], u64, usize) =
         if a.quick { (&[512], 512, 0) } else { (&[256, 512, 1024, 2048], 2048, 20) };

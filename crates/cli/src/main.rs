@@ -310,12 +310,18 @@ struct RunArgs {
     #[arg(long, value_name = "SPEC", conflicts_with_all = ["incoming", "restore"])]
     memory_zone: Vec<String>,
     /// Guest RAM as private anonymous memory with transparent huge pages (as QEMU's and Cloud
-    /// Hypervisor's default RAM) instead of a shareable memfd, which gets 2 MiB pages only where
-    /// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows: the guest runs on 2 MiB pages
-    /// on hosts that say `never`. Such a VM has no vhost-user NIC and no local migration. With
-    /// --incoming --memory, the memory prepared is private.
-    #[arg(long, conflicts_with = "restore")]
+    /// Hypervisor's default RAM). It is kumo's default already, except for a VM that needs the
+    /// memfd (a vhost-user NIC, --elastic) or whose size is not whole 2 MiB pages: with this
+    /// flag those are refused. Such a VM has no local migration.
+    #[arg(long, conflicts_with_all = ["restore", "shared_memory"])]
     private_memory: bool,
+    /// Guest RAM as a shareable memfd instead of private memory: what the local migration
+    /// engine hands over (and a vhost-user backend maps, which gets one anyway). It has 2 MiB
+    /// pages only where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (`never` on
+    /// many hosts: 4 KiB pages, a slower guest). With --incoming --memory, the memory prepared
+    /// is a memfd (else private).
+    #[arg(long, conflicts_with = "restore")]
+    shared_memory: bool,
     /// seccomp filters, one per kind of thread (docs/security.md): true stops the VM at a
     /// system call outside the thread's list with a message naming it; log lets the call
     /// through and has the kernel log it (dmesg or the audit log), to find what is missing;
@@ -498,10 +504,24 @@ fn build_config(a: &RunArgs) -> Result<Option<VmConfig>, String> {
                 .collect::<Result<_, _>>()
                 .map_err(|e| e.to_string())?
         },
-        private_memory: a.private_memory || file.private_memory.unwrap_or(false),
+        shared_memory: memory_kind(
+            a.shared_memory || file.shared_memory == Some(true),
+            a.private_memory || file.private_memory == Some(true),
+        )?,
     };
     guest::resolve(&mut config)?;
     Ok(Some(config))
+}
+
+/// `shared_memory` of a VM from its flags and config file: shared (`--shared-memory`), private
+/// (`--private-memory`), or kumo's choice (neither).
+fn memory_kind(shared: bool, private: bool) -> Result<Option<bool>, String> {
+    match (shared, private) {
+        (true, true) => Err("shared and private memory both asked for (flags or config file): pick one".into()),
+        (true, false) => Ok(Some(true)),
+        (false, true) => Ok(Some(false)),
+        (false, false) => Ok(None),
+    }
 }
 
 /// `--net` and `--numa` of `--incoming` or `--restore`: the arriving VM's host resources.
@@ -581,12 +601,12 @@ fn run(
                 .as_deref()
                 .map(|c| c.trim().parse::<u32>().map_err(|_| format!("--cpus {c}: with --incoming give a plain vCPU count (pin= is not carried)")))
                 .transpose()?;
-            if a.private_memory && a.memory.is_none() {
-                return Err("--private-memory with --incoming is the memory it prepares: give --memory too (without it the VM arrives with the kind of memory it had)".into());
+            if (a.private_memory || a.shared_memory) && a.memory.is_none() {
+                return Err("--private-memory or --shared-memory with --incoming is the memory it prepares: give --memory too (without it the VM arrives with the kind of memory it had)".into());
             }
             let tls_dir = a.tls_dir.as_deref().map(migrate::path_arg).transpose()?;
             let listen = kumo_vmm::migration::listen_options(tls_dir.as_deref(), a.insecure)?;
-            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, a.private_memory, host_resources(&a)?, listen)?;
+            let inc = kumo_vmm::migration::Incoming::new(addr, a.memory, cpus, !a.shared_memory, host_resources(&a)?, listen)?;
             let api = kumo_vmm::api::VmApi::incoming(&inc);
             let server = match bind()? {
                 Some(b) => Some(b.serve(api.clone(), allow.clone()).map_err(|e| e.to_string())?),

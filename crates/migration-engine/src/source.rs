@@ -469,7 +469,7 @@ impl Replies {
 }
 
 /// Why a VM with private memory does not migrate with the local engine.
-pub const PRIVATE_LOCAL: &str = "the local engine hands guest memory's file to the destination, and this VM's memory is private (--private-memory), in no file: use a network engine (zerocopy, overlap, serial)";
+pub const PRIVATE_LOCAL: &str = "the local engine hands guest memory's file to the destination, and this VM's memory is private (kumo's default), in no file: use a network engine (zerocopy, overlap, serial), or start the VM with --shared-memory";
 
 /// Why the zerocopy engine does not run over TLS.
 pub const ZEROCOPY_TLS: &str = "the zerocopy engine hands guest pages to the kernel unencrypted (MSG_ZEROCOPY) and cannot run over TLS: use --engine overlap (or serial) with --tls-dir";

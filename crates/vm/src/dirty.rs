@@ -236,8 +236,10 @@ impl Vm {
     /// are looked up in the memfd itself (`SEEK_DATA`): a swapped-out page is data there and
     /// goes in round 0 (before, it was never sent). The file alone would do, but it walks every
     /// page (~5 ms per 512 MiB here), so it only checks what `mincore` did not find. Private
-    /// anonymous ranges ([`crate::Memory::with_anonymous`]) have no file: every page of them
-    /// counts but the fenced ones (mapped `PROT_NONE`, given away).
+    /// anonymous ranges ([`crate::Memory::with_anonymous`], [`crate::Memory::private`]) have no
+    /// file: their pages in this process's page tables or in swap count
+    /// ([`anonymous_in_use`]); where `/proc/self/pagemap` cannot be read, every page does. The
+    /// fenced ones (mapped `PROT_NONE`, given away) never count.
     pub fn touched_pages(&self) -> Result<PageBitmap> {
         use vm_memory::GuestMemoryRegion;
         let regions: Vec<_> = self.memory.guest.iter().map(|r| (r.start_addr().0, r.len())).collect();
@@ -247,7 +249,14 @@ impl Vm {
         for (i, region) in self.memory.guest.iter().enumerate() {
             let (_, pages, bits) = &mut bm.regions[i];
             let Some(fo) = region.file_offset() else {
-                unfenced_pages(bits, *pages, region.start_addr().0, &fences);
+                match anonymous_in_use(region.as_ptr(), *pages) {
+                    Ok(used) => runs_of(&used, |v| v != 0).for_each(|(a, b)| set_pages(bits, a, b - a)),
+                    Err(e) => {
+                        tracing::debug!("/proc/self/pagemap: {e}: round 0 takes every page of private memory");
+                        set_pages(bits, 0, *pages);
+                    }
+                }
+                clear_fenced(bits, *pages, region.start_addr().0, &fences);
                 continue;
             };
             resident.resize(*pages as usize, 0u8);
@@ -324,9 +333,35 @@ fn file_data(file: &std::fs::File, start: u64, len: u64) -> Result<Vec<(u64, u64
     Ok(runs)
 }
 
-/// Sets every page of a region at `gpa` (`pages` long) but those in `fences` (`(gpa, len)`).
-fn unfenced_pages(bits: &mut [u64], pages: u64, gpa: u64, fences: &[(u64, u64)]) {
-    set_pages(bits, 0, pages);
+/// Which pages of the private anonymous mapping at `host` (`pages` long) hold data, one byte
+/// each (1: yes): those in this process's page tables or swapped out, by bits 63 and 62 of their
+/// `/proc/self/pagemap` entries (readable without privileges, which only hide frame numbers; a
+/// page on its way between NUMA nodes reads as swapped). A page never touched is neither, and
+/// reads as zeros on both sides. ~1 ms per 512 MiB of huge pages here.
+fn anonymous_in_use(host: *const u8, pages: u64) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    const PRESENT_OR_SWAPPED: u64 = (1 << 63) | (1 << 62);
+    const CHUNK: u64 = 1 << 16;
+    let pagemap = std::fs::File::open("/proc/self/pagemap")?;
+    let first = host as u64 / PAGE_SIZE;
+    let mut used = Vec::with_capacity(pages as usize);
+    let mut buf = vec![0u8; (CHUNK * 8) as usize];
+    let mut at = 0;
+    while at < pages {
+        let n = (pages - at).min(CHUNK);
+        let bytes = &mut buf[..(n * 8) as usize];
+        pagemap.read_exact_at(bytes, (first + at) * 8)?;
+        used.extend(bytes.chunks_exact(8).map(|e| {
+            let entry = u64::from_ne_bytes(e.try_into().expect("8 bytes"));
+            u8::from(entry & PRESENT_OR_SWAPPED != 0)
+        }));
+        at += n;
+    }
+    Ok(used)
+}
+
+/// Clears the pages of a region at `gpa` (`pages` long) in `fences` (`(gpa, len)`).
+fn clear_fenced(bits: &mut [u64], pages: u64, gpa: u64, fences: &[(u64, u64)]) {
     let end = gpa + pages * PAGE_SIZE;
     for &(f, len) in fences {
         let (lo, hi) = (f.max(gpa), (f + len).min(end));
@@ -584,13 +619,25 @@ mod tests {
     }
 
     #[test]
-    fn anonymous_memory_counts_every_page_but_the_fenced() {
+    fn private_memory_counts_the_pages_it_has() {
+        use vm_memory::{Bytes, VolatileMemory};
+        let m = vm_memory::MmapRegion::<()>::new(64 * 4096).unwrap();
+        let s = m.as_volatile_slice();
+        s.write_obj(1u8, 3 * 4096 + 5).unwrap();
+        s.write_obj(1u8, 40 * 4096).unwrap();
+        let used = anonymous_in_use(m.as_ptr(), 64).unwrap();
+        assert_eq!((0..64).filter(|&i| used[i] != 0).collect::<Vec<_>>(), [3, 40]);
+    }
+
+    #[test]
+    fn fenced_pages_never_count() {
         let gpa = 16u64 << 20;
         let pages = 200; // not a multiple of 64
         let mut bits = vec![0u64; 4];
         // Fences: before the region, straddling its start, inside it, past its end.
         let fences = [(0, 4096), (gpa - 8192, 3 * 4096), (gpa + 64 * 4096, 2 * 4096), (gpa + 199 * 4096, 8192)];
-        unfenced_pages(&mut bits, pages, gpa, &fences);
+        set_pages(&mut bits, 0, pages);
+        clear_fenced(&mut bits, pages, gpa, &fences);
         let set: Vec<u64> = (0..256).filter(|&p| bits[p as usize / 64] & (1 << (p % 64)) != 0).collect();
         let want: Vec<u64> = (1..64).chain(66..199).collect();
         assert_eq!(set, want);

@@ -170,13 +170,20 @@ impl Memory {
     /// migration. `size` must be whole 2 MiB pages.
     pub fn private(size: u64) -> Result<Self> {
         let ram = MemoryLayout::new(size).ram().to_vec();
-        if ram.iter().any(|&(a, l)| !a.is_multiple_of(2 << 20) || !l.is_multiple_of(2 << 20)) {
+        if !Self::private_fits(size) {
             return Err(Error::Memory(format!(
                 "private memory is whole 2 MiB pages: {} is not a multiple of 2 MiB",
                 human_size_exact(size)
             )));
         }
         Self::with_anonymous(size, &ram)
+    }
+
+    /// Whether RAM of `size` bytes can be private ([`Memory::private`]): every RAM region whole
+    /// 2 MiB pages.
+    pub fn private_fits(size: u64) -> bool {
+        let two_m = |v: u64| v.is_multiple_of(2 << 20);
+        MemoryLayout::new(size).ram().iter().all(|&(a, l)| two_m(a) && two_m(l))
     }
 
     /// Whether no page of RAM is in the memfd ([`Memory::private`]): the file is empty, so
@@ -785,6 +792,8 @@ mod tests {
         assert_eq!(m.guest.read_obj::<u32>(GuestAddress(0x20_0000)).unwrap(), 0x1234_5678);
         let e = Memory::private((32 << 20) + 4096).err().expect("not whole 2 MiB pages");
         assert!(e.to_string().contains("2 MiB"), "{e}");
+        assert!(Memory::private_fits(32 << 20) && Memory::private_fits(6 << 30));
+        assert!(!Memory::private_fits((32 << 20) + 4096));
     }
 
     #[test]

@@ -37,6 +37,9 @@ pub fn from_ch(c: &ChVmConfig) -> Result<VmConfig, String> {
     let mut v = VmConfig::new(payload);
     v.cpus = boot;
     v.memory = c.memory.as_ref().map_or(CH_DEFAULT_MEMORY, |m| m.size);
+    // CH's `shared=false` is its default and says nothing: kumo chooses (private, or the memfd
+    // for a vhost-user NIC, which CH would refuse).
+    v.shared_memory = c.memory.as_ref().filter(|m| m.shared).map(|_| true);
     v.disks = c.disks.iter().flatten().enumerate().map(|(i, d)| disk(i, d)).collect::<Result<_, _>>()?;
     v.net = c.net.iter().flatten().enumerate().map(|(i, n)| nic(i, n)).collect::<Result<_, _>>()?;
     Ok(v)
@@ -134,7 +137,7 @@ pub fn to_ch(v: &VmConfig) -> ChVmConfig {
     };
     ChVmConfig {
         cpus: Some(ChCpus { boot_vcpus: v.cpus, max_vcpus: Some(v.cpus), ..Default::default() }),
-        memory: Some(ChMemory { size: v.memory, ..Default::default() }),
+        memory: Some(ChMemory { size: v.memory, shared: !v.private_memory(), ..Default::default() }),
         payload,
         disks: Some(
             v.disks

@@ -99,12 +99,12 @@ pub struct VmConfig {
     /// Memory zones (`--memory-zone`): one virtio-mem device each (docs/elastic.md).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub memory_zones: Vec<crate::virtio_mem::ZoneSpec>,
-    /// Guest RAM as private anonymous memory advised huge (`--private-memory`,
-    /// [`kumo_vm::Memory::private`]) instead of the shareable memfd: 2 MiB pages on hosts whose
-    /// shmem policy gives a memfd none; no vhost-user NIC, no local migration. Carried to a
-    /// migration's destination.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub private_memory: bool,
+    /// Guest RAM's kind as asked: `Some(true)` the shareable memfd (`--shared-memory`: local
+    /// migration, a vhost-user backend), `Some(false)` private anonymous memory advised huge
+    /// (`--private-memory`, [`kumo_vm::Memory::private`]), `None` kumo's choice
+    /// ([`VmConfig::private_memory`]). An arriving VM's is what it arrives with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_memory: Option<bool>,
 }
 
 fn every_vm_had_it() -> bool {
@@ -463,6 +463,10 @@ pub struct ConfigFile {
     pub debug_exit: Option<bool>,
     #[serde(default)]
     pub memory_zones: Vec<crate::virtio_mem::ZoneSpec>,
+    /// `shared_memory = true`: the memfd (`--shared-memory`).
+    #[serde(default)]
+    pub shared_memory: Option<bool>,
+    /// `private_memory = true`: private memory even where kumo would choose the memfd.
     #[serde(default)]
     pub private_memory: Option<bool>,
 }
@@ -507,7 +511,26 @@ impl VmConfig {
             host: Default::default(),
             elastic: None,
             memory_zones: Vec::new(),
-            private_memory: false,
+            shared_memory: None,
+        }
+    }
+
+    /// Whether guest RAM is private anonymous memory advised huge ([`kumo_vm::Memory::private`])
+    /// rather than the shareable memfd. Private unless asked otherwise (`shared_memory`) or the
+    /// VM needs the memfd: that is QEMU's and Cloud Hypervisor's default RAM, and it gets 2 MiB
+    /// pages whatever the host's shmem policy says (`never` on many hosts, this one too, which
+    /// leaves a memfd on 4 KiB pages: half the guest's write rate here, docs/design.md). The
+    /// memfd is for what maps guest memory from another process: a vhost-user NIC's backend,
+    /// the local migration engine (ask for it with `--shared-memory`), and `--elastic`, whose
+    /// lendable areas are cut out of it; and for sizes that are not whole 2 MiB pages.
+    pub fn private_memory(&self) -> bool {
+        match self.shared_memory {
+            Some(shared) => !shared,
+            None => {
+                self.net.iter().all(|n| n.vhost_user.is_none())
+                    && self.elastic.is_none()
+                    && kumo_vm::Memory::private_fits(self.memory)
+            }
         }
     }
 
@@ -613,10 +636,11 @@ impl VmConfig {
                 return Err(Error::Config(format!("tap {} is given to two NICs", n.tap)));
             }
             if let Some(p) = &n.vhost_user {
-                if self.private_memory {
+                if self.shared_memory == Some(false) {
                     return Err(Error::Config(format!(
                         "the NIC on vhost-user socket {} needs guest memory its backend can map: \
-                         private memory (--private-memory) cannot be shared",
+                         this VM's memory is private (--private-memory) and cannot be shared \
+                         (--shared-memory gives a VM memory that can)",
                         p.display()
                     )));
                 }
@@ -664,7 +688,7 @@ impl VmConfig {
             return bad("pins the vCPUs itself (cpus=); drop --cpus …,pin= and --numa …,pin=");
         }
         // Its areas are memory slots of their own, which all-private RAM does not cut out.
-        if self.private_memory {
+        if self.shared_memory == Some(false) {
             return bad("its lendable memory is private anonymous memory already: drop --private-memory");
         }
         // A released block is fenced off (PROT_NONE): a device writing guest memory where the
@@ -812,11 +836,14 @@ mod tests {
         let e = c.validate_net().unwrap_err().to_string();
         assert!(e.contains("given to two NICs"), "{e}");
         // A backend maps guest memory: private memory cannot be given to it.
-        let p = VmConfig { net: f.net.clone(), private_memory: true, ..base() };
+        let p = VmConfig { net: f.net.clone(), shared_memory: Some(false), ..base() };
         let e = p.validate_net().unwrap_err().to_string();
         assert!(e.contains("/run/a.sock") && e.contains("--private-memory") && !e.contains('\n'), "{e}");
-        let taps = VmConfig { net: vec![NetSpec::parse("tap=t0").unwrap()], private_memory: true, ..base() };
+        let taps = VmConfig { net: vec![NetSpec::parse("tap=t0").unwrap()], shared_memory: Some(false), ..base() };
         taps.validate_net().unwrap();
+        // Unasked, a backend's VM gets the memfd, a tap's private memory.
+        assert!(!VmConfig { net: f.net.clone(), ..base() }.private_memory());
+        assert!(VmConfig { net: taps.net.clone(), ..base() }.private_memory());
         // An elastic VM's areas are slots of their own: not cut out of all-private RAM.
         let elastic = VmConfig {
             cpus: 2,
@@ -825,7 +852,8 @@ mod tests {
             ..base()
         };
         elastic.validate_elastic().unwrap();
-        let e = VmConfig { private_memory: true, ..elastic }.validate_elastic().unwrap_err().to_string();
+        assert!(!elastic.private_memory(), "an elastic VM's areas are cut out of the memfd");
+        let e = VmConfig { shared_memory: Some(false), ..elastic }.validate_elastic().unwrap_err().to_string();
         assert!(e.contains("--elastic") && e.contains("--private-memory"), "{e}");
         let e = ConfigFile::load(&write("vu2.json", r#"{"net": [{"mac": "52:54:00:00:00:02"}]}"#))
             .map(|f| VmConfig { net: f.net, ..base() }.validate_net())

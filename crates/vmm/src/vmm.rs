@@ -130,8 +130,10 @@ impl RunningVm {
             }
             None => Vec::new(),
         };
-        // Private memory and elastic areas do not go together (`validate` refused that).
-        let memory = if config.private_memory {
+        // Private memory and elastic areas do not go together (an elastic VM's is the memfd).
+        // The kind is settled for the VM's life: a NIC added later cannot change it.
+        config.shared_memory = Some(!config.private_memory());
+        let memory = if config.private_memory() {
             Some(kumo_vm::PreparedVm::new(kumo_vm::Memory::private(config.memory)?)?)
         } else if areas.is_empty() {
             None
@@ -174,16 +176,7 @@ impl RunningVm {
         prepared: Option<kumo_vm::PreparedVm>,
     ) -> Result<RunningVm> {
         let start_ns = monotonic_ns();
-        // Memory prepared here (a destination's, a local migration's memfd) is what the VM
-        // gets, private or not; otherwise the kind the VM had.
-        let prepared = match prepared {
-            Some(p) => {
-                config.private_memory = p.memory().is_private();
-                Some(p)
-            }
-            None if config.private_memory => Some(kumo_vm::PreparedVm::new(kumo_vm::Memory::private(config.memory)?)?),
-            None => None,
-        };
+        let prepared = memory_for_arrival(&mut config, prepared)?;
         config.validate_arriving()?;
         let numa = config.numa_topology()?;
         if config.elastic.is_some() {
@@ -237,6 +230,37 @@ impl RunningVm {
 
 /// Creates the KVM VM and its memory (`prepared`: a VM over memory made ahead, else a new
 /// memfd), sets halt polling and binds guest NUMA nodes' memory to their host nodes.
+/// The memory an arriving VM (a migration's, a restore's) gets: what was prepared here (a
+/// destination's `--memory`, a local migration's memfd), private or not, else the kind the VM
+/// had. A VM with a vhost-user NIC gets the memfd, whose backend maps it: private memory
+/// prepared for it is let go (kumo prepares private memory unless `--shared-memory`).
+fn memory_for_arrival(
+    config: &mut VmConfig,
+    prepared: Option<kumo_vm::PreparedVm>,
+) -> Result<Option<kumo_vm::PreparedVm>> {
+    let backend = config.net.iter().any(|n| n.vhost_user.is_some());
+    if backend {
+        config.shared_memory = Some(true);
+    }
+    match prepared {
+        Some(p) if backend && p.memory().is_private() => {
+            tracing::warn!(
+                "the memory prepared here is private, and the arriving VM's vhost-user NIC needs memory its \
+                 backend can map: it gets a memfd instead (prepare with --shared-memory)"
+            );
+        }
+        Some(p) => {
+            config.shared_memory = Some(!p.memory().is_private());
+            return Ok(Some(p));
+        }
+        None => {}
+    }
+    if config.private_memory() {
+        return Ok(Some(kumo_vm::PreparedVm::new(kumo_vm::Memory::private(config.memory)?)?));
+    }
+    Ok(None)
+}
+
 fn create_vm(
     config: &VmConfig,
     numa: Option<&kumo_acpi::NumaTopology>,

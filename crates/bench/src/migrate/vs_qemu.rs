@@ -11,9 +11,9 @@
 //! - *a target*: kumo `--downtime-ms T`, QEMU `downtime-limit T` (30 ms in the tables; 10, 30
 //!   and 50 ms in section 6's downtime distributions).
 //!
-//! Guest RAM is private anonymous memory advised huge in both: QEMU's default, kumo's
-//! `--private-memory` (its memfd would get 4 KiB pages where the host's shmem policy says
-//! `never`, which is not the VMM's speed but the host's setting).
+//! Guest RAM is private anonymous memory advised huge in both, each VMM's default (kumo's
+//! memfd, `--shared-memory`, would get 4 KiB pages where the host's shmem policy says `never`,
+//! which is not the VMM's speed but the host's setting).
 //! Both destinations are prepared (kumo `--incoming … --memory`, QEMU `-mem-prealloc`), QEMU's
 //! bandwidth is uncapped, both run over loopback TCP. Times are taken on the host, the same way
 //! for both: from the command that starts the migration to the moment the host learns it is
@@ -300,7 +300,7 @@ struct KumoSide {
 
 impl Side for KumoSide {
     fn prepare(&mut self, ctx: &Ctx, n: usize) {
-        self.ready.extend(prepare_all(ctx, &vec![DEFAULTS; n], self.mem, true));
+        self.ready.extend(prepare_all(ctx, &vec![DEFAULTS; n], self.mem));
     }
 
     fn resume(&mut self, ctx: &Ctx) -> Result<(), String> {
@@ -419,7 +419,7 @@ fn boot_pair(ctx: &Ctx, mem: u64, w: Workload) -> (Result<KumoSide, String>, Res
             vm.qmp("stop", Value::Null)?;
             Ok::<_, String>(vm)
         });
-        let k = source_in(ctx, mem, &w.args(), w.ready(), true);
+        let k = source(ctx, mem, &w.args(), w.ready());
         (k, q.join().unwrap_or_else(|_| Err("booting QEMU panicked".into())))
     });
     let k = k.and_then(|vm| {

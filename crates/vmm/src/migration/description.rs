@@ -30,7 +30,7 @@ pub fn describe(c: &VmConfig, regions: Vec<(u64, u64)>) -> VmDescription {
     let mut d = VmDescription::new(c.cpus, irqchip, payload, regions);
     d.memory_bytes = c.memory;
     d.debug_exit = c.debug_exit;
-    d.private_memory = c.private_memory;
+    d.private_memory = c.private_memory();
     d.nets = c.net.iter().map(describe_nic).collect();
     // Sizes are the open images' (the source fills them in, `SourceVm::description`).
     d.disks = c
@@ -175,7 +175,7 @@ fn config_of(d: &VmDescription) -> VmConfig {
         debug_exit: d.debug_exit,
         // A VM with memory zones does not migrate.
         memory_zones: Vec::new(),
-        private_memory: d.private_memory,
+        shared_memory: Some(!d.private_memory),
     }
 }
 
@@ -247,6 +247,7 @@ mod tests {
             }),
             pv: PvRequest::from_set(PvSet::DEDICATED),
             host: crate::placement::HostPlacement { pins: vec![Some(3), Some(4)], halt_poll_ns: Some(0) },
+            shared_memory: Some(true),
             ..vm(2, 64 << 20, "memtouch")
         };
         let d = desc(&c);
@@ -265,9 +266,12 @@ mod tests {
         assert!(back.host.pins.is_empty() && back.host.halt_poll_ns.is_none(), "host settings stay behind");
         let j = serde_json::to_value(&d).unwrap();
         assert!(!j.to_string().contains("host_node") && !j.to_string().contains("pins"), "{j}");
-        assert!(!back.private_memory && !j.to_string().contains("private_memory"), "a memfd VM's stream is as before");
-        let p = desc(&VmConfig { private_memory: true, ..c.clone() });
-        assert!(p.private_memory && config_of(&p).private_memory, "private memory is made private again");
+        assert!(
+            !back.private_memory() && !j.to_string().contains("private_memory"),
+            "a memfd VM's stream is as before"
+        );
+        let p = desc(&VmConfig { shared_memory: Some(false), ..c.clone() });
+        assert!(p.private_memory && config_of(&p).private_memory(), "private memory is made private again");
     }
 
     /// A disk travels as what the guest sees; its image here is the operator's, by id, and

@@ -46,8 +46,9 @@ pub struct Incoming {
     pub memory: Option<u64>,
     /// `--cpus`: only a VM with this many vCPUs is taken.
     pub cpus: Option<u32>,
-    /// `--private-memory`: the memory prepared is private anonymous memory
-    /// ([`kumo_vm::Memory::private`]); without `memory`, the kind the arriving VM had.
+    /// The memory prepared is private anonymous memory ([`kumo_vm::Memory::private`], the
+    /// default), else a memfd (`--shared-memory`); without `memory`, the kind the arriving VM
+    /// had.
     pub private_memory: bool,
     /// `--net`, `--numa`: the host resources the arriving VM gets; a VM that does not fit them
     /// is refused.
