@@ -639,8 +639,8 @@ impl VmConfig {
                 if self.shared_memory == Some(false) {
                     return Err(Error::Config(format!(
                         "the NIC on vhost-user socket {} needs guest memory its backend can map: \
-                         this VM's memory is private (--private-memory) and cannot be shared \
-                         (--shared-memory gives a VM memory that can)",
+                         this VM's memory is private (kumo's default, or --private-memory) and \
+                         cannot be shared; --shared-memory gives a VM memory that can",
                         p.display()
                     )));
                 }
@@ -838,7 +838,7 @@ mod tests {
         // A backend maps guest memory: private memory cannot be given to it.
         let p = VmConfig { net: f.net.clone(), shared_memory: Some(false), ..base() };
         let e = p.validate_net().unwrap_err().to_string();
-        assert!(e.contains("/run/a.sock") && e.contains("--private-memory") && !e.contains('\n'), "{e}");
+        assert!(e.contains("/run/a.sock") && e.contains("--shared-memory") && !e.contains('\n'), "{e}");
         let taps = VmConfig { net: vec![NetSpec::parse("tap=t0").unwrap()], shared_memory: Some(false), ..base() };
         taps.validate_net().unwrap();
         // Unasked, a backend's VM gets the memfd, a tap's private memory.
