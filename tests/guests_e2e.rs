@@ -209,6 +209,16 @@ fn config_file_supplies_the_vm() {
         Kid::spawn(&["run", "--config", p.to_str().unwrap(), "--memory", "64M", "--timeout", "60"]).finish(LIMIT);
     assert_eq!(code, Some(0));
     assert!(out.contains("memory_mib=64"), "{out}");
+    // A file's memfd and a flag's private memory are one too many.
+    std::fs::write(
+        &p,
+        "shared_memory = true
+[payload.guest]
+name = \"hello\"\n",
+    )
+    .unwrap();
+    let (code, _, err) = Kid::spawn(&["run", "--config", p.to_str().unwrap(), "--private-memory"]).finish(LIMIT);
+    assert!(code != Some(0) && err.contains("shared and private memory both asked for"), "{err}");
 }
 
 #[test]
@@ -242,6 +252,7 @@ fn bad_input_gives_clear_errors() {
         (&["run", "--config", "/nonexistent.toml"], "cannot read /nonexistent.toml"),
         (&["--api-socket", "/nonexistent/kumo.sock", "info"], "no kumo VM is listening on /nonexistent/kumo.sock"),
         (&["pause"], "needs --api-socket"),
+        (&["run", "--guest", "hello", "--shared-memory", "--private-memory"], "cannot be used with"),
     ];
     for (args, want) in cases {
         let o = kumo(args);
