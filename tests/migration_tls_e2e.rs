@@ -59,13 +59,15 @@ fn check_arrived(src: Kid, mut dest: Kid, seed: u64) {
 }
 
 /// Waits until `d` has dropped `n` connections, failing at once if it exits instead (as a
-/// destination that takes the first connection does).
+/// destination that takes the first connection does): its API's count, and the line that
+/// says why for each (logged just after the count moves, so the count alone can come first).
 fn wait_rejected(d: &mut Kid, api: &str, n: u64) {
     eventually(PATIENCE, || {
         if let Ok(Some(st)) = d.child.try_wait() {
             panic!("the destination exited ({st}) instead of waiting:\n{}", d.stderr());
         }
-        (rejected(api) == Some(n)).then_some(())
+        let logged = d.stderr().matches("dropped a connection from").count() as u64;
+        (rejected(api) == Some(n) && logged >= n).then_some(())
     });
 }
 
