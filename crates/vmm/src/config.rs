@@ -526,12 +526,13 @@ impl VmConfig {
     pub fn private_memory(&self) -> bool {
         match self.shared_memory {
             Some(shared) => !shared,
-            None => {
-                self.net.iter().all(|n| n.vhost_user.is_none())
-                    && self.elastic.is_none()
-                    && kumo_vm::Memory::private_fits(self.memory)
-            }
+            None => !self.has_vhost_user_nic() && self.elastic.is_none() && kumo_vm::Memory::private_fits(self.memory),
         }
+    }
+
+    /// Whether a NIC's queues are served by a vhost-user backend, which maps guest memory.
+    pub fn has_vhost_user_nic(&self) -> bool {
+        self.net.iter().any(|n| n.vhost_user.is_some())
     }
 
     /// Checks the VM's shape before anything is allocated: vCPUs and memory against kumo's and

@@ -132,8 +132,9 @@ impl RunningVm {
         };
         // Private memory and elastic areas do not go together (an elastic VM's is the memfd).
         // The kind is settled for the VM's life: a NIC added later cannot change it.
-        config.shared_memory = Some(!config.private_memory());
-        let memory = if config.private_memory() {
+        let private = config.private_memory();
+        config.shared_memory = Some(!private);
+        let memory = if private {
             Some(kumo_vm::PreparedVm::new(kumo_vm::Memory::private(config.memory)?)?)
         } else if areas.is_empty() {
             None
@@ -228,8 +229,6 @@ impl RunningVm {
     }
 }
 
-/// Creates the KVM VM and its memory (`prepared`: a VM over memory made ahead, else a new
-/// memfd), sets halt polling and binds guest NUMA nodes' memory to their host nodes.
 /// The memory an arriving VM (a migration's, a restore's) gets: what was prepared here (a
 /// destination's `--memory`, a local migration's memfd), private or not, else the kind the VM
 /// had. A VM with a vhost-user NIC gets the memfd, whose backend maps it: private memory
@@ -238,7 +237,7 @@ fn memory_for_arrival(
     config: &mut VmConfig,
     prepared: Option<kumo_vm::PreparedVm>,
 ) -> Result<Option<kumo_vm::PreparedVm>> {
-    let backend = config.net.iter().any(|n| n.vhost_user.is_some());
+    let backend = config.has_vhost_user_nic();
     if backend {
         config.shared_memory = Some(true);
     }
@@ -261,6 +260,8 @@ fn memory_for_arrival(
     Ok(None)
 }
 
+/// Creates the KVM VM and its memory (`prepared`: a VM over memory made ahead, else a new
+/// memfd), sets halt polling and binds guest NUMA nodes' memory to their host nodes.
 fn create_vm(
     config: &VmConfig,
     numa: Option<&kumo_acpi::NumaTopology>,
