@@ -746,7 +746,8 @@ fn the_cancel_route_stops_a_migration() {
 
 /// An empty VMM (`kumo run --api-socket S`, nothing to boot) told by `vm.receive-migration`
 /// (`kumo receive-migration`) is a destination: it answers once it listens, says `receiving`,
-/// then runs the VM that arrived; the guest's checksum checks. A second receive is refused.
+/// then runs the VM that arrived, on the memfd it was asked to prepare; the guest's checksum
+/// checks. A second receive is refused.
 #[test]
 fn an_empty_vmm_told_to_receive_takes_a_migrating_vm() {
     if !kvm_or_skip("an_empty_vmm_told_to_receive_takes_a_migrating_vm") {
@@ -758,7 +759,7 @@ fn an_empty_vmm_told_to_receive_takes_a_migrating_vm() {
     eventually(PATIENCE, || vm_state(&dsock));
     assert_eq!(vm_state(&dsock).as_deref(), Some("created"));
     let addr = format!("unix:{}", dir.arg("empty-mig.sock"));
-    let o = kumo(&["--api-socket", &dsock, "receive-migration", "--from", &addr, "--memory", "64M"]);
+    let o = kumo(&["--api-socket", &dsock, "receive-migration", "--from", &addr, "--memory", "64M", "--shared-memory"]);
     assert!(o.status.success(), "{}\n{}", text(&o).1, dest.stderr());
     // It listens now (the answer came after that), and says so.
     eventually(PATIENCE, || dest.stderr().contains("waiting for a migration").then_some(()));
@@ -769,6 +770,7 @@ fn an_empty_vmm_told_to_receive_takes_a_migrating_vm() {
     let again = kumo_api::ReceiveMigrationRequest {
         receiver_url: addr.clone(),
         memory: None,
+        shared_memory: false,
         cpus: None,
         net: vec![],
         numa: vec![],
@@ -785,6 +787,7 @@ fn an_empty_vmm_told_to_receive_takes_a_migrating_vm() {
     eventually(PATIENCE, || (vm_state(&dsock).as_deref() == Some("running")).then_some(()));
     let st = serde_json::to_value(d.migration_status().unwrap()).unwrap();
     assert_eq!(st["state"], "received", "{st}");
+    assert!(!vm_info(&dsock).memory_private, "it prepared a memfd, as asked");
     assert_eq!(d.receive_migration(&again).unwrap_err().status(), Some(409), "it has a VM now");
     dest.stop_guest();
     let (code, dout, derr) = dest.wait();

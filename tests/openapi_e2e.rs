@@ -374,6 +374,7 @@ fn request_bodies_with_every_field_fit_the_document() {
     let recv = kumo_api::ReceiveMigrationRequest {
         receiver_url: "tcp:0.0.0.0:4444".into(),
         memory: Some(1 << 30),
+        shared_memory: true,
         cpus: Some(2),
         net: vec![kumo_api::NicBackend { id: "net0".into(), tap: Some("tap0".into()), vhost_user: None }],
         numa: vec![kumo_api::NodeBinding { node: 0, host_node: Some(0) }],

@@ -608,6 +608,10 @@ pub struct ReceiveMigrationRequest {
     /// listening (`kumo run --incoming --memory`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<u64>,
+    /// Prepare `memory` as a memfd (`--shared-memory`) instead of private memory, kumo's
+    /// default: a VM that will move on with the `local` engine needs it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared_memory: bool,
     /// Only a VM with this many vCPUs is taken.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<u32>,

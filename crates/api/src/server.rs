@@ -936,6 +936,7 @@ mod tests {
         let req = crate::ReceiveMigrationRequest {
             receiver_url: "tcp:0.0.0.0:4444".into(),
             memory: Some(1 << 30),
+            shared_memory: true,
             cpus: None,
             net: vec![crate::NicBackend { id: "net0".into(), tap: Some("tap7".into()), vhost_user: None }],
             numa: vec![crate::NodeBinding { node: 0, host_node: Some(1) }],

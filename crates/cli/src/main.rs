@@ -107,6 +107,10 @@ enum Cmd {
         /// Only take a VM of this memory size, e.g. 2G; it is reserved and faulted in first.
         #[arg(long, value_parser = parse_size)]
         memory: Option<u64>,
+        /// Prepare --memory as a memfd instead of private memory (a VM that will move on
+        /// with the local engine needs it).
+        #[arg(long, requires = "memory")]
+        shared_memory: bool,
         /// Only take a VM with this many vCPUs.
         #[arg(long)]
         cpus: Option<u32>,
@@ -909,13 +913,14 @@ fn client_cmd(cmd: &Cmd, socket: Option<PathBuf>) -> Result<i32, String> {
             let r = c.clone().with_timeout(Duration::from_secs(24 * 3600)).snapshot(to).map_err(|e| e.to_string())?;
             println!("{}", serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?);
         }
-        Cmd::ReceiveMigration { from, memory, cpus, net, numa, disk, tls_dir, insecure } => {
+        Cmd::ReceiveMigration { from, memory, shared_memory, cpus, net, numa, disk, tls_dir, insecure } => {
             let ours = kumo_vmm::host_resources::HostResources::parse(net, numa)
                 .and_then(|r| r.with_disks(disk))
                 .map_err(|e| e.to_string())?;
             let req = kumo_api::ReceiveMigrationRequest {
                 receiver_url: from.clone(),
                 memory: *memory,
+                shared_memory: *shared_memory,
                 cpus: *cpus,
                 net: ours.net,
                 numa: ours.numa,

@@ -413,7 +413,7 @@ impl VmApi {
         let ours = HostResources::given(&r.net, &r.numa, &r.disks);
         let listening = (ours.check().map_err(|e| e.to_string()))
             .and_then(|()| crate::migration::listen_options(r.tls_dir.as_deref(), r.insecure))
-            .and_then(|listen| Incoming::new(&r.receiver_url, r.memory, r.cpus, true, ours, listen))
+            .and_then(|listen| Incoming::new(&r.receiver_url, r.memory, r.cpus, !r.shared_memory, ours, listen))
             .and_then(|inc| inc.listen(&*e.say).map(|ready| (inc, ready)));
         let (inc, ready) = listening.map_err(|why| {
             e.release();
