@@ -876,6 +876,8 @@ struct Report {
     total_ratio_qemu: Option<f64>,
     /// The host's /sys/kernel/mm/transparent_hugepage/shmem_enabled choice: whether kumo's
     /// guests (memfd RAM) get 2 MiB pages, as QEMU's (anonymous RAM) do.
+    /// The host's default TCP congestion control (QEMU's connections run it; kumo's loopback ones reno).
+    host_congestion_control: String,
     shmem_thp: String,
     png: Option<String>,
 }
@@ -1366,6 +1368,14 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
     println!(
         "host shmem huge pages: {shmem_thp} (kumo's guest RAM is private anonymous memory advised huge, its default and QEMU's; a VM migrating with the local engine is on a memfd, --shared-memory, which gets 2 MiB pages only with advise/within_size/always)"
     );
+    let cc = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    println!(
+        "host TCP congestion control: {cc} (kumo's connections to a loopback peer and the raw TCP baseline run reno, \
+         unpaced; QEMU's follow the host: where that paces (bbr), QEMU's times here include it, see \
+         docs/migration.md \"Pacing on loopback\")"
+    );
     let (sizes, big, n_correct): (&[u64], u64, usize) =
         if a.quick { (&[512], 512, 0) } else { (&[256, 512, 1024, 2048], 2048, 20) };
     // Sections 5 and 6: sizes, runs per row, runs per downtime target, the rate windows.
@@ -1418,6 +1428,7 @@ pub fn run(a: Args, out: &Path) -> Result<i32, String> {
         guest_kept: None,
         qemu_guest_kept: None,
         total_ratio_qemu: None,
+        host_congestion_control: cc,
         shmem_thp,
         png: None,
     };
