@@ -152,6 +152,11 @@ impl BatchSink for ZeroCopySink {
     }
 
     fn is_zero(&self, b: &Batch, i: usize) -> bool {
+        // A page of data ends its scan at its first cache line, which is cold: without a look
+        // ahead the scan of a batch is a string of misses, one page apart.
+        if let Some(a) = b.gfns.get(i + SCAN_AHEAD).and_then(|&g| self.mem.addr(g)) {
+            prefetch(a);
+        }
         b.gfns.get(i).is_some_and(|&g| self.mem.page_is_zero(g))
     }
 
@@ -159,6 +164,22 @@ impl BatchSink for ZeroCopySink {
         self.zc.reap(self.conn.as_raw_fd(), false)?;
         Ok((self.zc.completions, self.zc.copied))
     }
+}
+
+/// How many pages ahead of its zero scan a sender asks for a page's first cache line. Idle
+/// prefilled 2 GiB hops, zerocopy x2, nine each alternating: median 190 against 201 ms without.
+const SCAN_AHEAD: usize = 8;
+
+/// Asks the CPU for the cache line at `addr` (a hint: no fault, no effect on correctness).
+fn prefetch(addr: usize) {
+    // SAFETY: SSE is part of x86_64's baseline, and a prefetch only hints: it reads nothing
+    // the program sees and does not fault, whatever the address.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = addr;
 }
 
 #[derive(Default)]
