@@ -874,10 +874,10 @@ struct Report {
     /// Headline: kumo's median host-timed total over QEMU's, flat-out guest, 512 MiB, 30 ms
     /// target (the other sizes and rules: `compare.side_by_side`).
     total_ratio_qemu: Option<f64>,
-    /// The host's /sys/kernel/mm/transparent_hugepage/shmem_enabled choice: whether kumo's
-    /// guests (memfd RAM) get 2 MiB pages, as QEMU's (anonymous RAM) do.
     /// The host's default TCP congestion control (QEMU's connections run it; kumo's loopback ones reno).
     host_congestion_control: String,
+    /// The host's /sys/kernel/mm/transparent_hugepage/shmem_enabled choice: whether kumo's
+    /// guests (memfd RAM) get 2 MiB pages, as QEMU's (anonymous RAM) do.
     shmem_thp: String,
     png: Option<String>,
 }
