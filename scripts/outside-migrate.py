@@ -8,7 +8,9 @@ QEMU's bandwidth uncapped. Runs alternate kumo, QEMU, kumo, ... Each guest is st
 each run. Times are taken on the host: from the command that starts the migration to the moment
 the host learns it completed (kumo: `kumo migrate` exits; QEMU: `query-migrate` polled every
 5 ms says completed), next to each VMM's own figures. The guest's writes/s come from its
-`progress` lines, stamped with the host time they arrived; kept = writes/s during / before.
+`progress` lines, stamped with the host time they arrived; kept = writes/s during / before;
+lost ms = (1 - kept) x host ms, the guest's work the migration cost at its rate before (a
+faster migration keeps less of the rate for less time: kept alone reads against it).
 
     scripts/outside-migrate.py [--mib 512] [--runs 3] [--target 30|default] [--engine zerocopy]
         [--connections 1] [--workload flat|paper|busy] [--kumo target/release/kumo]
@@ -265,16 +267,20 @@ def main():
     res = {"kumo": [], "qemu": []}
     print(f"# {a.workload} {a.mib} MiB, target {a.target}, kumo {a.engine} x{a.connections}, runs alternate")
     print(f"{'run':>3} {'vmm':<5} {'host ms':>8} {'own ms':>8} {'down ms':>8} {'before/s':>10} {'during/s':>10}"
-          f" {'kept':>6} {'rounds':>6}")
+          f" {'kept':>6} {'lost ms':>7} {'rounds':>6}")
+    def lost(r):
+        return None if r["kept"] is None else (1 - r["kept"]) * r["host_ms"]
+
     for i in range(a.runs):
         for vmm, fn in (("kumo", run_kumo), ("qemu", run_qemu)):
             if vmm not in a.vmms.split(","):
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 r = fn(a, tmp, guest)
+            r["lost_ms"] = lost(r)
             res[vmm].append(r)
             print(f"{i:>3} {vmm:<5} {fmt(r['host_ms'], 0):>8} {fmt(r['own_ms'], 0):>8} {fmt(r['down_ms']):>8}"
-                  f" {fmt(r['before'], 0):>10} {fmt(r['during'], 0):>10} {fmt(r['kept'], 3):>6} {r['rounds']:>6}",
+                  f" {fmt(r['before'], 0):>10} {fmt(r['during'], 0):>10} {fmt(r['kept'], 3):>6} {fmt(r['lost_ms'], 0):>7} {r['rounds']:>6}",
                   flush=True)
 
     def med(vmm, k):
@@ -283,11 +289,14 @@ def main():
 
     for vmm in [v for v in res if res[v]]:
         print(f"median {vmm}: host {fmt(med(vmm, 'host_ms'), 0)} ms, own {fmt(med(vmm, 'own_ms'), 0)} ms,"
-              f" downtime {fmt(med(vmm, 'down_ms'))} ms, kept {fmt(med(vmm, 'kept'), 3)}")
+              f" downtime {fmt(med(vmm, 'down_ms'))} ms, kept {fmt(med(vmm, 'kept'), 3)},"
+              f" lost {fmt(med(vmm, 'lost_ms'), 0)} ms")
     k, q = med("kumo", "host_ms"), med("qemu", "host_ms")
     kk, qk = med("kumo", "kept"), med("qemu", "kept")
+    kl, ql = med("kumo", "lost_ms"), med("qemu", "lost_ms")
     if k and q:
-        print(f"host_total_ratio={fmt(k / q, 3)} kumo_kept={fmt(kk, 3)} qemu_kept={fmt(qk, 3)}")
+        print(f"host_total_ratio={fmt(k / q, 3)} kumo_kept={fmt(kk, 3)} qemu_kept={fmt(qk, 3)}"
+              f" kumo_lost_ms={fmt(kl, 0)} qemu_lost_ms={fmt(ql, 0)}")
 
 
 if __name__ == "__main__":

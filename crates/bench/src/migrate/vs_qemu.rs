@@ -154,6 +154,10 @@ pub(super) struct Hop {
     pub after: Option<f64>,
     /// during / before.
     pub kept: Option<f64>,
+    /// The guest's work the migration cost, in ms at its rate before: (1 - kept) × the time
+    /// it took. A faster migration keeps less of the rate for a shorter time, so `kept` alone
+    /// reads against it; this is what the guest lost in all.
+    pub lost_ms: Option<f64>,
     /// kumo's report of where the time went (`phases`, and `rounds` with each round's parts).
     pub phases: Option<Value>,
     pub rounds: Option<Value>,
@@ -249,6 +253,7 @@ fn measure_rates(
     h.during = rate(&p, ms(t0), ms(t1));
     h.after = rate(&p, ms(t1), ms(t1) + w);
     h.kept = h.during.zip(h.before).filter(|(_, b)| *b > 0.0).map(|(d, b)| d / b);
+    h.lost_ms = h.kept.map(|k| (1.0 - k) * (ms(t1) - ms(t0)));
     Ok(())
 }
 
@@ -534,6 +539,7 @@ pub(super) struct Row {
     pub during: Option<f64>,
     pub after: Option<f64>,
     pub kept: Option<f64>,
+    pub lost_ms: Option<f64>,
 }
 
 fn row(c: &Chain, rule: Option<u64>) -> Row {
@@ -548,6 +554,7 @@ fn row(c: &Chain, rule: Option<u64>) -> Row {
         during: col(|h| h.during),
         after: col(|h| h.after),
         kept: col(|h| h.kept),
+        lost_ms: col(|h| h.lost_ms),
     }
 }
 
@@ -811,11 +818,12 @@ fn print_rows(c: &Compare) {
     );
     println!("   complete (the ratio's basis); own ms: the VMM's own total. writes/s from the guest's host-stamped progress lines,");
     println!(
-        "   {:.1} s before, during, {:.1} s after; kept = during / before. pages: sent with contents.",
+        "   {:.1} s before, during, {:.1} s after; kept = during / before; lost ms = (1 - kept) x the migration's time, the
+   guest's work it cost at its rate before. pages: sent with contents.",
         c.window_s, c.window_s
     );
     println!(
-        "{:<40} {:<8} {:<5} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>6} {:>6}",
+        "{:<40} {:<8} {:<5} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>6} {:>7} {:>6}",
         "guest",
         "rule",
         "vmm",
@@ -827,6 +835,7 @@ fn print_rows(c: &Compare) {
         "during/s",
         "after/s",
         "kept",
+        "lost ms",
         "ratio"
     );
     let f = |v: Option<f64>, p: usize| opt(v, p);
@@ -838,7 +847,7 @@ fn print_rows(c: &Compare) {
                 (String::new(), String::new(), String::new())
             };
             println!(
-                "{name:<40} {rule:<8} {vmm:<5} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>6} {ratio:>6}",
+                "{name:<40} {rule:<8} {vmm:<5} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>6} {:>7} {ratio:>6}",
                 f(r.host_ms, 0),
                 f(r.total_ms, 0),
                 f(r.downtime_ms, 1),
@@ -846,7 +855,8 @@ fn print_rows(c: &Compare) {
                 f(r.before, 0),
                 f(r.during, 0),
                 f(r.after, 0),
-                f(r.kept, 3)
+                f(r.kept, 3),
+                f(r.lost_ms, 0)
             );
         }
     }
@@ -1027,12 +1037,14 @@ mod tests {
             error: err.then(|| "x".to_string()),
             not_converged: nc,
             kept: Some(host / 1000.0),
+            lost_ms: Some(host - host * host / 1000.0),
             ..Default::default()
         };
         let mut k = Chain::new("kumo", WORKLOADS[2], 512);
         k.hops = vec![hop(None, 300.0, false, false), hop(None, 500.0, false, false), hop(None, 400.0, false, false)];
         let r = row(&k, None);
         assert_eq!((r.runs, r.host_ms, r.kept), (3, Some(400.0), Some(0.4)));
+        assert_eq!(r.lost_ms, Some(240.0), "the median hop's (400 ms, kept 0.4)");
         assert_eq!(row(&k, Some(30)).runs, 0);
         let mut q = Chain::new("qemu", WORKLOADS[2], 512);
         q.hops = vec![hop(None, 200.0, false, false), hop(None, 15000.0, true, true), hop(None, 900.0, true, false)];
