@@ -473,12 +473,10 @@ fn a_source_that_vanishes_fails_the_receiver_cleanly() {
     kumo_migration::format::write_header(&mut c, &desc).unwrap();
     drop(c);
     let e = t.join().unwrap().unwrap_err();
-    assert!(
-        e.to_string().contains("truncated")
-            || e.to_string().contains("Truncated")
-            || e.to_string().contains("connection"),
-        "{e}"
-    );
+    // A truncated stream, or a reset: the source's close is a RST when the destination's reply
+    // was still unread in its socket.
+    let why = e.to_string().to_lowercase();
+    assert!(why.contains("truncated") || why.contains("connection"), "{e}");
 }
 
 #[test]
