@@ -18,11 +18,12 @@ VMM's threads other than its vCPU (/proc/PID/task/*/schedstat) during the pings,
 VMM to CPU 0 (kumo's vCPU is the thread named vcpu0, QEMU's `CPU 0/KVM`: QEMU runs with
 `-name netecho,debug-threads=on` so that its threads have names), as the bench's pinned
 rows. Prints one line per run, each VMM's medians and a last line `ping_p50_ratio_qemu=
-ping_p99_ratio_qemu=` (kumo's median over QEMU's). Needs root, /dev/kvm, qemu-system-x86_64 and
+ping_p99_ratio_qemu= cpu_rt_ratio_qemu=` (kumo's median over QEMU's). Needs root, /dev/kvm, qemu-system-x86_64 and
 a built kumo.
 """
 import argparse
 import glob
+import math
 import os
 import statistics
 import subprocess
@@ -114,8 +115,9 @@ def qemu_vm(a):
 
 
 def pct(v, q):
+    """Nearest-rank, as the bench's: the ceil(q * n)-th smallest."""
     v = sorted(v)
-    return v[min(len(v) - 1, int(q * len(v)))]
+    return v[max(1, math.ceil(q * len(v))) - 1]
 
 
 def one_run(a, start):
